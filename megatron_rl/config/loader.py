@@ -1,0 +1,30 @@
+"""Compose a config from configs/ the way `python -m megatron_rl.train` does, for tests and tools."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_rl.config.schema import register_configs
+from megatron_rl.config.validate import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
+                config_dir: str | Path = CONFIG_DIR) -> DictConfig:
+    """Compose ``config_name`` with Hydra-style ``overrides`` (``key=value``, ``+experiment=...``)."""
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        OmegaConf.resolve(cfg)
+    except (ConfigCompositionException, OmegaConfBaseException) as err:
+        # Hydra wraps the useful part (the bad key) in a cause; surface it.
+        cause = err.__cause__ or err
+        raise ConfigError(f"cannot compose config {config_name!r} with overrides {list(overrides)}: {cause}") from err
+    return cfg

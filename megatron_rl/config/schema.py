@@ -1,0 +1,255 @@
+"""Structured config schema (Hydra/OmegaConf) with verl's names.
+
+The dataclasses hold every default; ``configs/ppo_trainer.yaml`` builds on them and experiment presets
+override them. OmegaConf type-checks every override against these fields, so a typo in a key
+(``actor_rollout_ref.rollout.nn=4``) fails at start-up with the key named.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # defaults to actor_rollout_ref.model.path
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per step; responses per step = train_batch_size * rollout.n
+    val_batch_size: Optional[int] = None  # None: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error | left | right (used when filter_overlong_prompts is false)
+    on_malformed_row: str = "skip"  # skip | error
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = "???"
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MegatronParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    params_dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    seed: int = 42
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | cosine
+    total_training_steps: int = -1  # filled from trainer.total_training_steps when -1
+    clip_grad: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "megatron"
+    ppo_mini_batch_size: int = 256  # in prompts; multiplied by rollout.n like verl
+    ppo_micro_batch_size_per_gpu: int = 4  # in responses
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    policy_loss: str = "vanilla"  # registry name: vanilla | gspo
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None: clip_ratio
+    clip_ratio_high: Optional[float] = None  # None: clip_ratio
+    clip_ratio_c: float = 3.0
+    tis_imp_ratio_cap: Optional[float] = None  # truncated IS vs rollout_log_probs; None = off
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_size_mb: int = 512
+    verify_freq: int = 1  # verify after every N-th sync; 0 disables
+    verify_max_logprob_diff: float = 1e-2  # fail above this mean-abs difference
+    probe_batch_size: int = 2
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # hf | sglang
+    mode: str = "colocated"  # colocated | server
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    response_length: Optional[int] = None  # None: data.max_response_length
+    stop_token_ids: list[int] = field(default_factory=list)
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    log_prob_micro_batch_size_per_gpu: int = 8
+    free_cache_engine: bool = True
+    seed: int = 0
+    dtype: str = "auto"
+    server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: on exactly when adv_estimator needs values (gae)
+    model: ModelConfig = field(default_factory=ModelConfig)  # path "???" falls back to the actor's
+    ppo_mini_batch_size: Optional[int] = None  # None: the actor's
+    ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # None: the actor's
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    value_head_init: str = "zero"  # zero | normal
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardConfig:
+    reward_manager: str = "naive"
+    num_workers: int = 4
+    timeout_s: float = 10.0
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose scores have zero variance, regenerate until full."""
+
+    enable: bool = False
+    metric: str = "score"
+    max_num_gen_batches: int = 4
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megatron_rl"
+    experiment_name: str = "run"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    launcher: str = "ray"  # ray | torchrun
+    device: str = "auto"  # auto | cpu | cuda
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # processes per node on CPU
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # None: epochs * batches per epoch
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = False
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: Optional[str] = None
+    max_ckpt_to_keep: int = 2
+    save_hf_at_end: bool = True
+    seed: int = 1
+
+
+@dataclass
+class RayInitConfig:
+    address: Optional[str] = None  # None: start an embedded local Ray
+    num_cpus: Optional[int] = None
+    timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
+
+
+@dataclass
+class PPOTrainerConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+SCHEMA_NAME = "ppo_trainer_schema"
+
+
+def register_configs() -> None:
+    """Make the schema available to Hydra as a defaults-list entry (``- ppo_trainer_schema``)."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=PPOTrainerConfig)

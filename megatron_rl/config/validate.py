@@ -1,0 +1,177 @@
+"""Reject impossible settings before any worker starts, and say the numbers.
+
+``validate(cfg)`` returns the derived sizes (``DerivedSizes``) that the trainer and the planner use, so
+the arithmetic of batch sizes lives in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+KNOWN_ROLLOUT_ENGINES = ("hf", "sglang")
+KNOWN_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KNOWN_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+")
+KNOWN_LAUNCHERS = ("ray", "torchrun")
+KNOWN_LR_SCHEDULERS = ("constant", "cosine")
+VALUE_ESTIMATORS = ("gae",)  # estimators that need a critic
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the key(s) and the values seen."""
+
+
+@dataclass(frozen=True)
+class RoleSizes:
+    """Batch arithmetic for one trained role (actor or critic), per data-parallel rank."""
+
+    model_parallel_size: int  # TP * PP * CP
+    data_parallel_size: int
+    mini_batch_responses: int  # global, per optimizer step
+    mini_batches_per_epoch: int
+    mini_batch_responses_per_dp_rank: int
+    micro_batch_size: int
+    grad_accumulation_steps: int  # micro-batches per optimizer step per DP rank (fixed-size batching)
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    world_size: int
+    prompts_per_step: int
+    responses_per_step: int
+    actor: RoleSizes
+    critic: RoleSizes | None
+    uses_critic: bool
+
+    def summary(self) -> str:
+        lines = [
+            f"world size {self.world_size}; {self.prompts_per_step} prompts x n -> {self.responses_per_step} responses per step",
+        ]
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is None:
+                continue
+            lines.append(
+                f"{name}: TP*PP*CP={role.model_parallel_size}, DP={role.data_parallel_size}, "
+                f"{role.mini_batches_per_epoch} mini-batches of {role.mini_batch_responses} responses "
+                f"({role.mini_batch_responses_per_dp_rank} per DP rank) -> {role.grad_accumulation_steps} "
+                f"micro-batches of {role.micro_batch_size} per optimizer step"
+            )
+        return "\n".join(lines)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        _require(isinstance(value, int) and value > 0, f"{key} must be a positive integer, got {value!r}")
+
+
+def _get(cfg: DictConfig, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _role_sizes(cfg: DictConfig, prefix: str, mini_batch_prompts: int, micro: int, world: int,
+                responses_per_step: int, n: int, dynamic_bsz: bool) -> RoleSizes:
+    mcfg = _get(cfg, f"{prefix}.megatron")
+    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+    for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("context_parallel_size", cp)):
+        _require(value >= 1, f"{prefix}.megatron.{key} must be >= 1, got {value}")
+    mp = tp * pp * cp
+    _require(world % mp == 0,
+             f"{prefix}.megatron: TP*PP*CP = {tp}*{pp}*{cp} = {mp} does not divide the world size "
+             f"{world} (trainer.nnodes * trainer.n_gpus_per_node)")
+    dp = world // mp
+    vpp = mcfg.virtual_pipeline_model_parallel_size
+    _require(vpp is None or (vpp >= 1 and pp > 1),
+             f"{prefix}.megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 (got {pp})")
+
+    mini_responses = mini_batch_prompts * n
+    _require(responses_per_step % mini_responses == 0,
+             f"{prefix}.ppo_mini_batch_size={mini_batch_prompts} prompts x rollout.n={n} = {mini_responses} responses "
+             f"does not divide the {responses_per_step} responses per step "
+             f"(data.train_batch_size * actor_rollout_ref.rollout.n)")
+    _require(mini_responses % dp == 0,
+             f"{prefix}: a mini-batch of {mini_responses} responses does not split over data-parallel size {dp}")
+    per_rank = mini_responses // dp
+    _require(micro <= per_rank,
+             f"{prefix}.ppo_micro_batch_size_per_gpu={micro} is larger than the {per_rank} responses each DP rank gets "
+             f"per mini-batch: that would be 0 micro-batches (and NaN from dividing by zero)")
+    _require(dynamic_bsz or per_rank % micro == 0,
+             f"{prefix}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} responses per DP rank per mini-batch")
+    return RoleSizes(mp, dp, mini_responses, responses_per_step // mini_responses, per_rank, micro,
+                     -(-per_rank // micro))
+
+
+def _known_names() -> tuple[list[str], list[str]]:
+    # Imported here: the registries live in algos/ (users can register their own before validating).
+    from megatron_rl.algos import list_adv_estimators, list_policy_losses
+
+    return list_adv_estimators(), list_policy_losses()
+
+
+def validate(cfg: DictConfig) -> DerivedSizes:
+    """Check the whole config; raise ConfigError naming the key and numbers, else return derived sizes."""
+    _positive(cfg, "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+              "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
+              "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs")
+    algo, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+
+    estimators, policy_losses = _known_names()
+    _require(algo.adv_estimator in estimators,
+             f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
+    _require(actor.policy_loss in policy_losses,
+             f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
+    _require(rollout.name in KNOWN_ROLLOUT_ENGINES,
+             f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; known: {list(KNOWN_ROLLOUT_ENGINES)}")
+    _require(cfg.trainer.launcher in KNOWN_LAUNCHERS,
+             f"trainer.launcher={cfg.trainer.launcher!r} is unknown; known: {list(KNOWN_LAUNCHERS)}")
+    for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
+                       ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
+        _require(value in KNOWN_LOSS_AGG_MODES, f"{key}={value!r} is unknown; known: {list(KNOWN_LOSS_AGG_MODES)}")
+    for key, value in (("algorithm.kl_penalty", algo.kl_penalty),
+                       ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)):
+        _require(value in KNOWN_KL_PENALTIES, f"{key}={value!r} is unknown; known: {list(KNOWN_KL_PENALTIES)}")
+    _require(algo.kl_ctrl.type in ("fixed", "adaptive"),
+             f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is unknown; known: ['fixed', 'adaptive']")
+    for key, value in (("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler),
+                       ("critic.optim.lr_scheduler", cfg.critic.optim.lr_scheduler)):
+        _require(value in KNOWN_LR_SCHEDULERS, f"{key}={value!r} is unknown; known: {list(KNOWN_LR_SCHEDULERS)}")
+    _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
+             f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
+    _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
+    _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n == 1:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
+                          f"needs actor_rollout_ref.rollout.n > 1, got 1")
+    _require(not (algo.use_kl_in_reward and actor.use_kl_loss),
+             "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL would be "
+             "counted twice; choose one")
+
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    n = rollout.n
+    responses = cfg.data.train_batch_size * n
+    actor_sizes = _role_sizes(cfg, "actor_rollout_ref.actor", actor.ppo_mini_batch_size,
+                              actor.ppo_micro_batch_size_per_gpu, world, responses, n, actor.use_dynamic_bsz)
+    rtp = rollout.tensor_model_parallel_size
+    _require(rtp >= 1 and world % rtp == 0,
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size {world}")
+
+    uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else algo.adv_estimator in VALUE_ESTIMATORS
+    _require(uses_critic or algo.adv_estimator not in VALUE_ESTIMATORS,
+             f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
+    critic_sizes = None
+    if uses_critic:
+        _positive(cfg, "critic.ppo_micro_batch_size_per_gpu")
+        mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+        critic_sizes = _role_sizes(cfg, "critic", mini, cfg.critic.ppo_micro_batch_size_per_gpu, world, responses,
+                                   n, cfg.critic.use_dynamic_bsz)
+    return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
