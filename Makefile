@@ -1,0 +1,48 @@
+# megatron-rl developer entry points. `make demo` and `make test` work on a fresh CPU machine:
+# they create .venv, install what is missing, then run.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench check-cuda gpu-check clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel ninja
+
+# torch is installed first and only when none is importable: pinning 2.13.0 takes the CPU wheel on
+# this machine's disk; letting pip resolve "torch" would download a multi-GB CUDA build. The package
+# is installed without build isolation so its extension builds against this torch.
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h csrc/*.h)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+check-cuda: install
+	@if command -v nvcc >/dev/null 2>&1 && [ -x scripts/check_cuda.sh ]; then scripts/check_cuda.sh; \
+	else echo "check-cuda: nvcc not found, skipping the CUDA compile check"; fi
+
+# pytest exits 5 when it collected no test: treat that as a failure, never as green.
+test: install check-cuda
+	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: install
+	$(PY) -m pytest tests -m "not slow and not slurm" $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m megatron_rl.demo
+
+bench: install
+	$(PY) -m pytest benchmarks $(PYTEST_ARGS)
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info megatron_rl/_C*.so outputs .pytest_cache

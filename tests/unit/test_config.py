@@ -1,0 +1,69 @@
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+
+# A valid small set-up: 2 nodes x 4 ranks, actor TP=2 -> DP=4.
+BASE = [
+    "trainer.nnodes=2",
+    "trainer.n_gpus_per_node=4",
+    "data.train_batch_size=64",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+]
+
+
+def cfg_with(*overrides: str):
+    return load_config(overrides=[*BASE, *overrides])
+
+
+def test_derived_sizes():
+    sizes = validate(cfg_with())
+    assert sizes.world_size == 8
+    assert sizes.responses_per_step == 256
+    assert sizes.actor.data_parallel_size == 4
+    assert sizes.actor.mini_batch_responses == 64
+    assert sizes.actor.mini_batches_per_epoch == 4
+    assert sizes.actor.mini_batch_responses_per_dp_rank == 16
+    assert sizes.actor.grad_accumulation_steps == 8
+    assert sizes.critic is None and not sizes.uses_critic
+    assert "DP=4" in sizes.summary() and "256 responses per step" in sizes.summary()
+
+
+def test_gae_turns_the_critic_on():
+    sizes = validate(cfg_with("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"))
+    assert sizes.uses_critic and sizes.critic.grad_accumulation_steps == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"ppo_mini_batch_size=48 prompts x rollout.n=4 = 192"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"], r"ppo_micro_batch_size_per_gpu=32 is larger than the 16"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], r"=3 does not divide the 16"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0"], r"must be a positive integer, got 0"),
+        (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"], r"TP\*PP\*CP = 2\*3\*1 = 6 does not divide the world size 8"),
+        (["algorithm.adv_estimator=magic"], r"adv_estimator='magic' is unknown; known: \[.*'grpo'"),
+        (["actor_rollout_ref.actor.policy_loss=magic"], r"policy_loss='magic' is unknown"),
+        (["actor_rollout_ref.rollout.name=vllm"], r"rollout.name='vllm' is unknown; known: \['hf', 'sglang'\]"),
+        (["actor_rollout_ref.actor.loss_agg_mode=sum"], r"loss_agg_mode='sum' is unknown"),
+        (["algorithm.kl_penalty=k9"], r"kl_penalty='k9' is unknown"),
+        (["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=16"], r"needs actor_rollout_ref.rollout.n > 1"),
+        (["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true"], r"counted twice"),
+        (["algorithm.adv_estimator=gae", "critic.enable=false"], r"needs values, but critic.enable=false"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"rollout.tensor_model_parallel_size=3 does not divide"),
+        (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"], r"needs pipeline_model_parallel_size > 1"),
+        (["algorithm.gamma=1.5"], r"gamma=1.5"),
+    ],
+)
+def test_rejections_name_key_and_numbers(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(*overrides))
+
+
+def test_typo_in_key_is_rejected_at_compose_time():
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.nn"):
+        load_config(overrides=["actor_rollout_ref.rollout.nn=3"])
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config(overrides=["data.train_batch_size=lots"])
