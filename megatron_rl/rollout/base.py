@@ -1,0 +1,95 @@
+"""The rollout engine interface every engine implements (HF on CPU/GPU, SGLang on GPU).
+
+Generation: ``generate_sequences(prompts) -> DataProto`` (layout in ``batch_io``); the output's meta_info
+carries ``weight_version`` (the version of the weights that produced every sample of the call) and
+``timing``. ``compute_log_probs(data)`` scores given responses under the engine's current weights.
+
+Weights arrive as HF-named full tensors. A weight update is a session:
+``begin_weight_update()`` -> ``load_weight_bucket(bucket)`` / ``load_named_tensors(...)`` any number of
+times -> ``end_weight_update(version)``. Loads block until the engine has copied the data, so the
+caller may reuse its buffer when they return. ``update_weights(named_tensors, version)`` is the
+one-call form. While a session is open (or after a failed one) the engine refuses to generate, so
+partially updated weights never produce samples.
+
+Colocation: ``sleep()`` frees the engine's device memory for training, ``wake_up()`` restores it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+import torch
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.checksum import TensorChecksum
+
+__all__ = ["RolloutEngine", "WeightUpdateError"]
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update the engine refused or could not complete; the message names the tensor."""
+
+
+class RolloutEngine(ABC):
+    #: Version of the weights currently served (0: the weights the engine was built with).
+    weight_version: int = 0
+    #: dtype the engine computes in; weight syncs cast to it.
+    dtype: torch.dtype = torch.float32
+
+    # ------------------------------------------------------------------ generation
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample one response per prompt row (n is applied by the caller with ``DataProto.repeat``)."""
+
+    @abstractmethod
+    def compute_log_probs(self, data: DataProto) -> torch.Tensor:
+        """Log-probs [B, R] of ``data``'s ``responses`` (0 at padding), at meta_info ``temperature``
+        (default 1.0), using the same convention as the sampler (temperature-scaled, full vocabulary)."""
+
+    # ------------------------------------------------------------------ weights
+    @abstractmethod
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session."""
+
+    @abstractmethod
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors inside an open session (unknown names and shape mismatches raise)."""
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Load one bucket inside an open session; returns once the engine no longer needs its memory."""
+        self.load_named_tensors(bucket.named_tensors())
+
+    @abstractmethod
+    def end_weight_update(self, version: int) -> None:
+        """Close the session; from now on samples carry ``version``."""
+
+    @abstractmethod
+    def abort_weight_update(self, reason: str) -> None:
+        """Close a session that failed part-way; the engine refuses to serve until a complete update."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load a complete set of weights in one call."""
+        self.begin_weight_update()
+        try:
+            self.load_named_tensors(named_tensors)
+        except BaseException as exc:
+            self.abort_weight_update(f"update to version {version} failed: {exc}")
+            raise
+        self.end_weight_update(version)
+
+    def weight_checksums(self) -> dict[str, TensorChecksum] | None:
+        """Checksums of the served weights by HF name, or None when the engine cannot report them."""
+        return None
+
+    # ------------------------------------------------------------------ memory
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free device memory (weights and caches) for the trainer; generation is refused until wake_up."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Restore what sleep freed."""
+
+    def shutdown(self) -> None:
+        """Release processes and connections the engine holds (no-op by default)."""

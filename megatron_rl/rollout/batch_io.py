@@ -1,0 +1,90 @@
+"""The rollout's DataProto contract, shared by every engine.
+
+Input: ``input_ids``, ``attention_mask``, ``position_ids`` [B, P], prompts LEFT-padded.
+Output (verl's layout, so batches from different calls concatenate): ``prompts`` [B, P], ``responses``
+[B, R] right-padded with the pad id, ``response_mask`` [B, R] (1 up to and including the finishing
+token), ``input_ids`` / ``attention_mask`` = prompt ++ response, ``position_ids`` continuing the prompt's,
+``rollout_log_probs`` [B, R] fp32 (0 at pads), where R is always the call's max response length.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from megatron_rl.protocol import DataProto
+
+__all__ = ["PROMPT_KEYS", "check_prompt_batch", "prompt_token_lists", "build_rollout_batch"]
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def check_prompt_batch(data: DataProto) -> None:
+    """Fail early, naming the field, when the prompts are not the [B, P] left-padded layout."""
+    data.require(*PROMPT_KEYS, where="rollout generate_sequences")
+    ids, mask, pos = (data.batch[k] for k in PROMPT_KEYS)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, prompt_len], got shape {tuple(ids.shape)}")
+    for key, t in (("attention_mask", mask), ("position_ids", pos)):
+        if t.shape != ids.shape:
+            raise ValueError(f"{key} has shape {tuple(t.shape)}, input_ids has {tuple(ids.shape)}")
+    lengths = mask.sum(-1)
+    if bool((lengths == 0).any()):
+        row = int((lengths == 0).nonzero()[0])
+        raise ValueError(f"prompt row {row} is empty (attention_mask all zero)")
+    # Left padding: once a row's mask turns 1 it stays 1 up to the last column.
+    if bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        row = int((mask[:, 1:].long() < mask[:, :-1].long()).any(-1).nonzero()[0])
+        raise ValueError(
+            f"prompts must be LEFT-padded (verl's convention); row {row} has attention_mask "
+            f"{mask[row].tolist()} with padding after a real token"
+        )
+
+
+def prompt_token_lists(data: DataProto) -> list[list[int]]:
+    """The prompts without their left padding."""
+    ids, mask = data.batch["input_ids"], data.batch["attention_mask"].bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def build_rollout_batch(
+    prompts: DataProto,
+    responses: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    *,
+    response_length: int,
+    pad_token_id: int,
+    meta_info: Mapping[str, Any],
+) -> DataProto:
+    """Assemble the output DataProto from per-sample response tokens (already cut after the finishing
+    token) and the sampler's log-probs of those tokens. The input's non-tensor fields pass through."""
+    batch_size = len(prompts)
+    if len(responses) != batch_size or len(log_probs) != batch_size:
+        raise ValueError(f"{len(responses)} responses / {len(log_probs)} log-prob rows for {batch_size} prompts")
+    prompt_ids = prompts.batch["input_ids"]
+    device = prompt_ids.device
+    out_ids = torch.full((batch_size, response_length), pad_token_id, dtype=prompt_ids.dtype)
+    out_mask = torch.zeros((batch_size, response_length), dtype=prompts.batch["attention_mask"].dtype)
+    out_lp = torch.zeros((batch_size, response_length), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
+        n = len(tokens)
+        if n > response_length or len(lps) != n:
+            raise ValueError(f"sample {i}: {n} response tokens and {len(lps)} log-probs for max length {response_length}")
+        out_ids[i, :n] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
+        out_mask[i, :n] = 1
+        out_lp[i, :n] = torch.as_tensor(list(lps), dtype=torch.float32)
+    out_ids, out_mask, out_lp = out_ids.to(device), out_mask.to(device), out_lp.to(device)
+
+    prompt_pos = prompts.batch["position_ids"]
+    steps = torch.arange(1, response_length + 1, device=device, dtype=prompt_pos.dtype)
+    response_pos = prompt_pos[:, -1:] + steps.unsqueeze(0)
+    batch = {
+        "prompts": prompt_ids,
+        "responses": out_ids,
+        "response_mask": out_mask,
+        "input_ids": torch.cat([prompt_ids, out_ids], dim=-1),
+        "attention_mask": torch.cat([prompts.batch["attention_mask"], out_mask], dim=-1),
+        "position_ids": torch.cat([prompt_pos, response_pos], dim=-1),
+        "rollout_log_probs": out_lp,
+    }
+    return DataProto(batch, dict(prompts.non_tensor_batch), dict(meta_info))

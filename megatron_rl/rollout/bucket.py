@@ -1,0 +1,97 @@
+"""A flat byte buffer holding many named tensors: the unit a weight sync pushes to an engine.
+
+The layout is SGLang's ``flattened_bucket`` (one 1-D uint8 tensor plus, per tensor, name, shape, dtype
+and the byte range ``[start, end)``), so the SGLang engine sends a bucket as is and the HF engine reads
+views of it. Entries start at 16-byte-aligned offsets so every view is aligned for its dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BucketEntry", "WeightBucket"]
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int  # byte offsets into the bucket's buffer
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return (self.end - self.start) // self.dtype.itemsize
+
+
+class WeightBucket:
+    """Fill with ``add`` (casting into the buffer in one copy), read with ``named_tensors``, reuse after
+    ``clear``. The bucket owns its buffer; views returned by ``named_tensors`` die with the next ``add``."""
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str) -> None:
+        if capacity_bytes < _ALIGN:
+            raise ValueError(f"bucket capacity must be at least {_ALIGN} bytes, got {capacity_bytes}")
+        self.capacity = capacity_bytes
+        self.device = torch.device(device)
+        self.buffer: torch.Tensor | None = None  # allocated on first use
+        self.entries: list[BucketEntry] = []
+        self.used = 0
+
+    @classmethod
+    def wrapping(cls, name: str, tensor: torch.Tensor) -> "WeightBucket":
+        """A single-tensor bucket over the tensor's own bytes (for tensors larger than any bucket)."""
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        bucket = cls(max(flat.numel(), _ALIGN), tensor.device)
+        bucket.buffer = flat
+        bucket.entries = [BucketEntry(name, tuple(tensor.shape), tensor.dtype, 0, flat.numel())]
+        bucket.used = flat.numel()
+        return bucket
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (padding excluded)."""
+        return sum(e.end - e.start for e in self.entries)
+
+    def fits(self, nbytes: int) -> bool:
+        return _aligned(self.used) + nbytes <= self.capacity
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy ``tensor`` into the buffer as ``dtype`` (the cast and the copy are one kernel)."""
+        nbytes = tensor.numel() * dtype.itemsize
+        if not self.fits(nbytes):
+            raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used")
+        if self.buffer is None:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        start = _aligned(self.used)
+        end = start + nbytes
+        self.buffer[start:end].view(dtype).view(tensor.shape).copy_(tensor.detach())
+        self.entries.append(BucketEntry(name, tuple(tensor.shape), dtype, start, end))
+        self.used = end
+
+    def flat(self) -> torch.Tensor:
+        """The used part of the buffer, 1-D uint8 (what SGLang calls ``flattened_tensor``)."""
+        assert self.buffer is not None, "empty bucket"
+        return self.buffer[: self.used]
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """A view of entry ``index`` in its dtype and shape."""
+        entry = self.entries[index]
+        return self.buffer[entry.start : entry.end].view(entry.dtype).view(entry.shape)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(entry.name, self.tensor(i)) for i, entry in enumerate(self.entries)]
+
+    def clear(self) -> None:
+        self.entries = []
+        self.used = 0
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -1,0 +1,233 @@
+"""HFEngine: a transformers causal LM as the rollout engine, on CPU or one CUDA device.
+
+It is the engine wherever SGLang is not available (every CPU machine) and the engine of the tests. It
+decodes with its own loop over the model's KV cache so it can report, for every sampled token, its
+log-prob under the sampling distribution (convention in ``sampling``), with seeds drawn from a
+``torch.Generator`` (``meta_info['seed']`` gives a call its own generator; otherwise the engine's
+generator, seeded with ``rollout.seed``, advances across calls).
+
+Weights: built from the actor's HF config; the initial weights are random unless ``weights_path`` names
+an HF checkpoint directory. After that, weights arrive by name through the weight-update session of
+``RolloutEngine``. Loading is strict: an unknown name, a shape mismatch or (at the end of a session) a
+parameter that was never sent is an error naming the tensor.
+
+Sleep/wake: on CUDA ``sleep()`` moves the weights to host memory and empties the CUDA cache;
+``wake_up()`` moves them back. On CPU there is no device memory to give back, so both only flip the
+state that makes ``generate_sequences`` refuse to run while asleep — the weights stay in RAM.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+
+from megatron_rl.ops import log_probs_from_logits
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch
+from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
+from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params, sample_next_token
+
+__all__ = ["HFEngine", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``rollout.dtype``: auto = bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"rollout.dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+class HFEngine(RolloutEngine):
+    def __init__(
+        self,
+        config: Any,
+        model_config: PretrainedConfig | str | os.PathLike,
+        *,
+        response_length: int | None = None,
+        weights_path: str | os.PathLike | None = None,
+        device: str | torch.device | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        """``config``: the rollout config (RolloutConfig or its DictConfig). ``model_config``: the actor's
+        HF config or a directory holding config.json. ``response_length`` is used when
+        ``config.response_length`` is None (the trainer passes data.max_response_length)."""
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(str(config.dtype), self.device)
+        length = config.response_length if config.response_length is not None else response_length
+        if length is None or int(length) < 1:
+            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+        self.response_length = int(length)
+
+        if not isinstance(model_config, PretrainedConfig):
+            model_config = AutoConfig.from_pretrained(model_config)
+        if weights_path is not None:
+            model = AutoModelForCausalLM.from_pretrained(weights_path, config=model_config, dtype=self.dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.eos_token_id = eos_token_id if eos_token_id is not None else model_config.eos_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else model_config.pad_token_id
+
+        # transformers 5 renamed the forward argument past_key_values to cache
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self._generator = torch.Generator(self.device).manual_seed(int(config.seed))
+        self._targets = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        self._unique_params = {id(p): name for name, p in self.model.named_parameters()}
+        self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
+        self._broken: str | None = None  # why the served weights cannot be trusted
+        self._asleep = False
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:
+        return resolve_sampling_params(
+            self.config, meta_info, response_length=self.response_length,
+            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+        )
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self._check_servable()
+        check_prompt_batch(prompts)
+        params = self.sampling_params(prompts.meta_info)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        start = time.perf_counter()
+        ids, mask, pos = (prompts.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids"))
+        tokens, log_probs = self._decode(ids, mask, pos, params, generator)
+        responses, response_lps = _cut_at_finish(tokens, log_probs, params.finish_token_ids)
+        meta = dict(prompts.meta_info)
+        meta.update(weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start})
+        return build_rollout_batch(prompts, responses, response_lps, response_length=params.max_response_length,
+                                   pad_token_id=params.pad_token_id, meta_info=meta)
+
+    def _decode(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample up to max_response_length tokens for every row; returns tokens and log-probs [B, steps]
+        (rows that finished early keep sampling into slots ``_cut_at_finish`` discards)."""
+        finish_ids = torch.tensor(params.finish_token_ids, dtype=ids.dtype, device=self.device)
+        cache = {self._cache_kwarg: DynamicCache(config=self.model.config)}  # filled in place by each forward
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache, use_cache=True,
+                         logits_to_keep=1)
+        next_pos = pos[:, -1:] + 1
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
+        tokens, log_probs = [], []
+        for step in range(params.max_response_length):
+            token, log_prob = sample_next_token(out.logits[:, -1], params, generator)
+            tokens.append(token)
+            log_probs.append(log_prob)
+            finished |= torch.isin(token, finish_ids)
+            if bool(finished.all()) or step == params.max_response_length - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            out = self.model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **cache,
+                             use_cache=True, logits_to_keep=1)
+            next_pos = next_pos + 1
+        return torch.stack(tokens, dim=-1), torch.stack(log_probs, dim=-1)
+
+    @torch.no_grad()
+    def compute_log_probs(self, data: DataProto) -> torch.Tensor:
+        self._check_servable()
+        data.require("input_ids", "attention_mask", "position_ids", "responses", where="compute_log_probs")
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        micro = max(1, int(getattr(self.config, "log_prob_micro_batch_size_per_gpu", len(data)) or len(data)))
+        parts = []
+        for chunk in data.split(micro):
+            ids, mask, pos, responses = (chunk.batch[k].to(self.device) for k in
+                                         ("input_ids", "attention_mask", "position_ids", "responses"))
+            width = responses.shape[-1]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -width - 1 : -1]
+            lp = log_probs_from_logits(logits, responses, temperature=temperature)
+            response_mask = chunk.batch.get("response_mask", mask[:, -width:]).to(self.device)
+            parts.append(lp * response_mask)
+        return torch.cat(parts, dim=0)
+
+    def _check_servable(self) -> None:
+        if self._asleep:
+            raise RuntimeError("HFEngine is asleep; call wake_up() before generating or scoring")
+        if self._session_loaded is not None:
+            raise RuntimeError("HFEngine has an open weight-update session; call end_weight_update() first")
+        if self._broken is not None:
+            raise RuntimeError(f"HFEngine weights are incomplete ({self._broken}); run a complete weight update")
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> None:
+        if self._session_loaded is not None:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self._session_loaded = set()
+
+    @torch.no_grad()
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._session_loaded is None:
+            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
+        for name, tensor in named_tensors:
+            target = self._targets.get(name)
+            if target is None:
+                raise WeightUpdateError(
+                    f"weight {name!r} is not a parameter of the rollout model "
+                    f"({type(self.model).__name__}); its names look like {sorted(self._targets)[:4]}"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightUpdateError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            self._session_loaded.add(id(target))
+
+    def end_weight_update(self, version: int) -> None:
+        if self._session_loaded is None:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        missing = [name for pid, name in self._unique_params.items() if pid not in self._session_loaded]
+        self._session_loaded = None
+        if missing:
+            self._broken = f"{len(missing)} parameters never sent, e.g. {missing[:3]}"
+            raise WeightUpdateError(f"weight update incomplete: {len(missing)} parameters were not sent: {missing[:8]}")
+        self._broken = None
+        self.weight_version = int(version)
+
+    def abort_weight_update(self, reason: str) -> None:
+        self._session_loaded = None
+        self._broken = reason
+
+    def weight_checksums(self) -> dict[str, TensorChecksum]:
+        return {name: tensor_checksum(t) for name, t in self._targets.items()}
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        if self.device.type == "cuda" and not self._asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda" and self._asleep:
+            self.model.to(self.device)
+        self._asleep = False
+
+
+def _cut_at_finish(
+    tokens: torch.Tensor, log_probs: torch.Tensor, finish_ids: tuple[int, ...]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Per row: the tokens up to and including the first finishing token (all of them if none)."""
+    hit = torch.isin(tokens, torch.tensor(finish_ids, dtype=tokens.dtype, device=tokens.device))
+    steps = tokens.shape[-1]
+    first = torch.where(hit.any(-1), hit.float().argmax(-1) + 1, torch.full_like(hit[:, 0], steps, dtype=torch.long))
+    tokens, log_probs, first = tokens.cpu(), log_probs.cpu(), first.cpu().tolist()
+    return ([row[:n].tolist() for row, n in zip(tokens, first)],
+            [row[:n].tolist() for row, n in zip(log_probs, first)])

@@ -1,0 +1,228 @@
+"""Trainer -> rollout engine weight sync: bucketed streaming, versioning, verification.
+
+``sync_weights`` consumes any iterator of (HF name, full tensor) — ``megatron_rl.models.export_hf_weights``
+in training, an HF ``state_dict().items()`` in tests — and streams it into fixed-size byte buckets,
+casting to the engine's dtype in the copy. Two buckets alternate: while the engine loads one (on a
+helper thread), the exporter fills the other; a bucket is refilled only after the engine has taken it
+(its load call returned), so no buffer is reused while the engine may still read it. A tensor larger
+than a bucket travels alone in its own buffer. Peak extra memory is 2 x bucket size.
+
+Failure safety: the engine refuses to generate while its weight-update session is open and after a
+failed sync (``abort_weight_update``), so partially updated weights never produce samples.
+
+``verify_sync`` scores a fixed probe batch in the engine and in the trainer and reports
+``rollout/logprob_diff_mean|max``; above the threshold it raises ``WeightSyncError`` naming the first
+tensors whose checksums differ between what the trainer sent and what the engine holds.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine
+from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.checksum import TensorChecksum, mismatched_tensors, tensor_checksum
+
+__all__ = ["WeightSyncError", "WeightSyncStats", "sync_weights", "verify_sync", "DEFAULT_BUCKET_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 << 20  # rollout.weight_sync.bucket_size_mb default
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that failed or a verification above threshold; the message names the tensors."""
+
+
+@dataclass
+class WeightSyncStats:
+    version: int
+    seconds: float
+    bytes: int  # tensor bytes pushed, in the engine's dtype
+    num_tensors: int
+    num_buckets: int
+    checksums: dict[str, TensorChecksum] | None  # sender side, of the cast tensors actually sent
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "weight_sync/seconds": self.seconds,
+            "weight_sync/bytes": float(self.bytes),
+            "weight_sync/GBps": self.bytes / max(self.seconds, 1e-12) / 1e9,
+            "weight_sync/num_buckets": float(self.num_buckets),
+            "weight_sync/version": float(self.version),
+        }
+
+
+class _DoubleBufferedPusher:
+    """Two buckets: fill one while the engine loads the other on a single helper thread."""
+
+    def __init__(self, engine: RolloutEngine, capacity: int, device: torch.device) -> None:
+        self._engine = engine
+        self._buckets = [WeightBucket(capacity, device), WeightBucket(capacity, device)]
+        self._pending: list[Future | None] = [None, None]
+        self._index = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self.num_buckets = 0
+
+    @property
+    def current(self) -> WeightBucket:
+        return self._buckets[self._index]
+
+    def push(self, bucket: WeightBucket | None = None) -> None:
+        """Hand ``bucket`` (default: the current one) to the engine; switch to the other buffer."""
+        if bucket is None:
+            bucket = self.current
+            if not len(bucket):
+                return
+            slot = self._index
+            self._index = 1 - self._index
+            self._wait(self._index)  # the buffer we fill next must have been taken by the engine
+            self._buckets[self._index].clear()
+        else:
+            self.drain()  # a one-off bucket keeps the engine's load order simple
+            slot = None
+        if bucket.device.type == "cuda":
+            torch.cuda.current_stream(bucket.device).synchronize()  # the engine reads it from another stream
+        future = self._pool.submit(self._engine.load_weight_bucket, bucket)
+        if slot is not None:
+            self._pending[slot] = future
+        else:
+            future.result()
+        self.num_buckets += 1
+
+    def _wait(self, slot: int) -> None:
+        future, self._pending[slot] = self._pending[slot], None
+        if future is not None:
+            future.result()
+
+    def drain(self) -> None:
+        for slot in (0, 1):
+            self._wait(slot)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def sync_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    engine: RolloutEngine,
+    *,
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+    compute_checksums: bool = False,
+) -> WeightSyncStats:
+    """Push every (HF name, full tensor) into ``engine`` as weight version ``version``.
+
+    ``dtype``: what floating-point tensors are cast to (default: the engine's dtype). Buckets live on the
+    device of the first tensor. ``compute_checksums``: also return per-tensor checksums of what was sent
+    (for ``verify_sync``; costs one extra read of the weights).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"rollout.weight_sync.bucket_size_mb must be positive, got {bucket_bytes} bytes")
+    target_dtype = dtype or engine.dtype
+    start = time.perf_counter()
+    stream = iter(named_tensors)
+    first = next(stream, None)
+    if first is None:
+        raise WeightSyncError("sync_weights got no tensors: the exporter yielded nothing")
+    _check_item(first)
+    pusher = _DoubleBufferedPusher(engine, bucket_bytes, first[1].device)
+    checksums: dict[str, TensorChecksum] | None = {} if compute_checksums else None
+    seen: set[str] = set()
+    total_bytes = 0
+    engine.begin_weight_update()
+    try:
+        for name, tensor in _chain(first, stream):
+            _check_item((name, tensor))
+            if name in seen:
+                raise WeightSyncError(f"tensor {name!r} was exported twice in one sync")
+            seen.add(name)
+            cast = target_dtype if tensor.is_floating_point() else tensor.dtype
+            nbytes = tensor.numel() * cast.itemsize
+            if nbytes > bucket_bytes:
+                sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
+                pusher.push(sent)
+            else:
+                if not pusher.current.fits(nbytes):
+                    pusher.push()
+                pusher.current.add(name, tensor, cast)
+                sent = pusher.current
+            if checksums is not None:
+                checksums[name] = tensor_checksum(sent.tensor(-1))
+            total_bytes += nbytes
+        pusher.push()
+        pusher.drain()
+    except BaseException as exc:
+        pusher.close()
+        engine.abort_weight_update(f"sync to version {version} failed: {exc}")
+        raise
+    pusher.close()
+    engine.end_weight_update(version)
+    seconds = time.perf_counter() - start
+    stats = WeightSyncStats(version, seconds, total_bytes, len(seen), pusher.num_buckets, checksums)
+    logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.2f s (%.2f GB/s)", version, len(seen),
+                total_bytes / 1e6, pusher.num_buckets, seconds, stats.metrics()["weight_sync/GBps"])
+    return stats
+
+
+def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]):
+    yield first
+    yield from rest
+
+
+def _check_item(item: object) -> None:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+        raise WeightSyncError(f"the weight stream must yield (str name, torch.Tensor) pairs, got {type(item).__name__}: {item!r:.80}")
+
+
+def verify_sync(
+    trainer_log_prob_fn: Callable[[DataProto], torch.Tensor],
+    engine: RolloutEngine,
+    probe_batch: DataProto,
+    *,
+    threshold: float,
+    source_checksums: Mapping[str, TensorChecksum] | None = None,
+) -> dict[str, float]:
+    """Compare the engine's and the trainer's log-probs [B, R] of the probe batch's responses.
+
+    ``probe_batch`` holds full sequences (input_ids, attention_mask, position_ids, responses,
+    response_mask) and meta_info temperature. Returns ``rollout/logprob_diff_mean|max`` over valid
+    response tokens; raises WeightSyncError when the mean exceeds ``threshold``.
+    """
+    probe_batch.require("responses", "response_mask", where="verify_sync probe batch")
+    engine_lp = engine.compute_log_probs(probe_batch).float().cpu()
+    trainer_lp = trainer_log_prob_fn(probe_batch).float().cpu()
+    if engine_lp.shape != trainer_lp.shape:
+        raise WeightSyncError(f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}")
+    mask = probe_batch.batch["response_mask"].bool().cpu()
+    if not bool(mask.any()):
+        raise WeightSyncError("the probe batch has no valid response token (response_mask is all zero)")
+    diff = (engine_lp - trainer_lp).abs()[mask]
+    metrics = {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+    if metrics["rollout/logprob_diff_mean"] > threshold:
+        raise WeightSyncError(
+            f"rollout and trainer disagree after weight sync v{engine.weight_version}: mean |logprob diff| "
+            f"{metrics['rollout/logprob_diff_mean']:.3g} > {threshold:g} (max {metrics['rollout/logprob_diff_max']:.3g}); "
+            + _explain_mismatch(engine, source_checksums)
+        )
+    return metrics
+
+
+def _explain_mismatch(engine: RolloutEngine, source: Mapping[str, TensorChecksum] | None) -> str:
+    if source is None:
+        return "no sender checksums were recorded (run sync_weights with compute_checksums=True to name the tensor)"
+    held = engine.weight_checksums()
+    if held is None:
+        return f"{type(engine).__name__} cannot report per-tensor checksums, so the tensor cannot be named"
+    bad = mismatched_tensors(source, held)
+    if bad:
+        return f"checksums differ for {len(bad)} tensors, first: {bad[:5]}"
+    return (f"all {len(source)} tensor checksums agree, so the engine holds exactly what the trainer sent: "
+            "look at the export (Megatron -> HF conversion) or at the engine's numerics")

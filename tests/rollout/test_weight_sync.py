@@ -1,0 +1,118 @@
+"""sync_weights from an HF state_dict into the HF engine: buckets, casting, versions, stats,
+checksums, verification and failure safety."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.ops import log_probs_from_logits
+from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.checksum import tensor_checksum
+from megatron_rl.rollout.weight_sync import WeightSyncError, sync_weights, verify_sync
+from tests.rollout.conftest import make_engine, prompt_batch, source_model
+
+
+def trainer_log_probs(model):
+    """What the trainer's compute_log_prob returns for a probe batch: [B, R], 0 at padding."""
+    @torch.no_grad()
+    def fn(batch):
+        width = batch.batch["responses"].shape[-1]
+        logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                       position_ids=batch.batch["position_ids"]).logits[:, -width - 1:-1]
+        temperature = batch.meta_info.get("temperature", 1.0)
+        return log_probs_from_logits(logits, batch.batch["responses"], temperature=temperature) * batch.batch["response_mask"]
+    return fn
+
+
+def test_bucket_round_trips_and_aligns():
+    bucket = WeightBucket(256, "cpu")
+    a, b = torch.randn(3, 5), torch.arange(7, dtype=torch.int64)
+    bucket.add("a", a, torch.bfloat16)
+    bucket.add("b", b, torch.int64)
+    (na, ta), (nb, tb) = bucket.named_tensors()
+    assert (na, nb) == ("a", "b") and ta.dtype == torch.bfloat16 and torch.equal(ta, a.to(torch.bfloat16))
+    assert torch.equal(tb, b) and bucket.entries[1].start % 16 == 0 and bucket.nbytes == 30 + 56
+    assert bucket.fits(256 - 96) and not bucket.fits(256 - 95)  # next entry starts at 96
+    with pytest.raises(ValueError, match="'c'.*does not fit"):
+        bucket.add("c", torch.zeros(64), torch.float32)
+
+
+@pytest.mark.parametrize("bucket_bytes", [2048, 1 << 20])  # many buckets + oversized tensors; one bucket
+def test_sync_copies_every_tensor_exactly(bucket_bytes):
+    engine, source = make_engine(), source_model(seed=1)
+    state = source.state_dict()
+    stats = sync_weights(state.items(), engine, version=3, bucket_bytes=bucket_bytes)
+    held = engine.model.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(held[name], tensor), name
+    assert engine.weight_version == 3 and stats.num_tensors == len(state)
+    assert stats.bytes == sum(t.numel() * 4 for t in state.values())
+    embed_bytes = state["model.embed_tokens.weight"].numel() * 4
+    assert (stats.num_buckets > 10) == (bucket_bytes < embed_bytes)
+    metrics = stats.metrics()
+    assert metrics["weight_sync/bytes"] == stats.bytes and metrics["weight_sync/GBps"] > 0
+    assert metrics["weight_sync/version"] == 3
+
+
+def test_sync_casts_to_the_engine_dtype_and_generations_follow_the_source():
+    engine, source = make_engine(dtype="bfloat16"), source_model(seed=2)
+    stats = sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True)
+    assert engine.model.model.norm.weight.dtype == torch.bfloat16
+    assert stats.bytes == sum(t.numel() * 2 for t in source.state_dict().values())
+    held = engine.weight_checksums()
+    assert all(stats.checksums[n].matches(held[n]) for n in stats.checksums)
+    assert stats.checksums["lm_head.weight"].dtype == "bfloat16"
+
+
+def test_after_sync_greedy_outputs_and_log_probs_match_the_source():
+    engine, source = make_engine(), source_model(seed=3)
+    sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096)
+    prompts = prompt_batch([3, 5, 2], do_sample=False)
+    out = engine.generate_sequences(prompts)
+    expected = source.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                               max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)[:, 5:]
+    assert torch.equal(out.batch["responses"], expected)
+    torch.testing.assert_close(trainer_log_probs(source)(out), out.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_verify_passes_then_names_a_corrupted_tensor():
+    engine, source = make_engine(), source_model(seed=4)
+    stats = sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True)
+    probe = engine.generate_sequences(prompt_batch([4, 6], do_sample=False))
+    metrics = verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-4, source_checksums=stats.checksums)
+    assert metrics["rollout/logprob_diff_max"] < 1e-5
+    with torch.no_grad():
+        engine.model.model.layers[1].self_attn.v_proj.weight[2, 5] += 0.5
+    with pytest.raises(WeightSyncError, match=r"checksums differ for 1 tensors, first: \['model.layers.1.self_attn.v_proj.weight'\]"):
+        verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums)
+
+
+def test_verify_says_when_the_engine_holds_exactly_what_was_sent():
+    engine, source = make_engine(), source_model(seed=5)
+    stats = sync_weights(source.state_dict().items(), engine, version=1, compute_checksums=True)
+    probe = engine.generate_sequences(prompt_batch([4, 6], do_sample=False))
+    with torch.no_grad():
+        source.model.norm.weight.mul_(1.5)  # the trainer moved on; the engine got what it was sent
+    with pytest.raises(WeightSyncError, match="all .* checksums agree"):
+        verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums)
+
+
+def test_swapped_rows_change_the_checksum():
+    t = torch.randn(6, 4)
+    swapped = t[[1, 0, 2, 3, 4, 5]]
+    assert tensor_checksum(t).matches(tensor_checksum(t.clone()))
+    assert not tensor_checksum(t).matches(tensor_checksum(swapped))
+
+
+def test_a_failed_sync_leaves_the_engine_refusing_to_generate():
+    engine, source = make_engine(), source_model(seed=6)
+    items = list(source.state_dict().items())
+    broken = items[:5] + [("model.layers.0.mlp.gate_proj.weight", torch.zeros(3, 3))] + items[5:]
+    with pytest.raises(Exception, match="'model.layers.0.mlp.gate_proj.weight' has shape \\(3, 3\\)"):
+        sync_weights(broken, engine, version=2, bucket_bytes=4096)
+    with pytest.raises(RuntimeError, match="sync to version 2 failed"):
+        engine.generate_sequences(prompt_batch([2]))
+    with pytest.raises(WeightSyncError, match="exported twice"):
+        sync_weights(items + items[:1], engine, version=2)
+    sync_weights(items, engine, version=3)
+    assert engine.generate_sequences(prompt_batch([2])).meta_info["weight_version"] == 3
