@@ -18,6 +18,9 @@ import torch
 
 __all__ = ["DataProto", "collate_dicts"]
 
+# The prompt tensors a rollout engine reads (prompts left-padded, verl's convention).
+GENERATION_KEYS = ("input_ids", "attention_mask", "position_ids")
+
 IndexLike = int | slice | torch.Tensor | np.ndarray | Sequence[int]
 
 
@@ -207,6 +210,13 @@ class DataProto:
             self.meta_info[k] = v
         _check_lengths(self.batch, self.non_tensor_batch)
         return self
+
+    def select_for_generation(self) -> "DataProto":
+        """What a rollout engine needs of a prompt batch: the left-padded prompt tensors, the uid and the
+        raw prompt when present (for engines that template themselves), and all of meta_info."""
+        self.require(*GENERATION_KEYS, where="generation")
+        non_tensor = [k for k in ("uid", "raw_prompt") if k in self.non_tensor_batch]
+        return self.select(GENERATION_KEYS, non_tensor, None)
 
     # ------------------------------------------------------------------ row-wise operations
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> "DataProto":
