@@ -1,0 +1,158 @@
+"""Advantage estimators with verl's names, arguments and numbers (verl 0.9 ``core_algos``).
+
+Each returns ``(advantages, returns)``, both [B, T] fp32. The per-timestep and per-group work runs
+in ``megatron_rl.ops`` (GAE scan, whitening, group statistics); this module maps verl's interface
+onto those ops. Register your own with ``@register_adv_estimator("name")``: ``compute_advantage``
+passes each parameter by name (see ``megatron_rl.algos.advantage``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from megatron_rl import ops
+from megatron_rl.algos._checks import check_finite, check_per_sample, check_token_tensors
+from megatron_rl.algos.grouping import group_ids_from_uids
+from megatron_rl.algos.registry import Registry
+
+AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+UidArray = np.ndarray | Sequence | torch.Tensor
+
+_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: make ``fn`` selectable as ``algorithm.adv_estimator=name``."""
+    return _ESTIMATORS.register(name)
+
+
+def get_adv_estimator(name: str) -> AdvantageEstimator:
+    return _ESTIMATORS.get(name)
+
+
+def list_adv_estimators() -> list[str]:
+    return _ESTIMATORS.names()
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-response score s_i = sum_t r_it (verl sums all columns, masked or not)."""
+    check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_finite("token_level_rewards", token_level_rewards)
+    return token_level_rewards.float().sum(dim=-1)
+
+
+def _group_outcome(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: UidArray, mode: str, epsilon: float
+) -> torch.Tensor:
+    """Group-normalised outcome score per response, [B] fp32."""
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    groups, _ = group_ids_from_uids(index, scores.shape[0], scores.device)
+    return ops.group_normalize(scores, groups, mode=mode, epsilon=epsilon)
+
+
+@register_adv_estimator("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE; returns = advantages + values before whitening, advantages whitened over the mask.
+
+    Masked tokens (multi-turn observations) carry the next value and the running advantage through.
+    """
+    check_token_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_finite("token_level_rewards", token_level_rewards)
+    check_finite("values", values)
+    advantages, returns = ops.masked_gae(token_level_rewards, values, response_mask, gamma, lam)
+    return ops.masked_whiten(advantages, response_mask.float()), returns
+
+
+@register_adv_estimator("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: a_i = (s_i - mean_g) / (std_g + epsilon), unbiased std, broadcast over the response.
+
+    A group of one uses mean 0 and std 1. ``norm_adv_by_std_in_grpo=False`` gives s_i - mean_g
+    (Dr.GRPO). ``index`` holds one uid (str or int) per response. returns = advantages.
+    """
+    mode = "grpo" if norm_adv_by_std_in_grpo else "grpo_mean"
+    per_response = _group_outcome(token_level_rewards, response_mask, index, mode, epsilon)
+    advantages = per_response.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: a_i = s_i * n/(n-1) - mean_g * n/(n-1) (leave-one-out baseline); a group of one keeps s_i.
+
+    ``epsilon`` is accepted for verl's signature and unused, as in verl.
+    """
+    per_response = _group_outcome(token_level_rewards, response_mask, index, "rloo", epsilon)
+    advantages = per_response.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: s_i - mean_g (0 for a group of one), broadcast, whitened over the whole
+    batch's valid tokens, masked. ``epsilon`` is accepted for verl's signature and unused, as in verl."""
+    per_response = _group_outcome(token_level_rewards, response_mask, index, "grpo_mean", epsilon)
+    mask = response_mask.float()
+    advantages = ops.masked_whiten(per_response.unsqueeze(-1) * mask, mask) * mask
+    return advantages, advantages
+
+
+@register_adv_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go over valid tokens (masked tokens carry it through, and
+    hold 0), advantages = whitened returns, masked."""
+    check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_finite("token_level_rewards", token_level_rewards)
+    mask = response_mask.float()
+    # GAE with values = 0 and lam = 1 runs exactly this recursion: R = (r_t + gamma*R)*m_t + (1-m_t)*R.
+    # Masked slots keep the carried R in GAE's output; REINFORCE++ reports 0 there.
+    running, _ = ops.masked_gae(token_level_rewards, torch.zeros_like(mask), mask, gamma, 1.0)
+    returns = running * mask
+    return ops.masked_whiten(returns, mask) * mask, returns
+
+
+@register_adv_estimator("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: returns = reverse cumulative sum of masked rewards; advantages = returns - b_i * mask,
+    b_i = the greedy response's score (``batch["reward_baselines"]``, [B])."""
+    batch_size, _ = check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_per_sample("reward_baselines", reward_baselines, batch_size)
+    check_finite("token_level_rewards", token_level_rewards)
+    check_finite("reward_baselines", reward_baselines)
+    mask = response_mask.float()
+    returns = (token_level_rewards.float() * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - reward_baselines.float().unsqueeze(-1) * mask, returns
