@@ -1,0 +1,169 @@
+"""Shims that let Megatron-Core 0.16.1 run on a machine without CUDA (gloo, CPU tensors).
+
+Megatron-Core assumes a GPU in a handful of places. Measured on megatron-core 0.16.1 with a CPU-only
+torch, these are the calls that fail and what this module answers instead:
+
+* RNG tracker: ``CudaRNGStatesTracker.add/fork`` read and write CUDA generator states. We install
+  Megatron's own inference tracker, whose ``add``/``fork`` are no-ops, so dropout and initialisation
+  draw from the CPU generator.
+* ``torch.cuda.current_device()``: used as ``device=`` when layers, rotary tables and pipeline
+  receive buffers are allocated. Answered with ``torch.device("cpu")``.
+* ``torch.cuda.synchronize()``: called after p2p communication and barriers. A no-op.
+* ``Tensor.cuda()``: GPTModel moves the tied output-layer copy of the embedding to "cuda" before
+  all-reducing it across pipeline stages (and dist_checkpointing moves exchanged shards). Returns
+  the tensor unchanged.
+* Pipeline schedules create ``torch.zeros(..., device="cuda")`` (token counters). A
+  ``TorchFunctionMode`` active only while a schedule runs redirects CUDA devices to CPU.
+
+Everything is installed by one call, ``install_cpu_compat()``, which returns a handle (also a context
+manager) that restores the originals; nesting is reference-counted. With CUDA present the call changes
+nothing, so the same code runs on GPU clusters untouched.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Schedule entry points that get_forward_backward_func() returns; it looks them up by module global
+# at call time, so replacing the module attribute is enough.
+_SCHEDULE_FUNCTIONS = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "cuda:<int>" to torch's factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites ``device=cuda`` (or an int ordinal) to CPU for every torch call in its scope."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
+
+
+def run_on_cpu(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that CUDA tensor creation inside it lands on the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped_for_cpu__ = fn
+    return wrapper
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """CPU ops are synchronous; nothing to wait for."""
+
+
+def _tensor_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+class CpuCompatHandle:
+    """Undo token for ``install_cpu_compat``; usable as a context manager."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self._released = False
+
+    def uninstall(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.active:
+            _release()
+
+    def __enter__(self) -> "CpuCompatHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+_lock = threading.Lock()
+_install_count = 0
+_saved: dict[str, Any] = {}
+
+
+def cpu_compat_installed() -> bool:
+    return _install_count > 0
+
+
+def install_cpu_compat(force: bool = False) -> CpuCompatHandle:
+    """Install the CPU shims when CUDA is unavailable (or ``force=True``, for tests).
+
+    Returns a handle; ``handle.uninstall()`` (or leaving ``with install_cpu_compat():``) restores
+    Megatron and torch exactly as they were once the last holder releases.
+    """
+    global _install_count
+    if torch.cuda.is_available() and not force:
+        return CpuCompatHandle(active=False)
+    with _lock:
+        if _install_count == 0:
+            _apply()
+        _install_count += 1
+    return CpuCompatHandle(active=True)
+
+
+def _apply() -> None:
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _saved["rng_tracker"] = (
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    _saved["current_device"] = torch.cuda.current_device
+    _saved["synchronize"] = torch.cuda.synchronize
+    _saved["tensor_cuda"] = torch.Tensor.cuda
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _cpu_synchronize
+    torch.Tensor.cuda = _tensor_stays_on_cpu
+
+    _saved["schedules"] = {name: getattr(schedules, name) for name in _SCHEDULE_FUNCTIONS}
+    for name, fn in _saved["schedules"].items():
+        setattr(schedules, name, run_on_cpu(fn))
+
+
+def _release() -> None:
+    global _install_count
+    with _lock:
+        _install_count -= 1
+        if _install_count > 0:
+            return
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        (
+            mcore_random._CUDA_RNG_STATE_TRACKER,
+            mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        ) = _saved.pop("rng_tracker")
+        torch.cuda.current_device = _saved.pop("current_device")
+        torch.cuda.synchronize = _saved.pop("synchronize")
+        torch.Tensor.cuda = _saved.pop("tensor_cuda")
+        for name, fn in _saved.pop("schedules").items():
+            setattr(schedules, name, fn)
+

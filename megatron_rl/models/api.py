@@ -1,0 +1,67 @@
+"""Conveniences on top of the builder: build+load in one call, and full logits through the pipeline."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.models.attention import causal_padding_mask
+from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.models.layout import unwrap
+from megatron_rl.models.loading import load_hf_weights
+
+
+def build_from_hf(model_dir: Union[str, Path], **build_kwargs: Any) -> list[torch.nn.Module]:
+    """``build_gpt_model`` for ``model_dir``'s config, then ``load_hf_weights`` from it."""
+    chunks = build_gpt_model(load_hf_config(model_dir), init_weights=False, **build_kwargs)
+    load_hf_weights(chunks, model_dir)
+    return chunks
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's convention: position = number of real tokens before this one (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def compute_full_logits(
+    model_chunks: list[torch.nn.Module],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: Optional[int] = None,
+) -> Optional[torch.Tensor]:
+    """Forward-only pass through the pipeline; [B, T, vocab] fp32 logits, TP-gathered with the
+    vocabulary padding removed, on the last pipeline stage (None on the other stages).
+
+    For verification and small evaluations — training code keeps logits vocab-parallel.
+    """
+    chunks = [unwrap(c) for c in model_chunks]
+    vocab = chunks[0].hf_config.vocab_size
+    micro = micro_batch_size or input_ids.shape[0]
+    batches = [
+        (input_ids[i : i + micro], attention_mask[i : i + micro]) for i in range(0, input_ids.shape[0], micro)
+    ]
+
+    def forward_step(data_iterator, model):
+        ids, mask = next(data_iterator)
+        output = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True)
+        return output, lambda out: (out.sum() * 0.0, {"logits": out[..., :vocab].float()})
+
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=input_ids.shape[1],
+            micro_batch_size=micro,
+            forward_only=True,
+        )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return torch.cat([out["logits"] for out in outputs])

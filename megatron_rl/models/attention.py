@@ -1,0 +1,103 @@
+"""Attention core on torch SDPA (runs on CPU and GPU) and the [B, T] padding mask -> 4-D mask helper.
+
+Megatron's local ``DotProductAttention`` builds its default causal mask on "cuda" and has no sliding
+window; RL batches are padded on both sides (prompts left, responses right), so every forward needs
+an explicit causal + padding mask anyway. Mask convention is Megatron's: a bool tensor broadcastable
+to [B, 1, Tq, Tk] where True means "do not attend".
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] mask (1 = real token, 0 = pad) -> [B, 1, T, T] bool mask, True = blocked.
+
+    A query attends to earlier-or-same positions that are real tokens. A pad query is allowed to
+    see itself so its softmax row is never empty (no NaN); its output is ignored downstream.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [batch, seq], got shape {tuple(attention_mask.shape)}")
+    seq = attention_mask.shape[1]
+    valid_key = attention_mask.bool()[:, None, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    diagonal = torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
+    allowed = causal & (valid_key | diagonal)
+    return ~allowed
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for Megatron's core attention: [s, b, heads, dim] q/k/v in, [s, b, heads*dim] out.
+
+    Grouped-query attention is handled by SDPA's ``enable_gqa`` (key/value heads are not copied).
+    With ``config.window_size = (left, 0)`` keys more than ``left`` positions back are masked, which
+    is Mistral's sliding window.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism (CP > 1)")
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window_left = config.window_size[0] if config.window_size is not None else None
+
+    def _window_mask(self, seq_q: int, seq_k: int, device: torch.device) -> torch.Tensor:
+        """True for keys in the future or further back than the window (queries aligned at the end)."""
+        q_idx = torch.arange(seq_k - seq_q, seq_k, device=device)[:, None]
+        k_idx = torch.arange(seq_k, device=device)[None, :]
+        distance = q_idx - k_idx
+        return (distance > self.window_left) | (distance < 0)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        seq_q, batch, heads, dim = query.shape
+        seq_k = key.shape[0]
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+
+        blocked = attention_mask
+        if self.window_left is not None:
+            window = self._window_mask(seq_q, seq_k, query.device)
+            blocked = window if blocked is None else blocked | window
+        if blocked is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=True,
+            )
+        else:
+            if blocked.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be bool (True = blocked), got {blocked.dtype}")
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~blocked, scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=True,
+            )
+        # [b, h, s, d] -> [s, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * dim)

@@ -1,0 +1,146 @@
+"""Megatron-Core GPTModel (one chunk per virtual pipeline stage) from an HF architecture config."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.models.attention import SDPAttention
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
+from megatron_rl.models.value_head import attach_value_head
+
+__all__ = ["DEFAULT_VOCAB_DIVISOR", "build_gpt_model", "check_parallel_fit", "gpt_layer_spec", "make_transformer_config", "padded_vocab_size"]
+
+
+def make_transformer_config(
+    hf: HFModelConfig, params_dtype: torch.dtype = torch.float32, init_weights: bool = True, **overrides: Any
+) -> TransformerConfig:
+    """TransformerConfig for ``hf`` at the TP/PP/VPP sizes of Megatron's initialised parallel state.
+
+    ``overrides`` go straight to TransformerConfig (e.g. ``sequence_parallel=True``,
+    ``recompute_granularity="full"``).
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    check_parallel_fit(hf, tp, pp, vpp)
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf.num_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=hf.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.qkv_bias,
+        qk_layernorm=hf.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        window_size=(hf.sliding_window - 1, 0) if hf.sliding_window else None,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # RL micro-batches differ in length; let pipeline stages exchange shapes.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense model; the allgather default rejects the line above
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=init_weights,
+        # Fused kernels come from TE/Apex/CUDA; the plain-torch paths run everywhere.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def te_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
+    """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
+    always SDPAttention so the explicit causal+padding mask means the same thing on every backend."""
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(
+    hf: HFModelConfig,
+    *,
+    value_head: bool = False,
+    value_head_init: str = "normal",
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    use_te: Optional[bool] = None,
+    init_weights: bool = True,
+    parallel_output: bool = True,
+    **config_overrides: Any,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage, else a list of one).
+
+    Needs Megatron's parallel state (``megatron_rl.distributed.init_model_parallel``). Each chunk
+    carries ``chunk.hf_config`` (the HFModelConfig) for loading and export. ``value_head=True``
+    builds the critic: untied embeddings and a ValueHead (hidden -> 1) on the last stage.
+    ``init_weights=False`` skips random initialisation when weights are loaded right after.
+    """
+    if use_te is None:
+        use_te = te_available()
+    config = make_transformer_config(hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides)
+    spec = gpt_layer_spec(hf, use_te)
+    vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
+    rope_kwargs: dict[str, Any] = {}
+    if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
+        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=hf.rope_scaling.factor)
+    elif hf.rope_scaling is not None and hf.rope_scaling.kind == "linear":
+        rope_kwargs = dict(seq_len_interpolation_factor=hf.rope_scaling.factor)
+
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=hf.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=hf.rope_theta,
+            vp_stage=vp_stage,
+            **rope_kwargs,
+        )
+        if value_head and model.post_process:
+            attach_value_head(model, init=value_head_init)
+        model.hf_config = hf
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,146 @@
+"""Read an HF config.json into the facts a Megatron GPT needs, rejecting what we cannot represent."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+# Architecture -> model_type. All four share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+# Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config asks for something the Megatron GPT built here cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str  # "linear" or "llama3"
+    factor: float
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """The architecture facts of one HF causal LM, normalised across transformers 4.x / 5.x."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[RopeScaling]
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: Optional[int]
+    max_position_embeddings: int
+    source: str  # where the config came from, for error messages
+    raw: dict[str, Any] = field(repr=False, compare=False)  # the config.json dict, written back on export
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def _rope(cfg: dict[str, Any], where: str) -> tuple[float, Optional[RopeScaling]]:
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    merged = {**scaling, **params}
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", float(merged["factor"]))
+    if rope_type == "llama3":
+        for key, expected in _MEGATRON_LLAMA3_ROPE.items():
+            if float(merged.get(key, expected)) != expected:
+                raise UnsupportedModelError(
+                    f"{where}: llama3 rope scaling with {key}={merged[key]} is not supported "
+                    f"(Megatron-Core fixes {key}={expected})"
+                )
+        return float(theta), RopeScaling("llama3", float(merged["factor"]))
+    raise UnsupportedModelError(
+        f"{where}: rope type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+def _reject(cond: bool, where: str, message: str) -> None:
+    if cond:
+        raise UnsupportedModelError(f"{where}: {message}")
+
+
+def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
+    """Validate a config.json dict and normalise it; every refusal says which field and value."""
+    architectures = cfg.get("architectures") or []
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{source}: unsupported architecture {architectures or cfg.get('model_type')!r}; supported: {supported}"
+        )
+    model_type = SUPPORTED_ARCHITECTURES[arch]
+    _reject(cfg.get("hidden_act", "silu") != "silu", source, f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported")
+    _reject(bool(cfg.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
+    # Qwen2 always has q/k/v bias and no o_proj bias. For the others attention_bias adds an o_proj bias
+    # too, which Megatron can only express together with MLP biases.
+    attention_bias = bool(cfg.get("attention_bias", False))
+    _reject(model_type != "qwen2" and attention_bias, source, "attention_bias=true (o_proj bias) is not supported")
+    _reject(bool(cfg.get("use_sliding_window", False)), source, "use_sliding_window=true (per-layer windows) is not supported")
+    layer_types = set(cfg.get("layer_types") or ["full_attention"])
+    _reject(model_type != "mistral" and layer_types != {"full_attention"}, source, f"layer_types {sorted(layer_types)} are not supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        _reject(key not in cfg, source, f"missing required field {key!r}")
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    _reject(heads % kv_heads != 0, source, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    theta, scaling = _rope(cfg, source)
+    return HFModelConfig(
+        architecture=arch,
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        source=source,
+        raw=dict(cfg),
+    )
+
+
+def load_hf_config(model_dir: Union[str, Path]) -> HFModelConfig:
+    """Read and validate ``<model_dir>/config.json``."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in HF model directory {model_dir}")
+    with open(path) as f:
+        return parse_hf_config(json.load(f), source=str(path))

@@ -1,0 +1,240 @@
+"""Which HF tensor(s) each Megatron parameter holds, and how a TP shard is cut from / glued back to them.
+
+Rules (REFERENCE.md §3):
+* ``linear_qkv`` rows are grouped per query group: [q (heads/groups * head_dim); k; v] for each
+  group. TP ranks hold contiguous row ranges of that grouped tensor (also when TP > groups).
+* ``linear_fc1`` holds per TP rank [gate shard; up shard].
+* column-parallel layers and the embedding shard dim 0, row-parallel (``linear_proj``,
+  ``linear_fc2``) dim 1; norms and the value head are replicated.
+* the embedding / output layer have ``padded_vocab`` rows; rows past the real vocabulary are zero on
+  load and dropped on export.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional
+
+import torch
+
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.value_head import ValueHead
+
+
+class Kind(Enum):
+    REPLICATED = "replicated"
+    COLUMN = "column"  # dim 0 split across TP
+    ROW = "row"  # dim 1 split across TP
+    VOCAB = "vocab"  # dim 0 split across TP, padded past the real vocabulary
+    QKV = "qkv"
+    GATE_UP = "gate_up"
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """One Megatron parameter's worth of HF tensors (q/k/v and gate/up come in groups)."""
+
+    kind: Kind
+    tensors: tuple[HFTensor, ...]
+
+    @property
+    def key(self) -> str:
+        return self.tensors[0].name
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """A local Megatron parameter and the HF tensors it is a shard of."""
+
+    param: torch.nn.Parameter
+    group: TensorGroup
+    export: bool = True  # False for the tied output-layer copy on the last stage
+
+
+def _layer_groups(hf: HFModelConfig, i: int) -> dict[str, TensorGroup]:
+    """HF groups of layer ``i`` keyed by role, in HF's own order."""
+    p, h, f = f"model.layers.{i}.", hf.hidden_size, hf.intermediate_size
+
+    def qkv(suffix: str, *rest: int) -> tuple[HFTensor, ...]:
+        sizes = (("q_proj", hf.q_size), ("k_proj", hf.kv_size), ("v_proj", hf.kv_size))
+        return tuple(HFTensor(f"{p}self_attn.{proj}.{suffix}", (size, *rest)) for proj, size in sizes)
+
+    groups = {"input_norm": TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}input_layernorm.weight", (h,)),))}
+    groups["qkv"] = TensorGroup(Kind.QKV, qkv("weight", h))
+    if hf.qkv_bias:
+        groups["qkv_bias"] = TensorGroup(Kind.QKV, qkv("bias"))
+    if hf.qk_norm:
+        groups["q_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}self_attn.q_norm.weight", (hf.head_dim,)),))
+        groups["k_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}self_attn.k_norm.weight", (hf.head_dim,)),))
+    groups["o_proj"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}self_attn.o_proj.weight", (h, hf.q_size)),))
+    groups["post_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),))
+    groups["gate_up"] = TensorGroup(
+        Kind.GATE_UP, (HFTensor(f"{p}mlp.gate_proj.weight", (f, h)), HFTensor(f"{p}mlp.up_proj.weight", (f, h)))
+    )
+    groups["down"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}mlp.down_proj.weight", (h, f)),))
+    return groups
+
+
+def _single(kind: Kind, name: str, shape: tuple[int, ...]) -> TensorGroup:
+    return TensorGroup(kind, (HFTensor(name, shape),))
+
+
+def embedding_group(hf: HFModelConfig) -> TensorGroup:
+    return _single(Kind.VOCAB, "model.embed_tokens.weight", (hf.vocab_size, hf.hidden_size))
+
+
+def head_groups(hf: HFModelConfig, value_head: bool) -> list[TensorGroup]:
+    """Groups after the final norm: lm_head (untied causal LM), score (value model), or none (tied)."""
+    if value_head:
+        return [
+            _single(Kind.REPLICATED, "score.weight", (1, hf.hidden_size)),
+            _single(Kind.REPLICATED, "score.bias", (1,)),
+        ]
+    if hf.tie_word_embeddings:
+        return []
+    return [_single(Kind.VOCAB, "lm_head.weight", (hf.vocab_size, hf.hidden_size))]
+
+
+def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False) -> list[TensorGroup]:
+    """Every HF tensor group of the model in checkpoint order (embedding, layers, norm, head)."""
+    groups = [embedding_group(hf)]
+    for i in range(hf.num_layers):
+        groups += _layer_groups(hf, i).values()
+    groups.append(_single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))
+    return groups + head_groups(hf, value_head)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def has_value_head(chunks: list[torch.nn.Module]) -> bool:
+    return any(isinstance(getattr(unwrap(c), "output_layer", None), ValueHead) for c in chunks)
+
+
+def _norm_weight(norm_module: torch.nn.Module, fused_owner: torch.nn.Module) -> torch.nn.Parameter:
+    """Local spec: a separate norm module; TE spec: the norm is fused into the next linear layer."""
+    weight = getattr(norm_module, "weight", None)
+    return weight if weight is not None else fused_owner.layer_norm_weight
+
+
+def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
+    """Mappings for the parameters this model chunk holds, in checkpoint order."""
+    model = unwrap(chunk)
+    hf: HFModelConfig = model.hf_config
+    mappings: list[ParamMapping] = []
+    if model.pre_process:
+        mappings.append(ParamMapping(model.embedding.word_embeddings.weight, embedding_group(hf)))
+    for layer in model.decoder.layers:
+        groups = _layer_groups(hf, layer.layer_number - 1)
+        attn, mlp = layer.self_attention, layer.mlp
+        params = {
+            "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
+            "qkv": attn.linear_qkv.weight,
+            "qkv_bias": attn.linear_qkv.bias if hf.qkv_bias else None,
+            "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
+            "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
+            "o_proj": attn.linear_proj.weight,
+            "post_norm": _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1),
+            "gate_up": mlp.linear_fc1.weight,
+            "down": mlp.linear_fc2.weight,
+        }
+        mappings += [ParamMapping(params[role], group) for role, group in groups.items()]
+    if model.post_process:
+        mappings.append(
+            ParamMapping(model.decoder.final_layernorm.weight, _single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))
+        )
+        head = model.output_layer
+        if isinstance(head, ValueHead):
+            score_weight, score_bias = head_groups(hf, value_head=True)
+            mappings += [ParamMapping(head.weight, score_weight), ParamMapping(head.bias, score_bias)]
+        elif not hf.tie_word_embeddings:
+            mappings.append(ParamMapping(head.weight, head_groups(hf, value_head=False)[0]))
+        elif head.weight is not None:
+            # Tied, on a later stage than the embedding: a copy that loads but is not exported.
+            mappings.append(ParamMapping(head.weight, embedding_group(hf), export=False))
+    return mappings
+
+
+# ---------------------------------------------------------------- HF -> local shard
+
+Reader = Callable[[str, Optional[int], int, Optional[int]], torch.Tensor]
+
+
+def _qkv_shard(hf: HFModelConfig, group: TensorGroup, read: Reader, rank: int, size: int) -> torch.Tensor:
+    q_per_group = hf.num_attention_heads // hf.num_key_value_heads
+    group_rows = (q_per_group + 2) * hf.head_dim
+    total = group_rows * hf.num_key_value_heads
+    start, stop = rank * total // size, (rank + 1) * total // size
+    first, last = start // group_rows, -(-stop // group_rows)  # the query groups this range touches
+    n = last - first
+    q_name, k_name, v_name = (t.name for t in group.tensors)
+    q = read(q_name, 0, first * q_per_group * hf.head_dim, last * q_per_group * hf.head_dim)
+    k = read(k_name, 0, first * hf.head_dim, last * hf.head_dim)
+    v = read(v_name, 0, first * hf.head_dim, last * hf.head_dim)
+    rest = q.shape[1:]
+    grouped = torch.cat([q.view(n, -1, *rest), k.view(n, -1, *rest), v.view(n, -1, *rest)], dim=1)
+    offset = first * group_rows
+    return grouped.reshape(n * group_rows, *rest)[start - offset : stop - offset]
+
+
+def shard_from_hf(
+    hf: HFModelConfig, group: TensorGroup, read: Reader, rank: int, size: int, local_rows: int
+) -> torch.Tensor:
+    """This TP rank's shard of ``group``, reading only the rows/columns it needs."""
+    kind, first = group.kind, group.tensors[0]
+    if kind is Kind.REPLICATED:
+        return read(first.name, None, 0, None)
+    if kind is Kind.COLUMN:
+        rows = first.shape[0] // size
+        return read(first.name, 0, rank * rows, (rank + 1) * rows)
+    if kind is Kind.ROW:
+        cols = first.shape[1] // size
+        return read(first.name, 1, rank * cols, (rank + 1) * cols)
+    if kind is Kind.VOCAB:
+        start = rank * local_rows
+        real = read(first.name, 0, min(start, first.shape[0]), min(start + local_rows, first.shape[0]))
+        pad = real.new_zeros(local_rows - real.shape[0], *real.shape[1:])
+        return torch.cat([real, pad]) if pad.shape[0] else real
+    if kind is Kind.GATE_UP:
+        rows = first.shape[0] // size
+        return torch.cat([read(t.name, 0, rank * rows, (rank + 1) * rows) for t in group.tensors])
+    if kind is Kind.QKV:
+        return _qkv_shard(hf, group, read, rank, size)
+    raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------- TP shards -> HF tensors
+
+
+def hf_from_shards(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full HF tensors of ``group`` from all TP shards of its parameter (one shard if replicated)."""
+    kind = group.kind
+    if kind is Kind.REPLICATED:
+        return [shards[0]]
+    if kind is Kind.COLUMN:
+        return [torch.cat(shards, dim=0)]
+    if kind is Kind.ROW:
+        return [torch.cat(shards, dim=1)]
+    if kind is Kind.VOCAB:
+        return [torch.cat(shards, dim=0)[: group.tensors[0].shape[0]]]
+    if kind is Kind.GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if kind is Kind.QKV:
+        full = torch.cat(shards, dim=0)
+        rest = full.shape[1:]
+        q_rows = hf.num_attention_heads // hf.num_key_value_heads * hf.head_dim
+        grouped = full.view(hf.num_key_value_heads, -1, *rest)
+        q, k, v = grouped.split([q_rows, hf.head_dim, hf.head_dim], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+    raise AssertionError(kind)

@@ -1,0 +1,123 @@
+"""Tiny random HF checkpoints (and a byte-level tokenizer) for tests — no downloads.
+
+    path = make_tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2")
+    # -> config.json, model.safetensors (or shards + index), tokenizer files
+
+Weights are random but not degenerate: norms are 1 + noise and biases non-zero, so a layout bug in
+any tensor changes the logits.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
+
+
+def make_tiny_tokenizer(path: Union[str, Path]) -> Path:
+    """Byte-level BPE without merges: 256 byte tokens + a few special tokens (ids 256..262).
+
+    Any text round-trips. Saved with a minimal chat template, so ``apply_chat_template`` works.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(sorted(byte_vocab))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))  # ids 256.. in this order: pad, bos, eos, ...
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return Path(path)
+
+
+def tiny_hf_config(
+    family: str,
+    vocab_size: int = 300,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 64,
+    head_dim: Optional[int] = None,
+    tie_word_embeddings: bool = False,
+    **overrides: Any,
+):
+    """A transformers config of ``family`` (llama, qwen2, qwen3, mistral) at toy size."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    if family not in classes:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        head_dim=head_dim or hidden_size // num_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=256,
+    )
+    kwargs.update(overrides)
+    config = classes[family](**kwargs)
+    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def make_tiny_hf_checkpoint(
+    path: Union[str, Path],
+    family: str = "qwen2",
+    *,
+    seed: int = 0,
+    max_shard_size: Optional[str] = None,
+    with_tokenizer: bool = True,
+    dtype: torch.dtype = torch.float32,
+    **config_kwargs: Any,
+) -> Path:
+    """Write a random ``family`` causal LM to ``path`` as an HF directory and return the path.
+
+    ``config_kwargs`` go to ``tiny_hf_config`` (vocab_size, hidden_size, num_layers, num_heads,
+    num_kv_heads, intermediate_size, head_dim, tie_word_embeddings, or any HF config field).
+    ``max_shard_size`` (e.g. "20KB") forces several safetensors shards plus an index.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model = model.to(dtype)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **save_kwargs)
+    if with_tokenizer:
+        make_tiny_tokenizer(path)
+    return Path(path)

@@ -1,0 +1,59 @@
+"""Scalar value head (hidden -> 1) that stands in for GPTModel's vocabulary output layer.
+
+The critic is the policy's GPT with this head: ``GPTModel.forward`` then returns values of shape
+[batch, seq, 1] instead of logits. The layout matches transformers' ``*ForTokenClassification`` with
+``num_labels=1`` (``score.weight`` [1, hidden], ``score.bias`` [1]), so an exported critic loads there.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class ValueHead(MegatronModule):
+    """Replicated on every TP rank: the hidden states entering it are identical across TP ranks, so
+    every rank computes the same values and the same gradients without communication."""
+
+    def __init__(self, config: TransformerConfig, init: str = "normal"):
+        super().__init__(config=config)
+        if init not in ("normal", "zero"):
+            raise ValueError(f"value head init must be 'normal' or 'zero', got {init!r}")
+        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
+        with torch.no_grad():
+            if init == "zero":
+                self.weight.zero_()
+            else:
+                self.weight.normal_(mean=0.0, std=config.init_method_std)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        runtime_gather_output: Optional[bool] = None,
+    ) -> tuple[torch.Tensor, None]:
+        """Same call signature as ColumnParallelLinear, which GPTModel._postprocess uses."""
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def attach_value_head(model: torch.nn.Module, init: str = "normal") -> None:
+    """Replace a last-stage GPTModel's output layer with a ValueHead (in place)."""
+    if not getattr(model, "post_process", False):
+        raise ValueError("only the last pipeline stage (post_process=True) has an output layer to replace")
+    if model.share_embeddings_and_output_weights:
+        raise ValueError("a value model must not tie embeddings to its output layer")
+    head = ValueHead(model.config, init=init)
+    # Every TP rank must start from the same head, whatever its RNG consumed before.
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp_group) > 1:
+        dist.broadcast(head.weight.data, src=parallel_state.get_tensor_model_parallel_src_rank(), group=tp_group)
+    model.output_layer = head
