@@ -4,6 +4,7 @@ estimators and controllers, loss aggregation, dynamic sampling (docs/algorithms.
 Registries map config names to functions: ``algorithm.adv_estimator`` (``register_adv_estimator``)
 and ``actor_rollout_ref.actor.policy_loss`` (``register_policy_loss``).
 """
+
 from megatron_rl.algos.advantage import compute_advantage
 from megatron_rl.algos.dynamic_sampling import filter_zero_variance_groups
 from megatron_rl.algos.estimators import (

@@ -1,4 +1,5 @@
 """``compute_advantage``: run the configured estimator on a DataProto and store its outputs."""
+
 from __future__ import annotations
 
 import inspect
@@ -29,13 +30,18 @@ def compute_advantage(
     given here), then ``index`` = ``non_tensor_batch["uid"]``, then any ``batch`` tensor of that name
     (token_level_rewards, response_mask, values, reward_baselines, ...). A parameter with a default
     that no source has keeps its default; a required one is an error naming the missing field.
-    An estimator taking ``**kwargs`` also receives every option. As in verl, ``num_repeat`` is only
-    handed to estimators that ask for it. Returns ``data`` (modified in place, as verl does).
+    An estimator taking ``**kwargs`` also receives every option. ``num_repeat`` (samples per prompt)
+    is used by no built-in estimator, as in verl; it reaches custom ones that declare it. Returns
+    ``data`` (modified in place, as verl does).
     """
     fn = get_adv_estimator(adv_estimator)
     options = dict(
-        gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        config=config, **estimator_kwargs,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=num_repeat,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        config=config,
+        **estimator_kwargs,
     )
     kwargs = _bind_arguments(fn, adv_estimator, data, options)
     advantages, returns = fn(**kwargs)
@@ -43,7 +49,9 @@ def compute_advantage(
     for name, value in (("advantages", advantages), ("returns", returns)):
         if not isinstance(value, torch.Tensor) or (expected is not None and tuple(value.shape) != expected):
             seen = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"adv_estimator {adv_estimator!r} returned {name} of shape {seen}, expected {expected}")
+            raise ValueError(
+                f"adv_estimator {adv_estimator!r} returned {name} of shape {seen}, expected {expected}"
+            )
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
     return data

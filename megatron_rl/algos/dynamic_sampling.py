@@ -1,5 +1,6 @@
 """DAPO dynamic sampling: drop prompt groups whose responses all scored the same (zero advantage,
 zero gradient), so the update spends its batch on groups that carry signal."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,12 @@ def filter_zero_variance_groups(data: DataProto, metric: str = "score") -> tuple
     data.require("uid", where="filter_zero_variance_groups")
     values = _metric_values(data, metric)
     groups, num_groups = group_ids_from_uids(data.non_tensor_batch["uid"], len(data))
-    group_max = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, groups, values, "amax")
-    group_min = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, groups, values, "amin")
+    group_max = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(
+        0, groups, values, "amax"
+    )
+    group_min = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(
+        0, groups, values, "amin"
+    )
     group_size = torch.bincount(groups, minlength=num_groups)
     keep_group = (group_max > group_min) | (group_size == 1)
     keep_rows = keep_group[groups].numpy()
@@ -52,6 +57,8 @@ def _metric_values(data: DataProto, metric: str) -> torch.Tensor:
             f"non_tensor_batch key; non_tensor_batch has {sorted(data.non_tensor_batch)}"
         )
     if bool(torch.isnan(values).any()):
-        raise ValueError(f"filter_zero_variance_groups: metric {metric!r} is NaN for rows "
-                         f"{torch.nonzero(torch.isnan(values)).flatten()[:8].tolist()}")
+        raise ValueError(
+            f"filter_zero_variance_groups: metric {metric!r} is NaN for rows "
+            f"{torch.nonzero(torch.isnan(values)).flatten()[:8].tolist()}"
+        )
     return values

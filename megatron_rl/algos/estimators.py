@@ -5,6 +5,7 @@ in ``megatron_rl.ops`` (GAE scan, whitening, group statistics); this module maps
 onto those ops. Register your own with ``@register_adv_estimator("name")``: ``compute_advantage``
 passes each parameter by name (see ``megatron_rl.algos.advantage``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -39,8 +40,9 @@ def list_adv_estimators() -> list[str]:
 def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Per-response score s_i = sum_t r_it (verl sums all columns, masked or not)."""
     check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    check_finite("token_level_rewards", token_level_rewards)
-    return token_level_rewards.float().sum(dim=-1)
+    scores = token_level_rewards.float().sum(dim=-1)
+    check_finite("token_level_rewards", scores)
+    return scores
 
 
 def _group_outcome(

@@ -1,4 +1,5 @@
 """Map verl's per-response ``uid`` array to dense group ids, the form the group ops take."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -24,6 +25,8 @@ def group_ids_from_uids(
         uniques, inverse = np.unique(arr, return_inverse=True)
     except TypeError as err:
         kinds = sorted({type(u).__name__ for u in arr.tolist()})
-        raise TypeError(f"index (the uid array) must hold uids of one comparable kind, got types {kinds}") from err
+        raise TypeError(
+            f"index (the uid array) must hold uids of one comparable kind, got types {kinds}"
+        ) from err
     groups = torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(device)
     return groups, len(uniques)

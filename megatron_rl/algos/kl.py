@@ -1,4 +1,5 @@
 """KL estimators between the policy and the reference, and the controllers of the KL coefficient."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -22,7 +23,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
         raise ValueError(f"unknown kl_penalty {kl_penalty!r}; known: {list(KL_PENALTIES)}")
     if logprob.shape != ref_logprob.shape:
         raise ValueError(
-            f"logprob shape {tuple(logprob.shape)} and ref_logprob shape {tuple(ref_logprob.shape)} must be equal"
+            f"logprob shape {tuple(logprob.shape)} and ref_logprob shape {tuple(ref_logprob.shape)} "
+            "must be equal"
         )
     straight_through = kl_penalty.endswith("+")
     value = _kl_value(logprob, ref_logprob, kl_penalty.rstrip("+"))
@@ -95,5 +97,7 @@ def get_kl_controller(kl_ctrl: Any) -> KLController:
     if kl_ctrl.type == "fixed":
         return FixedKLController(kl_coef=kl_ctrl.kl_coef)
     if kl_ctrl.type == "adaptive":
-        return AdaptiveKLController(init_kl_coef=kl_ctrl.kl_coef, target_kl=kl_ctrl.target_kl, horizon=kl_ctrl.horizon)
+        return AdaptiveKLController(
+            init_kl_coef=kl_ctrl.kl_coef, target_kl=kl_ctrl.target_kl, horizon=kl_ctrl.horizon
+        )
     raise ValueError(f"algorithm.kl_ctrl.type={kl_ctrl.type!r} is unknown; known: ['fixed', 'adaptive']")

@@ -5,6 +5,7 @@ global normaliser (valid tokens for token-mean, non-empty sequences for the seq-
 over every micro-batch and every data-parallel rank) and the losses of all parts add up to the loss
 of the whole mini-batch, so the accumulated gradient does not depend on how it was split.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -4,10 +4,11 @@ against the rollout engine's log-probs as an opt-in correction for rollout/train
 Every loss has one signature, ``PolicyLoss``, and returns ``(loss, metrics)`` with verl's metric
 names actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -41,10 +42,13 @@ class PolicyLossConfig:
             if value is not None and not 0 <= value:
                 raise ValueError(f"actor_rollout_ref.actor.{key} must be >= 0, got {value}")
         if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}")
+            raise ValueError(
+                f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}"
+            )
         if self.tis_imp_ratio_cap is not None and not self.tis_imp_ratio_cap > 0:
             raise ValueError(
-                f"actor_rollout_ref.actor.tis_imp_ratio_cap must be > 0 or null (off), got {self.tis_imp_ratio_cap}"
+                "actor_rollout_ref.actor.tis_imp_ratio_cap must be > 0 or null (off), "
+                f"got {self.tis_imp_ratio_cap}"
             )
 
     @property
@@ -78,8 +82,8 @@ class PolicyLoss(Protocol):
 _POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss")
 
 
-def register_policy_loss(name: str):
-    """Decorator: make ``fn`` (a ``PolicyLoss``) selectable as ``actor_rollout_ref.actor.policy_loss=name``."""
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make ``fn`` (a ``PolicyLoss``) selectable as ``actor.policy_loss=name``."""
     return _POLICY_LOSSES.register(name)
 
 
@@ -91,16 +95,26 @@ def list_policy_losses() -> list[str]:
     return _POLICY_LOSSES.names()
 
 
-def _check_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config) -> PolicyLossConfig:
-    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+def _check_inputs(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_probs: Optional[torch.Tensor],
+    config: Optional[PolicyLossConfig],
+) -> PolicyLossConfig:
+    """Shapes agree and a TIS cap has the rollout log-probs it needs; returns the config (default if None)."""
+    tensors = dict(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
+    )
     if rollout_log_probs is not None:
         tensors["rollout_log_probs"] = rollout_log_probs
     check_token_tensors(**tensors)
     config = config if config is not None else PolicyLossConfig()
     if config.tis_imp_ratio_cap is not None and rollout_log_probs is None:
         raise ValueError(
-            f"actor_rollout_ref.actor.tis_imp_ratio_cap={config.tis_imp_ratio_cap} is set but rollout_log_probs "
-            "is None: the rollout must return the log-probs of the tokens it sampled"
+            f"actor_rollout_ref.actor.tis_imp_ratio_cap={config.tis_imp_ratio_cap} is set but "
+            "rollout_log_probs is None: the rollout must return the log-probs of the tokens it sampled"
         )
     return config
 
@@ -119,7 +133,9 @@ def _truncated_is(
         return pg_losses
     weights = torch.clamp(torch.exp(old_log_prob - rollout_log_probs), max=config.tis_imp_ratio_cap).detach()
     metrics["actor/tis_weight_mean"] = ops.masked_mean(weights, mask).item()
-    metrics["actor/tis_clipfrac"] = ops.masked_mean((weights >= config.tis_imp_ratio_cap).float(), mask).item()
+    metrics["actor/tis_clipfrac"] = ops.masked_mean(
+        (weights >= config.tis_imp_ratio_cap).float(), mask
+    ).item()
     return pg_losses * weights
 
 

@@ -1,4 +1,5 @@
 """Name -> function registries, so a config string picks an implementation and users can add their own."""
+
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
@@ -28,7 +29,8 @@ class Registry(Generic[F]):
             # different one would change what a config means, so it is refused.
             if existing is not None and existing is not fn:
                 raise ValueError(
-                    f"{self._kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}; "
+                    f"{self._kind} {name!r} is already registered to "
+                    f"{existing.__module__}.{existing.__qualname__}; "
                     "choose another name"
                 )
             self._entries[name] = fn

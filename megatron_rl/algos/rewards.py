@@ -1,11 +1,13 @@
 """From the reward model's ``token_level_scores`` to the ``token_level_rewards`` the estimators read."""
+
 from __future__ import annotations
 
 import torch
 
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_finite, check_token_tensors
-from megatron_rl.algos.kl import KLController, kl_penalty as kl_estimate
+from megatron_rl.algos.kl import KLController
+from megatron_rl.algos.kl import kl_penalty as kl_estimate
 from megatron_rl.protocol import DataProto
 
 
@@ -18,11 +20,17 @@ def apply_kl_penalty(
     batch's KL (per-sequence masked mean, averaged over sequences) and n_steps = batch size.
     Returns ``(data, metrics)`` with actor/reward_kl_penalty and actor/reward_kl_penalty_coeff.
     """
-    data.require("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask", where="apply_kl_penalty")
+    data.require(
+        "token_level_scores", "old_log_probs", "ref_log_prob", "response_mask", where="apply_kl_penalty"
+    )
     batch = data.batch
     scores, mask = batch["token_level_scores"], batch["response_mask"]
-    check_token_tensors(token_level_scores=scores, old_log_probs=batch["old_log_probs"],
-                        ref_log_prob=batch["ref_log_prob"], response_mask=mask)
+    check_token_tensors(
+        token_level_scores=scores,
+        old_log_probs=batch["old_log_probs"],
+        ref_log_prob=batch["ref_log_prob"],
+        response_mask=mask,
+    )
     check_finite("token_level_scores", scores)
     mask = mask.to(torch.float32)
     kld = kl_estimate(batch["old_log_probs"].float(), batch["ref_log_prob"].float(), kl_penalty) * mask

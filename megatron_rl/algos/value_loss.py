@@ -1,7 +1,6 @@
 """Critic loss (clipped value regression) and the actor's regularisers: entropy bonus and KL loss."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 

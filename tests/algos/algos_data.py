@@ -1,11 +1,14 @@
 """Random batches shaped like the trainer's: right-padded masks, outcome rewards, grouped uids."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 
-def random_mask(batch: int, length: int, gen: torch.Generator, *, empty_rows: tuple[int, ...] = ()) -> torch.Tensor:
+def random_mask(
+    batch: int, length: int, gen: torch.Generator, *, empty_rows: tuple[int, ...] = ()
+) -> torch.Tensor:
     """Right-padded response masks with random lengths in [1, length]; ``empty_rows`` get length 0."""
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     lengths[list(empty_rows)] = 0
@@ -23,5 +26,7 @@ def outcome_rewards(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 def grouped_uids(group_sizes: list[int], as_str: bool = True) -> np.ndarray:
     """uids laid out as DataProto.repeat(interleave=True) makes them, for groups of the given sizes."""
-    uids = [f"prompt-{g}" if as_str else 1000 + 7 * g for g, size in enumerate(group_sizes) for _ in range(size)]
+    uids = [
+        f"prompt-{g}" if as_str else 1000 + 7 * g for g, size in enumerate(group_sizes) for _ in range(size)
+    ]
     return np.array(uids, dtype=object)

@@ -1,5 +1,6 @@
 """REFERENCE.md §1 (verl 0.9 core_algos semantics) written as plain Python loops over rows, tokens and
 groups, in float64. Deliberately independent of megatron_rl: the tests compare the library to these."""
+
 from __future__ import annotations
 
 import math
@@ -170,11 +171,11 @@ def vanilla_token_losses(old, lp, adv, low, high, c):
             ratio = math.exp(log_ratio)
             l1 = -a * ratio
             l2 = -a * min(max(ratio, 1 - low), 1 + high)
-            l = max(l1, l2)
-            dual = l > -a * c and a < 0
+            token_loss = max(l1, l2)
+            dual = token_loss > -a * c and a < 0
             if a < 0:
-                l = min(l, -a * c)
-            lr_.append(l), cl_.append(float(l2 > l1)), lo_.append(float(dual)), kr_.append(log_ratio)
+                token_loss = min(token_loss, -a * c)
+            lr_.append(token_loss), cl_.append(float(l2 > l1)), lo_.append(float(dual)), kr_.append(log_ratio)
         losses.append(lr_), clip.append(cl_), lower.append(lo_), log_ratios.append(kr_)
     return losses, clip, lower, log_ratios
 

@@ -7,6 +7,7 @@ MEGATRON_RL_VERL_PATH (os.pathsep-separated directories prepended to sys.path), 
   MEGATRON_RL_VERL_PATH=/tmp/verl_src:/tmp/verl_deps pytest tests/algos
 Without it those tests skip; the loop-formula tests always run.
 """
+
 from __future__ import annotations
 
 import importlib

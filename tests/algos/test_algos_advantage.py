@@ -1,4 +1,5 @@
 """compute_advantage: registry dispatch on a DataProto, parameter binding by name, clear errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,12 @@ def rollout_batch(group_sizes=(3, 3, 1, 2)) -> DataProto:
     mask = random_mask(n, 6, gen)
     rewards = outcome_rewards(mask, torch.randint(0, 2, (n,), generator=gen).float())
     return DataProto.from_dict(
-        {"token_level_rewards": rewards, "response_mask": mask, "values": torch.randn(n, 6, generator=gen),
-         "reward_baselines": torch.rand(n, generator=gen)},
+        {
+            "token_level_rewards": rewards,
+            "response_mask": mask,
+            "values": torch.randn(n, 6, generator=gen),
+            "reward_baselines": torch.rand(n, generator=gen),
+        },
         {"uid": grouped_uids(list(group_sizes))},
     )
 
@@ -28,13 +33,17 @@ def direct_call(name: str, data: DataProto):
         "gae": lambda: algos.compute_gae_advantage_return(r, b["values"], m, 0.9, 0.8),
         "grpo": lambda: algos.compute_grpo_outcome_advantage(r, m, uid, norm_adv_by_std_in_grpo=False),
         "rloo": lambda: algos.compute_rloo_outcome_advantage(r, m, uid),
-        "reinforce_plus_plus_baseline": lambda: algos.compute_reinforce_plus_plus_baseline_outcome_advantage(r, m, uid),
+        "reinforce_plus_plus_baseline": lambda: algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+            r, m, uid
+        ),
         "reinforce_plus_plus": lambda: algos.compute_reinforce_plus_plus_outcome_advantage(r, m, 0.9),
         "remax": lambda: algos.compute_remax_outcome_advantage(r, b["reward_baselines"], m),
     }[name]()
 
 
-@pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "remax"])
+@pytest.mark.parametrize(
+    "name", ["gae", "grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "remax"]
+)
 def test_dispatch_writes_what_the_direct_call_returns(name):
     data = rollout_batch()
     out = algos.compute_advantage(data, name, gamma=0.9, lam=0.8, num_repeat=3, norm_adv_by_std_in_grpo=False)
@@ -45,8 +54,11 @@ def test_dispatch_writes_what_the_direct_call_returns(name):
 
 
 def test_unknown_estimator_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo' \(algorithm.adv_estimator\); "
-                                         r"known: \['gae', 'grpo', 'rloo'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown advantage estimator 'ppo' \(algorithm.adv_estimator\); "
+        r"known: \['gae', 'grpo', 'rloo'",
+    ):
         algos.compute_advantage(rollout_batch(), "ppo")
 
 
@@ -70,9 +82,15 @@ def test_custom_estimator_gets_fields_and_options_by_name():
         return adv * scale, adv
 
     assert "test_custom_scaled_grpo" in algos.list_adv_estimators()
-    data = algos.compute_advantage(rollout_batch(), "test_custom_scaled_grpo", num_repeat=3, config={"k": 1}, scale=2.0)
-    assert seen == {"num_repeat": 3, "scale": 2.0, "config": {"k": 1},
-                    "extra": ["gamma", "lam", "norm_adv_by_std_in_grpo"]}
+    data = algos.compute_advantage(
+        rollout_batch(), "test_custom_scaled_grpo", num_repeat=3, config={"k": 1}, scale=2.0
+    )
+    assert seen == {
+        "num_repeat": 3,
+        "scale": 2.0,
+        "config": {"k": 1},
+        "extra": ["gamma", "lam", "norm_adv_by_std_in_grpo"],
+    }
     torch.testing.assert_close(data.batch["advantages"], 2 * data.batch["returns"])
     with pytest.raises(ValueError, match="already registered"):
         algos.register_adv_estimator("grpo")(scaled)
@@ -83,6 +101,7 @@ def test_estimator_returning_the_wrong_shape_is_caught():
     def bad(token_level_rewards):
         return token_level_rewards[:, :1], token_level_rewards
 
-    with pytest.raises(ValueError, match=r"'test_bad_shape' returned advantages of shape \(9, 1\), expected \(9, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"'test_bad_shape' returned advantages of shape \(9, 1\), expected \(9, 6\)"
+    ):
         algos.compute_advantage(rollout_batch(), "test_bad_shape")
-

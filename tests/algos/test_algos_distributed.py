@@ -1,4 +1,5 @@
 """Split invariance across real data-parallel ranks: GlobalBatchInfo.from_masks all-reduces the counts."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,9 @@ def policy_grad(mode: str, rows: list[slice], global_batch: algos.GlobalBatchInf
     old, log_prob, adv, mask = full_batch()
     lp = log_prob.clone().requires_grad_(True)
     for s in rows:
-        loss, _ = algos.compute_policy_loss_vanilla(old[s], lp[s], adv[s], mask[s], mode, global_batch=global_batch)
+        loss, _ = algos.compute_policy_loss_vanilla(
+            old[s], lp[s], adv[s], mask[s], mode, global_batch=global_batch
+        )
         loss.backward()
     return lp.grad
 
@@ -35,7 +38,9 @@ def rank_grads(modes: list[str]) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     micro = [slice(0, 4), slice(4, 6)] if rank == 0 else [slice(6, 7), slice(7, 12)]
     mask = full_batch()[3]
-    info = algos.GlobalBatchInfo.from_masks([mask[s] for s in micro], dp_group=dist.group.WORLD, dp_size=WORLD)
+    info = algos.GlobalBatchInfo.from_masks(
+        [mask[s] for s in micro], dp_group=dist.group.WORLD, dp_size=WORLD
+    )
     grads = {}
     for mode in modes:
         grad = policy_grad(mode, micro, info)

@@ -1,4 +1,5 @@
 """DAPO dynamic sampling: groups whose responses all scored the same are dropped."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,15 +14,19 @@ from megatron_rl.protocol import DataProto
 def scored_batch(scores: list[float], uids: list) -> DataProto:
     mask = torch.ones(len(scores), 4)
     return DataProto.from_dict(
-        {"token_level_scores": outcome_rewards(mask, torch.tensor(scores)), "response_mask": mask,
-         "token_level_rewards": torch.zeros(len(scores), 4)},
+        {
+            "token_level_scores": outcome_rewards(mask, torch.tensor(scores)),
+            "response_mask": mask,
+            "token_level_rewards": torch.zeros(len(scores), 4),
+        },
         {"uid": np.array(uids, dtype=object), "row": np.arange(len(scores))},
     )
 
 
 def test_drops_constant_groups_keeps_singletons_and_order():
-    data = scored_batch([0.1, 0.1, 0.1, 1, 0, 1, 0.7, 1, 1],
-                        ["a", "a", "a", "b", "b", "b", "lonely", "c", "c"])
+    data = scored_batch(
+        [0.1, 0.1, 0.1, 1, 0, 1, 0.7, 1, 1], ["a", "a", "a", "b", "b", "b", "lonely", "c", "c"]
+    )
     kept, dropped = algos.filter_zero_variance_groups(data)
     assert dropped == 2  # "a" (0.1 three times: np.std says 1.4e-17, still constant) and "c"
     assert list(kept.non_tensor_batch["row"]) == [3, 4, 5, 6]
@@ -43,5 +48,7 @@ def test_bad_metric_and_nan_are_reported():
     data = scored_batch([1, float("nan")], ["a", "a"])
     with pytest.raises(ValueError, match=r"metric 'score' is NaN for rows \[1\]"):
         algos.filter_zero_variance_groups(data)
-    with pytest.raises(ValueError, match=r"filter_groups.metric='acc' is neither one of .* nor a non_tensor_batch key"):
+    with pytest.raises(
+        ValueError, match=r"filter_groups.metric='acc' is neither one of .* nor a non_tensor_batch key"
+    ):
         algos.filter_zero_variance_groups(data, metric="acc")

@@ -1,4 +1,5 @@
 """KL estimators, KL controllers, and the reward shaping that uses them."""
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,18 @@ def test_kl_penalty_value_and_gradient_match_formulas(kind):
     flat_lp, flat_ref = logprob.detach().flatten().tolist(), ref_logprob.flatten().tolist()
     expected_value = [ref.kl_value(a, b, kind) for a, b in zip(flat_lp, flat_ref)]
     expected_grad = [ref.kl_grad(a, b, kind) for a, b in zip(flat_lp, flat_ref)]
-    torch.testing.assert_close(value.detach().flatten().double(), torch.tensor(expected_value, dtype=torch.float64),
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logprob.grad.flatten().double(), torch.tensor(expected_grad, dtype=torch.float64),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        value.detach().flatten().double(),
+        torch.tensor(expected_value, dtype=torch.float64),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        logprob.grad.flatten().double(),
+        torch.tensor(expected_grad, dtype=torch.float64),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_kl_penalty_rejects_unknown_names_and_shape_mismatch():
@@ -61,10 +70,14 @@ def test_adaptive_controller_follows_the_formula_and_resumes():
 
 
 def test_fixed_controller_stays_fixed_and_factory_reads_the_config():
-    fixed = algos.get_kl_controller(type("Cfg", (), dict(type="fixed", kl_coef=0.3, target_kl=0.1, horizon=10)))
+    fixed = algos.get_kl_controller(
+        type("Cfg", (), dict(type="fixed", kl_coef=0.3, target_kl=0.1, horizon=10))
+    )
     fixed.update(current_kl=5.0, n_steps=100)
     assert isinstance(fixed, algos.FixedKLController) and fixed.value == 0.3
-    adaptive = algos.get_kl_controller(type("Cfg", (), dict(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10)))
+    adaptive = algos.get_kl_controller(
+        type("Cfg", (), dict(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10))
+    )
     assert isinstance(adaptive, algos.AdaptiveKLController)
     with pytest.raises(ValueError, match=r"algorithm.kl_ctrl.type='pid' is unknown"):
         algos.get_kl_controller(type("Cfg", (), dict(type="pid", kl_coef=0.3, target_kl=0.1, horizon=10)))
@@ -77,8 +90,12 @@ def rl_batch(seed: int = 0) -> DataProto:
     mask = random_mask(5, 7, gen, empty_rows=(3,))
     logprob, ref_logprob = log_prob_pair(seed, (5, 7))
     return DataProto.from_dict(
-        {"token_level_scores": torch.randn(5, 7, generator=gen) * mask, "old_log_probs": logprob,
-         "ref_log_prob": ref_logprob, "response_mask": mask},
+        {
+            "token_level_scores": torch.randn(5, 7, generator=gen) * mask,
+            "old_log_probs": logprob,
+            "ref_log_prob": ref_logprob,
+            "response_mask": mask,
+        },
         {"uid": np.arange(5)},
     )
 
@@ -90,11 +107,18 @@ def test_apply_kl_penalty_shapes_rewards_and_reports_the_kl(kind):
     ctrl = algos.AdaptiveKLController(init_kl_coef=0.2, target_kl=0.1, horizon=100)
     data, metrics = algos.apply_kl_penalty(data, ctrl, kl_penalty=kind)
 
-    kld = [[ref.kl_value(a, r, kind) * m for a, r, m in zip(ar, rr, mr)]
-           for ar, rr, mr in zip(ref.rows(b["old_log_probs"]), ref.rows(b["ref_log_prob"]), ref.rows(b["response_mask"]))]
-    expected = [[s - 0.2 * k for s, k in zip(sr, kr)] for sr, kr in zip(ref.rows(b["token_level_scores"]), kld)]
-    torch.testing.assert_close(b["token_level_rewards"].double(), torch.tensor(expected, dtype=torch.float64),
-                               atol=1e-5, rtol=1e-5)
+    kld = [
+        [ref.kl_value(a, r, kind) * m for a, r, m in zip(ar, rr, mr)]
+        for ar, rr, mr in zip(
+            ref.rows(b["old_log_probs"]), ref.rows(b["ref_log_prob"]), ref.rows(b["response_mask"])
+        )
+    ]
+    expected = [
+        [s - 0.2 * k for s, k in zip(sr, kr)] for sr, kr in zip(ref.rows(b["token_level_scores"]), kld)
+    ]
+    torch.testing.assert_close(
+        b["token_level_rewards"].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=1e-5
+    )
     per_seq = [sum(kr) / (sum(mr) + 1e-8) for kr, mr in zip(kld, ref.rows(b["response_mask"]))]
     current_kl = sum(per_seq) / len(per_seq)  # the empty response counts as KL 0, as in verl
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(current_kl, abs=1e-6)

@@ -1,4 +1,5 @@
 """Loss aggregation (incl. split invariance), policy losses, value loss, entropy and KL loss terms."""
+
 from __future__ import annotations
 
 import algos_loop_reference as ref
@@ -35,9 +36,12 @@ def assert_scalar(actual: torch.Tensor, expected: float) -> None:
 def test_agg_loss_matches_loop(mode):
     _, loss_mat, _, mask = batch(1)
     assert_scalar(algos.agg_loss(loss_mat, mask, mode), ref.agg(loss_mat, mask, mode))
-    assert_scalar(algos.agg_loss(loss_mat, mask, mode, global_num_tokens=100, global_batch_size=20,
-                                 loss_scale_factor=64),
-                  ref.agg(loss_mat, mask, mode, num_tokens=100, num_seqs=20, scale=64))
+    assert_scalar(
+        algos.agg_loss(
+            loss_mat, mask, mode, global_num_tokens=100, global_batch_size=20, loss_scale_factor=64
+        ),
+        ref.agg(loss_mat, mask, mode, num_tokens=100, num_seqs=20, scale=64),
+    )
 
 
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
@@ -69,12 +73,13 @@ def test_gradient_does_not_depend_on_micro_batch_and_dp_split(mode, dp_average):
     """
     _, loss_mat, _, mask = batch(2)
     weights = loss_mat.clone().requires_grad_(True)  # the "parameters": one per token
-    algos.agg_loss(weights ** 2, mask, mode).backward()
+    algos.agg_loss(weights**2, mask, mode).backward()
     full_grad = weights.grad.clone()
 
     ranks = [[slice(0, 3), slice(3, 4)], [slice(4, 6), slice(6, 8)]]
-    info = algos.GlobalBatchInfo.from_masks([mask[s] for micro in ranks for s in micro],
-                                            dp_size=2 if dp_average else 1)
+    info = algos.GlobalBatchInfo.from_masks(
+        [mask[s] for micro in ranks for s in micro], dp_size=2 if dp_average else 1
+    )
     rank_grads = []
     for micro_batches in ranks:
         weights.grad = None
@@ -95,8 +100,9 @@ def test_policy_loss_gradient_is_split_invariant_with_global_batch_info():
     parts = [slice(0, 3), slice(3, 5), slice(5, 8)]
     info = algos.GlobalBatchInfo.from_masks([mask[s] for s in parts])
     for s in parts:
-        algos.compute_policy_loss_vanilla(old[s], lp[s], adv[s], mask[s], "token-mean", config,
-                                          global_batch=info)[0].backward()
+        algos.compute_policy_loss_vanilla(
+            old[s], lp[s], adv[s], mask[s], "token-mean", config, global_batch=info
+        )[0].backward()
     torch.testing.assert_close(lp.grad, full_grad, **TOL)
 
 
@@ -131,13 +137,16 @@ CONFIGS = [
 def test_vanilla_policy_loss_matches_loop(config, mode):
     old, log_prob, adv, mask = batch(4)
     loss, metrics = algos.compute_policy_loss_vanilla(old, log_prob, adv, mask, mode, config)
-    losses, clip, lower, log_ratio = ref.vanilla_token_losses(old, log_prob, adv, config.low, config.high,
-                                                              config.clip_ratio_c)
+    losses, clip, lower, log_ratio = ref.vanilla_token_losses(
+        old, log_prob, adv, config.low, config.high, config.clip_ratio_c
+    )
     assert_scalar(loss, ref.agg(torch.tensor(losses), mask, mode))
     assert metrics["actor/pg_clipfrac"] == pytest.approx(ref.masked_mean(clip, mask), abs=1e-6)
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(ref.masked_mean(lower, mask), abs=1e-6)
     assert metrics["actor/ppo_kl"] == pytest.approx(-ref.masked_mean(log_ratio, mask), abs=1e-6)
-    assert 0 < metrics["actor/pg_clipfrac"] < 1 and 0 < metrics["actor/pg_clipfrac_lower"] < 1  # both clips bind
+    assert (
+        0 < metrics["actor/pg_clipfrac"] < 1 and 0 < metrics["actor/pg_clipfrac_lower"] < 1
+    )  # both clips bind
 
 
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
@@ -177,9 +186,13 @@ def test_truncated_importance_sampling(name):
         token_losses = torch.tensor(ref.vanilla_token_losses(old, log_prob, adv, 0.2, 0.2, 3.0)[0])
     else:
         token_losses = torch.tensor(ref.gspo_token_losses(old, log_prob, adv, mask, 0.2, 0.2)[0])
-    weights = [[min(torch.tensor(o - r).exp().item(), 1.5) for o, r in zip(orow, rrow)]
-               for orow, rrow in zip(ref.rows(old), ref.rows(rollout))]
-    assert_scalar(loss, ref.agg(token_losses * torch.tensor(weights, dtype=torch.float64), mask, "token-mean"))
+    weights = [
+        [min(torch.tensor(o - r).exp().item(), 1.5) for o, r in zip(orow, rrow)]
+        for orow, rrow in zip(ref.rows(old), ref.rows(rollout))
+    ]
+    assert_scalar(
+        loss, ref.agg(token_losses * torch.tensor(weights, dtype=torch.float64), mask, "token-mean")
+    )
     assert 0 < metrics["actor/tis_clipfrac"] < 1
     assert metrics["actor/tis_weight_mean"] == pytest.approx(ref.masked_mean(weights, mask), abs=1e-5)
 
@@ -188,20 +201,26 @@ def test_truncated_importance_sampling(name):
 
 
 def test_policy_loss_config_validation_and_actor_config():
-    assert algos.PolicyLossConfig.from_actor_config(ActorConfig(clip_ratio_high=0.28)) == algos.PolicyLossConfig(
-        clip_ratio=0.2, clip_ratio_high=0.28)
+    assert algos.PolicyLossConfig.from_actor_config(
+        ActorConfig(clip_ratio_high=0.28)
+    ) == algos.PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28)
     with pytest.raises(ValueError, match=r"clip_ratio_c must be > 1 \(dual-clip bound\), got 1.0"):
         algos.PolicyLossConfig(clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="tis_imp_ratio_cap must be > 0 or null"):
         algos.PolicyLossConfig(tis_imp_ratio_cap=0.0)
     with pytest.raises(ValueError, match=r"log_prob \(8, 9\)"):
-        algos.compute_policy_loss_vanilla(torch.zeros(8, 10), torch.zeros(8, 9), torch.zeros(8, 10), torch.ones(8, 10))
+        algos.compute_policy_loss_vanilla(
+            torch.zeros(8, 10), torch.zeros(8, 9), torch.zeros(8, 10), torch.ones(8, 10)
+        )
 
 
 def test_policy_loss_registry():
     assert algos.list_policy_losses()[:2] == ["vanilla", "gspo"]
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo' \(actor_rollout_ref.actor.policy_loss\); "
-                                         r"known: \['vanilla', 'gspo'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown policy loss 'ppo' \(actor_rollout_ref.actor.policy_loss\); "
+        r"known: \['vanilla', 'gspo'",
+    ):
         algos.get_policy_loss("ppo")
     with pytest.raises(ValueError, match="'vanilla' is already registered"):
         algos.register_policy_loss("vanilla")(lambda *a, **k: None)
@@ -230,9 +249,14 @@ def test_value_loss_matches_loop():
 def test_entropy_and_kl_loss_terms():
     old, log_prob, _, mask = batch(9)
     entropy = torch.rand(B, T)
-    assert_scalar(algos.compute_entropy_loss(entropy, mask, "seq-mean-token-mean"),
-                  ref.agg(entropy, mask, "seq-mean-token-mean"))
-    kl = [[ref.kl_value(a, b, "low_var_kl") for a, b in zip(ar, br)] for ar, br in zip(ref.rows(log_prob), ref.rows(old))]
+    assert_scalar(
+        algos.compute_entropy_loss(entropy, mask, "seq-mean-token-mean"),
+        ref.agg(entropy, mask, "seq-mean-token-mean"),
+    )
+    kl = [
+        [ref.kl_value(a, b, "low_var_kl") for a, b in zip(ar, br)]
+        for ar, br in zip(ref.rows(log_prob), ref.rows(old))
+    ]
     assert_scalar(algos.compute_kl_loss(log_prob, old, mask), ref.agg(torch.tensor(kl), mask, "token-mean"))
 
 
@@ -245,10 +269,19 @@ def test_losses_match_verl(verl_core_algos, mode):
 
     old, log_prob, adv, mask = batch(10)
     ours_cfg = CONFIGS[1]
-    verl_cfg = VerlActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28,
-                               clip_ratio_c=1.5, ppo_micro_batch_size_per_gpu=1, rollout_n=2)
-    for ours_fn, verl_fn in ((algos.compute_policy_loss_vanilla, verl_core_algos.compute_policy_loss_vanilla),
-                             (algos.compute_policy_loss_gspo, verl_core_algos.compute_policy_loss_gspo)):
+    verl_cfg = VerlActorConfig(
+        strategy="megatron",
+        clip_ratio=0.2,
+        clip_ratio_low=0.1,
+        clip_ratio_high=0.28,
+        clip_ratio_c=1.5,
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=2,
+    )
+    for ours_fn, verl_fn in (
+        (algos.compute_policy_loss_vanilla, verl_core_algos.compute_policy_loss_vanilla),
+        (algos.compute_policy_loss_gspo, verl_core_algos.compute_policy_loss_gspo),
+    ):
         ours_lp, verl_lp = log_prob.clone().requires_grad_(), log_prob.clone().requires_grad_()
         ours, ours_metrics = ours_fn(old, ours_lp, adv, mask, mode, ours_cfg)
         theirs, verl_metrics = verl_fn(old, verl_lp, adv, mask, mode, verl_cfg)
