@@ -2,11 +2,11 @@
 
 Generation: ``generate_sequences(prompts) -> DataProto`` (layout in ``batch_io``); the output's meta_info
 carries ``weight_version`` (the version of the weights that produced every sample of the call) and
-``timing``. ``compute_log_probs(data)`` scores given responses under the engine's current weights.
+``timing``. Engines that can also score given responses implement ``compute_log_probs(data)``.
 
 Weights arrive as HF-named full tensors. A weight update is a session:
-``begin_weight_update()`` -> ``load_weight_bucket(bucket)`` / ``load_named_tensors(...)`` any number of
-times -> ``end_weight_update(version)``. Loads block until the engine has copied the data, so the
+``begin_weight_update(version)`` -> ``load_weight_bucket(bucket)`` / ``load_named_tensors(...)`` any
+number of times -> ``end_weight_update()``. Loads block until the engine has copied the data, so the
 caller may reuse its buffer when they return. ``update_weights(named_tensors, version)`` is the
 one-call form. While a session is open (or after a failed one) the engine refuses to generate, so
 partially updated weights never produce samples.
@@ -42,15 +42,16 @@ class RolloutEngine(ABC):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample one response per prompt row (n is applied by the caller with ``DataProto.repeat``)."""
 
-    @abstractmethod
     def compute_log_probs(self, data: DataProto) -> torch.Tensor:
         """Log-probs [B, R] of ``data``'s ``responses`` (0 at padding), at meta_info ``temperature``
         (default 1.0), using the same convention as the sampler (temperature-scaled, full vocabulary)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score given responses; compare the "
+                                  "rollout_log_probs of generate_sequences instead (verify_sync does)")
 
     # ------------------------------------------------------------------ weights
     @abstractmethod
-    def begin_weight_update(self) -> None:
-        """Open a weight-update session."""
+    def begin_weight_update(self, version: int) -> None:
+        """Open a weight-update session for weight version ``version``."""
 
     @abstractmethod
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -61,8 +62,8 @@ class RolloutEngine(ABC):
         self.load_named_tensors(bucket.named_tensors())
 
     @abstractmethod
-    def end_weight_update(self, version: int) -> None:
-        """Close the session; from now on samples carry ``version``."""
+    def end_weight_update(self) -> None:
+        """Close the session; from now on samples carry the session's version."""
 
     @abstractmethod
     def abort_weight_update(self, reason: str) -> None:
@@ -70,13 +71,13 @@ class RolloutEngine(ABC):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load a complete set of weights in one call."""
-        self.begin_weight_update()
+        self.begin_weight_update(version)
         try:
             self.load_named_tensors(named_tensors)
         except BaseException as exc:
             self.abort_weight_update(f"update to version {version} failed: {exc}")
             raise
-        self.end_weight_update(version)
+        self.end_weight_update()
 
     def weight_checksums(self) -> dict[str, TensorChecksum] | None:
         """Checksums of the served weights by HF name, or None when the engine cannot report them."""

@@ -2,7 +2,8 @@
 
 The layout is SGLang's ``flattened_bucket`` (one 1-D uint8 tensor plus, per tensor, name, shape, dtype
 and the byte range ``[start, end)``), so the SGLang engine sends a bucket as is and the HF engine reads
-views of it. Entries start at 16-byte-aligned offsets so every view is aligned for its dtype.
+views of it. Each entry starts at the first offset aligned to its dtype's size, so a single-dtype bucket
+is packed back to back — the layout SGLang's distributed receiver allocates from (names, dtypes, shapes).
 """
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BucketEntry", "WeightBucket"]
-
-_ALIGN = 16
-
 
 @dataclass(frozen=True)
 class BucketEntry:
@@ -33,8 +31,8 @@ class WeightBucket:
     ``clear``. The bucket owns its buffer; views returned by ``named_tensors`` die with the next ``add``."""
 
     def __init__(self, capacity_bytes: int, device: torch.device | str) -> None:
-        if capacity_bytes < _ALIGN:
-            raise ValueError(f"bucket capacity must be at least {_ALIGN} bytes, got {capacity_bytes}")
+        if capacity_bytes < 1:
+            raise ValueError(f"bucket capacity must be positive, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self.device = torch.device(device)
         self.buffer: torch.Tensor | None = None  # allocated on first use
@@ -45,7 +43,7 @@ class WeightBucket:
     def wrapping(cls, name: str, tensor: torch.Tensor) -> "WeightBucket":
         """A single-tensor bucket over the tensor's own bytes (for tensors larger than any bucket)."""
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        bucket = cls(max(flat.numel(), _ALIGN), tensor.device)
+        bucket = cls(max(flat.numel(), 1), tensor.device)
         bucket.buffer = flat
         bucket.entries = [BucketEntry(name, tuple(tensor.shape), tensor.dtype, 0, flat.numel())]
         bucket.used = flat.numel()
@@ -59,17 +57,17 @@ class WeightBucket:
         """Bytes of tensor data (padding excluded)."""
         return sum(e.end - e.start for e in self.entries)
 
-    def fits(self, nbytes: int) -> bool:
-        return _aligned(self.used) + nbytes <= self.capacity
+    def fits(self, nbytes: int, dtype: torch.dtype) -> bool:
+        return _aligned(self.used, dtype.itemsize) + nbytes <= self.capacity
 
     def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         """Copy ``tensor`` into the buffer as ``dtype`` (the cast and the copy are one kernel)."""
         nbytes = tensor.numel() * dtype.itemsize
-        if not self.fits(nbytes):
+        if not self.fits(nbytes, dtype):
             raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used")
         if self.buffer is None:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
-        start = _aligned(self.used)
+        start = _aligned(self.used, dtype.itemsize)
         end = start + nbytes
         self.buffer[start:end].view(dtype).view(tensor.shape).copy_(tensor.detach())
         self.entries.append(BucketEntry(name, tuple(tensor.shape), dtype, start, end))
@@ -93,5 +91,5 @@ class WeightBucket:
         self.used = 0
 
 
-def _aligned(offset: int) -> int:
-    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+def _aligned(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment

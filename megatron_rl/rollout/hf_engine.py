@@ -87,6 +87,7 @@ class HFEngine(RolloutEngine):
         self._targets = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
         self._unique_params = {id(p): name for name, p in self.model.named_parameters()}
         self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
+        self._session_version = 0
         self._broken: str | None = None  # why the served weights cannot be trusted
         self._asleep = False
         self.weight_version = 0
@@ -167,10 +168,11 @@ class HFEngine(RolloutEngine):
             raise RuntimeError(f"HFEngine weights are incomplete ({self._broken}); run a complete weight update")
 
     # ------------------------------------------------------------------ weights
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, version: int) -> None:
         if self._session_loaded is not None:
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self._session_loaded = set()
+        self._session_version = int(version)
 
     @torch.no_grad()
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -190,7 +192,7 @@ class HFEngine(RolloutEngine):
             target.copy_(tensor)
             self._session_loaded.add(id(target))
 
-    def end_weight_update(self, version: int) -> None:
+    def end_weight_update(self) -> None:
         if self._session_loaded is None:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
         missing = [name for pid, name in self._unique_params.items() if pid not in self._session_loaded]
@@ -199,7 +201,7 @@ class HFEngine(RolloutEngine):
             self._broken = f"{len(missing)} parameters never sent, e.g. {missing[:3]}"
             raise WeightUpdateError(f"weight update incomplete: {len(missing)} parameters were not sent: {missing[:8]}")
         self._broken = None
-        self.weight_version = int(version)
+        self.weight_version = self._session_version
 
     def abort_weight_update(self, reason: str) -> None:
         self._session_loaded = None

@@ -10,9 +10,11 @@ than a bucket travels alone in its own buffer. Peak extra memory is 2 x bucket s
 Failure safety: the engine refuses to generate while its weight-update session is open and after a
 failed sync (``abort_weight_update``), so partially updated weights never produce samples.
 
-``verify_sync`` scores a fixed probe batch in the engine and in the trainer and reports
-``rollout/logprob_diff_mean|max``; above the threshold it raises ``WeightSyncError`` naming the first
-tensors whose checksums differ between what the trainer sent and what the engine holds.
+``verify_sync`` has the engine answer a fixed set of probe prompts greedily, scores the same tokens in the
+trainer, and reports ``rollout/logprob_diff_mean|max`` (engine's sampler log-probs vs trainer's); above
+the threshold it raises ``WeightSyncError`` naming the first tensors whose checksums differ between
+what the trainer sent and what the engine holds. Going through generation (not a separate scoring call)
+checks the path samples actually take and works for every engine, SGLang included.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def sync_weights(
     checksums: dict[str, TensorChecksum] | None = {} if compute_checksums else None
     seen: set[str] = set()
     total_bytes = 0
-    engine.begin_weight_update()
+    engine.begin_weight_update(version)
     try:
         for name, tensor in _chain(first, stream):
             _check_item((name, tensor))
@@ -150,7 +152,7 @@ def sync_weights(
                 sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
                 pusher.push(sent)
             else:
-                if not pusher.current.fits(nbytes):
+                if not pusher.current.fits(nbytes, cast):
                     pusher.push()
                 pusher.current.add(name, tensor, cast)
                 sent = pusher.current
@@ -164,7 +166,7 @@ def sync_weights(
         engine.abort_weight_update(f"sync to version {version} failed: {exc}")
         raise
     pusher.close()
-    engine.end_weight_update(version)
+    engine.end_weight_update()
     seconds = time.perf_counter() - start
     stats = WeightSyncStats(version, seconds, total_bytes, len(seen), pusher.num_buckets, checksums)
     logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.2f s (%.2f GB/s)", version, len(seen),
@@ -185,20 +187,22 @@ def _check_item(item: object) -> None:
 def verify_sync(
     trainer_log_prob_fn: Callable[[DataProto], torch.Tensor],
     engine: RolloutEngine,
-    probe_batch: DataProto,
+    probe_prompts: DataProto,
     *,
     threshold: float,
     source_checksums: Mapping[str, TensorChecksum] | None = None,
 ) -> dict[str, float]:
-    """Compare the engine's and the trainer's log-probs [B, R] of the probe batch's responses.
-
-    ``probe_batch`` holds full sequences (input_ids, attention_mask, position_ids, responses,
-    response_mask) and meta_info temperature. Returns ``rollout/logprob_diff_mean|max`` over valid
+    """Generate greedily for ``probe_prompts`` (left-padded prompts, kept fixed across steps), score the
+    result with ``trainer_log_prob_fn`` (DataProto -> [B, R], at meta_info temperature, here 1.0) and
+    compare with the engine's ``rollout_log_probs``. Returns ``rollout/logprob_diff_mean|max`` over valid
     response tokens; raises WeightSyncError when the mean exceeds ``threshold``.
     """
-    probe_batch.require("responses", "response_mask", where="verify_sync probe batch")
-    engine_lp = engine.compute_log_probs(probe_batch).float().cpu()
-    trainer_lp = trainer_log_prob_fn(probe_batch).float().cpu()
+    probe = probe_prompts.select(meta_info_keys=[])
+    probe.meta_info.update(do_sample=False, temperature=1.0)  # greedy log-probs are at T = 1
+    probe_batch = engine.generate_sequences(probe)
+    engine_lp = probe_batch.batch["rollout_log_probs"].float().cpu()
+    with torch.no_grad():
+        trainer_lp = trainer_log_prob_fn(probe_batch).float().cpu()
     if engine_lp.shape != trainer_lp.shape:
         raise WeightSyncError(f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}")
     mask = probe_batch.batch["response_mask"].bool().cpu()

@@ -147,10 +147,10 @@ def test_session_rules(engine):
     with pytest.raises(WeightUpdateError, match="outside a weight-update session"):
         engine.load_named_tensors([])
     with pytest.raises(WeightUpdateError, match="no weight-update session"):
-        engine.end_weight_update(1)
-    engine.begin_weight_update()
+        engine.end_weight_update()
+    engine.begin_weight_update(1)
     with pytest.raises(WeightUpdateError, match="already open"):
-        engine.begin_weight_update()
+        engine.begin_weight_update(2)
     with pytest.raises(RuntimeError, match="open weight-update session"):
         engine.generate_sequences(prompt_batch([2]))
 
