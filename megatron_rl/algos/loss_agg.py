@@ -8,7 +8,7 @@ of the whole mini-batch, so the accumulated gradient does not depend on how it w
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -60,7 +60,8 @@ class GlobalBatchInfo:
         return cls(float(counts[0]), float(counts[1]), dp_size, loss_scale_factor)
 
     def agg_kwargs(self) -> dict:
-        return asdict(self)
+        """The keyword arguments of ``agg_loss`` (no deep copy: counts may be tensors)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 LOCAL_BATCH = GlobalBatchInfo()  # normalise each call by its own counts (one micro-batch = the whole batch)

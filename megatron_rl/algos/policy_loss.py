@@ -7,7 +7,7 @@ names actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -62,7 +62,7 @@ class PolicyLossConfig:
     @classmethod
     def from_actor_config(cls, actor: Any) -> "PolicyLossConfig":
         """Read the fields of the same names from ``actor_rollout_ref.actor`` (dataclass or DictConfig)."""
-        return cls(**{name: getattr(actor, name) for name in cls.__dataclass_fields__})
+        return cls(**{f.name: getattr(actor, f.name) for f in fields(cls)})
 
 
 class PolicyLoss(Protocol):
