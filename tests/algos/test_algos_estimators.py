@@ -236,3 +236,18 @@ def test_estimators_match_verl(verl_core_algos, seed, mask_kind, reward_kind):
     for ours, theirs in pairs:
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b.float(), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.bfloat16])
+def test_mask_dtype_does_not_change_the_result(dtype):
+    rewards, values, mask = make_batch(2, "multi_turn", "dense")
+    uids = grouped_uids(GROUP_SIZES)
+    other = mask.to(dtype)
+    for fn, args in (
+        (algos.compute_gae_advantage_return, lambda m: (rewards, values, m, 0.9, 0.9)),
+        (algos.compute_grpo_outcome_advantage, lambda m: (rewards, m, uids)),
+        (algos.compute_reinforce_plus_plus_baseline_outcome_advantage, lambda m: (rewards, m, uids)),
+        (algos.compute_reinforce_plus_plus_outcome_advantage, lambda m: (rewards, m, 0.9)),
+    ):
+        for a, b in zip(fn(*args(mask)), fn(*args(other))):
+            torch.testing.assert_close(b.float(), a.float())
