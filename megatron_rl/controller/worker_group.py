@@ -1,0 +1,242 @@
+"""A worker group: one Ray actor per rank, and the registered worker methods as local calls.
+
+``wg.compute_log_prob(data)`` splits ``data`` as the method's ``@register`` spec says, runs it on the
+ranks, waits (with a deadline) and combines the results; ``wg.compute_log_prob.async_(data)`` returns a
+``PendingCall`` at once. A colocated group (several roles in one process per rank) hands out one
+``RoleGroup`` per role with ``spawn()``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import ray
+
+from megatron_rl.controller.decorator import Dispatch, MethodSpec, registered_methods
+from megatron_rl.controller.dispatch import CallPlan, plan_call
+from megatron_rl.controller.errors import WorkerError, wait_for_results
+from megatron_rl.controller.mesh import RankMesh, check_mesh
+from megatron_rl.controller.resource_pool import RankSlot, RayResourcePool, master_endpoint
+from megatron_rl.controller.worker import Worker
+from megatron_rl.protocol import DataProto
+
+__all__ = ["RayWorkerGroup", "RoleGroup", "GroupMethod", "PendingCall"]
+
+ROLE_SEPARATOR = "__"  # colocated methods are named "<role>__<method>"
+
+
+class PendingCall:
+    """A group call still running on the workers; ``get()`` waits for every rank and combines the results."""
+
+    def __init__(self, refs: list[ray.ObjectRef], plan: CallPlan, role: str, method: str, timeout_s: float) -> None:
+        self.refs = refs
+        self._plan, self._role, self._method, self._timeout_s = plan, role, method, timeout_s
+
+    @property
+    def ranks(self) -> list[int]:
+        return self._plan.ranks
+
+    def done(self) -> bool:
+        _, pending = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return not pending
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The combined result; raises a WorkerError naming role, method and rank on any failure."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        outputs = wait_for_results(self.refs, self._plan.ranks, self._role, self._method, timeout)
+        return self._plan.collect(outputs)
+
+
+class GroupMethod:
+    """A registered worker method, called on the whole group."""
+
+    def __init__(self, target: "RoleGroup", name: str, spec: MethodSpec, doc: str | None) -> None:
+        self._target, self._name, self.spec = target, name, spec
+        self.__doc__ = doc
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        pending = self.async_(*args, **kwargs)
+        return pending.get() if self.spec.blocking else pending
+
+    def async_(self, *args: Any, **kwargs: Any) -> PendingCall:
+        target = self._target
+        mesh = target.mesh() if self.spec.dispatch_mode is Dispatch.MEGATRON_COMPUTE_PROTO else None
+        plan = plan_call(self.spec, args, kwargs, target.world_size, f"{target.role}.{self._name}", mesh)
+        return target.submit(self._name, plan)
+
+    def __repr__(self) -> str:
+        return f"<GroupMethod {self._target.role}.{self._name} {self.spec.dispatch_mode.name}>"
+
+
+class RoleGroup:
+    """The methods of one role on every rank of a worker group (the whole group, or one colocated role)."""
+
+    def __init__(self, group: "RayWorkerGroup", role: str, prefix: str, worker_cls: type) -> None:
+        self._group, self.role, self._prefix, self._worker_cls = group, role, prefix, worker_cls
+        self._mesh: list[RankMesh] | None = None
+        for name, spec in registered_methods(worker_cls).items():
+            if not name.startswith(prefix):
+                continue
+            short = name[len(prefix):]
+            if hasattr(self, short):
+                raise ValueError(f"{worker_cls.__name__}.{name}: the name {short!r} is taken by the worker group "
+                                 f"itself ({type(self).__name__}.{short}); rename the worker method")
+            setattr(self, short, GroupMethod(self, short, spec, getattr(worker_cls, name).__doc__))
+
+    @property
+    def group(self) -> "RayWorkerGroup":
+        return self._group
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call any public worker method on every rank with the same arguments; results by rank."""
+        return self.execute_all_async(method, *args, **kwargs).get()
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        plan = CallPlan(list(range(self.world_size)), [(args, kwargs)] * self.world_size, list)
+        return self.submit(method, plan)
+
+    def mesh(self) -> list[RankMesh]:
+        """Every rank's model-parallel coordinates, asked once from the workers and then cached."""
+        if self._mesh is None:
+            reports = self.execute_all("mesh_info")
+            check_mesh(reports, self.role)
+            self._mesh = reports
+        return self._mesh
+
+    def refresh_mesh(self) -> list[RankMesh]:
+        """Ask the workers again (after they changed their parallel layout)."""
+        self._mesh = None
+        return self.mesh()
+
+    def submit(self, method: str, plan: CallPlan) -> PendingCall:
+        remote_name = self._prefix + method
+        if not callable(getattr(self._worker_cls, remote_name, None)):
+            raise AttributeError(f"{self.role}: worker class {self._worker_cls.__name__} has no method {remote_name!r}")
+        refs = self._group.call_ranks(remote_name, plan.ranks, plan.calls)
+        return PendingCall(refs, plan, self.role, method, self._group.timeout_s)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.role!r} world_size={self.world_size}>"
+
+
+def _hosted_class(worker_cls: type[Worker], role: str) -> type:
+    """``worker_cls`` with the rank's variables set before its __init__ reads them.
+
+    Set in-process rather than through each actor's runtime_env: identical runtime_envs let Ray reuse
+    its prestarted worker processes, which halves start-up time on small machines.
+    """
+
+    class Hosted(worker_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, rank_env: Mapping[str, str], /, **init_args: Any) -> None:
+            os.environ.update(rank_env)
+            super().__init__(**init_args)
+
+        def __repr__(self) -> str:  # Ray prefixes the worker's log lines with this
+            return f"{role}:{os.environ.get('RANK', '?')}"
+
+    Hosted.__name__ = Hosted.__qualname__ = worker_cls.__name__
+    return Hosted
+
+
+def _check_worker_cls(worker_cls: Any) -> None:
+    if isinstance(worker_cls, ray.actor.ActorClass):
+        raise TypeError("RayWorkerGroup takes the plain worker class, not ray.remote(...) of it")
+    if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+        raise TypeError(f"worker_cls must be a subclass of megatron_rl.controller.Worker, got {worker_cls!r}")
+
+
+class RayWorkerGroup(RoleGroup):
+    """One Ray actor per rank of ``resource_pool``, running ``worker_cls(**init_args)``.
+
+    Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and a MASTER_ADDR/MASTER_PORT
+    free on rank 0's node, so its ``torch.distributed.init_process_group("env://")`` just works.
+    ``env_vars`` are set in every rank's process before it starts. Waiting on any call is bounded by
+    ``timeout_s``. The constructor returns once every rank's __init__ has finished.
+    """
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        worker_cls: type[Worker],
+        init_args: Mapping[str, Any] | None = None,
+        name_prefix: str | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        _check_worker_cls(worker_cls)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        role = name_prefix or worker_cls.__name__
+        self.timeout_s = timeout_s
+        self.resource_pool = resource_pool
+        slots = resource_pool.rank_slots(timeout_s)
+        master_addr, master_port = master_endpoint(resource_pool.node_id_of(slots[0]), timeout_s)
+        actor_cls = ray.remote(_hosted_class(worker_cls, role))
+        runtime_env = {"env_vars": {k: str(v) for k, v in env_vars.items()}} if env_vars else None
+        self._actors = [
+            actor_cls.options(
+                scheduling_strategy=slot.scheduling_strategy(),
+                runtime_env=runtime_env,
+                **resource_pool.actor_resources(),
+            ).remote(_rank_env(slot, len(slots), master_addr, master_port), **dict(init_args or {}))
+            for slot in slots
+        ]
+        self.master_addr, self.master_port = master_addr, master_port
+        ready = [actor.__ray_ready__.remote() for actor in self._actors]
+        try:
+            wait_for_results(ready, list(range(len(slots))), role, "__init__", timeout_s)
+        except WorkerError:
+            self.kill()  # the other ranks may wait forever for the failed one (e.g. in a rendezvous)
+            raise
+        super().__init__(self, role, "", worker_cls)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    def call_ranks(self, method: str, ranks: list[int], calls: list[tuple[tuple, dict]]) -> list[ray.ObjectRef]:
+        """Start ``method`` on each of ``ranks`` with its (args, kwargs); a DataProto shared by several
+        ranks goes into the object store once."""
+        stored: dict[int, ray.ObjectRef] = {}
+
+        def share(value: Any) -> Any:
+            if not isinstance(value, DataProto):
+                return value
+            if id(value) not in stored:
+                stored[id(value)] = ray.put(value)
+            return stored[id(value)]
+
+        refs = []
+        for rank, (args, kwargs) in zip(ranks, calls):
+            remote = getattr(self._actors[rank], method)
+            refs.append(remote.remote(*[share(a) for a in args], **{k: share(v) for k, v in kwargs.items()}))
+        return refs
+
+    def spawn(self) -> dict[str, RoleGroup]:
+        """One handle per role of a colocated worker class; its methods route to that role's instance."""
+        roles = getattr(self._worker_cls, "colocated_roles", None)
+        if not roles:
+            raise TypeError(f"{self.role}: spawn() needs a class from create_colocated_worker_cls, "
+                            f"got {self._worker_cls.__name__}")
+        return {role: RoleGroup(self, role, role + ROLE_SEPARATOR, self._worker_cls) for role in roles}
+
+    def kill(self) -> None:
+        """End every rank's process now (e.g. after a failure left the others stuck in a collective)."""
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+
+
+def _rank_env(slot: RankSlot, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    return {
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+        "NODE_RANK": str(slot.node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
