@@ -1,0 +1,5 @@
+import sys
+
+from megatron_rl.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""Memory per GPU of a Llama-family model under Megatron TP/PP/DP: the formulas, nothing else.
+
+Everything is in bytes and counts one GPU of the busiest pipeline stage. Weights counted are the
+linear layers and embeddings; norm weights and q/k/v biases (< 0.01% of a 7B+ model) are left out.
+docs/launching.md derives each formula.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron_rl.models.builder import padded_vocab_size
+from megatron_rl.models.hf_config import HFModelConfig
+
+BF16 = 2
+FP32 = 4
+Stage = Literal["first", "last"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One role's parallel layout: tensor, pipeline, virtual pipeline, context and data parallel sizes."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recomputation: granularity None | "selective" | "full", method uniform | block."""
+
+    granularity: Optional[str] = None
+    method: str = "uniform"
+    num_layers: int = 1
+
+
+@dataclass(frozen=True)
+class StateBytesPerParam:
+    params: float
+    grads: float
+    optimizer: float
+
+
+def layer_params(model: HFModelConfig) -> int:
+    """Weights of one transformer layer: q, k, v, o projections and the SwiGLU gate, up, down."""
+    h, q, kv, ffn = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
+    return h * (q + 2 * kv) + q * h + 3 * h * ffn
+
+
+def total_params(model: HFModelConfig) -> int:
+    vocab_matrices = 1 if model.tie_word_embeddings else 2
+    return model.num_layers * layer_params(model) + vocab_matrices * model.vocab_size * model.hidden_size
+
+
+def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bool = True) -> int:
+    """Parameters on one GPU of the first or last pipeline stage.
+
+    Layers split evenly over PP and their weights over TP. The (padded) embedding lives on the first
+    stage and the output layer on the last; with PP=1 both are on the one stage, and tied embeddings
+    share one matrix there. ``lm_head=False`` is the critic: a hidden -> 1 value head, no vocab output.
+    """
+    vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
+    layers = model.num_layers // layout.pp * layer_params(model) // layout.tp
+    if layout.pp == 1:
+        shared = model.tie_word_embeddings and lm_head
+        return layers + vocab_shard * (1 if shared or not lm_head else 2)
+    if stage == "first":
+        return layers + vocab_shard
+    return layers + (vocab_shard if lm_head else 0)
+
+
+def state_bytes_per_param(params_dtype: str, distributed_optimizer: bool, optimizer_shards: int) -> StateBytesPerParam:
+    """Bytes per parameter of a trained model with Adam.
+
+    bf16 mixed precision: bf16 weights (2) + fp32 main grads (4) + fp32 master weights, Adam m and v (12).
+    The distributed optimizer shards the 12 bytes over the data-parallel group (DP x CP ranks).
+    fp32 training: fp32 weights (4) + fp32 grads (4) + Adam m, v (8); the weights are their own master.
+    """
+    if params_dtype == "fp32":
+        param, optimizer = FP32, 2 * FP32
+    else:
+        param, optimizer = BF16, 3 * FP32
+    shards = optimizer_shards if distributed_optimizer else 1
+    return StateBytesPerParam(params=param, grads=FP32, optimizer=optimizer / shards)
+
+
+def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout) -> float:
+    """Bytes one layer saves for backward per token (bf16, flash attention, no dropout).
+
+    Replicated over TP unless sequence parallel: the inputs and outputs of the two RMSNorms, 4 x h x 2 B.
+    Split over TP: q, k, v and the attention output (2q + 2kv) x 2 B, and the SwiGLU gate, up and
+    product 3 x ffn x 2 B.
+    """
+    replicated = 4 * model.hidden_size * BF16
+    split = (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) * BF16
+    return replicated / (layout.tp if layout.sequence_parallel else 1) + split / layout.tp
+
+
+def micro_batches_in_flight(layout: Layout, micro_batches: int, stage: Stage) -> float:
+    """Micro-batches whose activations a stage holds at once under 1F1B.
+
+    The first stage holds PP of them (PP + (PP-1)/VPP with the interleaved schedule), the last stage
+    one; never more than the micro-batches there are.
+    """
+    if stage == "last" or layout.pp == 1:
+        return 1
+    in_flight = layout.pp + ((layout.pp - 1) / layout.vpp if layout.vpp else 0)
+    return min(micro_batches, in_flight)
+
+
+def activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int, micro_batches: int,
+                     stage: Stage, recompute: Recompute = Recompute()) -> float:
+    """Activations a GPU of ``stage`` holds at the peak of a training step.
+
+    Without recompute each of the stage's L/PP layers keeps its full activations. Full recompute keeps
+    only the checkpointed layer inputs (h x 2 B per token, split by TP under sequence parallel) plus one
+    recompute chunk of full activations while it is recomputed. Selective recompute re-runs the core
+    attention only, whose s x s scores flash attention never stores: it saves nothing here.
+    """
+    tokens = tokens_per_micro_batch / layout.cp
+    per_layer = activation_bytes_per_token_layer(model, layout) * tokens
+    layers = model.num_layers // layout.pp
+    if recompute.granularity == "full":
+        checkpoint = model.hidden_size * BF16 * tokens / (layout.tp if layout.sequence_parallel else 1)
+        chunk = min(recompute.num_layers, layers)
+        if recompute.method == "block":  # the first `chunk` layers recompute, the others keep everything
+            stored = chunk * checkpoint + (layers - chunk) * per_layer
+        else:  # uniform: a checkpoint per chunk of `chunk` layers
+            stored = -(-layers // chunk) * checkpoint
+        return stored * micro_batches_in_flight(layout, micro_batches, stage) + chunk * per_layer
+    return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage)
+
+
+def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int) -> float:
+    """The last stage's output: bf16 logits plus an fp32 copy for the log-softmax, vocab split by TP."""
+    vocab = padded_vocab_size(model.vocab_size, layout.tp) / layout.tp
+    return tokens_per_micro_batch / layout.cp * vocab * (BF16 + FP32)
+
+
+def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:
+    """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks."""
+    return total_params(model) * BF16 / rollout_tp
+
+
+def kv_cache_bytes_per_token(model: HFModelConfig, rollout_tp: int) -> float:
+    """K and V of every layer for one token on one engine rank; KV heads replicate when TP > KV heads."""
+    kv_heads_per_rank = -(-model.num_key_value_heads // rollout_tp)
+    return 2 * model.num_layers * kv_heads_per_rank * model.head_dim * BF16

@@ -1,0 +1,275 @@
+"""Dry-run plan: the batch arithmetic of ``validate()`` plus memory per GPU, checked against the GPU.
+
+``build_plan(cfg)`` raises ``PlanError`` (a ConfigError) when the layout does not factor for this model
+or a phase of a step needs more memory than the GPU has; ``print_plan(cfg)`` is what ``--dry-run`` runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config import ConfigError, DerivedSizes, RoleSizes, validate
+from megatron_rl.models.builder import check_parallel_fit, padded_vocab_size
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.plan import memory
+from megatron_rl.plan.memory import Layout, Recompute, Stage
+from megatron_rl.plan.model_facts import load_model_facts
+
+GIB = 2**30
+ACTOR = "actor_rollout_ref.actor"
+REF = "actor_rollout_ref.ref"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+class PlanError(ConfigError):
+    """The plan cannot run: the layout does not factor for this model, or it does not fit in memory."""
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Bytes per GPU of one item in each phase of a step (phase name -> bytes)."""
+
+    label: str
+    per_phase: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    engines: int
+    tp: int
+    reserved: float  # bytes per GPU: gpu_memory_utilization x GPU memory
+    weights: float
+    kv_tokens: int  # KV cache capacity of one engine, in tokens
+
+    @property
+    def kv_cache(self) -> float:
+        return self.reserved - self.weights
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: DerivedSizes
+    model: HFModelConfig
+    gpu_memory: float  # bytes
+    actor_layout: Layout
+    actor_stage: Stage
+    phases: tuple[str, ...]
+    rows: tuple[MemoryRow, ...]
+    rollout: RolloutShare
+    sequence_length: int  # prompt + response tokens
+
+    def total(self, phase: str) -> float:
+        return sum(row.per_phase.get(phase, 0.0) for row in self.rows)
+
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.total(self.peak_phase()) <= self.gpu_memory
+
+    def format(self) -> str:
+        model, layout, rollout = self.model, self.actor_layout, self.rollout
+        params = memory.total_params(model)
+        lines = [
+            f"model ({model.source}): {model.architecture}, {params / 1e9:.2f} B params; hidden {model.hidden_size}, "
+            f"{model.num_layers} layers, {model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
+            f"ffn {model.intermediate_size}, vocab {model.vocab_size} (padded to "
+            f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
+            f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
+            self.sizes.summary(),
+            f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {_gib(rollout.reserved)} GiB: "
+            f"weights {_gib(rollout.weights)} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
+            f"({rollout.kv_tokens // self.sequence_length} sequences of {self.sequence_length} tokens) per engine",
+            f"memory per GPU in GiB, actor at its {self.actor_stage} pipeline stage:",
+        ]
+        width = max(len(row.label) for row in self.rows)
+        lines.append("  " + " " * width + "".join(f"{phase:>15}" for phase in self.phases))
+        for row in self.rows:
+            lines.append(f"  {row.label:<{width}}" + "".join(f"{_gib(row.per_phase.get(p, 0.0)):>15}" for p in self.phases))
+        lines.append(f"  {'total':<{width}}" + "".join(f"{_gib(self.total(p)):>15}" for p in self.phases))
+        peak = self.peak_phase()
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"peak: {peak}, {_gib(self.total(peak))} of {_gib(self.gpu_memory)} GiB per GPU: {verdict}")
+        return "\n".join(lines)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
+
+
+def _layout(cfg: DictConfig, prefix: str, world: int) -> Layout:
+    mcfg = OmegaConf.select(cfg, f"{prefix}.megatron")
+    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+    if world % (tp * pp * cp):  # validate() checks the trained roles; the reference is checked here
+        raise PlanError(f"{prefix}.megatron: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
+                        f"world size {world}")
+    return Layout(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp),
+                  vpp=mcfg.virtual_pipeline_model_parallel_size, sequence_parallel=mcfg.sequence_parallel)
+
+
+def _recompute(cfg: DictConfig, prefix: str) -> Recompute:
+    # verl's knob: megatron.override_transformer_config goes straight to Megatron's TransformerConfig.
+    override = OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {}
+    granularity = override.get("recompute_granularity")
+    method = override.get("recompute_method") or "uniform"
+    if granularity not in (None, "selective", "full") or method not in ("uniform", "block"):
+        raise ConfigError(f"{prefix}.megatron.override_transformer_config: recompute_granularity={granularity!r}, "
+                          f"recompute_method={method!r}; known: None|selective|full and uniform|block")
+    return Recompute(granularity, method, int(override.get("recompute_num_layers") or 1))
+
+
+def _check_factors(model: HFModelConfig, prefix: str, layout: Layout) -> None:
+    try:
+        check_parallel_fit(model, layout.tp, layout.pp, layout.vpp)
+    except ValueError as err:
+        raise PlanError(f"{prefix}.megatron (TP={layout.tp}, PP={layout.pp}) does not factor this model: {err}") from err
+
+
+def _check_rollout_factors(model: HFModelConfig, tp: int) -> None:
+    heads, groups = model.num_attention_heads, model.num_key_value_heads
+    if heads % tp or (groups % tp and tp % groups):
+        raise PlanError(f"{ROLLOUT}.tensor_model_parallel_size={tp} does not factor this model: the engine splits "
+                        f"num_attention_heads={heads} over TP and needs num_key_value_heads={groups} to be a "
+                        f"multiple or a divisor of TP")
+
+
+def _sequence_length(cfg: DictConfig) -> int:
+    response = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+    return cfg.data.max_prompt_length + response
+
+
+class _PhaseTable:
+    """Memory rows, each resident in some phases of a step and off the GPU (0 bytes) in the others."""
+
+    def __init__(self, phases: tuple[str, ...]) -> None:
+        self.phases = phases
+        self.rows: list[MemoryRow] = []
+
+    def add(self, label: str, nbytes: float, phases: tuple[str, ...]) -> None:
+        self.rows.append(MemoryRow(label, {p: (nbytes if p in phases else 0.0) for p in self.phases}))
+
+
+ROLE_PREFIX = {"actor": ACTOR, "critic": "critic"}
+
+
+def _params_dtype(cfg: DictConfig, mcfg: DictConfig) -> str:
+    if mcfg.params_dtype != "auto":
+        return mcfg.params_dtype
+    return "fp32" if cfg.trainer.device == "cpu" else "bf16"  # what "auto" picks on each device
+
+
+def _tokens_per_micro_batch(role_cfg: DictConfig, micro: int, sequence_length: int) -> int:
+    if role_cfg.use_dynamic_bsz:
+        return role_cfg.ppo_max_token_len_per_gpu
+    return micro * sequence_length
+
+
+def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_sizes: RoleSizes,
+                       model: HFModelConfig, stage: Stage) -> None:
+    """Weights, grads, Adam state and activations of the actor or the critic at one pipeline stage."""
+    prefix = ROLE_PREFIX[role]
+    role_cfg = OmegaConf.select(cfg, prefix)
+    mcfg = role_cfg.megatron
+    layout = _layout(cfg, prefix, role_sizes.model_parallel_size * role_sizes.data_parallel_size)
+    update_phase = f"{role} update"
+    dtype = _params_dtype(cfg, mcfg)
+    per_param = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
+    lm_head = role == "actor"  # the critic ends in a hidden -> 1 value head
+    params = memory.stage_params(model, layout, stage, lm_head=lm_head)
+    # verl's offload flags: the state leaves the GPU outside the update and comes back for it.
+    weights_phases = (update_phase,) if mcfg.param_offload else table.phases
+    optim_phases = (update_phase,) if mcfg.optimizer_offload else table.phases
+    table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
+    table.add(f"{role} grads (fp32)", params * per_param.grads, weights_phases)
+    shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
+    table.add(f"{role} optimizer (Adam{shards})", params * per_param.optimizer, optim_phases)
+    tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg))
+    act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,
+                                  _recompute(cfg, prefix))
+    if lm_head and (stage == "last" or layout.pp == 1):
+        act += memory.logits_bytes(model, layout, tokens)
+    table.add(f"{role} activations", act, (update_phase,))
+
+
+def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,
+                 stage: Stage, rollout: RolloutShare) -> _PhaseTable:
+    phases = ("generate", "actor update") + (("critic update",) if sizes.uses_critic else ())
+    table = _PhaseTable(phases)
+    _trained_role_rows(table, cfg, "actor", sizes.actor, model, stage)
+    if sizes.uses_critic:
+        # The critic's first stage is its busiest: the embedding and the most micro-batches in flight.
+        _trained_role_rows(table, cfg, "critic", sizes.critic, critic_model, "first")
+    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref_mcfg = cfg.actor_rollout_ref.ref.megatron
+        ref_layout = _layout(cfg, REF, sizes.world_size)
+        ref_params = max(memory.stage_params(model, ref_layout, s) for s in ("first", "last"))
+        dtype = _params_dtype(cfg, ref_mcfg)
+        per_param = memory.state_bytes_per_param(dtype, False, 1).params
+        table.add(f"ref weights ({dtype})", ref_params * per_param, () if ref_mcfg.param_offload else phases)
+    if cfg.actor_rollout_ref.rollout.mode == "colocated":
+        # The engine gives its weights and KV cache back during updates only with free_cache_engine.
+        engine_phases = ("generate",) if cfg.actor_rollout_ref.rollout.free_cache_engine else phases
+        table.add("rollout engine (weights + KV)", rollout.reserved, engine_phases)
+    table.add("reserved (CUDA context, NCCL, fragmentation)", cfg.plan.reserved_gib * GIB, phases)
+    return table
+
+
+def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, gpu_memory: float) -> RolloutShare:
+    rcfg = cfg.actor_rollout_ref.rollout
+    tp = rcfg.tensor_model_parallel_size
+    _check_rollout_factors(model, tp)
+    reserved = rcfg.gpu_memory_utilization * gpu_memory
+    weights = memory.rollout_weight_bytes(model, tp)
+    kv_tokens = int(max(reserved - weights, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
+    share = RolloutShare(engines=world // tp, tp=tp, reserved=reserved, weights=weights, kv_tokens=kv_tokens)
+    seq = _sequence_length(cfg)
+    if kv_tokens < seq:
+        raise PlanError(
+            f"{ROLLOUT}.gpu_memory_utilization={rcfg.gpu_memory_utilization} reserves {_gib(reserved)} GiB per GPU, "
+            f"but at {ROLLOUT}.tensor_model_parallel_size={tp} the engine's weights take {_gib(weights)} GiB, leaving "
+            f"KV cache for {kv_tokens} tokens: less than one sequence of {seq} (prompt + response); "
+            f"raise gpu_memory_utilization or the rollout TP")
+    return share
+
+
+def build_plan(cfg: DictConfig) -> Plan:
+    """Resolve sizes and memory per GPU; raise ConfigError/PlanError naming the key when it cannot run."""
+    sizes = validate(cfg)
+    model = load_model_facts(cfg)
+    world = sizes.world_size
+    actor_layout = _layout(cfg, ACTOR, world)
+    _check_factors(model, ACTOR, actor_layout)
+    _check_factors(model, REF, _layout(cfg, REF, world))
+    critic_model = model
+    if sizes.uses_critic:
+        if not OmegaConf.is_missing(cfg.critic.model, "path"):  # else the critic starts from the actor's model
+            critic_model = load_model_facts(cfg, "critic.model")
+        _check_factors(critic_model, "critic", _layout(cfg, "critic", world))
+    gpu_memory = cfg.plan.gpu_memory_gib * GIB
+    rollout = _rollout_share(cfg, model, world, gpu_memory)
+
+    candidates = []
+    for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
+        table = _build_table(cfg, sizes, model, critic_model, stage, rollout)
+        candidates.append(Plan(sizes, model, gpu_memory, actor_layout, stage, table.phases, tuple(table.rows),
+                               rollout, _sequence_length(cfg)))
+    plan = max(candidates, key=lambda p: p.total(p.peak_phase()))
+    if not plan.fits:
+        raise PlanError(
+            f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
+            f"options: more nodes (the distributed optimizer shards Adam over DP), a larger TP or PP, a smaller "
+            f"ppo_micro_batch_size_per_gpu, megatron.override_transformer_config.recompute_granularity=full, "
+            f"optimizer_offload/param_offload, or a lower {ROLLOUT}.gpu_memory_utilization")
+    return plan
+
+
+def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
+    """Print the plan (what ``--dry-run`` shows) and return it; raises PlanError when it cannot run."""
+    plan = build_plan(cfg)
+    if title:
+        print(title)
+    print(plan.format())
+    return plan

@@ -1,0 +1,143 @@
+"""The dry-run planner: figures for the 70B preset checked by hand, and the plans it must reject."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan import PlanError, build_plan
+from megatron_rl.plan import memory
+from megatron_rl.plan.cli import main as plan_cli
+from megatron_rl.plan.memory import Layout, Recompute
+from megatron_rl.plan.model_facts import load_model_facts
+
+GIB = 2**30
+
+
+def plan_for(*overrides: str):
+    return build_plan(load_config(overrides=list(overrides)))
+
+
+def row(plan, label: str, phase: str) -> float:
+    (match,) = [r for r in plan.rows if r.label == label]
+    return match.per_phase[phase]
+
+
+def test_70b_preset_figures_match_hand_computation():
+    plan = plan_for("+experiment=grpo_70b")
+
+    # Batch: 8 nodes x 8 GPUs = 64; DP = 64 / (TP 8 x PP 4) = 2. 256 prompts x n 8 = 2048 responses per
+    # step; a mini-batch is 64 x 8 = 512 responses -> 4 per step, 512 / DP 2 = 256 per rank, micro 1 -> 256.
+    sizes = plan.sizes
+    assert (sizes.world_size, sizes.responses_per_step) == (64, 2048)
+    assert (sizes.actor.data_parallel_size, sizes.actor.mini_batches_per_epoch) == (2, 4)
+    assert (sizes.actor.mini_batch_responses_per_dp_rank, sizes.actor.grad_accumulation_steps) == (256, 256)
+
+    # Llama-3-70B: one layer = h(q + 2kv) + qh + 3h*ffn = 8192*(8192 + 2048) + 8192*8192 + 3*8192*28672
+    #   = 83,886,080 + 67,108,864 + 704,643,072 = 855,638,016; x 80 layers = 68,451,041,280;
+    #   + 2 vocab matrices 2 * 128,256 * 8192 = 2,101,346,304 -> 70,552,387,584 parameters.
+    assert memory.total_params(plan.model) == 70_552_387_584
+
+    # First stage, one GPU: 20 layers / TP 8 = 2,139,095,040 + embedding padded to a multiple of 128 * 8:
+    # 129,024 * 8192 / 8 = 132,120,576 -> 2,271,215,616 params.
+    params = 2_271_215_616
+    assert plan.actor_stage == "first"
+    assert row(plan, "actor weights (bf16)", "generate") == params * 2        # 4,542,431,232 B = 4.2 GiB
+    assert row(plan, "actor grads (fp32)", "generate") == params * 4          # 9,084,862,464 B = 8.5 GiB
+    assert row(plan, "actor optimizer (Adam, /2 shards)", "generate") == params * 12 / 2  # 12.7 GiB
+    assert row(plan, "ref weights (bf16)", "actor update") == params * 2
+
+    # Activations per token and layer: norms 4 * 8192 * 2 B / TP 8 (sequence parallel) = 8,192;
+    # q, k, v, attention out, gate, up, product (2*8192 + 2*1024 + 3*28672) * 2 B / 8 = 26,112 -> 34,304 B.
+    # x 3072 tokens (1024 prompt + 2048 response, micro-batch 1) x 20 layers x 4 micro-batches in flight.
+    assert row(plan, "actor activations", "actor update") == 34_304 * 3072 * 20 * 4  # 8,430,551,040 B = 7.9 GiB
+    assert row(plan, "actor activations", "generate") == 0
+
+    # Rollout: 0.45 x 79.6 GiB = 38,461,432,135.68 B reserved; weights 70,552,387,584 * 2 B / TP 8 =
+    # 17,638,096,896 B; KV per token on a rank: 2 (K, V) * 80 layers * 1 KV head * 128 * 2 B = 40,960 B
+    # -> (38,461,432,135.68 - 17,638,096,896) / 40,960 = 508,382 tokens.
+    assert plan.rollout.weights == 17_638_096_896
+    assert plan.rollout.kv_tokens == 508_382
+    assert row(plan, "rollout engine (weights + KV)", "actor update") == 0  # free_cache_engine
+
+    # generate: 4,542,431,232 + 9,084,862,464 + 13,627,293,696 (actor) + 4,542,431,232 (ref)
+    #   + 38,461,432,135.68 (engine) + 4 GiB reserved = 74,553,418,055.68 B = 69.4 GiB of 79.6.
+    # actor update: 31,797,018,624 (states + ref) + 8,430,551,040 + 4 GiB = 44,522,536,960 B = 41.5 GiB.
+    assert plan.total("generate") == pytest.approx(74_553_418_055.68)
+    assert plan.total("actor update") == 44_522_536_960
+    assert plan.peak_phase() == "generate" and plan.fits
+
+
+def test_full_recompute_keeps_layer_inputs_only():
+    model = load_model_facts(load_config(overrides=["+experiment=grpo_70b"]))
+    layout = Layout(tp=8, pp=4, cp=1, dp=2, sequence_parallel=True)
+    # A checkpoint per layer: 8192 * 2 B / 8 = 2,048 B per token -> 20 layers x 3072 tokens x 4 in flight
+    # = 503,316,480 B, plus one layer's full activations while it is recomputed: 34,304 * 3072 = 105,381,888.
+    full = memory.activation_bytes(model, layout, 3072, 256, "first", Recompute("full"))
+    assert full == 503_316_480 + 105_381_888
+    # Selective recompute of core attention saves nothing once flash attention stores no s x s scores.
+    assert memory.activation_bytes(model, layout, 3072, 256, "first", Recompute("selective")) == 34_304 * 3072 * 20 * 4
+
+
+def test_interleaved_pipeline_holds_more_micro_batches_on_the_first_stage():
+    layout = Layout(tp=8, pp=4, cp=1, dp=2, vpp=2)
+    # PP + (PP - 1) / VPP = 4 + 3/2, capped by the micro-batches there are.
+    assert memory.micro_batches_in_flight(layout, 256, "first") == 5.5
+    assert memory.micro_batches_in_flight(layout, 3, "first") == 3
+    assert memory.micro_batches_in_flight(layout, 256, "last") == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # 80 layers do not split into 32 stages (TP 2 x PP 32 = 64 GPUs factors the world, not the model).
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=32"], "num_hidden_layers=80"),
+    # TP 8 x PP 3 = 24 does not divide 64 GPUs.
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"], "does not divide the world size 64"),
+    (["actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=3"], "actor_rollout_ref.ref.megatron"),
+])
+def test_rejects_a_plan_that_does_not_factor(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_for("+experiment=grpo_70b", *overrides)
+
+
+def test_rejects_a_rollout_tp_that_does_not_split_the_heads():
+    # Qwen2.5-7B has 28 heads: 8 engine ranks cannot split them.
+    with pytest.raises(PlanError, match="tensor_model_parallel_size=8 does not factor"):
+        plan_for("+experiment=grpo_7b", "actor_rollout_ref.rollout.tensor_model_parallel_size=8")
+
+
+def test_rejects_a_plan_that_does_not_fit():
+    # 4 nodes: DP = 32 / 32 = 1, so Adam's 12 B/param is not sharded: 2,271,215,616 * 12 B = 25.4 GiB, and
+    # generate needs 4.2 + 8.5 + 25.4 + 4.2 (ref) + 35.8 (engine) + 4 = 82.1 GiB > 79.6 GiB.
+    with pytest.raises(PlanError, match=r"does not fit in 79.6 GiB.*\n(.*\n)*.*generate, 82.1 of 79.6 GiB"):
+        plan_for("+experiment=grpo_70b", "trainer.nnodes=4")
+
+
+def test_rejects_a_rollout_share_smaller_than_the_engine_weights():
+    # 0.2 x 79.6 = 15.9 GiB cannot hold the 16.4 GiB of weights of a TP-8 engine.
+    with pytest.raises(PlanError, match="gpu_memory_utilization=0.2 .* weights take 16.4 GiB"):
+        plan_for("+experiment=grpo_70b", "actor_rollout_ref.rollout.gpu_memory_utilization=0.2")
+
+
+def test_config_json_at_the_model_path_wins_over_the_preset(tmp_path):
+    architecture = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "vocab_size": 128256, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(architecture))
+    plan = plan_for("+experiment=grpo_70b", f"actor_rollout_ref.model.path={tmp_path}")
+    assert plan.model.source == str(tmp_path / "config.json")
+    assert plan.model.num_layers == 32
+
+
+def test_missing_architecture_names_the_keys_to_set(tmp_path):
+    with pytest.raises(ConfigError, match="plan.architecture"):
+        plan_for(f"actor_rollout_ref.model.path={tmp_path}")
+
+
+def test_cli_prints_the_plan_and_exits_1_on_rejection(capsys):
+    assert plan_cli(["+experiment=grpo_32b"]) == 0
+    out = capsys.readouterr().out
+    assert "GPUs: 32 = actor TP 8 x PP 2 x CP 1 x DP 2" in out and ": fits" in out
+    assert plan_cli(["+experiment=grpo_32b", "trainer.nnodes=3"]) == 1
+    assert "rejected:" in capsys.readouterr().err
