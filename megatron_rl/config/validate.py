@@ -156,6 +156,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL would be "
              "counted twice; choose one")
 
+    _require(not (cfg.ray_init.address and cfg.ray_init.num_cpus),
+             f"ray_init.address={cfg.ray_init.address!r} joins an existing cluster whose size is fixed; "
+             f"ray_init.num_cpus={cfg.ray_init.num_cpus} applies only to an embedded Ray: unset one")
+
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     n = rollout.n
     responses = cfg.data.train_batch_size * n
@@ -170,6 +174,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
     critic_sizes = None
     if uses_critic:
+        # The critic is colocated with the actor and shares Megatron's (process-global) parallel state.
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            a, c = actor.megatron[key], cfg.critic.megatron[key]
+            _require(a == c, f"critic.megatron.{key}={c} differs from actor_rollout_ref.actor.megatron.{key}={a}; "
+                             f"the colocated critic shares the actor's model-parallel layout")
         _positive(cfg, "critic.ppo_micro_batch_size_per_gpu")
         mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
         critic_sizes = _role_sizes(cfg, "critic", mini, cfg.critic.ppo_micro_batch_size_per_gpu, world, responses,

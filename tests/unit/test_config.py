@@ -32,7 +32,8 @@ def test_derived_sizes():
 
 
 def test_gae_turns_the_critic_on():
-    sizes = validate(cfg_with("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"))
+    sizes = validate(cfg_with("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4",
+                              "critic.megatron.tensor_model_parallel_size=2"))
     assert sizes.uses_critic and sizes.critic.grad_accumulation_steps == 4
 
 
@@ -55,6 +56,8 @@ def test_gae_turns_the_critic_on():
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"rollout.tensor_model_parallel_size=3 does not divide"),
         (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"], r"needs pipeline_model_parallel_size > 1"),
         (["algorithm.gamma=1.5"], r"gamma=1.5"),
+        (["ray_init.address=10.0.0.1:6379", "ray_init.num_cpus=4"], r"unset one"),
+        (["algorithm.adv_estimator=gae"], r"critic.megatron.tensor_model_parallel_size=1 differs"),
     ],
 )
 def test_rejections_name_key_and_numbers(overrides, message):

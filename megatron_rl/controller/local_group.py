@@ -1,0 +1,49 @@
+"""Worker "group" for torchrun: every rank hosts its worker in-process and runs the same driver loop.
+
+Each rank calls the group's methods with the same arguments (the driver loop is deterministic), so a
+call is planned exactly as ``RayWorkerGroup`` plans it (``plan_call``); this rank runs its own share
+and the ranks' results are exchanged with one ``all_gather_object`` so every rank collects the same
+answer. The worker class, its ``@register`` specs and the trainer are the same as under Ray.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rl.controller.decorator import Dispatch, registered_methods
+from megatron_rl.controller.dispatch import plan_call
+from megatron_rl.controller.worker import Worker
+
+__all__ = ["LocalWorkerGroup"]
+
+
+class LocalWorkerGroup:
+    def __init__(self, worker: Worker, role: str) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(f"{role}: LocalWorkerGroup needs torch.distributed initialised (run under torchrun)")
+        self.worker = worker
+        self.role = role
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self._specs = registered_methods(type(worker))
+        for name in self._specs:
+            setattr(self, name, functools.partial(self._call, name))
+
+    def _mesh(self) -> list[Any]:
+        meshes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(meshes, self.worker.mesh_info())
+        return meshes
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        spec = self._specs[name]
+        mesh = self._mesh() if spec.dispatch_mode is Dispatch.MEGATRON_COMPUTE_PROTO else None
+        plan = plan_call(spec, args, kwargs, self.world_size, f"{self.role}.{name}", mesh)
+        result = None
+        if self.rank in plan.ranks:
+            call_args, call_kwargs = plan.calls[plan.ranks.index(self.rank)]
+            result = getattr(self.worker, name)(*call_args, **call_kwargs)
+        outputs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outputs, result)
+        return plan.collect([outputs[r] for r in plan.ranks])
