@@ -1,0 +1,231 @@
+"""RLDataset: verl-format prompt files -> chat-templated, tokenized, left-padded prompts.
+
+All rows are read, checked and tokenized when the dataset is built, so a bad row or an overlong prompt
+is reported once, with its file and row, before training starts — never as a crash deep in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from megatron_rl.data.rows import MalformedRowError, SourceRow, check_row, read_rows
+
+__all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+MALFORMED_ROW_MODES = ("skip", "error")
+_MAX_REPORTED_PROBLEMS = 5
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    token_ids: np.ndarray  # unpadded, at most max_prompt_length long
+    raw_prompt: list[dict[str, str]]
+    data_source: str
+    reward_model: dict[str, Any]
+    extra_info: dict[str, Any]
+    index: int  # position of the row in the concatenated source files (stable across filtering)
+
+
+class RLDataset(Dataset):
+    """Prompts from one or more parquet/jsonl files, concatenated in the order given.
+
+    ``dataset[i]`` is a dict: ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
+    ``max_prompt_length``, left-padded with the tokenizer's pad id) and ``raw_prompt`` (the chat messages),
+    ``data_source``, ``reward_model``, ``extra_info``, ``index``.
+
+    Overlong prompts are dropped when ``filter_overlong_prompts`` (the count is logged once); otherwise
+    ``truncation`` decides: ``error`` (raise, naming the row), ``left`` (keep the last tokens) or ``right``
+    (keep the first tokens). Malformed rows are skipped and reported together (``on_malformed_row="skip"``)
+    or raise :class:`MalformedRowError` (``"error"``).
+    """
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        on_malformed_row: str = "skip",
+    ) -> None:
+        self.files = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
+        _check_settings(self.files, tokenizer, max_prompt_length, truncation, on_malformed_row)
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.on_malformed_row = on_malformed_row
+        self.malformed: list[str] = []  # "location: problem" of every skipped row
+        self.num_overlong = 0  # prompts dropped (filter) or cut (truncation) for exceeding max_prompt_length
+        self._prompts: list[_Prompt] = []
+        self._load()
+
+    @classmethod
+    def from_config(
+        cls, files: Sequence[str], tokenizer: PreTrainedTokenizerBase, data_cfg: Any
+    ) -> RLDataset:
+        """Build from the ``data`` config section (``DataConfig`` or its DictConfig)."""
+        return cls(
+            files,
+            tokenizer,
+            prompt_key=data_cfg.prompt_key,
+            max_prompt_length=data_cfg.max_prompt_length,
+            filter_overlong_prompts=data_cfg.filter_overlong_prompts,
+            truncation=data_cfg.truncation,
+            on_malformed_row=data_cfg.on_malformed_row,
+        )
+
+    # ------------------------------------------------------------------ loading
+    def _load(self) -> None:
+        rows_read = 0
+        longest = 0
+        for path in self.files:
+            accepted: list[tuple[SourceRow, str, int]] = []  # (row, chat-templated text, global row number)
+            for row in tqdm(read_rows(path), desc=f"reading {path}", disable=None, leave=False):
+                text = self._render(row)
+                if text is not None:
+                    accepted.append((row, text, rows_read))
+                rows_read += 1
+            if not accepted:
+                continue
+            encoded = self.tokenizer([text for _, text, _ in accepted], add_special_tokens=False)["input_ids"]
+            for (row, _, index), ids in zip(accepted, encoded, strict=True):
+                longest = max(longest, len(ids))
+                ids = self._fit_length(row.location, ids)
+                if ids is not None:
+                    self._prompts.append(self._make_prompt(row, ids, index))
+        self._report(rows_read, longest)
+
+    def _render(self, row: SourceRow) -> str | None:
+        """Chat-template a checked row; None (after recording the problem) when the row is malformed."""
+        problem = row.problem or check_row(row.data, self.prompt_key)
+        if problem is None:
+            try:
+                return self.tokenizer.apply_chat_template(
+                    row.data[self.prompt_key], add_generation_prompt=True, tokenize=False
+                )
+            except Exception as e:  # a template may reject roles or content; that is the row's problem
+                problem = f"chat template failed: {type(e).__name__}: {e}"
+        if self.on_malformed_row == "error":
+            raise MalformedRowError(
+                f"{row.location}: {problem} (data.on_malformed_row=error; set it to 'skip' to drop such rows)"
+            )
+        self.malformed.append(f"{row.location}: {problem}")
+        return None
+
+    def _fit_length(self, location: str, ids: list[int]) -> list[int] | None:
+        limit = self.max_prompt_length
+        if len(ids) <= limit:
+            return ids
+        self.num_overlong += 1
+        if self.filter_overlong_prompts:
+            return None
+        if self.truncation == "left":
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        raise ValueError(
+            f"{location}: prompt is {len(ids)} tokens, longer than data.max_prompt_length={limit} "
+            f"(data.truncation=error); set data.filter_overlong_prompts=true to drop such prompts "
+            f"or data.truncation=left|right to cut them"
+        )
+
+    def _make_prompt(self, row: SourceRow, ids: list[int], index: int) -> _Prompt:
+        data = row.data
+        return _Prompt(
+            token_ids=np.asarray(ids, dtype=np.int64),
+            raw_prompt=data[self.prompt_key],
+            data_source=data["data_source"],
+            reward_model=data["reward_model"],
+            extra_info=data.get("extra_info") or {},
+            index=index,
+        )
+
+    def _report(self, total_rows: int, longest: int) -> None:
+        if self.malformed:
+            shown = "\n  ".join(self.malformed[:_MAX_REPORTED_PROBLEMS])
+            more = len(self.malformed) - _MAX_REPORTED_PROBLEMS
+            logger.warning(
+                "skipped %d malformed rows of %d (data.on_malformed_row=skip):\n  %s%s",
+                len(self.malformed),
+                total_rows,
+                shown,
+                f"\n  ... and {more} more" if more > 0 else "",
+            )
+        if self.num_overlong:
+            action = "dropped" if self.filter_overlong_prompts else f"truncated ({self.truncation})"
+            logger.warning(
+                "%s %d of %d prompts longer than data.max_prompt_length=%d tokens (longest: %d)",
+                action,
+                self.num_overlong,
+                total_rows,
+                self.max_prompt_length,
+                longest,
+            )
+        if not self._prompts:
+            raise ValueError(
+                f"no usable prompts in {self.files}: {total_rows} rows read, {len(self.malformed)} "
+                f"malformed, {self.num_overlong} longer than data.max_prompt_length="
+                f"{self.max_prompt_length}"
+            )
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        prompt = self._prompts[i]
+        length, ids = self.max_prompt_length, torch.from_numpy(prompt.token_ids)
+        input_ids = torch.full((length,), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(length, dtype=torch.long)
+        if len(ids):
+            input_ids[-len(ids) :] = ids
+            attention_mask[-len(ids) :] = 1
+        position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "raw_prompt": prompt.raw_prompt,
+            "data_source": prompt.data_source,
+            "reward_model": prompt.reward_model,
+            "extra_info": prompt.extra_info,
+            "index": prompt.index,
+        }
+
+
+def _check_settings(
+    files: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    truncation: str,
+    on_malformed_row: str,
+) -> None:
+    if not files:
+        raise ValueError("RLDataset needs at least one file (data.train_files / data.val_files is empty)")
+    if not isinstance(max_prompt_length, int) or max_prompt_length < 1:
+        raise ValueError(f"data.max_prompt_length must be a positive integer, got {max_prompt_length!r}")
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"data.truncation={truncation!r} is unknown; known: {list(TRUNCATION_MODES)}")
+    if on_malformed_row not in MALFORMED_ROW_MODES:
+        raise ValueError(
+            f"data.on_malformed_row={on_malformed_row!r} is unknown; known: {list(MALFORMED_ROW_MODES)}"
+        )
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; load it with megatron_rl.data.load_tokenizer")

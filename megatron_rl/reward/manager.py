@@ -1,0 +1,301 @@
+"""RewardManager: responses -> scores -> ``token_level_scores`` with the score on the last valid token.
+
+``reward_fn(batch)`` returns a DataProto to ``union`` into the batch:
+- ``batch["token_level_scores"]`` [B, R] float32: each sample's score at the last position where
+  ``response_mask`` is 1, zeros elsewhere. A zero-length response (mask all 0) gets its score at
+  position 0 — masked, so no loss sees it, but ``token_level_scores.sum(-1)`` is every sample's score;
+- ``non_tensor_batch["score"]`` and each extra a scorer returns in its dict (e.g. ``acc``, ``pred``),
+  ``None`` for samples whose scorer did not return it;
+- ``meta_info["reward_metrics"]``: ``reward/score/mean``, ``reward/<extra>/mean`` for numeric extras,
+  ``reward/errors`` (samples scored 0 because their scorer raised, timed out or returned a non-finite or
+  non-numeric value), ``reward/timeouts`` (the subset that timed out), ``reward/empty_responses``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import pickle
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+import megatron_rl.reward.scorers  # noqa: F401  (registers the built-in scorers)
+from megatron_rl.protocol import DataProto
+from megatron_rl.reward.custom import load_custom_scorer
+from megatron_rl.reward.pool import Call, InlineRunner, Outcome, ScoringPool
+from megatron_rl.reward.registry import Scorer, get_scorer
+
+__all__ = ["REWARD_MANAGERS", "RewardManager", "last_valid_positions", "place_scores"]
+
+logger = logging.getLogger(__name__)
+
+# naive: every scorer is called per sample. batch: the custom function takes whole lists (verl's
+# BatchRewardManager convention); registered scorers keep their own kind either way.
+REWARD_MANAGERS = ("naive", "batch")
+
+
+def last_valid_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of the last position with mask 1 in each row; -1 for a row with none."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    return (
+        torch.where(response_mask.bool(), positions, -1).amax(dim=1)
+        if response_mask.shape[1]
+        else torch.full((response_mask.shape[0],), -1, dtype=torch.long, device=response_mask.device)
+    )
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] float32 zeros with ``scores[i]`` at row i's last valid position (0 for an empty row)."""
+    if scores.shape != response_mask.shape[:1] or response_mask.dim() != 2:
+        raise ValueError(
+            f"place_scores: scores {tuple(scores.shape)} must be [B] for response_mask "
+            f"{tuple(response_mask.shape)} [B, R]"
+        )
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    if response_mask.shape[1]:
+        rows = torch.arange(len(scores), device=response_mask.device)
+        out[rows, last_valid_positions(response_mask).clamp(min=0)] = scores.to(out)
+    return out
+
+
+class RewardManager:
+    """Decode responses, score each with the scorer of its ``data_source`` (or the custom function), and
+    place the scores. Scoring runs in ``reward.num_workers`` processes, each call limited to
+    ``reward.timeout_s`` (``num_workers=0``: in this process, without a time limit)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: Any) -> None:
+        if cfg.reward_manager not in REWARD_MANAGERS:
+            raise ValueError(
+                f"reward.reward_manager={cfg.reward_manager!r} is unknown; known: {list(REWARD_MANAGERS)}"
+            )
+        if not (isinstance(cfg.num_workers, int) and cfg.num_workers >= 0):
+            raise ValueError(f"reward.num_workers must be an integer >= 0, got {cfg.num_workers!r}")
+        if not cfg.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {cfg.timeout_s!r}")
+        custom = cfg.custom_reward_function
+        if cfg.reward_manager == "batch" and not custom.path:
+            raise ValueError(
+                "reward.reward_manager=batch needs reward.custom_reward_function.path (a function that "
+                "scores whole lists)"
+            )
+        self.tokenizer = tokenizer
+        self.custom: Scorer | None = None
+        if custom.path:
+            self.custom = Scorer(
+                load_custom_scorer(custom.path, custom.name), batched=cfg.reward_manager == "batch"
+            )
+        self._runner = ScoringPool(cfg.num_workers, cfg.timeout_s) if cfg.num_workers else InlineRunner()
+        self._checked_picklable: set[str] = set()
+
+    def __call__(self, data: DataProto) -> DataProto:
+        data.require("responses", "response_mask", "data_source", "reward_model", where="RewardManager")
+        responses, mask = data.batch["responses"], data.batch["response_mask"]
+        if responses.dim() != 2 or mask.shape != responses.shape:
+            raise ValueError(
+                f"RewardManager: responses {tuple(responses.shape)} and response_mask "
+                f"{tuple(mask.shape)} must both be [B, R]"
+            )
+        solutions = self.decode(responses, mask)
+        sources = [str(s) for s in data.non_tensor_batch["data_source"]]
+        truths = [
+            rm.get("ground_truth") if isinstance(rm, dict) else None
+            for rm in data.non_tensor_batch["reward_model"]
+        ]
+        extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
+        extra_infos = [info if info is not None else {} for info in extra_infos]
+
+        results = self._score(sources, solutions, truths, extra_infos)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        empty = int((last_valid_positions(mask) < 0).sum())
+        extras = self._collect_extras(results)
+        metrics = self._metrics(results, scores, extras, empty)
+        self._log_errors(results, sources)
+        non_tensor = {"score": np.array(scores.tolist(), dtype=object), **extras}
+        return DataProto.from_dict(
+            {"token_level_scores": place_scores(scores, mask.cpu())}, non_tensor, {"reward_metrics": metrics}
+        )
+
+    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        """Each response up to its last valid token (masked tokens in between, e.g. tool output, included),
+        special tokens skipped."""
+        ends = (last_valid_positions(response_mask) + 1).tolist()
+        rows = responses.cpu().tolist()
+        return self.tokenizer.batch_decode(
+            [row[:end] for row, end in zip(rows, ends, strict=True)], skip_special_tokens=True
+        )
+
+    # ------------------------------------------------------------------ scoring
+    def _scorer_for(self, data_source: str) -> Scorer:
+        scorer = self.custom or get_scorer(data_source)
+        if isinstance(self._runner, ScoringPool) and scorer.name not in self._checked_picklable:
+            if scorer.name.startswith("__main__."):
+                raise ValueError(
+                    f"the scorer {scorer.name} for data_source {data_source!r} is defined in __main__, "
+                    f"which scoring worker processes cannot import; move it into a module, or set "
+                    f"reward.num_workers=0 to score in this process"
+                )
+            try:
+                pickle.dumps(scorer.fn)
+            except Exception as e:
+                raise ValueError(
+                    f"the scorer {scorer.name} for data_source {data_source!r} cannot be sent to scoring "
+                    f"worker processes ({type(e).__name__}: {e}); define it at module level, or set "
+                    f"reward.num_workers=0 to score in this process"
+                ) from e
+            self._checked_picklable.add(scorer.name)
+        return scorer
+
+    def _score(
+        self, sources: list[str], solutions: list[str], truths: list[Any], extra_infos: list[Any]
+    ) -> list[_Result]:
+        results: list[_Result | None] = [None] * len(sources)
+        calls: list[Call] = []
+        call_samples: list[list[int]] = []  # call -> the samples it scores
+        batched_groups: dict[Scorer, list[int]] = defaultdict(list)
+        for i, source in enumerate(sources):
+            scorer = self._scorer_for(source)
+            if truths[i] is None:
+                results[i] = _Result(error="reward_model has no 'ground_truth'")
+            elif scorer.batched:
+                batched_groups[scorer].append(i)
+            else:
+                calls.append(
+                    (
+                        scorer.fn,
+                        {
+                            "data_source": source,
+                            "solution_str": solutions[i],
+                            "ground_truth": truths[i],
+                            "extra_info": extra_infos[i],
+                        },
+                    )
+                )
+                call_samples.append([i])
+        num_single = len(calls)
+        for scorer, idx in batched_groups.items():
+            calls.append(
+                (
+                    scorer.fn,
+                    {
+                        "data_sources": [sources[i] for i in idx],
+                        "solution_strs": [solutions[i] for i in idx],
+                        "ground_truths": [truths[i] for i in idx],
+                        "extra_infos": [extra_infos[i] for i in idx],
+                    },
+                )
+            )
+            call_samples.append(idx)
+
+        for k, (outcome, idx) in enumerate(zip(self._runner.run(calls), call_samples, strict=True)):
+            for i, result in zip(idx, _results_of(outcome, len(idx), batched=k >= num_single), strict=True):
+                results[i] = result
+        return results  # type: ignore[return-value]  # every sample got a result above
+
+    # ------------------------------------------------------------------ reporting
+    @staticmethod
+    def _collect_extras(results: Sequence[_Result]) -> dict[str, np.ndarray]:
+        keys = sorted({k for r in results for k in r.extras})
+        extras = {}
+        for key in keys:
+            column = np.empty(len(results), dtype=object)
+            column[:] = [r.extras.get(key) for r in results]
+            extras[key] = column
+        return extras
+
+    @staticmethod
+    def _metrics(
+        results: Sequence[_Result], scores: torch.Tensor, extras: dict[str, np.ndarray], empty: int
+    ) -> dict[str, float]:
+        metrics = {
+            "reward/score/mean": scores.mean().item() if len(scores) else 0.0,
+            "reward/errors": float(sum(r.error is not None for r in results)),
+            "reward/timeouts": float(sum(r.timed_out for r in results)),
+            "reward/empty_responses": float(empty),
+        }
+        for key, column in extras.items():
+            values = [float(v) for v in column if isinstance(v, numbers.Real)]
+            if values:
+                metrics[f"reward/{key}/mean"] = float(np.mean(values))
+        return metrics
+
+    @staticmethod
+    def _log_errors(results: Sequence[_Result], sources: Sequence[str]) -> None:
+        failed = [i for i, r in enumerate(results) if r.error is not None]
+        if failed:
+            first = failed[0]
+            logger.warning(
+                "reward: %d of %d samples scored 0 because scoring failed; first: sample %d "
+                "(data_source %r): %s",
+                len(failed),
+                len(results),
+                first,
+                sources[first],
+                results[first].error,
+            )
+
+    def close(self) -> None:
+        """Stop the scoring worker processes."""
+        self._runner.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Result:
+    """One sample's score (0 on error) and the extras its scorer returned."""
+
+    __slots__ = ("score", "extras", "error", "timed_out")
+
+    def __init__(
+        self,
+        score: float = 0.0,
+        extras: dict[str, Any] | None = None,
+        error: str | None = None,
+        timed_out: bool = False,
+    ) -> None:
+        self.score, self.extras, self.error, self.timed_out = score, extras or {}, error, timed_out
+
+
+def _results_of(outcome: Outcome, n: int, batched: bool) -> list[_Result]:
+    """One call's outcome -> its ``n`` per-sample results (a per-sample call has n == 1)."""
+    if not outcome.ok:
+        return [_Result(error=outcome.error, timed_out=outcome.timed_out) for _ in range(n)]
+    if not batched:
+        return [_result_of(outcome.value)]
+    values = outcome.value
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != n:
+        got = (
+            f"{type(values).__name__} of length {len(values)}"
+            if hasattr(values, "__len__")
+            else type(values).__name__
+        )
+        return [_Result(error=f"batched scorer returned {got}; expected a list of {n}") for _ in range(n)]
+    return [_result_of(value) for value in values]
+
+
+def _result_of(value: Any) -> _Result:
+    extras: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return _Result(error=f"scorer returned a dict without 'score' (keys: {sorted(value)})")
+        extras = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):  # bool counts as 0/1, as in verl
+        return _Result(
+            error=f"scorer returned {type(value).__name__} {value!r:.60}; expected a number or a "
+            f"dict with 'score'"
+        )
+    if not math.isfinite(value):
+        return _Result(error=f"scorer returned a non-finite score {value}")
+    return _Result(float(value), extras)
