@@ -1,7 +1,18 @@
-"""Rollout engines (HF everywhere, SGLang on CUDA) and the trainer -> engine weight sync (docs/rollout.md)."""
-from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
-from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.weight_sync import WeightSyncError, WeightSyncStats, sync_weights, verify_sync
+"""Rollout engines (HF everywhere, SGLang on CUDA) and the trainer -> engine weight sync (docs/rollout.md).
 
-__all__ = ["RolloutEngine", "WeightUpdateError", "HFEngine", "WeightSyncError", "WeightSyncStats", "sync_weights",
-           "verify_sync"]
+SGLangEngine is imported from ``megatron_rl.rollout.sglang_engine`` (it never imports sglang itself
+until an engine is built).
+"""
+from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.factory import build_rollout_engine
+from megatron_rl.rollout.hf_engine import HFEngine
+from megatron_rl.rollout.weight_sync import (
+    WeightSyncer,
+    WeightSyncError,
+    WeightSyncStats,
+    sync_weights,
+    verify_sync,
+)
+
+__all__ = ["RolloutEngine", "WeightUpdateError", "build_rollout_engine", "HFEngine", "WeightSyncer",
+           "WeightSyncError", "WeightSyncStats", "sync_weights", "verify_sync"]

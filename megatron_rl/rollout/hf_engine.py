@@ -6,9 +6,10 @@ log-prob under the sampling distribution (convention in ``sampling``), with seed
 ``torch.Generator`` (``meta_info['seed']`` gives a call its own generator; otherwise the engine's
 generator, seeded with ``rollout.seed``, advances across calls).
 
-Weights: built from the actor's HF config; the initial weights are random unless ``weights_path`` names
-an HF checkpoint directory. After that, weights arrive by name through the weight-update session of
-``RolloutEngine``. Loading is strict: an unknown name, a shape mismatch or (at the end of a session) a
+Weights: built from the actor's HF config. Without ``weights_path`` (an HF checkpoint directory) the
+weights are random and the engine refuses to generate until the first complete weight update, so a
+missing initial sync fails loudly instead of sampling noise. Weights arrive by name through the
+weight-update session of ``RolloutEngine``. Loading is strict: an unknown name, a shape mismatch or (at the end of a session) a
 parameter that was never sent is an error naming the tensor.
 
 Sleep/wake: on CUDA ``sleep()`` moves the weights to host memory and empties the CUDA cache;
@@ -88,7 +89,8 @@ class HFEngine(RolloutEngine):
         self._unique_params = {id(p): name for name, p in self.model.named_parameters()}
         self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
         self._session_version = 0
-        self._broken: str | None = None  # why the served weights cannot be trusted
+        # why the served weights cannot be trusted (None: they can)
+        self._broken: str | None = None if weights_path is not None else "random initial weights, never synced"
         self._asleep = False
         self.weight_version = 0
 
@@ -165,7 +167,7 @@ class HFEngine(RolloutEngine):
         if self._session_loaded is not None:
             raise RuntimeError("HFEngine has an open weight-update session; call end_weight_update() first")
         if self._broken is not None:
-            raise RuntimeError(f"HFEngine weights are incomplete ({self._broken}); run a complete weight update")
+            raise RuntimeError(f"HFEngine cannot serve its weights ({self._broken}); run a complete weight update")
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:

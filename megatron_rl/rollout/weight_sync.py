@@ -22,7 +22,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -31,7 +31,7 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum, mismatched_tensors, tensor_checksum
 
-__all__ = ["WeightSyncError", "WeightSyncStats", "sync_weights", "verify_sync", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["WeightSyncError", "WeightSyncStats", "WeightSyncer", "sync_weights", "verify_sync", "DEFAULT_BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,3 +230,48 @@ def _explain_mismatch(engine: RolloutEngine, source: Mapping[str, TensorChecksum
         return f"checksums differ for {len(bad)} tensors, first: {bad[:5]}"
     return (f"all {len(source)} tensor checksums agree, so the engine holds exactly what the trainer sent: "
             "look at the export (Megatron -> HF conversion) or at the engine's numerics")
+
+
+class WeightSyncer:
+    """The trainer's side of keeping one engine current, driven by ``rollout.weight_sync``: every ``sync``
+    pushes the next version in buckets of ``bucket_size_mb``; every ``verify_freq``-th version is also
+    verified against ``verify_max_logprob_diff`` on the fixed ``probe_prompts`` (``verify_freq`` 0: never).
+
+    Run it where the engine lives. ``trainer_log_prob_fn`` must be callable there; if it is a collective
+    (a pipeline forward), the other ranks must make the same call on the same steps.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        engine: RolloutEngine,
+        *,
+        probe_prompts: DataProto | None = None,
+        trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
+    ) -> None:
+        if config.bucket_size_mb <= 0:
+            raise ValueError(f"rollout.weight_sync.bucket_size_mb must be positive, got {config.bucket_size_mb}")
+        if config.verify_freq < 0:
+            raise ValueError(f"rollout.weight_sync.verify_freq must be >= 0 (0 disables), got {config.verify_freq}")
+        if config.verify_freq and (probe_prompts is None or trainer_log_prob_fn is None):
+            raise ValueError("rollout.weight_sync.verify_freq > 0 needs probe_prompts and trainer_log_prob_fn "
+                             "(or set verify_freq=0 to sync without verification)")
+        self.config = config
+        self.engine = engine
+        self.probe_prompts = probe_prompts
+        self.trainer_log_prob_fn = trainer_log_prob_fn
+        self.version = engine.weight_version
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Push the next weight version; returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
+        version = self.version + 1
+        verify = self.config.verify_freq > 0 and version % self.config.verify_freq == 0
+        stats = sync_weights(named_tensors, self.engine, version=version,
+                             bucket_bytes=int(self.config.bucket_size_mb) << 20, compute_checksums=verify)
+        self.version = version
+        metrics = stats.metrics()
+        if verify:
+            metrics.update(verify_sync(self.trainer_log_prob_fn, self.engine, self.probe_prompts,
+                                       threshold=self.config.verify_max_logprob_diff,
+                                       source_checksums=stats.checksums))
+        return metrics

@@ -28,8 +28,13 @@ def source_model(seed: int, config: Qwen2Config | None = None) -> torch.nn.Modul
     return AutoModelForCausalLM.from_config(config or tiny_qwen2_config()).eval()
 
 
-def make_engine(response_length: int = 8, config: Qwen2Config | None = None, **rollout) -> HFEngine:
-    return HFEngine(RolloutConfig(response_length=response_length, **rollout), config or tiny_qwen2_config())
+def make_engine(response_length: int = 8, config: Qwen2Config | None = None, weights_seed: int | None = 100,
+                **rollout) -> HFEngine:
+    """An HF engine serving ``source_model(weights_seed)`` as weight version 0 (None: never synced)."""
+    engine = HFEngine(RolloutConfig(response_length=response_length, **rollout), config or tiny_qwen2_config())
+    if weights_seed is not None:
+        engine.update_weights(source_model(weights_seed, config).state_dict().items(), version=0)
+    return engine
 
 
 def prompt_batch(lengths: list[int], width: int | None = None, prompt_seed: int = 0, **meta) -> DataProto:
@@ -48,7 +53,6 @@ def prompt_batch(lengths: list[int], width: int | None = None, prompt_seed: int 
 
 @pytest.fixture
 def engine() -> HFEngine:
-    torch.manual_seed(123)
     return make_engine()
 
 

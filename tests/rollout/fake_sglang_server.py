@@ -103,11 +103,12 @@ class FakeSGLang:
     def __init__(self, model_kwargs: dict[str, Any], version: str) -> None:
         from megatron_rl.config.schema import RolloutConfig
         from megatron_rl.rollout.hf_engine import HFEngine
-        from tests.rollout.conftest import tiny_qwen2_config
+        from tests.rollout.conftest import source_model, tiny_qwen2_config
 
-        torch.manual_seed(1000)  # "load_format=dummy": random weights until the first sync
         torch.set_num_threads(1)
-        self.engine = HFEngine(RolloutConfig(response_length=1), tiny_qwen2_config(**model_kwargs))
+        config = tiny_qwen2_config(**model_kwargs)
+        self.engine = HFEngine(RolloutConfig(response_length=1), config)
+        self.engine.update_weights(source_model(1000, config).state_dict().items(), version=0)  # "dummy" weights
         self.params = self.engine.model.state_dict(keep_vars=True)
         self.version = version
         self.has_session = Version(version) >= Version("0.5.23")

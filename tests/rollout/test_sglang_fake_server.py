@@ -16,6 +16,7 @@ from tests.rollout.conftest import EOS, PAD, prompt_batch, source_model
 from tests.rollout.test_weight_sync import trainer_log_probs
 
 R = 8
+pytestmark = pytest.mark.distributed  # three server processes and a gloo group across them
 
 
 @pytest.fixture(scope="module")
