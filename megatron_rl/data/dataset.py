@@ -149,7 +149,7 @@ class RLDataset(Dataset):
     def _make_prompt(self, row: SourceRow, ids: list[int], index: int) -> _Prompt:
         data = row.data
         return _Prompt(
-            token_ids=np.asarray(ids, dtype=np.int64),
+            token_ids=np.asarray(ids, dtype=np.int32),  # half the memory of int64; widened per item
             raw_prompt=data[self.prompt_key],
             data_source=data["data_source"],
             reward_model=data["reward_model"],
@@ -191,7 +191,7 @@ class RLDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         prompt = self._prompts[i]
-        length, ids = self.max_prompt_length, torch.from_numpy(prompt.token_ids)
+        length, ids = self.max_prompt_length, torch.from_numpy(prompt.token_ids).long()
         input_ids = torch.full((length,), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros(length, dtype=torch.long)
         if len(ids):

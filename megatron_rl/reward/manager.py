@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import pickle
 from collections import defaultdict
@@ -25,43 +24,20 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-import megatron_rl.reward.scorers  # noqa: F401  (registers the built-in scorers)
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.custom import load_custom_scorer
-from megatron_rl.reward.pool import Call, InlineRunner, Outcome, ScoringPool
+from megatron_rl.reward.placement import last_valid_positions, place_scores
+from megatron_rl.reward.pool import Call, InlineRunner, ScoringPool
 from megatron_rl.reward.registry import Scorer, get_scorer
+from megatron_rl.reward.results import SampleResult, results_of
 
-__all__ = ["REWARD_MANAGERS", "RewardManager", "last_valid_positions", "place_scores"]
+__all__ = ["REWARD_MANAGERS", "RewardManager"]
 
 logger = logging.getLogger(__name__)
 
 # naive: every scorer is called per sample. batch: the custom function takes whole lists (verl's
 # BatchRewardManager convention); registered scorers keep their own kind either way.
 REWARD_MANAGERS = ("naive", "batch")
-
-
-def last_valid_positions(response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of the last position with mask 1 in each row; -1 for a row with none."""
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
-    return (
-        torch.where(response_mask.bool(), positions, -1).amax(dim=1)
-        if response_mask.shape[1]
-        else torch.full((response_mask.shape[0],), -1, dtype=torch.long, device=response_mask.device)
-    )
-
-
-def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, R] float32 zeros with ``scores[i]`` at row i's last valid position (0 for an empty row)."""
-    if scores.shape != response_mask.shape[:1] or response_mask.dim() != 2:
-        raise ValueError(
-            f"place_scores: scores {tuple(scores.shape)} must be [B] for response_mask "
-            f"{tuple(response_mask.shape)} [B, R]"
-        )
-    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    if response_mask.shape[1]:
-        rows = torch.arange(len(scores), device=response_mask.device)
-        out[rows, last_valid_positions(response_mask).clamp(min=0)] = scores.to(out)
-    return out
 
 
 class RewardManager:
@@ -153,15 +129,15 @@ class RewardManager:
 
     def _score(
         self, sources: list[str], solutions: list[str], truths: list[Any], extra_infos: list[Any]
-    ) -> list[_Result]:
-        results: list[_Result | None] = [None] * len(sources)
+    ) -> list[SampleResult]:
+        results: list[SampleResult | None] = [None] * len(sources)
         calls: list[Call] = []
         call_samples: list[list[int]] = []  # call -> the samples it scores
         batched_groups: dict[Scorer, list[int]] = defaultdict(list)
         for i, source in enumerate(sources):
             scorer = self._scorer_for(source)
             if truths[i] is None:
-                results[i] = _Result(error="reward_model has no 'ground_truth'")
+                results[i] = SampleResult(error="reward_model has no 'ground_truth'")
             elif scorer.batched:
                 batched_groups[scorer].append(i)
             else:
@@ -193,13 +169,13 @@ class RewardManager:
             call_samples.append(idx)
 
         for k, (outcome, idx) in enumerate(zip(self._runner.run(calls), call_samples, strict=True)):
-            for i, result in zip(idx, _results_of(outcome, len(idx), batched=k >= num_single), strict=True):
+            for i, result in zip(idx, results_of(outcome, len(idx), batched=k >= num_single), strict=True):
                 results[i] = result
         return results  # type: ignore[return-value]  # every sample got a result above
 
     # ------------------------------------------------------------------ reporting
     @staticmethod
-    def _collect_extras(results: Sequence[_Result]) -> dict[str, np.ndarray]:
+    def _collect_extras(results: Sequence[SampleResult]) -> dict[str, np.ndarray]:
         keys = sorted({k for r in results for k in r.extras})
         extras = {}
         for key in keys:
@@ -210,7 +186,7 @@ class RewardManager:
 
     @staticmethod
     def _metrics(
-        results: Sequence[_Result], scores: torch.Tensor, extras: dict[str, np.ndarray], empty: int
+        results: Sequence[SampleResult], scores: torch.Tensor, extras: dict[str, np.ndarray], empty: int
     ) -> dict[str, float]:
         metrics = {
             "reward/score/mean": scores.mean().item() if len(scores) else 0.0,
@@ -225,7 +201,7 @@ class RewardManager:
         return metrics
 
     @staticmethod
-    def _log_errors(results: Sequence[_Result], sources: Sequence[str]) -> None:
+    def _log_errors(results: Sequence[SampleResult], sources: Sequence[str]) -> None:
         failed = [i for i, r in enumerate(results) if r.error is not None]
         if failed:
             first = failed[0]
@@ -248,54 +224,3 @@ class RewardManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Result:
-    """One sample's score (0 on error) and the extras its scorer returned."""
-
-    __slots__ = ("score", "extras", "error", "timed_out")
-
-    def __init__(
-        self,
-        score: float = 0.0,
-        extras: dict[str, Any] | None = None,
-        error: str | None = None,
-        timed_out: bool = False,
-    ) -> None:
-        self.score, self.extras, self.error, self.timed_out = score, extras or {}, error, timed_out
-
-
-def _results_of(outcome: Outcome, n: int, batched: bool) -> list[_Result]:
-    """One call's outcome -> its ``n`` per-sample results (a per-sample call has n == 1)."""
-    if not outcome.ok:
-        return [_Result(error=outcome.error, timed_out=outcome.timed_out) for _ in range(n)]
-    if not batched:
-        return [_result_of(outcome.value)]
-    values = outcome.value
-    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != n:
-        got = (
-            f"{type(values).__name__} of length {len(values)}"
-            if hasattr(values, "__len__")
-            else type(values).__name__
-        )
-        return [_Result(error=f"batched scorer returned {got}; expected a list of {n}") for _ in range(n)]
-    return [_result_of(value) for value in values]
-
-
-def _result_of(value: Any) -> _Result:
-    extras: dict[str, Any] = {}
-    if isinstance(value, dict):
-        if "score" not in value:
-            return _Result(error=f"scorer returned a dict without 'score' (keys: {sorted(value)})")
-        extras = {k: v for k, v in value.items() if k != "score"}
-        value = value["score"]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):  # bool counts as 0/1, as in verl
-        return _Result(
-            error=f"scorer returned {type(value).__name__} {value!r:.60}; expected a number or a "
-            f"dict with 'score'"
-        )
-    if not math.isfinite(value):
-        return _Result(error=f"scorer returned a non-finite score {value}")
-    return _Result(float(value), extras)

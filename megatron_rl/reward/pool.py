@@ -13,12 +13,14 @@ worker starts in a fraction of a second.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,6 +135,7 @@ class ScoringPool:
         self.timeout_s = timeout_s
         self._workers: list[_Worker] = []  # started on first use
         self.workers_replaced = 0  # killed after a timeout or found dead
+        _LIVE_POOLS.add(self)
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
         # Pickled up front: an unpicklable scorer is a programming error and raises here, in the caller.
@@ -194,6 +197,12 @@ class ScoringPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Idle workers exit when this process's end of their pipe closes; a worker stuck in a scorer would not,
+# so pools still open at interpreter exit are closed (their workers killed) explicitly.
+_LIVE_POOLS: weakref.WeakSet[ScoringPool] = weakref.WeakSet()
+atexit.register(lambda: [pool.close() for pool in list(_LIVE_POOLS)])
 
 
 if __name__ == "__main__":
