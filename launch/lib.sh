@@ -1,0 +1,129 @@
+# shellcheck shell=bash
+# Sourced by launch/ray_on_slurm.sh and launch/torchrun.sh (with REPO_DIR set): the configuration read from
+# the environment, the plan check before anything starts, and running the driver so that SLURM's
+# time-limit signal ends in a checkpoint and a requeue. Environment it reads (all optional):
+#   MODEL_PATH        -> actor_rollout_ref.model.path
+#   DATA_DIR          -> data.train_files=[$DATA_DIR/train.parquet] data.val_files=[$DATA_DIR/test.parquet]
+#   OUTPUT_DIR        -> trainer.default_local_dir; in a SLURM job the default is
+#                        <submit dir>/outputs/<job name>-<job id>: the same after a requeue, so it resumes
+#   EXTRA_OVERRIDES   more Hydra overrides, space-separated, after the arguments
+#   NNODES            nodes; in a SLURM job it must equal the allocation (choose that with sbatch --nodes)
+#   GPUS_PER_NODE     default: the job's --gpus-per-node (else nvidia-smi's count); 0 = CPU, no GPU flags
+#   PYTHON            interpreter with megatron_rl installed (default: python)
+#   REQUEUE_GRACE_S   seconds the driver gets to checkpoint after SIGUSR1 before SIGTERM (default 240)
+#   DRY_RUN=1         check the plan, print what would start, start nothing
+
+# shellcheck disable=SC2034 # RUN, GPU_FLAGS and overrides are read by the scripts that source this file
+
+LAUNCH_NAME=$(basename "$0" .sh)
+die() { echo "$LAUNCH_NAME: error: $*" >&2; exit 1; }
+log() { echo "$LAUNCH_NAME: [$(date +%T)] $*"; }
+quoted() { printf '%q ' "$@"; }
+first_ip() { hostname -I | awk '{print $1}'; }
+
+OWNED_PIDS=()  # background steps this script started; ended by pid on exit
+DRIVER_PID="" WATCHDOG_PID="" DRIVER_RC=0 REQUEUE=0
+
+# launch_init OVERRIDES...: read the environment and fill `overrides` (the arguments, what the environment
+# asks for, EXTRA_OVERRIDES, then the node count the launcher owns) and `GPU_FLAGS` (for srun).
+launch_init() {
+    (($# > 0)) || die "no Hydra overrides given; pass at least +experiment=NAME"
+    PYTHON=${PYTHON:-python}
+    REQUEUE_GRACE_S=${REQUEUE_GRACE_S:-240}
+    RUN=${SLURM_RESTART_COUNT:-0}
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        NNODES=${NNODES:-$SLURM_JOB_NUM_NODES}
+        [[ $NNODES == "$SLURM_JOB_NUM_NODES" ]] \
+            || die "NNODES=$NNODES but the job has $SLURM_JOB_NUM_NODES nodes; choose the node count with sbatch --nodes=$NNODES"
+        local job_gpus=${SLURM_GPUS_PER_NODE:-0}
+        GPUS_PER_NODE=${GPUS_PER_NODE:-${job_gpus##*:}}  # --gpus-per-node=h100:8 -> 8
+        OUTPUT_DIR=${OUTPUT_DIR:-$SLURM_SUBMIT_DIR/outputs/${SLURM_JOB_NAME%.sh}-$SLURM_JOB_ID}
+    else
+        NNODES=${NNODES:-1}
+        GPUS_PER_NODE=${GPUS_PER_NODE:-$( (nvidia-smi --list-gpus 2>/dev/null || true) | wc -l)}
+    fi
+    [[ $GPUS_PER_NODE =~ ^[0-9]+$ ]] || die "GPUS_PER_NODE=$GPUS_PER_NODE is not a number of GPUs"
+    # Processes started on other nodes inherit this environment: the checkout is importable everywhere.
+    export PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}
+
+    overrides=("$@" "trainer.resume_mode=auto")
+    [[ -n ${OUTPUT_DIR:-} ]] && overrides+=("trainer.default_local_dir=$OUTPUT_DIR")
+    [[ -n ${MODEL_PATH:-} ]] && overrides+=("actor_rollout_ref.model.path=$MODEL_PATH")
+    [[ -n ${DATA_DIR:-} ]] && overrides+=("data.train_files=[$DATA_DIR/train.parquet]" "data.val_files=[$DATA_DIR/test.parquet]")
+    local extra=()
+    read -ra extra <<<"${EXTRA_OVERRIDES:-}"
+    overrides+=("${extra[@]}" "trainer.nnodes=$NNODES")
+    GPU_FLAGS=()
+    ((GPUS_PER_NODE > 0)) && GPU_FLAGS=("--gpus-per-node=$GPUS_PER_NODE")
+    trap stop_owned EXIT
+    trap on_time_limit USR1
+    trap 'log "SIGTERM: stopping"; exit 143' TERM
+}
+
+# check_plan: resolve the config and reject a layout that does not factor or fit, before anything starts.
+check_plan() {
+    "$PYTHON" -m megatron_rl.plan "${overrides[@]}" || die "the plan was rejected (above); nothing was started"
+}
+
+# exit_if_dry_run LINE...: with DRY_RUN=1, print what would start and stop here.
+exit_if_dry_run() {
+    [[ ${DRY_RUN:-0} == 1 ]] || return 0
+    local line
+    for line in "$@"; do log "DRY_RUN: $line"; done
+    exit 0
+}
+
+own_pid() { OWNED_PIDS+=("$1"); }
+
+# shellcheck disable=SC2317 # run by the EXIT trap
+stop_owned() {  # TERM what this script started (by pid), KILL what still runs 30 s later
+    local pid alive=""
+    for pid in $WATCHDOG_PID $DRIVER_PID "${OWNED_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in $(seq 30); do
+        alive=""
+        for pid in $DRIVER_PID "${OWNED_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=" $pid"; done
+        [[ -z $alive ]] && break
+        sleep 1
+    done
+    if [[ -n $alive ]]; then
+        log "killing pids$alive, still running 30 s after SIGTERM"
+        for pid in $alive; do kill -KILL "$pid" 2>/dev/null || true; done
+    fi
+    OWNED_PIDS=() DRIVER_PID="" WATCHDOG_PID=""
+}
+
+# shellcheck disable=SC2317 # run by the USR1 trap
+on_time_limit() {  # sbatch --signal=B:USR1@300: the time limit is 5 minutes away
+    REQUEUE=1
+    if [[ -z $DRIVER_PID ]]; then
+        log "SIGUSR1: the time limit is near and training has not started; stopping"
+        finish
+    fi
+    log "SIGUSR1: the time limit is near; asking the driver to checkpoint and stop (grace ${REQUEUE_GRACE_S} s)"
+    kill -USR1 "$DRIVER_PID" 2>/dev/null || true
+    (sleep "$REQUEUE_GRACE_S" && kill -TERM "$DRIVER_PID" 2>/dev/null) &
+    WATCHDOG_PID=$!
+}
+
+# run_driver CMD...: run the driver, forwarding signals, until it exits; its status is in DRIVER_RC.
+run_driver() {
+    log "driver: $(quoted "$@")"
+    "$@" &
+    DRIVER_PID=$!
+    while :; do
+        wait "$DRIVER_PID" && DRIVER_RC=0 || DRIVER_RC=$?
+        kill -0 "$DRIVER_PID" 2>/dev/null || break  # else a trapped signal interrupted `wait`: keep waiting
+    done
+    DRIVER_PID=""
+    log "driver exited with status $DRIVER_RC"
+}
+
+# finish: stop what this script started; requeue the SLURM job when the time limit asked for it.
+finish() {
+    stop_owned
+    if ((REQUEUE)) && [[ -n ${SLURM_JOB_ID:-} ]]; then
+        log "requeueing job $SLURM_JOB_ID; the next run resumes from ${OUTPUT_DIR}"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit "$DRIVER_RC"
+}

@@ -1,0 +1,108 @@
+"""The launch scripts' command lines, read from DRY_RUN=1 (plan checked, nothing started).
+
+Inside a "job" the SLURM variables are set by hand: the scripts only read them before starting anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def run_script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
+    full_env = {**base, "PYTHON": sys.executable, "MEGATRON_RL_DIR": str(REPO), "DRY_RUN": "1", **env}
+    return subprocess.run(["bash", str(REPO / "launch" / script), *args], env=full_env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def dry_run_lines(result: subprocess.CompletedProcess) -> list[str]:
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return [line.split("DRY_RUN: ", 1)[1] for line in result.stdout.splitlines() if "DRY_RUN: " in line]
+
+
+def driver_argv(result: subprocess.CompletedProcess) -> list[str]:
+    (driver,) = [line for line in dry_run_lines(result) if line.startswith("driver: ")]
+    return shlex.split(driver.removeprefix("driver: "))
+
+
+def slurm_job(job_id: str, nodes: int, submit_dir: Path, **extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_ID": job_id, "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NAME": "grpo_70b.sh",
+            "SLURM_SUBMIT_DIR": str(submit_dir), "SLURMD_NODENAME": "node001",
+            "SLURM_JOB_NODELIST": f"node[001-{nodes:03d}]", **extra}
+
+
+@pytest.fixture
+def tiny_model(tmp_path) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_grpo_70b_sbatch_script_maps_the_environment_to_overrides(tmp_path):
+    env = slurm_job("42", 8, tmp_path, SLURM_GPUS_PER_NODE="h100:8", HEAD_IP="10.0.0.1",
+                    MODEL_PATH="/models/llama3-70b", DATA_DIR="/data/gsm8k", EXTRA_OVERRIDES="trainer.save_freq=5")
+    result = run_script("grpo_70b.sh", "trainer.test_freq=7", **env)
+    assert "Ray head on node001 at 10.0.0.1:6379, Ray workers on the 7 other node(s)" in dry_run_lines(result)
+    # Arguments first, then the environment's overrides, EXTRA_OVERRIDES, and what the launcher owns.
+    assert driver_argv(result) == [
+        sys.executable, "-m", "megatron_rl.train", "+experiment=grpo_70b", "trainer.test_freq=7",
+        "trainer.resume_mode=auto", f"trainer.default_local_dir={tmp_path}/outputs/grpo_70b-42",
+        "actor_rollout_ref.model.path=/models/llama3-70b",
+        "data.train_files=[/data/gsm8k/train.parquet]", "data.val_files=[/data/gsm8k/test.parquet]",
+        "trainer.save_freq=5", "trainer.nnodes=8", "trainer.n_gpus_per_node=8", "ray_init.address=10.0.0.1:6379",
+    ]
+    assert "peak: generate" in result.stdout  # the plan was printed before the dry-run stop
+
+
+def test_sbatch_script_rejects_a_plan_before_starting_ray(tmp_path):
+    # 4 nodes leave DP=1 for TP 8 x PP 4: Adam is not sharded and the 70B plan does not fit.
+    result = run_script("grpo_70b.sh", **slurm_job("43", 4, tmp_path, SLURM_GPUS_PER_NODE="8", HEAD_IP="10.0.0.1"))
+    assert result.returncode == 1
+    assert "does not fit" in result.stderr and "the plan was rejected (above); nothing was started" in result.stderr
+
+
+def test_node_count_must_match_the_allocation(tmp_path):
+    result = run_script("grpo_70b.sh", NNODES="16", **slurm_job("44", 8, tmp_path, SLURM_GPUS_PER_NODE="8"))
+    assert result.returncode == 1
+    assert "NNODES=16 but the job has 8 nodes; choose the node count with sbatch --nodes=16" in result.stderr
+
+
+def test_ray_launcher_refuses_to_run_outside_slurm():
+    result = run_script("ray_on_slurm.sh", "+experiment=grpo_70b")
+    assert result.returncode == 1 and "not inside a SLURM job" in result.stderr
+
+
+def test_torchrun_on_one_cpu_node(tiny_model):
+    result = run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", GPUS_PER_NODE="0",
+                        NPROC_PER_NODE="2")
+    assert driver_argv(result) == [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", SIGNALS,
+        "--shutdown-timeout=240", "--standalone", "-m", "megatron_rl.train",
+        f"actor_rollout_ref.model.path={tiny_model}", "trainer.resume_mode=auto", "trainer.nnodes=1",
+        "trainer.launcher=torchrun", "trainer.n_gpus_per_node=2",
+    ]
+
+
+def test_torchrun_in_a_slurm_job_starts_one_agent_per_node(tiny_model, tmp_path):
+    env = slurm_job("45", 2, tmp_path, SLURM_GPUS_PER_NODE="8", MASTER_ADDR="10.0.0.2")
+    argv = driver_argv(run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", **env))
+    assert argv[:5] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gpus-per-node=8"]
+    assert argv[5:12] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8",
+                          SIGNALS, "--shutdown-timeout=240"]
+    assert argv[12:15] == ["--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.2:29500", "--rdzv-id=45"]
+    assert argv[-3:] == ["trainer.nnodes=2", "trainer.launcher=torchrun", "trainer.n_gpus_per_node=8"]
+
+
+def test_torchrun_on_cpu_needs_the_process_count():
+    result = run_script("torchrun.sh", "+experiment=grpo_7b", GPUS_PER_NODE="0")
+    assert result.returncode == 1 and "set NPROC_PER_NODE" in result.stderr
