@@ -149,9 +149,8 @@ class HFEngine(RolloutEngine):
         self._check_servable()
         data.require("input_ids", "attention_mask", "position_ids", "responses", where="compute_log_probs")
         temperature = float(data.meta_info.get("temperature", 1.0))
-        micro = max(1, int(getattr(self.config, "log_prob_micro_batch_size_per_gpu", len(data)) or len(data)))
         parts = []
-        for chunk in data.split(micro):
+        for chunk in data.split(max(1, int(self.config.log_prob_micro_batch_size_per_gpu))):
             ids, mask, pos, responses = (chunk.batch[k].to(self.device) for k in
                                          ("input_ids", "attention_mask", "position_ids", "responses"))
             width = responses.shape[-1]

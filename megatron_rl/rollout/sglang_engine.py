@@ -47,7 +47,7 @@ from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.update_group import init_weight_update_group
 
-__all__ = ["SGLangEngine", "SGLANG_PIN", "SGLANG_CONTRACT", "SGLangUnavailableError"]
+__all__ = ["SGLangEngine", "SGLANG_PIN", "SGLANG_CONTRACT", "SGLangUnavailableError", "SGLangServerError"]
 
 SGLANG_PIN = "0.5.23"
 WEIGHT_UPDATE_SESSION_SINCE = Version("0.5.23")  # sglang PR #28001
@@ -119,7 +119,11 @@ _BUCKET = SGLANG_CONTRACT["flattened_bucket"]
 
 
 class SGLangUnavailableError(ImportError):
-    pass
+    """sglang is not installed (it needs CUDA)."""
+
+
+class SGLangServerError(RuntimeError):
+    """An SGLang server refused a request or could not be reached; names the URL, route and SGLang's message."""
 
 
 def _import(module: str, name: str) -> Any:
@@ -180,9 +184,10 @@ class _HTTPServer:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
-            raise WeightUpdateError(f"SGLang {self.url}{route} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from exc
+            detail = exc.read().decode(errors="replace")[:500]
+            raise SGLangServerError(f"SGLang {self.url}{route} answered {exc.code}: {detail}") from exc
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            raise ConnectionError(f"SGLang server {self.url}{route} unreachable: {exc}") from exc
+            raise SGLangServerError(f"SGLang server {self.url}{route} unreachable: {exc}") from exc
         if not raw:
             return None
         try:

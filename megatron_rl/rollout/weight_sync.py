@@ -76,27 +76,25 @@ class _DoubleBufferedPusher:
     def current(self) -> WeightBucket:
         return self._buckets[self._index]
 
-    def push(self, bucket: WeightBucket | None = None) -> None:
-        """Hand ``bucket`` (default: the current one) to the engine; switch to the other buffer."""
-        if bucket is None:
-            bucket = self.current
-            if not len(bucket):
-                return
-            slot = self._index
-            self._index = 1 - self._index
-            self._wait(self._index)  # the buffer we fill next must have been taken by the engine
-            self._buckets[self._index].clear()
-        else:
-            self.drain()  # a one-off bucket keeps the engine's load order simple
-            slot = None
+    def push_current(self) -> None:
+        """Hand the current bucket to the engine and continue in the other buffer once the engine has
+        taken what was pushed from it before."""
+        if not len(self.current):
+            return
+        self._pending[self._index] = self._submit(self.current)
+        self._index = 1 - self._index
+        self._wait(self._index)
+        self.current.clear()
+
+    def push_alone(self, bucket: WeightBucket) -> None:
+        """A tensor larger than a bucket travels in its own buffer; return once the engine has taken it."""
+        self._submit(bucket).result()
+
+    def _submit(self, bucket: WeightBucket) -> Future:
         if bucket.device.type == "cuda":
             torch.cuda.current_stream(bucket.device).synchronize()  # the engine reads it from another stream
-        future = self._pool.submit(self._engine.load_weight_bucket, bucket)
-        if slot is not None:
-            self._pending[slot] = future
-        else:
-            future.result()
         self.num_buckets += 1
+        return self._pool.submit(self._engine.load_weight_bucket, bucket)
 
     def _wait(self, slot: int) -> None:
         future, self._pending[slot] = self._pending[slot], None
@@ -150,16 +148,16 @@ def sync_weights(
             nbytes = tensor.numel() * cast.itemsize
             if nbytes > bucket_bytes:
                 sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
-                pusher.push(sent)
+                pusher.push_alone(sent)
             else:
                 if not pusher.current.fits(nbytes, cast):
-                    pusher.push()
+                    pusher.push_current()
                 pusher.current.add(name, tensor, cast)
                 sent = pusher.current
             if checksums is not None:
                 checksums[name] = tensor_checksum(sent.tensor(-1))
             total_bytes += nbytes
-        pusher.push()
+        pusher.push_current()
         pusher.drain()
     except BaseException as exc:
         pusher.close()

@@ -6,7 +6,8 @@ It runs in its own process (``start``), like a real server on another GPU. What 
   ``weight_version``, ``/server_info`` with ``version``);
 - the 0.5.23 session rule: weight updates are refused outside ``/begin_weight_update`` ...
   ``/end_weight_update`` (with SGLang's message); ``version="0.5.15"`` emulates a pre-session server
-  that has no begin/end routes at all;
+  that has no begin/end routes at all (as sglang 0.5.15.post1's http_server.py, which has every other
+  route used here);
 - ``flattened_bucket`` decoding for ``/update_weights_from_tensor`` (base64 -> unpickle -> slice the uint8
   tensor by metadata) and the packed receive bucket + broadcast of ``/update_weights_from_distributed``
   over a group joined through ``/init_weights_update_group`` (gloo here, NCCL in production).

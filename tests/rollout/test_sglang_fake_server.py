@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangUnavailableError, _checked
+from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangServerError, SGLangUnavailableError, _checked
 from megatron_rl.rollout.weight_sync import sync_weights
 from tests.rollout import fake_sglang_server, sglang_stand_in
 from tests.rollout.conftest import EOS, PAD, prompt_batch, source_model
@@ -94,12 +94,14 @@ def test_session_rule_and_server_errors_surface_with_sglang_message(servers, mon
     engine = client(servers["current"][:1], weight_transport="tensor")
     server = engine._servers[0]
     body = {"serialized_named_tensors": ["AA=="], "load_format": "flattened_bucket", "flush_cache": False}
-    with pytest.raises(WeightUpdateError, match=r"must run between begin_weight_update\(\) and end_weight_update\(\)"):
+    with pytest.raises(SGLangServerError, match=r"answered 400: .*must run between begin_weight_update\(\) and end_weight_update\(\)"):
         server.request("/update_weights_from_tensor", body)
     engine.begin_weight_update(1)
     with pytest.raises(WeightUpdateError, match="session is already open"):
+        engine.begin_weight_update(2)
+    with pytest.raises(SGLangServerError, match="session is already open"):
         server.request("/begin_weight_update", {})
-    with pytest.raises(WeightUpdateError, match="cannot load 'model.norm.weight' \\(3,\\)"):
+    with pytest.raises(SGLangServerError, match="cannot load 'model.norm.weight' \\(3,\\)"):
         engine.load_named_tensors([("model.norm.weight", torch.zeros(3))])
     engine.abort_weight_update("test")
     with pytest.raises(RuntimeError, match="cannot generate yet: test"):
