@@ -164,3 +164,18 @@ def test_scorer_defined_in_main_is_refused_for_worker_processes(tokenizer):
             manager(batch)
     inline = RewardManager(tokenizer, reward_config(num_workers=0))(batch)  # in-process it is fine
     assert np.array_equal(inline.non_tensor_batch["score"], [1.0])
+
+
+def test_registered_batched_scorer_is_called_once_per_batch(tokenizer):
+    calls = []
+
+    def lengths(data_sources, solution_strs, ground_truths, extra_infos):
+        calls.append(list(solution_strs))
+        return [{"score": len(s) / 10, "chars": len(s)} for s in solution_strs]
+
+    register_scorer("test/batched", batched=True)(lengths)
+    batch = response_batch(tokenizer, ["1", "123", "12345"], ["", "", ""], data_source="test/batched")
+    out = RewardManager(tokenizer, reward_config())(batch)
+    assert calls == [["1", "123", "12345"]]
+    assert list(out.non_tensor_batch["score"]) == pytest.approx([0.1, 0.3, 0.5])
+    assert list(out.non_tensor_batch["chars"]) == [1, 3, 5]
