@@ -14,6 +14,9 @@ KNOWN_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean
 KNOWN_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+")
 KNOWN_LAUNCHERS = ("ray", "torchrun")
 KNOWN_LR_SCHEDULERS = ("constant", "cosine")
+KNOWN_REWARD_MANAGERS = ("naive", "batch")
+KNOWN_TRUNCATIONS = ("error", "left", "right")
+KNOWN_MALFORMED_ROW_POLICIES = ("skip", "error")
 VALUE_ESTIMATORS = ("gae",)  # estimators that need a critic
 
 
@@ -145,6 +148,15 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     for key, value in (("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler),
                        ("critic.optim.lr_scheduler", cfg.critic.optim.lr_scheduler)):
         _require(value in KNOWN_LR_SCHEDULERS, f"{key}={value!r} is unknown; known: {list(KNOWN_LR_SCHEDULERS)}")
+    choices = (("reward.reward_manager", cfg.reward.reward_manager, KNOWN_REWARD_MANAGERS),
+               ("data.truncation", cfg.data.truncation, KNOWN_TRUNCATIONS),
+               ("data.on_malformed_row", cfg.data.on_malformed_row, KNOWN_MALFORMED_ROW_POLICIES))
+    for key, value, known in choices:
+        _require(value in known, f"{key}={value!r} is unknown; known: {list(known)}")
+    _require(cfg.reward.reward_manager != "batch" or bool(cfg.reward.custom_reward_function.path),
+             "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
+    _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")
+    _require(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
              f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
