@@ -211,12 +211,17 @@ class DataProto:
         _check_lengths(self.batch, self.non_tensor_batch)
         return self
 
-    def select_for_generation(self) -> "DataProto":
-        """What a rollout engine needs of a prompt batch: the left-padded prompt tensors, the uid and the
-        raw prompt when present (for engines that template themselves), and all of meta_info."""
+    def pop_for_generation(self) -> "DataProto":
+        """Take out what a rollout engine needs of a prompt batch: the left-padded prompt tensors are
+        moved (the engine returns the full prompt+response tensors, which then join this batch); uid
+        and raw_prompt, when present, are copied; meta_info is shared."""
         self.require(*GENERATION_KEYS, where="generation")
-        non_tensor = [k for k in ("uid", "raw_prompt") if k in self.non_tensor_batch]
-        return self.select(GENERATION_KEYS, non_tensor, None)
+        gen = self.pop(GENERATION_KEYS)
+        for key in ("uid", "raw_prompt"):
+            if key in self.non_tensor_batch:
+                gen.non_tensor_batch[key] = self.non_tensor_batch[key]
+        gen.meta_info = dict(self.meta_info)
+        return gen
 
     # ------------------------------------------------------------------ row-wise operations
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> "DataProto":

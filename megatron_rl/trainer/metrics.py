@@ -1,0 +1,82 @@
+"""Per-step metrics with verl's names, computed on the driver from the step's DataProto."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from megatron_rl.protocol import DataProto
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def _masked_token_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return _stats(prefix, values[mask.bool()])
+
+
+def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of one step (verl's `compute_data_metrics`)."""
+    response_mask = batch.batch["response_mask"].bool()
+    response_length = response_mask.sum(-1).float()
+    prompt_length = batch.batch["attention_mask"][:, : -response_mask.shape[1]].sum(-1).float()
+    max_response = response_mask.shape[1]
+
+    metrics: dict[str, float] = {}
+    metrics |= _stats("critic/score", batch.batch["token_level_scores"].sum(-1))
+    metrics |= _stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1))
+    metrics |= _masked_token_stats("critic/advantages", batch.batch["advantages"], response_mask)
+    metrics |= _masked_token_stats("critic/returns", batch.batch["returns"], response_mask)
+    if use_critic and "values" in batch.batch:
+        metrics |= _masked_token_stats("critic/values", batch.batch["values"], response_mask)
+        returns = batch.batch["returns"][response_mask]
+        values = batch.batch["values"][response_mask]
+        var_returns = torch.var(returns)
+        metrics["critic/vf_explained_var"] = (1.0 - torch.var(returns - values) / (var_returns + 1e-5)).item()
+    metrics |= _stats("response_length", response_length)
+    metrics["response_length/clip_ratio"] = (response_length == max_response).float().mean().item()
+    metrics |= _stats("prompt_length", prompt_length)
+    if "acc" in batch.non_tensor_batch:
+        metrics["critic/acc/mean"] = float(np.mean(batch.non_tensor_batch["acc"].astype(np.float64)))
+    return metrics
+
+
+def compute_throughput_metrics(batch: DataProto, step_seconds: float, world_size: int) -> dict[str, float]:
+    tokens = int(batch.batch["attention_mask"].sum().item())
+    return {
+        "perf/total_num_tokens": float(tokens),
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": tokens / max(step_seconds, 1e-9) / world_size,  # tokens/s per rank, as verl
+    }
+
+
+def reduce_metrics(metrics: dict[str, list[float] | float]) -> dict[str, float]:
+    """Workers return lists (one value per micro-batch or rank); the step reports their mean."""
+    return {k: float(np.mean(v)) if isinstance(v, (list, tuple, np.ndarray)) else float(v) for k, v in metrics.items()}
+
+
+class StageTimer:
+    """Accumulates wall time per stage, reported as `timing_s/<stage>`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}

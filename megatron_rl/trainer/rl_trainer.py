@@ -1,0 +1,289 @@
+"""The driver loop. `RLTrainer.fit()` follows the lifeline of a sample in DESIGN.md step by step.
+
+The trainer talks to worker groups through plain method calls that take and return DataProto, so the
+same loop drives Ray worker groups (single controller) and in-process workers under torchrun.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.algos import (
+    apply_kl_penalty,
+    compute_advantage,
+    filter_zero_variance_groups,
+    get_kl_controller,
+    rewards_from_scores,
+)
+from megatron_rl.config import DerivedSizes
+from megatron_rl.protocol import DataProto
+from megatron_rl.trainer.checkpointing import TrainerCheckpointer
+from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics, compute_throughput_metrics
+from megatron_rl.trainer.signals import StopRequest
+from megatron_rl.trainer.validation import validation_metrics
+
+logger = logging.getLogger(__name__)
+
+# Estimators that use a greedy rollout of the same prompt as the baseline.
+GREEDY_BASELINE_ESTIMATORS = ("remax",)
+
+
+class ActorRolloutRef(Protocol):
+    """What the trainer needs from the colocated actor + reference + rollout workers."""
+
+    def generate_sequences(self, data: DataProto) -> DataProto: ...
+    def compute_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
+    def update_actor(self, data: DataProto) -> DataProto: ...
+    def sync_weights(self) -> dict[str, float]: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+    def save_hf(self, path: str) -> None: ...
+
+
+class Critic(Protocol):
+    def compute_values(self, data: DataProto) -> DataProto: ...
+    def update_critic(self, data: DataProto) -> DataProto: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+# Scores a batch: returns token_level_scores (+ per-sample extras such as `acc`), with the step's
+# reward metrics in meta_info["reward_metrics"] (megatron_rl.reward.RewardManager).
+RewardFn = Callable[[DataProto], DataProto]
+
+
+@dataclass
+class TrainerState:
+    """Everything of the driver that a resumed run needs to continue as if never stopped."""
+
+    global_steps: int = 0
+    dataloader: dict[str, Any] = field(default_factory=dict)
+    kl_ctrl: dict[str, Any] = field(default_factory=dict)
+
+
+def new_uids(step: int, count: int) -> np.ndarray:
+    """Group ids for the prompts of a step; deterministic so a resumed run reproduces them."""
+    return np.array([f"{step}-{i}" for i in range(count)], dtype=object)
+
+
+class RLTrainer:
+    def __init__(self, cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutRef,
+                 critic: Critic | None, reward_fn: RewardFn, train_loader, val_batches: Callable[[], Iterator[DataProto]] | None,
+                 tracking=None, stop: StopRequest | None = None) -> None:
+        self.cfg = cfg
+        self.sizes = sizes
+        self.actor_rollout = actor_rollout
+        self.critic = critic
+        self.reward_fn = reward_fn
+        self.train_loader = train_loader
+        self.val_batches = val_batches
+        self.tracking = tracking  # None on ranks that do not log
+        self.stop = stop or StopRequest()
+        algo = cfg.algorithm
+        self.n = cfg.actor_rollout_ref.rollout.n
+        self.use_critic = sizes.uses_critic
+        self.use_reference = algo.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+        self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
+        self.total_steps = self._total_steps()
+        self.state = TrainerState()
+        self.checkpointer = TrainerCheckpointer(Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        self._resume()
+        last: dict[str, float] = {}
+        if self.cfg.trainer.val_before_train and self.val_batches is not None and self.state.global_steps == 0:
+            self._log(self.validate(), step=0)
+        for batch in self._train_batches():
+            step = self.state.global_steps + 1
+            timer = StageTimer()
+            with timer("step"):
+                metrics = self.train_step(batch, step, timer)
+            self.state.global_steps = step
+            metrics |= timer.metrics()
+            metrics |= compute_throughput_metrics(self._last_batch, timer.seconds["step"], self.sizes.world_size)
+            if self._due(self.cfg.trainer.test_freq, step) and self.val_batches is not None:
+                metrics |= self.validate()
+            if self._due(self.cfg.trainer.save_freq, step) or self.stop.requested:
+                self.save_checkpoint()
+            self._log(metrics, step)
+            last = metrics
+            if self.stop.requested:
+                logger.warning("stopping after step %d on %s; checkpoint saved", step, self.stop.reason)
+                break
+        if self.cfg.trainer.save_hf_at_end and not self.stop.requested:
+            self.actor_rollout.save_hf(str(self.hf_output_dir))
+        return last
+
+    def train_step(self, batch: DataProto, step: int, timer: StageTimer) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        rollout = self.cfg.actor_rollout_ref.rollout
+        # temperature travels with the batch: log-probs must be computed at the sampling temperature.
+        batch.meta_info.update(global_steps=step, seed=rollout.seed + step, temperature=rollout.temperature)
+
+        with timer("gen"):
+            batch = self.generate_and_score(batch, step, metrics)
+        if self.cfg.algorithm.filter_groups.enable:
+            batch = self.fill_with_informative_groups(batch, step, metrics, timer)
+
+        with timer("old_log_prob"):
+            batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        if self.use_reference:
+            with timer("ref"):
+                batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with timer("values"):
+                batch = batch.union(self.critic.compute_values(batch))
+
+        with timer("adv"):
+            if self.kl_ctrl is not None:
+                batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, self.cfg.algorithm.kl_penalty)
+                metrics |= kl_metrics
+            else:
+                batch = rewards_from_scores(batch)
+            batch = compute_advantage(batch, self.cfg.algorithm.adv_estimator, gamma=self.cfg.algorithm.gamma,
+                                      lam=self.cfg.algorithm.lam, num_repeat=self.n,
+                                      norm_adv_by_std_in_grpo=self.cfg.algorithm.norm_adv_by_std_in_grpo)
+
+        if self.use_critic:
+            with timer("update_critic"):
+                metrics |= self.critic.update_critic(batch).meta_info["metrics"]
+        with timer("update_actor"):
+            metrics |= self.actor_rollout.update_actor(batch).meta_info["metrics"]
+        with timer("sync_weights"):
+            metrics |= self.actor_rollout.sync_weights()
+
+        metrics |= compute_data_metrics(batch, self.use_critic)
+        self._last_batch = batch
+        return metrics
+
+    def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
+        """Rollout n responses per prompt and score them: the first half of the lifeline."""
+        batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
+        gen = batch.pop_for_generation()
+        out = self.actor_rollout.generate_sequences(gen.repeat(self.n, interleave=True))
+        if self.cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
+            batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
+        batch = batch.repeat(self.n, interleave=True).union(out)  # response_mask comes with `out`
+        scores = self.reward_fn(batch)
+        metrics |= scores.meta_info.pop("reward_metrics", {})
+        return batch.union(scores)  # token_level_scores at the last valid token
+
+    def fill_with_informative_groups(self, batch: DataProto, step: int, metrics: dict[str, float],
+                                     timer: StageTimer) -> DataProto:
+        """DAPO dynamic sampling: drop groups whose responses all scored the same (no gradient signal)
+        and generate more prompts until a full batch of informative groups is collected."""
+        wanted = self.cfg.data.train_batch_size * self.n
+        kept, dropped = filter_zero_variance_groups(batch, metric=self.cfg.algorithm.filter_groups.metric)
+        total_dropped, generations = dropped, 1
+        while len(kept) < wanted and generations < self.cfg.algorithm.filter_groups.max_num_gen_batches:
+            more = next(self._batch_iter, None)
+            if more is None:
+                break
+            with timer("gen"):
+                more.meta_info.update(batch.meta_info)
+                more = self.generate_and_score(more, step * 1000 + generations, metrics)
+            more_kept, more_dropped = filter_zero_variance_groups(more, metric=self.cfg.algorithm.filter_groups.metric)
+            kept = DataProto.concat([kept, more_kept]) if len(kept) else more_kept
+            total_dropped += more_dropped
+            generations += 1
+        metrics["dynamic_sampling/num_dropped_groups"] = float(total_dropped)
+        metrics["dynamic_sampling/num_gen_batches"] = float(generations)
+        if len(kept) < wanted:
+            # Too few informative groups even after max_num_gen_batches: train on the unfiltered batch
+            # (its zero-variance groups get zero advantage) rather than stop the run.
+            logger.warning("dynamic sampling: only %d of %d responses informative after %d generations; "
+                           "using the unfiltered batch", len(kept), wanted, generations)
+            return batch
+        return kept[:wanted]  # wanted is a multiple of n, so whole groups are kept
+
+    def _greedy_baseline(self, batch: DataProto, gen: DataProto) -> torch.Tensor:
+        """ReMax: the score of one greedy response per prompt is the baseline of that prompt's samples."""
+        greedy = gen.select()
+        greedy.meta_info["do_sample"] = False
+        out = self.actor_rollout.generate_sequences(greedy)
+        prompt_fields = batch.select([], list(batch.non_tensor_batch), [])
+        return self.reward_fn(prompt_fields.union(out)).batch["token_level_scores"].sum(-1)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        scored = []
+        for batch in self.val_batches():
+            batch.meta_info.update(validate=True, do_sample=vk.do_sample, temperature=vk.temperature,
+                                   top_p=vk.top_p, top_k=vk.top_k, seed=self.cfg.actor_rollout_ref.rollout.seed)
+            gen = batch.pop_for_generation()
+            out = self.actor_rollout.generate_sequences(gen.repeat(vk.n, interleave=True))
+            full = batch.repeat(vk.n, interleave=True).union(out)
+            scores = self.reward_fn(full)
+            scores.meta_info.pop("reward_metrics", None)
+            scored.append(full.union(scores))
+        return validation_metrics(DataProto.concat(scored), n=vk.n)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def hf_output_dir(self) -> Path:
+        return Path(self.cfg.trainer.default_local_dir) / "hf_final"
+
+    def save_checkpoint(self) -> Path:
+        self.state.dataloader = self.train_loader.state_dict()
+        self.state.kl_ctrl = self.kl_ctrl.state_dict() if self.kl_ctrl is not None else {}
+        with self.checkpointer.saving(self.state.global_steps) as tmp_dir:
+            self.actor_rollout.save_checkpoint(str(tmp_dir / "actor"))
+            if self.critic is not None:
+                self.critic.save_checkpoint(str(tmp_dir / "critic"))
+            self.checkpointer.write_trainer_state(tmp_dir, self.state.__dict__)
+        return self.checkpointer.step_dir(self.state.global_steps)
+
+    def _resume(self) -> None:
+        path = self.checkpointer.resume_path(self.cfg.trainer.resume_mode, self.cfg.trainer.resume_from_path)
+        if path is None:
+            return
+        logger.info("resuming from %s", path)
+        state = self.checkpointer.read_trainer_state(path)
+        self.actor_rollout.load_checkpoint(str(path / "actor"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.state = TrainerState(**state)
+        self.train_loader.load_state_dict(self.state.dataloader)
+        if self.kl_ctrl is not None and self.state.kl_ctrl:
+            self.kl_ctrl.load_state_dict(self.state.kl_ctrl)
+        # The rollout engine must generate with the restored weights, not the initial ones.
+        self.actor_rollout.sync_weights()
+
+    # ------------------------------------------------------------------ helpers
+    def _train_batches(self) -> Iterator[DataProto]:
+        self._batch_iter = self._endless_batches()
+        while self.state.global_steps < self.total_steps:
+            batch = next(self._batch_iter, None)
+            if batch is None:
+                return
+            yield batch
+
+    def _endless_batches(self) -> Iterator[DataProto]:
+        """Batches across epochs; the loader's own state says which epoch and position come next."""
+        while self.train_loader.epoch < self.cfg.trainer.total_epochs:
+            yield from self.train_loader
+
+    def _total_steps(self) -> int:
+        if self.cfg.trainer.total_training_steps is not None:
+            return int(self.cfg.trainer.total_training_steps)
+        return len(self.train_loader) * self.cfg.trainer.total_epochs
+
+    @staticmethod
+    def _due(freq: int, step: int) -> bool:
+        return freq > 0 and step % freq == 0
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracking is not None:
+            self.tracking.log(metrics, step)
+
+    def config_dict(self) -> dict[str, Any]:
+        return OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""Assemble a run from a validated config: data, reward, worker groups (Ray or torchrun), the trainer.
+
+Both launchers build the same `RLTrainer`; only the worker groups differ. Under Ray the driver process
+hosts the trainer and one Ray actor per rank hosts the workers; under torchrun every rank runs the
+trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config import DerivedSizes
+from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
+from megatron_rl.protocol import DataProto
+from megatron_rl.reward import RewardManager
+from megatron_rl.trainer.rl_trainer import RLTrainer
+from megatron_rl.trainer.signals import StopRequest
+from megatron_rl.trainer.tracking import Tracking, plot_curves
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    metrics_path: Path
+    tensorboard_dir: Path
+    plot_path: Path | None
+    hf_dir: Path | None
+    last_metrics: dict[str, float]
+
+
+def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]] | None:
+    if not cfg.data.val_files:
+        return None
+    dataset = RLDataset.from_config(list(cfg.data.val_files), tokenizer, cfg.data)
+    batch_size = cfg.data.val_batch_size or len(dataset)
+
+    def batches() -> Iterator[DataProto]:
+        yield from make_dataloader(dataset, batch_size, shuffle=False, seed=cfg.data.seed, drop_last=False)
+
+    return batches
+
+
+def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callable[[], None]]:
+    from megatron_rl.controller import (
+        RayResourcePool,
+        RayWorkerGroup,
+        create_colocated_worker_cls,
+        init_ray,
+        shutdown_ray,
+    )
+    from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+
+    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
+                           use_gpu=_device(cfg) == "cuda", name="global_pool")
+    # Actor, reference, rollout (and the critic when used) share one process per rank: the hybrid engine.
+    if sizes.uses_critic:
+        cls = create_colocated_worker_cls({"actor_rollout": ActorRolloutRefWorker, "critic": CriticWorker})
+        group = RayWorkerGroup(pool, cls, init_args={"actor_rollout": {"config": plain_cfg},
+                                                     "critic": {"config": plain_cfg}},
+                               name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s)
+        roles = group.spawn()
+        actor_rollout, critic = roles["actor_rollout"], roles["critic"]
+    else:
+        group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": plain_cfg},
+                               name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s)
+        actor_rollout, critic = group, None
+
+    def close() -> None:
+        group.kill()
+        pool.release()
+        shutdown_ray()
+
+    return actor_rollout, critic, close
+
+
+def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callable[[], None]]:
+    from megatron_rl.controller.local_group import LocalWorkerGroup
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+
+    launch = init_distributed()
+    if launch.world_size != sizes.world_size:
+        raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
+                         f"trainer.n_gpus_per_node = {sizes.world_size}")
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=plain_cfg), "actor_rollout")
+    critic = LocalWorkerGroup(CriticWorker(config=plain_cfg), "critic") if sizes.uses_critic else None
+    return actor_rollout, critic, lambda: None
+
+
+def _device(cfg: DictConfig) -> str:
+    import torch
+
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
+    """Build everything, train, and return where the outputs are. Config must already be validated."""
+    output_dir = Path(cfg.trainer.default_local_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    is_torchrun = cfg.trainer.launcher == "torchrun"
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    train_dataset = RLDataset.from_config(list(cfg.data.train_files), tokenizer, cfg.data)
+    train_loader = make_dataloader(train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed, drop_last=True,
+                                   num_workers=cfg.data.dataloader_num_workers)
+    reward_fn = RewardManager(tokenizer, cfg.reward)
+
+    actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+    is_logger = not is_torchrun or actor_rollout.rank == 0
+    stop = StopRequest().install()
+    tracking = None
+    try:
+        actor_rollout.init_model()
+        if critic is not None:
+            critic.init_model()
+        trainer = RLTrainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
+                            stop=stop)
+        if is_logger:
+            tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                                total_steps=trainer.total_steps, config=trainer.config_dict())
+            trainer.tracking = tracking
+        last = trainer.fit()
+    finally:
+        if tracking is not None:
+            tracking.close()
+        reward_fn.close()
+        close()
+
+    plot = None
+    if is_logger and tracking.metrics_path.exists():
+        plot = plot_curves(tracking.metrics_path, output_dir / "curves.png")
+    hf_dir = trainer.hf_output_dir if cfg.trainer.save_hf_at_end and not stop.requested else None
+    return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last)

@@ -1,0 +1,34 @@
+"""Turn SIGTERM / SIGUSR1 (SLURM's warning before the time limit) into "checkpoint, then exit cleanly"."""
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Set by a signal handler; the trainer checks it at the end of every step."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        self.reason = reason
+
+    def install(self) -> "StopRequest":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        logger.warning("received %s: will save a checkpoint and stop after the current step", name)
+        self.request(name)

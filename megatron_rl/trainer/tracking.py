@@ -1,0 +1,157 @@
+"""Metric sinks: console (tqdm), metrics.jsonl, TensorBoard, and W&B / MLflow when installed and chosen."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# What the console line shows each step: the numbers a person watches.
+CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
+
+
+class Sink(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class ConsoleSink:
+    def __init__(self, total_steps: int, initial_step: int) -> None:
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step", dynamic_ncols=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        shown = {k.split("/", 1)[-1] if k != "timing_s/step" else "s/step": round(v, 4)
+                 for k, v in metrics.items() if k in CONSOLE_KEYS}
+        validation = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+        if validation:
+            tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.4f}" for k, v in validation.items()))
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(max(0, step - self.bar.n))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, name: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    def __init__(self, experiment: str, run_name: str) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_experiment(experiment)
+        mlflow.start_run(run_name=run_name)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class Tracking:
+    """Fans each step's metrics out to the chosen sinks. Only the driver (or rank 0) builds one."""
+
+    def __init__(self, backends: Sequence[str], output_dir: Path, project: str, experiment: str,
+                 total_steps: int, initial_step: int = 0, config: dict[str, Any] | None = None) -> None:
+        unknown = [b for b in backends if b not in KNOWN_BACKENDS]
+        if unknown:
+            raise ValueError(f"trainer.logger has unknown backends {unknown}; known: {list(KNOWN_BACKENDS)}")
+        self.metrics_path = output_dir / "metrics.jsonl"
+        self.tensorboard_dir = output_dir / "tensorboard"
+        self.sinks: list[Sink] = []
+        for backend in backends:
+            if backend == "console":
+                self.sinks.append(ConsoleSink(total_steps, initial_step))
+            elif backend == "jsonl":
+                self.sinks.append(JsonlSink(self.metrics_path))
+            elif backend == "tensorboard":
+                self.sinks.append(TensorBoardSink(self.tensorboard_dir))
+            elif backend == "wandb":
+                self.sinks.append(WandbSink(project, experiment, config or {}))
+            elif backend == "mlflow":
+                self.sinks.append(MlflowSink(project, experiment))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in order (used by the plot, the demo and tests)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: Path, out_png: Path,
+                keys: Sequence[str] = ("critic/score/mean", "response_length/mean")) -> Path:
+    """One PNG with a panel per key, a point per step that logged it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+    for ax, key in zip(axes if len(keys) > 1 else [axes], keys):
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
