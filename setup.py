@@ -1,4 +1,80 @@
-"""Build script: the package, plus the `megatron_rl._C` extension once csrc/ holds kernels."""
-from setuptools import setup
+"""Builds the `megatron_rl._C` extension from csrc/; package metadata lives in pyproject.toml.
 
-setup()
+The C++ CPU kernels are always built. The CUDA kernels (csrc/cuda/*.cu) are added when torch was built
+with CUDA and nvcc is found; MEGATRON_RL_BUILD_CUDA=1 requires them (error if impossible),
+MEGATRON_RL_BUILD_CUDA=0 leaves them out. TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual.
+"""
+import os
+import platform
+from glob import glob
+from pathlib import Path
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+CUDA_ENV = "MEGATRON_RL_BUILD_CUDA"
+
+
+def _rel(paths):
+    return sorted(str(Path(p).relative_to(ROOT)) for p in paths)
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get(CUDA_ENV)
+    available = cpp_extension.CUDA_HOME is not None and __import__("torch").version.cuda is not None
+    if forced == "1" and not available:
+        raise RuntimeError(
+            f"{CUDA_ENV}=1 but the CUDA kernels cannot be built: torch.version.cuda="
+            f"{__import__('torch').version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+        )
+    if forced not in (None, "0", "1"):
+        raise RuntimeError(f"{CUDA_ENV} must be 0 or 1, got {forced!r}")
+    return available if forced is None else forced == "1"
+
+
+def _extension():
+    sources = ["csrc/bindings.cpp"] + _rel(glob(str(ROOT / "csrc/cpu/*.cpp")))
+    # -fopenmp: ATen's parallel_for is an inline OpenMP region compiled into this extension; at run time
+    # it binds to the libgomp torch already loaded.
+    cxx = ["-O3", "-fopenmp"]
+    if not _want_cuda():
+        return cpp_extension.CppExtension(
+            "megatron_rl._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+        )
+    return cpp_extension.CUDAExtension(
+        "megatron_rl._C",
+        sources + _rel(glob(str(ROOT / "csrc/cuda/*.cu"))),
+        define_macros=[("MEGATRON_RL_WITH_CUDA", None)],
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension, plus per-file ISA flags: csrc/cpu/*_avx2.cpp get AVX2+FMA on x86-64.
+
+    Those kernels are chosen at run time only on CPUs that have AVX2, so the rest of the extension keeps
+    the baseline instruction set (as ATen builds its own per-ISA kernels).
+    """
+
+    def build_extension(self, ext):
+        isa_sources = [s for s in ext.sources if s.endswith("_avx2.cpp")]
+        ext.sources = [s for s in ext.sources if s not in isa_sources]
+        flags = dict(ext.extra_compile_args)
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            flags["cxx"] = flags["cxx"] + ["-mavx2", "-mfma", "-mf16c"]
+        ext.extra_objects = ext.extra_objects + self.compiler.compile(
+            isa_sources,
+            output_dir=self.build_temp,
+            macros=ext.define_macros,
+            include_dirs=ext.include_dirs,
+            extra_postargs=flags,
+        )
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

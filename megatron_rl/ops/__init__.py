@@ -1,13 +1,19 @@
 """Fused RL kernels: vocab-parallel log-prob/entropy, masked GAE and whitening, group normalisation.
 
-`megatron_rl.ops.reference` holds the plain-torch semantics every op here matches.
+Each op runs the compiled kernels of `megatron_rl._C` (C++ on CPU, CUDA on GPU) and falls back to the
+plain-torch semantics in `megatron_rl.ops.reference` when they are not built (one warning).
 """
-from megatron_rl.ops.reference import (
-    group_normalize,
-    log_probs_from_logits,
-    masked_gae,
-    masked_mean,
-    masked_whiten,
-)
+from megatron_rl.ops._extension import backend_summary
+from megatron_rl.ops.gae import masked_gae
+from megatron_rl.ops.group_norm import group_normalize
+from megatron_rl.ops.log_probs import log_probs_from_logits
+from megatron_rl.ops.masked import masked_mean, masked_whiten
 
-__all__ = ["group_normalize", "log_probs_from_logits", "masked_gae", "masked_mean", "masked_whiten"]
+__all__ = [
+    "backend_summary",
+    "group_normalize",
+    "log_probs_from_logits",
+    "masked_gae",
+    "masked_mean",
+    "masked_whiten",
+]

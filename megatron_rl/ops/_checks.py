@@ -109,7 +109,8 @@ def check_whiten_count(valid_count: float, mask: torch.Tensor) -> None:
         )
 
 
-def check_group_args(scores: torch.Tensor, group_index: torch.Tensor, mode: str, epsilon: float) -> None:
+def check_group_args(scores: torch.Tensor, group_index: torch.Tensor, mode: str, epsilon: float) -> int:
+    """Returns the number of groups G = max(group_index) + 1 (0 for no scores)."""
     check_tensor("scores", scores)
     check_tensor("group_index", group_index)
     check_float("scores", scores)
@@ -124,5 +125,12 @@ def check_group_args(scores: torch.Tensor, group_index: torch.Tensor, mode: str,
         raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
     if not isinstance(epsilon, (int, float)) or epsilon < 0:
         raise ValueError(f"epsilon must be a non-negative number, got {epsilon!r}")
-    if group_index.numel() and int(group_index.min()) < 0:
-        raise ValueError(f"group_index must be >= 0, got min {int(group_index.min())}")
+    if group_index.numel() == 0:
+        return 0
+    low, high = int(group_index.min()), int(group_index.max())
+    if low < 0 or high >= group_index.numel():
+        raise ValueError(
+            f"group_index must be dense ids in [0, B={group_index.numel()}), got values in [{low}, {high}]; "
+            "map uids to ids with torch.unique(..., return_inverse=True) or numpy.unique"
+        )
+    return high + 1

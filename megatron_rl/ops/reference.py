@@ -47,7 +47,9 @@ def log_probs_from_logits(
     ignore_index: int = -100,
     vocab_size: Optional[int] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """log softmax(logits / temperature)[label] (and the softmax entropy), fp32, shaped like labels.
+    """log softmax(logits / temperature)[label] (and the softmax entropy), shaped like labels.
+
+    fp32 results (fp64 for fp64 logits).
 
     logits [..., V_local] is this rank's vocabulary shard when tp_group is given (shard r holds global
     ids [r*V_local, (r+1)*V_local)); labels hold global ids. Columns >= vocab_size (padding) are
@@ -55,7 +57,7 @@ def log_probs_from_logits(
     """
     tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
     _checks.check_log_prob_args(logits, labels, temperature, vocab_size, logits.shape[-1] * tp_world, ignore_index)
-    x = logits.float() / temperature
+    x = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     if tp_group is not None and tp_world > 1:
         x = _GatherVocabShards.apply(x, tp_group)
     if vocab_size is not None:

@@ -1,0 +1,30 @@
+// CPU kernels behind the raw-pointer argument blocks of kernel_args.h (ATen parallel_for inside).
+#pragma once
+
+#include "../kernel_args.h"
+
+namespace megatron_rl::cpu {
+
+// Elements of work per parallel task below which threads cost more than they save (ATen uses the same).
+constexpr int64_t kGrainSize = 32768;
+
+// Per-row statistics of logits (kRowStats values per row, float or double for fp64 logits).
+void log_prob_stats(const LogProbRows& rows, void* stats);
+// Merges the per-rank statistics into log-probs, entropy and the saved lse / E[x].
+void log_prob_merge(const LogProbMerge& args);
+void log_prob_backward(const LogProbGrad& args);
+// Name of the instruction set the log-prob kernels run with on this machine ("avx2" or "default").
+const char* log_prob_isa();
+
+void masked_gae(const GaeArgs& args);
+// Fills args.stats; returns sum(mask) so the caller can refuse fewer than two valid elements.
+double masked_whiten_stats(const WhitenArgs& args);
+void masked_whiten_apply(const WhitenArgs& args);
+void group_normalize(const GroupNormArgs& args);
+
+// Implemented in log_probs_avx2.cpp (stubs where the compiler cannot target AVX2).
+bool avx2_kernels_compiled();
+void log_prob_stats_avx2(const LogProbRows& rows, void* stats);
+void log_prob_backward_avx2(const LogProbGrad& args);
+
+}  // namespace megatron_rl::cpu

@@ -1,0 +1,78 @@
+// Online-softmax row statistics: the merge rule and the final outputs, shared by the CPU kernels
+// and the CUDA kernels (host/device inline, no torch types).
+//
+// A partial state over some columns of a row is (max, sum, wsum) with
+//   sum  = sum_j exp(x_j - max)
+//   wsum = sum_j exp(x_j - max) * (x_j - max)
+// Keeping wsum relative to the running max (instead of sum exp * x) avoids the cancellation
+// lse - E[x] would suffer for large logits (|x| ~ 1e4 in fp32).
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define MRL_HD __host__ __device__ __forceinline__
+#else
+#define MRL_HD inline
+#endif
+
+namespace megatron_rl {
+
+// Lower clamp for x - max: exp() of it is exactly 0 in float and double, and 0 * clamp stays finite
+// where x = -inf (0 * -inf would be NaN).
+constexpr double kMinLogitGap = -1.0e4;
+
+MRL_HD float exp_acc(float x) { return expf(x); }
+MRL_HD double exp_acc(double x) { return exp(x); }
+MRL_HD float log_acc(float x) { return logf(x); }
+MRL_HD double log_acc(double x) { return log(x); }
+
+template <typename acc_t>
+struct RowState {
+  acc_t max;
+  acc_t sum;
+  acc_t wsum;
+};
+
+template <typename acc_t>
+MRL_HD RowState<acc_t> empty_row_state() {
+  return {-static_cast<acc_t>(INFINITY), acc_t(0), acc_t(0)};
+}
+
+// Adds partial state `part` to `into`, whose max must already be >= part.max.
+template <typename acc_t>
+MRL_HD void add_rescaled(RowState<acc_t>& into, const RowState<acc_t>& part) {
+  if (!(part.sum > acc_t(0))) return;  // empty partial (all columns -inf or none): nothing to add
+  const acc_t gap = part.max - into.max;
+  const acc_t scale = exp_acc(gap);
+  into.sum += scale * part.sum;
+  into.wsum += scale * (part.wsum + gap * part.sum);
+}
+
+// Associative merge of two partial states.
+template <typename acc_t>
+MRL_HD RowState<acc_t> merge_row_states(const RowState<acc_t>& a, const RowState<acc_t>& b) {
+  RowState<acc_t> out{a.max > b.max ? a.max : b.max, acc_t(0), acc_t(0)};
+  add_rescaled(out, a);
+  add_rescaled(out, b);
+  return out;
+}
+
+template <typename acc_t>
+struct RowOutputs {
+  acc_t log_prob;
+  acc_t entropy;
+  acc_t lse;
+  acc_t mean_logit;
+};
+
+// log p(target) = x_t - lse; entropy = lse - E[x] = log(sum) - wsum / sum.
+template <typename acc_t>
+MRL_HD RowOutputs<acc_t> finish_row(const RowState<acc_t>& s, acc_t target) {
+  const acc_t log_sum = log_acc(s.sum);
+  const acc_t mean_gap = s.wsum / s.sum;
+  const acc_t lse = s.max + log_sum;
+  return {target - lse, log_sum - mean_gap, lse, s.max + mean_gap};
+}
+
+}  // namespace megatron_rl
