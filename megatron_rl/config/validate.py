@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 KNOWN_ROLLOUT_ENGINES = ("hf", "sglang")
-KNOWN_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KNOWN_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+")
 KNOWN_LAUNCHERS = ("ray", "torchrun")
 KNOWN_LR_SCHEDULERS = ("constant", "cosine")
 KNOWN_REWARD_MANAGERS = ("naive", "batch")
@@ -113,11 +111,12 @@ def _role_sizes(cfg: DictConfig, prefix: str, mini_batch_prompts: int, micro: in
                      -(-per_rank // micro))
 
 
-def _known_names() -> tuple[list[str], list[str]]:
-    # Imported here: the registries live in algos/ (users can register their own before validating).
-    from megatron_rl.algos import list_adv_estimators, list_policy_losses
+def _known_algorithm_names() -> dict[str, list[str]]:
+    # Read from algos/ at call time: users can register their own estimators and losses before validating.
+    from megatron_rl.algos import KL_PENALTIES, LOSS_AGG_MODES, list_adv_estimators, list_policy_losses
 
-    return list_adv_estimators(), list_policy_losses()
+    return {"estimators": list_adv_estimators(), "policy_losses": list_policy_losses(),
+            "loss_agg_modes": list(LOSS_AGG_MODES), "kl_penalties": list(KL_PENALTIES)}
 
 
 def validate(cfg: DictConfig) -> DerivedSizes:
@@ -128,7 +127,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
               "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs")
     algo, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
 
-    estimators, policy_losses = _known_names()
+    known = _known_algorithm_names()
+    estimators, policy_losses = known["estimators"], known["policy_losses"]
     _require(algo.adv_estimator in estimators,
              f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
     _require(actor.policy_loss in policy_losses,
@@ -139,10 +139,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"trainer.launcher={cfg.trainer.launcher!r} is unknown; known: {list(KNOWN_LAUNCHERS)}")
     for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
                        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
-        _require(value in KNOWN_LOSS_AGG_MODES, f"{key}={value!r} is unknown; known: {list(KNOWN_LOSS_AGG_MODES)}")
+        _require(value in known["loss_agg_modes"], f"{key}={value!r} is unknown; known: {known['loss_agg_modes']}")
     for key, value in (("algorithm.kl_penalty", algo.kl_penalty),
                        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)):
-        _require(value in KNOWN_KL_PENALTIES, f"{key}={value!r} is unknown; known: {list(KNOWN_KL_PENALTIES)}")
+        _require(value in known["kl_penalties"], f"{key}={value!r} is unknown; known: {known['kl_penalties']}")
     _require(algo.kl_ctrl.type in ("fixed", "adaptive"),
              f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is unknown; known: ['fixed', 'adaptive']")
     for key, value in (("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler),
