@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -38,6 +39,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, r
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
+    # Own process group, so the parent can kill helpers this rank starts (e.g. checkpoint writers).
+    os.setpgid(0, 0)
     try:
         init_distributed(timeout=timedelta(seconds=120))
         # Plain pickle (by value): torch's queue pickler would share tensor memory through file
@@ -48,6 +51,17 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, r
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _kill_process_group(proc) -> None:
+    """Kill the rank and anything it started (its process group), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone, or never got to create its group
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
 
 
 def run_multiprocess(
@@ -102,7 +116,5 @@ def run_multiprocess(
         grace_s = 10 if len(outputs) == world_size else 0
         for proc in procs:
             proc.join(timeout=grace_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _kill_process_group(proc)
     return [outputs[rank] for rank in range(world_size)]

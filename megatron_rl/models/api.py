@@ -15,10 +15,10 @@ from megatron_rl.models.layout import unwrap
 from megatron_rl.models.loading import load_hf_weights
 
 
-def build_from_hf(model_dir: Union[str, Path], **build_kwargs: Any) -> list[torch.nn.Module]:
+def build_from_hf(model_dir: Union[str, Path], progress: bool = False, **build_kwargs: Any) -> list[torch.nn.Module]:
     """``build_gpt_model`` for ``model_dir``'s config, then ``load_hf_weights`` from it."""
     chunks = build_gpt_model(load_hf_config(model_dir), init_weights=False, **build_kwargs)
-    load_hf_weights(chunks, model_dir)
+    load_hf_weights(chunks, model_dir, progress=progress)
     return chunks
 
 

@@ -22,7 +22,7 @@ from megatron_rl.models.layout import (
     Kind,
     ParamMapping,
     chunk_mappings,
-    has_value_head,
+    is_value_model,
     hf_from_shards,
     hf_tensor_groups,
     unwrap,
@@ -85,7 +85,8 @@ def export_hf_weights(
     owner = {key: (rank, dt) for rank, held in enumerate(everyone) for key, dt in held.items()}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    for group in hf_tensor_groups(hf, value_head=has_value_head(chunks)):
+    value_model = any("score.weight" in held for held in everyone)  # only the last stage has the head
+    for group in hf_tensor_groups(hf, value_head=value_model):
         if group.key not in owner:
             raise RuntimeError(f"no pipeline stage holds {group.key!r}; are all model chunks passed?")
         src, dtype_name = owner[group.key]
@@ -128,6 +129,7 @@ def save_hf_checkpoint(
     chunks = [unwrap(c) for c in model_chunks]
     hf = chunks[0].hf_config
     writer = dist.get_rank() == 0
+    value_model = is_value_model(chunks)
     out = Path(out_dir)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ def save_hf_checkpoint(
     if progress and writer:
         from tqdm import tqdm
 
-        total = sum(len(g.tensors) for g in hf_tensor_groups(hf, value_head=has_value_head(chunks)))
+        total = sum(len(g.tensors) for g in hf_tensor_groups(hf, value_head=value_model))
         stream = tqdm(stream, total=total, desc=f"writing {out.name}", unit="tensor")
 
     pending: dict[str, torch.Tensor] = {}
@@ -156,7 +158,7 @@ def save_hf_checkpoint(
         written.append(_write_shard(out, pending, len(written)))
         _name_shards(out, written, total_bytes)
         with open(out / "config.json", "w") as f:
-            json.dump(_config_for_export(hf, has_value_head(chunks), saved_dtype), f, indent=2)
+            json.dump(_config_for_export(hf, value_model, saved_dtype), f, indent=2)
         if tokenizer_dir is not None:
             for file in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / file).is_file():

@@ -16,6 +16,8 @@ from enum import Enum
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.value_head import ValueHead
@@ -119,6 +121,17 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def has_value_head(chunks: list[torch.nn.Module]) -> bool:
     return any(isinstance(getattr(unwrap(c), "output_layer", None), ValueHead) for c in chunks)
+
+
+def is_value_model(model_chunks: list[torch.nn.Module]) -> bool:
+    """Whether the model has a value head, agreed across pipeline stages (collective over PP)."""
+    flag = torch.tensor([float(has_value_head(model_chunks))])
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        if dist.get_backend(pp_group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp_group)
+    return bool(flag.item())
 
 
 def _norm_weight(norm_module: torch.nn.Module, fused_owner: torch.nn.Module) -> torch.nn.Parameter:

@@ -6,23 +6,24 @@ from typing import Union
 
 import torch
 from megatron.core import parallel_state
+from tqdm import tqdm
 
 from megatron_rl.models.hf_checkpoint import CheckpointMismatchError, HFCheckpointReader
-from megatron_rl.models.layout import chunk_mappings, has_value_head, hf_tensor_groups, shard_from_hf, unwrap
+from megatron_rl.models.layout import chunk_mappings, hf_tensor_groups, is_value_model, shard_from_hf, unwrap
 
 
-def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, Path]) -> None:
+def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, Path], progress: bool = False) -> None:
     """Fill the chunks from ``model_dir`` (config.json + safetensors, sharded or not).
 
     The checkpoint header is checked first against the config (every tensor present, every shape
     right, nothing unexpected); a mismatch raises CheckpointMismatchError naming the tensor, the
     expected and the found shape. Then each rank reads only the slices of its own TP shard of the
-    layers its pipeline stage holds. A value model takes ``score.*`` if the checkpoint has it
+    layers its pipeline stage holds. ``progress`` shows a tqdm bar on global rank 0. A value model takes ``score.*`` if the checkpoint has it
     (a saved critic) and keeps its initialised head otherwise (a causal LM, whose lm_head is dropped).
     """
     chunks = [unwrap(c) for c in model_chunks]
     hf = chunks[0].hf_config
-    value_model = has_value_head(chunks)
+    value_model = is_value_model(chunks)  # collective: the first stage cannot see the head
     reader = HFCheckpointReader(model_dir)
     names = set(reader.names())
 
@@ -37,17 +38,18 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, P
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    for chunk in chunks:
-        for mapping in chunk_mappings(chunk):
-            if mapping.group.key.startswith("score.") and not has_score:
-                continue
-            param = mapping.param
-            shard = shard_from_hf(hf, mapping.group, reader.read, tp_rank, tp_size, local_rows=param.shape[0])
-            if tuple(shard.shape) != tuple(param.shape):
-                names_str = ", ".join(t.name for t in mapping.group.tensors)
-                raise CheckpointMismatchError(
-                    f"{names_str}: TP shard {tp_rank}/{tp_size} has shape {tuple(shard.shape)}, "
-                    f"the Megatron parameter expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(shard)
+    mappings = [m for chunk in chunks for m in chunk_mappings(chunk)]
+    show = progress and torch.distributed.get_rank() == 0
+    for mapping in tqdm(mappings, desc=f"loading {reader.model_dir.name}", unit="tensor", disable=not show):
+        if mapping.group.key.startswith("score.") and not has_score:
+            continue
+        param = mapping.param
+        shard = shard_from_hf(hf, mapping.group, reader.read, tp_rank, tp_size, local_rows=param.shape[0])
+        if tuple(shard.shape) != tuple(param.shape):
+            names_str = ", ".join(t.name for t in mapping.group.tensors)
+            raise CheckpointMismatchError(
+                f"{names_str}: TP shard {tp_rank}/{tp_size} has shape {tuple(shard.shape)}, "
+                f"the Megatron parameter expects {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(shard)

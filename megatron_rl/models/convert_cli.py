@@ -1,0 +1,194 @@
+"""``megatron-rl-convert``: HF directory <-> Megatron distributed checkpoint, with logit verification.
+
+    megatron-rl-convert hf-to-mcore --hf-dir Qwen2.5-7B --out ckpt/qwen-mcore --tp 2 --pp 2 --verify
+    megatron-rl-convert mcore-to-hf --mcore-dir ckpt/qwen-mcore --out Qwen2.5-7B-back --verify
+
+Run it plainly and it starts TP*PP local processes itself (gloo without CUDA, nccl with it); run it
+under torchrun/srun with WORLD_SIZE = TP*PP and it uses those ranks. The Megatron checkpoint is a
+``megatron.core.dist_checkpointing`` directory (``<out>/weights``) next to the HF config.json and
+tokenizer files, so it can be loaded back at any TP/PP.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CONVERT_META = "megatron_rl_convert.json"
+WEIGHTS_DIR = "weights"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl-convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron distributed checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True, type=Path)
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF directory")
+    to_hf.add_argument("--mcore-dir", required=True, type=Path)
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    for command in (to_mcore, to_hf):
+        command.add_argument("--out", required=True, type=Path)
+        command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
+        command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+        command.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source dtype")
+        command.add_argument("--verify", action="store_true", help="compare logits against transformers")
+        command.add_argument("--verify-tol", type=float, default=1e-3, help="max |logit diff| accepted")
+        command.add_argument("--verify-seqs", type=int, default=4)
+        command.add_argument("--verify-len", type=int, default=32)
+    return parser
+
+
+def _source_dtype(config_json: Path) -> torch.dtype:
+    with open(config_json) as f:
+        raw = json.load(f)
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return DTYPES.get(name, torch.float32)
+
+
+def _copy_hf_metadata(src: Path, dst: Path) -> None:
+    from megatron_rl.models.export import TOKENIZER_FILES
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def hf_to_mcore_rank(args: argparse.Namespace) -> Optional[float]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models.api import build_from_hf
+
+    dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.hf_dir / "config.json")
+    init_model_parallel(tp=args.tp, pp=args.pp)
+    chunks = build_from_hf(args.hf_dir, params_dtype=dtype, progress=True)
+    weights = args.out / WEIGHTS_DIR
+    if torch.distributed.get_rank() == 0:
+        _copy_hf_metadata(args.hf_dir, args.out)
+        weights.mkdir(parents=True, exist_ok=True)
+        with open(args.out / CONVERT_META, "w") as f:
+            json.dump({"source": str(args.hf_dir), "tp": args.tp, "pp": args.pp, "dtype": str(dtype)}, f, indent=2)
+    torch.distributed.barrier()
+    dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
+    if not args.verify:
+        return None
+    return _verify(_load_mcore(args.out), args.hf_dir, args)
+
+
+def _load_mcore(mcore_dir: Path, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.hf_config import load_hf_config
+
+    weights = mcore_dir / WEIGHTS_DIR
+    if not (weights / "metadata.json").is_file():
+        raise FileNotFoundError(f"{weights} is not a Megatron distributed checkpoint (no metadata.json)")
+    chunks = build_gpt_model(load_hf_config(mcore_dir), params_dtype=dtype, init_weights=False)
+    state = dist_checkpointing.load(chunks[0].sharded_state_dict(), str(weights))
+    chunks[0].load_state_dict(state)
+    return chunks
+
+
+def mcore_to_hf_rank(args: argparse.Namespace) -> Optional[float]:
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models.export import save_hf_checkpoint
+
+    dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.mcore_dir / "config.json")
+    init_model_parallel(tp=args.tp, pp=args.pp)
+    chunks = _load_mcore(args.mcore_dir, dtype)
+    save_hf_checkpoint(
+        chunks, args.out, tokenizer_dir=args.mcore_dir, dtype=dtype,
+        max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True,
+    )
+    if not args.verify:
+        return None
+    return _verify(_load_mcore(args.mcore_dir), args.out, args)
+
+
+def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespace) -> Optional[float]:
+    """Max |logit| difference between the Megatron chunks and transformers on random sequences
+    (fp32 both sides), on the last pipeline stage; broadcast so every rank returns it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.api import compute_full_logits
+
+    hf = chunks[0].hf_config
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, hf.vocab_size, (args.verify_seqs, args.verify_len), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, : args.verify_len // 4] = 0  # one left-padded prompt
+    logits = compute_full_logits(chunks, input_ids, attention_mask)
+    diff = torch.zeros(1, dtype=torch.float64)
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        from megatron_rl.models.api import position_ids_from_mask
+
+        reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = reference(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+            ).logits
+        valid = attention_mask.bool()
+        diff[0] = (logits.cpu() - expected)[valid].abs().max().double()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def _run(rank_fn, args: argparse.Namespace) -> Optional[float]:
+    world = args.tp * args.pp
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun / srun
+        from megatron_rl.distributed import init_distributed
+
+        launch = init_distributed()
+        if launch.world_size != world:
+            raise SystemExit(f"launched with WORLD_SIZE={launch.world_size}, but --tp*--pp = {world}")
+        return rank_fn(args)
+    from megatron_rl.distributed import run_multiprocess
+
+    return run_multiprocess(rank_fn, world, args, timeout_s=24 * 3600, threads_per_rank=max(1, (os.cpu_count() or 1) // world))[0]
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    """Fail fast, before any process starts, on an unsupported model or a TP/PP that does not fit."""
+    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.models.sizes import check_parallel_fit
+
+    for size in ("tp", "pp"):
+        if getattr(args, size) < 1:
+            raise SystemExit(f"--{size} must be >= 1, got {getattr(args, size)}")
+    source = args.hf_dir if args.command == "hf-to-mcore" else args.mcore_dir
+    try:
+        check_parallel_fit(load_hf_config(source), args.tp, args.pp, None)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"megatron-rl-convert: {error}") from None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import torch.distributed as dist
+
+    args = _parser().parse_args(argv)
+    _check_source(args)
+    rank_fn = hf_to_mcore_rank if args.command == "hf-to-mcore" else mcore_to_hf_rank
+    diff = _run(rank_fn, args)
+    ok = not args.verify or diff <= args.verify_tol
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"wrote {args.out}")
+        if args.verify:
+            verdict = "ok" if ok else "FAILED"
+            print(f"verify: max |logit diff| = {diff:.3e} ({verdict}, tolerance {args.verify_tol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
