@@ -78,7 +78,10 @@ own_pid() { OWNED_PIDS+=("$1"); }
 # shellcheck disable=SC2317 # run by the EXIT trap
 stop_owned() {  # TERM what this script started (by pid), KILL what still runs 30 s later
     local pid alive=""
-    for pid in $WATCHDOG_PID $DRIVER_PID "${OWNED_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in $WATCHDOG_PID $DRIVER_PID "${OWNED_PIDS[@]}"; do
+        kill -0 "$pid" 2>/dev/null && alive+=" $pid" && { kill -TERM "$pid" 2>/dev/null || true; }
+    done
+    [[ -n $alive ]] && log "stopping the processes this script started:$alive (srun reports a stopped step as killed)"
     for _ in $(seq 30); do
         alive=""
         for pid in $DRIVER_PID "${OWNED_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=" $pid"; done

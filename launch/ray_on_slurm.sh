@@ -36,7 +36,8 @@ LOG_DIR=$OUTPUT_DIR/logs
 read -ra ray_args <<<"${RAY_START_ARGS:-}"
 # On CPU (GPUS_PER_NODE=0) the preset's trainer.n_gpus_per_node (processes per node) stays.
 ((GPUS_PER_NODE > 0)) && overrides+=("trainer.n_gpus_per_node=$GPUS_PER_NODE")
-overrides+=("ray_init.address=$HEAD_IP:$RAY_PORT")
+# The cluster's size is what `ray start` found on the nodes; ray_init.num_cpus only sizes an embedded Ray.
+overrides+=("ray_init.address=$HEAD_IP:$RAY_PORT" "ray_init.num_cpus=null")
 driver=("$PYTHON" -m megatron_rl.train "${overrides[@]}")
 
 # Ray >= 2.5x turns token authentication on for `ray start` when ~/.ray/auth_token happens to exist, but a

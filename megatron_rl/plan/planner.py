@@ -74,7 +74,7 @@ class Plan:
         model, layout, rollout = self.model, self.actor_layout, self.rollout
         params = memory.total_params(model)
         lines = [
-            f"model ({model.source}): {model.architecture}, {params / 1e9:.2f} B params; hidden {model.hidden_size}, "
+            f"model ({model.source}): {model.architecture}, {_count(params)} params; hidden {model.hidden_size}, "
             f"{model.num_layers} layers, {model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
             f"ffn {model.intermediate_size}, vocab {model.vocab_size} (padded to "
             f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
@@ -82,7 +82,7 @@ class Plan:
             self.sizes.summary(),
             f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {_gib(rollout.reserved)} GiB: "
             f"weights {_gib(rollout.weights)} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
-            f"({rollout.kv_tokens // self.sequence_length} sequences of {self.sequence_length} tokens) per engine",
+            f"({rollout.kv_tokens // self.sequence_length:,} sequences of {self.sequence_length} tokens) per engine",
             f"memory per GPU in GiB, actor at its {self.actor_stage} pipeline stage:",
         ]
         width = max(len(row.label) for row in self.rows)
@@ -98,6 +98,13 @@ class Plan:
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}"
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
 
 
 def _layout(cfg: DictConfig, prefix: str, world: int) -> Layout:

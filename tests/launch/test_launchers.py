@@ -60,6 +60,7 @@ def test_grpo_70b_sbatch_script_maps_the_environment_to_overrides(tmp_path):
         "actor_rollout_ref.model.path=/models/llama3-70b",
         "data.train_files=[/data/gsm8k/train.parquet]", "data.val_files=[/data/gsm8k/test.parquet]",
         "trainer.save_freq=5", "trainer.nnodes=8", "trainer.n_gpus_per_node=8", "ray_init.address=10.0.0.1:6379",
+        "ray_init.num_cpus=null",
     ]
     assert "peak: generate" in result.stdout  # the plan was printed before the dry-run stop
 

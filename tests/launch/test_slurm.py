@@ -72,6 +72,9 @@ def wait_for_job(job_id: str, env: dict[str, str]) -> str:
 
 
 def test_grpo_70b_script_runs_the_tiny_cpu_preset(slurm_conf, tmp_path):
+    from megatron_rl.demo import prepare_assets  # the demo's task data and random tiny model
+
+    train, val, model_dir = prepare_assets(tmp_path / "assets")
     out, log = tmp_path / "out", tmp_path / "job.out"
     ray_port, client_port, agent_port, agent_grpc_port, metrics_port = free_ports(5)
     env = {
@@ -80,11 +83,13 @@ def test_grpo_70b_script_runs_the_tiny_cpu_preset(slurm_conf, tmp_path):
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # python and ray of this venv
         "PYTHON": sys.executable,
         "EXPERIMENT": "grpo_tiny_cpu",
-        "EXTRA_OVERRIDES": "trainer.total_training_steps=2",
+        "MODEL_PATH": str(model_dir),
+        "EXTRA_OVERRIDES": f"data.train_files=[{train}] data.val_files=[{val}] trainer.total_training_steps=2",
         "OUTPUT_DIR": str(out),
         # Ports of their own, so a Ray cluster someone else runs on this machine cannot collide.
         "RAY_PORT": str(ray_port),
-        "RAY_START_ARGS": f"--include-dashboard=false --disable-usage-stats --ray-client-server-port={client_port} "
+        # 4 logical CPUs on a 2-core machine: the tiny preset's actors ask for them (ray_init.num_cpus: 4).
+        "RAY_START_ARGS": f"--num-cpus=4 --include-dashboard=false --disable-usage-stats --ray-client-server-port={client_port} "
                           f"--dashboard-agent-listen-port={agent_port} --dashboard-agent-grpc-port={agent_grpc_port} "
                           f"--metrics-export-port={metrics_port}",
     }
