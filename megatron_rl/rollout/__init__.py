@@ -3,6 +3,7 @@
 SGLangEngine is imported from ``megatron_rl.rollout.sglang_engine`` (it never imports sglang itself
 until an engine is built).
 """
+
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.factory import build_rollout_engine
 from megatron_rl.rollout.hf_engine import HFEngine
@@ -14,5 +15,14 @@ from megatron_rl.rollout.weight_sync import (
     verify_sync,
 )
 
-__all__ = ["RolloutEngine", "WeightUpdateError", "build_rollout_engine", "HFEngine", "WeightSyncer",
-           "WeightSyncError", "WeightSyncStats", "sync_weights", "verify_sync"]
+__all__ = [
+    "HFEngine",
+    "RolloutEngine",
+    "WeightSyncError",
+    "WeightSyncStats",
+    "WeightSyncer",
+    "WeightUpdateError",
+    "build_rollout_engine",
+    "sync_weights",
+    "verify_sync",
+]

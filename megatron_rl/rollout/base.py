@@ -13,10 +13,11 @@ partially updated weights never produce samples.
 
 Colocation: ``sleep()`` frees the engine's device memory for training, ``wake_up()`` restores it.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -45,8 +46,10 @@ class RolloutEngine(ABC):
     def compute_log_probs(self, data: DataProto) -> torch.Tensor:
         """Log-probs [B, R] of ``data``'s ``responses`` (0 at padding), at meta_info ``temperature``
         (default 1.0), using the same convention as the sampler (temperature-scaled, full vocabulary)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot score given responses; compare the "
-                                  "rollout_log_probs of generate_sequences instead (verify_sync does)")
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot score given responses; compare the "
+            "rollout_log_probs of generate_sequences instead (verify_sync does)"
+        )
 
     # ------------------------------------------------------------------ weights
     @abstractmethod

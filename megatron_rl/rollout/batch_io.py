@@ -6,15 +6,17 @@ Output (verl's layout, so batches from different calls concatenate): ``prompts``
 token), ``input_ids`` / ``attention_mask`` = prompt ++ response, ``position_ids`` continuing the prompt's,
 ``rollout_log_probs`` [B, R] fp32 (0 at pads), where R is always the call's max response length.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from megatron_rl.protocol import DataProto
 
-__all__ = ["PROMPT_KEYS", "check_prompt_batch", "prompt_token_lists", "build_rollout_batch"]
+__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists"]
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -60,7 +62,9 @@ def build_rollout_batch(
     token) and the sampler's log-probs of those tokens. The input's non-tensor fields pass through."""
     batch_size = len(prompts)
     if len(responses) != batch_size or len(log_probs) != batch_size:
-        raise ValueError(f"{len(responses)} responses / {len(log_probs)} log-prob rows for {batch_size} prompts")
+        raise ValueError(
+            f"{len(responses)} responses / {len(log_probs)} log-prob rows for {batch_size} prompts"
+        )
     prompt_ids = prompts.batch["input_ids"]
     device = prompt_ids.device
     out_ids = torch.full((batch_size, response_length), pad_token_id, dtype=prompt_ids.dtype)
@@ -69,7 +73,9 @@ def build_rollout_batch(
     for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
         n = len(tokens)
         if n > response_length or len(lps) != n:
-            raise ValueError(f"sample {i}: {n} response tokens and {len(lps)} log-probs for max length {response_length}")
+            raise ValueError(
+                f"sample {i}: {n} response tokens and {len(lps)} log-probs for max length {response_length}"
+            )
         out_ids[i, :n] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
         out_mask[i, :n] = 1
         out_lp[i, :n] = torch.as_tensor(list(lps), dtype=torch.float32)

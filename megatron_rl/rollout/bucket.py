@@ -5,6 +5,7 @@ and the byte range ``[start, end)``), so the SGLang engine sends a bucket as is 
 views of it. Each entry starts at the first offset aligned to its dtype's size, so a single-dtype bucket
 is packed back to back — the layout SGLang's distributed receiver allocates from (names, dtypes, shapes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BucketEntry", "WeightBucket"]
+
 
 @dataclass(frozen=True)
 class BucketEntry:
@@ -40,7 +42,7 @@ class WeightBucket:
         self.used = 0
 
     @classmethod
-    def wrapping(cls, name: str, tensor: torch.Tensor) -> "WeightBucket":
+    def wrapping(cls, name: str, tensor: torch.Tensor) -> WeightBucket:
         """A single-tensor bucket over the tensor's own bytes (for tensors larger than any bucket)."""
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         bucket = cls(max(flat.numel(), 1), tensor.device)
@@ -64,7 +66,9 @@ class WeightBucket:
         """Copy ``tensor`` into the buffer as ``dtype`` (the cast and the copy are one kernel)."""
         nbytes = tensor.numel() * dtype.itemsize
         if not self.fits(nbytes, dtype):
-            raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used")
+            raise ValueError(
+                f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used"
+            )
         if self.buffer is None:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         start = _aligned(self.used, dtype.itemsize)

@@ -6,15 +6,16 @@ would miss). They are cheap on GPU (memory-bound, chunked so a 1 GB embedding ne
 and comparable across devices: the two sides may sum in different orders, so the comparison allows a
 relative error of 1e-9 of the tensor's scale, far below any real corruption.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 
-__all__ = ["TensorChecksum", "tensor_checksum", "mismatched_tensors"]
+__all__ = ["TensorChecksum", "mismatched_tensors", "tensor_checksum"]
 
 _PERIOD = 1021  # prime: positions i and j get different weights unless i = j (mod 1021)
 _CHUNK = _PERIOD * 16384  # ~16.7M elements per fp64 chunk; a multiple of the period keeps weights aligned
@@ -29,7 +30,7 @@ class TensorChecksum:
     total_sq: float
     weighted: float
 
-    def matches(self, other: "TensorChecksum") -> bool:
+    def matches(self, other: TensorChecksum) -> bool:
         if self.shape != other.shape or self.dtype != other.dtype:
             return False
         numel = math.prod(self.shape)
@@ -77,7 +78,9 @@ def tensor_checksum(tensor: torch.Tensor) -> TensorChecksum:
 
 
 def mismatched_tensors(
-    source: Mapping[str, TensorChecksum], engine: Mapping[str, TensorChecksum], names: Iterable[str] | None = None
+    source: Mapping[str, TensorChecksum],
+    engine: Mapping[str, TensorChecksum],
+    names: Iterable[str] | None = None,
 ) -> list[str]:
     """Names (in the source's order) whose checksums differ, or that one side lacks."""
     names = list(source) if names is None else list(names)

@@ -1,8 +1,10 @@
 """Build the configured rollout engine (``rollout.name``: hf | sglang)."""
+
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_rl.rollout.base import RolloutEngine
 
@@ -22,7 +24,7 @@ def build_rollout_engine(
     SGLang the tokenizer); ``response_length``: data.max_response_length, used when
     ``rollout.response_length`` is unset. ``engine_kwargs`` go to the engine class (HFEngine:
     weights_path, device; SGLangEngine: weight_transport, master_address, base_gpu_id, ...)."""
-    common = dict(response_length=response_length, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    common = {"response_length": response_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     if config.name == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 

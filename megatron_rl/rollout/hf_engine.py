@@ -16,12 +16,14 @@ Sleep/wake: on CUDA ``sleep()`` moves the weights to host memory and empties the
 ``wake_up()`` moves them back. On CPU there is no device memory to give back, so both only flip the
 state that makes ``generate_sequences`` refuse to run while asleep — the weights stay in RAM.
 """
+
 from __future__ import annotations
 
 import inspect
 import os
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
@@ -35,8 +37,14 @@ from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 
 __all__ = ["HFEngine", "resolve_dtype"]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -68,7 +76,9 @@ class HFEngine(RolloutEngine):
         self.dtype = resolve_dtype(str(config.dtype), self.device)
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
-            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+            raise ValueError(
+                f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}"
+            )
         self.response_length = int(length)
 
         if not isinstance(model_config, PretrainedConfig):
@@ -90,15 +100,20 @@ class HFEngine(RolloutEngine):
         self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
         self._session_version = 0
         # why the served weights cannot be trusted (None: they can)
-        self._broken: str | None = None if weights_path is not None else "random initial weights, never synced"
+        self._broken: str | None = (
+            None if weights_path is not None else "random initial weights, never synced"
+        )
         self._asleep = False
         self.weight_version = 0
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:
         return resolve_sampling_params(
-            self.config, meta_info, response_length=self.response_length,
-            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+            self.config,
+            meta_info,
+            response_length=self.response_length,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
         )
 
     @torch.no_grad()
@@ -110,24 +125,39 @@ class HFEngine(RolloutEngine):
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         start = time.perf_counter()
-        ids, mask, pos = (prompts.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids"))
+        ids, mask, pos = (
+            prompts.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")
+        )
         tokens, log_probs = self._decode(ids, mask, pos, params, generator)
         responses, response_lps = _cut_at_finish(tokens, log_probs, params.finish_token_ids)
         meta = dict(prompts.meta_info)
-        meta.update(weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start})
-        return build_rollout_batch(prompts, responses, response_lps, response_length=params.max_response_length,
-                                   pad_token_id=params.pad_token_id, meta_info=meta)
+        meta.update(
+            weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start}
+        )
+        return build_rollout_batch(
+            prompts,
+            responses,
+            response_lps,
+            response_length=params.max_response_length,
+            pad_token_id=params.pad_token_id,
+            meta_info=meta,
+        )
 
     def _decode(
-        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, params: SamplingParams,
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        params: SamplingParams,
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample up to max_response_length tokens for every row; returns tokens and log-probs [B, steps]
         (rows that finished early keep sampling into slots ``_cut_at_finish`` discards)."""
         finish_ids = torch.tensor(params.finish_token_ids, dtype=ids.dtype, device=self.device)
         cache = {self._cache_kwarg: DynamicCache(config=self.model.config)}  # filled in place by each forward
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, **cache, use_cache=True, logits_to_keep=1
+        )
         next_pos = pos[:, -1:] + 1
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         tokens, log_probs = [], []
@@ -139,8 +169,14 @@ class HFEngine(RolloutEngine):
             if bool(finished.all()) or step == params.max_response_length - 1:
                 break
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            out = self.model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **cache,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=next_pos,
+                **cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             next_pos = next_pos + 1
         return torch.stack(tokens, dim=-1), torch.stack(log_probs, dim=-1)
 
@@ -151,10 +187,14 @@ class HFEngine(RolloutEngine):
         temperature = float(data.meta_info.get("temperature", 1.0))
         parts = []
         for chunk in data.split(max(1, int(self.config.log_prob_micro_batch_size_per_gpu))):
-            ids, mask, pos, responses = (chunk.batch[k].to(self.device) for k in
-                                         ("input_ids", "attention_mask", "position_ids", "responses"))
+            ids, mask, pos, responses = (
+                chunk.batch[k].to(self.device)
+                for k in ("input_ids", "attention_mask", "position_ids", "responses")
+            )
             width = responses.shape[-1]
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -width - 1 : -1]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[
+                :, -width - 1 : -1
+            ]
             lp = log_probs_from_logits(logits, responses, temperature=temperature)
             response_mask = chunk.batch.get("response_mask", mask[:, -width:]).to(self.device)
             parts.append(lp * response_mask)
@@ -166,7 +206,9 @@ class HFEngine(RolloutEngine):
         if self._session_loaded is not None:
             raise RuntimeError("HFEngine has an open weight-update session; call end_weight_update() first")
         if self._broken is not None:
-            raise RuntimeError(f"HFEngine cannot serve its weights ({self._broken}); run a complete weight update")
+            raise RuntimeError(
+                f"HFEngine cannot serve its weights ({self._broken}); run a complete weight update"
+            )
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:
@@ -200,7 +242,9 @@ class HFEngine(RolloutEngine):
         self._session_loaded = None
         if missing:
             self._broken = f"{len(missing)} parameters never sent, e.g. {missing[:3]}"
-            raise WeightUpdateError(f"weight update incomplete: {len(missing)} parameters were not sent: {missing[:8]}")
+            raise WeightUpdateError(
+                f"weight update incomplete: {len(missing)} parameters were not sent: {missing[:8]}"
+            )
         self._broken = None
         self.weight_version = self._session_version
 
@@ -230,7 +274,11 @@ def _cut_at_finish(
     """Per row: the tokens up to and including the first finishing token (all of them if none)."""
     hit = torch.isin(tokens, torch.tensor(finish_ids, dtype=tokens.dtype, device=tokens.device))
     steps = tokens.shape[-1]
-    first = torch.where(hit.any(-1), hit.float().argmax(-1) + 1, torch.full_like(hit[:, 0], steps, dtype=torch.long))
+    first = torch.where(
+        hit.any(-1), hit.float().argmax(-1) + 1, torch.full_like(hit[:, 0], steps, dtype=torch.long)
+    )
     tokens, log_probs, first = tokens.cpu(), log_probs.cpu(), first.cpu().tolist()
-    return ([row[:n].tolist() for row, n in zip(tokens, first)],
-            [row[:n].tolist() for row, n in zip(log_probs, first)])
+    return (
+        [row[:n].tolist() for row, n in zip(tokens, first)],
+        [row[:n].tolist() for row, n in zip(log_probs, first)],
+    )

@@ -10,15 +10,17 @@ restrict which tokens may be drawn, they do not renormalise the reported log-pro
 reports ``log_softmax(logits)`` (T = 1), as SGLang does when it turns temperature 0 into top_k = 1.
 The trainer's old log-prob is computed the same way, so the two agree when the weights agree.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "resolve_sampling_params", "sample_next_token", "mask_top_k_top_p"]
+__all__ = ["SamplingParams", "mask_top_k_top_p", "resolve_sampling_params", "sample_next_token"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ def resolve_sampling_params(
     if length < 1:
         raise ValueError(f"max response length must be >= 1, got {length}")
     if pad is None:
-        raise ValueError("no pad_token_id: pass it in meta_info['pad_token_id'] or give the engine an eos/pad id")
+        raise ValueError(
+            "no pad_token_id: pass it in meta_info['pad_token_id'] or give the engine an eos/pad id"
+        )
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,

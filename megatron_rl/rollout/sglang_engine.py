@@ -24,16 +24,18 @@ temperature-scaled full-vocabulary log-prob of each sampled token (log_softmax(l
 the same convention as the HF engine. ``meta_info['seed']`` becomes a per-row ``sampling_seed``, which
 SGLang honours only when started with ``enable_deterministic_inference``.
 """
+
 from __future__ import annotations
 
-import base64
+import itertools
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.update_group import init_weight_update_group
 
-__all__ = ["SGLangEngine", "SGLANG_PIN", "SGLANG_CONTRACT", "SGLangUnavailableError", "SGLangServerError"]
+__all__ = ["SGLANG_CONTRACT", "SGLANG_PIN", "SGLangEngine", "SGLangServerError", "SGLangUnavailableError"]
 
 SGLANG_PIN = "0.5.23"
 WEIGHT_UPDATE_SESSION_SINCE = Version("0.5.23")  # sglang PR #28001
@@ -67,8 +69,18 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "shutdown": (),
     },
     # srt/arg_groups/fields/*.py: ServerArgs fields we pass to sglang.Engine(**kwargs)
-    "server_args": ("model_path", "tp_size", "mem_fraction_static", "enable_memory_saver", "base_gpu_id",
-                    "skip_tokenizer_init", "load_format", "random_seed", "dtype", "log_level"),
+    "server_args": (
+        "model_path",
+        "tp_size",
+        "mem_fraction_static",
+        "enable_memory_saver",
+        "base_gpu_id",
+        "skip_tokenizer_init",
+        "load_format",
+        "random_seed",
+        "dtype",
+        "log_level",
+    ),
     # srt/arg_groups/choices.py LOAD_FORMAT_CHOICES: the engine starts with random weights; ours arrive by sync
     "load_formats": ("dummy",),
     # srt/entrypoints/http_server.py: route -> (request struct in srt/managers/io_struct.py, fields we send)
@@ -78,24 +90,40 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "/flush_cache": (None, ()),
         "/begin_weight_update": ("BeginWeightUpdateReqInput", ()),
         "/end_weight_update": ("EndWeightUpdateReqInput", ()),
-        "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput",
-                                        ("serialized_named_tensors", "load_format", "flush_cache", "weight_version")),
-        "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput",
-                                       ("master_address", "master_port", "rank_offset", "world_size", "group_name",
-                                        "backend")),
-        "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput",
-                                             ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format",
-                                              "weight_version")),
+        "/update_weights_from_tensor": (
+            "UpdateWeightsFromTensorReqInput",
+            ("serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
+        ),
+        "/init_weights_update_group": (
+            "InitWeightsUpdateGroupReqInput",
+            ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+        ),
+        "/update_weights_from_distributed": (
+            "UpdateWeightsFromDistributedReqInput",
+            ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format", "weight_version"),
+        ),
         "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", ("group_name",)),
         "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", ("tags",)),
         "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", ("tags",)),
     },
     # srt/sampling/sampling_params.py, class SamplingParams: fields we send
-    "sampling_params": ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
-                        "sampling_seed"),
+    "sampling_params": (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_token_ids",
+        "ignore_eos",
+        "sampling_seed",
+    ),
     # keys we read from results: /generate (srt/managers/tokenizer_manager.py), /server_info (http_server.py)
     "result_keys": {
-        "srt/managers/tokenizer_manager.py": ("meta_info", "output_token_logprobs", "finish_reason", "weight_version"),
+        "srt/managers/tokenizer_manager.py": (
+            "meta_info",
+            "output_token_logprobs",
+            "finish_reason",
+            "weight_version",
+        ),
         "srt/entrypoints/http_server.py": ("version", "success", "message"),
     },
     # importable names: module -> attributes
@@ -178,8 +206,9 @@ class _HTTPServer:
         if route not in SGLANG_CONTRACT["http_routes"]:
             raise AssertionError(f"route {route} is not declared in SGLANG_CONTRACT")
         data = None if body is None else json.dumps(_checked("route", route, body)).encode()
-        req = urllib.request.Request(self.url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
@@ -220,7 +249,9 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"weight_transport must be distributed or tensor, got {weight_transport!r}")
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
-            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+            raise ValueError(
+                f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}"
+            )
         self.config = config
         self.response_length = int(length)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
@@ -237,22 +268,38 @@ class SGLangEngine(RolloutEngine):
         self._engine = None
         self._servers: list[_HTTPServer] = []
         if config.mode == "colocated":
-            kwargs = _checked("server_args", None, dict(
-                model_path=model_path, tp_size=self.tp_size, mem_fraction_static=float(config.gpu_memory_utilization),
-                enable_memory_saver=True, base_gpu_id=base_gpu_id, skip_tokenizer_init=True, load_format="dummy",
-                random_seed=int(config.seed), dtype=str(config.dtype), log_level="error",
-            ))
+            kwargs = _checked(
+                "server_args",
+                None,
+                {
+                    "model_path": model_path,
+                    "tp_size": self.tp_size,
+                    "mem_fraction_static": float(config.gpu_memory_utilization),
+                    "enable_memory_saver": True,  # needed by release/resume_memory_occupation
+                    "base_gpu_id": base_gpu_id,
+                    "skip_tokenizer_init": True,
+                    "load_format": "dummy",
+                    "random_seed": int(config.seed),
+                    "dtype": str(config.dtype),
+                    "log_level": "error",
+                },
+            )
             self._engine = _import("sglang", "Engine")(**kwargs)
             version = _import("sglang", "__version__")
             self._needs_sync = "the engine starts with random weights (load_format=dummy)"
         else:
             if not config.server_urls:
-                raise ValueError("rollout.mode=server needs rollout.server_urls (the SGLang servers' http://host:port)")
+                raise ValueError(
+                    "rollout.mode=server needs rollout.server_urls (the SGLang servers' http://host:port)"
+                )
             self._servers = [_HTTPServer(url, request_timeout_s) for url in config.server_urls]
             versions = {s.request("/server_info", method="GET")["version"] for s in self._servers}
             if len(versions) != 1:
-                raise ValueError(f"SGLang servers run different versions {sorted(versions)}: {config.server_urls}")
+                raise ValueError(
+                    f"SGLang servers run different versions {sorted(versions)}: {config.server_urls}"
+                )
             version = versions.pop()
+            self._needs_sync = "the servers have not received the trainer's weights yet"
         self.sglang_version = str(version)
         self.uses_session = Version(self.sglang_version) >= WEIGHT_UPDATE_SESSION_SINCE
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._servers)), thread_name_prefix="sglang")
@@ -268,17 +315,28 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         if self._in_session:
-            raise RuntimeError("SGLangEngine has an open weight-update session; call end_weight_update() first")
+            raise RuntimeError(
+                "SGLangEngine has an open weight-update session; call end_weight_update() first"
+            )
         if self._needs_sync is not None:
-            raise RuntimeError(f"SGLangEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+            raise RuntimeError(
+                f"SGLangEngine cannot generate yet: {self._needs_sync}; run a complete weight sync"
+            )
         check_prompt_batch(prompts)
-        params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
-                                         eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        params = resolve_sampling_params(
+            self.config,
+            prompts.meta_info,
+            response_length=self.response_length,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
         start = time.perf_counter()
         input_ids = prompt_token_lists(prompts)
         sampling = [_checked("sampling", None, _sampling_dict(params, row)) for row in range(len(input_ids))]
         if self._engine is not None:
-            outputs = self._engine_call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+            outputs = self._engine_call(
+                "generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True
+            )
         else:
             outputs = self._generate_on_servers(input_ids, sampling)
         responses, log_probs = [], []
@@ -288,16 +346,29 @@ class SGLangEngine(RolloutEngine):
             responses.append(tokens)
             log_probs.append(lps)
         meta = dict(prompts.meta_info)
-        meta.update(weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start})
-        return build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
-                                   pad_token_id=params.pad_token_id, meta_info=meta)
+        meta.update(
+            weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start}
+        )
+        return build_rollout_batch(
+            prompts,
+            responses,
+            log_probs,
+            response_length=params.max_response_length,
+            pad_token_id=params.pad_token_id,
+            meta_info=meta,
+        )
 
     def _generate_on_servers(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
         shards = _split(len(input_ids), len(self._servers))
-        futures = [self._pool.submit(server.request, "/generate",
-                                     {"input_ids": input_ids[lo:hi], "sampling_params": sampling[lo:hi],
-                                      "return_logprob": True})
-                   for server, (lo, hi) in zip(self._servers, shards) if hi > lo]
+        futures = [
+            self._pool.submit(
+                server.request,
+                "/generate",
+                {"input_ids": input_ids[lo:hi], "sampling_params": sampling[lo:hi], "return_logprob": True},
+            )
+            for server, (lo, hi) in zip(self._servers, shards)
+            if hi > lo
+        ]
         outputs = [out for f in futures for out in f.result()]
         if len(outputs) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(outputs)} results for {len(input_ids)} prompts")
@@ -309,8 +380,10 @@ class SGLangEngine(RolloutEngine):
             return
         served = output["meta_info"].get("weight_version")
         if served != str(self.weight_version):
-            raise RuntimeError(f"sample {row} was generated with weight version {served!r}, expected "
-                               f"{self.weight_version}: a server missed a weight sync")
+            raise RuntimeError(
+                f"sample {row} was generated with weight version {served!r}, expected "
+                f"{self.weight_version}: a server missed a weight sync"
+            )
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:
@@ -331,7 +404,9 @@ class SGLangEngine(RolloutEngine):
         if not items:
             return
         cast = [(n, t, self.dtype if t.is_floating_point() else t.dtype) for n, t in items]
-        bucket = WeightBucket(sum(t.numel() * d.itemsize + d.itemsize for _, t, d in cast), items[0][1].device)
+        bucket = WeightBucket(
+            sum(t.numel() * d.itemsize + d.itemsize for _, t, d in cast), items[0][1].device
+        )
         for name, tensor, dtype in cast:
             bucket.add(name, tensor, dtype)
         self.load_weight_bucket(bucket)
@@ -341,13 +416,22 @@ class SGLangEngine(RolloutEngine):
             raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
         if self._engine is not None:
             payloads = self._serialized_bucket(bucket, as_text=False)
-            _check_result(self._engine_call("update_weights_from_tensor", named_tensors=payloads,
-                                            load_format=_BUCKET["load_format"], flush_cache=False),
-                          "update_weights_from_tensor")
+            _check_result(
+                self._engine_call(
+                    "update_weights_from_tensor",
+                    named_tensors=payloads,
+                    load_format=_BUCKET["load_format"],
+                    flush_cache=False,
+                ),
+                "update_weights_from_tensor",
+            )
         elif self.weight_transport == "tensor":
-            body = {"serialized_named_tensors": self._serialized_bucket(bucket, as_text=True),
-                    "load_format": _BUCKET["load_format"], "flush_cache": False,
-                    "weight_version": str(self._session_version)}
+            body = {
+                "serialized_named_tensors": self._serialized_bucket(bucket, as_text=True),
+                "load_format": _BUCKET["load_format"],
+                "flush_cache": False,
+                "weight_version": str(self._session_version),
+            }
             for result in self._on_all_servers("/update_weights_from_tensor", body):
                 _check_result(result, "/update_weights_from_tensor")
         else:
@@ -359,9 +443,20 @@ class SGLangEngine(RolloutEngine):
         metadata_cls = _import("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
         flat = bucket.flat()
         if flat.is_cuda:
-            _import("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")()  # device UUIDs across processes
-        metadata = [metadata_cls(name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start,
-                                 end_idx=e.end, numel=e.end - e.start) for e in bucket.entries]
+            _import(
+                "sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"
+            )()  # device UUIDs across processes
+        metadata = [
+            metadata_cls(
+                name=e.name,
+                shape=torch.Size(e.shape),
+                dtype=e.dtype,
+                start_idx=e.start,
+                end_idx=e.end,
+                numel=e.end - e.start,
+            )
+            for e in bucket.entries
+        ]
         payload = dict(zip(_BUCKET["payload_keys"], (flat, metadata)))
         return [serializer.serialize(payload, output_str=as_text) for _ in range(self.tp_size)]
 
@@ -371,12 +466,18 @@ class SGLangEngine(RolloutEngine):
         _require_packed(bucket)
         if self._update_group is None:
             self._update_group = self._join_update_group()
-        body = {"names": [e.name for e in bucket.entries],
-                "dtypes": [str(e.dtype).replace("torch.", "") for e in bucket.entries],
-                "shapes": [list(e.shape) for e in bucket.entries],
-                "group_name": UPDATE_GROUP_NAME, "flush_cache": False, "load_format": _BUCKET["load_format"],
-                "weight_version": str(self._session_version)}
-        futures = [self._pool.submit(s.request, "/update_weights_from_distributed", body) for s in self._servers]
+        body = {
+            "names": [e.name for e in bucket.entries],
+            "dtypes": [str(e.dtype).replace("torch.", "") for e in bucket.entries],
+            "shapes": [list(e.shape) for e in bucket.entries],
+            "group_name": UPDATE_GROUP_NAME,
+            "flush_cache": False,
+            "load_format": _BUCKET["load_format"],
+            "weight_version": str(self._session_version),
+        }
+        futures = [
+            self._pool.submit(s.request, "/update_weights_from_distributed", body) for s in self._servers
+        ]
         dist.broadcast(bucket.flat(), src=0, group=self._update_group)
         for f in futures:
             _check_result(f.result(), "/update_weights_from_distributed")
@@ -387,12 +488,29 @@ class SGLangEngine(RolloutEngine):
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         world_size = 1 + len(self._servers) * self.tp_size
-        futures = [self._pool.submit(server.request, "/init_weights_update_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1 + i * self.tp_size,
-            "world_size": world_size, "group_name": UPDATE_GROUP_NAME, "backend": self.update_group_backend,
-        }) for i, server in enumerate(self._servers)]
-        group = init_weight_update_group(address, port, rank=0, world_size=world_size, group_name=UPDATE_GROUP_NAME,
-                                         backend=self.update_group_backend)
+        futures = [
+            self._pool.submit(
+                server.request,
+                "/init_weights_update_group",
+                {
+                    "master_address": address,
+                    "master_port": port,
+                    "rank_offset": 1 + i * self.tp_size,
+                    "world_size": world_size,
+                    "group_name": UPDATE_GROUP_NAME,
+                    "backend": self.update_group_backend,
+                },
+            )
+            for i, server in enumerate(self._servers)
+        ]
+        group = init_weight_update_group(
+            address,
+            port,
+            rank=0,
+            world_size=world_size,
+            group_name=UPDATE_GROUP_NAME,
+            backend=self.update_group_backend,
+        )
         for f in futures:
             _check_result(f.result(), "/init_weights_update_group")
         return group
@@ -472,8 +590,10 @@ def _parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[
     try:
         entries = output["meta_info"]["output_token_logprobs"]
     except (KeyError, TypeError) as exc:
-        raise RuntimeError(f"SGLang result {row} has no meta_info.output_token_logprobs (keys: "
-                           f"{sorted(output) if isinstance(output, dict) else type(output).__name__})") from exc
+        raise RuntimeError(
+            f"SGLang result {row} has no meta_info.output_token_logprobs (keys: "
+            f"{sorted(output) if isinstance(output, dict) else type(output).__name__})"
+        ) from exc
     tokens = [int(e[1]) for e in entries]
     log_probs = [float(e[0]) for e in entries]
     finish = set(params.finish_token_ids)
@@ -482,15 +602,17 @@ def _parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[
             tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
             break
     if len(tokens) > params.max_response_length:
-        raise RuntimeError(f"SGLang result {row} has {len(tokens)} tokens, more than max_new_tokens "
-                           f"{params.max_response_length}")
+        raise RuntimeError(
+            f"SGLang result {row} has {len(tokens)} tokens, more than max_new_tokens "
+            f"{params.max_response_length}"
+        )
     return tokens, log_probs
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal [lo, hi) ranges covering range(n)."""
     bounds = [n * i // parts for i in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _require_packed(bucket: WeightBucket) -> None:

@@ -6,6 +6,7 @@ SGLang's ``/init_weights_update_group`` joins with ``init_custom_process_group``
 The trainer must build its end the same way or the two sides never meet, so this mirrors those
 calls — ``_new_process_group_helper`` is private torch API, which is exactly what SGLang relies on.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -29,12 +30,19 @@ def init_weight_update_group(
     """Join (rank 0: create) the named weight-update group; returns the group for ``dist.broadcast``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"weight-update group rank {rank} outside world size {world_size}")
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
+    store, rank, world_size = next(
+        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout,
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

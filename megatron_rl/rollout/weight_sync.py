@@ -16,13 +16,15 @@ the threshold it raises ``WeightSyncError`` naming the first tensors whose check
 what the trainer sent and what the engine holds. Going through generation (not a separate scoring call)
 checks the path samples actually take and works for every engine, SGLang included.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -31,7 +33,14 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum, mismatched_tensors, tensor_checksum
 
-__all__ = ["WeightSyncError", "WeightSyncStats", "WeightSyncer", "sync_weights", "verify_sync", "DEFAULT_BUCKET_BYTES"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "WeightSyncError",
+    "WeightSyncStats",
+    "WeightSyncer",
+    "sync_weights",
+    "verify_sync",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +170,24 @@ def sync_weights(
         pusher.drain()
     except BaseException as exc:
         pusher.close()
-        engine.abort_weight_update(f"sync to version {version} failed: {exc}")
+        try:
+            engine.abort_weight_update(f"sync to version {version} failed: {exc}")
+        except Exception:
+            logger.exception("closing the failed weight-update session also failed")
         raise
     pusher.close()
     engine.end_weight_update()
     seconds = time.perf_counter() - start
     stats = WeightSyncStats(version, seconds, total_bytes, len(seen), pusher.num_buckets, checksums)
-    logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.2f s (%.2f GB/s)", version, len(seen),
-                total_bytes / 1e6, pusher.num_buckets, seconds, stats.metrics()["weight_sync/GBps"])
+    logger.info(
+        "weight sync v%d: %d tensors, %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
+        version,
+        len(seen),
+        total_bytes / 1e6,
+        pusher.num_buckets,
+        seconds,
+        stats.metrics()["weight_sync/GBps"],
+    )
     return stats
 
 
@@ -178,8 +197,15 @@ def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tens
 
 
 def _check_item(item: object) -> None:
-    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
-        raise WeightSyncError(f"the weight stream must yield (str name, torch.Tensor) pairs, got {type(item).__name__}: {item!r:.80}")
+    if not (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and isinstance(item[1], torch.Tensor)
+    ):
+        raise WeightSyncError(
+            f"the weight stream must yield (str name, torch.Tensor) pairs, got {type(item).__name__}: {item!r:.80}"
+        )
 
 
 def verify_sync(
@@ -202,7 +228,9 @@ def verify_sync(
     with torch.no_grad():
         trainer_lp = trainer_log_prob_fn(probe_batch).float().cpu()
     if engine_lp.shape != trainer_lp.shape:
-        raise WeightSyncError(f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}")
+        raise WeightSyncError(
+            f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}"
+        )
     mask = probe_batch.batch["response_mask"].bool().cpu()
     if not bool(mask.any()):
         raise WeightSyncError("the probe batch has no valid response token (response_mask is all zero)")
@@ -226,8 +254,10 @@ def _explain_mismatch(engine: RolloutEngine, source: Mapping[str, TensorChecksum
     bad = mismatched_tensors(source, held)
     if bad:
         return f"checksums differ for {len(bad)} tensors, first: {bad[:5]}"
-    return (f"all {len(source)} tensor checksums agree, so the engine holds exactly what the trainer sent: "
-            "look at the export (Megatron -> HF conversion) or at the engine's numerics")
+    return (
+        f"all {len(source)} tensor checksums agree, so the engine holds exactly what the trainer sent: "
+        "look at the export (Megatron -> HF conversion) or at the engine's numerics"
+    )
 
 
 class WeightSyncer:
@@ -248,12 +278,18 @@ class WeightSyncer:
         trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
     ) -> None:
         if config.bucket_size_mb <= 0:
-            raise ValueError(f"rollout.weight_sync.bucket_size_mb must be positive, got {config.bucket_size_mb}")
+            raise ValueError(
+                f"rollout.weight_sync.bucket_size_mb must be positive, got {config.bucket_size_mb}"
+            )
         if config.verify_freq < 0:
-            raise ValueError(f"rollout.weight_sync.verify_freq must be >= 0 (0 disables), got {config.verify_freq}")
+            raise ValueError(
+                f"rollout.weight_sync.verify_freq must be >= 0 (0 disables), got {config.verify_freq}"
+            )
         if config.verify_freq and (probe_prompts is None or trainer_log_prob_fn is None):
-            raise ValueError("rollout.weight_sync.verify_freq > 0 needs probe_prompts and trainer_log_prob_fn "
-                             "(or set verify_freq=0 to sync without verification)")
+            raise ValueError(
+                "rollout.weight_sync.verify_freq > 0 needs probe_prompts and trainer_log_prob_fn "
+                "(or set verify_freq=0 to sync without verification)"
+            )
         self.config = config
         self.engine = engine
         self.probe_prompts = probe_prompts
@@ -264,12 +300,23 @@ class WeightSyncer:
         """Push the next weight version; returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
         version = self.version + 1
         verify = self.config.verify_freq > 0 and version % self.config.verify_freq == 0
-        stats = sync_weights(named_tensors, self.engine, version=version,
-                             bucket_bytes=int(self.config.bucket_size_mb) << 20, compute_checksums=verify)
+        stats = sync_weights(
+            named_tensors,
+            self.engine,
+            version=version,
+            bucket_bytes=int(self.config.bucket_size_mb) << 20,
+            compute_checksums=verify,
+        )
         self.version = version
         metrics = stats.metrics()
         if verify:
-            metrics.update(verify_sync(self.trainer_log_prob_fn, self.engine, self.probe_prompts,
-                                       threshold=self.config.verify_max_logprob_diff,
-                                       source_checksums=stats.checksums))
+            metrics.update(
+                verify_sync(
+                    self.trainer_log_prob_fn,
+                    self.engine,
+                    self.probe_prompts,
+                    threshold=self.config.verify_max_logprob_diff,
+                    source_checksums=stats.checksums,
+                )
+            )
         return metrics

@@ -22,6 +22,7 @@ Where it differs from SGLang, on purpose or by necessity:
   with deterministic inference), no radix cache (``/flush_cache`` is a no-op), TP size 1, and
   release/resume of memory only flips HFEngine's sleep state.
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,25 +34,68 @@ import threading
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "text", "rid", "stream", "logprob_start_len"}
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
-                   "min_p", "n"}
+GENERATE_FIELDS = {
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "text",
+    "rid",
+    "stream",
+    "logprob_start_len",
+}
+SAMPLING_FIELDS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+    "min_p",
+    "n",
+}
 # route -> the request struct's fields in sglang 0.5.23 io_struct.py (all optional ones included)
 ROUTE_FIELDS = {
     "/begin_weight_update": {"selector", "rid"},
     "/end_weight_update": {"rid"},
-    "/update_weights_from_tensor": {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                                    "weight_version", "selector", "torch_empty_cache", "rid"},
-    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name",
-                                   "backend", "rid"},
-    "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                                         "weight_version", "load_format", "selector", "torch_empty_cache", "rid"},
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+        "torch_empty_cache",
+        "rid",
+    },
+    "/init_weights_update_group": {
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+        "rid",
+    },
+    "/update_weights_from_distributed": {
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "selector",
+        "torch_empty_cache",
+        "rid",
+    },
     "/destroy_weights_update_group": {"group_name", "rid"},
     "/release_memory_occupation": {"tags", "rid"},
     "/resume_memory_occupation": {"tags", "rid"},
@@ -74,17 +118,21 @@ class FlattenedTensorMetadata:
 class AllowlistUnpickler(pickle.Unpickler):
     """Admit only the globals a ForkingPickler dump of a CPU flattened bucket refers to."""
 
-    ALLOWED = {
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch", "Tensor"),
-        ("torch", "Size"),
-        ("multiprocessing.resource_sharer", "DupFd"),
+    ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {
+            ("torch.multiprocessing.reductions", "rebuild_tensor"),
+            ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+            ("torch.storage", "UntypedStorage"),
+            ("torch", "Tensor"),
+            ("torch", "Size"),
+            ("multiprocessing.resource_sharer", "DupFd"),
+        }
+    )
+    RENAMED: ClassVar[dict[tuple[str, str], type]] = {
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata
     }
-    RENAMED = {("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.RENAMED:
@@ -102,14 +150,17 @@ class RequestError(Exception):
 
 class FakeSGLang:
     def __init__(self, model_kwargs: dict[str, Any], version: str) -> None:
+        from rollout_models import source_model, tiny_qwen2_config
+
         from megatron_rl.config.schema import RolloutConfig
         from megatron_rl.rollout.hf_engine import HFEngine
-        from tests.rollout.conftest import source_model, tiny_qwen2_config
 
         torch.set_num_threads(1)
         config = tiny_qwen2_config(**model_kwargs)
         self.engine = HFEngine(RolloutConfig(response_length=1), config)
-        self.engine.update_weights(source_model(1000, config).state_dict().items(), version=0)  # "dummy" weights
+        self.engine.update_weights(
+            source_model(1000, config).state_dict().items(), version=0
+        )  # "dummy" weights
         self.params = self.engine.model.state_dict(keep_vars=True)
         self.version = version
         self.has_session = Version(version) >= Version("0.5.23")
@@ -148,33 +199,44 @@ class FakeSGLang:
     def update_weights_from_tensor(self, body: dict) -> dict:
         self._require_session("update_weights_from_tensor")
         if body.get("load_format") != "flattened_bucket":
-            raise RequestError(f"this fake decodes only load_format=flattened_bucket, got {body.get('load_format')!r}")
+            raise RequestError(
+                f"this fake decodes only load_format=flattened_bucket, got {body.get('load_format')!r}"
+            )
         payload = AllowlistUnpickler(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
         flat = payload["flattened_tensor"]
-        self._load([(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)) for m in payload["metadata"]])
+        self._load(
+            [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).view(m.shape)) for m in payload["metadata"]]
+        )
         return self._updated(body)
 
     def init_weights_update_group(self, body: dict) -> dict:
         from megatron_rl.rollout.update_group import init_weight_update_group
 
         self.groups[body["group_name"]] = init_weight_update_group(
-            body["master_address"], body["master_port"], rank=body["rank_offset"], world_size=body["world_size"],
-            group_name=body["group_name"], backend=body.get("backend", "nccl"))
+            body["master_address"],
+            body["master_port"],
+            rank=body["rank_offset"],
+            world_size=body["world_size"],
+            group_name=body["group_name"],
+            backend=body.get("backend", "nccl"),
+        )
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def update_weights_from_distributed(self, body: dict) -> dict:
         self._require_session("update_weights_from_distributed")
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
-            raise RequestError(f"Group {body.get('group_name')} not in {list(self.groups)}. "
-                               "Please call `init_weights_update_group` first.")
+            raise RequestError(
+                f"Group {body.get('group_name')} not in {list(self.groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         dist.broadcast(flat, src=0, group=group)
         tensors, offset = [], 0
         for name, shape, dtype, size in zip(body["names"], body["shapes"], dtypes, sizes):
-            tensors.append((name, flat[offset:offset + size].view(dtype).view(shape)))
+            tensors.append((name, flat[offset : offset + size].view(dtype).view(shape)))
             offset += size
         self._load(tensors)
         return self._updated(body)
@@ -203,24 +265,45 @@ class FakeSGLang:
         width = max(len(r) for r in rows)
         ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        stop = list(sp.get("stop_token_ids") or []) + ([] if sp.get("ignore_eos") else [self.engine.eos_token_id])
+        stop = list(sp.get("stop_token_ids") or []) + (
+            [] if sp.get("ignore_eos") else [self.engine.eos_token_id]
+        )
         temperature = sp.get("temperature", 1.0)
-        meta = {"do_sample": temperature > 0, "temperature": temperature, "top_p": sp.get("top_p", 1.0),
-                "top_k": sp.get("top_k", -1), "response_length": sp.get("max_new_tokens", 128), "eos_token_id": stop}
-        prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
-                                       "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta)
+        meta = {
+            "do_sample": temperature > 0,
+            "temperature": temperature,
+            "top_p": sp.get("top_p", 1.0),
+            "top_k": sp.get("top_k", -1),
+            "response_length": sp.get("max_new_tokens", 128),
+            "eos_token_id": stop,
+        }
+        prompts = DataProto.from_dict(
+            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+            meta_info=meta,
+        )
         out = self.engine.generate_sequences(prompts)
         results = []
         for i in range(len(rows)):
             n = int(out.batch["response_mask"][i].sum())
             tokens = out.batch["responses"][i, :n].tolist()
             lps = out.batch["rollout_log_probs"][i, :n].tolist()
-            finish = ({"type": "stop", "matched": tokens[-1]} if tokens and tokens[-1] in stop
-                      else {"type": "length", "length": n})
-            results.append({"text": None, "output_ids": tokens, "meta_info": {
-                "id": str(i), "finish_reason": finish, "weight_version": self.weight_version,
-                "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(lps, tokens)],
-            }})
+            finish = (
+                {"type": "stop", "matched": tokens[-1]}
+                if tokens and tokens[-1] in stop
+                else {"type": "length", "length": n}
+            )
+            results.append(
+                {
+                    "text": None,
+                    "output_ids": tokens,
+                    "meta_info": {
+                        "id": str(i),
+                        "finish_reason": finish,
+                        "weight_version": self.weight_version,
+                        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(lps, tokens)],
+                    },
+                }
+            )
         return results
 
     # ------------------------------------------------------------------ helpers
@@ -232,7 +315,9 @@ class FakeSGLang:
     def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named:
             if name not in self.params or self.params[name].shape != tensor.shape:
-                raise RequestError(f"Failed to update parameter online: cannot load {name!r} {tuple(tensor.shape)}")
+                raise RequestError(
+                    f"Failed to update parameter online: cannot load {name!r} {tuple(tensor.shape)}"
+                )
             self.params[name].copy_(tensor)
 
     def _updated(self, body: dict) -> dict:
@@ -284,8 +369,9 @@ def _serve(conn, model_kwargs: dict[str, Any], version: str) -> None:
     server.serve_forever()
 
 
-def start(model_kwargs: dict[str, Any] | None = None, version: str = "0.5.23",
-          timeout_s: float = 120.0) -> tuple[multiprocessing.Process, str]:
+def start(
+    model_kwargs: dict[str, Any] | None = None, version: str = "0.5.23", timeout_s: float = 120.0
+) -> tuple[multiprocessing.Process, str]:
     """Start a fake server process; returns it and its URL."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

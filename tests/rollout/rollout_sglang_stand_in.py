@@ -6,6 +6,7 @@ is a ForkingPickler dump (base64 text when ``output_str``), ``FlattenedTensorMet
 the same fields, pickled by reference to ``sglang.srt.weight_sync.tensor_bucket`` exactly like the real
 one. tests/rollout/test_sglang_contract.py checks the real wheel has these names and fields.
 """
+
 from __future__ import annotations
 
 import base64
@@ -44,12 +45,23 @@ class MultiprocessingSerializer:
 
 def install(monkeypatch) -> None:
     """Register the stand-in modules for the duration of one test."""
-    modules = {name: types.ModuleType(name) for name in (
-        "sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
-        "sglang.srt.weight_sync", METADATA_MODULE)}
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "sglang",
+            "sglang.srt",
+            "sglang.srt.utils",
+            "sglang.srt.utils.common",
+            "sglang.srt.utils.patch_torch",
+            "sglang.srt.weight_sync",
+            METADATA_MODULE,
+        )
+    }
     modules["sglang"].__version__ = "0.5.23"
     modules["sglang.srt.utils.common"].MultiprocessingSerializer = MultiprocessingSerializer
-    modules["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = lambda: None  # CUDA-only in SGLang
+    modules["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = lambda: (
+        None
+    )  # CUDA-only in SGLang
     modules[METADATA_MODULE].FlattenedTensorMetadata = FlattenedTensorMetadata
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

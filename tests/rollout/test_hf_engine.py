@@ -1,12 +1,13 @@
 """HFEngine: greedy parity with transformers' generate, the output layout, EOS/stop handling, seeds,
 log-prob consistency and the strict weight-update session."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from rollout_models import PAD, make_engine, prompt_batch, source_model
 
 from megatron_rl.rollout.base import WeightUpdateError
-from tests.rollout.conftest import PAD, make_engine, prompt_batch, source_model
 
 R = 8
 
@@ -14,9 +15,13 @@ R = 8
 def hf_generate(engine, prompts, eos: int) -> torch.Tensor:
     """transformers' greedy generate on the engine's own model, padded to R with PAD."""
     out = engine.model.generate(
-        input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-        max_new_tokens=R, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
-    )[:, prompts.batch["input_ids"].shape[1]:]
+        input_ids=prompts.batch["input_ids"],
+        attention_mask=prompts.batch["attention_mask"],
+        max_new_tokens=R,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+    )[:, prompts.batch["input_ids"].shape[1] :]
     return torch.nn.functional.pad(out, (0, R - out.shape[1]), value=PAD)
 
 
@@ -40,7 +45,9 @@ def test_output_layout_masks_eos_and_lengths(engine):
     assert b["responses"].shape == (6, R) and b["rollout_log_probs"].dtype == torch.float32
     assert torch.equal(b["prompts"], prompts.batch["input_ids"])
     assert torch.equal(b["input_ids"], torch.cat([prompts.batch["input_ids"], b["responses"]], -1))
-    assert torch.equal(b["attention_mask"], torch.cat([prompts.batch["attention_mask"], b["response_mask"]], -1))
+    assert torch.equal(
+        b["attention_mask"], torch.cat([prompts.batch["attention_mask"], b["response_mask"]], -1)
+    )
     last_pos = prompts.batch["position_ids"][:, -1:]
     assert torch.equal(b["position_ids"][:, P:], last_pos + torch.arange(1, R + 1))
     stopped = 0
@@ -60,7 +67,9 @@ def test_output_layout_masks_eos_and_lengths(engine):
 
 
 def test_stop_token_ids_from_config_end_responses():
-    probe = make_engine(response_length=R).generate_sequences(prompt_batch([4, 4], do_sample=False, eos_token_id=[]))
+    probe = make_engine(response_length=R).generate_sequences(
+        prompt_batch([4, 4], do_sample=False, eos_token_id=[])
+    )
     stop = int(probe.batch["responses"][0, 1])
     engine = make_engine(response_length=R, stop_token_ids=[stop])
     out = engine.generate_sequences(prompt_batch([4, 4], do_sample=False, eos_token_id=[]))
@@ -108,7 +117,10 @@ def test_validate_uses_val_kwargs():
     prompts = prompt_batch([3, 4], validate=True)
     a, b = engine.generate_sequences(prompts), engine.generate_sequences(prompts)
     assert torch.equal(a.batch["responses"], b.batch["responses"])  # greedy: no randomness
-    assert torch.equal(a.batch["responses"], engine.generate_sequences(prompt_batch([3, 4], do_sample=False)).batch["responses"])
+    assert torch.equal(
+        a.batch["responses"],
+        engine.generate_sequences(prompt_batch([3, 4], do_sample=False)).batch["responses"],
+    )
 
 
 def test_rejects_right_padded_prompts(engine):

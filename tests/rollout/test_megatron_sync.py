@@ -4,6 +4,7 @@ After a sync the engine's greedy tokens are the trainer's argmax and its log-pro
 (fp32, 1e-5); a training step makes them disagree (and verification says the engine holds what was
 sent); the next sync restores agreement; a tensor corrupted inside the engine is named by verification.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ LR = 0.5
 
 
 def _prompts():
-    from tests.rollout.conftest import prompt_batch
+    from rollout_models import prompt_batch
 
     batch = prompt_batch([3, 6, 2, 5])  # token ids < 96 < the tiny checkpoint's 300
     batch.batch["input_ids"][batch.batch["attention_mask"] == 0] = 256  # the checkpoint's pad id
@@ -31,7 +32,9 @@ def _last_stage_to_all(tensor: torch.Tensor | None, shape: tuple[int, ...]) -> t
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return tensor
     buffer = tensor.contiguous() if tensor is not None else torch.empty(shape)
-    dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    dist.broadcast(
+        buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
     return buffer
 
 
@@ -48,8 +51,9 @@ def _trainer_log_prob_fn(chunks):
 
     def fn(batch):
         width = batch.batch["responses"].shape[-1]
-        logits = _trainer_logits(chunks, batch)[:, -width - 1:-1]
+        logits = _trainer_logits(chunks, batch)[:, -width - 1 : -1]
         return log_probs_from_logits(logits, batch.batch["responses"]) * batch.batch["response_mask"]
+
     return fn
 
 
@@ -70,9 +74,12 @@ def _training_step(chunks, batch) -> None:
         logits = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask))  # vocab-parallel
 
         def loss_fn(output):
-            lp = log_probs_from_logits(output[:, -width - 1:-1], responses, tp_group=tp_group, vocab_size=vocab)
+            lp = log_probs_from_logits(
+                output[:, -width - 1 : -1], responses, tp_group=tp_group, vocab_size=vocab
+            )
             loss = -(lp * response_mask).sum() / response_mask.sum()
             return loss, {"loss": loss.detach()}
+
         return logits, loss_fn
 
     for chunk in chunks:
@@ -80,8 +87,13 @@ def _training_step(chunks, batch) -> None:
         chunk.zero_grad()
     data = [(ids, mask, batch.batch["responses"], batch.batch["response_mask"].float())]
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(data), model=chunks[0], num_microbatches=1,
-        seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter(data),
+        model=chunks[0],
+        num_microbatches=1,
+        seq_length=ids.shape[1],
+        micro_batch_size=ids.shape[0],
+        forward_only=False,
     )
     with torch.no_grad():
         for chunk in chunks:
@@ -104,14 +116,15 @@ def sync_and_verify(ckpt_dir: str, tp: int, pp: int) -> dict:
     result: dict = {}
 
     def sync(version: int):
-        return sync_weights(export_hf_weights(chunks), engine, version=version, bucket_bytes=16 << 10,
-                            compute_checksums=True)
+        return sync_weights(
+            export_hf_weights(chunks), engine, version=version, bucket_bytes=16 << 10, compute_checksums=True
+        )
 
     stats = sync(1)
     result["num_buckets"] = stats.num_buckets
     result["v1"] = verify_sync(log_prob_fn, engine, probe, threshold=1e-5, source_checksums=stats.checksums)
     greedy = engine.generate_sequences(_with_meta(_prompts(), do_sample=False))
-    argmax = _trainer_logits(chunks, greedy)[:, -R - 1:-1].argmax(-1)
+    argmax = _trainer_logits(chunks, greedy)[:, -R - 1 : -1].argmax(-1)
     valid = greedy.batch["response_mask"].bool()
     result["greedy_equal"] = bool(torch.equal(argmax[valid], greedy.batch["responses"][valid]))
 
@@ -159,4 +172,7 @@ def test_megatron_to_hf_engine_sync(checkpoint, tp, pp):
         assert "all" in result["after_step"] and "checksums agree" in result["after_step"], (where, result)
         assert result["v2"]["rollout/logprob_diff_max"] < 1e-5, (where, result["v2"])
         assert result["version"] == 2, where
-        assert "first: ['model.layers.0.self_attn.k_proj.bias']" in result["corrupted"], (where, result["corrupted"])
+        assert "first: ['model.layers.0.self_attn.k_proj.bias']" in result["corrupted"], (
+            where,
+            result["corrupted"],
+        )

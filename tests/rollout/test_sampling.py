@@ -1,4 +1,5 @@
 """Sampling parameters resolution and the top-k / top-p filter."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,19 @@ from megatron_rl.rollout.sampling import mask_top_k_top_p, resolve_sampling_para
 
 
 def resolve(cfg: RolloutConfig | None = None, **meta):
-    return resolve_sampling_params(cfg or RolloutConfig(), meta, response_length=16, eos_token_id=2, pad_token_id=None)
+    return resolve_sampling_params(
+        cfg or RolloutConfig(), meta, response_length=16, eos_token_id=2, pad_token_id=None
+    )
 
 
 def test_meta_info_overrides_config_and_validate_uses_val_kwargs():
-    cfg = RolloutConfig(temperature=0.9, top_p=0.8, top_k=5, stop_token_ids=[7],
-                        val_kwargs=ValKwargsConfig(temperature=0.5, do_sample=True, top_k=3))
+    cfg = RolloutConfig(
+        temperature=0.9,
+        top_p=0.8,
+        top_k=5,
+        stop_token_ids=[7],
+        val_kwargs=ValKwargsConfig(temperature=0.5, do_sample=True, top_k=3),
+    )
     p = resolve(cfg, temperature=1.2, eos_token_id=[2, 4], response_length=4, seed=3)
     assert (p.temperature, p.top_p, p.top_k, p.max_response_length, p.seed) == (1.2, 0.8, 5, 4, 3)
     assert p.finish_token_ids == (2, 4, 7) and p.pad_token_id == 2  # pad falls back to the first eos
@@ -23,10 +31,15 @@ def test_meta_info_overrides_config_and_validate_uses_val_kwargs():
     assert resolve(do_sample=False).greedy and resolve(temperature=0.0).greedy
 
 
-@pytest.mark.parametrize("meta, message", [
-    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": 0}, "top_k"),
-    ({"response_length": 0}, "response length"),
-])
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"response_length": 0}, "response length"),
+    ],
+)
 def test_bad_values_are_named(meta, message):
     with pytest.raises(ValueError, match=message):
         resolve(**meta)

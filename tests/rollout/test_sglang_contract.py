@@ -4,6 +4,7 @@ The wheel is fetched with ``pip download --no-deps sglang==PIN`` into a cache di
 (``$MEGATRON_RL_TEST_CACHE`` or <tmp>/megatron_rl_test_cache) and read with ``zipfile`` + ``ast``; nothing
 is imported or executed from it. Without network access to PyPI the tests skip and say so.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -28,15 +28,27 @@ def wheel() -> zipfile.ZipFile:
     found = sorted(target.glob(f"sglang-{SGLANG_PIN}-*.whl"))
     if not found:
         target.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"sglang=={SGLANG_PIN}", "-d", str(target)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            f"sglang=={SGLANG_PIN}",
+            "-d",
+            str(target),
+        ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             pytest.skip(f"cannot download sglang=={SGLANG_PIN} to check the adapter's contract: {exc}")
         found = sorted(target.glob(f"sglang-{SGLANG_PIN}-*.whl"))
         if proc.returncode or not found:
-            pytest.skip(f"cannot download sglang=={SGLANG_PIN} to check the adapter's contract "
-                        f"(pip exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+            pytest.skip(
+                f"cannot download sglang=={SGLANG_PIN} to check the adapter's contract "
+                f"(pip exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+            )
     return zipfile.ZipFile(found[0])
 
 
@@ -45,14 +57,18 @@ class Source:
 
     def __init__(self, wheel: zipfile.ZipFile) -> None:
         self.wheel = wheel
+        self._trees: dict[str, ast.Module] = {}
 
-    @lru_cache(maxsize=None)
     def tree(self, path: str) -> ast.Module:
-        return ast.parse(self.wheel.read(f"sglang/{path}").decode(), filename=path)
+        if path not in self._trees:
+            self._trees[path] = ast.parse(self.wheel.read(f"sglang/{path}").decode(), filename=path)
+        return self._trees[path]
 
     def paths(self, folder: str) -> list[str]:
         prefix = f"sglang/{folder}/"
-        return [n[len("sglang/"):] for n in self.wheel.namelist() if n.startswith(prefix) and n.endswith(".py")]
+        return [
+            n[len("sglang/") :] for n in self.wheel.namelist() if n.startswith(prefix) and n.endswith(".py")
+        ]
 
     def cls(self, path: str, name: str) -> ast.ClassDef:
         for node in ast.walk(self.tree(path)):
@@ -62,8 +78,11 @@ class Source:
 
     def fields(self, path: str, name: str) -> set[str]:
         """Annotated attributes of a class body (dataclass / msgspec.Struct fields)."""
-        return {n.target.id for n in self.cls(path, name).body
-                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        return {
+            n.target.id
+            for n in self.cls(path, name).body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
 
     def method_args(self, path: str, cls: str, method: str) -> tuple[set[str], bool]:
         for node in self.cls(path, cls).body:
@@ -74,7 +93,11 @@ class Source:
         raise AssertionError(f"{cls}.{method} not found in sglang/{path}")
 
     def strings(self, path: str) -> set[str]:
-        return {n.value for n in ast.walk(self.tree(path)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        return {
+            n.value
+            for n in ast.walk(self.tree(path))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        }
 
     def top_level_names(self, path: str) -> set[str]:
         names = set()
@@ -109,12 +132,20 @@ def test_wheel_is_the_pinned_version_and_has_the_session(wheel, src):
 def test_engine_methods_take_our_keywords(src, method):
     names, _ = src.method_args("srt/entrypoints/engine.py", "Engine", method)
     missing = set(SGLANG_CONTRACT["engine_methods"][method]) - names
-    assert not missing, f"sglang.Engine.{method} has no parameters {sorted(missing)} (it takes {sorted(names)})"
+    assert not missing, (
+        f"sglang.Engine.{method} has no parameters {sorted(missing)} (it takes {sorted(names)})"
+    )
 
 
 def test_engine_constructor_fields_exist(src):
-    fields = set().union(*(src.fields(p, c.name) for p in src.paths("srt/arg_groups/fields")
-                           for c in src.tree(p).body if isinstance(c, ast.ClassDef)))
+    fields = set().union(
+        *(
+            src.fields(p, c.name)
+            for p in src.paths("srt/arg_groups/fields")
+            for c in src.tree(p).body
+            if isinstance(c, ast.ClassDef)
+        )
+    )
     missing = set(SGLANG_CONTRACT["server_args"]) - fields
     assert not missing, f"ServerArgs has no fields {sorted(missing)}"
     assert set(SGLANG_CONTRACT["load_formats"]) <= src.strings("srt/arg_groups/choices.py")
@@ -126,9 +157,13 @@ def _routes(src: Source) -> dict[str, ast.AST]:
     for node in src.tree("srt/entrypoints/http_server.py").body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for dec in node.decorator_list:
-                if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                        and dec.func.attr in ("get", "post", "api_route") and dec.args
-                        and isinstance(dec.args[0], ast.Constant)):
+                if (
+                    isinstance(dec, ast.Call)
+                    and isinstance(dec.func, ast.Attribute)
+                    and dec.func.attr in ("get", "post", "api_route")
+                    and dec.args
+                    and isinstance(dec.args[0], ast.Constant)
+                ):
                     routes[dec.args[0].value] = node
     return routes
 
@@ -146,7 +181,9 @@ def test_http_routes_and_request_fields_exist(src, route):
 
 
 def test_sampling_params_fields_exist(src):
-    missing = set(SGLANG_CONTRACT["sampling_params"]) - src.fields("srt/sampling/sampling_params.py", "SamplingParams")
+    missing = set(SGLANG_CONTRACT["sampling_params"]) - src.fields(
+        "srt/sampling/sampling_params.py", "SamplingParams"
+    )
     assert not missing, f"SamplingParams has no fields {sorted(missing)}"
 
 

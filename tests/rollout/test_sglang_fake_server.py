@@ -1,19 +1,25 @@
-"""SGLangEngine in server mode against fake SGLang servers (tests/rollout/fake_sglang_server.py): weight
+"""SGLangEngine in server mode against fake SGLang servers (tests/rollout/rollout_fake_sglang.py): weight
 pushes over the update group and as flattened-bucket tensors, the 0.5.23 session rule and the
 pre-session branch, batch splitting across servers. After a push the servers' generations match the
 trainer's model. What the fake does not reproduce is listed in its docstring and in docs/rollout.md."""
+
 from __future__ import annotations
 
 import pytest
+import rollout_fake_sglang
+import rollout_sglang_stand_in
 import torch
+from rollout_models import EOS, PAD, prompt_batch, source_model, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangServerError, SGLangUnavailableError, _checked
+from megatron_rl.rollout.sglang_engine import (
+    SGLangEngine,
+    SGLangServerError,
+    SGLangUnavailableError,
+    _checked,
+)
 from megatron_rl.rollout.weight_sync import sync_weights
-from tests.rollout import fake_sglang_server, sglang_stand_in
-from tests.rollout.conftest import EOS, PAD, prompt_batch, source_model
-from tests.rollout.test_weight_sync import trainer_log_probs
 
 R = 8
 pytestmark = pytest.mark.distributed  # three server processes and a gloo group across them
@@ -21,7 +27,7 @@ pytestmark = pytest.mark.distributed  # three server processes and a gloo group 
 
 @pytest.fixture(scope="module")
 def servers():
-    started = [fake_sglang_server.start() for _ in range(2)] + [fake_sglang_server.start(version="0.5.15")]
+    started = [rollout_fake_sglang.start() for _ in range(2)] + [rollout_fake_sglang.start(version="0.5.15")]
     yield {"current": [url for _, url in started[:2]], "old": started[2][1]}
     for proc, _ in started:
         proc.kill()
@@ -29,15 +35,30 @@ def servers():
 
 
 def client(urls, **kwargs) -> SGLangEngine:
-    cfg = RolloutConfig(name="sglang", mode="server", server_urls=list(urls), response_length=R, dtype="float32")
-    return SGLangEngine(cfg, "unused-by-server-mode", eos_token_id=EOS, pad_token_id=PAD,
-                        update_group_backend="gloo", master_address="127.0.0.1", **kwargs)
+    cfg = RolloutConfig(
+        name="sglang", mode="server", server_urls=list(urls), response_length=R, dtype="float32"
+    )
+    return SGLangEngine(
+        cfg,
+        "unused-by-server-mode",
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        update_group_backend="gloo",
+        master_address="127.0.0.1",
+        **kwargs,
+    )
 
 
 def expected_greedy(model, prompts) -> torch.Tensor:
-    out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                         max_new_tokens=R, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
-    out = out[:, prompts.batch["input_ids"].shape[1]:]
+    out = model.generate(
+        input_ids=prompts.batch["input_ids"],
+        attention_mask=prompts.batch["attention_mask"],
+        max_new_tokens=R,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    out = out[:, prompts.batch["input_ids"].shape[1] :]
     return torch.nn.functional.pad(out, (0, R - out.shape[1]), value=PAD)
 
 
@@ -45,7 +66,9 @@ def assert_serves(engine: SGLangEngine, model, version: int) -> None:
     prompts = prompt_batch([3, 5, 2, 4, 1, 5], do_sample=False)
     out = engine.generate_sequences(prompts)
     assert torch.equal(out.batch["responses"], expected_greedy(model, prompts))
-    torch.testing.assert_close(out.batch["rollout_log_probs"], trainer_log_probs(model)(out), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out.batch["rollout_log_probs"], trainer_log_probs(model)(out), atol=1e-5, rtol=0
+    )
     assert out.meta_info["weight_version"] == version
 
 
@@ -63,7 +86,7 @@ def test_distributed_push_to_two_servers_then_generations_match_the_trainer(serv
 
 
 def test_tensor_push_as_flattened_buckets(servers, monkeypatch):
-    sglang_stand_in.install(monkeypatch)
+    rollout_sglang_stand_in.install(monkeypatch)
     engine = client(servers["current"][:1], weight_transport="tensor")
     try:
         source = source_model(23)
@@ -71,7 +94,9 @@ def test_tensor_push_as_flattened_buckets(servers, monkeypatch):
         assert_serves(engine, source, 5)
         sampled = engine.generate_sequences(prompt_batch([4, 2, 3], temperature=1.0))
         mask = sampled.batch["response_mask"].bool()
-        torch.testing.assert_close(sampled.batch["rollout_log_probs"], trainer_log_probs(source)(sampled), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            sampled.batch["rollout_log_probs"], trainer_log_probs(source)(sampled), atol=1e-5, rtol=0
+        )
         assert (sampled.batch["responses"][~mask] == PAD).all()
     finally:
         engine.shutdown()
@@ -90,11 +115,14 @@ def test_pre_session_server_gets_no_begin_or_end(servers):
 
 
 def test_session_rule_and_server_errors_surface_with_sglang_message(servers, monkeypatch):
-    sglang_stand_in.install(monkeypatch)
+    rollout_sglang_stand_in.install(monkeypatch)
     engine = client(servers["current"][:1], weight_transport="tensor")
     server = engine._servers[0]
     body = {"serialized_named_tensors": ["AA=="], "load_format": "flattened_bucket", "flush_cache": False}
-    with pytest.raises(SGLangServerError, match=r"answered 400: .*must run between begin_weight_update\(\) and end_weight_update\(\)"):
+    with pytest.raises(
+        SGLangServerError,
+        match=r"answered 400: .*must run between begin_weight_update\(\) and end_weight_update\(\)",
+    ):
         server.request("/update_weights_from_tensor", body)
     engine.begin_weight_update(1)
     with pytest.raises(WeightUpdateError, match="session is already open"):

@@ -1,29 +1,17 @@
 """sync_weights from an HF state_dict into the HF engine: buckets, casting, versions, stats,
 checksums, verification and failure safety."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from rollout_models import make_engine, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig, WeightSyncConfig
-from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.rollout import HFEngine, WeightSyncer, build_rollout_engine
 from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.checksum import tensor_checksum
 from megatron_rl.rollout.weight_sync import WeightSyncError, sync_weights, verify_sync
-from tests.rollout.conftest import make_engine, prompt_batch, source_model, tiny_qwen2_config
-
-
-def trainer_log_probs(model):
-    """What the trainer's compute_log_prob returns for a probe batch: [B, R], 0 at padding."""
-    @torch.no_grad()
-    def fn(batch):
-        width = batch.batch["responses"].shape[-1]
-        logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
-                       position_ids=batch.batch["position_ids"]).logits[:, -width - 1:-1]
-        temperature = batch.meta_info.get("temperature", 1.0)
-        return log_probs_from_logits(logits, batch.batch["responses"], temperature=temperature) * batch.batch["response_mask"]
-    return fn
 
 
 def test_bucket_round_trips_and_aligns():
@@ -33,7 +21,9 @@ def test_bucket_round_trips_and_aligns():
     bucket.add("b", b, torch.int64)
     (na, ta), (nb, tb) = bucket.named_tensors()
     assert (na, nb) == ("a", "b") and ta.dtype == torch.bfloat16 and torch.equal(ta, a.to(torch.bfloat16))
-    assert torch.equal(tb, b) and bucket.entries[1].start == 32 and bucket.nbytes == 30 + 56  # int64 at 8-aligned 32
+    assert (
+        torch.equal(tb, b) and bucket.entries[1].start == 32 and bucket.nbytes == 30 + 56
+    )  # int64 at 8-aligned 32
     assert bucket.fits(256 - 88, torch.uint8) and not bucket.fits(256 - 87, torch.uint8)
     with pytest.raises(ValueError, match="'c'.*does not fit"):
         bucket.add("c", torch.zeros(64), torch.float32)
@@ -58,7 +48,9 @@ def test_sync_copies_every_tensor_exactly(bucket_bytes):
 
 def test_sync_casts_to_the_engine_dtype_and_generations_follow_the_source():
     engine, source = make_engine(dtype="bfloat16"), source_model(seed=2)
-    stats = sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True)
+    stats = sync_weights(
+        source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True
+    )
     assert engine.model.model.norm.weight.dtype == torch.bfloat16
     assert stats.bytes == sum(t.numel() * 2 for t in source.state_dict().values())
     held = engine.weight_checksums()
@@ -71,22 +63,39 @@ def test_after_sync_greedy_outputs_and_log_probs_match_the_source():
     sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096)
     prompts = prompt_batch([3, 5, 2], do_sample=False)
     out = engine.generate_sequences(prompts)
-    expected = source.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                               max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)[:, 5:]
+    expected = source.generate(
+        input_ids=prompts.batch["input_ids"],
+        attention_mask=prompts.batch["attention_mask"],
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+    )[:, 5:]
     assert torch.equal(out.batch["responses"], expected)
-    torch.testing.assert_close(trainer_log_probs(source)(out), out.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        trainer_log_probs(source)(out), out.batch["rollout_log_probs"], atol=1e-5, rtol=0
+    )
 
 
 def test_verify_passes_then_names_a_corrupted_tensor():
     engine, source = make_engine(), source_model(seed=4)
-    stats = sync_weights(source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True)
+    stats = sync_weights(
+        source.state_dict().items(), engine, version=1, bucket_bytes=4096, compute_checksums=True
+    )
     probe = prompt_batch([4, 6])
-    metrics = verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-4, source_checksums=stats.checksums)
+    metrics = verify_sync(
+        trainer_log_probs(source), engine, probe, threshold=1e-4, source_checksums=stats.checksums
+    )
     assert metrics["rollout/logprob_diff_max"] < 1e-5
     with torch.no_grad():
         engine.model.model.layers[1].self_attn.v_proj.weight[2, 5] += 0.5
-    with pytest.raises(WeightSyncError, match=r"checksums differ for 1 tensors, first: \['model.layers.1.self_attn.v_proj.weight'\]"):
-        verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums)
+    with pytest.raises(
+        WeightSyncError,
+        match=r"checksums differ for 1 tensors, first: \['model.layers.1.self_attn.v_proj.weight'\]",
+    ):
+        verify_sync(
+            trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums
+        )
 
 
 def test_verify_says_when_the_engine_holds_exactly_what_was_sent():
@@ -96,7 +105,9 @@ def test_verify_says_when_the_engine_holds_exactly_what_was_sent():
     with torch.no_grad():
         source.model.norm.weight.mul_(1.5)  # the trainer moved on; the engine got what it was sent
     with pytest.raises(WeightSyncError, match="all .* checksums agree"):
-        verify_sync(trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums)
+        verify_sync(
+            trainer_log_probs(source), engine, probe, threshold=1e-5, source_checksums=stats.checksums
+        )
 
 
 def test_swapped_rows_change_the_checksum():
@@ -123,7 +134,9 @@ def test_a_failed_sync_leaves_the_engine_refusing_to_generate():
 def test_weight_syncer_versions_and_verifies_every_nth_sync():
     engine, source = make_engine(), source_model(seed=7)
     cfg = WeightSyncConfig(bucket_size_mb=1, verify_freq=2, verify_max_logprob_diff=1e-4)
-    syncer = WeightSyncer(cfg, engine, probe_prompts=prompt_batch([3, 5]), trainer_log_prob_fn=trainer_log_probs(source))
+    syncer = WeightSyncer(
+        cfg, engine, probe_prompts=prompt_batch([3, 5]), trainer_log_prob_fn=trainer_log_probs(source)
+    )
     first = syncer.sync(source.state_dict().items())
     second = syncer.sync(source.state_dict().items())
     assert first["weight_sync/version"] == 1 and "rollout/logprob_diff_mean" not in first
@@ -138,14 +151,20 @@ def test_weight_syncer_versions_and_verifies_every_nth_sync():
 def test_weight_syncer_needs_a_probe_when_verifying():
     with pytest.raises(ValueError, match="verify_freq > 0 needs probe_prompts"):
         WeightSyncer(WeightSyncConfig(verify_freq=1), make_engine())
-    assert WeightSyncer(WeightSyncConfig(verify_freq=0), make_engine()).sync(
-        source_model(seed=9).state_dict().items())["weight_sync/version"] == 1
+    assert (
+        WeightSyncer(WeightSyncConfig(verify_freq=0), make_engine()).sync(
+            source_model(seed=9).state_dict().items()
+        )["weight_sync/version"]
+        == 1
+    )
 
 
 def test_build_rollout_engine_picks_the_configured_engine():
     from megatron_rl.rollout.sglang_engine import SGLangUnavailableError
 
-    assert isinstance(build_rollout_engine(RolloutConfig(name="hf"), tiny_qwen2_config(), response_length=4), HFEngine)
+    assert isinstance(
+        build_rollout_engine(RolloutConfig(name="hf"), tiny_qwen2_config(), response_length=4), HFEngine
+    )
     with pytest.raises(SGLangUnavailableError):
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
     with pytest.raises(ValueError, match="rollout.name must be hf or sglang, got 'vllm'"):
