@@ -119,6 +119,16 @@ class ValKwargsConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """SGLang-only settings (rollout.name=sglang); see docs/rollout.md."""
+
+    weight_transport: str = "distributed"  # server mode: distributed (NCCL group) | tensor (HTTP payloads)
+    update_group_backend: str = "nccl"
+    master_address: Optional[str] = None  # this trainer's address as the servers see it
+    request_timeout_s: float = 600.0
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | sglang
     mode: str = "colocated"  # colocated | server
@@ -138,6 +148,7 @@ class RolloutConfig:
     server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass

@@ -135,6 +135,12 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
     _require(rollout.name in KNOWN_ROLLOUT_ENGINES,
              f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; known: {list(KNOWN_ROLLOUT_ENGINES)}")
+    _require(rollout.mode in ("colocated", "server"),
+             f"actor_rollout_ref.rollout.mode={rollout.mode!r} is unknown; known: ['colocated', 'server']")
+    _require(rollout.mode != "server" or bool(rollout.server_urls),
+             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers)")
+    _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
+             "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
     _require(cfg.trainer.launcher in KNOWN_LAUNCHERS,
              f"trainer.launcher={cfg.trainer.launcher!r} is unknown; known: {list(KNOWN_LAUNCHERS)}")
     for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
