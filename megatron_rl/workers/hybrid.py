@@ -71,29 +71,32 @@ class ActorRolloutRefWorker(Worker):
             self.ref = ReferenceRole(ref_engine, arr.ref)
         self.set_mesh(**engine.mesh_kwargs())
 
+        engine_kwargs = (dict(arr.rollout.sglang, base_gpu_id=self.local_rank) if arr.rollout.name == "sglang"
+                         else {})
         self.rollout = build_rollout_engine(arr.rollout, model_dir, response_length=cfg.data.max_response_length,
-                                            **self._token_ids())
+                                            **self._token_ids(), **engine_kwargs)
         self.syncer = WeightSyncer(arr.rollout.weight_sync, self.rollout, probe_prompts=self._probe_prompts(),
                                    trainer_log_prob_fn=self._trainer_log_probs)
         # The engine starts from random weights: the first sync makes it serve the actor's.
-        self.syncer.sync(self.actor.named_hf_weights())
+        self.sync_weights()
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        free_memory = self.config.actor_rollout_ref.rollout.free_cache_engine
-        if free_memory:
-            self.rollout.wake_up()
+        """Sample this rank's share; then, with rollout.free_cache_engine, the engine sleeps so the
+        training phases get its memory back (the next sync wakes it)."""
+        self.rollout.wake_up()
         try:
             return self.rollout.generate_sequences(prompts)
         finally:
-            if free_memory:
+            if self.config.actor_rollout_ref.rollout.free_cache_engine:
                 self.rollout.sleep()
 
     @register(Dispatch.RANK_ZERO)
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's current weights into this rank's engine (every rank takes part in the export);
-        the driver gets rank 0's metrics."""
+        the driver gets rank 0's metrics. The engine stays awake: generation comes next."""
+        self.rollout.wake_up()
         return self.syncer.sync(self.actor.named_hf_weights())
 
     # ------------------------------------------------------------------ actor / reference
