@@ -71,6 +71,10 @@ def make_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # Interleaved PP=2: both neighbours are the same rank, so batched p2p posts the forward
+        # activation and the backward gradient to one peer on one channel and they can swap (seen
+        # with gloo). The unbatched path sends the two directions over different groups.
+        batch_p2p_comm=not (pp == 2 and vpp is not None),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -1,0 +1,126 @@
+"""Same weights, same data: TP=2, PP=2 and interleaved PP=2xVPP=2 reproduce the TP=1=PP logits, losses and
+gradients through Megatron's get_forward_backward_func with several micro-batches (gloo, 2 CPU ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.distributed import run_multiprocess
+from megatron_rl.models.testing import make_tiny_hf_checkpoint
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 4, 2, 10
+LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 2)]  # (TP, PP, VPP)
+
+
+def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(MICRO_BATCHES):
+        ids = torch.randint(0, 300, (MICRO_BATCH_SIZE, SEQ), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, : i + 1] = 0  # left padding of varying length
+        mask[1, SEQ - i - 1 :] = 0  # right padding
+        batches.append((ids, mask))
+    return batches
+
+
+def next_token_loss(ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token_log_probs = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = (mask[:, 1:] * mask[:, :-1]).float()
+    return -(token_log_probs * valid).sum() / valid.sum()
+
+
+def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, causal_padding_mask, export_hf_weights, position_ids_from_mask
+
+    init_model_parallel(tp=tp, pp=pp, vpp=vpp)
+    chunks = build_from_hf(directory)
+    vocab = chunks[0].hf_config.vocab_size
+
+    def forward_step(data_iterator, model):
+        ids, mask = next(data_iterator)
+        logits = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True)
+
+        def loss_fn(output):
+            output = output[..., :vocab]
+            loss = next_token_loss(ids, mask, output)
+            return loss, {"loss": loss.detach(), "logits": output.detach()}
+
+        return logits, loss_fn
+
+    data = micro_batches()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
+        model=chunks,
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH_SIZE,
+        forward_only=False,
+    )
+    # Export the gradients under HF names: swap them into the parameters, reuse the weight export.
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.data = param.grad
+    grads = {name: tensor.clone() for name, tensor in export_hf_weights(chunks)}
+    return {"outputs": outputs, "grads": grads}
+
+
+def parity_checks(directory: str) -> dict:
+    from megatron_rl.distributed import init_model_parallel
+
+    results = {layout: run_layout(directory, *layout) for layout in LAYOUTS}
+    errors = {}
+    for kwargs in (dict(tp=3), dict(tp=1, pp=1, vpp=2)):
+        try:
+            init_model_parallel(**kwargs)
+        except ValueError as error:
+            errors[tuple(kwargs.items())] = str(error)
+    return {"rank": dist.get_rank(), "results": results, "errors": errors}
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory):
+    directory = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("parity") / "qwen2", "qwen2", num_layers=4)
+    return run_multiprocess(parity_checks, WORLD, str(directory), timeout_s=600)
+
+
+def last_stage_outputs(per_rank, layout):
+    found = [r["results"][layout]["outputs"] for r in per_rank if r["results"][layout]["outputs"]]
+    assert found, f"no rank returned outputs for {layout}"
+    return found[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=["tp2", "pp2", "pp2_vpp2"])
+def test_logits_and_losses_match_single_rank(per_rank, layout):
+    reference = last_stage_outputs(per_rank, LAYOUTS[0])
+    outputs = last_stage_outputs(per_rank, layout)
+    assert len(outputs) == MICRO_BATCHES
+    for ref, out in zip(reference, outputs):
+        torch.testing.assert_close(out["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out["loss"], ref["loss"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=["tp2", "pp2", "pp2_vpp2"])
+def test_gradients_match_single_rank(per_rank, layout):
+    reference = per_rank[0]["results"][LAYOUTS[0]]["grads"]
+    for result in per_rank:  # every rank receives every gathered gradient
+        grads = result["results"][layout]["grads"]
+        assert grads.keys() == reference.keys()
+        for name, ref in reference.items():
+            assert ref.abs().sum() > 0, f"{name} has no gradient in the reference"
+            torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_parallel_sizes_that_do_not_factor_are_refused(per_rank):
+    errors = per_rank[0]["errors"]
+    assert errors[(("tp", 3),)] == "world size 2 is not divisible by TP*PP*CP = 3*1*1 = 3"
+    assert errors[(("tp", 1), ("pp", 1), ("vpp", 2))] == "virtual pipeline size 2 needs PP >= 2, got PP=1"
