@@ -190,13 +190,20 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else algo.adv_estimator in VALUE_ESTIMATORS
     _require(uses_critic or algo.adv_estimator not in VALUE_ESTIMATORS,
              f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
+    # The reference and the critic are colocated with the actor and share Megatron's (process-global)
+    # parallel state, so their layout must be the actor's.
+    colocated = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)] if (
+        algo.use_kl_in_reward or actor.use_kl_loss) else []
+    if uses_critic:
+        colocated.append(("critic", cfg.critic.megatron))
+    for prefix, megatron in colocated:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size"):
+            _require(megatron[key] == actor.megatron[key],
+                     f"{prefix}.megatron.{key}={megatron[key]} differs from actor_rollout_ref.actor.megatron.{key}="
+                     f"{actor.megatron[key]}; the colocated {prefix.split('.')[-1]} shares the actor's model-parallel layout")
     critic_sizes = None
     if uses_critic:
-        # The critic is colocated with the actor and shares Megatron's (process-global) parallel state.
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            a, c = actor.megatron[key], cfg.critic.megatron[key]
-            _require(a == c, f"critic.megatron.{key}={c} differs from actor_rollout_ref.actor.megatron.{key}={a}; "
-                             f"the colocated critic shares the actor's model-parallel layout")
         _positive(cfg, "critic.ppo_micro_batch_size_per_gpu")
         mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
         critic_sizes = _role_sizes(cfg, "critic", mini, cfg.critic.ppo_micro_batch_size_per_gpu, world, responses,

@@ -32,8 +32,7 @@ def test_derived_sizes():
 
 
 def test_gae_turns_the_critic_on():
-    sizes = validate(cfg_with("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4",
-                              "critic.megatron.tensor_model_parallel_size=2"))
+    sizes = validate(cfg_with("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"))
     assert sizes.uses_critic and sizes.critic.grad_accumulation_steps == 4
 
 
@@ -63,7 +62,10 @@ def test_gae_turns_the_critic_on():
         (["actor_rollout_ref.rollout.mode=server"], r"needs actor_rollout_ref.rollout.server_urls"),
         (["actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu"], r"sglang needs CUDA"),
         (["ray_init.address=10.0.0.1:6379", "ray_init.num_cpus=4"], r"unset one"),
-        (["algorithm.adv_estimator=gae"], r"critic.megatron.tensor_model_parallel_size=1 differs"),
+        (["algorithm.adv_estimator=gae", "critic.megatron.tensor_model_parallel_size=1"],
+         r"critic.megatron.tensor_model_parallel_size=1 differs"),
+        (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.megatron.context_parallel_size=2"],
+         r"ref.megatron.context_parallel_size=2 differs"),
     ],
 )
 def test_rejections_name_key_and_numbers(overrides, message):
