@@ -135,13 +135,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> log_prob_merge(const Tensor& stats_in
   const int64_t rows = stats.size(1);
   const Tensor labels = as_index_vector(labels_in, rows, "labels");
   auto make = [&] { return at::empty({rows}, stats.options()); };
-  Tensor log_probs = make(), entropy = make(), lse = make(), mean = make();
+  Tensor log_probs = make(), entropy = make(), row_max = make(), log_sum = make();
   if (rows > 0) {
     K::log_prob_merge(LogProbMerge{stats.data_ptr(), stats.scalar_type() == at::kDouble, stats.size(0), rows,
                                    labels.data_ptr<int64_t>(), ignore_index, log_probs.data_ptr(),
-                                   entropy.data_ptr(), lse.data_ptr(), mean.data_ptr()});
+                                   entropy.data_ptr(), row_max.data_ptr(), log_sum.data_ptr()});
   }
-  return {log_probs, entropy, lse, mean};
+  return {log_probs, entropy, row_max, log_sum};
 }
 
 // An optional upstream gradient as a contiguous [rows] tensor of the accumulator type, or nullptr.
@@ -154,8 +154,9 @@ const void* grad_ptr(const std::optional<Tensor>& grad, Tensor& holder, int64_t 
 }
 
 template <typename K>
-Tensor log_prob_backward(const Tensor& logits_in, const Tensor& labels_in, const Tensor& lse_in,
-                         const Tensor& mean_in, const std::optional<Tensor>& grad_log_probs,
+Tensor log_prob_backward(const Tensor& logits_in, const Tensor& labels_in, const Tensor& row_max_in,
+                         const Tensor& log_sum_in, const Tensor& entropy_in,
+                         const std::optional<Tensor>& grad_log_probs,
                          const std::optional<Tensor>& grad_entropy, int64_t vocab_start, int64_t valid_width,
                          double inv_temperature, int64_t ignore_index) {
   check_same_device(logits_in, "logits", labels_in, "labels");
@@ -164,12 +165,15 @@ Tensor log_prob_backward(const Tensor& logits_in, const Tensor& labels_in, const
   const int64_t rows = logits.size(0);
   const at::ScalarType acc = acc_type(logits);
   const Tensor labels = as_index_vector(labels_in, rows, "labels");
-  TORCH_CHECK_VALUE(lse_in.sizes() == mean_in.sizes() && lse_in.dim() == 1 && lse_in.size(0) == rows,
-                    "lse and mean_logit must be [", rows, "], got ", lse_in.sizes(), " and ", mean_in.sizes());
-  const Tensor lse = lse_in.to(acc).contiguous(), mean = mean_in.to(acc).contiguous();
+  auto saved = [&](const Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == rows, name, " must be [", rows, "], got ", t.sizes());
+    return t.to(acc).contiguous();
+  };
+  const Tensor row_max = saved(row_max_in, "row_max"), log_sum = saved(log_sum_in, "log_sum"),
+               entropy = saved(entropy_in, "entropy");
   Tensor glp_holder, gh_holder;
   LogProbGrad g{make_rows(logits, labels, vocab_start, valid_width, inv_temperature, ignore_index),
-                lse.data_ptr(), mean.data_ptr(),
+                row_max.data_ptr(), log_sum.data_ptr(), entropy.data_ptr(),
                 grad_ptr(grad_log_probs, glp_holder, rows, acc, "grad_log_probs"),
                 grad_ptr(grad_entropy, gh_holder, rows, acc, "grad_entropy"), nullptr};
   Tensor grad_logits = at::empty({rows, logits.size(1)}, logits.options());
@@ -261,8 +265,9 @@ TORCH_LIBRARY(megatron_rl, m) {
   m.def("log_prob_stats(Tensor logits, Tensor labels, int vocab_start, int valid_width, float inv_temperature, "
         "int ignore_index) -> Tensor");
   m.def("log_prob_merge(Tensor stats, Tensor labels, int ignore_index) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("log_prob_backward(Tensor logits, Tensor labels, Tensor lse, Tensor mean_logit, Tensor? grad_log_probs, "
-        "Tensor? grad_entropy, int vocab_start, int valid_width, float inv_temperature, int ignore_index) -> Tensor");
+  m.def("log_prob_backward(Tensor logits, Tensor labels, Tensor row_max, Tensor log_sum, Tensor entropy, "
+        "Tensor? grad_log_probs, Tensor? grad_entropy, int vocab_start, int valid_width, float inv_temperature, "
+        "int ignore_index) -> Tensor");
   m.def("masked_gae(Tensor token_level_rewards, Tensor values, Tensor response_mask, float gamma, float lam) "
         "-> (Tensor, Tensor)");
   m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean) -> Tensor");

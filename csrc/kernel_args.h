@@ -38,15 +38,16 @@ struct LogProbMerge {
   int64_t ignore_index;
   void* log_probs;
   void* entropy;
-  void* lse;         // saved for backward
-  void* mean_logit;  // E_p[x], saved for backward
+  void* row_max;  // with log_sum, the log-sum-exp saved for backward
+  void* log_sum;
 };
 
 // Backward: grad_logits [rows, width] contiguous, same dtype as the logits.
 struct LogProbGrad {
   LogProbRows in;
-  const void* lse;
-  const void* mean_logit;
+  const void* row_max;  // from the forward merge
+  const void* log_sum;
+  const void* entropy;
   const void* grad_log_probs;  // may be null (no gradient)
   const void* grad_entropy;    // may be null
   void* grad_logits;

@@ -58,21 +58,21 @@ MRL_HD RowState<acc_t> merge_row_states(const RowState<acc_t>& a, const RowState
   return out;
 }
 
+// The log-sum-exp is kept as max + log_sum, never added up: at |x| ~ 1e4 the sum would round to
+// fp32's 1e-3 spacing there, while x - max is exact for the values that matter.
 template <typename acc_t>
 struct RowOutputs {
   acc_t log_prob;
   acc_t entropy;
-  acc_t lse;
-  acc_t mean_logit;
+  acc_t max;
+  acc_t log_sum;
 };
 
-// log p(target) = x_t - lse; entropy = lse - E[x] = log(sum) - wsum / sum.
+// log p(target) = (x_t - max) - log_sum; entropy = lse - E[x] = log_sum - wsum / sum.
 template <typename acc_t>
 MRL_HD RowOutputs<acc_t> finish_row(const RowState<acc_t>& s, acc_t target) {
   const acc_t log_sum = log_acc(s.sum);
-  const acc_t mean_gap = s.wsum / s.sum;
-  const acc_t lse = s.max + log_sum;
-  return {target - lse, log_sum - mean_gap, lse, s.max + mean_gap};
+  return {(target - s.max) - log_sum, log_sum - s.wsum / s.sum, s.max, log_sum};
 }
 
 }  // namespace megatron_rl

@@ -26,8 +26,8 @@ void merge_rows(const LogProbMerge& m) {
   const auto* stats = static_cast<const acc_t*>(m.stats);
   auto* log_probs = static_cast<acc_t*>(m.log_probs);
   auto* entropy = static_cast<acc_t*>(m.entropy);
-  auto* lse = static_cast<acc_t*>(m.lse);
-  auto* mean = static_cast<acc_t*>(m.mean_logit);
+  auto* row_max = static_cast<acc_t*>(m.row_max);
+  auto* log_sum = static_cast<acc_t*>(m.log_sum);
   at::parallel_for(0, m.rows, kGrainSize / 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       RowOutputs<acc_t> o{0, 0, 0, 0};
@@ -43,8 +43,8 @@ void merge_rows(const LogProbMerge& m) {
       }
       log_probs[r] = o.log_prob;
       entropy[r] = o.entropy;
-      lse[r] = o.lse;
-      mean[r] = o.mean_logit;
+      row_max[r] = o.max;
+      log_sum[r] = o.log_sum;
     }
   });
 }

@@ -116,14 +116,17 @@ void row_stats(const LogProbRows& a, acc_t* stats) {
 
 // d x_j of (g_lp * log p_t + g_h * entropy), x = logit / T:
 //   g_lp * ([j == t] - p_j) + g_h * p_j * (E[x] - x_j),  then times 1/T for the logit.
+// With gap_j = x_j - lse = log p_j and E[x] - lse = -entropy this is
+//   p_j * (base - g_h * gap_j) + g_lp * [j == t],  base = -g_h * entropy - g_lp.
 template <typename scalar_t, typename acc_t>
 void row_grads(const LogProbGrad& g) {
   using Vec = Vectorized<acc_t>;
   const LogProbRows& a = g.in;
   const auto* logits = static_cast<const scalar_t*>(a.logits);
   auto* grads = static_cast<scalar_t*>(g.grad_logits);
-  const auto* lse = static_cast<const acc_t*>(g.lse);
-  const auto* mean = static_cast<const acc_t*>(g.mean_logit);
+  const auto* row_max = static_cast<const acc_t*>(g.row_max);
+  const auto* log_sum = static_cast<const acc_t*>(g.log_sum);
+  const auto* entropy = static_cast<const acc_t*>(g.entropy);
   const auto* grad_lp = static_cast<const acc_t*>(g.grad_log_probs);
   const auto* grad_h = static_cast<const acc_t*>(g.grad_entropy);
   const acc_t scale = static_cast<acc_t>(a.inv_temperature);
@@ -140,8 +143,7 @@ void row_grads(const LogProbGrad& g) {
       }
       const scalar_t* row = logits + r * a.row_stride;
       const int64_t target_col = a.labels[r] - a.vocab_start;
-      // grad = scale * p * (base - gh * gap), gap = x - lse, base = gh * (E[x] - lse) - glp
-      const Vec vlse(lse[r]), vscale(scale), vgh(gh), vbase(gh * (mean[r] - lse[r]) - glp),
+      const Vec vmax(row_max[r]), vlog_sum(log_sum[r]), vscale(scale), vgh(gh), vbase(-gh * entropy[r] - glp),
           floor(static_cast<acc_t>(kMinLogitGap));
       for (int64_t c = 0; c < a.valid_width; c += kChunk) {
         const int64_t n = std::min(kChunk, a.valid_width - c);
@@ -150,7 +152,7 @@ void row_grads(const LogProbGrad& g) {
         if constexpr (std::is_same_v<scalar_t, acc_t>) dst = out + c;
         for (int64_t i = 0; i < n; i += Vec::size()) {
           const int64_t lanes = std::min<int64_t>(Vec::size(), n - i);
-          const Vec gap = at::vec::maximum(Vec::loadu(x + i, lanes) * vscale - vlse, floor);
+          const Vec gap = at::vec::maximum(Vec::loadu(x + i, lanes) * vscale - vmax - vlog_sum, floor);
           const Vec grad = gap.exp_u20() * (vbase - vgh * gap) * vscale;
           grad.store(dst + i, lanes);
         }

@@ -126,20 +126,22 @@ __global__ void merge_kernel(LogProbMerge m) {
   }
   static_cast<acc*>(m.log_probs)[r] = o.log_prob;
   static_cast<acc*>(m.entropy)[r] = o.entropy;
-  static_cast<acc*>(m.lse)[r] = o.lse;
-  static_cast<acc*>(m.mean_logit)[r] = o.mean_logit;
+  static_cast<acc*>(m.row_max)[r] = o.max;
+  static_cast<acc*>(m.log_sum)[r] = o.log_sum;
 }
 
 // d x_j of (g_lp * log p_t + g_h * entropy), x = logit / T:
 //   g_lp * ([j == t] - p_j) + g_h * p_j * (E[x] - x_j),  then times 1/T for the logit.
+// With gap_j = x_j - lse = log p_j and E[x] - lse = -entropy this is
+//   p_j * (base - g_h * gap_j) + g_lp * [j == t],  base = -g_h * entropy - g_lp.
 template <typename acc>
 struct RowGrad {
-  acc lse, scale, gh, base, target_term;
+  acc row_max, log_sum, scale, gh, base, target_term;
   int64_t target_col, valid_width;
 
   __device__ __forceinline__ acc operator()(acc logit, int64_t col) const {
     if (col >= valid_width) return acc(0);  // padded vocabulary: outside the softmax
-    const acc gap = fmax(logit * scale - lse, static_cast<acc>(kMinLogitGap));
+    const acc gap = fmax(logit * scale - row_max - log_sum, static_cast<acc>(kMinLogitGap));
     acc g = scale * fast_exp(gap) * (base - gh * gap);
     if (col == target_col) g += target_term;
     return g;
@@ -156,12 +158,16 @@ __global__ void __launch_bounds__(kThreads) row_grads_kernel(LogProbGrad g) {
   scalar_t* out = static_cast<scalar_t*>(g.grad_logits) + r * a.width;
   const acc glp = g.grad_log_probs ? static_cast<const acc*>(g.grad_log_probs)[r] : acc(0);
   const acc gh = g.grad_entropy ? static_cast<const acc*>(g.grad_entropy)[r] : acc(0);
-  const acc lse = static_cast<const acc*>(g.lse)[r];
-  const acc mean = static_cast<const acc*>(g.mean_logit)[r];
+  const acc entropy = static_cast<const acc*>(g.entropy)[r];
   const acc scale = static_cast<acc>(a.inv_temperature);
   const bool silent = a.labels[r] == a.ignore_index || (glp == acc(0) && gh == acc(0));
-  // base folds the row constants: grad = scale * p * (base - gh * gap), gap = x - lse
-  const RowGrad<acc> grad{lse, scale, gh, gh * (mean - lse) - glp, scale * glp, a.labels[r] - a.vocab_start,
+  const RowGrad<acc> grad{static_cast<const acc*>(g.row_max)[r],
+                          static_cast<const acc*>(g.log_sum)[r],
+                          scale,
+                          gh,
+                          -gh * entropy - glp,
+                          scale * glp,
+                          a.labels[r] - a.vocab_start,
                           silent ? 0 : a.valid_width};  // silent rows: every column gives 0
 
   int64_t tail_start = 0;

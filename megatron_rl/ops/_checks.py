@@ -8,9 +8,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 GROUP_MODES = ("grpo", "grpo_mean", "rloo")
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False while tracing (torch.compile, fake or meta tensors): value checks are skipped there."""
+    return not (torch.compiler.is_compiling() or t.device.type == "meta" or is_fake(t))
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
@@ -60,6 +66,8 @@ def check_log_prob_args(
         raise ValueError(
             f"vocab_size must be in [1, {vocab_total}] (the logits' global vocabulary width), got {vocab_size}"
         )
+    if not has_values(labels):
+        return
     real_vocab = vocab_total if vocab_size is None else vocab_size
     valid = labels != ignore_index
     bad = valid & ((labels < 0) | (labels >= real_vocab))

@@ -63,6 +63,7 @@ def backend_summary() -> str:
     return f"compiled: cpu ({ext.cpu_isa()})" + (", cuda" if ext.cuda_compiled else "")
 
 
+@functools.lru_cache(maxsize=None)  # once per process, even if _load's cache is cleared
 def _register_fakes() -> None:
     def acc_dtype(logits: torch.Tensor) -> torch.dtype:
         return torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -76,7 +77,7 @@ def _register_fakes() -> None:
         return tuple(stats.new_empty(stats.shape[1]) for _ in range(4))
 
     @torch.library.register_fake("megatron_rl::log_prob_backward")
-    def _(logits, labels, lse, mean_logit, grad_log_probs, grad_entropy, vocab_start, valid_width,
+    def _(logits, labels, row_max, log_sum, entropy, grad_log_probs, grad_entropy, vocab_start, valid_width,
           inv_temperature, ignore_index):
         return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 

@@ -2,7 +2,8 @@
 
 Forward: one pass per row and rank gives (max, sum exp, sum exp * gap, target logit) in fp32; one
 all-gather of those 16 bytes per row merges the TP shards; backward recomputes the softmax from the saved
-per-row log-sum-exp. Extra memory is O(rows), never O(rows * vocab). Semantics: reference.py.
+per-row log-sum-exp (as max and log of the sum) and entropy. Extra memory is O(rows), never
+O(rows * vocab). Semantics: reference.py.
 """
 from __future__ import annotations
 
@@ -49,20 +50,21 @@ class _FusedLogProbs(torch.autograd.Function):
         stats = ops.log_prob_stats(
             logits, labels, shard.vocab_start, shard.valid_width, shard.inv_temperature, shard.ignore_index
         )
-        log_probs, entropy, lse, mean_logit = ops.log_prob_merge(
+        log_probs, entropy, row_max, log_sum = ops.log_prob_merge(
             _gather_row_stats(stats, tp_group), labels, shard.ignore_index
         )
-        ctx.save_for_backward(logits, labels, lse, mean_logit)
+        ctx.save_for_backward(logits, labels, row_max, log_sum, entropy)
         ctx.shard = shard
         ctx.set_materialize_grads(False)  # an unused output (entropy) then arrives as None: skipped
         return log_probs, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, lse, mean_logit = ctx.saved_tensors
+        logits, labels, row_max, log_sum, entropy = ctx.saved_tensors
         s = ctx.shard
         grad_logits = torch.ops.megatron_rl.log_prob_backward(
-            logits, labels, lse, mean_logit, grad_log_probs, grad_entropy,
+            logits, labels, row_max, log_sum, entropy, grad_log_probs, grad_entropy,
             s.vocab_start, s.valid_width, s.inv_temperature, s.ignore_index,
         )
         return grad_logits, None, None, None
