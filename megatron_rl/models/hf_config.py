@@ -91,12 +91,14 @@ def _reject(cond: bool, where: str, message: str) -> None:
 
 def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
     """Validate a config.json dict and normalise it; every refusal says which field and value."""
-    architectures = cfg.get("architectures") or []
+    # A saved critic is <Family>ForTokenClassification: same backbone, read as its causal-LM family.
+    architectures = [a.replace("ForTokenClassification", "ForCausalLM") for a in cfg.get("architectures") or []]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
-            f"{source}: unsupported architecture {architectures or cfg.get('model_type')!r}; supported: {supported}"
+            f"{source}: unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
+            f"supported: {supported} (and their ForTokenClassification critics)"
         )
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _reject(cfg.get("hidden_act", "silu") != "silu", source, f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported")

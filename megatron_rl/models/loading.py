@@ -18,8 +18,9 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, P
     The checkpoint header is checked first against the config (every tensor present, every shape
     right, nothing unexpected); a mismatch raises CheckpointMismatchError naming the tensor, the
     expected and the found shape. Then each rank reads only the slices of its own TP shard of the
-    layers its pipeline stage holds. ``progress`` shows a tqdm bar on global rank 0. A value model takes ``score.*`` if the checkpoint has it
-    (a saved critic) and keeps its initialised head otherwise (a causal LM, whose lm_head is dropped).
+    layers its pipeline stage holds. A value model takes ``score.*`` if the checkpoint has it (a saved
+    critic) and keeps its initialised head otherwise (a causal LM, whose lm_head is dropped).
+    ``progress`` shows a tqdm bar on global rank 0. Collective over the pipeline group.
     """
     chunks = [unwrap(c) for c in model_chunks]
     hf = chunks[0].hf_config
@@ -27,13 +28,11 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, P
     reader = HFCheckpointReader(model_dir)
     names = set(reader.names())
 
-    expected = {t.name: t.shape for g in hf_tensor_groups(hf, value_head=False) for t in g.tensors}
-    ignorable = set()
-    if hf.tie_word_embeddings or value_model:
-        ignorable.add("lm_head.weight")  # tied checkpoints may still store it; critics drop it
+    groups = hf_tensor_groups(hf, value_head=value_model)
     has_score = value_model and "score.weight" in names
-    if has_score:
-        expected.update({t.name: t.shape for g in hf_tensor_groups(hf, value_head=True)[-2:] for t in g.tensors})
+    expected = {t.name: t.shape for g in groups if has_score or not g.key.startswith("score.") for t in g.tensors}
+    # Tied checkpoints may still store lm_head; a critic initialised from a causal LM drops it.
+    ignorable = {"lm_head.weight"} if hf.tie_word_embeddings or value_model else set()
     reader.validate(expected, frozenset(ignorable))
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -5,6 +5,7 @@ the transformers references and the assertions run here in the test process.
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -68,7 +69,13 @@ def _value_model_checks(directory: str, out_dir: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rl.models import build_from_hf, causal_padding_mask, position_ids_from_mask, save_hf_checkpoint
+    from megatron_rl.models import (
+        build_from_hf,
+        causal_padding_mask,
+        compute_full_logits,
+        position_ids_from_mask,
+        save_hf_checkpoint,
+    )
 
     chunks = build_from_hf(directory, value_head=True)
     input_ids, attention_mask = batch()
@@ -90,13 +97,15 @@ def _value_model_checks(directory: str, out_dir: str) -> dict:
     )
     grads = {name: p.grad for name, p in chunks[0].named_parameters()}
     save_hf_checkpoint(chunks, out_dir)
+    # the saved critic loads back with its trained head (score.*) instead of a fresh one
+    reloaded = compute_full_logits(build_from_hf(out_dir, value_head=True), input_ids, attention_mask)
     result = {
         "grads_finite": all(g is not None and torch.isfinite(g).all().item() for g in grads.values()),
         "grads_nonzero": all(g.abs().sum().item() > 0 for g in grads.values()),
     }
     if parallel_state.is_pipeline_last_stage():
         head = chunks[0].output_layer
-        result.update(values=collected[0], head_weight=head.weight.detach().clone(),
+        result.update(values=collected[0], reloaded_values=reloaded, head_weight=head.weight.detach().clone(),
                       head_grad=head.weight.grad.clone())
     return result
 
@@ -168,6 +177,7 @@ def setup(tmp_path_factory):
     return dirs, root, results
 
 
+@functools.lru_cache(maxsize=None)
 def hf_logits(directory: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -248,6 +258,7 @@ def test_value_model_forward_backward_matches_token_classification(setup, tp, pp
         assert result["grads_finite"] and result["grads_nonzero"]
     values = last[0]["values"]
     assert values.shape == (3, 12, 1)
+    assert torch.equal(last[0]["reloaded_values"], values)
     for other in last[1:]:  # TP ranks agree on the replicated head and its gradient
         assert torch.equal(other["head_weight"], last[0]["head_weight"])
         assert torch.equal(other["head_grad"], last[0]["head_grad"])
