@@ -162,7 +162,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # None: on exactly when adv_estimator needs values (gae)
-    model: ModelConfig = field(default_factory=ModelConfig)  # path "???" falls back to the actor's
+    model: ModelConfig = field(default_factory=ModelConfig)  # ppo_trainer.yaml: the actor's path
     ppo_mini_batch_size: Optional[int] = None  # None: the actor's
     ppo_micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False

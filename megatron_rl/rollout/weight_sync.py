@@ -296,9 +296,10 @@ class WeightSyncer:
         self.trainer_log_prob_fn = trainer_log_prob_fn
         self.version = engine.weight_version
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Push the next weight version; returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
-        version = self.version + 1
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> dict[str, float]:
+        """Push ``version`` (default: the next one; the trainer passes its step, so a resumed run numbers
+        versions as an uninterrupted one); returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
+        version = self.version + 1 if version is None else version
         verify = self.config.verify_freq > 0 and version % self.config.verify_freq == 0
         stats = sync_weights(
             named_tensors,

@@ -41,7 +41,7 @@ class ActorRolloutRef(Protocol):
     def compute_log_prob(self, data: DataProto) -> DataProto: ...
     def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
     def update_actor(self, data: DataProto) -> DataProto: ...
-    def sync_weights(self) -> dict[str, float]: ...
+    def sync_weights(self, version: int) -> dict[str, float]: ...
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
     def save_hf(self, path: str) -> None: ...
@@ -97,7 +97,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        self._resume()
+        """Train from the current state (call `resume()` first to continue a run) to the last step."""
         last: dict[str, float] = {}
         if self.cfg.trainer.val_before_train and self.val_batches is not None and self.state.global_steps == 0:
             self._log(self.validate(), step=0)
@@ -158,7 +158,7 @@ class RLTrainer:
         with timer("update_actor"):
             metrics |= self.actor_rollout.update_actor(batch).meta_info["metrics"]
         with timer("sync_weights"):
-            metrics |= self.actor_rollout.sync_weights()
+            metrics |= self.actor_rollout.sync_weights(step)
 
         metrics |= compute_data_metrics(batch, self.use_critic)
         self._last_batch = batch
@@ -242,10 +242,11 @@ class RLTrainer:
             self.checkpointer.write_trainer_state(tmp_dir, self.state.__dict__)
         return self.checkpointer.step_dir(self.state.global_steps)
 
-    def _resume(self) -> None:
+    def resume(self) -> int:
+        """Restore the newest checkpoint per trainer.resume_mode; returns the step training continues from."""
         path = self.checkpointer.resume_path(self.cfg.trainer.resume_mode, self.cfg.trainer.resume_from_path)
         if path is None:
-            return
+            return 0
         logger.info("resuming from %s", path)
         state = self.checkpointer.read_trainer_state(path)
         self.actor_rollout.load_checkpoint(str(path / "actor"))
@@ -256,7 +257,8 @@ class RLTrainer:
         if self.kl_ctrl is not None and self.state.kl_ctrl:
             self.kl_ctrl.load_state_dict(self.state.kl_ctrl)
         # The rollout engine must generate with the restored weights, not the initial ones.
-        self.actor_rollout.sync_weights()
+        self.actor_rollout.sync_weights(self.state.global_steps)
+        return self.state.global_steps
 
     # ------------------------------------------------------------------ helpers
     def _train_batches(self) -> Iterator[DataProto]:

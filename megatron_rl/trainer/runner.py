@@ -127,9 +127,10 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
             critic.init_model()
         trainer = RLTrainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
                             stop=stop)
+        start_step = trainer.resume()
         if is_logger:
             tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                                total_steps=trainer.total_steps, config=trainer.config_dict())
+                                total_steps=trainer.total_steps, initial_step=start_step, config=trainer.config_dict())
             trainer.tracking = tracking
         last = trainer.fit()
     finally:

@@ -39,9 +39,14 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    def __init__(self, path: Path) -> None:
+    """Appends one JSON record per step. Records after ``initial_step`` are dropped on open: they belong
+    to an earlier run (a fresh start) or to steps past the checkpoint a resumed run restarts from."""
+
+    def __init__(self, path: Path, initial_step: int) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(path) if r["step"] <= initial_step] if path.exists() else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.file = path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -110,7 +115,7 @@ class Tracking:
             if backend == "console":
                 self.sinks.append(ConsoleSink(total_steps, initial_step))
             elif backend == "jsonl":
-                self.sinks.append(JsonlSink(self.metrics_path))
+                self.sinks.append(JsonlSink(self.metrics_path, initial_step))
             elif backend == "tensorboard":
                 self.sinks.append(TensorBoardSink(self.tensorboard_dir))
             elif backend == "wandb":

@@ -77,8 +77,8 @@ class ActorRolloutRefWorker(Worker):
                                             **self._token_ids(), **engine_kwargs)
         self.syncer = WeightSyncer(arr.rollout.weight_sync, self.rollout, probe_prompts=self._probe_prompts(),
                                    trainer_log_prob_fn=self._trainer_log_probs)
-        # The engine starts from random weights: the first sync makes it serve the actor's.
-        self.sync_weights()
+        # The engine starts from random weights: the first sync (version 0, verified) makes it serve the actor's.
+        self.sync_weights(0)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -93,11 +93,12 @@ class ActorRolloutRefWorker(Worker):
                 self.rollout.sleep()
 
     @register(Dispatch.RANK_ZERO)
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
         """Push the actor's current weights into this rank's engine (every rank takes part in the export);
-        the driver gets rank 0's metrics. The engine stays awake: generation comes next."""
+        the driver gets rank 0's metrics. The engine stays awake: generation comes next. ``version`` is
+        the training step the weights come from; every sample generated with them carries it."""
         self.rollout.wake_up()
-        return self.syncer.sync(self.actor.named_hf_weights())
+        return self.syncer.sync(self.actor.named_hf_weights(), version=version)
 
     # ------------------------------------------------------------------ actor / reference
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
@@ -171,8 +172,7 @@ class CriticWorker(Worker):
         cfg = self.config
         critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
         setup_parallel_state(critic_cfg.megatron)
-        model_dir = critic_cfg.model.path if critic_cfg.model.path != "???" else cfg.actor_rollout_ref.model.path
-        engine = MegatronEngine(model_dir, critic_cfg.megatron, critic_cfg.optim, value_head=True,
+        engine = MegatronEngine(critic_cfg.model.path, critic_cfg.megatron, critic_cfg.optim, value_head=True,
                                 value_head_init=critic_cfg.value_head_init, name="critic")
         self.critic = CriticRole(engine, critic_cfg, rollout_n=cfg.actor_rollout_ref.rollout.n,
                                  ppo_mini_batch_size=critic_cfg.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size,

@@ -1,0 +1,59 @@
+"""Helpers of the end-to-end tests: the tiny config, metric comparison, running a module."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_rl.config import load_config
+from megatron_rl.trainer.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+# Wall-clock and throughput numbers differ between runs by nature; everything else must not.
+NONDETERMINISTIC_PREFIXES = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/GBps")
+
+
+def tiny_overrides(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """The demo preset on the shared assets, shortened for tests."""
+    return [
+        "+experiment=grpo_tiny_cpu",
+        f"data.train_files=[{assets['train']}]",
+        f"data.val_files=[{assets['val']}]",
+        f"actor_rollout_ref.model.path={assets['model']}",
+        f"trainer.default_local_dir={out}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.logger=[jsonl]",
+        "trainer.save_hf_at_end=false",
+        *extra,
+    ]
+
+
+def tiny_config(assets: dict[str, Path], out: Path, *extra: str):
+    return load_config(overrides=tiny_overrides(assets, out, *extra))
+
+
+def train_steps(metrics_path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(metrics_path)}
+
+
+def comparable(record: dict) -> dict[str, float]:
+    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC_PREFIXES) and k != "step"}
+
+
+def assert_finite(record: dict) -> None:
+    bad = {k: v for k, v in record.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
+    assert not bad, f"non-finite metrics: {bad}"
+
+
+def run_module(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
