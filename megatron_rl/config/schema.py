@@ -248,6 +248,15 @@ class RayInitConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Facts for the dry-run planner (megatron_rl/plan, docs/launching.md)."""
+
+    gpu_memory_gib: float = 79.6  # H100-80GB as nvidia-smi reports it (81559 MiB)
+    reserved_gib: float = 4.0  # CUDA context, NCCL buffers, fragmentation
+    architecture: dict[str, Any] = field(default_factory=dict)  # config.json fields; used when model.path has none
+
+
+@dataclass
 class PPOTrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -256,6 +265,7 @@ class PPOTrainerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 SCHEMA_NAME = "ppo_trainer_schema"

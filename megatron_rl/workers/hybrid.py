@@ -9,6 +9,7 @@ Megatron shard of the actor; after every update the actor's weights are exported
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -18,6 +19,11 @@ from megatron_rl.controller import Dispatch, Worker, register
 from megatron_rl.protocol import DataProto
 
 logger = logging.getLogger(__name__)
+
+# Megatron-Core warns on import, in every process, that Apex / Transformer Engine are absent and it uses
+# its torch fallbacks: expected on CPU machines (docs/models.md), and noise that buries the training log.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
 
 
 def _as_config(config: dict[str, Any] | DictConfig) -> DictConfig:
