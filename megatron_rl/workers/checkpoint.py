@@ -1,0 +1,208 @@
+"""Distributed checkpoints of one engine with ``megatron.core.dist_checkpointing``.
+
+A checkpoint directory holds the model (every chunk), the optimizer (moments and fp32 master
+weights, mapped onto the model's global tensor keys), the LR scheduler, each rank's RNG state and a
+caller's ``extra`` dict (step, data-loader position, counters). Tensors are stored by global key and
+offset, so a checkpoint saved at one TP/PP layout loads at another; the RNG states then do not apply
+(they belong to ranks that no longer exist) and are skipped with a warning.
+
+Writes go to ``<path>.tmp`` and are renamed to ``<path>`` only when every rank has finished: a crash
+mid-save leaves the previous checkpoint at ``<path>`` (if any) intact. All ranks must see the same
+filesystem (as Megatron requires) and call these functions together.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_rl.workers.engine import MegatronEngine
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = "megatron_rl_checkpoint.json"
+FORMAT_VERSION = 1
+# The reshardable layout of Megatron's distributed optimizer state (plain optimizers ignore it).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """One RNG state per (pp, tp, dp) rank."""
+    layout = _layout()
+    return ShardedObject(
+        "rng_state",
+        _rng_state(),
+        (layout["pp"], layout["tp"], layout["dp"]),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+def _sharded_state(engine: MegatronEngine, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+    from megatron_rl.models.layout import unwrap
+
+    state: dict[str, Any] = {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)}
+    if with_optimizer:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
+        state["scheduler"] = engine.scheduler.state_dict()
+    return state
+
+
+def _on_rank_zero(fn, *args) -> None:
+    """Run a filesystem change on global rank 0 only, with every rank waiting for it."""
+    if dist.get_rank() == 0:
+        fn(*args)
+    dist.barrier()
+
+
+def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
+    """Write ``engine``'s checkpoint to ``path`` (collective over all ranks).
+
+    A trainable engine saves model, optimizer and scheduler; a frozen one the model. ``extra``
+    (picklable, the same on every rank) is saved once and returned by ``load_checkpoint``.
+    """
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+
+    def fresh_tmp() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    _on_rank_zero(fresh_tmp)
+    state = _sharded_state(engine, with_optimizer=engine.trainable, is_loading=False)
+    state["rng"] = _rng_sharded_object()
+    state["extra"] = dict(extra or {})
+    dist_checkpointing.save(state, str(tmp))
+
+    def publish() -> None:
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "role": engine.name,
+            "layout": _layout(),
+            "has_optimizer": engine.trainable,
+            "value_head": engine.value_head,
+            "params_dtype": str(engine.params_dtype).removeprefix("torch."),
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+
+    _on_rank_zero(publish)
+
+
+def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """What ``save_checkpoint`` recorded about the run that wrote ``path``."""
+    meta_path = Path(path) / METADATA_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete megatron-rl checkpoint (no {METADATA_FILE}); an interrupted save "
+            f"leaves only {Path(path).name}.tmp"
+        )
+    metadata = json.loads(meta_path.read_text())
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}")
+    return metadata
+
+
+def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+    """Restore ``engine`` from ``path`` (collective); returns the ``extra`` dict that was saved.
+
+    ``load_optimizer=False`` (or a frozen engine) restores the weights only. RNG states are
+    restored when the TP/PP/DP layout is the one that saved.
+    """
+    from megatron_rl.models.layout import unwrap
+
+    metadata = read_checkpoint_metadata(path)
+    if metadata["value_head"] != engine.value_head:
+        kinds = {True: "a critic (value head)", False: "a causal LM"}
+        raise ValueError(f"{path} holds {kinds[metadata['value_head']]} but the {engine.name} engine is {kinds[engine.value_head]}")
+    with_optimizer = load_optimizer and engine.trainable
+    if with_optimizer and not metadata["has_optimizer"]:
+        raise ValueError(f"{path} has no optimizer state (saved by a frozen {metadata['role']} engine); pass load_optimizer=False")
+
+    same_layout = metadata["layout"] == _layout()
+    if not same_layout:
+        logger.warning(
+            "%s: loading a checkpoint saved at layout %s into layout %s; RNG states are not restored",
+            engine.name, metadata["layout"], _layout(),
+        )
+    state = _sharded_state(engine, with_optimizer, is_loading=True)
+    state["extra"] = {}
+    if same_layout:
+        state["rng"] = _rng_sharded_object()
+    loaded = dist_checkpointing.load(state, str(path))
+
+    for index, chunk in enumerate(engine.model):
+        unwrap(chunk).load_state_dict(loaded[f"model{index}"], strict=True)
+    if with_optimizer:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+    elif engine.trainable:
+        engine.optimizer.reload_model_params()  # fp32 master weights follow the loaded weights
+    if same_layout:
+        _set_rng_state(loaded["rng"])
+    return dict(loaded["extra"])
+
+
+class CheckpointedRole:
+    """``save_checkpoint``/``load_checkpoint`` for a trained role holding ``engine`` and ``updates_done``."""
+
+    engine: MegatronEngine
+    updates_done: int
+    _ROLE_STATE = "__role_state__"
+
+    def save_checkpoint(self, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
+        """Model, optimizer, LR schedule, RNG, the role's update count and ``extra`` (collective)."""
+        save_checkpoint(self.engine, path, {**(extra or {}), self._ROLE_STATE: {"updates_done": self.updates_done}})
+
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+        """Restore from ``path`` (any TP/PP layout); returns the ``extra`` given to save_checkpoint."""
+        extra = load_checkpoint(self.engine, path, load_optimizer)
+        self.updates_done = extra.pop(self._ROLE_STATE)["updates_done"]
+        return extra

@@ -1,0 +1,305 @@
+"""MegatronEngine: one role's model chunks, DDP wrapper, optimizer and LR schedule, and the pipeline run.
+
+Constructed on every rank after ``torch.distributed`` and Megatron's parallel state are initialised
+(``megatron_rl.distributed.init_model_parallel``); the model comes from an HF directory through
+``megatron_rl.models``. A trainable engine (``optim`` given) wraps each chunk in Megatron's
+``DistributedDataParallel`` and builds Megatron's optimizer; a frozen one (the reference) keeps
+bare chunks without gradients.
+
+Loss normalisation: each micro-batch's loss is already its share of the mini-batch objective
+(divided by the mini-batch's global token/sequence count, see ``algos.GlobalBatchInfo``). So the
+engine turns off every Megatron rescaling: ``calculate_per_token_loss`` keeps the schedule from
+dividing by the number of micro-batches and makes DDP *sum* gradients over data-parallel ranks, and
+``finalize_model_grads`` runs without a token count. The gradient is then that of the global
+mini-batch loss, however the mini-batch was split over micro-batches and ranks.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_rl.workers.lr_schedule import build_lr_scheduler
+from megatron_rl.workers.optimizer_device import optimizer_device_scope
+from megatron_rl.workers.packing import PackedMicroBatch
+
+logger = logging.getLogger(__name__)
+
+# (model output on the last stage, micro-batch) -> (loss, data kept for the caller)
+StepFn = Callable[[torch.Tensor, PackedMicroBatch], tuple[torch.Tensor, Any]]
+
+PARAMS_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def resolve_params_dtype(name: str, prefix: str) -> torch.dtype:
+    """``auto``: bf16 with CUDA (fp32 master weights in the optimizer), fp32 on CPU."""
+    if name not in PARAMS_DTYPES:
+        raise ValueError(f"{prefix}.params_dtype={name!r} is unknown; known: {sorted(PARAMS_DTYPES)}")
+    dtype = PARAMS_DTYPES[name]
+    if dtype is None:
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return dtype
+
+
+def check_parallel_state(parallel: Any, prefix: str) -> None:
+    """The role's TP/PP/VPP/CP settings must be the ones Megatron's parallel state was set up with."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            f"Megatron's parallel state is not initialised: call megatron_rl.distributed.init_model_parallel("
+            f"tp={parallel.tensor_model_parallel_size}, pp={parallel.pipeline_model_parallel_size}) before building the {prefix} engine"
+        )
+    actual = {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+    }
+    for key, value in actual.items():
+        wanted = getattr(parallel, key)
+        if wanted != value:
+            raise ValueError(f"{prefix}.{key}={wanted} but Megatron's parallel state was initialised with {value}")
+    for key in ("param_offload", "optimizer_offload"):
+        if getattr(parallel, key):
+            raise ValueError(f"{prefix}.{key}=true is not supported yet (see docs/workers.md, 'Offload')")
+
+
+def _finalize_grads_unscaled(model, num_tokens, pg_collection=None, force_all_reduce=False):
+    """Megatron's grad finalisation (DP reduction, tied embeddings) without dividing by a token count."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+class MegatronEngine:
+    """Model chunks (one per virtual pipeline stage) with optional DDP + optimizer + LR schedule.
+
+    Args:
+        model_dir: HF checkpoint directory (config.json + safetensors).
+        parallel: ``MegatronParallelConfig`` (must match the initialised parallel state).
+        optim: ``OptimConfig`` for a trainable role; None builds a frozen model (no grads, no optimizer).
+        value_head: build the critic (a scalar head instead of the vocabulary projection).
+        value_head_init: ``zero`` | ``normal`` (used when the checkpoint has no value head).
+        name: config prefix used in error messages, e.g. ``actor_rollout_ref.actor``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        parallel: Any,
+        optim: Optional[Any] = None,
+        *,
+        value_head: bool = False,
+        value_head_init: str = "normal",
+        name: str = "actor",
+    ) -> None:
+        from megatron_rl.models import build_gpt_model, load_hf_config, load_hf_weights
+
+        self.name = name
+        check_parallel_state(parallel, f"{name}.megatron")
+        self.params_dtype = resolve_params_dtype(parallel.params_dtype, f"{name}.megatron")
+        # init_weights=True although the weights are loaded next: Megatron marks tensor-parallel
+        # parameters (``tensor_model_parallel``, read by the grad-norm and clipping) only while it
+        # initialises them; without it the gradient norm under TP>1 misses half the shards.
+        chunks = build_gpt_model(
+            load_hf_config(model_dir), value_head=value_head, value_head_init=value_head_init,
+            params_dtype=self.params_dtype, init_weights=True,
+        )
+        load_hf_weights(chunks, model_dir)
+        self.hf_config = chunks[0].hf_config
+        self.config = chunks[0].config
+        self.value_head = value_head
+        self.optimizer = None
+        self.scheduler = None
+        self.optim_config = optim
+        if optim is None:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.model: list[torch.nn.Module] = chunks
+        else:
+            self.model = self._wrap_ddp(chunks, parallel)
+            self.optimizer = self._build_optimizer(optim, parallel)
+            self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")
+
+    # ------------------------------------------------------------------ construction
+    def _use_distributed_optimizer(self, parallel: Any) -> bool:
+        from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+        if parallel.use_distributed_optimizer and not HAVE_APEX_OR_TE:
+            # Without TE/Apex, megatron-core 0.16.1 cannot load a reshardable distributed-optimizer
+            # checkpoint before the first step (state 'step' missing); the plain optimizer can.
+            logger.warning(
+                "%s.megatron.use_distributed_optimizer=true ignored: Transformer Engine / Apex are not "
+                "installed; using the non-sharded optimizer", self.name
+            )
+            return False
+        return parallel.use_distributed_optimizer
+
+    def _wrap_ddp(self, chunks: list[torch.nn.Module], parallel: Any) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.use_distributed_optimizer = self._use_distributed_optimizer(parallel)
+        # Set before DDP reads it: sum (not average) gradients over DP; see the module docstring.
+        self.config.calculate_per_token_loss = True
+        self.config.finalize_model_grads_func = _finalize_grads_unscaled
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            check_for_nan_in_grad=True,  # fail loudly before a NaN reaches the weights
+        )
+        model = [
+            DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        no_sync = [chunk.no_sync for chunk in model]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        return model
+
+    def _build_optimizer(self, optim: Any, parallel: Any) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if len(optim.betas) != 2:
+            raise ValueError(f"{self.name}.optim.betas must have two values, got {list(optim.betas)}")
+        config = OptimizerConfig(
+            optimizer="adam",  # decoupled weight decay: AdamW
+            lr=optim.lr,
+            min_lr=optim.lr * optim.min_lr_ratio,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1],
+            clip_grad=optim.clip_grad,
+            bf16=self.params_dtype == torch.bfloat16,
+            params_dtype=self.params_dtype,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+        )
+        with optimizer_device_scope():
+            return get_megatron_optimizer(config, self.model)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def uniform_micro_batch_shape(self) -> bool:
+        """Megatron-core 0.16.1's interleaved (VPP) training schedule fails on micro-batches of
+        different shapes (measured: activations of mismatched widths, broken p2p with different
+        row counts), so with VPP every micro-batch is padded to one rectangle."""
+        return len(self.model) > 1
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_tensor_model_parallel_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return parallel_state.is_pipeline_last_stage()
+
+    def mesh_kwargs(self) -> dict[str, int]:
+        """This rank's coordinates, as ``controller.Worker.set_mesh(**engine.mesh_kwargs())`` takes them."""
+        return dict(
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            cp_rank=parallel_state.get_context_parallel_rank(),
+        )
+
+    # ------------------------------------------------------------------ running
+    def run(self, micro_batches: Sequence[PackedMicroBatch], step_fn: StepFn, *, forward_only: bool) -> list[Any]:
+        """Run the micro-batches through the pipeline schedule (any PP/VPP, PP=1 included).
+
+        ``step_fn(output, micro_batch)`` runs on the last stage and returns (loss, data); with
+        ``forward_only=False`` the loss is back-propagated and gradients accumulate in the DDP
+        buffers (call ``zero_grad`` before and ``optimizer_step`` after). Returns the ``data`` of
+        every micro-batch, in order, on the last pipeline stage and [] elsewhere.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_rl.models import causal_padding_mask
+
+        if not forward_only and not self.trainable:
+            raise RuntimeError(f"{self.name}: a frozen engine (no optim config) cannot run a backward pass")
+
+        def loss_func(micro_batch: PackedMicroBatch, output: torch.Tensor):
+            loss, data = step_fn(output, micro_batch)
+            # Three values + calculate_per_token_loss: Megatron back-propagates the loss as is.
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), data
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            output = model(micro_batch.input_ids, micro_batch.position_ids, causal_padding_mask(micro_batch.attention_mask))
+            return output, functools.partial(loss_func, micro_batch)
+
+        for chunk in self.model:
+            chunk.train(not forward_only)
+        iterators = [iter(micro_batches) for _ in self.model]
+        with torch.set_grad_enabled(not forward_only):
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
+
+    def zero_grad(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip, step; returns the gradient norm (over all parameters, before clipping)."""
+        with optimizer_device_scope():
+            success, grad_norm, _ = self.optimizer.step()
+            if not success:
+                raise RuntimeError(f"{self.name}: the optimizer skipped the step (inf/NaN gradients)")
+            if self.optim_config.clip_grad <= 0:  # Megatron computes the norm only when it clips
+                grad_norm = self.optimizer.get_grad_norm()
+        return float(grad_norm)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def scheduler_step(self) -> None:
+        self.scheduler.step(1)
+
+    # ------------------------------------------------------------------ pipeline communication
+    def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The last stage's ``tensor`` on every rank of this pipeline (others pass None)."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
+        dist.broadcast(
+            tensor,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return tensor
+
+    def broadcast_object_from_last_stage(self, obj: Any) -> Any:
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(
+            holder,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return holder[0]
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,107 @@
+"""Per-response-token outputs of the model: log-probs (+ entropy) and values, and forward-only passes.
+
+Log-probs come from the vocabulary-parallel logits through ``ops.log_probs_from_logits`` with
+Megatron's TP group: only the N real response positions are selected ([N, V/tp]), and no rank
+ever builds a full-vocabulary softmax. Padded vocabulary columns are excluded.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_rl.ops import log_probs_from_logits
+from megatron_rl.protocol import DataProto
+from megatron_rl.workers.engine import MegatronEngine
+from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
+from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts
+
+# (model output, micro-batch) -> {name: [b, R] tensor}
+PerTokenFn = Callable[[torch.Tensor, PackedMicroBatch], dict[str, torch.Tensor]]
+
+
+def pack_batch(
+    engine: MegatronEngine, data: DataProto, spec: MicroBatchSpec, field_keys: Sequence[str], budget_name: str
+) -> list[PackedMicroBatch]:
+    """``data`` cut into packed micro-batches on the engine's device."""
+    keys = ("input_ids", "attention_mask", "responses", *field_keys)
+    batch = {key: data.batch[key].to(engine.device) for key in dict.fromkeys(keys)}
+    lengths = real_token_counts(batch)
+    row_groups = split_micro_batches(lengths, spec, budget_name)
+    # One rectangle for all micro-batches where the schedule needs it (see MegatronEngine).
+    shape = (max(map(len, row_groups)), max(max(lengths), 1)) if engine.uniform_micro_batch_shape else None
+    return [
+        pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
+        for rows in row_groups
+    ]
+
+
+def response_log_probs(
+    engine: MegatronEngine,
+    logits: torch.Tensor,
+    micro_batch: PackedMicroBatch,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[b, R] log-probs of the response tokens (and entropies) from [b, W, V/tp] logits."""
+    result = log_probs_from_logits(
+        micro_batch.select_predictors(logits),
+        micro_batch.labels,
+        tp_group=engine.tp_group,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        vocab_size=engine.hf_config.vocab_size,
+    )
+    if with_entropy:
+        log_probs, entropy = result
+        return micro_batch.scatter(log_probs), micro_batch.scatter(entropy)
+    return micro_batch.scatter(result), None
+
+
+def response_values(values: torch.Tensor, micro_batch: PackedMicroBatch) -> torch.Tensor:
+    """[b, R] values of the states before each response token, from the value head's [b, W, 1]."""
+    return micro_batch.scatter(micro_batch.select_predictors(values).squeeze(-1).float())
+
+
+def forward_per_token(
+    engine: MegatronEngine,
+    data: DataProto,
+    spec: MicroBatchSpec,
+    per_token: PerTokenFn,
+    names: Sequence[str],
+    budget_name: str,
+) -> dict[str, torch.Tensor]:
+    """Forward-only pass over ``data``; returns {name: [B, R] fp32} on every rank of the pipeline.
+
+    The last stage computes the values and broadcasts them along the pipeline, so any rank of a
+    data-parallel group can answer (the controller collects from the last stage).
+    """
+    micro_batches = pack_batch(engine, data, spec, (), budget_name)
+
+    def step(output: torch.Tensor, micro_batch: PackedMicroBatch):
+        return output.new_zeros((), dtype=torch.float32), per_token(output, micro_batch)
+
+    results = engine.run(micro_batches, step, forward_only=True)
+    shape = (len(data), data.batch["responses"].shape[1])
+    outputs = {}
+    for name in names:
+        full = None
+        if engine.is_last_stage:
+            full = torch.zeros(shape, dtype=torch.float32, device=engine.device)
+            for micro_batch, result in zip(micro_batches, results):
+                full[micro_batch.rows] = result[name].float()
+        outputs[name] = engine.broadcast_from_last_stage(full, shape, torch.float32).cpu()
+    return outputs
+
+
+def compute_log_probs(
+    engine: MegatronEngine, data: DataProto, spec: MicroBatchSpec, temperature: float, with_entropy: bool, budget_name: str
+) -> dict[str, torch.Tensor]:
+    """{"log_probs": [B, R], "entropy": [B, R] when asked} for the response tokens of ``data``."""
+
+    def per_token(logits: torch.Tensor, micro_batch: PackedMicroBatch) -> dict[str, torch.Tensor]:
+        log_probs, entropy = response_log_probs(engine, logits, micro_batch, temperature, with_entropy)
+        return {"log_probs": log_probs} | ({"entropy": entropy} if with_entropy else {})
+
+    names = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+    return forward_per_token(engine, data, spec, per_token, names, budget_name)

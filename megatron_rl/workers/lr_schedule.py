@@ -1,0 +1,55 @@
+"""Learning-rate schedule from ``OptimConfig``, on Megatron's ``OptimizerParamScheduler``.
+
+Units are trainer steps: the scheduler advances once per ``update_actor``/``update_critic`` call (as
+verl's Megatron workers do), whatever the number of mini-batches in it.
+
+* ``constant``: linear warm-up from 0 over ``lr_warmup_steps``, then ``lr``.
+* ``cosine``: the same warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``total_training_steps``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+LR_SCHEDULERS = ("constant", "cosine")
+
+
+def check_optim_config(optim: Any, prefix: str) -> None:
+    """Raise ValueError naming ``<prefix>.<key>`` for settings the schedule cannot follow."""
+    if optim.lr_scheduler not in LR_SCHEDULERS:
+        raise ValueError(f"{prefix}.lr_scheduler={optim.lr_scheduler!r} is unknown; known: {list(LR_SCHEDULERS)}")
+    if not optim.lr > 0:
+        raise ValueError(f"{prefix}.lr must be > 0, got {optim.lr}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ValueError(f"{prefix}.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    if optim.lr_warmup_steps < 0:
+        raise ValueError(f"{prefix}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
+    if optim.lr_scheduler == "cosine" and optim.total_training_steps <= optim.lr_warmup_steps:
+        raise ValueError(
+            f"{prefix}.lr_scheduler=cosine needs {prefix}.total_training_steps > lr_warmup_steps; got "
+            f"total_training_steps={optim.total_training_steps}, lr_warmup_steps={optim.lr_warmup_steps} "
+            "(-1 means the trainer did not fill it in)"
+        )
+
+
+def build_lr_scheduler(optimizer: Any, optim: Any, prefix: str) -> Any:
+    """An ``OptimizerParamScheduler`` driving ``optimizer``'s learning rate and weight decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    check_optim_config(optim, prefix)
+    warmup = optim.lr_warmup_steps
+    # Megatron needs decay steps > warm-up steps even for a constant schedule, which never decays.
+    decay_steps = optim.total_training_steps if optim.lr_scheduler == "cosine" else warmup + 1
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_scheduler,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+    )

@@ -1,0 +1,56 @@
+"""Training metrics that do not depend on how a mini-batch was split over micro-batches and ranks.
+
+A micro-batch reports two kinds of numbers:
+* ``totals``: its share of a mini-batch quantity that is already divided by the mini-batch's global
+  count (the loss terms); the mini-batch value is the sum over micro-batches and DP ranks;
+* ``token_means``: masked means over its own tokens (clip fractions, KL); the mini-batch value is
+  their token-weighted mean.
+The reduced metrics are identical on every rank (broadcast along the pipeline, all-reduced over DP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.workers.engine import MegatronEngine
+
+_TOKENS = "__num_tokens__"
+
+
+@dataclass
+class StepMetrics:
+    num_tokens: float
+    totals: dict[str, float] = field(default_factory=dict)
+    token_means: dict[str, float] = field(default_factory=dict)
+
+
+def reduce_mini_batch(engine: MegatronEngine, per_micro: Sequence[StepMetrics]) -> dict[str, float]:
+    """The mini-batch's metrics from its micro-batches' (present on the last pipeline stage)."""
+    local = None
+    if engine.is_last_stage:
+        local = {_TOKENS: sum(m.num_tokens for m in per_micro)}
+        for m in per_micro:
+            for name, value in m.totals.items():
+                local[name] = local.get(name, 0.0) + float(value)
+            for name, value in m.token_means.items():
+                local[name] = local.get(name, 0.0) + float(value) * m.num_tokens
+        token_mean_names = {name for m in per_micro for name in m.token_means}
+        local = (local, token_mean_names)
+    local, token_mean_names = engine.broadcast_object_from_last_stage(local)
+    names = sorted(local)
+    values = torch.tensor([local[name] for name in names], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(values, group=engine.dp_group)
+    reduced = dict(zip(names, values.tolist()))
+    tokens = max(reduced.pop(_TOKENS), 1.0)
+    return {name: value / tokens if name in token_mean_names else value for name, value in reduced.items()}
+
+
+def mean_over_steps(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the optimizer steps of an update call (verl reports the mean)."""
+    if not steps:
+        return {}
+    names = sorted({name for step in steps for name in step})
+    return {name: sum(step[name] for step in steps if name in step) / sum(name in step for step in steps) for name in names}

@@ -1,0 +1,30 @@
+"""Run Megatron's optimizer on CPU when the CPU compatibility layer is active.
+
+Measured with megatron-core 0.16.1 and CPU torch, outside what ``megatron_rl.distributed.cpu_compat``
+covers: the optimizer wrappers allocate ``torch.tensor(..., device="cuda")`` (loss scale, norm
+buffers) and ``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == "torch.cuda.FloatTensor"``.
+``optimizer_device_scope()`` redirects both while the optimizer is built or stepped; with CUDA it is
+a no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+from megatron_rl.distributed.cpu_compat import CudaToCpuMode, cpu_compat_installed
+
+
+class _OptimizerCpuMode(CudaToCpuMode):
+    """CUDA device arguments go to CPU, and a CPU tensor's ``.type()`` answers with the CUDA name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = args[0].type()  # modes are disabled inside their own handler: no recursion
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def optimizer_device_scope() -> ContextManager:
+    return _OptimizerCpuMode() if cpu_compat_installed() else contextlib.nullcontext()

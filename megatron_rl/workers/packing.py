@@ -1,0 +1,102 @@
+"""One micro-batch as the model sees it: padding removed, and where each response token's output is.
+
+Prompts are left-padded and responses right-padded, so a [b, P+R] batch can be mostly padding.
+``pack_micro_batch`` moves each row's real tokens to the left (keeping their order) and cuts the
+rectangle at the longest row: the model computes ``b x max(real tokens)`` positions. The model's
+RoPE follows token order and pads are masked, so the real tokens' outputs are unchanged.
+
+Response token t of a row (original column P+t) is predicted by the output at the real token just
+before it; ``token_rows``/``predictor_cols`` select those outputs as an [N, ...] tensor for the N
+real response tokens, and ``scatter`` writes per-token results back into the [b, R] response layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PackedMicroBatch:
+    rows: torch.Tensor  # [b] indices of these rows in the role's batch
+    input_ids: torch.Tensor  # [b', W] real tokens first; b' >= b when padded with empty rows
+    attention_mask: torch.Tensor  # [b', W] bool, True = real token
+    token_rows: torch.Tensor  # [N] micro-batch row of each real response token
+    token_cols: torch.Tensor  # [N] its response column t (0..R-1)
+    predictor_cols: torch.Tensor  # [N] packed column whose output predicts it
+    labels: torch.Tensor  # [N] the response token ids
+    response_len: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [b, R] inputs of the loss
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Positions of the packed tokens: 0.. per row (= cumsum(attention_mask) - 1 of the original)."""
+        return torch.arange(self.input_ids.shape[1], device=self.input_ids.device).expand_as(self.input_ids)
+
+    def select_predictors(self, output: torch.Tensor) -> torch.Tensor:
+        """[b', W, ...] model output -> [N, ...] at the positions that predict the response tokens."""
+        return output[self.token_rows, self.predictor_cols]
+
+    def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[N] per-token values -> [b, R], 0 where the response is padding (differentiable)."""
+        out = per_token.new_zeros(self.num_rows, self.response_len)
+        return out.index_put((self.token_rows, self.token_cols), per_token)
+
+
+def pack_micro_batch(
+    batch: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    field_keys: tuple[str, ...] = (),
+    shape: Optional[tuple[int, int]] = None,
+) -> PackedMicroBatch:
+    """Pack ``rows`` of ``batch`` (input_ids, attention_mask, responses; see batch_checks.py).
+
+    ``field_keys`` name the [B, R] tensors to carry along (sliced to these rows) for the loss.
+    ``shape`` = (rows, width) fixes the packed rectangle instead of (len(rows), longest row): extra
+    rows are empty (all padding, no response token, so they add nothing to any output or loss).
+    """
+    ids = batch["input_ids"][rows]
+    real = batch["attention_mask"][rows].bool()
+    responses = batch["responses"][rows]
+    seq_len, response_len = ids.shape[1], responses.shape[1]
+    prompt_len = seq_len - response_len
+
+    longest = max(int(real.sum(dim=1).max()), 1)
+    num_rows, width = shape if shape is not None else (len(rows), longest)
+    if width < longest or num_rows < len(rows):
+        raise ValueError(
+            f"pack_micro_batch: shape {shape} cannot hold {len(rows)} rows of up to {longest} real tokens"
+        )
+    # Stable sort on "is padding" puts each row's real tokens first, in their original order.
+    order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    packed_real = torch.zeros(num_rows, width, dtype=torch.bool, device=ids.device)
+    packed_real[: len(rows), : order.shape[1]] = real.gather(1, order)
+    packed_ids = torch.zeros(num_rows, width, dtype=ids.dtype, device=ids.device)
+    packed_ids[: len(rows), : order.shape[1]] = ids.gather(1, order)
+
+    # The packed column of original column c is (real tokens up to and including c) - 1.
+    packed_col = real.long().cumsum(dim=1) - 1
+    response_real = real[:, prompt_len:]
+    token_rows, token_cols = response_real.nonzero(as_tuple=True)
+    predictor_cols = packed_col[:, prompt_len:][token_rows, token_cols] - 1
+    return PackedMicroBatch(
+        rows=rows,
+        input_ids=packed_ids.masked_fill(~packed_real, 0),
+        attention_mask=packed_real,
+        token_rows=token_rows,
+        token_cols=token_cols,
+        predictor_cols=predictor_cols,
+        labels=responses[token_rows, token_cols],
+        response_len=response_len,
+        fields={key: batch[key][rows] for key in field_keys},
+    )
+
+
+def real_token_counts(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Real tokens per row: the length that packing leaves and the token budget counts."""
+    return batch["attention_mask"].bool().sum(dim=1).tolist()

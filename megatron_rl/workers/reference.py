@@ -1,0 +1,44 @@
+"""ReferenceRole: log-probs of the responses under the reference policy (the actor's initial weights).
+
+Give it a frozen ``MegatronEngine`` built from the actor's HF checkpoint (no optim config: no
+gradients, no optimizer memory). When no KL term is used nobody asks for reference log-probs, so no
+reference model needs to exist; an engine shared with the actor is accepted but then answers with
+the actor's *current* weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.controller import Dispatch, register
+from megatron_rl.protocol import DataProto
+from megatron_rl.workers.batch_checks import check_batch, read_temperature
+from megatron_rl.workers.engine import MegatronEngine
+from megatron_rl.workers.forward import compute_log_probs
+from megatron_rl.workers.micro_batches import MicroBatchSpec
+
+
+class ReferenceRole:
+    """Args:
+        engine: usually a frozen ``MegatronEngine`` (``optim=None``) of the actor's initial checkpoint.
+        config: ``RefConfig`` (``actor_rollout_ref.ref``): log-prob micro-batching.
+    """
+
+    prefix = "actor_rollout_ref.ref"
+
+    def __init__(self, engine: MegatronEngine, config: Any) -> None:
+        if engine.value_head:
+            raise ValueError("ReferenceRole needs a causal-LM engine, got a value-head (critic) engine")
+        self.engine = engine
+        self.spec = MicroBatchSpec(
+            config.log_prob_micro_batch_size_per_gpu, config.log_prob_use_dynamic_bsz, config.log_prob_max_token_len_per_gpu
+        )
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """{"ref_log_prob": [B, R] fp32} for the response tokens (0 on response padding)."""
+        check_batch(data, (), "compute_ref_log_prob")
+        temperature = read_temperature(data, "compute_ref_log_prob")
+        out = compute_log_probs(
+            self.engine, data, self.spec, temperature, False, f"{self.prefix}.log_prob_max_token_len_per_gpu"
+        )
+        return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
