@@ -128,8 +128,7 @@ class RLTrainer:
         # temperature travels with the batch: log-probs must be computed at the sampling temperature.
         batch.meta_info.update(global_steps=step, seed=rollout.seed + step, temperature=rollout.temperature)
 
-        with timer("gen"):
-            batch = self.generate_and_score(batch, step, metrics)
+        batch = self.generate_and_score(batch, step, metrics, timer)
         if self.cfg.algorithm.filter_groups.enable:
             batch = self.fill_with_informative_groups(batch, step, metrics, timer)
 
@@ -164,15 +163,19 @@ class RLTrainer:
         self._last_batch = batch
         return metrics
 
-    def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
+    def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
+                           timer: StageTimer) -> DataProto:
         """Rollout n responses per prompt and score them: the first half of the lifeline."""
         batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
         gen = batch.pop_for_generation()
-        out = self.actor_rollout.generate_sequences(gen.repeat(self.n, interleave=True))
+        with timer("gen"):
+            out = self.actor_rollout.generate_sequences(gen.repeat(self.n, interleave=True))
         if self.cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
-            batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
+            with timer("gen_max"):
+                batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
         batch = batch.repeat(self.n, interleave=True).union(out)  # response_mask comes with `out`
-        scores = self.reward_fn(batch)
+        with timer("reward"):
+            scores = self.reward_fn(batch)
         metrics |= scores.meta_info.pop("reward_metrics", {})
         return batch.union(scores)  # token_level_scores at the last valid token
 
@@ -187,9 +190,8 @@ class RLTrainer:
             more = next(self._batch_iter, None)
             if more is None:
                 break
-            with timer("gen"):
-                more.meta_info.update(batch.meta_info)
-                more = self.generate_and_score(more, step * 1000 + generations, metrics)
+            more.meta_info.update(batch.meta_info)
+            more = self.generate_and_score(more, step * 1000 + generations, metrics, timer)
             more_kept, more_dropped = filter_zero_variance_groups(more, metric=self.cfg.algorithm.filter_groups.metric)
             kept = DataProto.concat([kept, more_kept]) if len(kept) else more_kept
             total_dropped += more_dropped
