@@ -21,8 +21,8 @@ class _OptimizerCpuMode(CudaToCpuMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = args[0].type()  # modes are disabled inside their own handler: no recursion
-            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+            name = args[0].type()  # this mode is off inside its own handler: no recursion
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         return super().__torch_function__(func, types, args, kwargs)
 
 

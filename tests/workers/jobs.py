@@ -211,5 +211,31 @@ def resume_job(model_dir: str, workdir: str) -> dict[str, Any]:
     out["resume/extra"] = resumed.load_checkpoint(f"{workdir}/resume_ckpt")
     out["resume/step2_metrics"] = update(resumed, training_batch(seed=5))
     out["resume/step2_weights"] = weights(resumed)
+
+    # A save that dies half-way leaves the checkpoint already at that path loadable and unchanged.
+    out["crash/error"] = crash_during_save(resumed, f"{workdir}/resume_ckpt")
+    reloaded = make_actor(model_dir, actor_config())
+    reloaded.load_checkpoint(f"{workdir}/resume_ckpt")
+    out["crash/metrics_after_reload"] = update(reloaded, training_batch(seed=5))
     destroy_model_parallel()
     return out
+
+
+def crash_during_save(role, path: str) -> str:
+    """Save over ``path`` with the tensor write failing after the temporary directory was filled."""
+    from megatron.core import dist_checkpointing
+
+    original = dist_checkpointing.save
+
+    def write_then_die(state, directory, **kwargs):
+        original(state, directory, **kwargs)
+        raise OSError("disk full (simulated)")
+
+    dist_checkpointing.save = write_then_die
+    try:
+        role.save_checkpoint(path)
+    except OSError as err:
+        return str(err)
+    finally:
+        dist_checkpointing.save = original
+    return "no error raised"

@@ -205,6 +205,12 @@ def test_resume_gives_the_same_next_step(single, resumed):
     assert_same_weights(resumed["resume/step2_weights"], single["resume/step2_weights"], atol=0)
 
 
+def test_interrupted_save_leaves_the_previous_checkpoint(model_dirs, resumed):
+    assert resumed["crash/error"] == "disk full (simulated)"
+    assert Path(model_dirs[3], "resume_ckpt.tmp").is_dir()  # the partial write, never renamed
+    assert resumed["crash/metrics_after_reload"] == resumed["resume/step2_metrics"]
+
+
 # ------------------------------------------------------------------ errors
 def test_bad_batches_fail_naming_the_field(single):
     assert "missing ['advantages']" in single["error/missing"] and "update_actor" in single["error/missing"]
