@@ -11,6 +11,7 @@
 Names resolve lazily so that the Megatron-free modules (batch checks, micro-batching, packing) load
 without importing Megatron-Core.
 """
+
 from importlib import import_module
 from typing import Any
 
@@ -26,7 +27,7 @@ _EXPORTS = {
     "check_batch": "batch_checks",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

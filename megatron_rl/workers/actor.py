@@ -5,14 +5,22 @@ receives the whole DataProto shard of its data-parallel rank (the controller's
 MEGATRON_COMPUTE_PROTO dispatch, or the caller under torchrun). Results are the same on every rank
 of a data-parallel group (computed on the last pipeline stage, then broadcast along the pipeline).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from megatron_rl.algos import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, compute_kl_loss, get_policy_loss
+from megatron_rl.algos import (
+    GlobalBatchInfo,
+    PolicyLossConfig,
+    compute_entropy_loss,
+    compute_kl_loss,
+    get_policy_loss,
+)
 from megatron_rl.controller import Dispatch, register
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
@@ -25,24 +33,30 @@ from megatron_rl.workers.packing import PackedMicroBatch
 from megatron_rl.workers.update_loop import UpdateSchedule, train_mini_batch
 
 
-
 class ActorRole(CheckpointedRole):
     """Args:
-        engine: a trainable ``MegatronEngine`` (built with the actor's ``optim`` config).
-        config: ``ActorConfig`` (``actor_rollout_ref.actor``).
-        rollout_n: responses per prompt (``actor_rollout_ref.rollout.n``); mini-batches hold
-            ``ppo_mini_batch_size * rollout_n`` responses globally.
-        log_prob_micro_batch_size: rows per micro-batch of ``compute_log_prob`` without dynamic
-            batching (``rollout.log_prob_micro_batch_size_per_gpu``); default: the training one.
+    engine: a trainable ``MegatronEngine`` (built with the actor's ``optim`` config).
+    config: ``ActorConfig`` (``actor_rollout_ref.actor``).
+    rollout_n: responses per prompt (``actor_rollout_ref.rollout.n``); mini-batches hold
+        ``ppo_mini_batch_size * rollout_n`` responses globally.
+    log_prob_micro_batch_size: rows per micro-batch of ``compute_log_prob`` without dynamic
+        batching (``rollout.log_prob_micro_batch_size_per_gpu``); default: the training one.
     """
 
     prefix = "actor_rollout_ref.actor"
 
     def __init__(
-        self, engine: MegatronEngine, config: Any, *, rollout_n: int, log_prob_micro_batch_size: Optional[int] = None
+        self,
+        engine: MegatronEngine,
+        config: Any,
+        *,
+        rollout_n: int,
+        log_prob_micro_batch_size: int | None = None,
     ) -> None:
         if not engine.trainable:
-            raise ValueError("ActorRole needs a trainable MegatronEngine (built with the actor's optim config)")
+            raise ValueError(
+                "ActorRole needs a trainable MegatronEngine (built with the actor's optim config)"
+            )
         if engine.value_head:
             raise ValueError("ActorRole needs a causal-LM engine, got a value-head (critic) engine")
         self.engine = engine
@@ -50,7 +64,12 @@ class ActorRole(CheckpointedRole):
         self.policy_loss = get_policy_loss(config.policy_loss)
         self.loss_config = PolicyLossConfig.from_actor_config(config)
         self.schedule = UpdateSchedule.create(
-            self.prefix, config.ppo_mini_batch_size, rollout_n, config.ppo_epochs, config.shuffle, config.megatron.seed
+            self.prefix,
+            config.ppo_mini_batch_size,
+            rollout_n,
+            config.ppo_epochs,
+            config.shuffle,
+            config.megatron.seed,
         )
         self.train_spec = MicroBatchSpec(
             config.ppo_micro_batch_size_per_gpu, config.use_dynamic_bsz, config.ppo_max_token_len_per_gpu
@@ -69,7 +88,12 @@ class ActorRole(CheckpointedRole):
         check_batch(data, (), "compute_log_prob")
         temperature = read_temperature(data, "compute_log_prob")
         out = compute_log_probs(
-            self.engine, data, self.log_prob_spec, temperature, True, f"{self.prefix}.ppo_max_token_len_per_gpu"
+            self.engine,
+            data,
+            self.log_prob_spec,
+            temperature,
+            True,
+            f"{self.prefix}.ppo_max_token_len_per_gpu",
         )
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
 
@@ -83,20 +107,34 @@ class ActorRole(CheckpointedRole):
         return tuple(fields)
 
     def _policy_step(
-        self, global_batch: GlobalBatchInfo, temperature: float, logits: torch.Tensor, micro_batch: PackedMicroBatch
+        self,
+        global_batch: GlobalBatchInfo,
+        temperature: float,
+        logits: torch.Tensor,
+        micro_batch: PackedMicroBatch,
     ) -> tuple[torch.Tensor, StepMetrics]:
         cfg, fields = self.config, micro_batch.fields
         mask = fields["response_mask"]
-        log_probs, entropy = response_log_probs(self.engine, logits, micro_batch, temperature, with_entropy=True)
+        log_probs, entropy = response_log_probs(
+            self.engine, logits, micro_batch, temperature, with_entropy=True
+        )
         pg_loss, pg_metrics = self.policy_loss(
-            fields["old_log_probs"], log_probs, fields["advantages"], mask, cfg.loss_agg_mode, self.loss_config,
-            rollout_log_probs=fields.get("rollout_log_probs"), global_batch=global_batch,
+            fields["old_log_probs"],
+            log_probs,
+            fields["advantages"],
+            mask,
+            cfg.loss_agg_mode,
+            self.loss_config,
+            rollout_log_probs=fields.get("rollout_log_probs"),
+            global_batch=global_batch,
         )
         entropy_loss = compute_entropy_loss(entropy, mask, cfg.loss_agg_mode, global_batch)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss if cfg.entropy_coeff else pg_loss
         totals = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
         if cfg.use_kl_loss:
-            kl_loss = compute_kl_loss(log_probs, fields["ref_log_prob"], mask, cfg.kl_loss_type, cfg.loss_agg_mode, global_batch)
+            kl_loss = compute_kl_loss(
+                log_probs, fields["ref_log_prob"], mask, cfg.kl_loss_type, cfg.loss_agg_mode, global_batch
+            )
             loss = loss + cfg.kl_loss_coef * kl_loss
             totals["actor/kl_loss"] = kl_loss.item()
         return loss, StepMetrics(float(mask.sum()), totals, dict(pg_metrics))
@@ -115,7 +153,10 @@ class ActorRole(CheckpointedRole):
         steps = []
         for mini_batch in self.schedule.mini_batches(data, self.updates_done, "update_actor"):
             metrics, grad_norm = train_mini_batch(
-                self.engine, mini_batch, self.train_spec, fields,
+                self.engine,
+                mini_batch,
+                self.train_spec,
+                fields,
                 lambda global_batch: functools.partial(self._policy_step, global_batch, temperature),
                 f"{self.prefix}.ppo_max_token_len_per_gpu",
             )
@@ -128,7 +169,7 @@ class ActorRole(CheckpointedRole):
         return DataProto(meta_info={"metrics": metrics})
 
     # ------------------------------------------------------------------ weights
-    def named_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, on every rank; a collective over the model-parallel
         group that every rank must consume to the end (``models.export_hf_weights``)."""
         from megatron_rl.models import export_hf_weights

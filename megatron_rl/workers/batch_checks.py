@@ -5,10 +5,11 @@ left-padded and the response right-padded; ``responses`` is [B, R] and equals th
 ``input_ids``; every per-response-token field (``response_mask``, ``old_log_probs``, ``advantages``,
 ...) is [B, R].
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -53,7 +54,9 @@ def check_batch(data: DataProto, required: Iterable[str], where: str) -> BatchSh
     batch = data.batch
     for key in ("input_ids", "responses"):
         if key in batch and batch[key].dim() != 2:
-            raise ValueError(f"{where}: batch[{key!r}] must be 2-D [batch, tokens], got shape {tuple(batch[key].shape)}")
+            raise ValueError(
+                f"{where}: batch[{key!r}] must be 2-D [batch, tokens], got shape {tuple(batch[key].shape)}"
+            )
     ids, responses = batch["input_ids"], batch["responses"]
     size, seq_len = ids.shape
     response_len = responses.shape[1]
@@ -65,13 +68,14 @@ def check_batch(data: DataProto, required: Iterable[str], where: str) -> BatchSh
     for key in SEQUENCE_KEYS:
         if key in batch and tuple(batch[key].shape) != (size, seq_len):
             raise ValueError(
-                f"{where}: batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(size, seq_len)} like input_ids"
+                f"{where}: batch[{key!r}] has shape {tuple(batch[key].shape)}, "
+                f"expected {(size, seq_len)} like input_ids"
             )
     for key in RESPONSE_KEYS:
         if key in batch and tuple(batch[key].shape) != (size, response_len):
             raise ValueError(
-                f"{where}: batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(size, response_len)} "
-                "(batch, response length) like responses"
+                f"{where}: batch[{key!r}] has shape {tuple(batch[key].shape)}, "
+                f"expected {(size, response_len)} (batch, response length) like responses"
             )
     mismatch = (ids[:, seq_len - response_len :] != responses).any(dim=1)
     if mismatch.any():
@@ -84,7 +88,8 @@ def check_batch(data: DataProto, required: Iterable[str], where: str) -> BatchSh
         outside = (batch["response_mask"].bool() & ~real[:, seq_len - response_len :]).any(dim=1)
         if outside.any():
             raise ValueError(
-                f"{where}: batch['response_mask'] is 1 where batch['attention_mask'] is 0 (padding) in rows {_rows(outside)}"
+                f"{where}: batch['response_mask'] is 1 where batch['attention_mask'] is 0 (padding) "
+                f"in rows {_rows(outside)}"
             )
     has_response = real[:, seq_len - response_len :].any(dim=1)
     no_prompt = has_response & ~real[:, : seq_len - response_len].any(dim=1)
@@ -98,8 +103,9 @@ def check_batch(data: DataProto, required: Iterable[str], where: str) -> BatchSh
         wrong = ((batch["position_ids"] != expected) & real).any(dim=1)
         if wrong.any():
             raise ValueError(
-                f"{where}: batch['position_ids'] must count the real tokens (cumsum(attention_mask) - 1); rows "
-                f"{_rows(wrong)} differ (custom positions are not supported: the model's RoPE follows token order)"
+                f"{where}: batch['position_ids'] must count the real tokens (cumsum(attention_mask) - 1); "
+                f"rows {_rows(wrong)} differ (custom positions are not supported: the model's RoPE "
+                "follows token order)"
             )
     return BatchShape(size, seq_len, response_len)
 

@@ -10,6 +10,7 @@ Writes go to ``<path>.tmp`` and are renamed to ``<path>`` only when every rank h
 mid-save leaves the previous checkpoint at ``<path>`` (if any) intact. All ranks must see the same
 filesystem (as Megatron requires) and call these functions together.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import logging
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,7 +85,9 @@ def _rng_sharded_object() -> ShardedObject:
 def _sharded_state(engine: MegatronEngine, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
     from megatron_rl.models.layout import unwrap
 
-    state: dict[str, Any] = {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)}
+    state: dict[str, Any] = {
+        f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)
+    }
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
@@ -100,7 +103,7 @@ def _on_rank_zero(fn, *args) -> None:
     dist.barrier()
 
 
-def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
+def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, Any] | None = None) -> None:
     """Write ``engine``'s checkpoint to ``path`` (collective over all ranks).
 
     A trainable engine saves model, optimizer and scheduler; a frozen one the model. ``extra``
@@ -146,7 +149,9 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         )
     metadata = json.loads(meta_path.read_text())
     if metadata.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}")
+        raise ValueError(
+            f"{meta_path}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}"
+        )
     return metadata
 
 
@@ -161,16 +166,24 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     metadata = read_checkpoint_metadata(path)
     if metadata["value_head"] != engine.value_head:
         kinds = {True: "a critic (value head)", False: "a causal LM"}
-        raise ValueError(f"{path} holds {kinds[metadata['value_head']]} but the {engine.name} engine is {kinds[engine.value_head]}")
+        raise ValueError(
+            f"{path} holds {kinds[metadata['value_head']]} but the {engine.name} engine is "
+            f"{kinds[engine.value_head]}"
+        )
     with_optimizer = load_optimizer and engine.trainable
     if with_optimizer and not metadata["has_optimizer"]:
-        raise ValueError(f"{path} has no optimizer state (saved by a frozen {metadata['role']} engine); pass load_optimizer=False")
+        raise ValueError(
+            f"{path} has no optimizer state (saved by a frozen {metadata['role']} engine); "
+            "pass load_optimizer=False"
+        )
 
     same_layout = metadata["layout"] == _layout()
     if not same_layout:
         logger.warning(
             "%s: loading a checkpoint saved at layout %s into layout %s; RNG states are not restored",
-            engine.name, metadata["layout"], _layout(),
+            engine.name,
+            metadata["layout"],
+            _layout(),
         )
     state = _sharded_state(engine, with_optimizer, is_loading=True)
     state["extra"] = {}
@@ -197,9 +210,11 @@ class CheckpointedRole:
     updates_done: int
     _ROLE_STATE = "__role_state__"
 
-    def save_checkpoint(self, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Model, optimizer, LR schedule, RNG, the role's update count and ``extra`` (collective)."""
-        save_checkpoint(self.engine, path, {**(extra or {}), self._ROLE_STATE: {"updates_done": self.updates_done}})
+        save_checkpoint(
+            self.engine, path, {**(extra or {}), self._ROLE_STATE: {"updates_done": self.updates_done}}
+        )
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
         """Restore from ``path`` (any TP/PP layout); returns the ``extra`` given to save_checkpoint."""

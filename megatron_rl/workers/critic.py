@@ -4,10 +4,11 @@ The value of response token t is the head's output at the token before it (the s
 generated), as in verl. Same dispatch contract as the actor: each rank gets its DP shard, results
 are identical on every rank of a data-parallel group.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,10 +30,10 @@ UPDATE_FIELDS = ("response_mask", "values", "returns")
 
 class CriticRole(CheckpointedRole):
     """Args:
-        engine: a trainable ``MegatronEngine`` built with ``value_head=True``.
-        config: ``CriticConfig`` (``critic``).
-        rollout_n: responses per prompt (``actor_rollout_ref.rollout.n``).
-        ppo_mini_batch_size / ppo_epochs: the actor's values, used where ``config`` leaves them None.
+    engine: a trainable ``MegatronEngine`` built with ``value_head=True``.
+    config: ``CriticConfig`` (``critic``).
+    rollout_n: responses per prompt (``actor_rollout_ref.rollout.n``).
+    ppo_mini_batch_size / ppo_epochs: the actor's values, used where ``config`` leaves them None.
     """
 
     prefix = "critic"
@@ -43,8 +44,8 @@ class CriticRole(CheckpointedRole):
         config: Any,
         *,
         rollout_n: int,
-        ppo_mini_batch_size: Optional[int] = None,
-        ppo_epochs: Optional[int] = None,
+        ppo_mini_batch_size: int | None = None,
+        ppo_epochs: int | None = None,
     ) -> None:
         if not (engine.trainable and engine.value_head):
             raise ValueError("CriticRole needs a trainable MegatronEngine built with value_head=True")
@@ -58,7 +59,9 @@ class CriticRole(CheckpointedRole):
             False,
             config.megatron.seed,
         )
-        self.spec = MicroBatchSpec(config.ppo_micro_batch_size_per_gpu, config.use_dynamic_bsz, config.ppo_max_token_len_per_gpu)
+        self.spec = MicroBatchSpec(
+            config.ppo_micro_batch_size_per_gpu, config.use_dynamic_bsz, config.ppo_max_token_len_per_gpu
+        )
         self.updates_done = 0
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
@@ -66,8 +69,12 @@ class CriticRole(CheckpointedRole):
         """{"values": [B, R] fp32}, zero where response_mask is 0 (as verl)."""
         check_batch(data, ("response_mask",), "compute_values")
         out = forward_per_token(
-            self.engine, data, self.spec, lambda output, mb: {"values": response_values(output, mb)},
-            ("values",), f"{self.prefix}.ppo_max_token_len_per_gpu",
+            self.engine,
+            data,
+            self.spec,
+            lambda output, mb: {"values": response_values(output, mb)},
+            ("values",),
+            f"{self.prefix}.ppo_max_token_len_per_gpu",
         )
         return DataProto.from_dict({"values": out["values"] * data.batch["response_mask"].float()})
 
@@ -78,10 +85,18 @@ class CriticRole(CheckpointedRole):
         mask = fields["response_mask"]
         vpreds = response_values(output, micro_batch)
         loss, clipfrac = compute_value_loss(
-            vpreds, fields["returns"], fields["values"], mask, self.config.cliprange_value,
-            self.config.loss_agg_mode, global_batch,
+            vpreds,
+            fields["returns"],
+            fields["values"],
+            mask,
+            self.config.cliprange_value,
+            self.config.loss_agg_mode,
+            global_batch,
         )
-        token_means = {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
+        token_means = {
+            "critic/vf_clipfrac": float(clipfrac),
+            "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask)),
+        }
         return loss, StepMetrics(float(mask.sum()), {"critic/vf_loss": loss.item()}, token_means)
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
@@ -92,7 +107,10 @@ class CriticRole(CheckpointedRole):
         steps = []
         for mini_batch in self.schedule.mini_batches(data, self.updates_done, "update_critic"):
             metrics, grad_norm = train_mini_batch(
-                self.engine, mini_batch, self.spec, UPDATE_FIELDS,
+                self.engine,
+                mini_batch,
+                self.spec,
+                UPDATE_FIELDS,
                 lambda global_batch: functools.partial(self._value_step, global_batch),
                 f"{self.prefix}.ppo_max_token_len_per_gpu",
             )

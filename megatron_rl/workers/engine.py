@@ -13,11 +13,13 @@ dividing by the number of micro-batches and makes DDP *sum* gradients over data-
 ``finalize_model_grads`` runs without a token count. The gradient is then that of the global
 mini-batch loss, however the mini-batch was split over micro-batches and ranks.
 """
+
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,13 @@ logger = logging.getLogger(__name__)
 # (model output on the last stage, micro-batch) -> (loss, data kept for the caller)
 StepFn = Callable[[torch.Tensor, PackedMicroBatch], tuple[torch.Tensor, Any]]
 
-PARAMS_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+PARAMS_DTYPES = {
+    "auto": None,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def resolve_params_dtype(name: str, prefix: str) -> torch.dtype:
@@ -49,19 +57,23 @@ def check_parallel_state(parallel: Any, prefix: str) -> None:
     """The role's TP/PP/VPP/CP settings must be the ones Megatron's parallel state was set up with."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
-            f"Megatron's parallel state is not initialised: call megatron_rl.distributed.init_model_parallel("
-            f"tp={parallel.tensor_model_parallel_size}, pp={parallel.pipeline_model_parallel_size}) before building the {prefix} engine"
+            "Megatron's parallel state is not initialised: call megatron_rl.distributed.init_model_parallel("
+            f"tp={parallel.tensor_model_parallel_size}, pp={parallel.pipeline_model_parallel_size}) "
+            f"before building the {prefix} engine"
         )
+    ps = parallel_state
     actual = {
-        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
     }
     for key, value in actual.items():
         wanted = getattr(parallel, key)
         if wanted != value:
-            raise ValueError(f"{prefix}.{key}={wanted} but Megatron's parallel state was initialised with {value}")
+            raise ValueError(
+                f"{prefix}.{key}={wanted} but Megatron's parallel state was initialised with {value}"
+            )
     for key in ("param_offload", "optimizer_offload"):
         if getattr(parallel, key):
             raise ValueError(f"{prefix}.{key}=true is not supported yet (see docs/workers.md, 'Offload')")
@@ -90,7 +102,7 @@ class MegatronEngine:
         self,
         model_dir: str,
         parallel: Any,
-        optim: Optional[Any] = None,
+        optim: Any | None = None,
         *,
         value_head: bool = False,
         value_head_init: str = "normal",
@@ -105,8 +117,11 @@ class MegatronEngine:
         # parameters (``tensor_model_parallel``, read by the grad-norm and clipping) only while it
         # initialises them; without it the gradient norm under TP>1 misses half the shards.
         chunks = build_gpt_model(
-            load_hf_config(model_dir), value_head=value_head, value_head_init=value_head_init,
-            params_dtype=self.params_dtype, init_weights=True,
+            load_hf_config(model_dir),
+            value_head=value_head,
+            value_head_init=value_head_init,
+            params_dtype=self.params_dtype,
+            init_weights=True,
         )
         load_hf_weights(chunks, model_dir)
         self.hf_config = chunks[0].hf_config
@@ -134,7 +149,8 @@ class MegatronEngine:
             # checkpoint before the first step (state 'step' missing); the plain optimizer can.
             logger.warning(
                 "%s.megatron.use_distributed_optimizer=true ignored: Transformer Engine / Apex are not "
-                "installed; using the non-sharded optimizer", self.name
+                "installed; using the non-sharded optimizer",
+                self.name,
             )
             return False
         return parallel.use_distributed_optimizer
@@ -205,17 +221,19 @@ class MegatronEngine:
 
     def mesh_kwargs(self) -> dict[str, int]:
         """This rank's coordinates, as ``controller.Worker.set_mesh(**engine.mesh_kwargs())`` takes them."""
-        return dict(
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            cp_rank=parallel_state.get_context_parallel_rank(),
-        )
+        return {
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "cp_rank": parallel_state.get_context_parallel_rank(),
+        }
 
     # ------------------------------------------------------------------ running
-    def run(self, micro_batches: Sequence[PackedMicroBatch], step_fn: StepFn, *, forward_only: bool) -> list[Any]:
+    def run(
+        self, micro_batches: Sequence[PackedMicroBatch], step_fn: StepFn, *, forward_only: bool
+    ) -> list[Any]:
         """Run the micro-batches through the pipeline schedule (any PP/VPP, PP=1 included).
 
         ``step_fn(output, micro_batch)`` runs on the last stage and returns (loss, data); with
@@ -237,7 +255,11 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
-            output = model(micro_batch.input_ids, micro_batch.position_ids, causal_padding_mask(micro_batch.attention_mask))
+            output = model(
+                micro_batch.input_ids,
+                micro_batch.position_ids,
+                causal_padding_mask(micro_batch.attention_mask),
+            )
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:
@@ -277,11 +299,15 @@ class MegatronEngine:
         self.scheduler.step(1)
 
     # ------------------------------------------------------------------ pipeline communication
-    def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def broadcast_from_last_stage(
+        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """The last stage's ``tensor`` on every rank of this pipeline (others pass None)."""
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return tensor
-        tensor = torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
+        tensor = (
+            torch.empty(shape, dtype=dtype, device=self.device) if tensor is None else tensor.contiguous()
+        )
         dist.broadcast(
             tensor,
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -302,4 +328,8 @@ class MegatronEngine:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )

@@ -4,9 +4,10 @@ Log-probs come from the vocabulary-parallel logits through ``ops.log_probs_from_
 Megatron's TP group: only the N real response positions are selected ([N, V/tp]), and no rank
 ever builds a full-vocabulary softmax. Padded vocabulary columns are excluded.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,7 +43,7 @@ def response_log_probs(
     micro_batch: PackedMicroBatch,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, R] log-probs of the response tokens (and entropies) from [b, W, V/tp] logits."""
     result = log_probs_from_logits(
         micro_batch.select_predictors(logits),
@@ -95,7 +96,12 @@ def forward_per_token(
 
 
 def compute_log_probs(
-    engine: MegatronEngine, data: DataProto, spec: MicroBatchSpec, temperature: float, with_entropy: bool, budget_name: str
+    engine: MegatronEngine,
+    data: DataProto,
+    spec: MicroBatchSpec,
+    temperature: float,
+    with_entropy: bool,
+    budget_name: str,
 ) -> dict[str, torch.Tensor]:
     """{"log_probs": [B, R], "entropy": [B, R] when asked} for the response tokens of ``data``."""
 

@@ -6,6 +6,7 @@ verl's Megatron workers do), whatever the number of mini-batches in it.
 * ``constant``: linear warm-up from 0 over ``lr_warmup_steps``, then ``lr``.
 * ``cosine``: the same warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``total_training_steps``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,7 +17,9 @@ LR_SCHEDULERS = ("constant", "cosine")
 def check_optim_config(optim: Any, prefix: str) -> None:
     """Raise ValueError naming ``<prefix>.<key>`` for settings the schedule cannot follow."""
     if optim.lr_scheduler not in LR_SCHEDULERS:
-        raise ValueError(f"{prefix}.lr_scheduler={optim.lr_scheduler!r} is unknown; known: {list(LR_SCHEDULERS)}")
+        raise ValueError(
+            f"{prefix}.lr_scheduler={optim.lr_scheduler!r} is unknown; known: {list(LR_SCHEDULERS)}"
+        )
     if not optim.lr > 0:
         raise ValueError(f"{prefix}.lr must be > 0, got {optim.lr}")
     if not 0.0 <= optim.min_lr_ratio <= 1.0:

@@ -7,10 +7,11 @@ A micro-batch reports two kinds of numbers:
   their token-weighted mean.
 The reduced metrics are identical on every rank (broadcast along the pipeline, all-reduced over DP).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,4 +54,7 @@ def mean_over_steps(steps: Sequence[dict[str, float]]) -> dict[str, float]:
     if not steps:
         return {}
     names = sorted({name for step in steps for name in step})
-    return {name: sum(step[name] for step in steps if name in step) / sum(name in step for step in steps) for name in names}
+    return {
+        name: sum(step[name] for step in steps if name in step) / sum(name in step for step in steps)
+        for name in names
+    }

@@ -9,10 +9,12 @@ is smallest (balanced work per micro-batch).
 Every function is deterministic in its inputs: all tensor/pipeline ranks of a data-parallel group
 receive the same batch and so cut it identically.
 """
+
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -28,7 +30,9 @@ class MicroBatchSpec:
     def __post_init__(self) -> None:
         if self.use_dynamic_bsz:
             if not isinstance(self.max_token_len, int) or self.max_token_len < 1:
-                raise ValueError(f"max token length per micro-batch must be a positive int, got {self.max_token_len!r}")
+                raise ValueError(
+                    f"max token length per micro-batch must be a positive int, got {self.max_token_len!r}"
+                )
         elif not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise ValueError(f"micro-batch size must be a positive int, got {self.micro_batch_size!r}")
 
@@ -37,7 +41,10 @@ def split_fixed(num_rows: int, micro_batch_size: int) -> list[np.ndarray]:
     """Consecutive groups of ``micro_batch_size`` rows (the last may be shorter)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return [np.arange(start, min(start + micro_batch_size, num_rows)) for start in range(0, num_rows, micro_batch_size)]
+    return [
+        np.arange(start, min(start + micro_batch_size, num_rows))
+        for start in range(0, num_rows, micro_batch_size)
+    ]
 
 
 def _greedy_groups(sorted_lengths: np.ndarray, cap: int) -> list[int]:
@@ -54,7 +61,9 @@ def _greedy_groups(sorted_lengths: np.ndarray, cap: int) -> list[int]:
     return starts
 
 
-def split_by_token_budget(lengths: Sequence[int], max_tokens: int, what: str = "max_token_len") -> list[np.ndarray]:
+def split_by_token_budget(
+    lengths: Sequence[int], max_tokens: int, what: str = "max_token_len"
+) -> list[np.ndarray]:
     """Row indices of each micro-batch so that rows x (longest row) <= ``max_tokens`` in every one.
 
     ``lengths`` are the real-token counts of the rows. Raises naming ``what`` when a single row is
@@ -62,7 +71,9 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, what: str = "
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or len(lengths) == 0:
-        raise ValueError(f"split_by_token_budget needs a non-empty 1-D list of lengths, got shape {lengths.shape}")
+        raise ValueError(
+            f"split_by_token_budget needs a non-empty 1-D list of lengths, got shape {lengths.shape}"
+        )
     if max_tokens < 1:
         raise ValueError(f"{what} must be >= 1, got {max_tokens}")
     longest = int(lengths.max())
@@ -84,10 +95,12 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, what: str = "
         else:
             low = mid + 1
     starts = _greedy_groups(sorted_lengths, low) + [len(order)]
-    return [np.sort(order[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    return [np.sort(order[a:b]) for a, b in itertools.pairwise(starts)]
 
 
-def split_micro_batches(lengths: Sequence[int], spec: MicroBatchSpec, what: str = "max_token_len") -> list[np.ndarray]:
+def split_micro_batches(
+    lengths: Sequence[int], spec: MicroBatchSpec, what: str = "max_token_len"
+) -> list[np.ndarray]:
     """Row indices of each micro-batch under ``spec`` (fixed size or token budget)."""
     if spec.use_dynamic_bsz:
         return split_by_token_budget(lengths, spec.max_token_len, what)

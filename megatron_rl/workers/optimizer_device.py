@@ -6,10 +6,10 @@ buffers) and ``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == "torch.cu
 ``optimizer_device_scope()`` redirects both while the optimizer is built or stepped; with CUDA it is
 a no-op.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 
@@ -26,5 +26,5 @@ class _OptimizerCpuMode(CudaToCpuMode):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def optimizer_device_scope() -> ContextManager:
+def optimizer_device_scope() -> contextlib.AbstractContextManager:
     return _OptimizerCpuMode() if cpu_compat_installed() else contextlib.nullcontext()

@@ -9,10 +9,10 @@ Response token t of a row (original column P+t) is predicted by the output at th
 before it; ``token_rows``/``predictor_cols`` select those outputs as an [N, ...] tensor for the N
 real response tokens, and ``scatter`` writes per-token results back into the [b, R] response layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -52,7 +52,7 @@ def pack_micro_batch(
     batch: dict[str, torch.Tensor],
     rows: torch.Tensor,
     field_keys: tuple[str, ...] = (),
-    shape: Optional[tuple[int, int]] = None,
+    shape: tuple[int, int] | None = None,
 ) -> PackedMicroBatch:
     """Pack ``rows`` of ``batch`` (input_ids, attention_mask, responses; see batch_checks.py).
 

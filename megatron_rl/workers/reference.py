@@ -5,6 +5,7 @@ gradients, no optimizer memory). When no KL term is used nobody asks for referen
 reference model needs to exist; an engine shared with the actor is accepted but then answers with
 the actor's *current* weights.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,8 @@ from megatron_rl.workers.micro_batches import MicroBatchSpec
 
 class ReferenceRole:
     """Args:
-        engine: usually a frozen ``MegatronEngine`` (``optim=None``) of the actor's initial checkpoint.
-        config: ``RefConfig`` (``actor_rollout_ref.ref``): log-prob micro-batching.
+    engine: usually a frozen ``MegatronEngine`` (``optim=None``) of the actor's initial checkpoint.
+    config: ``RefConfig`` (``actor_rollout_ref.ref``): log-prob micro-batching.
     """
 
     prefix = "actor_rollout_ref.ref"
@@ -30,7 +31,9 @@ class ReferenceRole:
             raise ValueError("ReferenceRole needs a causal-LM engine, got a value-head (critic) engine")
         self.engine = engine
         self.spec = MicroBatchSpec(
-            config.log_prob_micro_batch_size_per_gpu, config.log_prob_use_dynamic_bsz, config.log_prob_max_token_len_per_gpu
+            config.log_prob_micro_batch_size_per_gpu,
+            config.log_prob_use_dynamic_bsz,
+            config.log_prob_max_token_len_per_gpu,
         )
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)

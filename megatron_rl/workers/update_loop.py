@@ -4,10 +4,11 @@ Batch sizes follow verl: ``ppo_mini_batch_size`` counts prompts, so a mini-batch
 ``ppo_mini_batch_size * rollout.n`` responses globally, of which each data-parallel rank holds
 ``ppo_mini_batch_size * rollout.n / DP`` (its shard). One optimizer step per mini-batch.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -30,7 +31,7 @@ class UpdateSchedule:
     @classmethod
     def create(
         cls, prefix: str, ppo_mini_batch_size: int, rollout_n: int, ppo_epochs: int, shuffle: bool, seed: int
-    ) -> "UpdateSchedule":
+    ) -> UpdateSchedule:
         for key, value in (("ppo_mini_batch_size", ppo_mini_batch_size), ("ppo_epochs", ppo_epochs)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{prefix}.{key} must be a positive int, got {value!r}")
@@ -40,8 +41,8 @@ class UpdateSchedule:
         responses = ppo_mini_batch_size * rollout_n
         if responses % dp:
             raise ValueError(
-                f"{prefix}.ppo_mini_batch_size * rollout.n = {ppo_mini_batch_size} * {rollout_n} = {responses} responses "
-                f"per mini-batch do not split over {dp} data-parallel ranks"
+                f"{prefix}.ppo_mini_batch_size * rollout.n = {ppo_mini_batch_size} * {rollout_n} = "
+                f"{responses} responses per mini-batch do not split over {dp} data-parallel ranks"
             )
         return cls(responses // dp, ppo_epochs, shuffle, seed)
 
@@ -56,7 +57,9 @@ class UpdateSchedule:
         for epoch in range(self.ppo_epochs):
             if self.shuffle:
                 # Same seed on every rank of a DP group: its TP/PP ranks must agree on the order.
-                generator = torch.Generator().manual_seed(self.seed + 7919 * (update_index * self.ppo_epochs + epoch))
+                generator = torch.Generator().manual_seed(
+                    self.seed + 7919 * (update_index * self.ppo_epochs + epoch)
+                )
                 order = torch.randperm(rows, generator=generator)
             else:
                 order = torch.arange(rows)

@@ -1,26 +1,22 @@
 """Micro-batching, packing and batch checks of the Megatron roles (no Megatron, no processes)."""
+
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from workers_batches import make_rl_batch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from megatron_rl.workers.batch_checks import check_batch, read_temperature  # noqa: E402
-from megatron_rl.workers.micro_batches import (  # noqa: E402
+from megatron_rl.workers.batch_checks import check_batch, read_temperature
+from megatron_rl.workers.micro_batches import (
     MicroBatchSpec,
     split_by_token_budget,
     split_fixed,
     split_micro_batches,
 )
-from megatron_rl.workers.packing import pack_micro_batch, real_token_counts  # noqa: E402
-
-from rl_batches import make_rl_batch  # noqa: E402
+from megatron_rl.workers.packing import pack_micro_batch, real_token_counts
 
 
 def cost(lengths, group) -> int:
@@ -60,7 +56,9 @@ def test_token_budget_split_fits_covers_and_uses_fewest_balanced_micro_batches(s
 
 
 def test_token_budget_smaller_than_a_row_names_the_setting():
-    with pytest.raises(ValueError, match=r"row 1 has 30 tokens, more than actor.ppo_max_token_len_per_gpu=20"):
+    with pytest.raises(
+        ValueError, match=r"row 1 has 30 tokens, more than actor.ppo_max_token_len_per_gpu=20"
+    ):
         split_by_token_budget([10, 30, 5], 20, "actor.ppo_max_token_len_per_gpu")
 
 
@@ -130,7 +128,9 @@ def test_inconsistent_batches_are_rejected_with_the_rows():
     data = make_rl_batch(4, seed=3)
     data.batch["responses"] = data.batch["responses"].clone()
     data.batch["responses"][2, 0] += 1
-    with pytest.raises(ValueError, match=r"differs from the last 5 columns of batch\['input_ids'\] in rows \[2\]"):
+    with pytest.raises(
+        ValueError, match=r"differs from the last 5 columns of batch\['input_ids'\] in rows \[2\]"
+    ):
         check_batch(data, (), "compute_log_prob")
 
     data = make_rl_batch(4, seed=3)

@@ -10,19 +10,16 @@ gradient moves an element by up to 2 * lr = 2e-2, while summation-order noise on
 elements with |g| near 1e-8. Adam's step hides a uniformly mis-scaled gradient, so the loss and the
 gradient norm are compared too (relative 1e-4).
 """
+
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import workers_jobs as jobs
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from megatron_rl.distributed import run_multiprocess  # noqa: E402
-
-import jobs  # noqa: E402
+from megatron_rl.distributed import run_multiprocess
 
 pytestmark = pytest.mark.distributed
 
@@ -50,7 +47,9 @@ def model_dirs(tmp_path_factory) -> tuple[str, str, str, str]:
 
     root = tmp_path_factory.mktemp("workers")
     model = make_tiny_hf_checkpoint(root / "qwen2", "qwen2", with_tokenizer=False)
-    deep = make_tiny_hf_checkpoint(root / "qwen2_4layers", "qwen2", num_layers=4, seed=1, with_tokenizer=False)
+    deep = make_tiny_hf_checkpoint(
+        root / "qwen2_4layers", "qwen2", num_layers=4, seed=1, with_tokenizer=False
+    )
     critic = make_tiny_critic_checkpoint(model, root / "qwen2_critic")
     return str(model), str(deep), str(critic), str(root)
 
@@ -79,7 +78,9 @@ def hf_log_probs(model_dir: str, data) -> tuple[torch.Tensor, torch.Tensor]:
     batch = data.batch
     with torch.no_grad():
         logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
         ).logits
     response_len = batch["responses"].shape[1]
     log_softmax = torch.log_softmax(logits[:, -response_len - 1 : -1] / jobs.TEMPERATURE, dim=-1)
@@ -96,7 +97,9 @@ def hf_values(critic_dir: str, data) -> torch.Tensor:
     batch = data.batch
     with torch.no_grad():
         values = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
         ).logits.squeeze(-1)
     return values[:, -batch["responses"].shape[1] - 1 : -1]
 
@@ -107,11 +110,13 @@ def masked(x: torch.Tensor, data) -> torch.Tensor:
 
 def assert_same_weights(a: dict, b: dict, atol: float = WEIGHT_ATOL) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+    for name, tensor in a.items():
+        torch.testing.assert_close(tensor, b[name], atol=atol, rtol=0, msg=f"{name} differs")
 
 
-def assert_same_metrics(a: dict, b: dict, names=("actor/pg_loss", "actor/grad_norm", "actor/entropy")) -> None:
+def assert_same_metrics(
+    a: dict, b: dict, names=("actor/pg_loss", "actor/grad_norm", "actor/entropy")
+) -> None:
     for name in names:
         assert a[name] == pytest.approx(b[name], rel=METRIC_RTOL), name
 
@@ -120,10 +125,16 @@ def assert_same_metrics(a: dict, b: dict, names=("actor/pg_loss", "actor/grad_no
 def test_log_probs_and_entropy_match_hf(model_dirs, single):
     data = jobs.training_batch()
     expected, entropy = hf_log_probs(model_dirs[0], data)
-    torch.testing.assert_close(masked(single["log_probs"], data), masked(expected, data), atol=LOG_PROB_ATOL, rtol=0)
-    torch.testing.assert_close(masked(single["entropys"], data), masked(entropy, data), atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        masked(single["log_probs"], data), masked(expected, data), atol=LOG_PROB_ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        masked(single["entropys"], data), masked(entropy, data), atol=LOG_PROB_ATOL, rtol=0
+    )
     # response padding is never computed: exactly 0
-    assert (single["log_probs"][data.batch["attention_mask"][:, -data.batch["responses"].shape[1]:] == 0] == 0).all()
+    assert (
+        single["log_probs"][data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :] == 0] == 0
+    ).all()
 
 
 def test_dynamic_batching_and_reference_give_the_same_log_probs(single):
@@ -139,7 +150,9 @@ def test_log_probs_match_hf_at_tp2_dp2_pp2_vpp(model_dirs, single, two_ranks):
     dp2 = torch.cat([two_ranks[0]["dp2/log_probs"], two_ranks[1]["dp2/log_probs"]])
     torch.testing.assert_close(dp2, single["log_probs"], atol=LOG_PROB_ATOL, rtol=0)
     deep_expected, _ = hf_log_probs(model_dirs[1], data)
-    torch.testing.assert_close(masked(single["deep/log_probs"], data), masked(deep_expected, data), atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        masked(single["deep/log_probs"], data), masked(deep_expected, data), atol=LOG_PROB_ATOL, rtol=0
+    )
     torch.testing.assert_close(rank0["vpp/log_probs"], single["deep/log_probs"], atol=LOG_PROB_ATOL, rtol=0)
     # every pipeline rank returns the last stage's answer
     torch.testing.assert_close(two_ranks[1]["pp2/log_probs"], rank0["pp2/log_probs"])
@@ -164,11 +177,20 @@ def test_update_is_invariant_to_data_tensor_and_pipeline_parallelism(single, two
 
 def test_update_metrics_have_verl_names(single):
     metrics = single["token-mean/micro4/metrics"]
-    expected = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-                "actor/grad_norm", "actor/lr"}
+    expected = {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+    }
     assert expected <= metrics.keys()
     assert metrics["actor/lr"] == pytest.approx(1e-2)
-    assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0  # the perturbed old log-probs make the clip bind somewhere
+    assert (
+        0.0 < metrics["actor/pg_clipfrac"] < 1.0
+    )  # the perturbed old log-probs make the clip bind somewhere
 
 
 # ------------------------------------------------------------------ learning
@@ -184,16 +206,26 @@ def test_ppo_updates_raise_log_probs_of_positive_advantage_tokens(single):
 def test_critic_values_match_hf_and_value_loss_decreases(model_dirs, single, two_ranks):
     data = jobs.training_batch()
     values = single["critic/values"]
-    torch.testing.assert_close(values, masked(hf_values(model_dirs[2], data), data), atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        values, masked(hf_values(model_dirs[2], data), data), atol=LOG_PROB_ATOL, rtol=0
+    )
     torch.testing.assert_close(two_ranks[0]["tp2/values"], values, atol=LOG_PROB_ATOL, rtol=0)
     losses = [m["critic/vf_loss"] for m in single["critic/metrics"]]
     assert losses[-1] < 0.9 * losses[0]
-    assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr"} <= single["critic/metrics"][0].keys()
+    assert {
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/lr",
+    } <= single["critic/metrics"][0].keys()
 
 
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoint_saved_at_tp2_loads_at_tp1(two_ranks, resumed):
-    torch.testing.assert_close(resumed["tp2_ckpt/log_probs"], two_ranks[0]["tp2/log_probs_after"], atol=LOG_PROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        resumed["tp2_ckpt/log_probs"], two_ranks[0]["tp2/log_probs_after"], atol=LOG_PROB_ATOL, rtol=0
+    )
     # and differs from the initial weights, so the load did something
     assert (resumed["tp2_ckpt/log_probs"] - two_ranks[0]["tp2/log_probs"]).abs().max() > 1e-3
 

@@ -1,4 +1,5 @@
 """Synthetic RL batches in verl's layout (left-padded prompts, right-padded responses) for the role tests."""
+
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,24 @@
 """Multi-rank jobs of the worker tests. Each job runs many checks in one spawn (Megatron imports and
 process start-up dominate the cost) and returns plain tensors/floats; the tests compare them."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
+from workers_batches import make_rl_batch
 
-from megatron_rl.config.schema import ActorConfig, CriticConfig, MegatronParallelConfig, OptimConfig, RefConfig
+from megatron_rl.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    MegatronParallelConfig,
+    OptimConfig,
+    RefConfig,
+)
 from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
 from megatron_rl.protocol import DataProto
-
-from rl_batches import make_rl_batch
 
 ROLLOUT_N = 2
 MINI_BATCH_PROMPTS = 8  # x ROLLOUT_N = 16 responses: one mini-batch per update of a 16-row batch
@@ -19,13 +26,15 @@ BATCH_ROWS = 16
 TEMPERATURE = 0.7
 
 
-def parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None) -> MegatronParallelConfig:
+def parallel(tp: int = 1, pp: int = 1, vpp: int | None = None) -> MegatronParallelConfig:
     return MegatronParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
     )
 
 
-def actor_config(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, **overrides: Any) -> ActorConfig:
+def actor_config(tp: int = 1, pp: int = 1, vpp: int | None = None, **overrides: Any) -> ActorConfig:
     base = ActorConfig(
         ppo_mini_batch_size=MINI_BATCH_PROMPTS,
         ppo_micro_batch_size_per_gpu=4,
@@ -116,8 +125,11 @@ def single_rank_job(model_dir: str, deep_model_dir: str, critic_dir: str, workdi
 
     # Split invariance: micro-batch 4 (the reference), 1, and a token budget; two loss modes.
     for mode in ("token-mean", "seq-mean-token-mean"):
-        for name, overrides in (("micro4", {}), ("micro1", {"ppo_micro_batch_size_per_gpu": 1}),
-                                ("dynamic", {"use_dynamic_bsz": True})):
+        for name, overrides in (
+            ("micro4", {}),
+            ("micro1", {"ppo_micro_batch_size_per_gpu": 1}),
+            ("dynamic", {"use_dynamic_bsz": True}),
+        ):
             role = make_actor(model_dir, actor_config(loss_agg_mode=mode, **overrides))
             out[f"{mode}/{name}/metrics"] = update(role, data)
             out[f"{mode}/{name}/weights"] = weights(role)
@@ -130,7 +142,9 @@ def single_rank_job(model_dir: str, deep_model_dir: str, critic_dir: str, workdi
     out["resume/step2_weights"] = weights(role)
 
     # PPO on a fixed batch with positive advantages raises those tokens' log-probs.
-    role = make_actor(model_dir, actor_config(entropy_coeff=0.0, optim=OptimConfig(lr=1e-3, weight_decay=0.0)))
+    role = make_actor(
+        model_dir, actor_config(entropy_coeff=0.0, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
+    )
     fixed = make_rl_batch(BATCH_ROWS, seed=3, temperature=TEMPERATURE)
     fixed.batch["old_log_probs"] = role.compute_log_prob(fixed).batch["old_log_probs"]
     fixed.batch["advantages"] = fixed.batch["response_mask"].float()
