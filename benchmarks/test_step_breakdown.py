@@ -34,5 +34,5 @@ def test_step_time_breakdown(benchmark, tmp_path):
     shares["driver_overhead"] = 1.0 - sum(shares.values())
     benchmark.extra_info.update({"step_seconds": step, **{f"share/{k}": v for k, v in shares.items()}})
     print(f"\nmean step {step:.3f} s over steps {WARMUP + 1}..{STEPS}: "
-          + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+          + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
     assert all(v >= -0.05 for v in shares.values()), shares  # stages are disjoint parts of the step
