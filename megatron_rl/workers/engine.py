@@ -129,7 +129,7 @@ class MegatronEngine:
         self.value_head = value_head
         self.optimizer = None
         self.scheduler = None
-        self.optim_config = optim
+        self.use_distributed_optimizer = False
         if optim is None:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -137,7 +137,7 @@ class MegatronEngine:
             self.model: list[torch.nn.Module] = chunks
         else:
             self.model = self._wrap_ddp(chunks, parallel)
-            self.optimizer = self._build_optimizer(optim, parallel)
+            self.optimizer = self._build_optimizer(optim)
             self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")
 
     # ------------------------------------------------------------------ construction
@@ -175,7 +175,7 @@ class MegatronEngine:
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         return model
 
-    def _build_optimizer(self, optim: Any, parallel: Any) -> Any:
+    def _build_optimizer(self, optim: Any) -> Any:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         if len(optim.betas) != 2:
@@ -285,10 +285,8 @@ class MegatronEngine:
         """Clip, step; returns the gradient norm (over all parameters, before clipping)."""
         with optimizer_device_scope():
             success, grad_norm, _ = self.optimizer.step()
-            if not success:
-                raise RuntimeError(f"{self.name}: the optimizer skipped the step (inf/NaN gradients)")
-            if self.optim_config.clip_grad <= 0:  # Megatron computes the norm only when it clips
-                grad_norm = self.optimizer.get_grad_norm()
+        if not success:
+            raise RuntimeError(f"{self.name}: the optimizer skipped the step (inf/NaN gradients)")
         return float(grad_norm)
 
     @property

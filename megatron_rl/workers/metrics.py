@@ -30,19 +30,19 @@ class StepMetrics:
 
 def reduce_mini_batch(engine: MegatronEngine, per_micro: Sequence[StepMetrics]) -> dict[str, float]:
     """The mini-batch's metrics from its micro-batches' (present on the last pipeline stage)."""
-    local = None
+    sums, token_mean_names = None, None
     if engine.is_last_stage:
-        local = {_TOKENS: sum(m.num_tokens for m in per_micro)}
+        # totals add up; token means are weighted by tokens here and divided by the total below
+        sums = {_TOKENS: sum(m.num_tokens for m in per_micro)}
         for m in per_micro:
             for name, value in m.totals.items():
-                local[name] = local.get(name, 0.0) + float(value)
+                sums[name] = sums.get(name, 0.0) + float(value)
             for name, value in m.token_means.items():
-                local[name] = local.get(name, 0.0) + float(value) * m.num_tokens
+                sums[name] = sums.get(name, 0.0) + float(value) * m.num_tokens
         token_mean_names = {name for m in per_micro for name in m.token_means}
-        local = (local, token_mean_names)
-    local, token_mean_names = engine.broadcast_object_from_last_stage(local)
-    names = sorted(local)
-    values = torch.tensor([local[name] for name in names], dtype=torch.float64, device=engine.device)
+    sums, token_mean_names = engine.broadcast_object_from_last_stage((sums, token_mean_names))
+    names = sorted(sums)
+    values = torch.tensor([sums[name] for name in names], dtype=torch.float64, device=engine.device)
     dist.all_reduce(values, group=engine.dp_group)
     reduced = dict(zip(names, values.tolist()))
     tokens = max(reduced.pop(_TOKENS), 1.0)
