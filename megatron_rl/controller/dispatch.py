@@ -103,7 +103,9 @@ def _concat_results(outputs: list[Any], ranks: list[int], pad: int, method: str)
     """DataProto results become one DataProto without the padding rows; other results a list by DP rank."""
     is_proto = [isinstance(o, DataProto) for o in outputs]
     if all(is_proto):
-        return DataProto.concat(outputs).unpad(pad)
+        merged = DataProto.concat(outputs)
+        # A result without rows (metrics in meta_info, e.g. an update) has no padding rows to drop.
+        return merged.unpad(pad) if len(merged) else merged
     if any(is_proto):
         kinds = {rank: type(o).__name__ for rank, o in zip(ranks, outputs)}
         raise TypeError(f"{method}: collecting ranks returned a mix of DataProto and other types: {kinds}")

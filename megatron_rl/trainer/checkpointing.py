@@ -10,18 +10,29 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
+def _no_barrier() -> None:
+    return None
+
+
 class TrainerCheckpointer:
-    def __init__(self, root: Path, keep_last: int) -> None:
+    """Under Ray one driver process writes. Under torchrun every rank runs the trainer and the workers
+    save collectively into the same directory, so only the ``is_writer`` rank touches the directory
+    layout, and ``barrier`` keeps the ranks in step around it."""
+
+    def __init__(self, root: Path, keep_last: int, is_writer: bool = True,
+                 barrier: Callable[[], None] = _no_barrier) -> None:
         if keep_last < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1, got {keep_last}")
         self.root = root
         self.keep_last = keep_last
+        self.is_writer = is_writer
+        self.barrier = barrier
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
@@ -30,17 +41,23 @@ class TrainerCheckpointer:
     def saving(self, step: int) -> Iterator[Path]:
         """Yield a temporary directory to fill; on success it becomes `global_step_<step>`."""
         final, tmp = self.step_dir(step), self.root / f"global_step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        (self.root / LATEST_FILE).write_text(str(step))
-        self._prune()
+        self.barrier()
+        if self.is_writer:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            (self.root / LATEST_FILE).write_text(str(step))
+            self._prune()
+        self.barrier()
 
     def write_trainer_state(self, directory: Path, state: dict[str, Any]) -> None:
-        (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        if self.is_writer:
+            (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
     def read_trainer_state(self, directory: Path) -> dict[str, Any]:
         path = directory / "trainer_state.json"

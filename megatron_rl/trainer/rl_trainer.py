@@ -76,7 +76,7 @@ def new_uids(step: int, count: int) -> np.ndarray:
 class RLTrainer:
     def __init__(self, cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutRef,
                  critic: Critic | None, reward_fn: RewardFn, train_loader, val_batches: Callable[[], Iterator[DataProto]] | None,
-                 tracking=None, stop: StopRequest | None = None) -> None:
+                 tracking=None, stop: StopRequest | None = None, checkpointer: TrainerCheckpointer | None = None) -> None:
         self.cfg = cfg
         self.sizes = sizes
         self.actor_rollout = actor_rollout
@@ -93,7 +93,8 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.total_steps = self._total_steps()
         self.state = TrainerState()
-        self.checkpointer = TrainerCheckpointer(Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep)
+        self.checkpointer = checkpointer or TrainerCheckpointer(Path(cfg.trainer.default_local_dir),
+                                                                cfg.trainer.max_ckpt_to_keep)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ from megatron_rl.config import DerivedSizes
 from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward import RewardManager
+from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.tracking import Tracking, plot_curves
@@ -96,6 +97,15 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Ca
     return actor_rollout, critic, lambda: None
 
 
+def _checkpointer(cfg: DictConfig, is_torchrun: bool) -> TrainerCheckpointer:
+    root, keep = Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep
+    if not is_torchrun:
+        return TrainerCheckpointer(root, keep)
+    import torch.distributed as dist
+
+    return TrainerCheckpointer(root, keep, is_writer=dist.get_rank() == 0, barrier=dist.barrier)
+
+
 def _device(cfg: DictConfig) -> str:
     import torch
 
@@ -126,7 +136,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         if critic is not None:
             critic.init_model()
         trainer = RLTrainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
-                            stop=stop)
+                            stop=stop, checkpointer=_checkpointer(cfg, is_torchrun))
         start_step = trainer.resume()
         if is_logger:
             tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,

@@ -75,6 +75,13 @@ def test_dp_compute_proto_splits_in_order_pads_and_unpads(n):
     assert out.meta_info == {"step": 7}
 
 
+def test_dp_collect_of_row_less_results_ignores_the_padding():
+    # an update returns only metrics (meta_info): nothing to unpad even when the input was padded
+    plan = plan_call(spec(Dispatch.DP_COMPUTE_PROTO), (rows(5),), {}, world_size=2, method="m")
+    out = run(plan, lambda rank, data: DataProto(meta_info={"metrics": {"loss": 1.0}}))
+    assert len(out) == 0 and out.meta_info == {"metrics": {"loss": 1.0}}
+
+
 def test_dp_compute_proto_passes_other_arguments_unchanged_and_lists_non_proto_results():
     plan = plan_call(spec(Dispatch.DP_COMPUTE_PROTO), (rows(6),), {"extra": 100}, world_size=3, method="m")
     assert run(plan, lambda rank, data, extra: len(data) + extra) == [102, 102, 102]

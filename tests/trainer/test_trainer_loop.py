@@ -223,6 +223,15 @@ def test_checkpointer_is_atomic_and_keeps_the_last_k(tmp_path):
         ckpt.read_trainer_state(tmp_path)
 
 
+def test_only_the_writer_rank_touches_the_checkpoint_layout(tmp_path):
+    calls = []
+    reader = TrainerCheckpointer(tmp_path, keep_last=1, is_writer=False, barrier=lambda: calls.append("barrier"))
+    with reader.saving(1) as tmp:
+        reader.write_trainer_state(tmp, {"global_steps": 1})
+    assert not any(tmp_path.iterdir())  # the writer (another rank) makes and renames the directory
+    assert calls == ["barrier"] * 3
+
+
 def test_jsonl_sink_drops_records_past_the_restart_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2, 3)))
