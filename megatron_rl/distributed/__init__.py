@@ -1,4 +1,5 @@
 """Process-group and Megatron parallel-state set-up, plus the CPU compatibility layer."""
+
 from megatron_rl.distributed.cpu_compat import CpuCompatHandle, cpu_compat_installed, install_cpu_compat
 from megatron_rl.distributed.model_parallel import (
     ParallelLayout,

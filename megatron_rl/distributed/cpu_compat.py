@@ -12,29 +12,26 @@ torch, these are the calls that fail and what this module answers instead:
 * ``Tensor.cuda()``: GPTModel moves the tied output-layer copy of the embedding to "cuda" before
   all-reducing it across pipeline stages (and dist_checkpointing moves exchanged shards). Returns
   the tensor unchanged.
-* Pipeline schedules create ``torch.zeros(..., device="cuda")`` (token counters). A
-  ``TorchFunctionMode`` active only while a schedule runs redirects CUDA devices to CPU.
+* ``device="cuda"`` tensor creation: pipeline schedules (token counters), the optimizers
+  (``FP32Optimizer._scale``, ``found_inf``), gradient clipping and the DDP buffers. A
+  ``TorchFunctionMode`` rewrites CUDA devices to CPU for every torch call of the thread that
+  installed the layer (a per-call cost of a few microseconds, paid only on CPU machines).
+* ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizers and gradient clipping: the
+  same mode answers ``type()`` (no arguments) with the CUDA type name.
 
 Everything is installed by one call, ``install_cpu_compat()``, which returns a handle (also a context
-manager) that restores the originals; nesting is reference-counted. With CUDA present the call changes
-nothing, so the same code runs on GPU clusters untouched.
+manager) that restores the originals; nesting is reference-counted. Install and uninstall from the
+same thread: the mode lives on that thread's torch-function mode stack. With CUDA present the call
+changes nothing, so the same code runs on GPU clusters untouched.
 """
+
 from __future__ import annotations
 
-import functools
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-# Schedule entry points that get_forward_backward_func() returns; it looks them up by module global
-# at call time, so replacing the module attribute is enough.
-_SCHEDULE_FUNCTIONS = (
-    "forward_backward_no_pipelining",
-    "forward_backward_pipelining_without_interleaving",
-    "forward_backward_pipelining_with_interleaving",
-)
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -47,25 +44,18 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda`` (or an int ordinal) to CPU for every torch call in its scope."""
+    """Rewrites ``device=cuda`` (or an int ordinal) to CPU for every torch call in its scope, and
+    answers ``tensor.type()`` with the CUDA name ("torch.cuda.FloatTensor") that Megatron's
+    optimizers and gradient clipping assert on."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        return func(*args, **kwargs)
-
-
-def run_on_cpu(fn: Callable) -> Callable:
-    """Wrap ``fn`` so that CUDA tensor creation inside it lands on the CPU."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with CudaToCpuMode():
-            return fn(*args, **kwargs)
-
-    wrapper.__wrapped_for_cpu__ = fn
-    return wrapper
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
+            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
+        return result
 
 
 def _cpu_current_device() -> torch.device:
@@ -94,7 +84,7 @@ class CpuCompatHandle:
         if self.active:
             _release()
 
-    def __enter__(self) -> "CpuCompatHandle":
+    def __enter__(self) -> CpuCompatHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,7 +117,6 @@ def install_cpu_compat(force: bool = False) -> CpuCompatHandle:
 
 
 def _apply() -> None:
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
     _saved["rng_tracker"] = (
@@ -143,9 +132,9 @@ def _apply() -> None:
     torch.cuda.synchronize = _cpu_synchronize
     torch.Tensor.cuda = _tensor_stays_on_cpu
 
-    _saved["schedules"] = {name: getattr(schedules, name) for name in _SCHEDULE_FUNCTIONS}
-    for name, fn in _saved["schedules"].items():
-        setattr(schedules, name, run_on_cpu(fn))
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _saved["mode"] = mode
 
 
 def _release() -> None:
@@ -154,9 +143,9 @@ def _release() -> None:
         _install_count -= 1
         if _install_count > 0:
             return
-        from megatron.core.pipeline_parallel import schedules
         from megatron.core.tensor_parallel import random as mcore_random
 
+        _saved.pop("mode").__exit__(None, None, None)
         (
             mcore_random._CUDA_RNG_STATE_TRACKER,
             mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
@@ -164,6 +153,3 @@ def _release() -> None:
         torch.cuda.current_device = _saved.pop("current_device")
         torch.cuda.synchronize = _saved.pop("synchronize")
         torch.Tensor.cuda = _saved.pop("tensor_cuda")
-        for name, fn in _saved.pop("schedules").items():
-            setattr(schedules, name, fn)
-

@@ -1,9 +1,9 @@
 """Megatron-Core parallel state (TP, PP, VPP, CP, DP) with errors that say which numbers clash."""
+
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -21,13 +21,13 @@ class ParallelLayout:
     pp: int
     cp: int
     dp: int
-    vpp: Optional[int]
+    vpp: int | None
     tp_rank: int
     pp_rank: int
     dp_rank: int
 
 
-def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, vpp: Optional[int] = None) -> int:
+def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None) -> int:
     """Validate the sizes and return the data-parallel size; every failure names the numbers."""
     for name, size in (("TP", tp), ("PP", pp), ("CP", cp)):
         if not isinstance(size, int) or size < 1:
@@ -45,13 +45,13 @@ def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, vpp: Op
     return world_size // model_parallel
 
 
-_cpu_compat: Optional[CpuCompatHandle] = None
+_cpu_compat: CpuCompatHandle | None = None
 
 
 def init_model_parallel(
     tp: int = 1,
     pp: int = 1,
-    vpp: Optional[int] = None,
+    vpp: int | None = None,
     cp: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 10,

@@ -1,11 +1,12 @@
 """torch.distributed set-up from whatever launched us: torchrun, SLURM srun, or explicit arguments."""
+
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,12 +85,12 @@ def read_launch_env(env: Mapping[str, str] = os.environ) -> LaunchEnv:
 
 
 def init_distributed(
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-    master_addr: Optional[str] = None,
-    master_port: Optional[int] = None,
-    local_rank: Optional[int] = None,
-    backend: Optional[str] = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    local_rank: int | None = None,
+    backend: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> LaunchEnv:
     """Initialise the default process group (idempotent) and return this process's place in it.

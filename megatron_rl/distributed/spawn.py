@@ -3,6 +3,7 @@
 Each rank's return value comes back to the caller; an exception on any rank is re-raised in the
 caller with that rank's traceback, and a hang fails after ``timeout_s`` instead of blocking.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,9 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp

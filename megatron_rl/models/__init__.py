@@ -13,6 +13,7 @@ Public API (docs/models.md has the details):
 Names are resolved lazily so that the light modules (hf_config, sizes) load without importing
 Megatron-Core (which takes seconds).
 """
+
 from importlib import import_module
 from typing import Any
 
@@ -39,7 +40,7 @@ _EXPORTS = {
     "ValueHead": "value_head",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

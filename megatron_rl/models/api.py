@@ -1,8 +1,9 @@
 """Conveniences on top of the builder: build+load in one call, and full logits through the pipeline."""
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -15,7 +16,9 @@ from megatron_rl.models.layout import unwrap
 from megatron_rl.models.loading import load_hf_weights
 
 
-def build_from_hf(model_dir: Union[str, Path], progress: bool = False, **build_kwargs: Any) -> list[torch.nn.Module]:
+def build_from_hf(
+    model_dir: str | Path, progress: bool = False, **build_kwargs: Any
+) -> list[torch.nn.Module]:
     """``build_gpt_model`` for ``model_dir``'s config, then ``load_hf_weights`` from it."""
     chunks = build_gpt_model(load_hf_config(model_dir), init_weights=False, **build_kwargs)
     load_hf_weights(chunks, model_dir, progress=progress)
@@ -31,8 +34,8 @@ def compute_full_logits(
     model_chunks: list[torch.nn.Module],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    micro_batch_size: Optional[int] = None,
-) -> Optional[torch.Tensor]:
+    micro_batch_size: int | None = None,
+) -> torch.Tensor | None:
     """Forward-only pass through the pipeline; [B, T, vocab] fp32 logits, TP-gathered with the
     vocabulary padding removed, on the last pipeline stage (None on the other stages).
 
@@ -47,7 +50,9 @@ def compute_full_logits(
 
     def forward_step(data_iterator, model):
         ids, mask = next(data_iterator)
-        output = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True)
+        output = model(
+            ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True
+        )
         return output, lambda out: (out.sum() * 0.0, {"logits": out[..., :vocab].float()})
 
     for chunk in chunks:

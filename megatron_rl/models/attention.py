@@ -5,10 +5,10 @@ window; RL batches are padded on both sides (prompts left, responses right), so 
 an explicit causal + padding mask anyway. Mask convention is Megatron's: a bool tensor broadcastable
 to [B, 1, Tq, Tk] where True means "do not attend".
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,9 @@ class SDPAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
     ):
         super().__init__(config=config)
@@ -71,9 +71,9 @@ class SDPAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
@@ -89,15 +89,25 @@ class SDPAttention(MegatronModule):
             blocked = window if blocked is None else blocked | window
         if blocked is None:
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=True,
+                q,
+                k,
+                v,
+                is_causal=True,
+                scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                enable_gqa=True,
             )
         else:
             if blocked.dtype != torch.bool:
                 raise ValueError(f"attention_mask must be bool (True = blocked), got {blocked.dtype}")
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=~blocked, scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=True,
+                q,
+                k,
+                v,
+                attn_mask=~blocked,
+                scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                enable_gqa=True,
             )
         # [b, h, s, d] -> [s, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * dim)

@@ -1,8 +1,9 @@
 """Megatron-Core GPTModel (one chunk per virtual pipeline stage) from an HF architecture config."""
+
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -20,7 +27,16 @@ from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
 from megatron_rl.models.value_head import attach_value_head
 
-__all__ = ["DEFAULT_VOCAB_DIVISOR", "build_gpt_model", "check_parallel_fit", "gpt_layer_spec", "make_transformer_config", "padded_vocab_size"]
+# check_parallel_fit / padded_vocab_size live in sizes.py (no Megatron import) and are re-exported here.
+__all__ = [
+    "DEFAULT_VOCAB_DIVISOR",
+    "build_gpt_model",
+    "check_parallel_fit",
+    "gpt_layer_spec",
+    "make_transformer_config",
+    "mark_tensor_parallel_weights",
+    "padded_vocab_size",
+]
 
 
 def make_transformer_config(
@@ -95,6 +111,21 @@ def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
     return spec
 
 
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Megatron-Core 0.16.1 tags TP-sharded weights (``tensor_model_parallel``, ``partition_dim``) only
+    inside its random initialisation. Without it (weights loaded afterwards) every sharded weight looks
+    replicated, and the gradient norm used for clipping counts it on TP rank 0 only. Tag them here."""
+    split_dims = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0), (RowParallelLinear, 1))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        for cls, dim in split_dims:
+            if isinstance(module, cls):
+                set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+                break
+
+
 def build_gpt_model(
     hf: HFModelConfig,
     *,
@@ -102,7 +133,7 @@ def build_gpt_model(
     value_head_init: str = "normal",
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
-    use_te: Optional[bool] = None,
+    use_te: bool | None = None,
     init_weights: bool = True,
     parallel_output: bool = True,
     **config_overrides: Any,
@@ -116,7 +147,9 @@ def build_gpt_model(
     """
     if use_te is None:
         use_te = te_available()
-    config = make_transformer_config(hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides)
+    config = make_transformer_config(
+        hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides
+    )
     spec = gpt_layer_spec(hf, use_te)
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     rope_kwargs: dict[str, Any] = {}
@@ -143,6 +176,8 @@ def build_gpt_model(
             vp_stage=vp_stage,
             **rope_kwargs,
         )
+        if not init_weights:
+            mark_tensor_parallel_weights(model)
         if value_head and model.post_process:
             attach_value_head(model, init=value_head_init)
         model.hf_config = hf

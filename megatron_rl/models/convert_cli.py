@@ -8,6 +8,7 @@ under torchrun/srun with WORLD_SIZE = TP*PP and it uses those ranks. The Megatro
 ``megatron.core.dist_checkpointing`` directory (``<out>/weights``) next to the HF config.json and
 tokenizer files, so it can be loaded back at any TP/PP.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--out", required=True, type=Path)
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
         command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
-        command.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source dtype")
+        command.add_argument(
+            "--dtype", choices=sorted(DTYPES), default=None, help="default: the source dtype"
+        )
         command.add_argument("--verify", action="store_true", help="compare logits against transformers")
         command.add_argument("--verify-tol", type=float, default=1e-3, help="max |logit diff| accepted")
         command.add_argument("--verify-seqs", type=int, default=4)
@@ -61,7 +63,7 @@ def _copy_hf_metadata(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def hf_to_mcore_rank(args: argparse.Namespace) -> Optional[float]:
+def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
     from megatron.core import dist_checkpointing
 
     from megatron_rl.distributed import init_model_parallel
@@ -75,7 +77,9 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> Optional[float]:
         _copy_hf_metadata(args.hf_dir, args.out)
         weights.mkdir(parents=True, exist_ok=True)
         with open(args.out / CONVERT_META, "w") as f:
-            json.dump({"source": str(args.hf_dir), "tp": args.tp, "pp": args.pp, "dtype": str(dtype)}, f, indent=2)
+            json.dump(
+                {"source": str(args.hf_dir), "tp": args.tp, "pp": args.pp, "dtype": str(dtype)}, f, indent=2
+            )
     torch.distributed.barrier()
     dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
     if not args.verify:
@@ -98,7 +102,7 @@ def _load_mcore(mcore_dir: Path, dtype: torch.dtype = torch.float32) -> list[tor
     return chunks
 
 
-def mcore_to_hf_rank(args: argparse.Namespace) -> Optional[float]:
+def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models.export import save_hf_checkpoint
 
@@ -106,15 +110,19 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> Optional[float]:
     init_model_parallel(tp=args.tp, pp=args.pp)
     chunks = _load_mcore(args.mcore_dir, dtype)
     save_hf_checkpoint(
-        chunks, args.out, tokenizer_dir=args.mcore_dir, dtype=dtype,
-        max_shard_bytes=int(args.max_shard_gb * 1024**3), progress=True,
+        chunks,
+        args.out,
+        tokenizer_dir=args.mcore_dir,
+        dtype=dtype,
+        max_shard_bytes=int(args.max_shard_gb * 1024**3),
+        progress=True,
     )
     if not args.verify:
         return None
     return _verify(_load_mcore(args.mcore_dir), args.out, args)
 
 
-def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespace) -> Optional[float]:
+def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespace) -> float | None:
     """Max |logit| difference between the Megatron chunks and transformers on random sequences
     (fp32 both sides), on the last pipeline stage; broadcast so every rank returns it."""
     import torch.distributed as dist
@@ -137,7 +145,9 @@ def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespac
         reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         with torch.no_grad():
             expected = reference(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
             ).logits
         valid = attention_mask.bool()
         diff[0] = (logits.cpu() - expected)[valid].abs().max().double()
@@ -145,7 +155,7 @@ def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespac
     return diff.item()
 
 
-def _run(rank_fn, args: argparse.Namespace) -> Optional[float]:
+def _run(rank_fn, args: argparse.Namespace) -> float | None:
     world = args.tp * args.pp
     if "WORLD_SIZE" in os.environ:  # launched by torchrun / srun
         from megatron_rl.distributed import init_distributed
@@ -156,7 +166,9 @@ def _run(rank_fn, args: argparse.Namespace) -> Optional[float]:
         return rank_fn(args)
     from megatron_rl.distributed import run_multiprocess
 
-    return run_multiprocess(rank_fn, world, args, timeout_s=24 * 3600, threads_per_rank=max(1, (os.cpu_count() or 1) // world))[0]
+    return run_multiprocess(
+        rank_fn, world, args, timeout_s=24 * 3600, threads_per_rank=max(1, (os.cpu_count() or 1) // world)
+    )[0]
 
 
 def _check_source(args: argparse.Namespace) -> None:
@@ -174,7 +186,7 @@ def _check_source(args: argparse.Namespace) -> None:
         raise SystemExit(f"megatron-rl-convert: {error}") from None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     args = _parser().parse_args(argv)

@@ -5,12 +5,13 @@ end, in step. Each tensor is TP-all-gathered on the stage that holds it, re-laid
 gate/up split, vocabulary padding dropped) and broadcast over the pipeline group, so **every rank
 receives every tensor** (same order on all ranks). Only one logical tensor is materialised at a time.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,9 @@ from megatron_rl.models.layout import (
     Kind,
     ParamMapping,
     chunk_mappings,
-    is_value_model,
     hf_from_shards,
     hf_tensor_groups,
+    is_value_model,
     unwrap,
 )
 
@@ -51,7 +52,7 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     return shards
 
 
-def _full_tensors(hf, mapping: ParamMapping, dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+def _full_tensors(hf, mapping: ParamMapping, dtype: torch.dtype | None) -> list[torch.Tensor]:
     local = mapping.param.detach()
     if dtype is not None:
         local = local.to(dtype)
@@ -60,7 +61,7 @@ def _full_tensors(hf, mapping: ParamMapping, dtype: Optional[torch.dtype]) -> li
 
 
 def export_hf_weights(
-    model_chunks: list[torch.nn.Module], dtype: Optional[torch.dtype] = None
+    model_chunks: list[torch.nn.Module], dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in HF checkpoint order, one tensor at a time, on every rank.
 
@@ -83,7 +84,11 @@ def export_hf_weights(
     else:
         everyone = [holdings]
     owner = {key: (rank, dt) for rank, held in enumerate(everyone) for key, dt in held.items()}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
     value_model = any("score.weight" in held for held in everyone)  # only the last stage has the head
     for group in hf_tensor_groups(hf, value_head=value_model):
@@ -93,7 +98,9 @@ def export_hf_weights(
         if src == pp_rank:
             tensors = _full_tensors(hf, local[group.key], dtype)
         else:
-            tensors = [torch.empty(t.shape, dtype=getattr(torch, dtype_name), device=device) for t in group.tensors]
+            tensors = [
+                torch.empty(t.shape, dtype=getattr(torch, dtype_name), device=device) for t in group.tensors
+            ]
         for spec, tensor in zip(group.tensors, tensors):
             if pp_size > 1:
                 dist.broadcast(tensor, group=pp_group, group_src=src)
@@ -114,9 +121,9 @@ def _config_for_export(hf, value_model: bool, dtype: torch.dtype) -> dict:
 
 def save_hf_checkpoint(
     model_chunks: list[torch.nn.Module],
-    out_dir: Union[str, Path],
-    tokenizer_dir: Optional[Union[str, Path]] = None,
-    dtype: Optional[torch.dtype] = None,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     progress: bool = False,
 ) -> None:

@@ -1,9 +1,10 @@
 """Lazy, sliced reads from an HF safetensors checkpoint (single file or sharded with an index)."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,7 +24,7 @@ class HFCheckpointReader:
     touching tensor data.
     """
 
-    def __init__(self, model_dir: Union[str, Path]):
+    def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         index = self.model_dir / INDEX_FILE
         if index.is_file():
@@ -37,7 +38,7 @@ class HFCheckpointReader:
             self._file_of = {}
             for file in files:
                 with safe_open(file, framework="pt") as handle:
-                    self._file_of.update({name: file for name in handle.keys()})
+                    self._file_of.update(dict.fromkeys(handle.keys(), file))
         self._handles: dict[Path, Any] = {}
 
     def names(self) -> list[str]:
@@ -52,14 +53,18 @@ class HFCheckpointReader:
         file = self._file_of[name]
         if file not in self._handles:
             if not file.is_file():
-                raise FileNotFoundError(f"{INDEX_FILE} in {self.model_dir} names missing file {file.name} (for {name!r})")
+                raise FileNotFoundError(
+                    f"{INDEX_FILE} in {self.model_dir} names missing file {file.name} (for {name!r})"
+                )
             self._handles[file] = safe_open(file, framework="pt")
         return self._handles[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
-    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """The whole tensor, or rows/columns ``[start, stop)`` along ``dim`` (0 or 1)."""
         view = self._slice(name)
         if dim is None:
@@ -80,7 +85,9 @@ class HFCheckpointReader:
                 problems.append(
                     f"tensor {name!r} in {self.file_of(name)}: expected shape {tuple(shape)}, found {self.shape(name)}"
                 )
-        unknown = [n for n in self._file_of if n not in expected and n not in ignorable and "rotary_emb" not in n]
+        unknown = [
+            n for n in self._file_of if n not in expected and n not in ignorable and "rotary_emb" not in n
+        ]
         problems += [f"unexpected tensor {name!r} with shape {self.shape(name)}" for name in unknown]
         if problems:
             shown = "\n  ".join(problems[:20])

@@ -1,10 +1,11 @@
 """Read an HF config.json into the facts a Megatron GPT needs, rejecting what we cannot represent."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 # Architecture -> model_type. All four share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA.
 SUPPORTED_ARCHITECTURES = {
@@ -14,7 +15,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -42,11 +47,11 @@ class HFModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[RopeScaling]
+    rope_scaling: RopeScaling | None
     qkv_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    sliding_window: Optional[int]
+    sliding_window: int | None
     max_position_embeddings: int
     source: str  # where the config came from, for error messages
     raw: dict[str, Any] = field(repr=False, compare=False)  # the config.json dict, written back on export
@@ -60,7 +65,7 @@ class HFModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
-def _rope(cfg: dict[str, Any], where: str) -> tuple[float, Optional[RopeScaling]]:
+def _rope(cfg: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -92,7 +97,9 @@ def _reject(cond: bool, where: str, message: str) -> None:
 def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
     """Validate a config.json dict and normalise it; every refusal says which field and value."""
     # A saved critic is <Family>ForTokenClassification: same backbone, read as its causal-LM family.
-    architectures = [a.replace("ForTokenClassification", "ForCausalLM") for a in cfg.get("architectures") or []]
+    architectures = [
+        a.replace("ForTokenClassification", "ForCausalLM") for a in cfg.get("architectures") or []
+    ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -101,20 +108,38 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
             f"supported: {supported} (and their ForTokenClassification critics)"
         )
     model_type = SUPPORTED_ARCHITECTURES[arch]
-    _reject(cfg.get("hidden_act", "silu") != "silu", source, f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported")
+    _reject(
+        cfg.get("hidden_act", "silu") != "silu",
+        source,
+        f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported",
+    )
     _reject(bool(cfg.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
     # Qwen2 always has q/k/v bias and no o_proj bias. For the others attention_bias adds an o_proj bias
     # too, which Megatron can only express together with MLP biases.
     attention_bias = bool(cfg.get("attention_bias", False))
-    _reject(model_type != "qwen2" and attention_bias, source, "attention_bias=true (o_proj bias) is not supported")
-    _reject(bool(cfg.get("use_sliding_window", False)), source, "use_sliding_window=true (per-layer windows) is not supported")
+    _reject(
+        model_type != "qwen2" and attention_bias, source, "attention_bias=true (o_proj bias) is not supported"
+    )
+    _reject(
+        bool(cfg.get("use_sliding_window", False)),
+        source,
+        "use_sliding_window=true (per-layer windows) is not supported",
+    )
     layer_types = set(cfg.get("layer_types") or ["full_attention"])
-    _reject(model_type != "mistral" and layer_types != {"full_attention"}, source, f"layer_types {sorted(layer_types)} are not supported")
+    _reject(
+        model_type != "mistral" and layer_types != {"full_attention"},
+        source,
+        f"layer_types {sorted(layer_types)} are not supported",
+    )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         _reject(key not in cfg, source, f"missing required field {key!r}")
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    _reject(heads % kv_heads != 0, source, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    _reject(
+        heads % kv_heads != 0,
+        source,
+        f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+    )
     theta, scaling = _rope(cfg, source)
     return HFModelConfig(
         architecture=arch,
@@ -139,7 +164,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     )
 
 
-def load_hf_config(model_dir: Union[str, Path]) -> HFModelConfig:
+def load_hf_config(model_dir: str | Path) -> HFModelConfig:
     """Read and validate ``<model_dir>/config.json``."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():

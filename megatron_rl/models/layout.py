@@ -9,11 +9,12 @@ Rules (REFERENCE.md §3):
 * the embedding / output layer have ``padded_vocab`` rows; rows past the real vocabulary are zero on
   load and dropped on export.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,12 +73,19 @@ def _layer_groups(hf: HFModelConfig, i: int) -> dict[str, TensorGroup]:
     if hf.qkv_bias:
         groups["qkv_bias"] = TensorGroup(Kind.QKV, qkv("bias"))
     if hf.qk_norm:
-        groups["q_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}self_attn.q_norm.weight", (hf.head_dim,)),))
-        groups["k_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}self_attn.k_norm.weight", (hf.head_dim,)),))
+        groups["q_norm"] = TensorGroup(
+            Kind.REPLICATED, (HFTensor(f"{p}self_attn.q_norm.weight", (hf.head_dim,)),)
+        )
+        groups["k_norm"] = TensorGroup(
+            Kind.REPLICATED, (HFTensor(f"{p}self_attn.k_norm.weight", (hf.head_dim,)),)
+        )
     groups["o_proj"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}self_attn.o_proj.weight", (h, hf.q_size)),))
-    groups["post_norm"] = TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),))
+    groups["post_norm"] = TensorGroup(
+        Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),)
+    )
     groups["gate_up"] = TensorGroup(
-        Kind.GATE_UP, (HFTensor(f"{p}mlp.gate_proj.weight", (f, h)), HFTensor(f"{p}mlp.up_proj.weight", (f, h)))
+        Kind.GATE_UP,
+        (HFTensor(f"{p}mlp.gate_proj.weight", (f, h)), HFTensor(f"{p}mlp.up_proj.weight", (f, h))),
     )
     groups["down"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}mlp.down_proj.weight", (h, f)),))
     return groups
@@ -164,7 +172,10 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
         mappings += [ParamMapping(params[role], group) for role, group in groups.items()]
     if model.post_process:
         mappings.append(
-            ParamMapping(model.decoder.final_layernorm.weight, _single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))
+            ParamMapping(
+                model.decoder.final_layernorm.weight,
+                _single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)),
+            )
         )
         head = model.output_layer
         if isinstance(head, ValueHead):
@@ -180,7 +191,7 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
 
 # ---------------------------------------------------------------- HF -> local shard
 
-Reader = Callable[[str, Optional[int], int, Optional[int]], torch.Tensor]
+Reader = Callable[[str, int | None, int, int | None], torch.Tensor]
 
 
 def _qkv_shard(hf: HFModelConfig, group: TensorGroup, read: Reader, rank: int, size: int) -> torch.Tensor:

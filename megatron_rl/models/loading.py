@@ -1,8 +1,8 @@
 """Load an HF safetensors checkpoint into this rank's Megatron model chunks, reading only its shard."""
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import torch
 from megatron.core import parallel_state
@@ -12,7 +12,9 @@ from megatron_rl.models.hf_checkpoint import CheckpointMismatchError, HFCheckpoi
 from megatron_rl.models.layout import chunk_mappings, hf_tensor_groups, is_value_model, shard_from_hf, unwrap
 
 
-def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, Path], progress: bool = False) -> None:
+def load_hf_weights(
+    model_chunks: list[torch.nn.Module], model_dir: str | Path, progress: bool = False
+) -> None:
     """Fill the chunks from ``model_dir`` (config.json + safetensors, sharded or not).
 
     The checkpoint header is checked first against the config (every tensor present, every shape
@@ -30,7 +32,9 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], model_dir: Union[str, P
 
     groups = hf_tensor_groups(hf, value_head=value_model)
     has_score = value_model and "score.weight" in names
-    expected = {t.name: t.shape for g in groups if has_score or not g.key.startswith("score.") for t in g.tensors}
+    expected = {
+        t.name: t.shape for g in groups if has_score or not g.key.startswith("score.") for t in g.tensors
+    }
     # Tied checkpoints may still store lm_head; a critic initialised from a causal LM drops it.
     ignorable = {"lm_head.weight"} if hf.tie_word_embeddings or value_model else set()
     reader.validate(expected, frozenset(ignorable))

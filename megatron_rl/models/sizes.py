@@ -1,7 +1,6 @@
 """Size arithmetic shared by the builder and planners; no Megatron import, so it loads instantly."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 from megatron_rl.models.hf_config import HFModelConfig
 
@@ -14,7 +13,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return -(-vocab_size // multiple) * multiple
 
 
-def check_parallel_fit(hf: HFModelConfig, tp: int, pp: int, vpp: Optional[int]) -> None:
+def check_parallel_fit(hf: HFModelConfig, tp: int, pp: int, vpp: int | None) -> None:
     """Refuse TP/PP sizes that do not split this model evenly, naming the numbers."""
     where = hf.source
     heads, groups = hf.num_attention_heads, hf.num_key_value_heads
@@ -23,9 +22,7 @@ def check_parallel_fit(hf: HFModelConfig, tp: int, pp: int, vpp: Optional[int]) 
     if hf.intermediate_size % tp:
         raise ValueError(f"{where}: intermediate_size={hf.intermediate_size} is not divisible by TP={tp}")
     if groups % tp and tp % groups:
-        raise ValueError(
-            f"{where}: num_key_value_heads={groups} must be a multiple or a divisor of TP={tp}"
-        )
+        raise ValueError(f"{where}: num_key_value_heads={groups} must be a multiple or a divisor of TP={tp}")
     if tp > groups and ((heads // groups + 2) * hf.head_dim) % (tp // groups):
         raise ValueError(
             f"{where}: TP={tp} > num_key_value_heads={groups} splits each query group's "

@@ -6,10 +6,11 @@
 Weights are random but not degenerate: norms are 1 + noise and biases non-zero, so a layout bug in
 any tensor changes the logits.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
 
 
-def make_tiny_tokenizer(path: Union[str, Path]) -> Path:
+def make_tiny_tokenizer(path: str | Path) -> Path:
     """Byte-level BPE without merges: 256 byte tokens + a few special tokens (ids 256..262).
 
     Any text round-trips. Saved with a minimal chat template, so ``apply_chat_template`` works.
@@ -56,7 +57,7 @@ def tiny_hf_config(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 64,
-    head_dim: Optional[int] = None,
+    head_dim: int | None = None,
     tie_word_embeddings: bool = False,
     **overrides: Any,
 ):
@@ -89,11 +90,11 @@ def tiny_hf_config(
 
 
 def make_tiny_hf_checkpoint(
-    path: Union[str, Path],
+    path: str | Path,
     family: str = "qwen2",
     *,
     seed: int = 0,
-    max_shard_size: Optional[str] = None,
+    max_shard_size: str | None = None,
     with_tokenizer: bool = True,
     dtype: torch.dtype = torch.float32,
     **config_kwargs: Any,

@@ -4,9 +4,8 @@ The critic is the policy's GPT with this head: ``GPTModel.forward`` then returns
 [batch, seq, 1] instead of logits. The layout matches transformers' ``*ForTokenClassification`` with
 ``num_labels=1`` (``score.weight`` [1, hidden], ``score.bias`` [1]), so an exported critic loads there.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,9 @@ class ValueHead(MegatronModule):
         if init not in ("normal", "zero"):
             raise ValueError(f"value head init must be 'normal' or 'zero', got {init!r}")
         device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
-        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device))
+        self.weight = torch.nn.Parameter(
+            torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device)
+        )
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
         with torch.no_grad():
             if init == "zero":
@@ -36,8 +37,8 @@ class ValueHead(MegatronModule):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        weight: Optional[torch.Tensor] = None,
-        runtime_gather_output: Optional[bool] = None,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Same call signature as ColumnParallelLinear, which GPTModel._postprocess uses."""
         if self.config.sequence_parallel:
@@ -55,5 +56,7 @@ def attach_value_head(model: torch.nn.Module, init: str = "normal") -> None:
     # Every TP rank must start from the same head, whatever its RNG consumed before.
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:
-        dist.broadcast(head.weight.data, src=parallel_state.get_tensor_model_parallel_src_rank(), group=tp_group)
+        dist.broadcast(
+            head.weight.data, src=parallel_state.get_tensor_model_parallel_src_rank(), group=tp_group
+        )
     model.output_layer = head

@@ -1,4 +1,5 @@
 """Launcher environment parsing and the reversible CPU compatibility layer (in-process, no ranks)."""
+
 import pytest
 import torch
 
@@ -7,16 +8,34 @@ from megatron_rl.distributed.process_group import first_slurm_host, read_launch_
 
 
 def test_torchrun_variables_win():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "1234",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "n0",
+        "MASTER_PORT": "1234",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "8",
+    }
     launch = read_launch_env(env)
-    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.master_port) == (3, 4, 1, "n0", 1234)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.master_port) == (
+        3,
+        4,
+        1,
+        "n0",
+        1234,
+    )
     assert launch.source == "torchrun"
 
 
 def test_slurm_variables_give_first_node_and_a_job_derived_port():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-           "SLURM_JOB_NODELIST": "gpu[03-05,9],cpu1", "SLURM_JOB_ID": "123456"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[03-05,9],cpu1",
+        "SLURM_JOB_ID": "123456",
+    }
     launch = read_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank) == (5, 16, 1)
     assert launch.master_addr == "gpu03" and launch.master_port == 15000 + 123456 % 20000
@@ -30,7 +49,9 @@ def test_no_launcher_means_one_process_and_bad_values_are_named():
         read_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
 
 
-@pytest.mark.parametrize("nodelist, host", [("node1", "node1"), ("a[1-2]", "a1"), ("x[007,9]", "x007"), ("h-1,h-2", "h-1")])
+@pytest.mark.parametrize(
+    "nodelist, host", [("node1", "node1"), ("a[1-2]", "a1"), ("x[007,9]", "x007"), ("h-1,h-2", "h-1")]
+)
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
 
@@ -43,11 +64,14 @@ def test_mode_redirects_cuda_factory_calls_to_cpu():
 
 
 def test_cpu_compat_is_reversible_and_nests():
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
-    originals = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda,
-                 schedules.forward_backward_no_pipelining, mcore_random._CUDA_RNG_STATE_TRACKER)
+    originals = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.Tensor.cuda,
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+    )
     with install_cpu_compat(force=True):
         inner = install_cpu_compat(force=True)
         assert torch.cuda.current_device() == torch.device("cpu")
@@ -55,10 +79,17 @@ def test_cpu_compat_is_reversible_and_nests():
         assert torch.ones(1).cuda().device.type == "cpu"
         with mcore_random.get_cuda_rng_tracker().fork():  # no-op fork: no CUDA generator needed
             pass
-        assert schedules.forward_backward_no_pipelining.__wrapped_for_cpu__ is originals[3]
+        assert torch.tensor([1.0], device="cuda").device.type == "cpu"  # e.g. FP32Optimizer._scale
         inner.uninstall()
         assert cpu_compat_installed()  # the outer holder keeps it
     assert not cpu_compat_installed()
-    restored = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda,
-                schedules.forward_backward_no_pipelining, mcore_random._CUDA_RNG_STATE_TRACKER)
+    restored = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.Tensor.cuda,
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+    )
     assert all(a is b for a, b in zip(restored, originals))
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):  # "Torch not compiled with CUDA enabled"
+            torch.zeros(1, device="cuda")

@@ -1,5 +1,6 @@
 """Same weights, same data: TP=2, PP=2 and interleaved PP=2xVPP=2 reproduce the TP=1=PP logits, losses and
 gradients through Megatron's get_forward_backward_func with several micro-batches (gloo, 2 CPU ranks)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 4, 2, 10
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 2)]  # (TP, PP, VPP)
+STEP_LAYOUTS = [(1, 1, False), (2, 1, True), (1, 2, False)]  # (TP, PP, distributed optimizer)
 
 
 def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -35,19 +37,14 @@ def next_token_loss(ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor)
     return -(token_log_probs * valid).sum() / valid.sum()
 
 
-def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, causal_padding_mask, export_hf_weights, position_ids_from_mask
-
-    init_model_parallel(tp=tp, pp=pp, vpp=vpp)
-    chunks = build_from_hf(directory)
-    vocab = chunks[0].hf_config.vocab_size
+def forward_step_fn(vocab: int):
+    from megatron_rl.models import causal_padding_mask, position_ids_from_mask
 
     def forward_step(data_iterator, model):
         ids, mask = next(data_iterator)
-        logits = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True)
+        logits = model(
+            ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True
+        )
 
         def loss_fn(output):
             output = output[..., :vocab]
@@ -56,9 +53,15 @@ def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
 
         return logits, loss_fn
 
+    return forward_step
+
+
+def forward_backward(chunks: list, vpp, vocab: int) -> list:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     data = micro_batches()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_fn(vocab),
         data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
         model=chunks,
         num_microbatches=MICRO_BATCHES,
@@ -66,6 +69,15 @@ def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
         micro_batch_size=MICRO_BATCH_SIZE,
         forward_only=False,
     )
+
+
+def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, export_hf_weights
+
+    init_model_parallel(tp=tp, pp=pp, vpp=vpp)
+    chunks = build_from_hf(directory)
+    outputs = forward_backward(chunks, vpp, chunks[0].hf_config.vocab_size)
     # Export the gradients under HF names: swap them into the parameters, reuse the weight export.
     for chunk in chunks:
         for param in chunk.parameters():
@@ -74,17 +86,56 @@ def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
     return {"outputs": outputs, "grads": grads}
 
 
+def optimizer_step(directory: str, tp: int, pp: int, distributed_optimizer: bool) -> dict:
+    """Megatron's training path on CPU: DDP-wrapped chunks, finalize_model_grads, clipped Adam. A large
+    epsilon keeps Adam from amplifying rounding noise of near-zero gradients into weight differences."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, export_hf_weights
+
+    init_model_parallel(tp=tp, pp=pp)
+    chunks = build_from_hf(directory)
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.1,
+            adam_eps=1.0,
+            clip_grad=1.0,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        model,
+    )
+    forward_backward(model, None, chunks[0].hf_config.vocab_size)
+    updated, grad_norm, _ = optimizer.step()
+    return {
+        "updated": updated,
+        "grad_norm": grad_norm,
+        "weights": {n: t.clone() for n, t in export_hf_weights(model)},
+    }
+
+
 def parity_checks(directory: str) -> dict:
     from megatron_rl.distributed import init_model_parallel
 
     results = {layout: run_layout(directory, *layout) for layout in LAYOUTS}
+    steps = {layout: optimizer_step(directory, *layout) for layout in STEP_LAYOUTS}
     errors = {}
     for kwargs in (dict(tp=3), dict(tp=1, pp=1, vpp=2)):
         try:
             init_model_parallel(**kwargs)
         except ValueError as error:
             errors[tuple(kwargs.items())] = str(error)
-    return {"rank": dist.get_rank(), "results": results, "errors": errors}
+    return {"rank": dist.get_rank(), "results": results, "steps": steps, "errors": errors}
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +168,25 @@ def test_gradients_match_single_rank(per_rank, layout):
         assert grads.keys() == reference.keys()
         for name, ref in reference.items():
             assert ref.abs().sum() > 0, f"{name} has no gradient in the reference"
-            torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                grads[name], ref, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_parallel_sizes_that_do_not_factor_are_refused(per_rank):
     errors = per_rank[0]["errors"]
     assert errors[(("tp", 3),)] == "world size 2 is not divisible by TP*PP*CP = 3*1*1 = 3"
     assert errors[(("tp", 1), ("pp", 1), ("vpp", 2))] == "virtual pipeline size 2 needs PP >= 2, got PP=1"
+
+
+@pytest.mark.parametrize("layout", STEP_LAYOUTS[1:], ids=["tp2_distopt", "pp2"])
+def test_optimizer_step_with_ddp_matches_single_rank(per_rank, layout):
+    reference = per_rank[0]["steps"][STEP_LAYOUTS[0]]
+    for result in per_rank:
+        step = result["steps"][layout]
+        assert step["updated"] and reference["updated"]
+        assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(
+                step["weights"][name], weight, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )

@@ -1,4 +1,5 @@
 """Config parsing, refusal messages and size arithmetic (no Megatron import, milliseconds)."""
+
 import json
 
 import pytest
@@ -23,8 +24,12 @@ def cfg(arch: str = "LlamaForCausalLM", **fields):
 
 @pytest.mark.parametrize(
     "arch, qkv_bias, qk_norm",
-    [("LlamaForCausalLM", False, False), ("Qwen2ForCausalLM", True, False),
-     ("Qwen3ForCausalLM", False, True), ("MistralForCausalLM", False, False)],
+    [
+        ("LlamaForCausalLM", False, False),
+        ("Qwen2ForCausalLM", True, False),
+        ("Qwen3ForCausalLM", False, True),
+        ("MistralForCausalLM", False, False),
+    ],
 )
 def test_families_map_to_megatron_features(arch, qkv_bias, qk_norm):
     hf = parse_hf_config(cfg(arch, head_dim=16))
@@ -38,9 +43,18 @@ def test_head_dim_defaults_to_hidden_over_heads_and_kv_heads_to_heads():
 
 
 def test_rope_read_from_transformers_5_and_4_formats():
-    v5 = parse_hf_config(cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 8192}))
+    v5 = parse_hf_config(
+        cfg(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        )
+    )
     v4 = parse_hf_config(cfg(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}))
     assert (v5.rope_theta, v5.rope_scaling.kind, v5.rope_scaling.factor) == (5e5, "llama3", 8.0)
     assert (v4.rope_theta, v4.rope_scaling.kind, v4.rope_scaling.factor) == (5e5, "linear", 2.0)
@@ -54,7 +68,10 @@ def test_rope_read_from_transformers_5_and_4_formats():
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}}, "high_freq_factor=2.0"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}},
+            "high_freq_factor=2.0",
+        ),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ],
 )
@@ -104,4 +121,6 @@ def test_tp_beyond_kv_heads_allowed_when_groups_split_evenly():
     with pytest.raises(ValueError, match="q/k/v rows over 8 ranks"):
         check_parallel_fit(odd, 8, 1, None)
     with pytest.raises(ValueError, match="multiple or a divisor of TP=4"):
-        check_parallel_fit(parse_hf_config({**cfg(num_key_value_heads=3), "num_attention_heads": 12}), 4, 1, None)
+        check_parallel_fit(
+            parse_hf_config({**cfg(num_key_value_heads=3), "num_attention_heads": 12}), 4, 1, None
+        )

@@ -3,6 +3,7 @@
 One spawned group runs every Megatron-side check (spawning and importing Megatron costs seconds);
 the transformers references and the assertions run here in the test process.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,13 +24,21 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP)
 TOLERANCE = 1e-4
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192, "rope_theta": 1e6}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 1e6,
+}
 # Each family exercises its own features: tied embeddings + llama3 RoPE scaling, q/k/v bias + a sharded
 # checkpoint, q/k norm + head_dim != hidden/heads, sliding window shorter than the sequence, and one
 # KV head (TP=2 > KV heads).
 MODELS = {
-    "llama": dict(family="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384),
+    "llama": dict(
+        family="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384
+    ),
     "qwen2": dict(family="qwen2", max_shard_size="40KB"),
     "qwen3": dict(family="qwen3", head_dim=16),
     "mistral": dict(family="mistral", sliding_window=4),
@@ -92,8 +101,13 @@ def _value_model_checks(directory: str, out_dir: str) -> dict:
         return values, loss_fn
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([(input_ids, attention_mask)]), model=chunks[0],
-        num_microbatches=1, seq_length=12, micro_batch_size=3, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter([(input_ids, attention_mask)]),
+        model=chunks[0],
+        num_microbatches=1,
+        seq_length=12,
+        micro_batch_size=3,
+        forward_only=False,
     )
     grads = {name: p.grad for name, p in chunks[0].named_parameters()}
     save_hf_checkpoint(chunks, out_dir)
@@ -105,8 +119,12 @@ def _value_model_checks(directory: str, out_dir: str) -> dict:
     }
     if parallel_state.is_pipeline_last_stage():
         head = chunks[0].output_layer
-        result.update(values=collected[0], reloaded_values=reloaded, head_weight=head.weight.detach().clone(),
-                      head_grad=head.weight.grad.clone())
+        result.update(
+            values=collected[0],
+            reloaded_values=reloaded,
+            head_weight=head.weight.detach().clone(),
+            head_grad=head.weight.grad.clone(),
+        )
     return result
 
 
@@ -150,8 +168,12 @@ def megatron_checks(dirs: dict[str, str], work: str) -> dict:
         value_dir = f"{work}/value_tp{tp}_pp{pp}"
         out["value"][tp, pp] = _value_model_checks(dirs["qwen2"], value_dir)
         if (tp, pp) == (1, 2):
-            save_hf_checkpoint(build_from_hf(dirs["qwen2"]), f"{work}/saved", tokenizer_dir=dirs["qwen2"],
-                               max_shard_bytes=30_000)
+            save_hf_checkpoint(
+                build_from_hf(dirs["qwen2"]),
+                f"{work}/saved",
+                tokenizer_dir=dirs["qwen2"],
+                max_shard_bytes=30_000,
+            )
     init_model_parallel(tp=2, pp=1)
     out["errors"] = {}
     for name in ("corrupt_shape", "corrupt_missing"):
@@ -177,7 +199,7 @@ def setup(tmp_path_factory):
     return dirs, root, results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_logits(directory: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -186,8 +208,11 @@ def hf_logits(directory: str) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     input_ids, attention_mask = batch()
     with torch.no_grad():
-        return model(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_mask(attention_mask)).logits
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+        ).logits
 
 
 def checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -262,11 +287,16 @@ def test_value_model_forward_backward_matches_token_classification(setup, tp, pp
     for other in last[1:]:  # TP ranks agree on the replicated head and its gradient
         assert torch.equal(other["head_weight"], last[0]["head_weight"])
         assert torch.equal(other["head_grad"], last[0]["head_grad"])
-    critic = AutoModelForTokenClassification.from_pretrained(str(root / f"value_tp{tp}_pp{pp}"), dtype=torch.float32)
+    critic = AutoModelForTokenClassification.from_pretrained(
+        str(root / f"value_tp{tp}_pp{pp}"), dtype=torch.float32
+    )
     input_ids, attention_mask = batch()
     with torch.no_grad():
-        expected = critic.eval()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids_from_mask(attention_mask)).logits
+        expected = critic.eval()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+        ).logits
     valid = attention_mask.bool()
     assert (values - expected)[valid].abs().max().item() <= TOLERANCE
 
@@ -278,4 +308,7 @@ def test_corrupted_checkpoints_are_rejected_naming_the_tensor(setup):
         assert "model.layers.1.mlp.up_proj.weight" in shape_error
         assert "expected shape (64, 32), found (63, 32)" in shape_error
         missing_error = result["errors"]["corrupt_missing"]
-        assert "missing tensor 'model.layers.0.self_attn.k_proj.weight' (expected shape (16, 32))" in missing_error
+        assert (
+            "missing tensor 'model.layers.0.self_attn.k_proj.weight' (expected shape (16, 32))"
+            in missing_error
+        )
