@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 
 #include "../kernel_args.h"
