@@ -4,6 +4,7 @@ The C++ CPU kernels are always built. The CUDA kernels (csrc/cuda/*.cu) are adde
 with CUDA and nvcc is found; MEGATRON_RL_BUILD_CUDA=1 requires them (error if impossible),
 MEGATRON_RL_BUILD_CUDA=0 leaves them out. TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual.
 """
+
 import os
 import platform
 from glob import glob

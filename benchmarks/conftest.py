@@ -1,8 +1,10 @@
 """Measurement helpers shared by the benchmarks: best-of-N wall time and peak extra memory."""
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +28,9 @@ def _rss_kib(field: str) -> int:
 class Measure:
     """Times and memory of a callable; `setup` (untimed) returns the call's argument tuple."""
 
-    def best_seconds(self, fn: Callable, rounds: int = 3, setup: Optional[Callable[[], tuple]] = None,
-                     device: str = "cpu") -> float:
+    def best_seconds(
+        self, fn: Callable, rounds: int = 3, setup: Callable[[], tuple] | None = None, device: str = "cpu"
+    ) -> float:
         times = []
         for _ in range(rounds):
             args = setup() if setup else ()
@@ -38,8 +41,9 @@ class Measure:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    def peak_extra_bytes(self, fn: Callable, setup: Optional[Callable[[], tuple]] = None,
-                         device: str = "cpu") -> Optional[int]:
+    def peak_extra_bytes(
+        self, fn: Callable, setup: Callable[[], tuple] | None = None, device: str = "cpu"
+    ) -> int | None:
         """Peak memory during fn above what was held before it (CPU: resident set; CUDA: allocator).
 
         CPU peaks come from VmHWM, reset through /proc/self/clear_refs; None where that is unavailable.

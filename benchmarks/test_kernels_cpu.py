@@ -7,13 +7,14 @@ that the results agree, and stores seconds, the speed-up and peak extra memory i
 with -s). Targets on CPU: log-prob fwd+bwd >= 2x log_softmax+gather with extra memory < 10 % of the
 logits; masked GAE + whiten >= 50x the per-timestep loop; group_normalize >= 20x the per-group loop.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.distributed.spawn import free_port
 from megatron_rl.ops import reference
 
@@ -23,7 +24,10 @@ ROUNDS = 3
 
 def report(benchmark, name: str, **fields) -> None:
     benchmark.extra_info.update(fields)
-    print(f"\n[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()))
+    print(
+        f"\n[{name}] "
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+    )
 
 
 # ---- log-prob fwd+bwd ---------------------------------------------------------------------------
@@ -82,7 +86,9 @@ def test_log_prob_fwd_bwd(benchmark, measure, megatron_tp1, dtype, with_entropy)
     torch_step(x, labels, with_entropy)
     torch.testing.assert_close(fused_grad, x.grad.float(), rtol=1e-2, atol=1e-4)
 
-    benchmark.pedantic(fused_step, args=(x, labels, with_entropy), rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(
+        fused_step, args=(x, labels, with_entropy), rounds=ROUNDS, iterations=1, warmup_rounds=1
+    )
     ours = benchmark.stats.stats.min
     plain = measure.best_seconds(lambda: torch_step(x, labels, with_entropy), rounds=2)
     x.grad = None
@@ -92,19 +98,25 @@ def test_log_prob_fwd_bwd(benchmark, measure, megatron_tp1, dtype, with_entropy)
         extra = measure.peak_extra_bytes(step, setup=setup)
         return float("nan") if extra is None else 100.0 * (extra - logits_bytes) / logits_bytes
 
-    fields = dict(
-        ours_s=ours, torch_s=plain, speedup_vs_torch=plain / ours,
-        ours_extra_mem_pct=extra_pct(lambda: fused_step(x, labels, with_entropy)),
-        torch_extra_mem_pct=extra_pct(lambda: torch_step(x, labels, with_entropy)),
-    )
+    fields = {
+        "ours_s": ours,
+        "torch_s": plain,
+        "speedup_vs_torch": plain / ours,
+        "ours_extra_mem_pct": extra_pct(lambda: fused_step(x, labels, with_entropy)),
+        "torch_extra_mem_pct": extra_pct(lambda: torch_step(x, labels, with_entropy)),
+    }
     x.grad = None
     if not with_entropy:  # Megatron's cross-entropy computes no entropy
+
         def fresh():
             return (logits.clone().requires_grad_(),)
 
         megatron = measure.best_seconds(lambda t: megatron_step(t, labels), rounds=2, setup=fresh)
-        fields.update(megatron_s=megatron, speedup_vs_megatron=megatron / ours,
-                      megatron_extra_mem_pct=extra_pct(lambda t: megatron_step(t, labels), setup=fresh))
+        fields.update(
+            megatron_s=megatron,
+            speedup_vs_megatron=megatron / ours,
+            megatron_extra_mem_pct=extra_pct(lambda t: megatron_step(t, labels), setup=fresh),
+        )
     report(benchmark, f"log-prob fwd+bwd {dtype} entropy={with_entropy}", **fields)
 
 
@@ -151,5 +163,10 @@ def test_group_normalize(benchmark, measure, groups, group_size):
     benchmark.pedantic(fused, rounds=20, iterations=1, warmup_rounds=1)
     ours = benchmark.stats.stats.min
     plain = measure.best_seconds(loop, rounds=2)
-    report(benchmark, f"group_normalize {groups}x{group_size}", ours_s=ours, loop_s=plain,
-           speedup_vs_loop=plain / ours)
+    report(
+        benchmark,
+        f"group_normalize {groups}x{group_size}",
+        ours_s=ours,
+        loop_s=plain,
+        speedup_vs_loop=plain / ours,
+    )

@@ -3,6 +3,7 @@
 Each op runs the compiled kernels of `megatron_rl._C` (C++ on CPU, CUDA on GPU) and falls back to the
 plain-torch semantics in `megatron_rl.ops.reference` when they are not built (one warning).
 """
+
 from megatron_rl.ops._extension import backend_summary
 from megatron_rl.ops.gae import masked_gae
 from megatron_rl.ops.group_norm import group_normalize

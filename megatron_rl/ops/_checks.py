@@ -3,9 +3,8 @@
 Every error names the argument, what was expected and what was seen, so a bad call fails at the
 call site instead of deep inside a kernel or a collective.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -27,7 +26,9 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
 
 def check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32/bfloat16/float16/float64, got {t.dtype} (shape {tuple(t.shape)})")
+        raise TypeError(
+            f"{name} must be float32/bfloat16/float16/float64, got {t.dtype} (shape {tuple(t.shape)})"
+        )
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
@@ -40,7 +41,7 @@ def check_log_prob_args(
     logits: torch.Tensor,
     labels: torch.Tensor,
     temperature: float,
-    vocab_size: Optional[int],
+    vocab_size: int | None,
     vocab_total: int,
     ignore_index: int,
 ) -> None:
@@ -79,7 +80,9 @@ def check_log_prob_args(
         )
 
 
-def check_gae_args(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> None:
+def check_gae_args(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> None:
     for name, t in (("token_level_rewards", rewards), ("values", values), ("response_mask", mask)):
         check_tensor(name, t)
         if t.dim() != 2:
@@ -125,7 +128,9 @@ def check_group_args(scores: torch.Tensor, group_index: torch.Tensor, mode: str,
     if scores.dim() != 1:
         raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
     if group_index.shape != scores.shape:
-        raise ValueError(f"group_index shape {tuple(group_index.shape)} must equal scores shape {tuple(scores.shape)}")
+        raise ValueError(
+            f"group_index shape {tuple(group_index.shape)} must equal scores shape {tuple(scores.shape)}"
+        )
     if group_index.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"group_index must be int64 or int32, got {group_index.dtype}")
     check_same_device(scores=scores, group_index=group_index)

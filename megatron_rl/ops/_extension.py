@@ -4,20 +4,20 @@ When the extension is missing, or was built without CUDA and a CUDA tensor arriv
 `megatron_rl.ops.reference` with one warning per reason. Fake kernels registered here give every op an
 output shape without running it, for torch.compile and FakeTensor tracing.
 """
+
 from __future__ import annotations
 
 import functools
 import warnings
 from types import ModuleType
-from typing import Optional
 
 import torch
 
 BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (see docs/kernels.md)"
 
 
-@functools.lru_cache(maxsize=None)
-def _load() -> Optional[ModuleType]:
+@functools.cache
+def _load() -> ModuleType | None:
     try:
         from megatron_rl import _C
     except ImportError as err:
@@ -32,7 +32,7 @@ def _load() -> Optional[ModuleType]:
     return _C
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_no_kernels_for(device_type: str) -> None:
     warnings.warn(
         f"megatron_rl._C has no {device_type} kernels (cuda_compiled={_load().cuda_compiled}); megatron_rl.ops "
@@ -63,7 +63,7 @@ def backend_summary() -> str:
     return f"compiled: cpu ({ext.cpu_isa()})" + (", cuda" if ext.cuda_compiled else "")
 
 
-@functools.lru_cache(maxsize=None)  # once per process, even if _load's cache is cleared
+@functools.cache  # once per process, even if _load's cache is cleared
 def _register_fakes() -> None:
     def acc_dtype(logits: torch.Tensor) -> torch.dtype:
         return torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -77,13 +77,26 @@ def _register_fakes() -> None:
         return tuple(stats.new_empty(stats.shape[1]) for _ in range(4))
 
     @torch.library.register_fake("megatron_rl::log_prob_backward")
-    def _(logits, labels, row_max, log_sum, entropy, grad_log_probs, grad_entropy, vocab_start, valid_width,
-          inv_temperature, ignore_index):
+    def _(
+        logits,
+        labels,
+        row_max,
+        log_sum,
+        entropy,
+        grad_log_probs,
+        grad_entropy,
+        vocab_start,
+        valid_width,
+        inv_temperature,
+        ignore_index,
+    ):
         return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
     @torch.library.register_fake("megatron_rl::masked_gae")
     def _(token_level_rewards, values, response_mask, gamma, lam):
-        return tuple(token_level_rewards.new_empty(token_level_rewards.shape, dtype=torch.float32) for _ in range(2))
+        return tuple(
+            token_level_rewards.new_empty(token_level_rewards.shape, dtype=torch.float32) for _ in range(2)
+        )
 
     @torch.library.register_fake("megatron_rl::masked_whiten")
     def _(x, mask, shift_mean):

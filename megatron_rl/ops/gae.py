@@ -1,7 +1,6 @@
 """masked_gae: verl's masked GAE (not whitened) through the fused kernels."""
-from __future__ import annotations
 
-from typing import Tuple
+from __future__ import annotations
 
 import torch
 
@@ -15,7 +14,7 @@ def masked_gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns = advantages + values), fp32 [B, T], advantages not whitened.
 
     Reverse recurrence over t: delta = r_t + gamma * next_value - v_t; masked tokens (mask 0) carry both

@@ -1,4 +1,5 @@
 """group_normalize: GRPO / Dr.GRPO / RLOO advantages from the scores of each prompt's group."""
+
 from __future__ import annotations
 
 import torch

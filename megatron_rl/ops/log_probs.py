@@ -5,10 +5,10 @@ all-gather of those 16 bytes per row merges the TP shards; backward recomputes t
 per-row log-sum-exp (as max and log of the sum) and entropy. Extra memory is O(rows), never
 O(rows * vocab). Semantics: reference.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ class _VocabShard:
     ignore_index: int
 
 
-def _gather_row_stats(stats: torch.Tensor, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def _gather_row_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """[rows, 4] per-rank statistics -> [world, rows, 4], with ONE collective.
 
     Merging shards needs each shard's max to rescale its sums, so a sum all-reduce would first need the
@@ -64,8 +64,17 @@ class _FusedLogProbs(torch.autograd.Function):
         logits, labels, row_max, log_sum, entropy = ctx.saved_tensors
         s = ctx.shard
         grad_logits = torch.ops.megatron_rl.log_prob_backward(
-            logits, labels, row_max, log_sum, entropy, grad_log_probs, grad_entropy,
-            s.vocab_start, s.valid_width, s.inv_temperature, s.ignore_index,
+            logits,
+            labels,
+            row_max,
+            log_sum,
+            entropy,
+            grad_log_probs,
+            grad_entropy,
+            s.vocab_start,
+            s.valid_width,
+            s.inv_temperature,
+            s.ignore_index,
         )
         return grad_logits, None, None, None
 
@@ -74,12 +83,12 @@ def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     ignore_index: int = -100,
-    vocab_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    vocab_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[labels], and the softmax entropy when with_entropy.
 
     logits: [..., V_local] fp32/bf16/fp16 (fp64 for gradcheck); with tp_group, rank r's vocabulary shard,
@@ -90,8 +99,13 @@ def log_probs_from_logits(
     """
     if kernels_for(logits) is None:
         return reference.log_probs_from_logits(
-            logits, labels, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
-            ignore_index=ignore_index, vocab_size=vocab_size,
+            logits,
+            labels,
+            tp_group=tp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            ignore_index=ignore_index,
+            vocab_size=vocab_size,
         )
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
     width = logits.shape[-1] if logits.dim() else 0

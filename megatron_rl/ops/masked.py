@@ -1,4 +1,5 @@
 """masked_whiten through the fused kernels; masked_mean is already a single torch reduction."""
+
 from __future__ import annotations
 
 import torch

@@ -4,9 +4,8 @@ These functions define the semantics (verl 0.9.x, see docs/kernels.md) and are t
 compiled extension is missing. They favour obviousness over speed: the log-prob reference materialises
 the full-vocabulary softmax, GAE is verl's per-timestep loop and group normalisation loops over groups.
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -41,12 +40,12 @@ def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     ignore_index: int = -100,
-    vocab_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    vocab_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[label] (and the softmax entropy), shaped like labels.
 
     fp32 results (fp64 for fp64 logits).
@@ -56,7 +55,9 @@ def log_probs_from_logits(
     excluded. Rows whose label is ignore_index give 0 for both outputs and receive no gradient.
     """
     tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
-    _checks.check_log_prob_args(logits, labels, temperature, vocab_size, logits.shape[-1] * tp_world, ignore_index)
+    _checks.check_log_prob_args(
+        logits, labels, temperature, vocab_size, logits.shape[-1] * tp_world, ignore_index
+    )
     x = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     if tp_group is not None and tp_world > 1:
         x = _GatherVocabShards.apply(x, tp_group)
@@ -80,7 +81,7 @@ def masked_gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's GAE, not whitened: returns (advantages, returns = advantages + values), fp32 [B, T].
 
     Masked tokens (mask 0) carry both the next value and the running advantage through unchanged.
@@ -99,7 +100,7 @@ def masked_gae(
     return advantages, advantages + vals
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum(x * mask) / (sum(mask) + 1e-8); NaNs outside the mask do not leak in (as verl)."""
     _checks.check_masked_args(x, mask)
     total = (torch.where(mask.bool(), x, 0.0) * mask).sum(dim=dim)

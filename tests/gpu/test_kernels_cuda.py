@@ -3,25 +3,32 @@
 Sizes are chosen to reach every code path: 16-byte aligned rows and unaligned rows (scalar path),
 padded vocabularies, one-segment and multi-segment GAE scans with 4 and 1 tokens per thread.
 """
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-import megatron_rl.ops as ops  # noqa: E402
-from megatron_rl.ops import reference  # noqa: E402
+from megatron_rl import ops
+from megatron_rl.ops import reference
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
-GRAD_TOL = {torch.float32: FP32_TOL, torch.bfloat16: dict(rtol=8e-3, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-6)}
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+GRAD_TOL = {
+    torch.float32: FP32_TOL,
+    torch.bfloat16: {"rtol": 8e-3, "atol": 1e-5},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-6},
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
 def cuda_kernels():
     if "cuda" not in ops.backend_summary():
-        pytest.fail(f"megatron_rl._C has no CUDA kernels ({ops.backend_summary()}): build with MEGATRON_RL_BUILD_CUDA=1")
+        pytest.fail(
+            f"megatron_rl._C has no CUDA kernels ({ops.backend_summary()}): build with MEGATRON_RL_BUILD_CUDA=1"
+        )
 
 
 @pytest.fixture
@@ -127,7 +134,9 @@ def test_whiten_parity_and_errors(gen):
 @pytest.mark.parametrize("mode", ["grpo", "grpo_mean", "rloo"])
 @pytest.mark.parametrize("groups, size", [(3, 3), (1024, 8192), (256, 16384)])
 def test_group_normalize_parity(gen, mode, groups, size):
-    scores = (torch.rand(size, device=CUDA, generator=gen) > 0.5).float() + torch.randn(size, device=CUDA, generator=gen)
+    scores = (torch.rand(size, device=CUDA, generator=gen) > 0.5).float() + torch.randn(
+        size, device=CUDA, generator=gen
+    )
     group_index = torch.randperm(size, device=CUDA, generator=gen) % groups
     torch.testing.assert_close(
         ops.group_normalize(scores, group_index, mode=mode),

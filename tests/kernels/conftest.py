@@ -1,8 +1,9 @@
 """Shared fixtures of the kernel tests: they test the compiled kernels, so a missing build fails."""
+
 import pytest
 import torch
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.ops import _extension
 
 

@@ -1,11 +1,12 @@
 """masked_gae and masked_whiten (compiled CPU kernels) against the reference and hand-derived cases."""
+
 import pytest
 import torch
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.ops import reference
 
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def random_batch(gen, batch, steps, dtype=torch.float32):

@@ -1,12 +1,13 @@
 """group_normalize (compiled CPU kernel) against the per-group reference and hand-computed values."""
+
 import pytest
 import torch
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.ops import reference
 
 MODES = ["grpo", "grpo_mean", "rloo"]
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -31,7 +32,9 @@ def test_hand_computed():
         ops.group_normalize(scores, group_index, mode="grpo_mean"), torch.tensor([-1.0, 0.0, 1.0, 5.0])
     )
     # rloo: score minus the mean of the others; a singleton keeps its score
-    torch.testing.assert_close(ops.group_normalize(scores, group_index, mode="rloo"), torch.tensor([-1.5, 0.0, 1.5, 5.0]))
+    torch.testing.assert_close(
+        ops.group_normalize(scores, group_index, mode="rloo"), torch.tensor([-1.5, 0.0, 1.5, 5.0])
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -58,13 +61,19 @@ def test_int32_ids_bf16_scores_and_empty(gen):
 @pytest.mark.parametrize(
     "scores, group_index, kw, error, match",
     [
-        (torch.zeros(3), torch.tensor([0, -1, 1]), dict(mode="grpo"), ValueError, r"got values in \[-1, 1\]"),
-        (torch.zeros(3), torch.tensor([0, 7, 1]), dict(mode="grpo"), ValueError, r"dense ids in \[0, B=3\)"),
-        (torch.zeros(3), torch.tensor([0, 1, 1]), dict(mode="gspo"), ValueError, "mode must be one of"),
-        (torch.zeros(3), torch.tensor([0, 1]), dict(mode="grpo"), ValueError, r"group_index shape \(2,\)"),
-        (torch.zeros(3), torch.tensor([0.0, 1, 1]), dict(mode="grpo"), TypeError, "group_index must be int64"),
-        (torch.zeros(3, 2), torch.tensor([0, 1, 1]), dict(mode="grpo"), ValueError, r"scores must be \[B\]"),
-        (torch.zeros(3), torch.tensor([0, 1, 1]), dict(mode="grpo", epsilon=-1), ValueError, "epsilon"),
+        (torch.zeros(3), torch.tensor([0, -1, 1]), {"mode": "grpo"}, ValueError, r"got values in \[-1, 1\]"),
+        (torch.zeros(3), torch.tensor([0, 7, 1]), {"mode": "grpo"}, ValueError, r"dense ids in \[0, B=3\)"),
+        (torch.zeros(3), torch.tensor([0, 1, 1]), {"mode": "gspo"}, ValueError, "mode must be one of"),
+        (torch.zeros(3), torch.tensor([0, 1]), {"mode": "grpo"}, ValueError, r"group_index shape \(2,\)"),
+        (
+            torch.zeros(3),
+            torch.tensor([0.0, 1, 1]),
+            {"mode": "grpo"},
+            TypeError,
+            "group_index must be int64",
+        ),
+        (torch.zeros(3, 2), torch.tensor([0, 1, 1]), {"mode": "grpo"}, ValueError, r"scores must be \[B\]"),
+        (torch.zeros(3), torch.tensor([0, 1, 1]), {"mode": "grpo", "epsilon": -1}, ValueError, "epsilon"),
     ],
 )
 def test_bad_inputs(scores, group_index, kw, error, match):

@@ -1,19 +1,20 @@
 """log_probs_from_logits (compiled CPU kernels) against the plain-torch reference, single rank."""
+
 import pytest
 import torch
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.ops import reference
 
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 # Both paths upcast the same bf16/fp16 values, so forward results match to fp32 precision; the logits'
 # gradient is returned in the logits' dtype and so matches to that dtype's rounding.
 GRAD_TOL = {
     torch.float32: FP32_TOL,
-    torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
-    torch.float16: dict(rtol=1e-3, atol=1e-6),
-    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.bfloat16: {"rtol": 8e-3, "atol": 1e-5},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-6},
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
 }
 
 
@@ -59,7 +60,9 @@ def test_temperature(gen, temperature):
     labels = torch.randint(0, 300, (9,), generator=gen)
     assert_parity(logits, labels, temperature=temperature)
     lp = ops.log_probs_from_logits(logits, labels, temperature=temperature)
-    torch.testing.assert_close(lp, torch.log_softmax(logits / temperature, -1)[torch.arange(9), labels], **FP32_TOL)
+    torch.testing.assert_close(
+        lp, torch.log_softmax(logits / temperature, -1)[torch.arange(9), labels], **FP32_TOL
+    )
 
 
 def test_padded_vocab_is_outside_the_softmax(gen):
@@ -122,7 +125,9 @@ def test_batched_and_non_contiguous_inputs(gen):
     # [B, T, V] with a time slice (reshape must copy), labels sliced too
     lp = ops.log_probs_from_logits(full[:, :-1], labels[:, 1:], vocab_size=120)
     assert lp.shape == (3, 8)
-    torch.testing.assert_close(lp, reference.log_probs_from_logits(full[:, :-1], labels[:, 1:], vocab_size=120))
+    torch.testing.assert_close(
+        lp, reference.log_probs_from_logits(full[:, :-1], labels[:, 1:], vocab_size=120)
+    )
     # rows with a stride larger than the row (a column slice): read in place
     assert_parity(full.reshape(27, 130)[:, :100], labels.reshape(27).clamp(max=99))
     # vocabulary dim not contiguous (transposed storage)
@@ -174,19 +179,19 @@ def test_gradcheck_float64(gen):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(labels=torch.zeros(4, dtype=torch.long)), ValueError, r"labels shape \(4,\)"),
-        (dict(labels=torch.zeros(3)), TypeError, "labels must be int64 or int32"),
-        (dict(logits=torch.zeros(3, 5, dtype=torch.int64)), TypeError, "logits must be float32"),
-        (dict(labels=torch.tensor([0, 5, 1])), ValueError, r"labels.flatten\(\)\[1\] = 5"),
-        (dict(labels=torch.tensor([0, -3, 1])), ValueError, r"labels.flatten\(\)\[1\] = -3"),
-        (dict(temperature=0.0), ValueError, "temperature must be a positive number"),
-        (dict(vocab_size=6), ValueError, r"vocab_size must be in \[1, 5\]"),
-        (dict(vocab_size=2), ValueError, r"labels must be in \[0, 2\)"),
-        (dict(labels=torch.zeros(3, dtype=torch.long, device="meta")), ValueError, "one device"),
+        ({"labels": torch.zeros(4, dtype=torch.long)}, ValueError, r"labels shape \(4,\)"),
+        ({"labels": torch.zeros(3)}, TypeError, "labels must be int64 or int32"),
+        ({"logits": torch.zeros(3, 5, dtype=torch.int64)}, TypeError, "logits must be float32"),
+        ({"labels": torch.tensor([0, 5, 1])}, ValueError, r"labels.flatten\(\)\[1\] = 5"),
+        ({"labels": torch.tensor([0, -3, 1])}, ValueError, r"labels.flatten\(\)\[1\] = -3"),
+        ({"temperature": 0.0}, ValueError, "temperature must be a positive number"),
+        ({"vocab_size": 6}, ValueError, r"vocab_size must be in \[1, 5\]"),
+        ({"vocab_size": 2}, ValueError, r"labels must be in \[0, 2\)"),
+        ({"labels": torch.zeros(3, dtype=torch.long, device="meta")}, ValueError, "one device"),
     ],
 )
 def test_bad_inputs(kwargs, error, match):
-    args = dict(logits=torch.zeros(3, 5), labels=torch.tensor([0, 4, 1]))
+    args = {"logits": torch.zeros(3, 5), "labels": torch.tensor([0, 4, 1])}
     args.update(kwargs)
     logits, labels = args.pop("logits"), args.pop("labels")
     with pytest.raises(error, match=match):

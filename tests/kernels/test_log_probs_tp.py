@@ -1,9 +1,10 @@
 """Vocab-parallel log_probs_from_logits: TP=2 over gloo equals TP=1 (values and gradients)."""
+
 import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_rl.ops as ops
+from megatron_rl import ops
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.ops import reference
 
@@ -64,7 +65,7 @@ def shard_results():
     for vocab_size, temperature in CASES:
         logits, labels, upstream = full_problem(vocab_size)
         shard = logits[:, rank * width : (rank + 1) * width]
-        kw = dict(tp_group=dist.group.WORLD, vocab_size=vocab_size, temperature=temperature)
+        kw = {"tp_group": dist.group.WORLD, "vocab_size": vocab_size, "temperature": temperature}
         with CollectiveCounter() as counter:
             fused = forward_backward(ops.log_probs_from_logits, shard, labels, upstream, **kw)
         ref = forward_backward(reference.log_probs_from_logits, shard, labels, upstream, **kw)
@@ -77,9 +78,11 @@ def test_tp2_equals_tp1():
     per_rank = run_multiprocess(shard_results, TP, timeout_s=120)
     for case, (vocab_size, temperature) in enumerate(CASES):
         logits, labels, upstream = full_problem(vocab_size)
-        kw = dict(vocab_size=vocab_size, temperature=temperature)
+        kw = {"vocab_size": vocab_size, "temperature": temperature}
         lp, h, grad = forward_backward(ops.log_probs_from_logits, logits, labels, upstream, **kw)
-        lp_ref, h_ref, grad_ref = forward_backward(reference.log_probs_from_logits, logits, labels, upstream, **kw)
+        lp_ref, h_ref, grad_ref = forward_backward(
+            reference.log_probs_from_logits, logits, labels, upstream, **kw
+        )
         torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
         for rank, results in enumerate(per_rank):
             (tp_lp, tp_h, tp_grad), (r_lp, r_h, r_grad), calls = results[case]
