@@ -54,6 +54,15 @@ def _source_dtype(config_json: Path) -> torch.dtype:
     return DTYPES.get(name, torch.float32)
 
 
+def _mcore_dtype(mcore_dir: Path) -> torch.dtype:
+    """The dtype the Megatron checkpoint was written in (hf-to-mcore records it)."""
+    meta = mcore_dir / CONVERT_META
+    if meta.is_file():
+        with open(meta) as f:
+            return DTYPES[json.load(f)["dtype"]]
+    return _source_dtype(mcore_dir / "config.json")
+
+
 def _copy_hf_metadata(src: Path, dst: Path) -> None:
     from megatron_rl.models.export import TOKENIZER_FILES
 
@@ -72,19 +81,28 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.hf_dir / "config.json")
     init_model_parallel(tp=args.tp, pp=args.pp)
     chunks = build_from_hf(args.hf_dir, params_dtype=dtype, progress=True)
+    for chunk in chunks:  # norms too (Megatron creates them fp32), as Float16Module would
+        chunk.to(dtype)
     weights = args.out / WEIGHTS_DIR
     if torch.distributed.get_rank() == 0:
         _copy_hf_metadata(args.hf_dir, args.out)
         weights.mkdir(parents=True, exist_ok=True)
         with open(args.out / CONVERT_META, "w") as f:
             json.dump(
-                {"source": str(args.hf_dir), "tp": args.tp, "pp": args.pp, "dtype": str(dtype)}, f, indent=2
+                {
+                    "source": str(args.hf_dir),
+                    "tp": args.tp,
+                    "pp": args.pp,
+                    "dtype": str(dtype).removeprefix("torch."),
+                },
+                f,
+                indent=2,
             )
     torch.distributed.barrier()
     dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
     if not args.verify:
         return None
-    return _verify(_load_mcore(args.out), args.hf_dir, args)
+    return _verify(_load_mcore(args.out), args.hf_dir, dtype, args)
 
 
 def _load_mcore(mcore_dir: Path, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
@@ -106,7 +124,7 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models.export import save_hf_checkpoint
 
-    dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.mcore_dir / "config.json")
+    dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(args.mcore_dir)
     init_model_parallel(tp=args.tp, pp=args.pp)
     chunks = _load_mcore(args.mcore_dir, dtype)
     save_hf_checkpoint(
@@ -119,12 +137,15 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
     )
     if not args.verify:
         return None
-    return _verify(_load_mcore(args.mcore_dir), args.out, args)
+    return _verify(_load_mcore(args.mcore_dir), args.out, dtype, args)
 
 
-def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespace) -> float | None:
-    """Max |logit| difference between the Megatron chunks and transformers on random sequences
-    (fp32 both sides), on the last pipeline stage; broadcast so every rank returns it."""
+def _verify(
+    chunks: list[torch.nn.Module], hf_dir: Path, dtype: torch.dtype, args: argparse.Namespace
+) -> float | None:
+    """Max |logit| difference between the Megatron chunks and transformers on random sequences, on
+    the last pipeline stage; all-reduced so every rank returns it. Both sides compute in fp32; the
+    transformers weights are first rounded to the conversion ``dtype``, as the converted ones were."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -143,6 +164,8 @@ def _verify(chunks: list[torch.nn.Module], hf_dir: Path, args: argparse.Namespac
         from megatron_rl.models.api import position_ids_from_mask
 
         reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        for param in reference.parameters():  # parameters only: the RoPE buffers stay fp32 on both sides
+            param.data = param.data.to(dtype).float()
         with torch.no_grad():
             expected = reference(
                 input_ids=input_ids,

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_rl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
+from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import (
     Kind,
     ParamMapping,
@@ -52,7 +53,7 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     return shards
 
 
-def _full_tensors(hf, mapping: ParamMapping, dtype: torch.dtype | None) -> list[torch.Tensor]:
+def _full_tensors(hf: HFModelConfig, mapping: ParamMapping, dtype: torch.dtype | None) -> list[torch.Tensor]:
     local = mapping.param.detach()
     if dtype is not None:
         local = local.to(dtype)
@@ -107,7 +108,7 @@ def export_hf_weights(
             yield spec.name, tensor
 
 
-def _config_for_export(hf, value_model: bool, dtype: torch.dtype) -> dict:
+def _config_for_export(hf: HFModelConfig, value_model: bool, dtype: torch.dtype) -> dict:
     config = dict(hf.raw)
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
