@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_rl.models.builder import padded_vocab_size
+from megatron_rl.models.sizes import padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 
 BF16 = 2

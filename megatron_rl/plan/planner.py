@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError, DerivedSizes, RoleSizes, validate
-from megatron_rl.models.builder import check_parallel_fit, padded_vocab_size
+from megatron_rl.models.sizes import check_parallel_fit, padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
 from megatron_rl.plan.memory import Layout, Recompute, Stage
