@@ -9,8 +9,7 @@ token), ``input_ids`` / ``attention_mask`` = prompt ++ response, ``position_ids`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -56,10 +55,12 @@ def build_rollout_batch(
     *,
     response_length: int,
     pad_token_id: int,
-    meta_info: Mapping[str, Any],
+    weight_version: int,
+    seconds: float,
 ) -> DataProto:
     """Assemble the output DataProto from per-sample response tokens (already cut after the finishing
-    token) and the sampler's log-probs of those tokens. The input's non-tensor fields pass through."""
+    token) and the sampler's log-probs of those tokens. The input's non-tensor fields and meta_info pass
+    through; meta_info gains the ``weight_version`` that generated every sample and the ``timing``."""
     batch_size = len(prompts)
     if len(responses) != batch_size or len(log_probs) != batch_size:
         raise ValueError(
@@ -93,4 +94,5 @@ def build_rollout_batch(
         "position_ids": torch.cat([prompt_pos, response_pos], dim=-1),
         "rollout_log_probs": out_lp,
     }
-    return DataProto(batch, dict(prompts.non_tensor_batch), dict(meta_info))
+    meta = {**prompts.meta_info, "weight_version": weight_version, "timing": {"generate_sequences": seconds}}
+    return DataProto(batch, dict(prompts.non_tensor_batch), meta)

@@ -130,17 +130,14 @@ class HFEngine(RolloutEngine):
         )
         tokens, log_probs = self._decode(ids, mask, pos, params, generator)
         responses, response_lps = _cut_at_finish(tokens, log_probs, params.finish_token_ids)
-        meta = dict(prompts.meta_info)
-        meta.update(
-            weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start}
-        )
         return build_rollout_batch(
             prompts,
             responses,
             response_lps,
             response_length=params.max_response_length,
             pad_token_id=params.pad_token_id,
-            meta_info=meta,
+            weight_version=self.weight_version,
+            seconds=time.perf_counter() - start,
         )
 
     def _decode(

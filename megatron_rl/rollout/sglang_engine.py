@@ -345,17 +345,14 @@ class SGLangEngine(RolloutEngine):
             self._check_served_version(output, row)
             responses.append(tokens)
             log_probs.append(lps)
-        meta = dict(prompts.meta_info)
-        meta.update(
-            weight_version=self.weight_version, timing={"generate_sequences": time.perf_counter() - start}
-        )
         return build_rollout_batch(
             prompts,
             responses,
             log_probs,
             response_length=params.max_response_length,
             pad_token_id=params.pad_token_id,
-            meta_info=meta,
+            weight_version=self.weight_version,
+            seconds=time.perf_counter() - start,
         )
 
     def _generate_on_servers(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
