@@ -5,8 +5,12 @@
 
 namespace megatron_rl::cpu {
 
-// Elements of work per parallel task below which threads cost more than they save (ATen uses the same).
+// Elements per parallel task for exp-heavy work (the log-prob rows); ATen uses the same.
 constexpr int64_t kGrainSize = 32768;
+// Elements per parallel task for light streaming work (GAE, whitening, group outputs, the merge): about
+// a millisecond on one core. Smaller tasks woke OpenMP threads for too little work: with the cores
+// shared by other processes, 2 threads ran 512k-element GAE and whitening 4-10x slower than 1 thread.
+constexpr int64_t kLightGrainSize = int64_t(1) << 20;
 
 // Per-row statistics of logits (kRowStats values per row, float or double for fp64 logits).
 void log_prob_stats(const LogProbRows& rows, void* stats);

@@ -21,7 +21,7 @@ void group_normalize(const GroupNormArgs& a) {
     const double d = a.scores[i] - g[1] / g[0];
     g[2] += d * d;
   }
-  at::parallel_for(0, a.size, kGrainSize, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.size, kLightGrainSize, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       a.out[i] = group_advantage(a.scores[i], ws + a.group_index[i] * 3, a.mode, a.epsilon);
     }

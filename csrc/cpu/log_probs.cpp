@@ -28,7 +28,7 @@ void merge_rows(const LogProbMerge& m) {
   auto* entropy = static_cast<acc_t*>(m.entropy);
   auto* row_max = static_cast<acc_t*>(m.row_max);
   auto* log_sum = static_cast<acc_t*>(m.log_sum);
-  at::parallel_for(0, m.rows, kGrainSize / 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m.rows, kLightGrainSize / 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       RowOutputs<acc_t> o{0, 0, 0, 0};
       if (m.labels[r] != m.ignore_index) {
