@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from logprob_steps import fused_step, torch_step
 from megatron_rl import ops
 from megatron_rl.ops import reference
 
@@ -38,26 +39,6 @@ def timed(benchmark, fn, rounds):
 
     benchmark.pedantic(synced, rounds=rounds, iterations=1, warmup_rounds=2)
     return benchmark.stats.stats.min
-
-
-def fused_step(x, labels, with_entropy):
-    x.grad = None
-    if with_entropy:
-        lp, h = ops.log_probs_from_logits(x, labels, with_entropy=True)
-        (lp.sum() + h.sum()).backward()
-    else:
-        ops.log_probs_from_logits(x, labels).sum().backward()
-
-
-def torch_step(x, labels, with_entropy):
-    """log_softmax + gather, and verl's entropy_from_logits."""
-    x.grad = None
-    logits = x.float()
-    loss = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).sum()
-    if with_entropy:
-        p = torch.softmax(logits, dim=-1)
-        loss = loss + (torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)).sum()
-    loss.backward()
 
 
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["logprob", "logprob+entropy"])
