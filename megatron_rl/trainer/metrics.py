@@ -59,11 +59,6 @@ def compute_throughput_metrics(batch: DataProto, step_seconds: float, world_size
     }
 
 
-def reduce_metrics(metrics: dict[str, list[float] | float]) -> dict[str, float]:
-    """Workers return lists (one value per micro-batch or rank); the step reports their mean."""
-    return {k: float(np.mean(v)) if isinstance(v, (list, tuple, np.ndarray)) else float(v) for k, v in metrics.items()}
-
-
 class StageTimer:
     """Accumulates wall time per stage, reported as `timing_s/<stage>`."""
 

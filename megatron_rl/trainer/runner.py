@@ -6,7 +6,6 @@ trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,8 +20,6 @@ from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.tracking import Tracking, plot_curves
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

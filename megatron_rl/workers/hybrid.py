@@ -8,7 +8,6 @@ Megatron shard of the actor; after every update the actor's weights are exported
 """
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -17,8 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.controller import Dispatch, Worker, register
 from megatron_rl.protocol import DataProto
-
-logger = logging.getLogger(__name__)
 
 # Megatron-Core warns on import, in every process, that Apex / Transformer Engine are absent and it uses
 # its torch fallbacks: expected on CPU machines (docs/models.md), and noise that buries the training log.
