@@ -7,32 +7,65 @@ per-GPU memory estimate — and exits without starting anything.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 
 import hydra
 from omegaconf import DictConfig
 
 from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs, validate
+from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR, EXIT_FINISHED, EXIT_STOPPED_RESUMABLE
 
 logger = logging.getLogger("megatron_rl.train")
 DRY_RUN_FLAG = "--dry-run"
 
 
+def _is_rank0() -> bool:
+    """Under torchrun every rank runs this; only rank 0 prints the summaries."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def run(cfg: DictConfig, dry_run: bool = False):
-    """Validate, then plan (dry run) or train. Returns the RunResult of a training run."""
+    """Validate and check the files (the same checks for a dry run and a real start), then plan (dry run) or
+    train. Returns the RunResult of a training run."""
     sizes = validate(cfg)
+    from megatron_rl.trainer.preflight import preflight
+
+    preflight(cfg)
     if dry_run:
         from megatron_rl.plan import print_plan
 
         print_plan(cfg)
         return None
-    print(sizes.summary(), flush=True)
+    if _is_rank0():
+        print(sizes.summary(), flush=True)
     from megatron_rl.trainer.runner import run_training
 
     result = run_training(cfg, sizes)
-    print(f"metrics: {result.metrics_path}\ntensorboard: {result.tensorboard_dir}\n"
-          f"curves: {result.plot_path}\nfinal HF checkpoint: {result.hf_dir}", flush=True)
+    if _is_rank0():
+        print(f"metrics: {result.metrics_path}\ntensorboard: {result.tensorboard_dir}\ncurves: {result.plot_path}",
+              flush=True)
+        if result.stopped:
+            print(f"stopped by {result.stopped} after step {result.last_step}: not finished, resumable; run the "
+                  f"same command again to continue from the last checkpoint in {result.output_dir} "
+                  f"(exit code {EXIT_STOPPED_RESUMABLE})", flush=True)
+        else:
+            print(f"final HF checkpoint: {result.hf_dir}", flush=True)
     return result
+
+
+def exit_code(result) -> int:
+    """0 only for a finished run; EXIT_STOPPED_RESUMABLE for one stopped by a signal (docs/trainer.md)."""
+    return EXIT_STOPPED_RESUMABLE if result is not None and result.stopped else EXIT_FINISHED
+
+
+def _to_log_file(message: str) -> None:
+    """Write to the run's train.log (Hydra's file handler) without repeating it on the console."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def main() -> None:
@@ -44,11 +77,16 @@ def main() -> None:
     @hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         try:
-            run(cfg, dry_run=dry_run)
+            result = run(cfg, dry_run=dry_run)
         except ConfigError as err:
             # A bad config is the user's to fix: one clear line, no traceback, non-zero exit.
             print(f"config error: {err}", file=sys.stderr)
-            sys.exit(2)
+            _to_log_file(f"config error: {err}")
+            sys.exit(EXIT_CONFIG_ERROR)
+        except Exception:
+            _to_log_file("the run failed:\n" + traceback.format_exc())  # train.log holds the error
+            raise
+        sys.exit(exit_code(result))
 
     _main()
 

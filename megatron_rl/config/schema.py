@@ -185,7 +185,10 @@ class CustomRewardFunctionConfig:
 class RewardConfig:
     reward_manager: str = "naive"
     num_workers: int = 4
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # per scoring call; needs num_workers >= 1 (inline scoring cannot be interrupted)
+    # Stop the run after this many steps in a row in which every sample's reward errored or timed out
+    # (each such step is warned about); 0: never stop.
+    max_failed_steps: int = 3
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
 
 
@@ -229,7 +232,8 @@ class TrainerConfig:
     n_gpus_per_node: int = 8  # processes per node on CPU
     total_epochs: int = 1
     total_training_steps: Optional[int] = None  # None: epochs * batches per epoch
-    save_freq: int = -1
+    # A checkpoint every save_freq steps and at the last step (-1: never; a late failure then loses the run).
+    save_freq: int = 20
     test_freq: int = -1
     val_before_train: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
@@ -245,6 +249,9 @@ class RayInitConfig:
     address: Optional[str] = None  # None: start an embedded local Ray
     num_cpus: Optional[int] = None
     timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
+    # Starting from step 0 in a directory that holds a run's results (metrics.jsonl, hf_final/, events)
+    # is refused unless this is true; resuming from an intact checkpoint keeps them.
+    overwrite: bool = False
 
 
 @dataclass

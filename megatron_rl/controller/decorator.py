@@ -25,6 +25,7 @@ class Dispatch(enum.Enum):
     RANK_ZERO = "rank_zero"  # same arguments to every rank (collectives need them all); rank 0's result
     DP_COMPUTE_PROTO = "dp_compute_proto"  # every rank is a DP rank: DataProto split, results concatenated
     MEGATRON_COMPUTE_PROTO = "megatron_compute_proto"  # one shard per DP group, collected from its last stage
+    ROLLOUT_COMPUTE_PROTO = "rollout_compute_proto"  # one shard per rollout engine replica, run by its leader only
 
 
 class Execute(enum.Enum):

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from megatron_rl.controller.decorator import Dispatch, Execute, MethodSpec
-from megatron_rl.controller.mesh import RankMesh, check_mesh
+from megatron_rl.controller.mesh import RankMesh, check_mesh, rollout_leaders
 from megatron_rl.protocol import DataProto
 
-__all__ = ["CallPlan", "plan_call"]
+__all__ = ["MESH_DISPATCH", "CallPlan", "plan_call"]
+
+# Modes whose plan depends on where each rank sits (the workers' set_mesh reports).
+MESH_DISPATCH = (Dispatch.MEGATRON_COMPUTE_PROTO, Dispatch.ROLLOUT_COMPUTE_PROTO)
 
 
 @dataclass
@@ -29,7 +32,7 @@ def plan_call(
     method: str,
     mesh: Sequence[RankMesh] | None = None,
 ) -> CallPlan:
-    """Plan a call of ``method`` under ``spec``; ``mesh`` is needed only for MEGATRON_COMPUTE_PROTO."""
+    """Plan a call of ``method`` under ``spec``; ``mesh`` is needed for MEGATRON_ and ROLLOUT_COMPUTE_PROTO."""
     mode = spec.dispatch_mode
     if spec.execute_mode is Execute.RANK_ZERO:
         return CallPlan([0], [(args, kwargs)], lambda outputs: outputs[0])
@@ -48,6 +51,14 @@ def plan_call(
         dp_of_rank = [m.dp_rank for m in mesh]
         collectors = sorted((m.dp_rank, rank) for rank, m in enumerate(mesh) if m.is_collect)
         return _plan_data_parallel(args, kwargs, dp_of_rank, [rank for _, rank in collectors], dp_size, method)
+    if mode is Dispatch.ROLLOUT_COMPUTE_PROTO:
+        if mesh is None:
+            raise ValueError(f"{method}: ROLLOUT_COMPUTE_PROTO needs the group's mesh")
+        leaders = rollout_leaders(mesh, method)
+        plan = _plan_data_parallel(args, kwargs, list(range(len(leaders))), list(range(len(leaders))),
+                                   len(leaders), method)
+        # Only the leaders run: replica i's shard goes to leaders[i]; the other ranks hold no engine.
+        return CallPlan(leaders, plan.calls, plan.collect)
     raise ValueError(f"{method}: unknown dispatch mode {mode!r}")
 
 

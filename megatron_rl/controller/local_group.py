@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.controller.decorator import Dispatch, registered_methods
-from megatron_rl.controller.dispatch import plan_call
+from megatron_rl.controller.decorator import registered_methods
+from megatron_rl.controller.dispatch import MESH_DISPATCH, plan_call
 from megatron_rl.controller.worker import Worker
 
 __all__ = ["LocalWorkerGroup"]
@@ -38,7 +38,7 @@ class LocalWorkerGroup:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         spec = self._specs[name]
-        mesh = self._mesh() if spec.dispatch_mode is Dispatch.MEGATRON_COMPUTE_PROTO else None
+        mesh = self._mesh() if spec.dispatch_mode in MESH_DISPATCH else None
         plan = plan_call(spec, args, kwargs, self.world_size, f"{self.role}.{name}", mesh)
         result = None
         if self.rank in plan.ranks:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["RankMesh", "check_mesh"]
+__all__ = ["RankMesh", "check_mesh", "rollout_leaders"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,10 @@ class RankMesh:
     # True on the one rank of each DP group whose output is the group's answer
     # (last pipeline stage, tensor-parallel rank 0, context-parallel rank 0).
     is_collect: bool = True
+    # The rollout engine replica this rank belongs to (rollout/mesh.py); only its leader generates.
+    rollout_replica: int = 0
+    rollout_replicas: int = 1
+    is_rollout_leader: bool = True
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
@@ -31,6 +35,10 @@ class RankMesh:
         for name in ("tp_rank", "pp_rank", "cp_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RankMesh: {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.rollout_replica < self.rollout_replicas:
+            raise ValueError(
+                f"RankMesh: rollout_replica {self.rollout_replica} is outside rollout_replicas {self.rollout_replicas}"
+            )
 
 
 def check_mesh(meshes: Sequence[RankMesh | None], role: str) -> int:
@@ -61,3 +69,19 @@ def check_mesh(meshes: Sequence[RankMesh | None], role: str) -> int:
                 f"found {collectors}"
             )
     return dp_size
+
+
+def rollout_leaders(meshes: Sequence[RankMesh | None], role: str) -> list[int]:
+    """The rank leading each rollout engine replica, by replica index (every replica exactly one)."""
+    check_mesh(meshes, role)
+    counts = {mesh.rollout_replicas for mesh in meshes}
+    if len(counts) != 1:
+        raise RuntimeError(f"{role}: ranks disagree on the number of rollout replicas: {sorted(counts)}")
+    leaders: list[list[int]] = [[] for _ in range(counts.pop())]
+    for rank, mesh in enumerate(meshes):
+        if mesh.is_rollout_leader:
+            leaders[mesh.rollout_replica].append(rank)
+    bad = {replica: ranks for replica, ranks in enumerate(leaders) if len(ranks) != 1}
+    if bad:
+        raise RuntimeError(f"{role}: every rollout replica needs exactly one leader; replica -> leaders {bad}")
+    return [ranks[0] for ranks in leaders]

@@ -9,7 +9,9 @@ import ray
 
 import megatron_rl
 
-__all__ = ["init_ray", "shutdown_ray"]
+__all__ = ["NOSET_CUDA_VISIBLE_DEVICES", "init_ray", "shutdown_ray"]
+
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 def _package_root() -> str | None:
@@ -40,7 +42,8 @@ def init_ray(
     when Ray is already initialised in this process.
 
     No dashboard (start-up time, ports); worker output is forwarded to the driver's console; workers
-    get PYTHONPATH so they import this package from a source checkout. ``runtime_env`` is merged
+    get PYTHONPATH so they import this package from a source checkout, and see every GPU of their node
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``). ``runtime_env`` is merged
     (its PYTHONPATH entries come after the package's); other keyword arguments go to ``ray.init``.
     """
     if address is not None and num_cpus is not None:
@@ -51,6 +54,9 @@ def init_ray(
     env = dict(runtime_env or {})
     env_vars = dict(env.get("env_vars") or {})
     env_vars["PYTHONPATH"] = _worker_pythonpath(env_vars.get("PYTHONPATH"))
+    # Every worker sees all GPUs of its node: an SGLang engine of rollout TP k spans k of them from one
+    # process. Ranks bind the GPU Ray assigned them (worker_group._ray_place_env), not device 0.
+    env_vars.setdefault(NOSET_CUDA_VISIBLE_DEVICES, "1")
     env["env_vars"] = env_vars
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "runtime_env": env}
     options |= ray_kwargs

@@ -39,9 +39,20 @@ class Worker:
         self._mesh: RankMesh | None = None
 
     def set_mesh(
-        self, *, dp_rank: int, dp_size: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0
+        self,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        cp_rank: int = 0,
+        rollout_replica: int = 0,
+        rollout_replicas: int = 1,
+        is_rollout_leader: bool = True,
     ) -> None:
-        """Report this rank's model-parallel coordinates (call after setting up parallel state).
+        """Report this rank's model-parallel coordinates (call after setting up parallel state), and the
+        rollout engine replica it belongs to (``megatron_rl.rollout.mesh``).
 
         The rank collects for its DP group when it is on the last pipeline stage with tensor- and
         context-parallel rank 0: that is where the full result of a forward pass lives.
@@ -55,6 +66,9 @@ class Worker:
             pp_rank=pp_rank,
             cp_rank=cp_rank,
             is_collect=tp_rank == 0 and cp_rank == 0 and pp_rank == pp_size - 1,
+            rollout_replica=rollout_replica,
+            rollout_replicas=rollout_replicas,
+            is_rollout_leader=is_rollout_leader,
         )
 
     def mesh_info(self) -> RankMesh | None:

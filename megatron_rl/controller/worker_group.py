@@ -12,12 +12,13 @@ from typing import Any, Mapping
 
 import ray
 
-from megatron_rl.controller.decorator import Dispatch, MethodSpec, registered_methods
-from megatron_rl.controller.dispatch import CallPlan, plan_call
+from megatron_rl.controller.decorator import MethodSpec, registered_methods
+from megatron_rl.controller.dispatch import MESH_DISPATCH, CallPlan, plan_call
 from megatron_rl.controller.errors import WorkerError, wait_for_results
 from megatron_rl.controller.mesh import RankMesh, check_mesh
 from megatron_rl.controller.resource_pool import RankSlot, RayResourcePool, master_endpoint
 from megatron_rl.controller.worker import Worker
+from megatron_rl.distributed.device import GPU_ID_ENV, NODE_ID_ENV
 from megatron_rl.protocol import DataProto
 
 __all__ = ["RayWorkerGroup", "RoleGroup", "GroupMethod", "PendingCall"]
@@ -60,7 +61,7 @@ class GroupMethod:
 
     def async_(self, *args: Any, **kwargs: Any) -> PendingCall:
         target = self._target
-        mesh = target.mesh() if self.spec.dispatch_mode is Dispatch.MEGATRON_COMPUTE_PROTO else None
+        mesh = target.mesh() if self.spec.dispatch_mode in MESH_DISPATCH else None
         plan = plan_call(self.spec, args, kwargs, target.world_size, f"{target.role}.{self._name}", mesh)
         return target.submit(self._name, plan)
 
@@ -133,6 +134,7 @@ def _hosted_class(worker_cls: type[Worker], role: str) -> type:
     class Hosted(worker_cls):  # type: ignore[misc, valid-type]
         def __init__(self, rank_env: Mapping[str, str], /, **init_args: Any) -> None:
             os.environ.update(rank_env)
+            os.environ.update(_ray_place_env())
             super().__init__(**init_args)
 
         def __repr__(self) -> str:  # Ray prefixes the worker's log lines with this
@@ -140,6 +142,17 @@ def _hosted_class(worker_cls: type[Worker], role: str) -> type:
 
     Hosted.__name__ = Hosted.__qualname__ = worker_cls.__name__
     return Hosted
+
+
+def _ray_place_env() -> dict[str, str]:
+    """The node and the GPU Ray gave this actor. Ray workers see every GPU of their node (init_ray sets
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, since one rollout engine spans several), so the device a
+    rank binds comes from here, not from its bundle index."""
+    env = {NODE_ID_ENV: ray.get_runtime_context().get_node_id()}
+    gpu_ids = ray.get_gpu_ids()
+    if gpu_ids:
+        env[GPU_ID_ENV] = str(int(gpu_ids[0]))
+    return env
 
 
 def _check_worker_cls(worker_cls: Any) -> None:

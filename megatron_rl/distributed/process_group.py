@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_rl.distributed.device import bind_device, rank_place
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -122,8 +124,9 @@ def init_distributed(
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    # The GPU Ray assigned (all of a node's GPUs are visible to an actor when an engine spans several),
+    # else the local rank; recorded for child processes on CPU too.
+    bind_device(rank_place(launch.rank, launch.local_rank))
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

@@ -6,12 +6,16 @@ carries ``weight_version`` (the version of the weights that produced every sampl
 
 Weights arrive as HF-named full tensors. A weight update is a session:
 ``begin_weight_update(version)`` -> ``load_weight_bucket(bucket)`` / ``load_named_tensors(...)`` any
-number of times -> ``end_weight_update()``. Loads block until the engine has copied the data, so the
-caller may reuse its buffer when they return. ``update_weights(named_tensors, version)`` is the
+number of times -> ``end_weight_update()``. An engine with ``async_loads`` (SGLang: CUDA IPC handles, device
+copies still running when the call returns) may read a bucket after its load returned, so the caller hands it a
+fresh buffer every time; otherwise loads block until the data is copied and the buffer may be reused. A
+``thread_affine`` engine must be called from the thread that built it. ``update_weights(named_tensors, version)`` is the
 one-call form. While a session is open (or after a failed one) the engine refuses to generate, so
 partially updated weights never produce samples.
 
-Colocation: ``sleep()`` frees the engine's device memory for training, ``wake_up()`` restores it.
+Colocation: ``sleep()`` frees the engine's device memory for training; the next weight update brings it back
+(``begin_weight_update`` resumes what ``sleep`` released, in the engine's own order). Weights released by
+``sleep()`` may be gone (SGLang): such an engine refuses to generate until that update.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class RolloutEngine(ABC):
     weight_version: int = 0
     #: dtype the engine computes in; weight syncs cast to it.
     dtype: torch.dtype = torch.float32
+    #: the engine may still read a loaded bucket after its load call returned: never rewrite one
+    async_loads: bool = False
+    #: every call must come from the thread that built the engine
+    thread_affine: bool = False
 
     # ------------------------------------------------------------------ generation
     @abstractmethod

@@ -18,19 +18,30 @@ def build_rollout_engine(
     response_length: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    override_config: Any = None,
     **engine_kwargs: Any,
 ) -> RolloutEngine:
     """``config``: ``actor_rollout_ref.rollout``; ``model_path``: the actor's HF directory (config, and for
     SGLang the tokenizer); ``response_length``: data.max_response_length, used when
     ``rollout.response_length`` is unset. ``engine_kwargs`` go to the engine class (HFEngine:
-    weights_path, device; SGLangEngine: weight_transport, master_address, base_gpu_id, ...)."""
+    weights_path, device; SGLang: replica_index, base_gpu_id).
+    ``override_config``: actor_rollout_ref.model.override_config, applied to the HF engine's config as
+    the Megatron builder applies it (models.load_pretrained_config)."""
     common = {"response_length": response_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     if config.name == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 
-        return HFEngine(config, model_path, **common, **engine_kwargs)
-    if config.name == "sglang":
-        from megatron_rl.rollout.sglang_engine import SGLangEngine
+        from megatron_rl.models.hf_config import load_pretrained_config
 
-        return SGLangEngine(config, str(model_path), **common, **engine_kwargs)
+        model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
+        return HFEngine(config, model_config, **common, **engine_kwargs)
+    if config.name == "sglang":
+        if override_config:
+            raise ValueError(
+                f"actor_rollout_ref.model.override_config={dict(override_config)} is not passed to SGLang yet "
+                "(its json_model_override_args); use rollout.name=hf or bake the fields into config.json"
+            )
+        from megatron_rl.rollout.sglang import build_sglang_engine
+
+        return build_sglang_engine(config, str(model_path), **common, **engine_kwargs)
     raise ValueError(f"rollout.name must be hf or sglang, got {config.name!r}")

@@ -13,7 +13,7 @@ weight-update session of ``RolloutEngine``. Loading is strict: an unknown name, 
 parameter that was never sent is an error naming the tensor.
 
 Sleep/wake: on CUDA ``sleep()`` moves the weights to host memory and empties the CUDA cache;
-``wake_up()`` moves them back. On CPU there is no device memory to give back, so both only flip the
+``wake_up()`` (and the next weight update) moves them back. On CPU there is no device memory to give back, so both only flip the
 state that makes ``generate_sequences`` refuse to run while asleep — the weights stay in RAM.
 """
 
@@ -211,6 +211,7 @@ class HFEngine(RolloutEngine):
     def begin_weight_update(self, version: int) -> None:
         if self._session_loaded is not None:
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self.wake_up()  # an engine released for training comes back through its next weight update
         self._session_loaded = set()
         self._session_version = int(version)
 

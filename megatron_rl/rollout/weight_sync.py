@@ -2,10 +2,12 @@
 
 ``sync_weights`` consumes any iterator of (HF name, full tensor) — ``megatron_rl.models.export_hf_weights``
 in training, an HF ``state_dict().items()`` in tests — and streams it into fixed-size byte buckets,
-casting to the engine's dtype in the copy. Two buckets alternate: while the engine loads one (on a
-helper thread), the exporter fills the other; a bucket is refilled only after the engine has taken it
-(its load call returned), so no buffer is reused while the engine may still read it. A tensor larger
-than a bucket travels alone in its own buffer. Peak extra memory is 2 x bucket size.
+casting to the engine's dtype in the copy. For an engine whose loads finish before they return (HF), two
+buckets alternate: while the engine loads one (on a helper thread), the exporter fills the other, and a
+bucket is refilled only after its load returned. An engine that may read a bucket after its load returned
+(``async_loads``: SGLang's CUDA IPC copies) or must be called from its own thread gets a fresh buffer per
+load, on the calling thread, and no buffer is ever rewritten. A tensor larger than a bucket travels alone
+in its own buffer. Peak extra memory is about 2 x bucket size either way.
 
 Failure safety: the engine refuses to generate while its weight-update session is open and after a
 failed sync (``abort_weight_update``), so partially updated weights never produce samples.
@@ -24,7 +26,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -37,7 +38,10 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "WeightSyncError",
     "WeightSyncStats",
-    "WeightSyncer",
+    "check_logprob_diff",
+    "explain_mismatch",
+    "logprob_diff",
+    "probe_rollout",
     "sync_weights",
     "verify_sync",
 ]
@@ -71,7 +75,8 @@ class WeightSyncStats:
 
 
 class _DoubleBufferedPusher:
-    """Two buckets: fill one while the engine loads the other on a single helper thread."""
+    """Two buckets: fill one while the engine loads the other on a single helper thread. Only for engines
+    whose loads are done when they return (a bucket is refilled after its load returned)."""
 
     def __init__(self, engine: RolloutEngine, capacity: int, device: torch.device) -> None:
         self._engine = engine
@@ -100,8 +105,7 @@ class _DoubleBufferedPusher:
         self._submit(bucket).result()
 
     def _submit(self, bucket: WeightBucket) -> Future:
-        if bucket.device.type == "cuda":
-            torch.cuda.current_stream(bucket.device).synchronize()  # the engine reads it from another stream
+        _sync_device(bucket)
         self.num_buckets += 1
         return self._pool.submit(self._engine.load_weight_bucket, bucket)
 
@@ -116,6 +120,50 @@ class _DoubleBufferedPusher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class _FreshBucketPusher:
+    """A new buffer for every load, loaded on the calling thread: for engines that read a bucket after their
+    load returned (SGLang copies from CUDA IPC handles asynchronously) or must be called from their own thread.
+
+    A handed-out buffer is never written again. The pusher drops its reference one load later (by then the
+    engine has opened it: loads run in order); on CUDA its memory goes back to the allocator only when the
+    engine released its IPC handle, which torch's IPC reference counting does after synchronising the
+    engine's stream. Peak extra memory: about 2 buckets (3 while the engine still holds its last handle)."""
+
+    def __init__(self, engine: RolloutEngine, capacity: int, device: torch.device) -> None:
+        self._engine, self._capacity, self._device = engine, capacity, device
+        self.current = WeightBucket(capacity, device)
+        self._previous: WeightBucket | None = None
+        self.num_buckets = 0
+
+    def push_current(self) -> None:
+        if not len(self.current):
+            return
+        self._push(self.current)
+        self.current = WeightBucket(self._capacity, self._device)
+
+    def push_alone(self, bucket: WeightBucket) -> None:
+        self._push(bucket)
+
+    def _push(self, bucket: WeightBucket) -> None:
+        _sync_device(bucket)
+        self.num_buckets += 1
+        self._engine.load_weight_bucket(bucket)
+        self._previous = bucket
+        if bucket.device.type == "cuda":
+            torch.cuda.ipc_collect()  # free the buffers whose IPC handles the engine has released
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._previous = None
+
+
+def _sync_device(bucket: WeightBucket) -> None:
+    if bucket.device.type == "cuda":
+        torch.cuda.current_stream(bucket.device).synchronize()  # the engine reads it from another stream
 
 
 def sync_weights(
@@ -142,7 +190,8 @@ def sync_weights(
     if first is None:
         raise WeightSyncError("sync_weights got no tensors: the exporter yielded nothing")
     _check_item(first)
-    pusher = _DoubleBufferedPusher(engine, bucket_bytes, first[1].device)
+    pusher_cls = _FreshBucketPusher if engine.async_loads or engine.thread_affine else _DoubleBufferedPusher
+    pusher = pusher_cls(engine, bucket_bytes, first[1].device)
     checksums: dict[str, TensorChecksum] | None = {} if compute_checksums else None
     seen: set[str] = set()
     total_bytes = 0
@@ -175,8 +224,8 @@ def sync_weights(
         except Exception:
             logger.exception("closing the failed weight-update session also failed")
         raise
-    pusher.close()
     engine.end_weight_update()
+    pusher.close()  # after the session ends: the last bucket stays referenced until the engine is done
     seconds = time.perf_counter() - start
     stats = WeightSyncStats(version, seconds, total_bytes, len(seen), pusher.num_buckets, checksums)
     logger.info(
@@ -208,6 +257,38 @@ def _check_item(item: object) -> None:
         )
 
 
+def probe_rollout(engine: RolloutEngine, probe_prompts: DataProto) -> DataProto:
+    """The engine's greedy answer to the fixed probe prompts (its ``rollout_log_probs`` at T = 1)."""
+    probe = probe_prompts.select(meta_info_keys=[])
+    probe.meta_info.update(do_sample=False, temperature=1.0)  # greedy log-probs are at T = 1
+    return engine.generate_sequences(probe)
+
+
+def logprob_diff(probe_batch: DataProto, trainer_lp: torch.Tensor) -> dict[str, float]:
+    """``rollout/logprob_diff_mean|max``: |engine - trainer| log-prob over the valid response tokens."""
+    engine_lp = probe_batch.batch["rollout_log_probs"].float().cpu()
+    trainer_lp = trainer_lp.float().cpu()
+    if engine_lp.shape != trainer_lp.shape:
+        raise WeightSyncError(
+            f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}"
+        )
+    mask = probe_batch.batch["response_mask"].bool().cpu()
+    if not bool(mask.any()):
+        raise WeightSyncError("the probe batch has no valid response token (response_mask is all zero)")
+    diff = (engine_lp - trainer_lp).abs()[mask]
+    return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+
+
+def check_logprob_diff(metrics: Mapping[str, float], threshold: float, what: str, explain: Callable[[], str]) -> None:
+    """Raise WeightSyncError when the mean difference exceeds ``threshold``; ``explain`` says why."""
+    if metrics["rollout/logprob_diff_mean"] > threshold:
+        raise WeightSyncError(
+            f"rollout and trainer disagree after {what}: mean |logprob diff| "
+            f"{metrics['rollout/logprob_diff_mean']:.3g} > {threshold:g} (max {metrics['rollout/logprob_diff_max']:.3g}); "
+            + explain()
+        )
+
+
 def verify_sync(
     trainer_log_prob_fn: Callable[[DataProto], torch.Tensor],
     engine: RolloutEngine,
@@ -219,36 +300,21 @@ def verify_sync(
     """Generate greedily for ``probe_prompts`` (left-padded prompts, kept fixed across steps), score the
     result with ``trainer_log_prob_fn`` (DataProto -> [B, R], at meta_info temperature, here 1.0) and
     compare with the engine's ``rollout_log_probs``. Returns ``rollout/logprob_diff_mean|max`` over valid
-    response tokens; raises WeightSyncError when the mean exceeds ``threshold``.
+    response tokens; raises WeightSyncError when the mean exceeds ``threshold``. (One engine in this process;
+    ``rollout.replica.RolloutReplica`` verifies every replica of a mesh.)
     """
-    probe = probe_prompts.select(meta_info_keys=[])
-    probe.meta_info.update(do_sample=False, temperature=1.0)  # greedy log-probs are at T = 1
-    probe_batch = engine.generate_sequences(probe)
-    engine_lp = probe_batch.batch["rollout_log_probs"].float().cpu()
+    probe_batch = probe_rollout(engine, probe_prompts)
     with torch.no_grad():
-        trainer_lp = trainer_log_prob_fn(probe_batch).float().cpu()
-    if engine_lp.shape != trainer_lp.shape:
-        raise WeightSyncError(
-            f"log-prob shapes differ: engine {tuple(engine_lp.shape)}, trainer {tuple(trainer_lp.shape)}"
-        )
-    mask = probe_batch.batch["response_mask"].bool().cpu()
-    if not bool(mask.any()):
-        raise WeightSyncError("the probe batch has no valid response token (response_mask is all zero)")
-    diff = (engine_lp - trainer_lp).abs()[mask]
-    metrics = {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
-    if metrics["rollout/logprob_diff_mean"] > threshold:
-        raise WeightSyncError(
-            f"rollout and trainer disagree after weight sync v{engine.weight_version}: mean |logprob diff| "
-            f"{metrics['rollout/logprob_diff_mean']:.3g} > {threshold:g} (max {metrics['rollout/logprob_diff_max']:.3g}); "
-            + _explain_mismatch(engine, source_checksums)
-        )
+        metrics = logprob_diff(probe_batch, trainer_log_prob_fn(probe_batch))
+    check_logprob_diff(metrics, threshold, f"weight sync v{engine.weight_version}",
+                       lambda: explain_mismatch(engine, source_checksums))
     return metrics
 
 
-def _explain_mismatch(engine: RolloutEngine, source: Mapping[str, TensorChecksum] | None) -> str:
+def explain_mismatch(engine: RolloutEngine | None, source: Mapping[str, TensorChecksum] | None) -> str:
     if source is None:
         return "no sender checksums were recorded (run sync_weights with compute_checksums=True to name the tensor)"
-    held = engine.weight_checksums()
+    held = engine.weight_checksums() if engine is not None else None
     if held is None:
         return f"{type(engine).__name__} cannot report per-tensor checksums, so the tensor cannot be named"
     bad = mismatched_tensors(source, held)
@@ -258,66 +324,3 @@ def _explain_mismatch(engine: RolloutEngine, source: Mapping[str, TensorChecksum
         f"all {len(source)} tensor checksums agree, so the engine holds exactly what the trainer sent: "
         "look at the export (Megatron -> HF conversion) or at the engine's numerics"
     )
-
-
-class WeightSyncer:
-    """The trainer's side of keeping one engine current, driven by ``rollout.weight_sync``: every ``sync``
-    pushes the next version in buckets of ``bucket_size_mb``; every ``verify_freq``-th version is also
-    verified against ``verify_max_logprob_diff`` on the fixed ``probe_prompts`` (``verify_freq`` 0: never).
-
-    Run it where the engine lives. ``trainer_log_prob_fn`` must be callable there; if it is a collective
-    (a pipeline forward), the other ranks must make the same call on the same steps.
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        engine: RolloutEngine,
-        *,
-        probe_prompts: DataProto | None = None,
-        trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
-    ) -> None:
-        if config.bucket_size_mb <= 0:
-            raise ValueError(
-                f"rollout.weight_sync.bucket_size_mb must be positive, got {config.bucket_size_mb}"
-            )
-        if config.verify_freq < 0:
-            raise ValueError(
-                f"rollout.weight_sync.verify_freq must be >= 0 (0 disables), got {config.verify_freq}"
-            )
-        if config.verify_freq and (probe_prompts is None or trainer_log_prob_fn is None):
-            raise ValueError(
-                "rollout.weight_sync.verify_freq > 0 needs probe_prompts and trainer_log_prob_fn "
-                "(or set verify_freq=0 to sync without verification)"
-            )
-        self.config = config
-        self.engine = engine
-        self.probe_prompts = probe_prompts
-        self.trainer_log_prob_fn = trainer_log_prob_fn
-        self.version = engine.weight_version
-
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> dict[str, float]:
-        """Push ``version`` (default: the next one; the trainer passes its step, so a resumed run numbers
-        versions as an uninterrupted one); returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
-        version = self.version + 1 if version is None else version
-        verify = self.config.verify_freq > 0 and version % self.config.verify_freq == 0
-        stats = sync_weights(
-            named_tensors,
-            self.engine,
-            version=version,
-            bucket_bytes=int(self.config.bucket_size_mb) << 20,
-            compute_checksums=verify,
-        )
-        self.version = version
-        metrics = stats.metrics()
-        if verify:
-            metrics.update(
-                verify_sync(
-                    self.trainer_log_prob_fn,
-                    self.engine,
-                    self.probe_prompts,
-                    threshold=self.config.verify_max_logprob_diff,
-                    source_checksums=stats.checksums,
-                )
-            )
-        return metrics

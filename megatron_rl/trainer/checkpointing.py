@@ -1,22 +1,71 @@
-"""Step checkpoints on disk: `<dir>/global_step_<k>/{actor,critic,trainer_state.json}`.
+"""Step checkpoints on disk: `<dir>/global_step_<k>/{actor,critic,trainer_state.json,manifest.json}`.
 
-A step is written into `global_step_<k>.tmp` and renamed when complete, so a crash mid-save leaves the
-previous checkpoint intact; `latest_checkpointed_iteration.txt` (verl's name) points at the newest one.
+A step is written into `global_step_<k>.tmp`; when every role has saved, `manifest.json` (every file of the
+checkpoint with its size) is written LAST and the directory renamed, so a crash mid-save leaves the previous
+checkpoint intact and a checkpoint without a matching manifest is never trusted. On load the manifest is
+checked against the files; auto-resume takes the newest checkpoint that passes and says which newer ones it
+skipped and why. `latest_checkpointed_iteration.txt` (verl's name) points at the newest one.
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+logger = logging.getLogger(__name__)
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+HF_FINAL_DIR = "hf_final"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Half-written directories a crash can leave: a step being saved, the final export being written.
+LEFTOVER = re.compile(r"^(global_step_\d+|hf_final)\.(tmp|old)$")
 
 
 def _no_barrier() -> None:
+    return None
+
+
+def _io_error(err: OSError, what: str, path: Path) -> OSError:
+    """The same OSError (errno kept), its message naming what was being written and where."""
+    detail = err.strerror or str(err)
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+    return type(err)(err.errno, f"{what} {path} failed: {detail}{where}") if err.errno else OSError(
+        f"{what} {path} failed: {err}")
+
+
+def write_manifest(directory: Path, step: int) -> None:
+    files = {str(p.relative_to(directory)): p.stat().st_size
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1))
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why ``directory`` is not a complete checkpoint, or None when its manifest matches its files."""
+    manifest = directory / MANIFEST_FILE
+    if not manifest.is_file():
+        state = "" if (directory / TRAINER_STATE_FILE).is_file() else f" and no {TRAINER_STATE_FILE}"
+        return f"no {MANIFEST_FILE}{state}: the save never finished"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest} cannot be read ({err})"
+    if TRAINER_STATE_FILE not in files:
+        return f"its manifest lists no {TRAINER_STATE_FILE}"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
     return None
 
 
@@ -29,7 +78,7 @@ class TrainerCheckpointer:
                  barrier: Callable[[], None] = _no_barrier) -> None:
         if keep_last < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1, got {keep_last}")
-        self.root = root
+        self.root = Path(root)
         self.keep_last = keep_last
         self.is_writer = is_writer
         self.barrier = barrier
@@ -39,39 +88,94 @@ class TrainerCheckpointer:
 
     @contextmanager
     def saving(self, step: int) -> Iterator[Path]:
-        """Yield a temporary directory to fill; on success it becomes `global_step_<step>`."""
+        """Yield a temporary directory to fill; on success it gets its manifest and becomes `global_step_<step>`."""
         final, tmp = self.step_dir(step), self.root / f"global_step_{step}.tmp"
         if self.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                raise _io_error(err, f"saving the step-{step} checkpoint into", tmp) from err
         self.barrier()
-        yield tmp
+        try:
+            yield tmp
+        except OSError as err:
+            raise _io_error(err, f"saving the step-{step} checkpoint into", tmp) from err
         self.barrier()
         if self.is_writer:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            (self.root / LATEST_FILE).write_text(str(step))
+            try:
+                write_manifest(tmp, step)  # last: a checkpoint without it is incomplete
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                latest = self.root / (LATEST_FILE + ".tmp")
+                latest.write_text(str(step))
+                os.replace(latest, self.root / LATEST_FILE)
+            except OSError as err:
+                raise _io_error(err, f"saving the step-{step} checkpoint into", tmp) from err
             self._prune()
+        self.barrier()
+
+    @contextmanager
+    def publishing(self, final: Path) -> Iterator[Path]:
+        """Yield a temporary directory to fill; on success it replaces ``final`` in one rename, so ``final`` is
+        always either the previous whole export or the new whole one (the final HF export)."""
+        tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                raise _io_error(err, "writing", final) from err
+        self.barrier()
+        try:
+            yield tmp
+        except OSError as err:
+            raise _io_error(err, "writing", final) from err
+        self.barrier()
+        if self.is_writer:
+            try:
+                if final.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                    final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            except OSError as err:
+                raise _io_error(err, "writing", final) from err
         self.barrier()
 
     def write_trainer_state(self, directory: Path, state: dict[str, Any]) -> None:
         if self.is_writer:
-            (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            (directory / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1))
 
     def read_trainer_state(self, directory: Path) -> dict[str, Any]:
-        path = directory / "trainer_state.json"
+        path = directory / TRAINER_STATE_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no trainer_state.json: incomplete or not ours")
-        return json.loads(path.read_text())
+            raise FileNotFoundError(f"checkpoint {directory} has no {TRAINER_STATE_FILE}: incomplete or not ours")
+        try:
+            return json.loads(path.read_text())
+        except ValueError as err:
+            raise ValueError(f"checkpoint state {path} is not valid JSON: {err}") from err
 
     def completed_steps(self) -> list[int]:
+        """Steps that have a `global_step_<k>` directory (complete or not; see ``intact_steps``)."""
         if not self.root.is_dir():
             return []
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
 
+    def newest_intact(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest complete checkpoint (or None) and the newer ones skipped, each with the reason."""
+        skipped: list[tuple[Path, str]] = []
+        for step in reversed(self.completed_steps()):
+            path = self.step_dir(step)
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path, skipped
+            skipped.append((path, problem))
+        return None, skipped
+
     def resume_path(self, mode: str, explicit: str | None) -> Path | None:
-        """trainer.resume_mode: auto (latest here, if any) | disable | resume_path (trainer.resume_from_path)."""
+        """trainer.resume_mode: auto (newest intact here, if any) | disable | resume_path (trainer.resume_from_path)."""
         if mode == "disable":
             return None
         if mode == "resume_path":
@@ -80,11 +184,39 @@ class TrainerCheckpointer:
             path = Path(explicit)
             if not path.is_dir():
                 raise FileNotFoundError(f"trainer.resume_from_path={explicit} is not a directory")
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise FileNotFoundError(f"trainer.resume_from_path={explicit} is incomplete: {problem}")
             return path
         if mode != "auto":
             raise ValueError(f"trainer.resume_mode={mode!r} is unknown; known: ['auto', 'disable', 'resume_path']")
-        steps = self.completed_steps()
-        return self.step_dir(steps[-1]) if steps else None
+        path, skipped = self.newest_intact()
+        for bad, why in skipped:
+            logger.warning("auto-resume: skipping %s: %s", bad, why)
+        if skipped:
+            logger.warning("auto-resume: %s", f"falling back to {path}" if path else
+                           "no intact checkpoint left; starting from step 0")
+        return path
+
+    def clean_leftovers(self) -> list[Path]:
+        """Remove the `.tmp` / `.old` directories a crashed save or export left (writer only); returns them."""
+        if not (self.is_writer and self.root.is_dir()):
+            return []
+        removed = []
+        for path in sorted(self.root.iterdir()):
+            if not (LEFTOVER.match(path.name) and path.is_dir()):
+                continue
+            whole = path.with_suffix("")
+            if path.suffix == ".old" and not whole.exists():
+                # The export was interrupted between its two renames: the previous whole one comes back.
+                logger.warning("restoring %s from %s, left by an interrupted export", whole, path)
+                path.rename(whole)
+                continue
+            removed.append(path)
+        for path in removed:
+            logger.warning("removing %s, left by an interrupted save", path)
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
 
     def _prune(self) -> None:
         for step in self.completed_steps()[: -self.keep_last]:

@@ -95,11 +95,16 @@ class RLTrainer:
         self.state = TrainerState()
         self.checkpointer = checkpointer or TrainerCheckpointer(Path(cfg.trainer.default_local_dir),
                                                                 cfg.trainer.max_ckpt_to_keep)
+        self.stopped: str | None = None  # the signal that stopped the run early (resumable), else None
+        self._failed_reward_steps = 0  # consecutive steps in which every sample's reward errored
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Train from the current state (call `resume()` first to continue a run) to the last step."""
         last: dict[str, float] = {}
+        if self.state.global_steps >= self.total_steps > 0:
+            logger.warning("the run in %s already finished its %d steps; nothing to train",
+                           self.cfg.trainer.default_local_dir, self.total_steps)
         if self.cfg.trainer.val_before_train and self.val_batches is not None and self.state.global_steps == 0:
             self._log(self.validate(), step=0)
         for batch in self._train_batches():
@@ -112,16 +117,28 @@ class RLTrainer:
             metrics |= compute_throughput_metrics(self._last_batch, timer.seconds["step"], self.sizes.world_size)
             if self._due(self.cfg.trainer.test_freq, step) and self.val_batches is not None:
                 metrics |= self.validate()
-            if self._due(self.cfg.trainer.save_freq, step) or self.stop.requested:
+            # The last step is saved too (when saving at all): a failed final export then costs no training.
+            final = step >= self.total_steps and self.cfg.trainer.save_freq > 0
+            if self._due(self.cfg.trainer.save_freq, step) or final or self.stop.requested:
                 self.save_checkpoint()
             self._log(metrics, step)
             last = metrics
             if self.stop.requested:
-                logger.warning("stopping after step %d on %s; checkpoint saved", step, self.stop.reason)
+                self.stopped = self.stop.reason
+                logger.warning("stopping after step %d on %s; checkpoint saved, the run is resumable",
+                               step, self.stop.reason)
                 break
-        if self.cfg.trainer.save_hf_at_end and not self.stop.requested:
-            self.actor_rollout.save_hf(str(self.hf_output_dir))
+        if self.stop.requested:
+            self.stopped = self.stop.reason
+        elif self.cfg.trainer.save_hf_at_end:
+            self.export_hf()
         return last
+
+    def export_hf(self) -> Path:
+        """The final HF checkpoint, written to `hf_final.tmp` and renamed: `hf_final` is never half-written."""
+        with self.checkpointer.publishing(self.hf_output_dir) as tmp:
+            self.actor_rollout.save_hf(str(tmp))
+        return self.hf_output_dir
 
     def train_step(self, batch: DataProto, step: int, timer: StageTimer) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -130,6 +147,7 @@ class RLTrainer:
         batch.meta_info.update(global_steps=step, seed=rollout.seed + step, temperature=rollout.temperature)
 
         batch = self.generate_and_score(batch, step, metrics, timer)
+        self._check_reward_failures(metrics, len(batch), step)
         if self.cfg.algorithm.filter_groups.enable:
             batch = self.fill_with_informative_groups(batch, step, metrics, timer)
 
@@ -178,7 +196,24 @@ class RLTrainer:
         with timer("reward"):
             scores = self.reward_fn(batch)
         metrics |= scores.meta_info.pop("reward_metrics", {})
-        return batch.union(scores)  # token_level_scores at the last valid token
+        return batch.union(scores)
+
+    def _check_reward_failures(self, reward_metrics: dict[str, float], samples: int, step: int) -> None:
+        """A reward that fails for every sample trains on zeros: warn each such step, stop after
+        reward.max_failed_steps in a row (0: never stop)."""
+        if samples == 0 or reward_metrics.get("reward/errors", 0.0) < samples:
+            self._failed_reward_steps = 0
+            return
+        self._failed_reward_steps += 1
+        limit = self.cfg.reward.get("max_failed_steps", 0)
+        logger.warning("step %d: the reward of every one of the %d samples errored or timed out "
+                       "(%d step(s) in a row)", step, samples, self._failed_reward_steps)
+        if limit and self._failed_reward_steps >= limit:
+            raise RuntimeError(
+                f"the reward of every sample errored or timed out for {self._failed_reward_steps} steps in a row "
+                f"(last at step {step}): training on all-zero scores is pointless. Fix the scorer (its errors are "
+                f"logged above) or raise reward.max_failed_steps (0 disables this check)")
+  # token_level_scores at the last valid token
 
     def fill_with_informative_groups(self, batch: DataProto, step: int, metrics: dict[str, float],
                                      timer: StageTimer) -> DataProto:
@@ -239,14 +274,21 @@ class RLTrainer:
         self.state.dataloader = self.train_loader.state_dict()
         self.state.kl_ctrl = self.kl_ctrl.state_dict() if self.kl_ctrl is not None else {}
         with self.checkpointer.saving(self.state.global_steps) as tmp_dir:
-            self.actor_rollout.save_checkpoint(str(tmp_dir / "actor"))
-            if self.critic is not None:
-                self.critic.save_checkpoint(str(tmp_dir / "critic"))
-            self.checkpointer.write_trainer_state(tmp_dir, self.state.__dict__)
+            try:
+                self.actor_rollout.save_checkpoint(str(tmp_dir / "actor"))
+                if self.critic is not None:
+                    self.critic.save_checkpoint(str(tmp_dir / "critic"))
+                self.checkpointer.write_trainer_state(tmp_dir, self.state.__dict__)
+            except OSError:
+                raise  # the checkpointer names the directory
+            except Exception as err:  # a remote worker's error (Ray wraps the OSError)
+                raise RuntimeError(f"saving the step-{self.state.global_steps} checkpoint into {tmp_dir} "
+                                   f"failed: {err}") from err
         return self.checkpointer.step_dir(self.state.global_steps)
 
     def resume(self) -> int:
         """Restore the newest checkpoint per trainer.resume_mode; returns the step training continues from."""
+        self.checkpointer.clean_leftovers()
         path = self.checkpointer.resume_path(self.cfg.trainer.resume_mode, self.cfg.trainer.resume_from_path)
         if path is None:
             return 0
@@ -279,8 +321,19 @@ class RLTrainer:
 
     def _total_steps(self) -> int:
         if self.cfg.trainer.total_training_steps is not None:
-            return int(self.cfg.trainer.total_training_steps)
-        return len(self.train_loader) * self.cfg.trainer.total_epochs
+            total = int(self.cfg.trainer.total_training_steps)
+        else:
+            total = len(self.train_loader) * self.cfg.trainer.total_epochs
+            if total == 0:
+                raise ValueError(f"the training data gives 0 steps: {len(self.train_loader)} batches of "
+                                 f"data.train_batch_size={self.cfg.data.train_batch_size} prompts per epoch x "
+                                 f"trainer.total_epochs={self.cfg.trainer.total_epochs}; use more prompts or a "
+                                 f"smaller data.train_batch_size")
+        for role in ("actor_rollout_ref.actor", "critic"):
+            warmup = OmegaConf.select(self.cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
+            if warmup > total and (role != "critic" or self.use_critic):
+                raise ValueError(f"{role}.optim.lr_warmup_steps={warmup} is longer than the {total} training steps")
+        return total
 
     @staticmethod
     def _due(freq: int, step: int) -> bool:

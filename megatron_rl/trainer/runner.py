@@ -6,6 +6,7 @@ trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,6 +22,8 @@ from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.tracking import Tracking, plot_curves
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RunResult:
@@ -30,6 +33,8 @@ class RunResult:
     plot_path: Path | None
     hf_dir: Path | None
     last_metrics: dict[str, float]
+    stopped: str | None = None  # the signal that stopped the run before its last step (resumable)
+    last_step: int = 0
 
 
 def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]] | None:
@@ -44,6 +49,16 @@ def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]
     return batches
 
 
+def _probe_prompts(cfg: DictConfig, dataset: RLDataset) -> DataProto:
+    """The fixed batch every weight sync is verified on: the first training prompts, in file order."""
+    size = min(cfg.actor_rollout_ref.rollout.weight_sync.probe_batch_size, len(dataset))
+    return next(iter(make_dataloader(dataset, size, shuffle=False, seed=0))).pop_for_generation()
+
+
+def _token_ids(tokenizer) -> dict[str, Any]:
+    return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+
+
 def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callable[[], None]]:
     from megatron_rl.controller import (
         RayResourcePool,
@@ -54,10 +69,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callabl
     )
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
 
-    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus)
+    gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
+    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)
     plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
+    # an embedded Ray, which is how the CPU tests give each rank its own GPU id).
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
-                           use_gpu=_device(cfg) == "cuda", name="global_pool")
+                           use_gpu=True if _device(cfg) == "cuda" else None, name="global_pool")
     # Actor, reference, rollout (and the critic when used) share one process per rank: the hybrid engine.
     if sizes.uses_critic:
         cls = create_colocated_worker_cls({"actor_rollout": ActorRolloutRefWorker, "critic": CriticWorker})
@@ -124,14 +142,21 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
                                    num_workers=cfg.data.dataloader_num_workers)
     reward_fn = RewardManager(tokenizer, cfg.reward)
 
-    actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
-    is_logger = not is_torchrun or actor_rollout.rank == 0
+    # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
+    actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+    stop.install()  # Ray's start-up replaces the handlers with its own
+    is_logger = not is_torchrun or actor_rollout.rank == 0
     tracking = None
     try:
-        actor_rollout.init_model()
+        actor_rollout.init_model(_probe_prompts(cfg, train_dataset), _token_ids(tokenizer))
         if critic is not None:
             critic.init_model()
+        if stop.requested:
+            logger.warning("received %s before the first step; stopping (nothing trained, nothing to save)",
+                           stop.reason)
+            return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", None, None, {},
+                             stopped=stop.reason, last_step=0)
         trainer = RLTrainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
                             stop=stop, checkpointer=_checkpointer(cfg, is_torchrun))
         start_step = trainer.resume()
@@ -149,5 +174,6 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     plot = None
     if is_logger and tracking.metrics_path.exists():
         plot = plot_curves(tracking.metrics_path, output_dir / "curves.png")
-    hf_dir = trainer.hf_output_dir if cfg.trainer.save_hf_at_end and not stop.requested else None
-    return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last)
+    hf_dir = trainer.hf_output_dir if cfg.trainer.save_hf_at_end and trainer.stopped is None else None
+    return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last,
+                     stopped=trainer.stopped, last_step=trainer.state.global_steps)

@@ -9,6 +9,12 @@ logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+# Exit codes of `python -m megatron_rl.train` (docs/trainer.md): 0 only for a finished run.
+EXIT_FINISHED = 0
+EXIT_FAILED = 1  # an error; the traceback is in the output and in <run dir>/train.log
+EXIT_CONFIG_ERROR = 2  # rejected before anything started; nothing was written
+EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1; re-run the same command to resume
+
 
 class StopRequest:
     """Set by a signal handler; the trainer checks it at the end of every step."""
@@ -24,6 +30,7 @@ class StopRequest:
         self.reason = reason
 
     def install(self) -> "StopRequest":
+        """(Re-)install the handlers; call again after a library (Ray) replaced them with its own."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self

@@ -44,24 +44,40 @@ class JsonlSink:
 
     def __init__(self, path: Path, initial_step: int) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(path) if r["step"] <= initial_step] if path.exists() else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self.file = path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # A fresh start keeps nothing, so an old (even damaged) file is not read at all. A resumed one
+            # tolerates a torn last record (what a full disk or a kill mid-write leaves): dropped, with a warning.
+            kept = [r for r in read_metrics(path, tolerate_torn_tail=True) if r["step"] <= initial_step] \
+                if initial_step > 0 and path.exists() else []
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(path)
+            self.file = path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
+        except OSError as err:
+            raise OSError(err.errno, f"writing {path} failed: {err.strerror or err}") from err
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
+        try:
+            self.file.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise OSError(err.errno, f"writing step {step} to {self.path} failed: {err.strerror or err}") from err
 
     def close(self) -> None:
         self.file.close()
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, initial_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        if initial_step == 0 and log_dir.is_dir():
+            # A fresh start: the events of an earlier run in this directory would mix with the new ones.
+            for old in log_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        # Resumed: TensorBoard drops every earlier event past the checkpoint's step, as metrics.jsonl does.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=initial_step + 1 if initial_step > 0 else None)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
@@ -117,7 +133,7 @@ class Tracking:
             elif backend == "jsonl":
                 self.sinks.append(JsonlSink(self.metrics_path, initial_step))
             elif backend == "tensorboard":
-                self.sinks.append(TensorBoardSink(self.tensorboard_dir))
+                self.sinks.append(TensorBoardSink(self.tensorboard_dir, initial_step))
             elif backend == "wandb":
                 self.sinks.append(WandbSink(project, experiment, config or {}))
             elif backend == "mlflow":
@@ -132,10 +148,28 @@ class Tracking:
             sink.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, in order (used by the plot, the demo and tests)."""
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: Path, tolerate_torn_tail: bool = False) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in order (used by the plot, the demo, tests and a resumed run).
+
+    A line that is not a JSON record is an error naming the file and line, except, with
+    ``tolerate_torn_tail``, the last one: a record cut short by a crash or a full disk, dropped with a warning."""
+    path = Path(path)
+    with path.open() as f:
+        lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for i, line in lines:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a record with a 'step'")
+        except ValueError as err:
+            if tolerate_torn_tail and i == lines[-1][0]:
+                logger.warning("%s line %d is a torn record (%s); dropping it", path, i, line.strip()[:60])
+                break
+            raise ValueError(f"{path} line {i} is not a metrics record ({err}): {line.strip()[:80]!r}; "
+                             f"fix or remove the line (or the file)") from err
+        records.append(record)
+    return records
 
 
 def plot_curves(metrics_path: Path, out_png: Path,

@@ -21,7 +21,6 @@ from megatron_rl.algos import (
     compute_kl_loss,
     get_policy_loss,
 )
-from megatron_rl.controller import Dispatch, register
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
 from megatron_rl.workers.checkpoint import CheckpointedRole
@@ -82,7 +81,6 @@ class ActorRole(CheckpointedRole):
         self.updates_done = 0
 
     # ------------------------------------------------------------------ forward only
-    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """{"old_log_probs", "entropys"}: [B, R] fp32 for the response tokens (0 on response padding)."""
         check_batch(data, (), "compute_log_prob")
@@ -139,7 +137,6 @@ class ActorRole(CheckpointedRole):
             totals["actor/kl_loss"] = kl_loss.item()
         return loss, StepMetrics(float(mask.sum()), totals, dict(pg_metrics))
 
-    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; one optimizer step each, one LR-schedule step per call.
 

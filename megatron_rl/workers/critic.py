@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from megatron_rl.algos import GlobalBatchInfo, compute_value_loss
-from megatron_rl.controller import Dispatch, register
 from megatron_rl.ops import masked_mean
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch
@@ -64,7 +63,6 @@ class CriticRole(CheckpointedRole):
         )
         self.updates_done = 0
 
-    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """{"values": [B, R] fp32}, zero where response_mask is 0 (as verl)."""
         check_batch(data, ("response_mask",), "compute_values")
@@ -99,7 +97,6 @@ class CriticRole(CheckpointedRole):
         }
         return loss, StepMetrics(float(mask.sum()), {"critic/vf_loss": loss.item()}, token_means)
 
-    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Returns ``DataProto(meta_info={"metrics": {critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr}})``, means over the optimizer steps, identical on every rank."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.controller import Dispatch, register
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
 from megatron_rl.workers.engine import MegatronEngine
@@ -36,7 +35,6 @@ class ReferenceRole:
             config.log_prob_max_token_len_per_gpu,
         )
 
-    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """{"ref_log_prob": [B, R] fp32} for the response tokens (0 on response padding)."""
         check_batch(data, (), "compute_ref_log_prob")

@@ -8,7 +8,8 @@ import torch
 from rollout_models import make_engine, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig, WeightSyncConfig
-from megatron_rl.rollout import HFEngine, WeightSyncer, build_rollout_engine
+from megatron_rl.rollout import HFEngine, RolloutReplica, build_rollout_engine
+from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
 from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.checksum import tensor_checksum
 from megatron_rl.rollout.weight_sync import WeightSyncError, sync_weights, verify_sync
@@ -131,36 +132,37 @@ def test_a_failed_sync_leaves_the_engine_refusing_to_generate():
     assert engine.generate_sequences(prompt_batch([2])).meta_info["weight_version"] == 3
 
 
-def test_weight_syncer_versions_and_verifies_every_nth_sync():
+def _replica(engine, sync_cfg, **kwargs) -> RolloutReplica:
+    """A one-rank mesh: this process leads the only replica and holds ``engine``."""
+    mesh = build_rollout_mesh(default_places(1, 1), 1)
+    return RolloutReplica(RolloutConfig(weight_sync=sync_cfg), mesh, 0, lambda replica: engine,
+                          member_dtype=torch.float32, **kwargs)
+
+
+def test_replica_versions_and_verifies_every_nth_sync():
     engine, source = make_engine(), source_model(seed=7)
     cfg = WeightSyncConfig(bucket_size_mb=1, verify_freq=2, verify_max_logprob_diff=1e-4)
-    syncer = WeightSyncer(
-        cfg, engine, probe_prompts=prompt_batch([3, 5]), trainer_log_prob_fn=trainer_log_probs(source)
-    )
-    first = syncer.sync(source.state_dict().items())
-    second = syncer.sync(source.state_dict().items())
+    replica = _replica(engine, cfg, probe_prompts=prompt_batch([3, 5]), trainer_log_prob_fn=trainer_log_probs(source))
+    first = replica.sync(source.state_dict().items(), version=1)
+    second = replica.sync(source.state_dict().items(), version=2)
     assert first["weight_sync/version"] == 1 and "rollout/logprob_diff_mean" not in first
     assert second["weight_sync/version"] == 2 and second["rollout/logprob_diff_max"] < 1e-5
     assert engine.weight_version == 2
-    syncer.trainer_log_prob_fn = trainer_log_probs(source_model(seed=8))  # now disagrees with what is sent
-    assert "rollout/logprob_diff_mean" not in syncer.sync(source.state_dict().items())  # v3: not verified
-    with pytest.raises(WeightSyncError, match="after weight sync v4"):
-        syncer.sync(source.state_dict().items())
+    replica.trainer_log_prob_fn = trainer_log_probs(source_model(seed=8))  # now disagrees with what is sent
+    assert "rollout/logprob_diff_mean" not in replica.sync(source.state_dict().items(), version=3)  # not verified
+    with pytest.raises(WeightSyncError, match="after weight sync v4: .*engine 0 \\(ranks \\[0\\]"):
+        replica.sync(source.state_dict().items(), version=4)
 
 
-def test_weight_syncer_needs_a_probe_when_verifying():
+def test_replica_needs_a_probe_when_verifying():
     with pytest.raises(ValueError, match="verify_freq > 0 needs probe_prompts"):
-        WeightSyncer(WeightSyncConfig(verify_freq=1), make_engine())
-    assert (
-        WeightSyncer(WeightSyncConfig(verify_freq=0), make_engine()).sync(
-            source_model(seed=9).state_dict().items()
-        )["weight_sync/version"]
-        == 1
-    )
+        _replica(make_engine(), WeightSyncConfig(verify_freq=1))
+    replica = _replica(make_engine(), WeightSyncConfig(verify_freq=0))
+    assert replica.sync(source_model(seed=9).state_dict().items(), version=1)["weight_sync/version"] == 1
 
 
 def test_build_rollout_engine_picks_the_configured_engine():
-    from megatron_rl.rollout.sglang_engine import SGLangUnavailableError
+    from megatron_rl.rollout.sglang import SGLangUnavailableError
 
     assert isinstance(
         build_rollout_engine(RolloutConfig(name="hf"), tiny_qwen2_config(), response_length=4), HFEngine

@@ -186,7 +186,7 @@ def test_checkpoint_resume_continues_data_and_step(tmp_path):
     resumed.fit()
     assert sorted(resumed.tracking.records) == [3]
     assert resumed.tracking.records[3]["critic/score/mean"] == straight[3]["critic/score/mean"]
-    assert (tmp_path / "b" / LATEST_FILE).read_text() == "2"
+    assert (tmp_path / "b" / LATEST_FILE).read_text() == "3"  # the last step is saved too
 
 
 def test_stop_signal_saves_and_ends_after_the_step(tmp_path):

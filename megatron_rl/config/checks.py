@@ -1,0 +1,124 @@
+"""Checks of ``validate()`` that read the schema itself: unknown keys (what ``+key=value`` slips past
+OmegaConf), optimizer and schedule values, and settings that would silently do nothing."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config.schema import PPOTrainerConfig, RewardConfig
+
+
+class CheckError(ValueError):
+    """validate() turns it into a ConfigError."""
+    pass
+
+
+def _schema_fields(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_free_form(hint: Any) -> bool:
+    """dict[str, Any] / Any fields take any key (override_config, plan.architecture)."""
+    return hint is Any or typing.get_origin(hint) is dict or hint is dict
+
+
+def _all_paths(cls: type, prefix: str = "") -> Iterator[str]:
+    for name, hint in _schema_fields(cls).items():
+        path = f"{prefix}{name}"
+        yield path
+        inner = _dataclass_of(hint)
+        if inner is not None:
+            yield from _all_paths(inner, path + ".")
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):  # Optional[SomeConfig]
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def unknown_keys(cfg: DictConfig, cls: type = PPOTrainerConfig, prefix: str = "") -> list[str]:
+    """Messages for every key of ``cfg`` that its schema node does not have, with the nearest known names."""
+    fields = _schema_fields(cls)
+    messages = []
+    every_path = None
+    for key in cfg.keys():
+        key = str(key)
+        path = f"{prefix}{key}"
+        if key not in fields:
+            every_path = every_path or list(_all_paths(PPOTrainerConfig))
+            near = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
+            elsewhere = [p for p in every_path if p.rsplit(".", 1)[-1] == key]
+            hints = []
+            if near:
+                hints.append(f"did you mean {', '.join(prefix + n for n in near)}?")
+            if elsewhere:
+                hints.append(f"a key of that name lives at {', '.join(elsewhere)}")
+            node = prefix.rstrip(".") or "the top level"
+            known = ", ".join(sorted(fields))
+            messages.append(f"{path} is not a known key ({'; '.join(hints) + '; ' if hints else ''}"
+                            f"known under {node}: {known})")
+            continue
+        inner = _dataclass_of(fields[key])
+        value = cfg._get_node(key)
+        if inner is not None and isinstance(value, DictConfig) and not value._is_none():
+            messages.extend(unknown_keys(value, inner, path + "."))
+    return messages
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    messages = unknown_keys(cfg)
+    if messages:
+        raise CheckError("; ".join(messages) + " (megatron-rl takes verl's names; verl-only keys are not supported, "
+                     "see docs/configuration.md)")
+
+
+def check_optimizer(cfg: DictConfig, prefix: str, total_steps: int | None) -> None:
+    optim = OmegaConf.select(cfg, f"{prefix}.optim")
+    key = f"{prefix}.optim"
+    if not optim.lr > 0:
+        raise CheckError(f"{key}.lr must be > 0, got {optim.lr}")
+    betas = list(optim.betas)
+    if len(betas) != 2:
+        raise CheckError(f"{key}.betas must be two numbers [beta1, beta2], got {betas}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise CheckError(f"{key}.betas={betas}: each must lie in [0, 1)")
+    if optim.weight_decay < 0:
+        raise CheckError(f"{key}.weight_decay must be >= 0, got {optim.weight_decay}")
+    if not optim.clip_grad > 0:
+        raise CheckError(f"{key}.clip_grad must be > 0, got {optim.clip_grad}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise CheckError(f"{key}.min_lr_ratio must lie in [0, 1], got {optim.min_lr_ratio}")
+    if optim.lr_warmup_steps < 0:
+        raise CheckError(f"{key}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
+    steps = optim.total_training_steps if optim.total_training_steps != -1 else total_steps
+    if steps is not None and optim.lr_warmup_steps > steps:
+        raise CheckError(f"{key}.lr_warmup_steps={optim.lr_warmup_steps} is longer than the {steps} training steps "
+                     f"(trainer.total_training_steps); the learning rate would never reach {key}.lr")
+
+
+def check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
+    trainer, reward = cfg.trainer, cfg.reward
+    total = trainer.total_training_steps
+    if total is not None and total < 1:
+        raise CheckError(f"trainer.total_training_steps={total} would train nothing; set it >= 1, or to null for "
+                     f"trainer.total_epochs over the data")
+    check_optimizer(cfg, "actor_rollout_ref.actor", total)
+    if uses_critic:
+        check_optimizer(cfg, "critic", total)
+    default_timeout = RewardConfig.timeout_s
+    if reward.num_workers == 0 and reward.timeout_s != default_timeout:
+        raise CheckError(f"reward.timeout_s={float(reward.timeout_s)} cannot apply with reward.num_workers=0: inline "
+                     f"scoring runs in the driver and cannot be interrupted; set reward.num_workers >= 1 for a "
+                     f"time limit")
+    if reward.max_failed_steps < 0:
+        raise CheckError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {reward.max_failed_steps}")
+    if trainer.max_ckpt_to_keep < 1:
+        raise CheckError(f"trainer.max_ckpt_to_keep must be >= 1, got {trainer.max_ckpt_to_keep}")

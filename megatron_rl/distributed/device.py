@@ -1,0 +1,77 @@
+"""Which GPU this process owns, and binding to it.
+
+A rank's GPU is named three ways: its node, its physical id on that node, and its index among the devices the
+process can see (``CUDA_VISIBLE_DEVICES``), which is what ``torch.cuda.set_device`` and SGLang's
+``base_gpu_id`` take. Under torchrun the local rank is the index. Under Ray the worker group passes the GPU id
+Ray assigned (``MEGATRON_RL_GPU_ID``, from ``ray.get_gpu_ids()``) and the Ray node id
+(``MEGATRON_RL_NODE_ID``): with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every actor sees all GPUs of its
+node (an SGLang engine spans several), so the bundle index says nothing about the GPU.
+
+``bind_device`` records the chosen index in ``MEGATRON_RL_DEVICE_INDEX`` too, so child processes and CPU
+stand-ins of GPU software see which device this process selected.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "RankPlace", "bind_device", "rank_place", "visible_gpus"]
+
+GPU_ID_ENV = "MEGATRON_RL_GPU_ID"
+NODE_ID_ENV = "MEGATRON_RL_NODE_ID"
+DEVICE_INDEX_ENV = "MEGATRON_RL_DEVICE_INDEX"
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one trainer rank runs: its node, the physical id of its GPU on that node, and that GPU's index
+    among the devices the process can see (what ``torch.cuda.set_device`` and SGLang's ``base_gpu_id`` take)."""
+
+    rank: int
+    node: str
+    gpu: int
+    device_index: int
+
+
+def visible_gpus(env: Mapping[str, str], count: int) -> list[int]:
+    """Physical ids of the GPUs this process sees: ``CUDA_VISIBLE_DEVICES`` if set, else 0..count-1."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None or value.strip() == "":
+        return list(range(count))
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={value!r}: expected comma-separated GPU ids") from None
+
+
+def rank_place(rank: int, local_rank: int, env: Mapping[str, str] = os.environ) -> RankPlace:
+    """This process's node, physical GPU id and device index (see the module docstring)."""
+    node = env.get(NODE_ID_ENV) or f"{socket.gethostname()}/{env.get('GROUP_RANK', env.get('NODE_RANK', '0'))}"
+    if GPU_ID_ENV in env:
+        gpu = int(env[GPU_ID_ENV])
+        visible = visible_gpus(env, gpu + 1)
+        if gpu not in visible:
+            raise ValueError(
+                f"rank {rank}: its GPU {gpu} ({GPU_ID_ENV}) is not among the visible devices "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}"
+            )
+        return RankPlace(rank, node, gpu, visible.index(gpu))
+    visible = visible_gpus(env, local_rank + 1)
+    if local_rank >= len(visible):
+        raise ValueError(
+            f"rank {rank}: LOCAL_RANK={local_rank} but only {len(visible)} devices are visible "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return RankPlace(rank, node, visible[local_rank], local_rank)
+
+
+def bind_device(place: RankPlace) -> None:
+    """Select the place's GPU for this process (on CUDA) and record the choice for child processes."""
+    os.environ[DEVICE_INDEX_ENV] = str(place.device_index)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(place.device_index)

@@ -1,0 +1,223 @@
+"""One trainer rank's part in its rollout engine replica (rollout/mesh.py): sync, generate, release, verify.
+
+The replica's leader holds the engine; every rank takes part in a weight sync. Colocated SGLang of rollout TP
+k > 1: each of the k ranks puts each bucket on its own GPU and serializes it there, and the leader gathers the
+k payloads (over a gloo group of the replica's ranks, ordered by engine TP rank) and hands the engine
+``named_tensors=[payload_tp0, ..., payload_tp(k-1)]``. A rank that feeds no engine (server mode: only global
+rank 0 sends) consumes the export stream without sending.
+
+Verification runs the fixed probe once per replica (on its leader); the probe outputs are gathered to every
+rank, and every rank scores the same concatenated batch with the trainer, which makes that scoring a valid
+collective for any actor layout. Metrics are the worst replica's; above ``verify_max_logprob_diff`` every rank
+raises the same WeightSyncError, naming the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine
+from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
+from megatron_rl.rollout.weight_sync import (
+    check_logprob_diff,
+    explain_mismatch,
+    logprob_diff,
+    probe_rollout,
+    sync_weights,
+)
+
+__all__ = ["RolloutReplica"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class _PayloadGroup:
+    """The replica's ranks as a gloo group; ``gather`` returns the leader's list ordered by engine TP rank."""
+
+    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup) -> None:
+        self.replica, self.group = replica, group
+        self._order = [sorted(replica.ranks).index(rank) for rank in replica.ranks]  # group rank of TP rank i
+
+    def gather(self, payload: Any, is_leader: bool) -> list | None:
+        received: list | None = [None] * self.replica.tp_size if is_leader else None
+        dist.gather_object(payload, received, dst=self.replica.leader, group=self.group)
+        return [received[i] for i in self._order] if is_leader else None
+
+
+class _LeaderSink:
+    """The leader's side of a multi-rank engine: its own payload plus the members', then one engine load."""
+
+    def __init__(self, engine: RolloutEngine, payloads: _PayloadGroup) -> None:
+        self.engine, self.payloads = engine, payloads
+        self.dtype, self.async_loads, self.thread_affine = engine.dtype, True, engine.thread_affine
+
+    def begin_weight_update(self, version: int) -> None:
+        self.engine.begin_weight_update(version)
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        from megatron_rl.rollout.sglang.payload import serialize_bucket
+
+        self.engine.load_payloads(self.payloads.gather(serialize_bucket(bucket), is_leader=True))
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
+
+    def abort_weight_update(self, reason: str) -> None:
+        self.engine.abort_weight_update(reason)
+
+
+class _MemberSink:
+    """A non-leader rank: its GPU's copy of every bucket, serialized on that GPU, sent to the leader."""
+
+    async_loads, thread_affine = True, False
+
+    def __init__(self, dtype: torch.dtype, payloads: _PayloadGroup) -> None:
+        self.dtype, self.payloads = dtype, payloads
+
+    def begin_weight_update(self, version: int) -> None:
+        pass
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        from megatron_rl.rollout.sglang.payload import serialize_bucket
+
+        self.payloads.gather(serialize_bucket(bucket), is_leader=False)
+
+    def end_weight_update(self) -> None:
+        pass
+
+    def abort_weight_update(self, reason: str) -> None:
+        pass
+
+
+class RolloutReplica:
+    """``config``: the rollout config (``weight_sync``, ``free_cache_engine``, ``mode``). ``build_engine`` is
+    called on the replica's leader only. ``trainer_log_prob_fn`` (DataProto -> [B, R]) must be callable on
+    every rank; it is called on all ranks with the same batch."""
+
+    def __init__(
+        self,
+        config: Any,
+        mesh: RolloutMesh,
+        rank: int,
+        build_engine: Callable[[EngineReplica], RolloutEngine],
+        *,
+        member_dtype: torch.dtype,
+        probe_prompts: DataProto | None = None,
+        trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
+    ) -> None:
+        sync_cfg = config.weight_sync
+        if sync_cfg.bucket_size_mb <= 0:
+            raise ValueError(f"rollout.weight_sync.bucket_size_mb must be positive, got {sync_cfg.bucket_size_mb}")
+        if sync_cfg.verify_freq < 0:
+            raise ValueError(f"rollout.weight_sync.verify_freq must be >= 0 (0 disables), got {sync_cfg.verify_freq}")
+        if sync_cfg.verify_freq and (probe_prompts is None or trainer_log_prob_fn is None):
+            raise ValueError(
+                "rollout.weight_sync.verify_freq > 0 needs probe_prompts and trainer_log_prob_fn "
+                "(or set verify_freq=0 to sync without verification)"
+            )
+        self.config, self.mesh, self.rank = config, mesh, rank
+        self.replica = mesh.replica_of(rank)
+        self.is_leader = self.replica.leader == rank
+        self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
+        self.version = 0
+        payloads = self._payload_group() if config.mode == "colocated" else None
+        self.engine = build_engine(self.replica) if self.is_leader else None
+        if payloads is None:  # one rank per engine, or server mode: the leader sends everything itself
+            self.sink = self.engine
+        elif self.is_leader:
+            self.sink = _LeaderSink(self.engine, payloads)
+        else:
+            self.sink = _MemberSink(member_dtype, payloads)
+
+    def _payload_group(self) -> _PayloadGroup | None:
+        """Gloo groups for the payload gathers, created by every rank in the same order (``new_group`` is a
+        collective of the whole world); None when no replica has more than one rank."""
+        if self.mesh.tp == 1 or not _distributed():
+            return None
+        mine = None
+        for replica in self.mesh.replicas:
+            group = dist.new_group(sorted(replica.ranks), backend="gloo")
+            if replica is self.replica:
+                mine = _PayloadGroup(replica, group)
+        return mine
+
+    # ------------------------------------------------------------------ the step's phases
+    def generate(self, prompts: DataProto) -> DataProto:
+        if not self.is_leader:
+            raise RuntimeError(
+                f"rank {self.rank} holds no rollout engine: generation goes to the leader of engine "
+                f"{self.replica.index} (rank {self.replica.leader}); dispatch with ROLLOUT_COMPUTE_PROTO"
+            )
+        return self.engine.generate_sequences(prompts)
+
+    def release(self) -> None:
+        """Entering a training phase: with ``free_cache_engine`` the engine gives its memory back (the next
+        sync brings it back with current weights, so every generation runs on them)."""
+        if self.is_leader and self.config.free_cache_engine:
+            self.engine.sleep()
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Push weight version ``version`` (the training step) into the replica's engine; every rank calls this
+        with the same export stream. Returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
+        sync_cfg = self.config.weight_sync
+        verify = sync_cfg.verify_freq > 0 and version % sync_cfg.verify_freq == 0
+        if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
+            for _ in named_tensors:
+                pass
+            metrics: dict[str, float] = {}
+            checksums = None
+        else:
+            stats = sync_weights(
+                named_tensors,
+                self.sink,
+                version=version,
+                bucket_bytes=int(sync_cfg.bucket_size_mb) << 20,
+                compute_checksums=verify and self.is_leader,
+            )
+            metrics, checksums = stats.metrics(), stats.checksums
+        self.version = version
+        if verify:
+            metrics |= self._verify(version, checksums)
+        return metrics
+
+    def _verify(self, version: int, checksums: Any) -> dict[str, float]:
+        mine = probe_rollout(self.engine, self.probe_prompts) if self.is_leader else None
+        if _distributed():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            outputs = [gathered[leader] for leader in self.mesh.leaders]
+        else:
+            outputs = [mine]
+        with torch.no_grad():
+            trainer_lp = self.trainer_log_prob_fn(DataProto.concat(outputs))
+        per_replica, start = [], 0
+        for output in outputs:
+            per_replica.append(logprob_diff(output, trainer_lp[start : start + len(output)]))
+            start += len(output)
+        worst = max(range(len(per_replica)), key=lambda i: per_replica[i]["rollout/logprob_diff_mean"])
+        metrics = {
+            "rollout/logprob_diff_mean": per_replica[worst]["rollout/logprob_diff_mean"],
+            "rollout/logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in per_replica),
+        }
+
+        def explain() -> str:
+            replica = self.mesh.replicas[worst]
+            where = f"engine {worst} (ranks {list(replica.ranks)} on {replica.node})"
+            if self.replica.index == worst and self.is_leader:
+                return f"{where}: " + explain_mismatch(self.engine, checksums)
+            return f"{where}; its leader, rank {replica.leader}, names the tensors"
+
+        check_logprob_diff(metrics, self.config.weight_sync.verify_max_logprob_diff, f"weight sync v{version}", explain)
+        return metrics
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,0 +1,85 @@
+"""SGLang as the rollout engine (pinned to sglang==0.5.23; ``pip install megatron-rl[sglang]``, needs CUDA).
+
+``contract``: the one list of what we use from SGLang. ``adapter.SGLangEngine``: session, version, memory
+state, sampling. Transports: ``engine_transport`` (an in-process ``sglang.Engine`` per rollout replica,
+colocated) and ``server_transport`` (HTTP servers elsewhere + an update group). ``payload``: one rank's
+flattened bucket. sglang itself is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.rollout.sglang.adapter import SGLangEngine
+from megatron_rl.rollout.sglang.contract import (
+    SGLANG_CONTRACT,
+    SGLANG_PIN,
+    WEIGHT_UPDATE_SESSION_SINCE,
+    SGLangServerError,
+    SGLangUnavailableError,
+)
+
+__all__ = [
+    "SGLANG_CONTRACT",
+    "SGLANG_PIN",
+    "WEIGHT_UPDATE_SESSION_SINCE",
+    "SGLangEngine",
+    "SGLangServerError",
+    "SGLangUnavailableError",
+    "build_sglang_engine",
+]
+
+
+def build_sglang_engine(
+    config: Any,
+    model_path: str,
+    *,
+    replica_index: int = 0,
+    base_gpu_id: int = 0,
+    response_length: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+) -> SGLangEngine:
+    """The engine of one rollout replica. ``config``: the rollout config. Colocated: an ``sglang.Engine`` of
+    rollout TP on GPUs ``base_gpu_id`` .. + TP - 1 (the replica's leader builds it); server: the servers of
+    ``rollout.server_urls`` (global rank 0 builds it)."""
+    if config.mode not in ("colocated", "server"):
+        raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
+    sgl = config.sglang
+    if config.mode == "server":
+        from megatron_rl.rollout.sglang.server_transport import ServerTransport
+
+        transport = ServerTransport(
+            list(config.server_urls),
+            timeout_s=sgl.request_timeout_s,
+            weight_transport=sgl.weight_transport,
+            update_group_backend=sgl.update_group_backend,
+            master_address=sgl.master_address,
+        )
+        needs_sync = "the servers have not received the trainer's weights yet"
+    else:
+        from megatron_rl.rollout.sglang.engine_transport import InProcessTransport
+
+        transport = InProcessTransport(
+            {
+                "model_path": str(model_path),
+                "tp_size": int(config.tensor_model_parallel_size),
+                "mem_fraction_static": float(config.gpu_memory_utilization),
+                "enable_memory_saver": True,  # needed by release/resume_memory_occupation
+                "base_gpu_id": int(base_gpu_id),
+                "skip_tokenizer_init": True,
+                "load_format": "dummy",
+                "random_seed": int(config.seed),
+                "dtype": str(config.dtype),
+                "log_level": "error",
+            },
+            replica_index=replica_index,
+            port_base=int(sgl.port_base),
+            port_stride=int(sgl.port_stride),
+        )
+        needs_sync = "the engine starts with random weights (load_format=dummy)"
+    return SGLangEngine(
+        config, transport, response_length=response_length, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, needs_sync=needs_sync,
+    )

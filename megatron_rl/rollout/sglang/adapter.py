@@ -1,0 +1,245 @@
+"""SGLangEngine: SGLang as a rollout engine — session, weight version, memory state and sampling — over one of
+two transports (``engine_transport.InProcessTransport``: colocated ``sglang.Engine``;
+``server_transport.ServerTransport``: HTTP servers elsewhere).
+
+Memory (colocated): SGLang's release/resume is a state machine — resuming a tag that was never released raises
+in its scheduler, which then kills the trainer — so the adapter tracks the released tags and only resumes what
+it released. Order (as verl's rollout mode and slime do): ``sleep()`` releases weights, KV cache and CUDA graphs
+after generation; the next weight update resumes the weights, loads them, empties the trainer's CUDA cache and
+only then resumes the KV cache and CUDA graphs, so the cache is allocated into memory the trainer gave back.
+Released weights are gone: after ``sleep()`` the engine refuses to generate until a complete weight update.
+
+Log-probs are SGLang's ``output_token_logprobs``: the temperature-scaled full-vocabulary log-prob of each
+sampled token (log_softmax(logits) when greedy), the HF engine's convention. ``meta_info['seed']`` becomes a
+per-row ``sampling_seed``, which SGLang honours only when started with ``enable_deterministic_inference``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
+from megatron_rl.rollout.sglang.contract import MEMORY_TAGS, WEIGHT_UPDATE_SESSION_SINCE, checked
+from megatron_rl.rollout.sglang.payload import serialize_bucket
+
+__all__ = ["SGLangEngine"]
+
+WEIGHTS = "weights"
+
+
+class SGLangEngine(RolloutEngine):
+    #: calls must come from the thread that built the engine (SGLang's Engine owns an event loop)
+    thread_affine = True
+
+    def __init__(
+        self,
+        config: Any,
+        transport: Any,
+        *,
+        response_length: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        needs_sync: str = "the engine starts with random weights (load_format=dummy)",
+    ) -> None:
+        """``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
+        ``megatron_rl.rollout.sglang.build_sglang_engine``)."""
+        length = config.response_length if config.response_length is not None else response_length
+        if length is None or int(length) < 1:
+            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+        self.config = config
+        self.transport = transport
+        self.response_length = int(length)
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.dtype = resolve_dtype(str(config.dtype), torch.device("cuda"))
+        self.tp_size = transport.tp_size
+        self.async_loads = transport.async_loads
+        self.sglang_version = str(transport.version)
+        self.uses_session = Version(self.sglang_version) >= WEIGHT_UPDATE_SESSION_SINCE
+        self.is_server = not transport.colocated
+        self.weight_version = 0
+        self.released: set[str] = set()  # memory tags released and not resumed (SGLang refuses a blind resume)
+        self._in_session = False
+        self._session_version = 0
+        self._needs_sync: str | None = needs_sync
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if self._in_session:
+            raise RuntimeError("SGLangEngine has an open weight-update session; call end_weight_update() first")
+        if self._needs_sync is not None:
+            raise RuntimeError(f"SGLangEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        if self.released:
+            raise RuntimeError(f"SGLangEngine memory {sorted(self.released)} is released; a weight sync resumes it")
+        check_prompt_batch(prompts)
+        params = resolve_sampling_params(
+            self.config,
+            prompts.meta_info,
+            response_length=self.response_length,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        start = time.perf_counter()
+        input_ids = prompt_token_lists(prompts)
+        sampling = [checked("sampling", None, _sampling_dict(params, row)) for row in range(len(input_ids))]
+        outputs = self.transport.generate(input_ids, sampling)
+        responses, log_probs = [], []
+        for row, output in enumerate(outputs):
+            tokens, lps = _parse_output(output, row, params)
+            if self.is_server:
+                self._check_served_version(output, row)
+            responses.append(tokens)
+            log_probs.append(lps)
+        return build_rollout_batch(
+            prompts,
+            responses,
+            log_probs,
+            response_length=params.max_response_length,
+            pad_token_id=params.pad_token_id,
+            weight_version=self.weight_version,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _check_served_version(self, output: dict, row: int) -> None:
+        """Server mode tags updates with our version; a sample from other weights must not slip through."""
+        served = output["meta_info"].get("weight_version")
+        if served != str(self.weight_version):
+            raise RuntimeError(
+                f"sample {row} was generated with weight version {served!r}, expected {self.weight_version}: "
+                "a server missed a weight sync"
+            )
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, version: int) -> None:
+        if self._in_session:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        if WEIGHTS in self.released:  # weights first: the load needs their memory, the KV cache comes after
+            self._resume([WEIGHTS])
+        if self.uses_session:
+            self.transport.session("begin_weight_update")
+        self._in_session = True
+        self._session_version = int(version)
+        if self.is_server:
+            self.transport.set_version(version)
+
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """SGLang always receives flattened buckets: pack these tensors into one (in the engine dtype)."""
+        items = list(named_tensors)
+        if not items:
+            return
+        cast = [(n, t, self.dtype if t.is_floating_point() else t.dtype) for n, t in items]
+        bucket = WeightBucket(sum(t.numel() * d.itemsize + d.itemsize for _, t, d in cast), items[0][1].device)
+        for name, tensor, dtype in cast:
+            bucket.add(name, tensor, dtype)
+        self.load_weight_bucket(bucket)
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """A bucket from this process only: an engine of TP 1 (colocated) or a server transport."""
+        self._require_session()
+        if self.is_server:
+            self.transport.load_bucket(bucket)
+        else:
+            self.load_payloads([serialize_bucket(bucket)])
+
+    def load_payloads(self, payloads: list) -> None:
+        """Colocated: one serialized bucket per engine TP rank, each made on that rank's GPU (replica.py
+        gathers them from the replica's ranks)."""
+        self._require_session()
+        self.transport.load_payloads(payloads, version=self._session_version)
+
+    def _require_session(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
+
+    def end_weight_update(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        self._close_session()
+        self.transport.flush_cache()  # cached prefixes hold KV computed with the old weights
+        self.weight_version = self._session_version
+        self._needs_sync = None
+        if self.released:  # KV cache and CUDA graphs last, into the memory the trainer just gave back
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._resume(sorted(self.released))
+
+    def abort_weight_update(self, reason: str) -> None:
+        self._needs_sync = reason
+        if self._in_session:
+            self._close_session()
+
+    def _close_session(self) -> None:
+        self._in_session = False
+        if self.uses_session:
+            self.transport.session("end_weight_update")
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Release every tag still held (nothing is released twice); the weights are gone until the next sync."""
+        tags = [tag for tag in MEMORY_TAGS if tag not in self.released]
+        if tags:
+            self.transport.memory("release_memory_occupation", tags)
+            self.released.update(tags)
+        if WEIGHTS in tags:
+            self._needs_sync = "its weights were released by sleep()"
+
+    def wake_up(self) -> None:
+        """The next weight update resumes what ``sleep`` released, in SGLang's order; nothing to do here."""
+
+    def _resume(self, tags: list[str]) -> None:
+        unknown = [tag for tag in tags if tag not in self.released]
+        if unknown:  # SGLang would raise in its scheduler and take the trainer down
+            raise WeightUpdateError(f"resume of memory {unknown} that was never released (released: {sorted(self.released)})")
+        self.transport.memory("resume_memory_occupation", tags)
+        self.released.difference_update(tags)
+
+    def shutdown(self) -> None:
+        self.transport.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _sampling_dict(params: SamplingParams, row: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_response_length,
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "stop_token_ids": list(params.finish_token_ids),
+        "ignore_eos": False,
+    }
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed + row
+    return out
+
+
+def _parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Response tokens and log-probs from ``meta_info.output_token_logprobs`` ([logprob, token_id, text]),
+    cut after the first finishing token."""
+    try:
+        entries = output["meta_info"]["output_token_logprobs"]
+    except (KeyError, TypeError) as exc:
+        raise RuntimeError(
+            f"SGLang result {row} has no meta_info.output_token_logprobs (keys: "
+            f"{sorted(output) if isinstance(output, dict) else type(output).__name__})"
+        ) from exc
+    tokens = [int(e[1]) for e in entries]
+    log_probs = [float(e[0]) for e in entries]
+    finish = set(params.finish_token_ids)
+    for i, token in enumerate(tokens):
+        if token in finish:
+            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
+            break
+    if len(tokens) > params.max_response_length:
+        raise RuntimeError(
+            f"SGLang result {row} has {len(tokens)} tokens, more than max_new_tokens {params.max_response_length}"
+        )
+    return tokens, log_probs

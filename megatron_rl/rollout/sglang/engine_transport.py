@@ -1,0 +1,111 @@
+"""Transport 1: ``sglang.Engine`` inside the leader rank's process (colocated with the trainer's GPUs).
+
+One engine per rollout replica (rollout/mesh.py): built by the replica's leader with ``tp_size`` = rollout TP
+and ``base_gpu_id`` = the leader's device index, so its scheduler processes run on the replica's GPUs, which
+the leader's process must see (Ray: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, controller/ray_init.py).
+
+What SGLang 0.5.23 demands of its host process, and how this class meets it:
+- the Engine drives its own event loop: every call must come from the thread that built it (checked here
+  with a clear error instead of SGLang's);
+- it installs its own SIGTERM handler (log and ignore): the trainer's stop-and-checkpoint handler is put back
+  right after the Engine is built;
+- without ``nccl_port`` it draws a port with the global ``random`` module, so ranks seeded alike collide:
+  each engine gets an explicit port (``port_base + 2 * replica``, the next free one if taken), checked free;
+- released CUDA-graph memory is kept unless SGLANG_MEMORY_SAVER_CUDA_GRAPH=true when the engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+from megatron_rl.rollout.sglang.contract import SGLANG_CONTRACT, check_result, checked, import_sglang
+
+__all__ = ["InProcessTransport", "pick_free_port"]
+
+
+def _port_is_free(port: int) -> bool:
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def pick_free_port(preferred: int, *, stride: int, attempts: int = 64) -> int:
+    """``preferred`` if free, else ``preferred + k * stride`` for the first free k (engines on one node use
+    distinct preferred ports and the same stride, so their searches never meet)."""
+    for k in range(attempts):
+        port = preferred + k * stride
+        if port < 65536 and _port_is_free(port):
+            return port
+    raise RuntimeError(
+        f"no free port for the SGLang engine among {preferred} + k * {stride} (k < {attempts}); "
+        "set actor_rollout_ref.rollout.sglang.port_base to a free range"
+    )
+
+
+class InProcessTransport:
+    colocated = True
+    #: the engine copies from our buffers after its calls return (CUDA IPC, asynchronous device copies)
+    async_loads = True
+
+    def __init__(self, server_args: dict[str, Any], *, replica_index: int, port_base: int, port_stride: int) -> None:
+        for name, value in SGLANG_CONTRACT["env_vars"].items():
+            os.environ.setdefault(name, value)
+        args = dict(server_args)
+        # Two ports per engine (scheduler rendezvous, SGLang's own base port), distinct per replica.
+        args["nccl_port"] = pick_free_port(port_base + 2 * replica_index, stride=port_stride)
+        args["port"] = pick_free_port(args["nccl_port"] + 1, stride=port_stride)
+        self.nccl_port = args["nccl_port"]
+        self._owner = threading.current_thread()
+        engine_cls = import_sglang("sglang", "Engine")
+        handler = signal.getsignal(signal.SIGTERM) if self._owner is threading.main_thread() else None
+        try:
+            self._engine = engine_cls(**checked("server_args", None, args))
+        finally:
+            if handler is not None:  # SGLang replaced it with one that ignores SIGTERM
+                signal.signal(signal.SIGTERM, handler)
+        self.version = str(import_sglang("sglang", "__version__"))
+        self.tp_size = int(args["tp_size"])
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        if threading.current_thread() is not self._owner:
+            raise RuntimeError(
+                f"sglang.Engine.{method} called from thread {threading.current_thread().name!r}; the engine "
+                f"belongs to {self._owner.name!r} (SGLang's Engine runs its own event loop)"
+            )
+        return getattr(self._engine, method)(**checked("engine", method, kwargs))
+
+    # ------------------------------------------------------------------ the transport interface
+    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
+        return self.call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+
+    def session(self, what: str) -> None:
+        check_result(self.call(what), what)
+
+    def load_payloads(self, payloads: list, *, version: int) -> None:
+        """``payloads[i]``: the serialized bucket for engine TP rank i, made on that rank's GPU."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"SGLang engine of TP {self.tp_size} needs one payload per TP rank, got {len(payloads)}")
+        result = self.call(
+            "update_weights_from_tensor",
+            named_tensors=payloads,
+            load_format=SGLANG_CONTRACT["flattened_bucket"]["load_format"],
+            flush_cache=False,
+        )
+        check_result(result, "update_weights_from_tensor")
+
+    def flush_cache(self) -> None:
+        self.call("flush_cache")
+
+    def memory(self, what: str, tags: list[str]) -> None:
+        self.call(what, tags=tags)
+
+    def shutdown(self) -> None:
+        self.call("shutdown")

@@ -1,0 +1,217 @@
+"""What a run needs from the file system, checked before Ray or any worker starts (and by ``--dry-run``).
+
+``validate(cfg)`` checks the config on its own; ``preflight(cfg)`` checks it against the world: the output
+directory (no silent overwrite of a finished run), the data files (exist, are files, readable, and every
+``data_source`` has a scorer), the model's ``config.json`` (readable; its heads split over TP). Each error is a
+``ConfigError`` naming the key, the file and the values seen, so the real start and the dry run fail alike.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config import ConfigError
+from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
+
+logger = logging.getLogger(__name__)
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def preflight(cfg: DictConfig) -> None:
+    """Every file-system check of a start; raises ConfigError on the first problem."""
+    check_output_dir(cfg)
+    rows = check_data(cfg)
+    check_model(cfg)
+    check_schedule(cfg, rows)
+
+
+# ---------------------------------------------------------------------------- the output directory
+def _results_in(root: Path) -> list[str]:
+    found = []
+    metrics = root / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        with metrics.open("rb") as f:
+            lines = sum(1 for line in f if line.strip())
+        found.append(f"metrics.jsonl ({lines} records)")
+    if (root / HF_FINAL_DIR).is_dir():
+        found.append(f"{HF_FINAL_DIR}/ (a final HF checkpoint)")
+    if any((root / "tensorboard").glob("events.out.tfevents.*")):
+        found.append("tensorboard/ events")
+    return found
+
+
+def check_output_dir(cfg: DictConfig) -> None:
+    """Refuse to start from step 0 in a directory holding a run's results, unless trainer.overwrite=true.
+
+    Resuming (an intact checkpoint under resume_mode=auto, or resume_mode=resume_path) keeps the results."""
+    trainer = cfg.trainer
+    root = Path(trainer.default_local_dir)
+    if trainer.get("overwrite", False) or not root.is_dir():
+        return
+    results = _results_in(root)
+    if not results or trainer.resume_mode == "resume_path":
+        return
+    if trainer.resume_mode == "auto":
+        intact, skipped = TrainerCheckpointer(root, max(1, trainer.max_ckpt_to_keep)).newest_intact()
+        if intact is not None:
+            return
+        why = "it has no intact checkpoint to resume from"
+        if skipped:
+            why += " (" + "; ".join(f"{p.name}: {reason}" for p, reason in skipped) + ")"
+    else:
+        why = f"trainer.resume_mode={trainer.resume_mode} starts from step 0"
+    raise ConfigError(
+        f"trainer.default_local_dir={root} already holds the results of a run: {', '.join(results)}; {why}, so "
+        f"starting would overwrite them. Choose a new trainer.default_local_dir, or set trainer.overwrite=true "
+        f"to replace them")
+
+
+# ---------------------------------------------------------------------------- data files
+def _check_file(key: str, path: Path) -> None:
+    if not path.exists():
+        raise ConfigError(f"{key}: {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"{key}: {path} is a directory, expected a .parquet or .jsonl file")
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} is not a regular file, expected a .parquet or .jsonl file")
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise ConfigError(f"{key}: {path} has suffix {path.suffix!r}; expected .parquet or .jsonl")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}: {path} cannot be read: {err.strerror or err}") from err
+
+
+def _data_sources(key: str, path: Path) -> list[Any]:
+    """The data_source of every row (None where a row has none or cannot be parsed: the dataset reports those)."""
+    try:
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(path).names
+            if "data_source" not in names:
+                return []
+            return pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
+        sources = []
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    sources.append(None)
+                    continue
+                sources.append(row.get("data_source") if isinstance(row, dict) else None)
+        return sources
+    except (OSError, ValueError, UnicodeDecodeError) as err:  # pyarrow's errors are ValueError / OSError
+        raise ConfigError(f"{key}: {path} cannot be read as {path.suffix.lstrip('.')}: {err}") from err
+
+
+def check_data(cfg: DictConfig) -> int:
+    """Every train and val file exists, is a readable data file, and every data_source has a scorer (unless
+    reward.custom_reward_function.path scores them all). Returns the number of training rows."""
+    custom = cfg.reward.custom_reward_function.path
+    if custom:
+        _check_custom_reward(Path(custom))
+    from megatron_rl.reward import registered_data_sources
+
+    registered = registered_data_sources()
+    train_rows = 0
+    for key in ("data.train_files", "data.val_files"):
+        files = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if files is None or OmegaConf.is_missing(cfg.data, key.split(".")[1]):
+            continue
+        for name in files:
+            path = Path(name).expanduser()
+            _check_file(key, path)
+            sources = _data_sources(key, path)
+            if key == "data.train_files":
+                train_rows += len(sources)
+            if custom:
+                continue
+            unknown = Counter(s for s in sources if isinstance(s, str) and s and s not in registered)
+            if unknown:
+                counts = ", ".join(f"{s!r}: {c} row{'s' if c > 1 else ''}" for s, c in unknown.most_common())
+                raise ConfigError(
+                    f"{key}: {path} has rows whose data_source has no scorer ({counts}); registered: {registered}. "
+                    f"Register one with megatron_rl.reward.register_scorer, or score every row with "
+                    f"reward.custom_reward_function.path")
+    if not OmegaConf.is_missing(cfg.data, "train_files") and not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: nothing to train on")
+    return train_rows
+
+
+def _check_custom_reward(path: Path) -> None:
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"reward.custom_reward_function.path: {path} {what}, expected a Python file")
+
+
+# ---------------------------------------------------------------------------- the model
+def _config_json(key: str, model: DictConfig) -> dict[str, Any] | None:
+    if OmegaConf.is_missing(model, "path"):
+        return None
+    directory = Path(model.path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"{key}.path: {directory} is not a directory (expected an HF model directory "
+                          f"with config.json)")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{key}.path: {directory} has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); the model cannot be built from it") from err
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read: {err.strerror or err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return {**raw, **OmegaConf.to_container(model.override_config, resolve=True)}
+
+
+def check_model(cfg: DictConfig) -> None:
+    """config.json is readable, and the actor's and the rollout's TP split its heads and KV heads."""
+    raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
+    if raw is None:
+        return
+    source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
+    heads = raw.get("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or heads < 1:
+        raise ConfigError(f"{source}: num_attention_heads={heads!r} must be a positive integer")
+    actor_tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size
+    for key, tp in (("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", actor_tp),):
+        if heads % tp or kv_heads % tp:
+            raise ConfigError(f"{key}={tp} does not divide the model's num_attention_heads={heads} and "
+                              f"num_key_value_heads={kv_heads} ({source}); Megatron splits both over TP")
+    rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads):
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "
+                          f"model: num_attention_heads={heads} must split over it and num_key_value_heads="
+                          f"{kv_heads} must split over it or be replicated ({source})")
+
+
+# ---------------------------------------------------------------------------- the schedule
+def check_schedule(cfg: DictConfig, train_rows: int) -> None:
+    """Warm-up against the training length when that comes from the data (validate checks the explicit one)."""
+    if cfg.trainer.total_training_steps is not None or train_rows == 0:
+        return
+    steps = train_rows // cfg.data.train_batch_size * cfg.trainer.total_epochs  # before overlong-prompt filtering
+    if steps == 0:
+        raise ConfigError(f"data.train_files hold {train_rows} rows, fewer than data.train_batch_size="
+                          f"{cfg.data.train_batch_size}: not one training step")
+    for role in ("actor_rollout_ref.actor", "critic"):
+        warmup = OmegaConf.select(cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
+        uses_critic = cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+        if warmup > steps and (role != "critic" or uses_critic):
+            raise ConfigError(f"{role}.optim.lr_warmup_steps={warmup} is longer than the at most {steps} training "
+                              f"steps the data gives ({train_rows} rows / data.train_batch_size x "
+                              f"trainer.total_epochs)")

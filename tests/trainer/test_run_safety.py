@@ -1,0 +1,273 @@
+"""A run never loses work (issue 15): no silent overwrite, intact-checkpoint fallback, inputs checked before
+the first step, outputs that agree after a resume. Fast: fake workers, no Ray, no Megatron."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.protocol import DataProto
+from megatron_rl.trainer.checkpointing import TrainerCheckpointer
+
+MANIFEST_FILE = "manifest.json"  # written last into every checkpoint
+from megatron_rl.trainer.tracking import JsonlSink, Tracking, read_metrics
+
+from test_trainer_loop import FakeActorRollout, length_reward, make_trainer
+
+
+# ---------------------------------------------------------------------------- 1. no silent overwrite
+def _finished_run(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 11)))
+    (root / "hf_final").mkdir()
+    (root / "hf_final" / "config.json").write_text("{}")
+
+
+def test_rerun_into_results_without_a_checkpoint_is_refused(tmp_path):
+    from megatron_rl.trainer.preflight import check_output_dir
+
+    _finished_run(tmp_path)
+    cfg = load_config(overrides=[f"trainer.default_local_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(cfg)
+    message = str(err.value)
+    assert str(tmp_path) in message and "metrics.jsonl (10 records)" in message and "hf_final" in message
+    assert "trainer.overwrite=true" in message
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 10  # untouched
+    check_output_dir(load_config(overrides=[f"trainer.default_local_dir={tmp_path}", "trainer.overwrite=true"]))
+    check_output_dir(load_config(overrides=[f"trainer.default_local_dir={tmp_path / 'new'}"]))
+
+
+def test_rerun_with_an_intact_checkpoint_resumes_instead(tmp_path):
+    from megatron_rl.trainer.preflight import check_output_dir
+
+    _finished_run(tmp_path)
+    ckpt = TrainerCheckpointer(tmp_path, keep_last=2)
+    with ckpt.saving(10) as tmp:
+        ckpt.write_trainer_state(tmp, {"global_steps": 10})
+    check_output_dir(load_config(overrides=[f"trainer.default_local_dir={tmp_path}"]))  # auto-resume: fine
+    with pytest.raises(ConfigError, match="resume_mode=disable"):
+        check_output_dir(load_config(overrides=[f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=disable"]))
+
+
+# ---------------------------------------------------------------------------- 2. safe default, atomic export
+def test_default_config_checkpoints_periodically_and_at_the_end(tmp_path):
+    cfg = load_config()
+    assert cfg.trainer.save_freq > 0, "the default must not be 'never checkpoint'"
+    trainer, actor = make_trainer(tmp_path, "trainer.save_freq=2", "trainer.total_training_steps=5",
+                                  "trainer.max_ckpt_to_keep=2", "trainer.save_hf_at_end=false")
+    trainer.fit()
+    # steps 2 and 4 by the frequency, 5 because it is the last; at most max_ckpt_to_keep kept
+    assert trainer.checkpointer.completed_steps() == [4, 5]
+
+
+class FailingExportActor(FakeActorRollout):
+    def save_hf(self, path):
+        os.makedirs(path, exist_ok=True)
+        Path(path, "model-00001.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device", path)
+
+
+def test_final_hf_export_is_atomic(tmp_path):
+    old = tmp_path / "hf_final"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{\"old\": true}")
+    trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=1", actor=FailingExportActor())
+    with pytest.raises(OSError, match="hf_final"):
+        trainer.fit()
+    assert sorted(p.name for p in old.iterdir()) == ["config.json"]  # the old export is whole, not mixed
+
+    trainer, actor = make_trainer(tmp_path / "b", "trainer.total_training_steps=1")
+    trainer.fit()
+    assert "save_hf" in actor.calls and (tmp_path / "b" / "hf_final").is_dir()
+    assert not list((tmp_path / "b").glob("hf_final.tmp*"))
+
+
+# ---------------------------------------------------------------------------- 3. intact-checkpoint fallback
+def _save(ckpt: TrainerCheckpointer, step: int) -> Path:
+    with ckpt.saving(step) as tmp:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "shard_0.pt").write_bytes(b"x" * 10)
+        ckpt.write_trainer_state(tmp, {"global_steps": step})
+    return ckpt.step_dir(step)
+
+
+def test_auto_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
+    ckpt = TrainerCheckpointer(tmp_path, keep_last=5)
+    for step in (1, 2, 3, 4):
+        _save(ckpt, step)
+    assert (ckpt.step_dir(4) / MANIFEST_FILE).is_file()
+    (ckpt.step_dir(4) / "trainer_state.json").unlink()  # a torn save
+    (ckpt.step_dir(3) / "actor" / "shard_0.pt").write_bytes(b"x")  # a truncated shard
+    (ckpt.step_dir(2) / MANIFEST_FILE).unlink()  # no manifest: never finished
+    legacy = tmp_path / "global_step_5"
+    legacy.mkdir()  # a directory with nothing in it
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume_path("auto", None) == ckpt.step_dir(1)
+    text = caplog.text
+    assert "global_step_5" in text and "global_step_4" in text and "trainer_state.json" in text
+    assert "global_step_3" in text and "shard_0.pt" in text and "global_step_2" in text
+    assert "manifest" in text
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        ckpt.resume_path("resume_path", str(ckpt.step_dir(4)))
+
+
+def test_leftover_tmp_save_directories_are_cleaned_up(tmp_path):
+    ckpt = TrainerCheckpointer(tmp_path, keep_last=2)
+    _save(ckpt, 1)
+    (tmp_path / "global_step_2.tmp" / "actor").mkdir(parents=True)
+    (tmp_path / "hf_final.tmp").mkdir()
+    (tmp_path / "unrelated.tmp").mkdir()
+    removed = ckpt.clean_leftovers()
+    assert sorted(p.name for p in removed) == ["global_step_2.tmp", "hf_final.tmp"]
+    assert (tmp_path / "unrelated.tmp").is_dir() and ckpt.step_dir(1).is_dir()
+
+
+def test_trainer_resume_uses_the_fallback(tmp_path):
+    first, _ = make_trainer(tmp_path, "trainer.save_freq=1", "trainer.total_training_steps=2",
+                            "trainer.save_hf_at_end=false", "trainer.max_ckpt_to_keep=3")
+    first.fit()
+    (tmp_path / "global_step_2" / MANIFEST_FILE).unlink()
+    (tmp_path / "global_step_3.tmp").mkdir()
+    resumed, _ = make_trainer(tmp_path, "trainer.save_freq=1", "trainer.save_hf_at_end=false")
+    assert resumed.resume() == 1
+    assert not (tmp_path / "global_step_3.tmp").exists()
+
+
+# ---------------------------------------------------------------------------- 4. torn metrics.jsonl
+def test_torn_final_metrics_line_is_dropped_on_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "x": 1}) + "\n" + json.dumps({"step": 2, "x": 2}) + "\n" + '{"step": 3, "x')
+    with caplog.at_level(logging.WARNING):
+        sink = JsonlSink(path, initial_step=2)
+    sink.log({"x": 3.0}, 3)
+    sink.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert str(path) in caplog.text and "torn" in caplog.text
+
+
+def test_damaged_metrics_line_in_the_middle_names_the_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1}) + "\n" + "garbage\n" + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}.*line 2"):
+        JsonlSink(path, initial_step=3)
+    JsonlSink(path, initial_step=0).close()  # a fresh start does not need the old records
+    assert read_metrics(path) == []
+
+
+# ---------------------------------------------------------------------------- 11. tensorboard agrees on resume
+def test_tensorboard_events_past_the_resumed_step_are_purged(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Tracking(["tensorboard"], tmp_path, "p", "e", total_steps=5)
+    for step in (1, 2, 3):
+        first.log({"x": float(step)}, step)
+    first.close()
+    resumed = Tracking(["tensorboard"], tmp_path, "p", "e", total_steps=5, initial_step=2)
+    resumed.log({"x": 30.0}, 3)
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+# ---------------------------------------------------------------------------- 10. reward failing every sample
+def failing_reward(batch: DataProto) -> DataProto:
+    out = length_reward(batch)
+    out.meta_info["reward_metrics"] = {"reward/errors": float(len(batch))}
+    return out
+
+
+def test_reward_failing_every_sample_for_k_steps_stops_the_run(tmp_path):
+    trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=5", "reward.max_failed_steps=2",
+                              "trainer.save_hf_at_end=false")
+    trainer.reward_fn = failing_reward
+    with pytest.raises(RuntimeError, match=r"every sample.*2 steps in a row.*reward.max_failed_steps"):
+        trainer.fit()
+    assert trainer.state.global_steps == 1
+    trainer, _ = make_trainer(tmp_path / "b", "trainer.total_training_steps=3", "reward.max_failed_steps=0",
+                              "trainer.save_hf_at_end=false")
+    trainer.reward_fn = failing_reward
+    trainer.fit()  # 0 turns the check off
+    assert trainer.state.global_steps == 3
+
+
+# ---------------------------------------------------------------------------- 12. exit codes and SIGTERM
+def test_a_stopped_run_exits_with_the_resumable_code(tmp_path):
+    from megatron_rl.trainer.signals import EXIT_STOPPED_RESUMABLE, StopRequest
+
+    stop = StopRequest().install()
+    try:
+        trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=5", stop=stop)
+        os.kill(os.getpid(), signal.SIGTERM)
+        trainer.fit()
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert EXIT_STOPPED_RESUMABLE not in (0, 1, 2) and trainer.stopped == "SIGTERM"
+
+
+def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, monkeypatch, capsys):
+    from megatron_rl.trainer import runner
+    from megatron_rl.trainer.signals import EXIT_STOPPED_RESUMABLE
+    from megatron_rl.train import exit_code
+
+    class SignalledActor(FakeActorRollout):
+        rank = 0
+
+        def init_model(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the workers are still starting
+
+    actor = SignalledActor()
+    monkeypatch.setattr(runner, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runner.RLDataset, "from_config", classmethod(lambda cls, *a, **k: list(range(8))))
+    monkeypatch.setattr(runner, "RewardManager", lambda tok, cfg: type("R", (), {"close": lambda self: None})())
+    monkeypatch.setattr(runner, "_ray_groups", lambda cfg, sizes: (actor, None, lambda: None))
+    cfg = load_config(overrides=[f"trainer.default_local_dir={tmp_path}", "trainer.nnodes=1",
+                                 "trainer.n_gpus_per_node=1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                 "actor_rollout_ref.model.path=none", "data.tokenizer=none"])
+    try:
+        result = runner.run_training(cfg, validate(cfg))
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert result.stopped == "SIGTERM" and result.hf_dir is None
+    assert exit_code(result) == EXIT_STOPPED_RESUMABLE
+    assert "generate_sequences" not in actor.calls
+
+
+# ---------------------------------------------------------------------------- 14. I/O errors name the path
+class FullDiskActor(FakeActorRollout):
+    def save_checkpoint(self, path):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_path(tmp_path):
+    trainer, _ = make_trainer(tmp_path, "trainer.save_freq=1", "trainer.total_training_steps=1",
+                              actor=FullDiskActor())
+    with pytest.raises(OSError, match=r"global_step_1.*No space left on device"):
+        trainer.fit()
+    assert not (tmp_path / "global_step_1").exists()
+
+
+def test_a_full_disk_while_logging_names_metrics_jsonl(tmp_path, monkeypatch):
+    sink = JsonlSink(tmp_path / "metrics.jsonl", initial_step=0)
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    sink.file = Full()
+    with pytest.raises(OSError, match=r"metrics.jsonl.*No space left"):
+        sink.log({"x": 1.0}, 1)

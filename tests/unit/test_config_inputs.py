@@ -1,0 +1,191 @@
+"""Every input checked before the first step (issue 15, items 5-10): unknown keys, optimizer and schedule
+values, TP against the model, data files and their data sources — in validate() / preflight(), which both
+the real start and --dry-run call before Ray."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+
+BASE = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+
+
+def cfg_with(*overrides: str):
+    return load_config(overrides=[*BASE, *overrides])
+
+
+# ---------------------------------------------------------------------------- 6. unknown keys
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.val_only=true", r"trainer.val_only is not a known key.*known under trainer: .*val_before_train"),
+    ("+actor_rollout_ref.actor.optim.lr_warmup_ratio=0.1", r"actor.optim.lr_warmup_ratio.*lr_warmup_steps"),
+    ("+trainer.lr=1e-5", r"trainer.lr is not a known key.*actor_rollout_ref.actor.optim.lr"),
+    ("+data.train_file=x", r"data.train_file .*train_files"),
+    ("+foo=1", r"foo is not a known key"),
+])
+def test_unknown_plus_keys_are_rejected_with_the_nearest_names(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(override))
+
+
+def test_free_form_dicts_still_take_any_key():
+    validate(cfg_with("+actor_rollout_ref.model.override_config.rope_theta=10000",
+                      "+plan.architecture.hidden_size=64"))
+
+
+# ---------------------------------------------------------------------------- 7. optimizer and schedule
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lr=0", r"actor_rollout_ref.actor.optim.lr must be > 0, got 0"),
+    ("critic.optim.lr=-1e-5 algorithm.adv_estimator=gae critic.ppo_micro_batch_size_per_gpu=2",
+     r"critic.optim.lr must be > 0"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,1.0]", r"actor_rollout_ref.actor.optim.betas.*\[0, 1\)"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", r"betas must be two numbers"),
+    ("actor_rollout_ref.actor.optim.weight_decay=-0.1", r"optim.weight_decay must be >= 0"),
+    ("actor_rollout_ref.actor.optim.clip_grad=0", r"optim.clip_grad must be > 0"),
+    ("actor_rollout_ref.actor.optim.min_lr_ratio=2", r"optim.min_lr_ratio must lie in \[0, 1\]"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps=-1", r"lr_warmup_steps must be >= 0"),
+])
+def test_optimizer_values_are_rejected_with_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(*override.split()))
+
+
+def test_warm_up_longer_than_training_is_rejected():
+    with pytest.raises(ConfigError, match=r"lr_warmup_steps=50 is longer than the 10 training steps"):
+        validate(cfg_with("trainer.total_training_steps=10", "actor_rollout_ref.actor.optim.lr_warmup_steps=50"))
+
+
+# ---------------------------------------------------------------------------- 10. impossible or empty runs
+def test_zero_training_steps_is_an_error():
+    with pytest.raises(ConfigError, match=r"trainer.total_training_steps=0 would train nothing"):
+        validate(cfg_with("trainer.total_training_steps=0"))
+
+
+def test_reward_timeout_without_workers_is_an_error():
+    with pytest.raises(ConfigError, match=r"reward.timeout_s=5.0 cannot apply with reward.num_workers=0"):
+        validate(cfg_with("reward.num_workers=0", "reward.timeout_s=5"))
+    validate(cfg_with("reward.num_workers=0"))  # the default timeout does not ask for anything
+    with pytest.raises(ConfigError, match=r"reward.max_failed_steps must be >= 0"):
+        validate(cfg_with("reward.max_failed_steps=-1"))
+
+
+# ---------------------------------------------------------------------------- 9. choices from the schema
+@pytest.mark.xfail(reason="issue 15 item 9: in progress", strict=True)
+def test_choice_fields_are_typed_and_errors_list_the_options():
+    from megatron_rl.config import schema
+    from megatron_rl.config import validate as validate_module
+
+    for name in ("KNOWN_ROLLOUT_ENGINES", "KNOWN_LAUNCHERS", "KNOWN_LR_SCHEDULERS", "KNOWN_REWARD_MANAGERS",
+                 "KNOWN_TRUNCATIONS", "KNOWN_MALFORMED_ROW_POLICIES"):
+        assert not hasattr(validate_module, name), f"{name} duplicates the schema"
+    assert schema.choices_of(schema.TrainerConfig, "launcher") == ["ray", "torchrun"]
+    assert schema.choices_of(schema.DataConfig, "truncation") == ["error", "left", "right"]
+    with pytest.raises(ConfigError, match=r"trainer.launcher.*'slurm'.*\['ray', 'torchrun'\]"):
+        validate(cfg_with("trainer.launcher=slurm"))
+    with pytest.raises(ConfigError, match=r"actor.optim.lr_scheduler.*'linear'.*\['constant', 'cosine'\]"):
+        validate(cfg_with("actor_rollout_ref.actor.optim.lr_scheduler=linear"))
+
+
+def test_component_configs_are_typed_as_their_schema_classes():
+    import typing
+
+    from megatron_rl.config import schema
+
+    for cls in (schema.PPOTrainerConfig, schema.ActorRolloutRefConfig, schema.ActorConfig, schema.TrainerConfig):
+        hints = typing.get_type_hints(cls)
+        assert typing.Any not in hints.values(), f"{cls.__name__} has Any-typed fields"
+
+
+# ---------------------------------------------------------------------------- 5, 7, 8. preflight (files, model)
+def _write_jsonl(path: Path, sources: list[str]) -> Path:
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "data_source": s, "reward_model": {"ground_truth": "1"}}
+            for s in sources]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _model(tmp_path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": heads,
+                                                   "num_key_value_heads": kv_heads, "hidden_size": 64,
+                                                   "vocab_size": 256, "num_hidden_layers": 2}))
+    return model
+
+
+def preflight_cfg(tmp_path, *overrides):
+    return cfg_with(f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=2", *overrides)
+
+
+def test_unknown_data_sources_are_rejected_before_ray(tmp_path):
+    from megatron_rl.trainer.preflight import preflight
+
+    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"] * 3)
+    val = _write_jsonl(tmp_path / "val.jsonl", ["synthetic/copy", "my/task", "my/task", "other"])
+    cfg = preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                        f"actor_rollout_ref.model.path={_model(tmp_path)}")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    message = str(err.value)
+    assert str(val) in message and "'my/task': 2 rows" in message and "'other': 1 row" in message
+    assert "synthetic/copy" in message and "registered" in message
+    preflight(preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                            f"actor_rollout_ref.model.path={_model(tmp_path)}",
+                            f"reward.custom_reward_function.path={train}"))  # a custom function scores all
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "unreadable"])
+def test_data_files_are_checked(tmp_path, kind):
+    from megatron_rl.trainer.preflight import preflight
+
+    path = tmp_path / "train.parquet"
+    if kind == "directory":
+        path.mkdir()
+        expected = r"is a directory, expected a \.parquet or \.jsonl file"
+    elif kind == "unreadable":
+        path.write_bytes(b"not a parquet file")
+        expected = r"cannot be read"
+    else:
+        expected = r"does not exist"
+    cfg = preflight_cfg(tmp_path, f"data.train_files=[{path}]", f"actor_rollout_ref.model.path={_model(tmp_path)}")
+    with pytest.raises(ConfigError, match=rf"data.train_files: {path} {expected}"):
+        preflight(cfg)
+
+
+def test_corrupt_config_json_is_named(tmp_path):
+    from megatron_rl.trainer.preflight import preflight
+
+    model = _model(tmp_path)
+    (model / "config.json").write_text("{\"num_attention_heads\": 4,")
+    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"])
+    with pytest.raises(ConfigError, match=rf"{model / 'config.json'} is not valid JSON"):
+        preflight(preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}"))
+
+
+def test_tp_must_divide_heads_and_kv_heads_before_ray(tmp_path):
+    from megatron_rl.trainer.preflight import preflight
+
+    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"])
+    cfg = preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={_model(tmp_path, 6, 3)}",
+                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 does not divide .*num_key_value_heads=3"):
+        preflight(cfg)
+
+
+def test_dry_run_reports_the_same_errors_as_the_real_start(tmp_path, monkeypatch):
+    from megatron_rl import train
+
+    cfg = preflight_cfg(tmp_path, f"data.train_files=[{tmp_path / 'nope.parquet'}]",
+                        f"actor_rollout_ref.model.path={_model(tmp_path)}")
+    started = []
+    monkeypatch.setattr("megatron_rl.trainer.runner.run_training", lambda *a: started.append(a))
+    errors = []
+    for dry_run in (True, False):
+        with pytest.raises(ConfigError) as err:
+            train.run(cfg, dry_run=dry_run)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "nope.parquet does not exist" in errors[0] and not started
