@@ -1,0 +1,1 @@
+"""Internals of the SGLang stand-in (not part of SGLang's API)."""

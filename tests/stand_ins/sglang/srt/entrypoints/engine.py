@@ -1,0 +1,476 @@
+"""Stand-in of ``sglang.srt.entrypoints.engine.Engine`` (0.5.23 surface, CPU, TP over processes).
+
+See the package docstring (``sglang/__init__.py``) for how it is stricter than, or differs from, SGLang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import uuid
+import weakref
+from multiprocessing.connection import wait
+from types import SimpleNamespace
+from typing import Any
+
+from sglang._stand_in import devices
+
+logger = logging.getLogger("sglang_stand_in.engine")
+
+__all__ = ["Engine"]
+
+SERVER_ARGS_DEFAULTS: dict[str, Any] = {
+    "model_path": None,
+    "tp_size": 1,
+    "mem_fraction_static": 0.5,
+    "enable_memory_saver": False,
+    "base_gpu_id": 0,
+    "skip_tokenizer_init": False,
+    "load_format": "auto",
+    "random_seed": None,
+    "dtype": "auto",
+    "log_level": "error",
+    "nccl_port": None,
+    "port": 30000,
+    "gpu_id_step": 1,
+}
+SAMPLING_FIELDS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+SESSION_OPEN_MSG = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_MSG = "no weight-update session is open; call begin_weight_update() first"
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class Engine:
+    """In-process engine: ``tp_size`` scheduler processes, one per (simulated) physical GPU."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._thread = threading.get_ident()
+        self._dead: str | None = None
+        self._closed = False
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._claims: list[Any] = []
+        for name in kwargs:
+            if name not in SERVER_ARGS_DEFAULTS:
+                raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {name!r}")
+        args = {**SERVER_ARGS_DEFAULTS, **kwargs}
+        if not args["model_path"]:
+            raise TypeError("ServerArgs.__init__() missing 1 required argument: 'model_path'")
+        if args["load_format"] != "dummy":
+            raise ValueError(
+                f"the SGLang stand-in only supports load_format='dummy' (random weights from config.json), "
+                f"got {args['load_format']!r}"
+            )
+        if args["gpu_id_step"] != 1:
+            raise ValueError(f"the SGLang stand-in needs gpu_id_step=1, got {args['gpu_id_step']!r}")
+        if not args["skip_tokenizer_init"]:
+            raise ValueError(
+                "the SGLang stand-in has no tokenizer: pass skip_tokenizer_init=True and token ids "
+                "(without it SGLang would load a tokenizer and return text)"
+            )
+        if args["dtype"] not in ("auto", "float32", "bfloat16", "float16", "half"):
+            raise ValueError(f"unknown dtype {args['dtype']!r}")
+        tp = args["tp_size"]
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp_size must be a positive int, got {tp!r}")
+        if not 0.0 < float(args["mem_fraction_static"]) < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {args['mem_fraction_static']!r}")
+        self._args = args
+        self._tp = tp
+        self._memory_saver = bool(args["enable_memory_saver"])
+        self._root = devices.stand_in_root()
+        self._node = devices.node_name()
+        visible = devices.visible_devices()
+        base = int(args["base_gpu_id"])
+        gpus = []
+        for rank in range(tp):
+            index = base + rank
+            if not 0 <= index < len(visible):
+                raise RuntimeError(
+                    f"GPU index {index} (base_gpu_id={base} + tp rank {rank}) is not visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}; {len(visible)} visible "
+                    f"on node {self._node})"
+                )
+            gpus.append(visible[index])
+        self._gpus = gpus
+        self._install_sigterm_handler()
+        if args["nccl_port"] is None:
+            from sglang.srt.utils.network import get_free_port_below_ephemeral
+
+            args["nccl_port"] = get_free_port_below_ephemeral()  # test-bound only; schedulers bind later
+        self._port = int(args["nccl_port"])
+        self._engine_id = f"{self._node}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._session_open = False
+        self._groups: set[str] = set()
+        self.weight_version = "default"
+        self._timeout = _env_float("SGLANG_STAND_IN_TIMEOUT_S", 60.0)
+        _LIVE.add(self)
+        try:
+            for rank, gpu in enumerate(gpus):
+                self._claims.append(devices.claim_gpu(self._root, self._node, gpu, self._engine_id, rank))
+            self._start(args)
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def sigterm_handler(signum, frame):  # 0.5.23: log and wait for the rank-0 shutdown broadcast
+            logger.warning("SIGTERM received; waiting for the rank-0 ShutdownReq broadcast to stop the schedulers.")
+
+        signal.signal(signal.SIGTERM, sigterm_handler)
+
+    def _start(self, args: dict[str, Any]) -> None:
+        from sglang._stand_in.scheduler import scheduler_main
+
+        ctx = multiprocessing.get_context("spawn")
+        log_dir = self._root / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        seed = args["random_seed"] if args["random_seed"] is not None else 42
+        for rank, gpu in enumerate(self._gpus):
+            parent, child = ctx.Pipe()
+            sched_args = {
+                "engine_id": self._engine_id,
+                "tp_rank": rank,
+                "tp_size": self._tp,
+                "node": self._node,
+                "physical_gpu": gpu,
+                "nccl_port": self._port,
+                "model_path": str(args["model_path"]),
+                "random_seed": seed,
+                "mem_fraction_static": float(args["mem_fraction_static"]),
+                "cuda_graph_saver": os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower() in ("1", "true"),
+                "collective_timeout_s": self._timeout,
+                "log_dir": str(log_dir),
+            }
+            proc = ctx.Process(target=scheduler_main, args=(child, sched_args), daemon=True,
+                               name=f"sglang-stand-in-TP{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._memory_at_start = self._collect(_env_float("SGLANG_STAND_IN_START_TIMEOUT_S", 180.0), starting=True)
+
+    def _collect(self, timeout: float, starting: bool = False) -> list[Any]:
+        """One answer per scheduler; a dead scheduler or a timeout kills the engine."""
+        deadline = time.monotonic() + timeout
+        pending = set(range(self._tp))
+        results: list[Any] = [None] * self._tp
+        errors: list[tuple[int, str]] = []
+        fatal: str | None = None
+        while pending:
+            waitables = [self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending]
+            remaining = deadline - time.monotonic()
+            ready = wait(waitables, timeout=max(0.0, remaining)) if remaining > 0 else []
+            if not ready:
+                fatal = f"schedulers {sorted(pending)} did not answer within {timeout:.0f} s"
+                break
+            for i in sorted(pending):
+                conn, proc = self._conns[i], self._procs[i]
+                if conn in ready or conn.poll():
+                    try:
+                        status, value, is_fatal = conn.recv()
+                    except (EOFError, OSError):
+                        status, value, is_fatal = "error", f"scheduler TP{i} exited (code {proc.exitcode})", True
+                    pending.discard(i)
+                    if status == "error":
+                        errors.append((i, value))
+                        if is_fatal:
+                            fatal = fatal or value
+                    else:
+                        results[i] = value
+                elif proc.sentinel in ready:
+                    pending.discard(i)
+                    proc.join(1)
+                    msg = f"scheduler TP{i} (GPU {self._gpus[i]}) died with exit code {proc.exitcode}"
+                    errors.append((i, msg))
+                    fatal = fatal or msg
+            if fatal is not None:
+                break
+        if fatal is not None:
+            what = "failed to start" if starting else "is dead"
+            detail = "; ".join(f"TP{i}: {m}" for i, m in errors) or fatal
+            self._dead = f"engine {what}: {detail}"
+            self._teardown()
+            raise EngineDead(self._dead)
+        if errors:
+            raise RuntimeError("; ".join(f"TP{i}: {m}" for i, m in errors))
+        return results
+
+    def _check(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "SGLang Engine methods must be called from the thread that created the Engine "
+                "(it drives its own asyncio event loop)"
+            )
+        if self._dead is not None:
+            raise EngineDead(f"engine is dead: {self._dead}")
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+
+    def _call(self, name: str, per_rank: list[dict] | None = None, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        self._check()
+        for i, conn in enumerate(self._conns):
+            conn.send((name, per_rank[i] if per_rank is not None else kwargs))
+        return self._collect(timeout if timeout is not None else self._timeout + 30.0)
+
+    def _teardown(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("shutdown", {}))
+                except (OSError, BrokenPipeError):
+                    pass
+        for proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        for claim in self._claims:
+            devices.release_gpu(claim, self._engine_id)
+        self._claims = []
+        _LIVE.discard(self)
+
+    def shutdown(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("SGLang Engine methods must be called from the thread that created the Engine")
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt: Any = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[list[int]] | list[int] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        stream: bool = False,
+    ) -> Any:
+        self._check()
+        if prompt is not None:
+            raise ValueError("the stand-in has no tokenizer (skip_tokenizer_init=True): pass input_ids")
+        if stream:
+            raise ValueError("the stand-in does not stream")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        rows = [list(input_ids)] if single else [list(r) for r in input_ids]
+        if not rows or any(not r for r in rows):
+            raise ValueError("every request needs at least one input id")
+        if sampling_params is None:
+            sampling_params = {}
+        sampling = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(rows)
+        if len(sampling) != len(rows):
+            raise ValueError(f"{len(sampling)} sampling_params for {len(rows)} requests")
+        for sp in sampling:
+            unknown = sorted(set(sp) - SAMPLING_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown sampling params {unknown} (the stand-in knows {sorted(SAMPLING_FIELDS)})")
+        results = self._call("generate", rows=rows, sampling=[dict(sp) for sp in sampling])[0]
+        for r in results:
+            r["meta_info"]["weight_version"] = self.weight_version
+            if not return_logprob:
+                r["meta_info"].pop("output_token_logprobs")
+        return results[0] if single else results
+
+    def flush_cache(self) -> Any:
+        self._call("flush_cache")
+        return SimpleNamespace(success=True)
+
+    # ------------------------------------------------------------------ weight-update session
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        self._check()
+        if selector != "all":
+            return False, f"the stand-in supports selector='all' only, got {selector!r}"
+        if self._session_open:
+            return False, SESSION_OPEN_MSG
+        self._session_open = True
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        self._check()
+        if not self._session_open:
+            return False, NO_SESSION_MSG
+        self._session_open = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True) -> tuple[bool, str]:
+        return self._update_weights_from_tensor(named_tensors, load_format, flush_cache, None)
+
+    def _update_weights_from_tensor(self, named_tensors: Any, load_format: str | None, flush_cache: bool, weight_version: str | None) -> tuple[bool, str]:
+        self._check()
+        if not self._session_open:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+
+        if load_format == "flattened_bucket":
+            if not isinstance(named_tensors, list) or len(named_tensors) != self._tp:
+                n = len(named_tensors) if isinstance(named_tensors, list) else type(named_tensors).__name__
+                return False, (
+                    f"flattened_bucket needs a list of exactly tp_size={self._tp} serialized payloads "
+                    f"(one per TP rank), got {n}"
+                )
+            payloads = [normalize_serialized_named_tensor_payload(p) for p in named_tensors]
+        elif load_format is None:
+            import torch
+
+            if not isinstance(named_tensors, list) or not all(
+                isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+                for x in named_tensors
+            ):
+                return False, "load_format=None needs a list of (name, torch.Tensor) tuples"
+            # SGLang serializes them here, once per rank; the IPC handles name the caller's GPU
+            payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self._tp)]
+        else:
+            return False, f"Unknown load_format={load_format}"
+        try:
+            self._call(
+                "update_tensor",
+                per_rank=[{"payload": p, "load_format": load_format, "check_gpu": load_format is not None} for p in payloads],
+            )
+        except EngineDead:
+            raise
+        except RuntimeError as exc:
+            return False, f"Failed to update weights: {exc}"
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return True, "Success"
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "nccl") -> tuple[bool, str]:
+        self._check()
+        if group_name in self._groups:
+            return False, f"weight-update group {group_name!r} already exists; destroy it first"
+        if rank_offset < 0 or rank_offset + self._tp > world_size:
+            return False, (
+                f"rank_offset {rank_offset} + tp_size {self._tp} = {rank_offset + self._tp} exceeds "
+                f"world_size {world_size}"
+            )
+        if rank_offset == 0:
+            return False, "rank 0 of a weight-update group is the trainer; rank_offset must be >= 1"
+        try:
+            self._call("init_group", master_address=master_address, master_port=int(master_port),
+                       rank_offset=int(rank_offset), world_size=int(world_size), group_name=group_name,
+                       backend=backend)
+        except EngineDead:
+            raise
+        except RuntimeError as exc:
+            return False, f"Failed to initialize custom process group: {exc}"
+        self._groups.add(group_name)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        load_format: str | None = None,
+                                        weight_version: str | None = None) -> tuple[bool, str]:
+        self._check()
+        if not self._session_open:
+            return False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+        if group_name not in self._groups:
+            return False, f"Group {group_name} not in {sorted(self._groups)}. Please call `init_weights_update_group` first."
+        try:
+            self._call("update_distributed", names=list(names), dtypes=list(dtypes),
+                       shapes=[list(s) for s in shapes], group_name=group_name, load_format=load_format)
+        except EngineDead:
+            raise
+        except RuntimeError as exc:
+            return False, f"Failed to update weights: {exc}"
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return True, "Success"
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        self._check()
+        if group_name not in self._groups:
+            return False, f"Group {group_name} not in {sorted(self._groups)}"
+        self._groups.discard(group_name)
+        self._call("destroy_group", group_name=group_name)
+        return True, "Succeeded to destroy custom process group."
+
+    # ------------------------------------------------------------------ memory
+    def _tags(self, tags: list[str] | None, op: str) -> list[str]:
+        if not self._memory_saver:
+            raise RuntimeError(f"{op} needs enable_memory_saver=True (without it SGLang frees nothing)")
+        tags = list(MEMORY_TAGS) if not tags else list(tags)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; SGLang's are {list(MEMORY_TAGS)}")
+        return tags
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._check()
+        self._call("release", tags=self._tags(tags, "release_memory_occupation"))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._check()
+        self._call("resume", tags=self._tags(tags, "resume_memory_occupation"))
+
+    # ------------------------------------------------------------------ stand-in inspection
+    def stand_in_state_dict(self) -> dict[str, Any]:
+        import torch
+
+        full = self._call("state_dict")[0]
+        return {k: torch.from_numpy(v) for k, v in full.items()}
+
+    def stand_in_shards(self) -> list[dict[str, Any]]:
+        import torch
+
+        return [None if s is None else {k: torch.from_numpy(v) for k, v in s.items()} for s in self._call("shards")]
+
+    def stand_in_memory(self) -> list[dict[str, int]]:
+        return self._call("memory")
+
+    def stand_in_gpus(self) -> list[tuple[str, int]]:
+        self._check()
+        return [(self._node, gpu) for gpu in self._gpus]
+
+    def stand_in_port(self) -> int:
+        return self._port
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for engine in list(_LIVE):
+        try:
+            engine._teardown()
+        except Exception:  # noqa: BLE001
+            pass
