@@ -241,6 +241,9 @@ class TrainerConfig:
     resume_from_path: Optional[str] = None
     max_ckpt_to_keep: int = 2
     save_hf_at_end: bool = True
+    # Starting from step 0 in a directory that holds a run's results (metrics.jsonl, hf_final/, events)
+    # is refused unless this is true; resuming from an intact checkpoint keeps them.
+    overwrite: bool = False
     seed: int = 1
 
 
