@@ -252,9 +252,6 @@ class RayInitConfig:
     address: Optional[str] = None  # None: start an embedded local Ray
     num_cpus: Optional[int] = None
     timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
-    # Starting from step 0 in a directory that holds a run's results (metrics.jsonl, hf_final/, events)
-    # is refused unless this is true; resuming from an intact checkpoint keeps them.
-    overwrite: bool = False
 
 
 @dataclass

@@ -127,12 +127,6 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         checks.check_known_keys(cfg)
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
-    from megatron_rl.config import checks
-
-    try:
-        checks.check_known_keys(cfg)
-    except checks.CheckError as err:
-        raise ConfigError(str(err)) from None
     _positive(cfg, "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
               "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
@@ -220,10 +214,6 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
         critic_sizes = _role_sizes(cfg, "critic", mini, cfg.critic.ppo_micro_batch_size_per_gpu, world, responses,
                                    n, cfg.critic.use_dynamic_bsz)
-    try:
-        checks.check_run_settings(cfg, uses_critic)
-    except checks.CheckError as err:
-        raise ConfigError(str(err)) from None
     try:
         checks.check_run_settings(cfg, uses_critic)
     except checks.CheckError as err:

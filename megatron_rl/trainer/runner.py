@@ -7,7 +7,6 @@ trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs.
 from __future__ import annotations
 
 import logging
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,8 +24,6 @@ from megatron_rl.trainer.tracking import Tracking, plot_curves
 
 logger = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class RunResult:
@@ -36,8 +33,6 @@ class RunResult:
     plot_path: Path | None
     hf_dir: Path | None
     last_metrics: dict[str, float]
-    stopped: str | None = None  # the signal that stopped the run before its last step (resumable)
-    last_step: int = 0
     stopped: str | None = None  # the signal that stopped the run before its last step (resumable)
     last_step: int = 0
 
