@@ -44,11 +44,16 @@ class MegatronParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True
+    # Shards Adam's state over DP; needs TE or Apex (refused, not dropped, without them). Off by default
+    # so CPU runs need nothing; the GPU presets turn it on.
+    use_distributed_optimizer: bool = False
     param_offload: bool = False
     optimizer_offload: bool = False
     params_dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     seed: int = 42
+    # Megatron-Core TransformerConfig fields, as verl (recompute_granularity/method/num_layers, ...);
+    # unknown fields and those set from the HF config or the keys above are refused (docs/models.md).
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -66,18 +66,21 @@ class ActorRolloutRefWorker(Worker):
         arr = cfg.actor_rollout_ref
         model_dir = arr.model.path
         setup_parallel_state(arr.actor.megatron)
-        engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor")
+        engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
+                                override_config=arr.model.override_config)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
                                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu)
         if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
-            ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref")
+            ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
+                                        override_config=arr.model.override_config)
             self.ref = ReferenceRole(ref_engine, arr.ref)
         self.set_mesh(**engine.mesh_kwargs())
 
         engine_kwargs = (dict(arr.rollout.sglang, base_gpu_id=self.local_rank) if arr.rollout.name == "sglang"
                          else {})
         self.rollout = build_rollout_engine(arr.rollout, model_dir, response_length=cfg.data.max_response_length,
-                                            **self._token_ids(), **engine_kwargs)
+                                            override_config=arr.model.override_config, **self._token_ids(),
+                                            **engine_kwargs)
         self.syncer = WeightSyncer(arr.rollout.weight_sync, self.rollout, probe_prompts=self._probe_prompts(),
                                    trainer_log_prob_fn=self._trainer_log_probs)
         # The engine starts from random weights: the first sync (version 0, verified) makes it serve the actor's.
@@ -176,7 +179,8 @@ class CriticWorker(Worker):
         critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
         setup_parallel_state(critic_cfg.megatron)
         engine = MegatronEngine(critic_cfg.model.path, critic_cfg.megatron, critic_cfg.optim, value_head=True,
-                                value_head_init=critic_cfg.value_head_init, name="critic")
+                                value_head_init=critic_cfg.value_head_init, name="critic",
+                                override_config=critic_cfg.model.override_config)
         self.critic = CriticRole(engine, critic_cfg, rollout_n=cfg.actor_rollout_ref.rollout.n,
                                  ppo_mini_batch_size=critic_cfg.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size,
                                  ppo_epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs)

@@ -15,18 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout_models import source_model, tiny_qwen2_config
+
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
-if str(STAND_INS) not in sys.path:
-    sys.path.insert(0, str(STAND_INS))
-
-from rollout_models import source_model, tiny_qwen2_config  # noqa: E402
-
-import sglang  # noqa: E402
-from sglang import Engine  # noqa: E402
-from sglang._stand_in.sharding import ShardLayout  # noqa: E402
-from sglang.srt.utils import MultiprocessingSerializer  # noqa: E402
-from sglang.srt.utils.network import get_free_port_below_ephemeral  # noqa: E402
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: E402
+# bound by the module fixture ``stand_in`` (the stand-in is importable as ``sglang`` only during this
+# module, so no other test module can pick it up by accident)
+sglang = Engine = ShardLayout = MultiprocessingSerializer = get_free_port_below_ephemeral = None
+FlattenedTensorMetadata = None
 
 ENV_KEYS = (
     "SGLANG_STAND_IN_ROOT",
@@ -59,20 +54,49 @@ def env(**values: str | None):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def keep_signals():
+    """Engine() replaces SIGTERM/SIGQUIT handlers like SGLang; keep them from leaking into other tests."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def stand_in_root(tmp_path_factory):
+    global sglang, Engine, ShardLayout, MultiprocessingSerializer, get_free_port_below_ephemeral
+    global FlattenedTensorMetadata
+    sys.path.insert(0, str(STAND_INS))
+    sharing = torch.multiprocessing.get_sharing_strategy()
+    import sglang as _sglang
+    from sglang._stand_in.sharding import ShardLayout as _layout
+    from sglang.srt.entrypoints.engine import Engine as _engine
+    from sglang.srt.utils import MultiprocessingSerializer as _serializer
+    from sglang.srt.utils.network import get_free_port_below_ephemeral as _port
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as _meta
+
+    sglang, Engine, ShardLayout, MultiprocessingSerializer = _sglang, _engine, _layout, _serializer
+    get_free_port_below_ephemeral, FlattenedTensorMetadata = _port, _meta
     root = tmp_path_factory.mktemp("sglang_stand_in")
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
     for k in ENV_KEYS:
         os.environ.pop(k, None)
     os.environ["SGLANG_STAND_IN_ROOT"] = str(root)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STAND_INS), saved["PYTHONPATH"]]))
-    yield root
+    with keep_signals():
+        yield root
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    torch.multiprocessing.set_sharing_strategy(sharing)
+    sys.path.remove(str(STAND_INS))
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
 
 
 def _model_dir(tmp_path_factory, name: str, **overrides) -> tuple[str, object]:
@@ -113,12 +137,11 @@ def tp2(kv1_model):
     def trainer_handler(signum, frame):  # what a trainer installs to checkpoint on SIGTERM
         pass
 
-    before = signal.signal(signal.SIGTERM, trainer_handler)
-    with env(SGLANG_STAND_IN_NODE="nodeA"):
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeA"):
+        signal.signal(signal.SIGTERM, trainer_handler)
         engine = Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
-    engine.sigterm_after_init = signal.getsignal(signal.SIGTERM)
+        engine.sigterm_after_init = signal.getsignal(signal.SIGTERM)
     engine.trainer_handler = trainer_handler
-    signal.signal(signal.SIGTERM, before)
     yield engine
     engine.shutdown()
 
@@ -126,10 +149,9 @@ def tp2(kv1_model):
 @pytest.fixture(scope="module")
 def tp1(kv2_model):
     """tp=1 on node B with CUDA_VISIBLE_DEVICES=3,5 (so on physical GPU 3), cuda_graph memory saver on."""
-    before = signal.getsignal(signal.SIGTERM)
-    with env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5", SGLANG_MEMORY_SAVER_CUDA_GRAPH="true"):
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5",
+                             SGLANG_MEMORY_SAVER_CUDA_GRAPH="true"):
         engine = Engine(**engine_kwargs(kv2_model[0], nccl_port=get_free_port_below_ephemeral()))
-    signal.signal(signal.SIGTERM, before)
     yield engine
     engine.shutdown()
 
@@ -204,11 +226,9 @@ def test_sharding_reassembles_hf_weights(tp, num_kv):
 def test_engine_holds_only_its_shard_and_reassembles_exactly(tp2, tp1, kv1_model, kv2_model):
     for engine, (path, config), tp in ((tp2, kv1_model, 2), (tp1, kv2_model, 1)):
         want = hf_state(11, config)
-        indices = None if tp == 2 else [0]
-        extra = {} if tp == 2 else {"SGLANG_STAND_IN_NODE": "nodeB", "CUDA_VISIBLE_DEVICES": "3,5"}
-        if tp == 2:
-            extra = {"SGLANG_STAND_IN_NODE": "nodeA"}
-        assert load(engine, want, tp, device_indices=indices, **extra) == (True, "Success")
+        where = {"SGLANG_STAND_IN_NODE": "nodeA"} if tp == 2 else {
+            "SGLANG_STAND_IN_NODE": "nodeB", "CUDA_VISIBLE_DEVICES": "3,5"}  # trainer rank on GPU 3
+        assert load(engine, want, tp, **where) == (True, "Success")
         assert_same(engine.stand_in_state_dict(), want)
         shards = engine.stand_in_shards()
         layouts = [ShardLayout(config, {k: v.shape for k, v in want.items()}, tp, r) for r in range(tp)]
@@ -240,20 +260,20 @@ def test_generate_is_the_hf_model_greedy(tp2, kv1_model):
 
 # ---------------------------------------------------------------------------------------------- devices
 def test_second_engine_on_a_claimed_gpu_is_rejected(tp1, kv2_model):
-    with env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="5,3"):  # same physical GPU, other order
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="5,3"):  # GPU 3 again
         with pytest.raises(RuntimeError, match=r"GPU 3 on node nodeB already holds an SGLang scheduler"):
             Engine(**engine_kwargs(kv2_model[0], base_gpu_id=1))
     assert tp1.stand_in_memory()[0]["weights"] > 0  # the first engine is unharmed
 
 
 def test_base_gpu_id_outside_visible_devices_is_rejected(kv2_model):
-    with env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5"):
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5"):
         with pytest.raises(RuntimeError, match=r"GPU index 2 .* not visible \(CUDA_VISIBLE_DEVICES=3,5"):
             Engine(**engine_kwargs(kv2_model[0], tp_size=2, base_gpu_id=1))
 
 
 def test_engine_needs_its_root_and_known_kwargs(kv2_model):
-    with env(SGLANG_STAND_IN_ROOT=None), pytest.raises(RuntimeError, match="SGLANG_STAND_IN_ROOT"):
+    with keep_signals(), env(SGLANG_STAND_IN_ROOT=None), pytest.raises(RuntimeError, match="SGLANG_STAND_IN_ROOT"):
         Engine(**engine_kwargs(kv2_model[0]))
     with pytest.raises(TypeError, match="tensor_parallel_size"):
         Engine(**engine_kwargs(kv2_model[0], tensor_parallel_size=2))

@@ -144,6 +144,13 @@ class Engine:
 
         signal.signal(signal.SIGTERM, sigterm_handler)
 
+        def launch_phase_sigquit_handler(signum, frame):  # 0.5.23: a child failed -> kill the tree
+            logger.error("Received sigquit from a child process. It usually means the child failed.")
+            _kill_leftovers()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        signal.signal(signal.SIGQUIT, launch_phase_sigquit_handler)
+
     def _start(self, args: dict[str, Any]) -> None:
         from sglang._stand_in.scheduler import scheduler_main
 
