@@ -66,6 +66,14 @@ def _cpu_synchronize(device: Any = None) -> None:
     """CPU ops are synchronous; nothing to wait for."""
 
 
+def _cpu_get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.uint8)
+
+
+def _cpu_set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _tensor_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self
 
@@ -124,6 +132,12 @@ def _apply() -> None:
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
     )
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Activation recompute (override_transformer_config.recompute_granularity) saves and restores the
+    # "CUDA" RNG state around each checkpointed chunk; there is none on CPU (the CPU state is kept
+    # by Megatron separately), so the device state is a placeholder and restoring it does nothing.
+    _saved["cuda_rng"] = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
+    mcore_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
 
     _saved["current_device"] = torch.cuda.current_device
     _saved["synchronize"] = torch.cuda.synchronize
@@ -150,6 +164,7 @@ def _release() -> None:
             mcore_random._CUDA_RNG_STATE_TRACKER,
             mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
         ) = _saved.pop("rng_tracker")
+        mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = _saved.pop("cuda_rng")
         torch.cuda.current_device = _saved.pop("current_device")
         torch.cuda.synchronize = _saved.pop("synchronize")
         torch.Tensor.cuda = _saved.pop("tensor_cuda")

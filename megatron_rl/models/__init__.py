@@ -33,6 +33,7 @@ _EXPORTS = {
     "HFModelConfig": "hf_config",
     "UnsupportedModelError": "hf_config",
     "load_hf_config": "hf_config",
+    "load_pretrained_config": "hf_config",
     "parse_hf_config": "hf_config",
     "load_hf_weights": "loading",
     "check_parallel_fit": "sizes",

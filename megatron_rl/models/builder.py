@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,20 +39,98 @@ __all__ = [
     "make_transformer_config",
     "mark_tensor_parallel_weights",
     "padded_vocab_size",
+    "transformer_overrides",
 ]
+
+# TransformerConfig fields the builder sets from the HF config, the parallel state or another
+# megatron key; override_transformer_config may not set them (the value would contradict the
+# checkpoint or the process groups). Field -> what sets it.
+DERIVED_FIELDS = {
+    **{
+        name: "the HF config (actor_rollout_ref.model.override_config)"
+        for name in (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size",
+        )
+    },
+    **{
+        name: f"megatron.{name}"
+        for name in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
+        )
+    },
+    **{name: "megatron.params_dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
+}
+
+
+def _transformer_config_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(TransformerConfig) if not f.name.startswith("_")}
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> dicts/lists (TransformerConfig wants plain values)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def check_transformer_overrides(overrides: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """``overrides`` as plain values, or a ValueError naming each unknown or derived field.
+
+    ``prefix`` is the config key of the mapping (``actor_rollout_ref.actor.megatron.override_transformer_config``).
+    """
+    overrides = dict(_plain(overrides) or {})
+    known = _transformer_config_fields()
+    problems = []
+    for name in overrides:
+        if name in DERIVED_FIELDS:
+            problems.append(f"{prefix}.{name} cannot be overridden: it is set from {DERIVED_FIELDS[name]}")
+        elif name not in known:
+            nearest = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+            hint = f"; nearest: {', '.join(nearest)}" if nearest else ""
+            problems.append(f"{prefix}.{name} is not a Megatron-Core TransformerConfig field{hint}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return overrides
+
+
+def transformer_overrides(parallel: Any, prefix: str) -> dict[str, Any]:
+    """The TransformerConfig settings a role's ``megatron`` config asks for, checked:
+    ``sequence_parallel`` and every ``override_transformer_config`` field (unknown or derived
+    fields raise a ValueError naming them). The engine and the planner both build from this."""
+    overrides = check_transformer_overrides(
+        getattr(parallel, "override_transformer_config", None) or {}, f"{prefix}.override_transformer_config"
+    )
+    return {"sequence_parallel": bool(getattr(parallel, "sequence_parallel", False)), **overrides}
 
 
 def make_transformer_config(
-    hf: HFModelConfig, params_dtype: torch.dtype = torch.float32, init_weights: bool = True, **overrides: Any
+    hf: HFModelConfig,
+    params_dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    *,
+    layout: tuple[int, int, int | None, int] | None = None,
+    **overrides: Any,
 ) -> TransformerConfig:
-    """TransformerConfig for ``hf`` at the TP/PP/VPP sizes of Megatron's initialised parallel state.
+    """TransformerConfig for ``hf`` at the TP/PP/VPP/CP sizes of Megatron's initialised parallel state,
+    or at ``layout`` = (tp, pp, vpp, cp) without one (what the planner does).
 
     ``overrides`` go straight to TransformerConfig (e.g. ``sequence_parallel=True``,
-    ``recompute_granularity="full"``).
+    ``recompute_granularity="full"``); ``transformer_overrides`` checks a config's.
     """
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if layout is None:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+    else:
+        tp, pp, vpp, cp = layout
     check_parallel_fit(hf, tp, pp, vpp)
     kwargs: dict[str, Any] = dict(
         num_layers=hf.num_layers,
@@ -71,6 +152,7 @@ def make_transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -100,15 +182,53 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm (torch's), usable under sequence parallelism.
+
+    Megatron-Core 0.16.1's WrappedTorchNorm refuses ``sequence_parallel``: under SP each TP rank
+    normalises its slice of the sequence, so a norm weight's gradient is a partial sum that must be
+    summed over TP. ``finalize_model_grads`` does that for parameters marked ``sequence_parallel``
+    (TE's and Apex's norms mark theirs); this one marks its weight the same way.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
 def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
-    always SDPAttention so the explicit causal+padding mask means the same thing on every backend."""
+    always SDPAttention so the explicit causal+padding mask means the same thing on every backend.
+    The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too)."""
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+        spec.submodules.input_layernorm = LocalRMSNorm
+        spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+        if hf.qk_norm:
+            spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
+
+
+def _block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None, use_te: bool):
+    """The layer spec as GPTModel takes it; for the local spec a whole block, so that the final
+    norm is a LocalRMSNorm too (Megatron would pick WrappedTorchNorm)."""
+    if use_te:
+        return layer_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=LocalRMSNorm),
+    )
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
@@ -164,7 +284,7 @@ def build_gpt_model(
         vp_stage = stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_block_spec(spec, config, vp_stage, use_te),
             vocab_size=vocab,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -164,10 +164,51 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     )
 
 
-def load_hf_config(model_dir: str | Path) -> HFModelConfig:
-    """Read and validate ``<model_dir>/config.json``."""
+def _plain_overrides(override_config: Any) -> dict[str, Any]:
+    if not override_config:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(override_config, DictConfig):
+            return OmegaConf.to_container(override_config, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return dict(override_config)
+
+
+def apply_override_config(raw: dict[str, Any], override_config: Any) -> dict[str, Any]:
+    """config.json fields with ``actor_rollout_ref.model.override_config`` on top (verl's key): a
+    shallow update, as transformers' ``PretrainedConfig.update`` does. The planner, the Megatron
+    builder and the rollout engines all read the model through this."""
+    return {**raw, **_plain_overrides(override_config)}
+
+
+def load_hf_config_dict(model_dir: str | Path, override_config: Any = None) -> tuple[dict[str, Any], str]:
+    """(``<model_dir>/config.json`` with the overrides applied, a source string for messages)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in HF model directory {model_dir}")
     with open(path) as f:
-        return parse_hf_config(json.load(f), source=str(path))
+        raw = json.load(f)
+    overrides = _plain_overrides(override_config)
+    source = str(path) + (f" + override_config {sorted(overrides)}" if overrides else "")
+    return apply_override_config(raw, overrides), source
+
+
+def load_hf_config(model_dir: str | Path, override_config: Any = None) -> HFModelConfig:
+    """Read and validate ``<model_dir>/config.json``, with ``override_config`` fields on top."""
+    raw, source = load_hf_config_dict(model_dir, override_config)
+    return parse_hf_config(raw, source=source)
+
+
+def load_pretrained_config(model_dir: str | Path, override_config: Any = None):
+    """transformers' ``PretrainedConfig`` of ``model_dir`` with ``override_config`` applied: what the HF
+    rollout engine builds from, so it computes the same model as the Megatron side."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    overrides = _plain_overrides(override_config)
+    if overrides:
+        config.update(overrides)
+    return config

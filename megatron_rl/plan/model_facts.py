@@ -8,7 +8,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
-from megatron_rl.models.hf_config import HFModelConfig, UnsupportedModelError, parse_hf_config
+from megatron_rl.models.hf_config import (
+    HFModelConfig,
+    UnsupportedModelError,
+    apply_override_config,
+    parse_hf_config,
+)
 
 
 def _config_json(model: DictConfig) -> Path | None:
@@ -39,7 +44,7 @@ def load_model_facts(cfg: DictConfig, model_key: str = "actor_rollout_ref.model"
                 f"intermediate_size, vocab_size, tie_word_embeddings)")
         raw = OmegaConf.to_container(architecture, resolve=True)
         source = "plan.architecture"
-    raw = {**raw, **OmegaConf.to_container(model.override_config, resolve=True)}
+    raw = apply_override_config(raw, model.override_config)  # what load_hf_config does for the builder
     try:
         return parse_hf_config(raw, source=source)
     except UnsupportedModelError as err:

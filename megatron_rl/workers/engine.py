@@ -96,6 +96,8 @@ class MegatronEngine:
         value_head: build the critic (a scalar head instead of the vocabulary projection).
         value_head_init: ``zero`` | ``normal`` (used when the checkpoint has no value head).
         name: config prefix used in error messages, e.g. ``actor_rollout_ref.actor``.
+        override_config: ``<role>.model.override_config``, HF config.json fields applied on top of the
+            checkpoint's config before the model is built (the rollout engine gets the same).
     """
 
     def __init__(
@@ -107,8 +109,10 @@ class MegatronEngine:
         value_head: bool = False,
         value_head_init: str = "normal",
         name: str = "actor",
+        override_config: Any = None,
     ) -> None:
         from megatron_rl.models import build_gpt_model, load_hf_config, load_hf_weights
+        from megatron_rl.models.builder import transformer_overrides
 
         self.name = name
         check_parallel_state(parallel, f"{name}.megatron")
@@ -116,12 +120,15 @@ class MegatronEngine:
         # init_weights=True although the weights are loaded next: Megatron marks tensor-parallel
         # parameters (``tensor_model_parallel``, read by the grad-norm and clipping) only while it
         # initialises them; without it the gradient norm under TP>1 misses half the shards.
+        # sequence_parallel and override_transformer_config reach the TransformerConfig here (checked:
+        # an unknown field is refused by name); the planner builds its config from the same function.
         chunks = build_gpt_model(
-            load_hf_config(model_dir),
+            load_hf_config(model_dir, override_config),
             value_head=value_head,
             value_head_init=value_head_init,
             params_dtype=self.params_dtype,
             init_weights=True,
+            **transformer_overrides(parallel, f"{name}.megatron"),
         )
         load_hf_weights(chunks, model_dir)
         self.hf_config = chunks[0].hf_config
@@ -142,18 +149,18 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ construction
     def _use_distributed_optimizer(self, parallel: Any) -> bool:
-        from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+        """Asked for and unavailable is an error, never a quiet fallback: the plan counted it (the
+        planner refuses the same config before launch, with the plan it would get without it)."""
+        from megatron_rl.models.capabilities import distributed_optimizer_blocker
 
-        if parallel.use_distributed_optimizer and not HAVE_APEX_OR_TE:
-            # Without TE/Apex, megatron-core 0.16.1 cannot load a reshardable distributed-optimizer
-            # checkpoint before the first step (state 'step' missing); the plain optimizer can.
-            logger.warning(
-                "%s.megatron.use_distributed_optimizer=true ignored: Transformer Engine / Apex are not "
-                "installed; using the non-sharded optimizer",
-                self.name,
+        blocker = distributed_optimizer_blocker() if parallel.use_distributed_optimizer else None
+        if blocker is not None:
+            raise RuntimeError(
+                f"{self.name}.megatron.use_distributed_optimizer=true {blocker}. Install "
+                "megatron-rl[gpu] (Transformer Engine) or set use_distributed_optimizer=false "
+                "(Adam state unsharded: python -m megatron_rl.plan shows what that costs)"
             )
-            return False
-        return parallel.use_distributed_optimizer
+        return bool(parallel.use_distributed_optimizer)
 
     def _wrap_ddp(self, chunks: list[torch.nn.Module], parallel: Any) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -206,6 +213,12 @@ class MegatronEngine:
         different shapes (measured: activations of mismatched widths, broken p2p with different
         row counts), so with VPP every micro-batch is padded to one rectangle."""
         return len(self.model) > 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Packed widths must be a multiple of this: TP under sequence parallelism (Megatron splits the
+        sequence dimension over the TP ranks), else 1."""
+        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

@@ -30,10 +30,22 @@ def pack_batch(
     lengths = real_token_counts(batch)
     row_groups = split_micro_batches(lengths, spec, budget_name)
     # One rectangle for all micro-batches where the schedule needs it (see MegatronEngine).
-    shape = (max(map(len, row_groups)), max(max(lengths), 1)) if engine.uniform_micro_batch_shape else None
+    # Sequence parallelism splits the sequence over TP ranks: widths are rounded up to a multiple of TP.
+    multiple = engine.sequence_multiple
+
+    def width(rows: Sequence[int]) -> int:
+        longest = max(max((lengths[r] for r in rows), default=1), 1)
+        return -(-longest // multiple) * multiple
+
+    if engine.uniform_micro_batch_shape:
+        uniform = (max(map(len, row_groups)), width(range(len(lengths))))
+    shapes = [
+        uniform if engine.uniform_micro_batch_shape else (None if multiple == 1 else (len(rows), width(rows)))
+        for rows in row_groups
+    ]
     return [
         pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
-        for rows in row_groups
+        for rows, shape in zip(row_groups, shapes)
     ]
 
 
