@@ -38,6 +38,9 @@ def run(cfg: DictConfig, dry_run: bool = False):
 
         print_plan(cfg)
         return None
+    from megatron_rl.plan import check_launch
+
+    check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
     if _is_rank0():
         print(sizes.summary(), flush=True)
     from megatron_rl.trainer.runner import run_training

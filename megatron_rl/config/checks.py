@@ -122,3 +122,40 @@ def check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
         raise CheckError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {reward.max_failed_steps}")
     if trainer.max_ckpt_to_keep < 1:
         raise CheckError(f"trainer.max_ckpt_to_keep must be >= 1, got {trainer.max_ckpt_to_keep}")
+
+
+def _choice_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, list[str]]]:
+    from megatron_rl.config.schema import choices_of
+
+    for name, hint in _schema_fields(cls).items():
+        choices = choices_of(cls, name)
+        if choices is not None:
+            yield f"{prefix}{name}", choices
+        inner = _dataclass_of(hint)
+        if inner is not None:
+            yield from _choice_fields(inner, f"{prefix}{name}.")
+
+
+def check_choices(cfg: DictConfig) -> None:
+    """Every choice field holds one of its options (OmegaConf enforces this for configs built on the schema;
+    this catches configs built otherwise)."""
+    for key, choices in _choice_fields(PPOTrainerConfig):
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if value is not None and str(value) not in choices:
+            raise CheckError(f"{key}={str(value)!r} is unknown; known: {choices}")
+
+
+def describe_choice_error(message: str, full_key: str, object_type: Any, key: Any) -> str | None:
+    """OmegaConf's "Invalid value 'x', expected one of [a, b]" as "<full_key>='x' is unknown; known: ['a', 'b']"."""
+    import re
+
+    from megatron_rl.config.schema import choices_of
+
+    match = re.match(r"Invalid value '(.*)', expected one of", message)
+    if not match or not dataclasses.is_dataclass(object_type):
+        return None
+    try:
+        choices = choices_of(object_type, str(key))
+    except KeyError:
+        return None
+    return f"{full_key}={match.group(1)!r} is unknown; known: {choices}" if choices else None

@@ -26,5 +26,11 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
     except (ConfigCompositionException, OmegaConfBaseException) as err:
         # Hydra wraps the useful part (the bad key) in a cause; surface it.
         cause = err.__cause__ or err
+        from megatron_rl.config.checks import describe_choice_error
+
+        choice = describe_choice_error(str(getattr(cause, "msg", cause)), getattr(cause, "full_key", ""),
+                                       getattr(cause, "object_type", None), getattr(cause, "key", None))
+        if choice is not None:
+            raise ConfigError(choice) from err
         raise ConfigError(f"cannot compose config {config_name!r} with overrides {list(overrides)}: {cause}") from err
     return cfg

@@ -6,10 +6,80 @@ override them. OmegaConf type-checks every override against these fields, so a t
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+
+
+# Choice fields are enums (OmegaConf has no Literal): a value outside them fails at compose time with the
+# key and the options named, and validate() and error messages take the options from here. StrEnum
+# members are their strings: `cfg.trainer.launcher == "ray"` and f-strings work unchanged.
+class Truncation(enum.StrEnum):
+    error = "error"
+    left = "left"
+    right = "right"
+
+
+class MalformedRowPolicy(enum.StrEnum):
+    skip = "skip"
+    error = "error"
+
+
+class LRScheduler(enum.StrEnum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class RolloutEngineName(enum.StrEnum):
+    hf = "hf"
+    sglang = "sglang"
+
+
+class RolloutMode(enum.StrEnum):
+    colocated = "colocated"
+    server = "server"
+
+
+class ValueHeadInit(enum.StrEnum):
+    zero = "zero"
+    normal = "normal"
+
+
+class RewardManagerName(enum.StrEnum):
+    naive = "naive"
+    batch = "batch"
+
+
+class KLControlType(enum.StrEnum):
+    fixed = "fixed"
+    adaptive = "adaptive"
+
+
+class Launcher(enum.StrEnum):
+    ray = "ray"
+    torchrun = "torchrun"
+
+
+class Device(enum.StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ResumeMode(enum.StrEnum):
+    auto = "auto"
+    disable = "disable"
+    resume_path = "resume_path"
+
+
+def choices_of(cls: type, name: str) -> list[str] | None:
+    """The options of the choice field ``cls.name`` (None when it is not a choice field)."""
+    import typing
+
+    hint = typing.get_type_hints(cls)[name]
+    return [m.value for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else None
 
 
 @dataclass
@@ -25,8 +95,8 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1
     filter_overlong_prompts: bool = True
-    truncation: str = "error"  # error | left | right (used when filter_overlong_prompts is false)
-    on_malformed_row: str = "skip"  # skip | error
+    truncation: Truncation = Truncation.error  # used when filter_overlong_prompts is false
+    on_malformed_row: MalformedRowPolicy = MalformedRowPolicy.skip
     dataloader_num_workers: int = 0
 
 
@@ -63,7 +133,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps: int = 0
-    lr_scheduler: str = "constant"  # constant | cosine
+    lr_scheduler: LRScheduler = LRScheduler.constant
     total_training_steps: int = -1  # filled from trainer.total_training_steps when -1
     clip_grad: float = 1.0
 
@@ -135,8 +205,8 @@ class SGLangConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf | sglang
-    mode: str = "colocated"  # colocated | server
+    name: RolloutEngineName = RolloutEngineName.hf
+    mode: RolloutMode = RolloutMode.colocated
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -175,7 +245,7 @@ class CriticConfig:
     ppo_epochs: Optional[int] = None  # None: the actor's
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
-    value_head_init: str = "zero"  # zero | normal
+    value_head_init: ValueHeadInit = ValueHeadInit.zero
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 
@@ -188,7 +258,7 @@ class CustomRewardFunctionConfig:
 
 @dataclass
 class RewardConfig:
-    reward_manager: str = "naive"
+    reward_manager: RewardManagerName = RewardManagerName.naive
     num_workers: int = 4
     timeout_s: float = 10.0  # per scoring call; needs num_workers >= 1 (inline scoring cannot be interrupted)
     # Stop the run after this many steps in a row in which every sample's reward errored or timed out
@@ -199,7 +269,7 @@ class RewardConfig:
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: KLControlType = KLControlType.fixed
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
@@ -231,8 +301,8 @@ class TrainerConfig:
     project_name: str = "megatron_rl"
     experiment_name: str = "run"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    launcher: str = "ray"  # ray | torchrun
-    device: str = "auto"  # auto | cpu | cuda
+    launcher: Launcher = Launcher.ray
+    device: Device = Device.auto
     nnodes: int = 1
     n_gpus_per_node: int = 8  # processes per node on CPU
     total_epochs: int = 1
@@ -242,7 +312,7 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_mode: ResumeMode = ResumeMode.auto  # resume_path: trainer.resume_from_path
     resume_from_path: Optional[str] = None
     max_ckpt_to_keep: int = 2
     save_hf_at_end: bool = True

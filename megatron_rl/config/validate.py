@@ -139,10 +139,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
     _require(actor.policy_loss in policy_losses,
              f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
-    _require(rollout.name in KNOWN_ROLLOUT_ENGINES,
-             f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; known: {list(KNOWN_ROLLOUT_ENGINES)}")
-    _require(rollout.mode in ("colocated", "server"),
-             f"actor_rollout_ref.rollout.mode={rollout.mode!r} is unknown; known: ['colocated', 'server']")
+    try:  # every choice field (an enum in config/schema.py), its options from the schema
+        checks.check_choices(cfg)
+    except checks.CheckError as err:
+        raise ConfigError(str(err)) from None
     _require(rollout.mode != "server" or bool(rollout.server_urls),
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers)")
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from megatron_rl.data.rows import MalformedRowError, SourceRow, check_row, read_rows
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import DataConfig
 
 __all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
 
@@ -78,7 +81,7 @@ class RLDataset(Dataset):
 
     @classmethod
     def from_config(
-        cls, files: Sequence[str], tokenizer: PreTrainedTokenizerBase, data_cfg: Any
+        cls, files: Sequence[str], tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig
     ) -> RLDataset:
         """Build from the ``data`` config section (``DataConfig`` or its DictConfig)."""
         return cls(

@@ -18,7 +18,7 @@ import numbers
 import pickle
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from megatron_rl.reward.placement import last_valid_positions, place_scores
 from megatron_rl.reward.pool import Call, InlineRunner, ScoringPool
 from megatron_rl.reward.registry import Scorer, get_scorer
 from megatron_rl.reward.results import SampleResult, results_of
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RewardConfig
 
 __all__ = ["REWARD_MANAGERS", "RewardManager"]
 
@@ -45,7 +48,7 @@ class RewardManager:
     place the scores. Scoring runs in ``reward.num_workers`` processes, each call limited to
     ``reward.timeout_s`` (``num_workers=0``: in this process, without a time limit)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: RewardConfig) -> None:
         if cfg.reward_manager not in REWARD_MANAGERS:
             raise ValueError(
                 f"reward.reward_manager={cfg.reward_manager!r} is unknown; known: {list(REWARD_MANAGERS)}"

@@ -344,4 +344,4 @@ class RLTrainer:
             self.tracking.log(metrics, step)
 
     def config_dict(self) -> dict[str, Any]:
-        return OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -71,7 +71,7 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callabl
 
     gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
     init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)
-    plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # workers see plain strings
     # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
     # an embedded Ray, which is how the CPU tests give each rank its own GPU id).
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
@@ -106,7 +106,7 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Ca
     if launch.world_size != sizes.world_size:
         raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                          f"trainer.n_gpus_per_node = {sizes.world_size}")
-    plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=plain_cfg), "actor_rollout")
     critic = LocalWorkerGroup(CriticWorker(config=plain_cfg), "critic") if sizes.uses_critic else None
     return actor_rollout, critic, lambda: None
