@@ -455,3 +455,107 @@ def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(kv2_model)
     ports = [v for v in outcomes.values() if isinstance(v, int)]
     assert ports == [port] and len(errors) == 1, outcomes
     assert f"nccl_port {port}" in str(errors[0]) and "EADDRINUSE" in str(errors[0])
+
+
+# ---------------------------------------------------------------------------------------------- server
+def http(url: str, route: str, body=None, method: str = "POST", timeout: float = 120.0):
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def in_thread(fn, *args):
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", fn(*args)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.fixture(scope="module")
+def server(kv1_model):
+    import sglang_server
+
+    proc, url = sglang_server.start(kv1_model[0], tp_size=2, env={"SGLANG_STAND_IN_NODE": "nodeD"},
+                                    nccl_port=get_free_port_below_ephemeral())
+    yield url
+    try:
+        http(url, "/stand_in/shutdown", {}, timeout=30)
+        proc.wait(30)
+    except Exception:  # noqa: BLE001
+        pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+def test_server_single_session(server):
+    assert http(server, "/server_info", method="GET")[1]["version"] == "0.5.23"
+    assert http(server, "/server_info", method="GET")[1]["tp_size"] == 2
+    status, answer = http(server, "/update_weights_from_distributed",
+                          {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]],
+                           "group_name": "weight_update_group"})
+    assert status == 400 and "must run between begin_weight_update() and end_weight_update()" in answer["message"]
+    assert http(server, "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+    status, answer = http(server, "/begin_weight_update", {})  # a second owner cannot open a session
+    assert status == 400 and answer["message"] == (
+        "a weight-update session is already open; call end_weight_update() first")
+    assert http(server, "/end_weight_update", {})[0] == 200
+    status, answer = http(server, "/end_weight_update", {})
+    assert status == 400 and "no weight-update session is open" in answer["message"]
+    assert http(server, "/begin_weight_update", {"unknown_field": 1})[0] == 400
+
+
+def test_server_group_world_size_is_checked(server):
+    status, answer = http(server, "/init_weights_update_group",
+                          {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
+                           "world_size": 2, "group_name": "too_small", "backend": "gloo"})
+    assert status == 400 and "rank_offset 1 + tp_size 2 = 3 exceeds world_size 2" in answer["message"]
+
+
+def test_server_distributed_update_gives_exact_weights(server, kv1_model):
+    import hashlib
+
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.update_group import init_weight_update_group
+
+    port = get_free_port_below_ephemeral()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+            "group_name": "wu", "backend": "gloo"}
+    thread, box = in_thread(http, server, "/init_weights_update_group", init)
+    group = init_weight_update_group("127.0.0.1", port, rank=0, world_size=3, group_name="wu", backend="gloo")
+    thread.join(120)
+    assert box["result"][0] == 200, box
+    status, answer = http(server, "/init_weights_update_group", init)  # rank 0 inits the group once
+    assert status == 400 and "already exists" in answer["message"]
+    try:
+        sent = hf_state(41, kv1_model[1])
+        flat, metadata = flatten(sent)
+        request = {"names": [m.name for m in metadata], "dtypes": ["float32"] * len(metadata),
+                   "shapes": [list(m.shape) for m in metadata], "group_name": "wu",
+                   "load_format": "flattened_bucket", "weight_version": "v7", "flush_cache": True}
+        assert http(server, "/begin_weight_update", {})[0] == 200
+        thread, box = in_thread(http, server, "/update_weights_from_distributed", request)
+        dist.broadcast(flat, src=0, group=group)
+        thread.join(120)
+        assert box["result"] == (200, {"success": True, "message": "Success"})
+        assert http(server, "/end_weight_update", {})[0] == 200
+        status, digests = http(server, "/stand_in/weights_sha256", method="GET")
+        assert digests == {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sent.items()}
+        status, out = http(server, "/generate", {"input_ids": [[4, 5, 6]], "return_logprob": True,
+                                                  "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert status == 200 and out[0]["meta_info"]["weight_version"] == "v7"
+        assert len(out[0]["meta_info"]["output_token_logprobs"]) == len(out[0]["output_ids"])
+    finally:
+        assert http(server, "/destroy_weights_update_group", {"group_name": "wu"})[0] == 200
+        dist.destroy_process_group(group)

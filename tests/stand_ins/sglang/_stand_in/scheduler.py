@@ -385,8 +385,19 @@ class Scheduler:
             raise ValueError(f"Unknown load_format={load_format}")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError("names, dtypes and shapes must have the same length")
+        if not names:
+            raise ValueError("Cannot create empty tensor bucket")
         types = [getattr(torch, d) for d in dtypes]
         sizes = [int(torch.Size(s).numel()) * t.itemsize for s, t in zip(shapes, types)]
+        offset = 0
+        for name, shape, t, size in zip(names, shapes, types, sizes):
+            if any(dim < 0 for dim in shape):
+                raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+            if load_format == "flattened_bucket" and offset % t.itemsize:
+                raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {t}")
+            offset += size
+        for name, shape in zip(names, shapes):  # validate before the broadcast: fail before receiving
+            self.layout.plan(name, tuple(shape))
         if load_format == "flattened_bucket":
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
             self.dist.broadcast(flat, src=0, group=group)

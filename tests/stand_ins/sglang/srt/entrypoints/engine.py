@@ -344,17 +344,9 @@ class Engine:
         self._check()
         if not self._session_open:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-        from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+        from sglang.srt.utils.common import MultiprocessingSerializer
 
-        if load_format == "flattened_bucket":
-            if not isinstance(named_tensors, list) or len(named_tensors) != self._tp:
-                n = len(named_tensors) if isinstance(named_tensors, list) else type(named_tensors).__name__
-                return False, (
-                    f"flattened_bucket needs a list of exactly tp_size={self._tp} serialized payloads "
-                    f"(one per TP rank), got {n}"
-                )
-            payloads = [normalize_serialized_named_tensor_payload(p) for p in named_tensors]
-        elif load_format is None:
+        if load_format is None:
             import torch
 
             if not isinstance(named_tensors, list) or not all(
@@ -362,14 +354,36 @@ class Engine:
                 for x in named_tensors
             ):
                 return False, "load_format=None needs a list of (name, torch.Tensor) tuples"
-            # SGLang serializes them here, once per rank; the IPC handles name the caller's GPU
+            # SGLang serializes them here, once per rank; the handles name the caller's GPU (not checked:
+            # CUDA IPC opens on a peer GPU of the same node)
             payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self._tp)]
-        else:
+            return self._update_weights_from_serialized(payloads, None, weight_version, check_gpu=False)
+        return self._update_weights_from_serialized(named_tensors, load_format, weight_version)
+
+    def _update_weights_from_serialized(self, payloads: Any, load_format: str | None, weight_version: str | None,
+                                        check_gpu: bool = True) -> tuple[bool, str]:
+        """Per-rank serialized payloads (what the HTTP route carries): scheduler i gets only entry i."""
+        self._check()
+        if not self._session_open:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        from sglang.srt.utils.common import normalize_serialized_named_tensor_payload
+
+        if load_format not in (None, "flattened_bucket"):
             return False, f"Unknown load_format={load_format}"
+        if not isinstance(payloads, list) or len(payloads) != self._tp:
+            n = len(payloads) if isinstance(payloads, list) else type(payloads).__name__
+            return False, (
+                f"{load_format or 'load_format=None'} needs a list of exactly tp_size={self._tp} serialized "
+                f"payloads (one per TP rank), got {n}"
+            )
+        try:
+            raw = [normalize_serialized_named_tensor_payload(p) for p in payloads]
+        except (TypeError, ValueError) as exc:
+            return False, str(exc)
         try:
             self._call(
                 "update_tensor",
-                per_rank=[{"payload": p, "load_format": load_format, "check_gpu": load_format is not None} for p in payloads],
+                per_rank=[{"payload": p, "load_format": load_format, "check_gpu": check_gpu} for p in raw],
             )
         except EngineDead:
             raise
