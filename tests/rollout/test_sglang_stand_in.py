@@ -137,7 +137,8 @@ def tp2(kv1_model):
     def trainer_handler(signum, frame):  # what a trainer installs to checkpoint on SIGTERM
         pass
 
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeA"):
+    # copies land 0.3 s after the call returns: wide enough that "rewrite right after return" always wins
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeA", SGLANG_STAND_IN_COPY_DELAY_S="0.3"):
         signal.signal(signal.SIGTERM, trainer_handler)
         engine = Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
         engine.sigterm_after_init = signal.getsignal(signal.SIGTERM)
@@ -421,7 +422,14 @@ def test_unmatched_resume_kills_the_engine(tp1, stand_in_root):
 
 
 # ---------------------------------------------------------------------------------------------- ports
-def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(kv2_model):
+@pytest.fixture
+def keep_random_state():
+    state = random.getstate()
+    yield
+    random.setstate(state)
+
+
+def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(kv2_model, keep_random_state):
     random.seed(1234)
     port = get_free_port_below_ephemeral()
     outcomes: dict[str, object] = {}
@@ -559,3 +567,41 @@ def test_server_distributed_update_gives_exact_weights(server, kv1_model):
     finally:
         assert http(server, "/destroy_weights_update_group", {"group_name": "wu"})[0] == 200
         dist.destroy_process_group(group)
+
+
+def test_engine_start_fails_fast_when_a_scheduler_dies(kv1_model, stand_in_root):
+    start = time.monotonic()
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeE", SGLANG_STAND_IN_CRASH_RANK="1"):
+        with pytest.raises(RuntimeError, match=r"failed to start: .*TP1 \(GPU 1\) died with exit code 3"):
+            Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
+    assert time.monotonic() - start < 90
+    assert not list((stand_in_root / "nodeE").iterdir())  # both GPU claims released
+
+
+def test_generate_is_refused_inside_a_weight_update_session(tp2):
+    assert tp2.begin_weight_update()[0]
+    try:
+        with pytest.raises(RuntimeError, match="open weight-update session"):
+            tp2.generate(input_ids=[[4, 5]], sampling_params={"max_new_tokens": 1})
+    finally:
+        assert tp2.end_weight_update()[0]
+
+
+def test_server_update_from_tensor_checks_each_rank_gpu(server, kv1_model):
+    import hashlib
+
+    sent = hf_state(42, kv1_model[1])
+    flat, metadata = flatten(sent)
+    request = {"load_format": "flattened_bucket", "flush_cache": True, "weight_version": "v8"}
+    assert http(server, "/begin_weight_update", {})[0] == 200
+    try:
+        wrong = payloads(flat, metadata, 2, device_indices=[0, 0], SGLANG_STAND_IN_NODE="nodeD")
+        status, answer = http(server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": wrong})
+        assert status == 400 and "node nodeD GPU 0" in answer["message"] and "GPU 1" in answer["message"]
+        right = payloads(flat, metadata, 2, SGLANG_STAND_IN_NODE="nodeD")
+        assert http(server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": right})[0] == 200
+    finally:
+        assert http(server, "/end_weight_update", {})[0] == 200
+    digests = http(server, "/stand_in/weights_sha256", method="GET")[1]
+    assert digests == {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sent.items()}
+    assert http(server, "/server_info", method="GET")[1]["weight_version"] == "v8"

@@ -18,6 +18,7 @@ Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - release/resume need enable_memory_saver=True (SGLang silently frees nothing without it); releasing a tag
   twice is an error; a weight update while weights are released is refused; generation is refused while
   weights/kv_cache (or saver-managed cuda_graph memory) are released or any weight is NaN;
+- generate is refused while a weight-update session is open (weights are finalized by end_weight_update);
 - all Engine methods must be called from the creating thread; skip_tokenizer_init=True and
   load_format="dummy" are required; ``selector`` must be "all"; a weight-update group needs rank_offset >= 1.
 
@@ -45,7 +46,10 @@ Different from SGLang (by necessity):
 - load_format=None tensors are serialized by the Engine in the caller (as SGLang does) and are not
   GPU-checked (only node-checked); LocalSerializedTensor and load_format="direct" are not supported;
 - the GPU registry and port choice are simulated on one machine (nodes are names, GPUs are numbers);
-- extra inspection methods ``stand_in_*`` exist on Engine.
+- extra inspection methods ``stand_in_*`` exist on Engine; test hook: SGLANG_STAND_IN_CRASH_RANK=<r> makes
+  scheduler r exit (code 3) during start;
+- not emulated: 0.5.23's ``mp.set_start_method("spawn", force=True)`` in the caller (it would change the
+  start method of the whole test session), ZMQ/IPC ports, the tokenizer manager, streaming.
 """
 
 __version__ = "0.5.23"

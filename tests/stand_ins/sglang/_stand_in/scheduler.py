@@ -88,6 +88,8 @@ class Scheduler:
                 ) from None
             raise Fatal(f"scheduler TP{self.rank} failed to join the TP group on port {port}: {text}") from None
 
+        if os.environ.get("SGLANG_STAND_IN_CRASH_RANK") == str(self.rank):  # test hook: die during start
+            os._exit(3)  # noqa: SLF001
         self.config = AutoConfig.from_pretrained(args["model_path"])
         torch.manual_seed(int(args["random_seed"]))
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)

@@ -202,7 +202,9 @@ class Engine:
                     try:
                         status, value, is_fatal = conn.recv()
                     except (EOFError, OSError):
-                        status, value, is_fatal = "error", f"scheduler TP{i} exited (code {proc.exitcode})", True
+                        proc.join(1)
+                        status, value, is_fatal = "error", (
+                            f"scheduler TP{i} (GPU {self._gpus[i]}) died with exit code {proc.exitcode}"), True
                     pending.discard(i)
                     if status == "error":
                         errors.append((i, value))
@@ -309,6 +311,11 @@ class Engine:
             unknown = sorted(set(sp) - SAMPLING_FIELDS)
             if unknown:
                 raise ValueError(f"unknown sampling params {unknown} (the stand-in knows {sorted(SAMPLING_FIELDS)})")
+        if self._session_open:
+            raise RuntimeError(
+                "generate during an open weight-update session: the weights are not finalized until "
+                "end_weight_update()"
+            )
         results = self._call("generate", rows=rows, sampling=[dict(sp) for sp in sampling])[0]
         for r in results:
             r["meta_info"]["weight_version"] = self.weight_version
@@ -483,6 +490,9 @@ class Engine:
 
     def stand_in_port(self) -> int:
         return self._port
+
+    def stand_in_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
