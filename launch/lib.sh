@@ -3,13 +3,16 @@
 # the environment, the plan check before anything starts, and running the driver so that SLURM's
 # time-limit signal ends in a checkpoint and a requeue. Environment it reads (all optional):
 #   MODEL_PATH        -> actor_rollout_ref.model.path
-#   DATA_DIR          -> data.train_files=[$DATA_DIR/train.parquet] data.val_files=[$DATA_DIR/test.parquet]
+#   DATA_DIR          -> data.train_files=[$DATA_DIR/train.parquet] data.val_files=[$DATA_DIR/val.parquet]
+#                        (what `python -m megatron_rl.data.tasks` writes; test.parquet, verl's name, when there
+#                        is no val.parquet)
 #   OUTPUT_DIR        -> trainer.default_local_dir; in a SLURM job the default is
 #                        <submit dir>/outputs/<job name>-<job id>: the same after a requeue, so it resumes
 #   EXTRA_OVERRIDES   more Hydra overrides, space-separated, after the arguments
 #   NNODES            nodes; in a SLURM job it must equal the allocation (choose that with sbatch --nodes)
 #   GPUS_PER_NODE     default: the job's --gpus-per-node (else nvidia-smi's count); 0 = CPU, no GPU flags
-#   PYTHON            interpreter with megatron_rl installed (default: python)
+#   PYTHON            interpreter with megatron_rl installed (default: the checkout's .venv/bin/python, else
+#                     python3 on PATH); checked to import megatron_rl before anything starts
 #   REQUEUE_GRACE_S   seconds the driver gets to checkpoint after SIGUSR1 before SIGTERM (default 240)
 #   DRY_RUN=1         check the plan, print what would start, start nothing
 
@@ -28,7 +31,10 @@ DRIVER_PID="" WATCHDOG_PID="" DRIVER_RC=0 REQUEUE=0
 # asks for, EXTRA_OVERRIDES, then the node count the launcher owns) and `GPU_FLAGS` (for srun).
 launch_init() {
     (($# > 0)) || die "no Hydra overrides given; pass at least +experiment=NAME"
-    PYTHON=${PYTHON:-python}
+    if [[ -z ${PYTHON:-} ]]; then
+        PYTHON=python3
+        [[ -x $REPO_DIR/.venv/bin/python ]] && PYTHON=$REPO_DIR/.venv/bin/python
+    fi
     REQUEUE_GRACE_S=${REQUEUE_GRACE_S:-240}
     RUN=${SLURM_RESTART_COUNT:-0}
     if [[ -n ${SLURM_JOB_ID:-} ]]; then
@@ -46,10 +52,17 @@ launch_init() {
     # Processes started on other nodes inherit this environment: the checkout is importable everywhere.
     export PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}
 
-    overrides=("$@" "trainer.resume_mode=auto")
+    check_python
+    overrides=("$@")
+    # Resume after a requeue unless the user chose otherwise (their trainer.resume_mode is kept).
+    [[ " $* " == *" trainer.resume_mode="* ]] || overrides+=("trainer.resume_mode=auto")
     [[ -n ${OUTPUT_DIR:-} ]] && overrides+=("trainer.default_local_dir=$OUTPUT_DIR")
     [[ -n ${MODEL_PATH:-} ]] && overrides+=("actor_rollout_ref.model.path=$MODEL_PATH")
-    [[ -n ${DATA_DIR:-} ]] && overrides+=("data.train_files=[$DATA_DIR/train.parquet]" "data.val_files=[$DATA_DIR/test.parquet]")
+    if [[ -n ${DATA_DIR:-} ]]; then
+        local val=$DATA_DIR/val.parquet
+        [[ -f $val || ! -f $DATA_DIR/test.parquet ]] || val=$DATA_DIR/test.parquet
+        overrides+=("data.train_files=[$DATA_DIR/train.parquet]" "data.val_files=[$val]")
+    fi
     local extra=()
     read -ra extra <<<"${EXTRA_OVERRIDES:-}"
     overrides+=("${extra[@]}" "trainer.nnodes=$NNODES")
@@ -60,9 +73,30 @@ launch_init() {
     trap 'log "SIGTERM: stopping"; exit 143' TERM
 }
 
+# check_python: the interpreter can import megatron_rl (else its own error, and what is needed).
+check_python() {
+    local err
+    command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON is not an executable; set PYTHON to the interpreter megatron-rl is installed in (e.g. $REPO_DIR/.venv/bin/python)"
+    err=$("$PYTHON" -c "import megatron_rl.config" 2>&1) \
+        || die "PYTHON=$PYTHON cannot import megatron_rl: $(tail -n 3 <<<"$err"); set PYTHON to the interpreter megatron-rl is installed in (e.g. $REPO_DIR/.venv/bin/python)"
+}
+
 # check_plan: resolve the config and reject a layout that does not factor or fit, before anything starts.
+# A plan that could not even be computed (an import error, a crash) is reported as that, not as a rejection.
 check_plan() {
-    "$PYTHON" -m megatron_rl.plan "${overrides[@]}" || die "the plan was rejected (above); nothing was started"
+    local errfile rc=0
+    errfile=$(mktemp)
+    "$PYTHON" -m megatron_rl.plan "${overrides[@]}" 2>"$errfile" || rc=$?
+    cat "$errfile" >&2
+    if ((rc != 0)); then
+        if grep -q "rejected:" "$errfile"; then
+            rm -f "$errfile"
+            die "the plan was rejected (above); nothing was started"
+        fi
+        rm -f "$errfile"
+        die "the plan check failed with status $rc (its error is above; this is not a verdict on the plan); nothing was started"
+    fi
+    rm -f "$errfile"
 }
 
 # exit_if_dry_run LINE...: with DRY_RUN=1, print what would start and stop here.
@@ -118,7 +152,12 @@ run_driver() {
         kill -0 "$DRIVER_PID" 2>/dev/null || break  # else a trapped signal interrupted `wait`: keep waiting
     done
     DRIVER_PID=""
-    log "driver exited with status $DRIVER_RC"
+    case $DRIVER_RC in
+        0) log "driver exited with status 0: finished" ;;
+        75) log "driver exited with status 75: stopped by a signal, resumable (re-run the same command)" ;;
+        2) log "driver exited with status 2: the configuration or its files were rejected; nothing was started" ;;
+        *) log "driver exited with status $DRIVER_RC: failed (the error is above and in the run's train.log)" ;;
+    esac
 }
 
 # finish: stop what this script started; requeue the SLURM job when the time limit asked for it.

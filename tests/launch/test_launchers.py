@@ -58,7 +58,7 @@ def test_grpo_70b_sbatch_script_maps_the_environment_to_overrides(tmp_path):
         sys.executable, "-m", "megatron_rl.train", "+experiment=grpo_70b", "trainer.test_freq=7",
         "trainer.resume_mode=auto", f"trainer.default_local_dir={tmp_path}/outputs/grpo_70b-42",
         "actor_rollout_ref.model.path=/models/llama3-70b",
-        "data.train_files=[/data/gsm8k/train.parquet]", "data.val_files=[/data/gsm8k/test.parquet]",
+        "data.train_files=[/data/gsm8k/train.parquet]", "data.val_files=[/data/gsm8k/val.parquet]",
         "trainer.save_freq=5", "trainer.nnodes=8", "trainer.n_gpus_per_node=8", "ray_init.address=10.0.0.1:6379",
         "ray_init.num_cpus=null",
     ]
@@ -107,3 +107,40 @@ def test_torchrun_in_a_slurm_job_starts_one_agent_per_node(tiny_model, tmp_path)
 def test_torchrun_on_cpu_needs_the_process_count():
     result = run_script("torchrun.sh", "+experiment=grpo_7b", GPUS_PER_NODE="0")
     assert result.returncode == 1 and "set NPROC_PER_NODE" in result.stderr
+
+
+# ---------------------------------------------------------------------------- issue 15, item 13
+def test_torchrun_from_a_fresh_shell_finds_the_project_interpreter(tiny_model, tmp_path):
+    """PATH's python may lack megatron_rl: the launcher takes the checkout's .venv, or says what it needs."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named torch' >&2\nexit 1\n")
+    (fake_bin / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{fake_bin}:{env['PATH']}", MEGATRON_RL_DIR=str(REPO), DRY_RUN="1", GPUS_PER_NODE="0",
+               NPROC_PER_NODE="2")
+    result = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), f"actor_rollout_ref.model.path={tiny_model}"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    venv_python = REPO / ".venv" / "bin" / "python"
+    if venv_python.exists():
+        assert driver_argv(result)[0] == str(venv_python)
+    bad = run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", GPUS_PER_NODE="0",
+                     NPROC_PER_NODE="2", PYTHON=str(fake_bin / "python"))
+    assert bad.returncode == 1
+    assert f"PYTHON={fake_bin / 'python'} cannot import megatron_rl" in bad.stderr
+    assert "No module named torch" in bad.stderr and "plan was rejected" not in bad.stderr
+
+
+def test_the_users_resume_mode_is_not_overridden(tiny_model):
+    argv = driver_argv(run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}",
+                                  "trainer.resume_mode=disable", GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
+    assert "trainer.resume_mode=disable" in argv and "trainer.resume_mode=auto" not in argv
+
+
+def test_data_dir_takes_the_task_writers_val_file(tiny_model, tmp_path):
+    from megatron_rl.data.tasks import write_task
+
+    write_task("copy", tmp_path, n_train=8, n_val=4, seed=0)
+    argv = driver_argv(run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", GPUS_PER_NODE="0",
+                                  NPROC_PER_NODE="2", DATA_DIR=str(tmp_path)))
+    assert f"data.val_files=[{tmp_path}/val.parquet]" in argv and f"data.train_files=[{tmp_path}/train.parquet]" in argv
