@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rollout_models import source_model, tiny_qwen2_config
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
@@ -134,6 +133,7 @@ def engine_kwargs(model_dir: str, **overrides):
 @pytest.fixture(scope="module")
 def tp2(kv1_model):
     """tp=2 on node A, GPUs 0 and 1 (no CUDA_VISIBLE_DEVICES): records the SIGTERM handler around it."""
+
     def trainer_handler(signum, frame):  # what a trainer installs to checkpoint on SIGTERM
         pass
 
@@ -150,8 +150,10 @@ def tp2(kv1_model):
 @pytest.fixture(scope="module")
 def tp1(kv2_model):
     """tp=1 on node B with CUDA_VISIBLE_DEVICES=3,5 (so on physical GPU 3), cuda_graph memory saver on."""
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5",
-                             SGLANG_MEMORY_SAVER_CUDA_GRAPH="true"):
+    with (
+        keep_signals(),
+        env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5", SGLANG_MEMORY_SAVER_CUDA_GRAPH="true"),
+    ):
         engine = Engine(**engine_kwargs(kv2_model[0], nccl_port=get_free_port_below_ephemeral()))
     yield engine
     engine.shutdown()
@@ -162,7 +164,9 @@ def flatten(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Flattene
     parts, metadata, offset = [], [], 0
     for name, t in state.items():
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + raw.numel(), t.numel()))
+        metadata.append(
+            FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + raw.numel(), t.numel())
+        )
         parts.append(raw)
         offset += raw.numel()
     return torch.cat(parts), metadata
@@ -175,7 +179,9 @@ def payloads(flat, metadata, tp: int, device_indices=None, **env_values) -> list
         index = i if device_indices is None else device_indices[i]
         with env(MEGATRON_RL_DEVICE_INDEX=str(index), **env_values):
             out.append(
-                MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+                MultiprocessingSerializer.serialize(
+                    {"flattened_tensor": flat, "metadata": metadata}, output_str=True
+                )
             )
     return out
 
@@ -183,7 +189,9 @@ def payloads(flat, metadata, tp: int, device_indices=None, **env_values) -> list
 def load(engine, state, tp, **kw) -> tuple[bool, str]:
     assert engine.begin_weight_update() == (True, "Success")
     flat, metadata = flatten(state)
-    result = engine.update_weights_from_tensor(payloads(flat, metadata, tp, **kw), load_format="flattened_bucket")
+    result = engine.update_weights_from_tensor(
+        payloads(flat, metadata, tp, **kw), load_format="flattened_bucket"
+    )
     assert engine.end_weight_update() == (True, "Success")
     return result
 
@@ -194,8 +202,8 @@ def hf_state(seed: int, config) -> dict[str, torch.Tensor]:
 
 def assert_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    for k, tensor in want.items():
+        assert torch.equal(got[k], tensor), k
 
 
 # ---------------------------------------------------------------------------------------------- sharding
@@ -227,8 +235,11 @@ def test_sharding_reassembles_hf_weights(tp, num_kv):
 def test_engine_holds_only_its_shard_and_reassembles_exactly(tp2, tp1, kv1_model, kv2_model):
     for engine, (path, config), tp in ((tp2, kv1_model, 2), (tp1, kv2_model, 1)):
         want = hf_state(11, config)
-        where = {"SGLANG_STAND_IN_NODE": "nodeA"} if tp == 2 else {
-            "SGLANG_STAND_IN_NODE": "nodeB", "CUDA_VISIBLE_DEVICES": "3,5"}  # trainer rank on GPU 3
+        where = (
+            {"SGLANG_STAND_IN_NODE": "nodeA"}
+            if tp == 2
+            else {"SGLANG_STAND_IN_NODE": "nodeB", "CUDA_VISIBLE_DEVICES": "3,5"}
+        )  # trainer rank on GPU 3
         assert load(engine, want, tp, **where) == (True, "Success")
         assert_same(engine.stand_in_state_dict(), want)
         shards = engine.stand_in_shards()
@@ -241,19 +252,22 @@ def test_engine_holds_only_its_shard_and_reassembles_exactly(tp2, tp1, kv1_model
 
 
 def test_generate_is_the_hf_model_greedy(tp2, kv1_model):
-    path, config = kv1_model
+    _, config = kv1_model
     want = hf_state(12, config)
     assert load(tp2, want, 2, SGLANG_STAND_IN_NODE="nodeA")[0]
     model = source_model(12, config)
     prompt = [5, 17, 33, 8]
-    out = tp2.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 5, "temperature": 0.0,
-                                                            "ignore_eos": True}, return_logprob=True)[0]
+    out = tp2.generate(
+        input_ids=[prompt],
+        sampling_params={"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+        return_logprob=True,
+    )[0]
     ids = torch.tensor([prompt + out["output_ids"]])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1], -1)
     assert out["output_ids"] == logp.argmax(-1).tolist()
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(got, logp.gather(-1, ids[0, len(prompt):, None])[:, 0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, logp.gather(-1, ids[0, len(prompt) :, None])[:, 0], atol=1e-4, rtol=0)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     with pytest.raises(ValueError, match="unknown sampling params"):
         tp2.generate(input_ids=[prompt], sampling_params={"max_tokens": 3})
@@ -261,20 +275,30 @@ def test_generate_is_the_hf_model_greedy(tp2, kv1_model):
 
 # ---------------------------------------------------------------------------------------------- devices
 def test_second_engine_on_a_claimed_gpu_is_rejected(tp1, kv2_model):
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="5,3"):  # GPU 3 again
-        with pytest.raises(RuntimeError, match=r"GPU 3 on node nodeB already holds an SGLang scheduler"):
-            Engine(**engine_kwargs(kv2_model[0], base_gpu_id=1))
+    with (
+        keep_signals(),
+        env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="5,3"),  # physical GPU 3 again
+        pytest.raises(RuntimeError, match=r"GPU 3 on node nodeB already holds an SGLang scheduler"),
+    ):
+        Engine(**engine_kwargs(kv2_model[0], base_gpu_id=1))
     assert tp1.stand_in_memory()[0]["weights"] > 0  # the first engine is unharmed
 
 
 def test_base_gpu_id_outside_visible_devices_is_rejected(kv2_model):
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5"):
-        with pytest.raises(RuntimeError, match=r"GPU index 2 .* not visible \(CUDA_VISIBLE_DEVICES=3,5"):
-            Engine(**engine_kwargs(kv2_model[0], tp_size=2, base_gpu_id=1))
+    with (
+        keep_signals(),
+        env(SGLANG_STAND_IN_NODE="nodeB", CUDA_VISIBLE_DEVICES="3,5"),
+        pytest.raises(RuntimeError, match=r"GPU index 2 .* not visible \(CUDA_VISIBLE_DEVICES=3,5"),
+    ):
+        Engine(**engine_kwargs(kv2_model[0], tp_size=2, base_gpu_id=1))
 
 
 def test_engine_needs_its_root_and_known_kwargs(kv2_model):
-    with keep_signals(), env(SGLANG_STAND_IN_ROOT=None), pytest.raises(RuntimeError, match="SGLANG_STAND_IN_ROOT"):
+    with (
+        keep_signals(),
+        env(SGLANG_STAND_IN_ROOT=None),
+        pytest.raises(RuntimeError, match="SGLANG_STAND_IN_ROOT"),
+    ):
         Engine(**engine_kwargs(kv2_model[0]))
     with pytest.raises(TypeError, match="tensor_parallel_size"):
         Engine(**engine_kwargs(kv2_model[0], tensor_parallel_size=2))
@@ -292,8 +316,9 @@ def test_payload_serialized_on_the_wrong_gpu_is_rejected(tp2, kv1_model):
     assert not ok and "nodeZ" in message
     ok, message = tp2.begin_weight_update()
     flat, metadata = flatten(state)
-    short = tp2.update_weights_from_tensor(payloads(flat, metadata, 1, SGLANG_STAND_IN_NODE="nodeA"),
-                                           load_format="flattened_bucket")
+    short = tp2.update_weights_from_tensor(
+        payloads(flat, metadata, 1, SGLANG_STAND_IN_NODE="nodeA"), load_format="flattened_bucket"
+    )
     tp2.end_weight_update()
     assert short[0] is False and "exactly tp_size=2" in short[1]
 
@@ -335,7 +360,10 @@ def test_weight_update_session_rules(tp2, kv1_model):
         False,
         "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
     )
-    assert tp2.end_weight_update() == (False, "no weight-update session is open; call begin_weight_update() first")
+    assert tp2.end_weight_update() == (
+        False,
+        "no weight-update session is open; call begin_weight_update() first",
+    )
     assert tp2.begin_weight_update() == (True, "Success")
     assert tp2.begin_weight_update() == (
         False,
@@ -349,7 +377,7 @@ def test_weight_update_session_rules(tp2, kv1_model):
     assert tp2.end_weight_update() == (True, "Success")
 
 
-# ---------------------------------------------------------------------------------------------- threads, signals
+# ------------------------------------------------------------------------------------- threads, signals
 def test_calls_from_another_thread_are_rejected(tp2):
     errors = []
 
@@ -472,8 +500,9 @@ def http(url: str, route: str, body=None, method: str = "POST", timeout: float =
     import urllib.request
 
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + route, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, json.loads(answer.read())
@@ -492,14 +521,16 @@ def in_thread(fn, *args):
 def server(kv1_model):
     import sglang_server
 
-    proc, url = sglang_server.start(kv1_model[0], tp_size=2, env={"SGLANG_STAND_IN_NODE": "nodeD"},
-                                    nccl_port=get_free_port_below_ephemeral())
+    proc, url = sglang_server.start(
+        kv1_model[0],
+        tp_size=2,
+        env={"SGLANG_STAND_IN_NODE": "nodeD"},
+        nccl_port=get_free_port_below_ephemeral(),
+    )
     yield url
-    try:
+    with contextlib.suppress(Exception):  # killed below if it does not stop on its own
         http(url, "/stand_in/shutdown", {}, timeout=30)
         proc.wait(30)
-    except Exception:  # noqa: BLE001
-        pass
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -509,14 +540,25 @@ def server(kv1_model):
 def test_server_single_session(server):
     assert http(server, "/server_info", method="GET")[1]["version"] == "0.5.23"
     assert http(server, "/server_info", method="GET")[1]["tp_size"] == 2
-    status, answer = http(server, "/update_weights_from_distributed",
-                          {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]],
-                           "group_name": "weight_update_group"})
-    assert status == 400 and "must run between begin_weight_update() and end_weight_update()" in answer["message"]
+    status, answer = http(
+        server,
+        "/update_weights_from_distributed",
+        {
+            "names": ["model.norm.weight"],
+            "dtypes": ["float32"],
+            "shapes": [[32]],
+            "group_name": "weight_update_group",
+        },
+    )
+    assert (
+        status == 400
+        and "must run between begin_weight_update() and end_weight_update()" in answer["message"]
+    )
     assert http(server, "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
     status, answer = http(server, "/begin_weight_update", {})  # a second owner cannot open a session
     assert status == 400 and answer["message"] == (
-        "a weight-update session is already open; call end_weight_update() first")
+        "a weight-update session is already open; call end_weight_update() first"
+    )
     assert http(server, "/end_weight_update", {})[0] == 200
     status, answer = http(server, "/end_weight_update", {})
     assert status == 400 and "no weight-update session is open" in answer["message"]
@@ -524,9 +566,18 @@ def test_server_single_session(server):
 
 
 def test_server_group_world_size_is_checked(server):
-    status, answer = http(server, "/init_weights_update_group",
-                          {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
-                           "world_size": 2, "group_name": "too_small", "backend": "gloo"})
+    status, answer = http(
+        server,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": 29999,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "too_small",
+            "backend": "gloo",
+        },
+    )
     assert status == 400 and "rank_offset 1 + tp_size 2 = 3 exceeds world_size 2" in answer["message"]
 
 
@@ -538,8 +589,14 @@ def test_server_distributed_update_gives_exact_weights(server, kv1_model):
     from megatron_rl.rollout.update_group import init_weight_update_group
 
     port = get_free_port_below_ephemeral()
-    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
-            "group_name": "wu", "backend": "gloo"}
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "wu",
+        "backend": "gloo",
+    }
     thread, box = in_thread(http, server, "/init_weights_update_group", init)
     group = init_weight_update_group("127.0.0.1", port, rank=0, world_size=3, group_name="wu", backend="gloo")
     thread.join(120)
@@ -549,9 +606,15 @@ def test_server_distributed_update_gives_exact_weights(server, kv1_model):
     try:
         sent = hf_state(41, kv1_model[1])
         flat, metadata = flatten(sent)
-        request = {"names": [m.name for m in metadata], "dtypes": ["float32"] * len(metadata),
-                   "shapes": [list(m.shape) for m in metadata], "group_name": "wu",
-                   "load_format": "flattened_bucket", "weight_version": "v7", "flush_cache": True}
+        request = {
+            "names": [m.name for m in metadata],
+            "dtypes": ["float32"] * len(metadata),
+            "shapes": [list(m.shape) for m in metadata],
+            "group_name": "wu",
+            "load_format": "flattened_bucket",
+            "weight_version": "v7",
+            "flush_cache": True,
+        }
         assert http(server, "/begin_weight_update", {})[0] == 200
         thread, box = in_thread(http, server, "/update_weights_from_distributed", request)
         dist.broadcast(flat, src=0, group=group)
@@ -560,8 +623,15 @@ def test_server_distributed_update_gives_exact_weights(server, kv1_model):
         assert http(server, "/end_weight_update", {})[0] == 200
         status, digests = http(server, "/stand_in/weights_sha256", method="GET")
         assert digests == {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sent.items()}
-        status, out = http(server, "/generate", {"input_ids": [[4, 5, 6]], "return_logprob": True,
-                                                  "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        status, out = http(
+            server,
+            "/generate",
+            {
+                "input_ids": [[4, 5, 6]],
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            },
+        )
         assert status == 200 and out[0]["meta_info"]["weight_version"] == "v7"
         assert len(out[0]["meta_info"]["output_token_logprobs"]) == len(out[0]["output_ids"])
     finally:
@@ -571,9 +641,12 @@ def test_server_distributed_update_gives_exact_weights(server, kv1_model):
 
 def test_engine_start_fails_fast_when_a_scheduler_dies(kv1_model, stand_in_root):
     start = time.monotonic()
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeE", SGLANG_STAND_IN_CRASH_RANK="1"):
-        with pytest.raises(RuntimeError, match=r"failed to start: .*TP1 \(GPU 1\) died with exit code 3"):
-            Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
+    with (
+        keep_signals(),
+        env(SGLANG_STAND_IN_NODE="nodeE", SGLANG_STAND_IN_CRASH_RANK="1"),
+        pytest.raises(RuntimeError, match=r"failed to start: .*TP1 \(GPU 1\) died with exit code 3"),
+    ):
+        Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
     assert time.monotonic() - start < 90
     assert not list((stand_in_root / "nodeE").iterdir())  # both GPU claims released
 
@@ -596,10 +669,15 @@ def test_server_update_from_tensor_checks_each_rank_gpu(server, kv1_model):
     assert http(server, "/begin_weight_update", {})[0] == 200
     try:
         wrong = payloads(flat, metadata, 2, device_indices=[0, 0], SGLANG_STAND_IN_NODE="nodeD")
-        status, answer = http(server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": wrong})
+        status, answer = http(
+            server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": wrong}
+        )
         assert status == 400 and "node nodeD GPU 0" in answer["message"] and "GPU 1" in answer["message"]
         right = payloads(flat, metadata, 2, SGLANG_STAND_IN_NODE="nodeD")
-        assert http(server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": right})[0] == 200
+        assert (
+            http(server, "/update_weights_from_tensor", {**request, "serialized_named_tensors": right})[0]
+            == 200
+        )
     finally:
         assert http(server, "/end_weight_update", {})[0] == 200
     digests = http(server, "/stand_in/weights_sha256", method="GET")[1]

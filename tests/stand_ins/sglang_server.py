@@ -4,7 +4,8 @@
 ``tests/stand_ins`` on PYTHONPATH; the process builds ``sglang.Engine(tp_size=...)`` (its schedulers are
 its children) and serves, from the Engine's own thread (one request at a time, like SGLang's control path):
 
-- ``GET /server_info`` (also ``/get_server_info``): ``{"version", "tp_size", "weight_version"}``; ``GET /health``;
+- ``GET /server_info`` (also ``/get_server_info``): ``{"version", "tp_size", "weight_version"}``;
+  ``GET /health``;
 - ``POST /generate``, ``/begin_weight_update``, ``/end_weight_update``, ``/flush_cache``,
   ``/update_weights_from_tensor`` (``serialized_named_tensors``: one base64 payload per TP rank, checked
   against each scheduler's GPU), ``/init_weights_update_group`` (scheduler i joins at rank
@@ -24,6 +25,7 @@ replaced by the default after start).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -39,20 +41,49 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 ROUTE_FIELDS = {
-    "/generate": {"input_ids", "sampling_params", "return_logprob", "text", "rid", "stream", "logprob_start_len"},
+    "/generate": {
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "text",
+        "rid",
+        "stream",
+        "logprob_start_len",
+    },
     "/begin_weight_update": {"selector", "rid"},
     "/end_weight_update": {"rid"},
     "/flush_cache": set(),
     "/update_weights_from_tensor": {
-        "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
-        "selector", "torch_empty_cache", "rid",
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+        "torch_empty_cache",
+        "rid",
     },
     "/init_weights_update_group": {
-        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "rid",
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+        "rid",
     },
     "/update_weights_from_distributed": {
-        "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
-        "load_format", "selector", "torch_empty_cache", "rid",
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "selector",
+        "torch_empty_cache",
+        "rid",
     },
     "/destroy_weights_update_group": {"group_name", "rid"},
     "/release_memory_occupation": {"tags", "rid"},
@@ -130,26 +161,41 @@ class App:
         )
 
     def init_weights_update_group(self, body: dict) -> dict:
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name") if k not in body]
+        missing = [
+            k
+            for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+            if k not in body
+        ]
         if missing:
             raise BadRequest(f"/init_weights_update_group: missing fields {missing}")
         return self._answer(
             self.engine.init_weights_update_group(
-                body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), body["group_name"], body.get("backend", "nccl"),
+                body["master_address"],
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                body["group_name"],
+                body.get("backend", "nccl"),
             )
         )
 
     def update_weights_from_distributed(self, body: dict) -> dict:
         return self._answer(
             self.engine.update_weights_from_distributed(
-                body["names"], body["dtypes"], body["shapes"], body.get("group_name", "weight_update_group"),
-                bool(body.get("flush_cache", True)), body.get("load_format"), body.get("weight_version"),
+                body["names"],
+                body["dtypes"],
+                body["shapes"],
+                body.get("group_name", "weight_update_group"),
+                bool(body.get("flush_cache", True)),
+                body.get("load_format"),
+                body.get("weight_version"),
             )
         )
 
     def destroy_weights_update_group(self, body: dict) -> dict:
-        return self._answer(self.engine.destroy_weights_update_group(body.get("group_name", "weight_update_group")))
+        return self._answer(
+            self.engine.destroy_weights_update_group(body.get("group_name", "weight_update_group"))
+        )
 
     def release_memory_occupation(self, body: dict) -> dict:
         self.engine.release_memory_occupation(body.get("tags"))
@@ -190,7 +236,7 @@ def _handler(app: App, server_state: dict) -> type[BaseHTTPRequestHandler]:
             except EngineDead as exc:
                 status, answer = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(exc)}
                 server_state["stop"] = True
-            except Exception as exc:  # noqa: BLE001 - every failure goes back to the client, like SGLang's 400s
+            except Exception as exc:  # noqa: BLE001 - failures go back as SGLang's 400s
                 status, answer = HTTPStatus.BAD_REQUEST, {"success": False, "message": f"{exc}"}
             self._send(status, answer)
 
@@ -223,8 +269,14 @@ def main(argv: list[str] | None = None) -> None:
     from sglang import Engine
 
     engine = Engine(
-        model_path=args.model_path, tp_size=args.tp_size, base_gpu_id=args.base_gpu_id, nccl_port=args.nccl_port,
-        load_format="dummy", skip_tokenizer_init=True, enable_memory_saver=True, random_seed=args.random_seed,
+        model_path=args.model_path,
+        tp_size=args.tp_size,
+        base_gpu_id=args.base_gpu_id,
+        nccl_port=args.nccl_port,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enable_memory_saver=True,
+        random_seed=args.random_seed,
     )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     state: dict[str, bool] = {"stop": False}
@@ -235,21 +287,30 @@ def main(argv: list[str] | None = None) -> None:
             server.handle_request()
     finally:
         server.server_close()
-        try:
+        with contextlib.suppress(Exception):
             engine.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def start(
-    model_dir: str, tp_size: int = 2, env: dict[str, str] | None = None, timeout_s: float = 180.0, **options: Any
+    model_dir: str,
+    tp_size: int = 2,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 180.0,
+    **options: Any,
 ) -> tuple[subprocess.Popen, str]:
     """Start a server process; returns it and its URL. ``env`` is merged into os.environ (it must give
     SGLANG_STAND_IN_ROOT, and usually SGLANG_STAND_IN_NODE / CUDA_VISIBLE_DEVICES). ``options``:
     base_gpu_id, nccl_port, random_seed."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_dir), "--tp-size", str(tp_size)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--model-path",
+        str(model_dir),
+        "--tp-size",
+        str(tp_size),
+    ]
     for key, value in options.items():
         if value is not None:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -261,7 +322,9 @@ def start(
     sel.register(proc.stdout, selectors.EVENT_READ)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"SGLang stand-in server exited with code {proc.returncode} before it was ready")
+            raise RuntimeError(
+                f"SGLang stand-in server exited with code {proc.returncode} before it was ready"
+            )
         if sel.select(timeout=0.5):
             line = proc.stdout.readline()
             if line.startswith("READY "):

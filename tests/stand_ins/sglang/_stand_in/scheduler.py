@@ -6,6 +6,7 @@ gloo group on 127.0.0.1:nccl_port, and performs weight copies asynchronously on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -79,17 +80,19 @@ class Scheduler:
                 world_size=self.tp,
                 timeout=timedelta(seconds=float(args["collective_timeout_s"])),
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure to join is fatal, with its reason
             text = str(exc)
             if "EADDRINUSE" in text or "address already in use" in text.lower():
                 raise Fatal(
                     f"scheduler TP{self.rank} could not bind nccl_port {port} on 127.0.0.1: "
                     f"EADDRINUSE (address already in use) — another engine picked the same port"
                 ) from None
-            raise Fatal(f"scheduler TP{self.rank} failed to join the TP group on port {port}: {text}") from None
+            raise Fatal(
+                f"scheduler TP{self.rank} failed to join the TP group on port {port}: {text}"
+            ) from None
 
         if os.environ.get("SGLANG_STAND_IN_CRASH_RANK") == str(self.rank):  # test hook: die during start
-            os._exit(3)  # noqa: SLF001
+            os._exit(3)
         self.config = AutoConfig.from_pretrained(args["model_path"])
         torch.manual_seed(int(args["random_seed"]))
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
@@ -97,7 +100,9 @@ class Scheduler:
         self.layout = ShardLayout(self.config, {k: v.shape for k, v in full.items()}, self.tp, self.rank)
         self.shards: dict[str, Any] | None = self.layout.shard(full)
         del model, full
-        self.kv_cache: Any = torch.zeros(int(float(args["mem_fraction_static"]) * KV_CACHE_BYTES_AT_FULL), dtype=torch.uint8)
+        self.kv_cache: Any = torch.zeros(
+            int(float(args["mem_fraction_static"]) * KV_CACHE_BYTES_AT_FULL), dtype=torch.uint8
+        )
         self.cuda_graph: Any = torch.zeros(CUDA_GRAPH_BYTES, dtype=torch.uint8)
         self.released: set[str] = set()
         self.stream = CopyStream(float(os.environ.get("SGLANG_STAND_IN_COPY_DELAY_S", DEFAULT_COPY_DELAY_S)))
@@ -107,7 +112,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def memory(self) -> dict[str, int]:
-        weights = 0 if self.shards is None else sum(t.numel() * t.element_size() for t in self.shards.values())
+        weights = (
+            0 if self.shards is None else sum(t.numel() * t.element_size() for t in self.shards.values())
+        )
         return {
             "weights": weights,
             "kv_cache": 0 if self.kv_cache is None else self.kv_cache.numel(),
@@ -197,7 +204,7 @@ class Scheduler:
         plans = []
         for name, tensor in named:
             if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
+                raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
             if not tensor.is_floating_point():
                 raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not floating point")
             plan = self.layout.plan(name, tensor.shape)
@@ -234,7 +241,11 @@ class Scheduler:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         groups: dict[Any, list[int]] = {}
         for i, sp in enumerate(sampling):
-            key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in sp.items() if k != "sampling_seed"))
+            key = tuple(
+                sorted(
+                    (k, tuple(v) if isinstance(v, list) else v) for k, v in sp.items() if k != "sampling_seed"
+                )
+            )
             groups.setdefault(key, []).append(i)
         results: list[Any] = [None] * len(rows)
         for indices in groups.values():
@@ -282,7 +293,9 @@ class Scheduler:
         with torch.no_grad():
             for _ in range(steps):
                 pos = (mask.cumsum(-1) - 1).clamp(min=0)
-                logits = self.hf_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+                logits = (
+                    self.hf_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+                )
                 if temperature == 0:
                     lp_all = torch.log_softmax(logits, -1)
                     tok = logits.argmax(-1)
@@ -351,7 +364,8 @@ class Scheduler:
             self.released.discard(tag)
             if tag == "weights":
                 self.shards = {
-                    n: torch.full(s, float("nan"), dtype=torch.float32) for n, s in self.layout.shard_shapes.items()
+                    n: torch.full(s, float("nan"), dtype=torch.float32)
+                    for n, s in self.layout.shard_shapes.items()
                 }
             elif tag == "kv_cache":
                 self.kv_cache = torch.zeros(
@@ -364,25 +378,45 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ server-only: update group
-    def cmd_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str, backend: str) -> str:
+    def cmd_init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> str:
         if group_name in self.groups:
             raise ValueError(f"weight-update group {group_name!r} already exists")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} not supported")
         self.groups[group_name] = _init_custom_process_group(
-            master_address, master_port, rank=rank_offset + self.rank, world_size=world_size,
-            group_name=group_name, backend="gloo",
+            master_address,
+            master_port,
+            rank=rank_offset + self.rank,
+            world_size=world_size,
+            group_name=group_name,
+            backend="gloo",
             timeout=timedelta(seconds=float(self.args["collective_timeout_s"])),
         )
         return "Succeeded to initialize custom process group."
 
-    def cmd_update_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                               group_name: str, load_format: str | None) -> str:
+    def cmd_update_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+    ) -> str:
         torch = self.torch
         group = self.groups.get(group_name)
         if group is None:
-            raise ValueError(f"Group {group_name} not in {list(self.groups)}. Please call `init_weights_update_group` first.")
+            raise ValueError(
+                f"Group {group_name} not in {list(self.groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"Unknown load_format={load_format}")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -452,21 +486,27 @@ def scheduler_main(conn, args: dict[str, Any]) -> None:
         except Fatal as exc:
             conn.send(("error", str(exc), True))
             logging.getLogger("sglang_stand_in").error("fatal: %s", exc)
-            os._exit(1)  # noqa: SLF001 - the scheduler dies like SGLang's
+            os._exit(1)
         except Exception as exc:  # noqa: BLE001
             logging.getLogger("sglang_stand_in").error(traceback.format_exc())
             conn.send(("error", f"{type(exc).__name__}: {exc}", False))
         else:
             conn.send(("ok", result, False))
-    try:
+    with contextlib.suppress(Exception):
         scheduler.dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-    os._exit(0)  # noqa: SLF001 - do not wait for the daemon copy thread or atexit handlers
+    os._exit(0)
 
 
-def _init_custom_process_group(master_address: str, master_port: int, *, rank: int, world_size: int,
-                               group_name: str, backend: str, timeout: timedelta):
+def _init_custom_process_group(
+    master_address: str,
+    master_port: int,
+    *,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout: timedelta,
+):
     """Join a named group beside the default one, the way SGLang's init_custom_process_group does:
     tcp:// rendezvous (rank 0, the trainer, hosts the store), a PrefixStore named after the group, and
     torch's _new_process_group_helper."""

@@ -131,7 +131,9 @@ class ShardLayout:
             )
         if kind == "row":
             per = full[1] // self.tp
-            return Plan(target, (slice(None), slice(0, per)), (slice(None), slice(rank * per, (rank + 1) * per)))
+            return Plan(
+                target, (slice(None), slice(0, per)), (slice(None), slice(rank * per, (rank + 1) * per))
+            )
         if kind == "vocab":
             if name == "lm_head.weight" and self.tied:
                 return None  # SGLang's load_weights skips it: lm_head shares embed_tokens

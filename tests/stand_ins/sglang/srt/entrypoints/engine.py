@@ -6,6 +6,7 @@ See the package docstring (``sglang/__init__.py``) for how it is stricter than, 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -16,7 +17,7 @@ import uuid
 import weakref
 from multiprocessing.connection import wait
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Self
 
 from sglang._stand_in import devices
 
@@ -140,7 +141,9 @@ class Engine:
             return
 
         def sigterm_handler(signum, frame):  # 0.5.23: log and wait for the rank-0 shutdown broadcast
-            logger.warning("SIGTERM received; waiting for the rank-0 ShutdownReq broadcast to stop the schedulers.")
+            logger.warning(
+                "SIGTERM received; waiting for the rank-0 ShutdownReq broadcast to stop the schedulers."
+            )
 
         signal.signal(signal.SIGTERM, sigterm_handler)
 
@@ -170,17 +173,21 @@ class Engine:
                 "model_path": str(args["model_path"]),
                 "random_seed": seed,
                 "mem_fraction_static": float(args["mem_fraction_static"]),
-                "cuda_graph_saver": os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower() in ("1", "true"),
+                "cuda_graph_saver": os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
+                in ("1", "true"),
                 "collective_timeout_s": self._timeout,
                 "log_dir": str(log_dir),
             }
-            proc = ctx.Process(target=scheduler_main, args=(child, sched_args), daemon=True,
-                               name=f"sglang-stand-in-TP{rank}")
+            proc = ctx.Process(
+                target=scheduler_main, args=(child, sched_args), daemon=True, name=f"sglang-stand-in-TP{rank}"
+            )
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._memory_at_start = self._collect(_env_float("SGLANG_STAND_IN_START_TIMEOUT_S", 180.0), starting=True)
+        self._memory_at_start = self._collect(
+            _env_float("SGLANG_STAND_IN_START_TIMEOUT_S", 180.0), starting=True
+        )
 
     def _collect(self, timeout: float, starting: bool = False) -> list[Any]:
         """One answer per scheduler; a dead scheduler or a timeout kills the engine."""
@@ -203,8 +210,11 @@ class Engine:
                         status, value, is_fatal = conn.recv()
                     except (EOFError, OSError):
                         proc.join(1)
-                        status, value, is_fatal = "error", (
-                            f"scheduler TP{i} (GPU {self._gpus[i]}) died with exit code {proc.exitcode}"), True
+                        status, value, is_fatal = (
+                            "error",
+                            (f"scheduler TP{i} (GPU {self._gpus[i]}) died with exit code {proc.exitcode}"),
+                            True,
+                        )
                     pending.discard(i)
                     if status == "error":
                         errors.append((i, value))
@@ -241,7 +251,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is shut down")
 
-    def _call(self, name: str, per_rank: list[dict] | None = None, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def _call(
+        self, name: str, per_rank: list[dict] | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         self._check()
         for i, conn in enumerate(self._conns):
             conn.send((name, per_rank[i] if per_rank is not None else kwargs))
@@ -275,10 +287,10 @@ class Engine:
         self._closed = True
         self._teardown()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     # ------------------------------------------------------------------ generation
@@ -310,7 +322,9 @@ class Engine:
         for sp in sampling:
             unknown = sorted(set(sp) - SAMPLING_FIELDS)
             if unknown:
-                raise ValueError(f"unknown sampling params {unknown} (the stand-in knows {sorted(SAMPLING_FIELDS)})")
+                raise ValueError(
+                    f"unknown sampling params {unknown} (the stand-in knows {sorted(SAMPLING_FIELDS)})"
+                )
         if self._session_open:
             raise RuntimeError(
                 "generate during an open weight-update session: the weights are not finalized until "
@@ -344,20 +358,30 @@ class Engine:
         self._session_open = False
         return True, "Success"
 
-    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
         return self._update_weights_from_tensor(named_tensors, load_format, flush_cache, None)
 
-    def _update_weights_from_tensor(self, named_tensors: Any, load_format: str | None, flush_cache: bool, weight_version: str | None) -> tuple[bool, str]:
+    def _update_weights_from_tensor(
+        self, named_tensors: Any, load_format: str | None, flush_cache: bool, weight_version: str | None
+    ) -> tuple[bool, str]:
         self._check()
         if not self._session_open:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            return (
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         from sglang.srt.utils.common import MultiprocessingSerializer
 
         if load_format is None:
             import torch
 
             if not isinstance(named_tensors, list) or not all(
-                isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+                isinstance(x, tuple)
+                and len(x) == 2
+                and isinstance(x[0], str)
+                and isinstance(x[1], torch.Tensor)
                 for x in named_tensors
             ):
                 return False, "load_format=None needs a list of (name, torch.Tensor) tuples"
@@ -367,12 +391,16 @@ class Engine:
             return self._update_weights_from_serialized(payloads, None, weight_version, check_gpu=False)
         return self._update_weights_from_serialized(named_tensors, load_format, weight_version)
 
-    def _update_weights_from_serialized(self, payloads: Any, load_format: str | None, weight_version: str | None,
-                                        check_gpu: bool = True) -> tuple[bool, str]:
+    def _update_weights_from_serialized(
+        self, payloads: Any, load_format: str | None, weight_version: str | None, check_gpu: bool = True
+    ) -> tuple[bool, str]:
         """Per-rank serialized payloads (what the HTTP route carries): scheduler i gets only entry i."""
         self._check()
         if not self._session_open:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            return (
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         from sglang.srt.utils.common import normalize_serialized_named_tensor_payload
 
         if load_format not in (None, "flattened_bucket"):
@@ -400,8 +428,15 @@ class Engine:
             self.weight_version = str(weight_version)
         return True, "Success"
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "nccl") -> tuple[bool, str]:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:
         self._check()
         if group_name in self._groups:
             return False, f"weight-update group {group_name!r} already exists; destroy it first"
@@ -413,9 +448,15 @@ class Engine:
         if rank_offset == 0:
             return False, "rank 0 of a weight-update group is the trainer; rank_offset must be >= 1"
         try:
-            self._call("init_group", master_address=master_address, master_port=int(master_port),
-                       rank_offset=int(rank_offset), world_size=int(world_size), group_name=group_name,
-                       backend=backend)
+            self._call(
+                "init_group",
+                master_address=master_address,
+                master_port=int(master_port),
+                rank_offset=int(rank_offset),
+                world_size=int(world_size),
+                group_name=group_name,
+                backend=backend,
+            )
         except EngineDead:
             raise
         except RuntimeError as exc:
@@ -423,18 +464,42 @@ class Engine:
         self._groups.add(group_name)
         return True, "Succeeded to initialize custom process group."
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        load_format: str | None = None,
-                                        weight_version: str | None = None) -> tuple[bool, str]:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
         self._check()
         if not self._session_open:
-            return False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            return (
+                False,
+                (
+                    "update_weights_from_distributed must run between begin_weight_update() and "
+                    "end_weight_update()"
+                ),
+            )
         if group_name not in self._groups:
-            return False, f"Group {group_name} not in {sorted(self._groups)}. Please call `init_weights_update_group` first."
+            return (
+                False,
+                (
+                    f"Group {group_name} not in {sorted(self._groups)}. "
+                    "Please call `init_weights_update_group` first."
+                ),
+            )
         try:
-            self._call("update_distributed", names=list(names), dtypes=list(dtypes),
-                       shapes=[list(s) for s in shapes], group_name=group_name, load_format=load_format)
+            self._call(
+                "update_distributed",
+                names=list(names),
+                dtypes=list(dtypes),
+                shapes=[list(s) for s in shapes],
+                group_name=group_name,
+                load_format=load_format,
+            )
         except EngineDead:
             raise
         except RuntimeError as exc:
@@ -479,7 +544,10 @@ class Engine:
     def stand_in_shards(self) -> list[dict[str, Any]]:
         import torch
 
-        return [None if s is None else {k: torch.from_numpy(v) for k, v in s.items()} for s in self._call("shards")]
+        return [
+            None if s is None else {k: torch.from_numpy(v) for k, v in s.items()}
+            for s in self._call("shards")
+        ]
 
     def stand_in_memory(self) -> list[dict[str, int]]:
         return self._call("memory")
@@ -501,7 +569,5 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _kill_leftovers() -> None:
     for engine in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):
             engine._teardown()
-        except Exception:  # noqa: BLE001
-            pass

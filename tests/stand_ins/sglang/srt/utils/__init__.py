@@ -1,4 +1,4 @@
 """Stand-in of ``sglang.srt.utils`` (re-exports ``common`` like the real package)."""
 
-from sglang.srt.utils.common import *  # noqa: F401,F403
+from sglang.srt.utils.common import *
 from sglang.srt.utils.common import MultiprocessingSerializer, SafeUnpickler  # noqa: F401

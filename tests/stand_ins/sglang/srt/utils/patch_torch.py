@@ -3,4 +3,4 @@
 
 def monkey_patch_torch_reductions() -> None:
     """No-op (SGLang rewrites the device index inside CUDA IPC rebuild args; CPU shared memory has none)."""
-    return None
+    return
