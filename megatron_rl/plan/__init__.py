@@ -4,6 +4,6 @@
 ``python -m megatron_rl.train --dry-run`` print it; docs/launching.md explains the formulas.
 """
 from megatron_rl.plan.cli import main
-from megatron_rl.plan.planner import Plan, PlanError, build_plan, print_plan
+from megatron_rl.plan.planner import Plan, PlanError, build_plan, check_launch, print_plan
 
-__all__ = ["Plan", "PlanError", "build_plan", "main", "print_plan"]
+__all__ = ["Plan", "PlanError", "build_plan", "check_launch", "main", "print_plan"]

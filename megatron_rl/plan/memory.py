@@ -43,6 +43,10 @@ class StateBytesPerParam:
     params: float
     grads: float
     optimizer: float
+    # Of ``optimizer``, what exists right after the optimizer is built: the fp32 master weights. Adam's m
+    # and v are allocated at its first step (or when a checkpoint is loaded), after the rollout engine has
+    # sized itself on the memory then free.
+    optimizer_at_start: float = 0.0
 
 
 def layer_params(model: HFModelConfig) -> int:
@@ -80,12 +84,13 @@ def state_bytes_per_param(params_dtype: str, distributed_optimizer: bool, optimi
     The distributed optimizer shards the 12 bytes over the data-parallel group (DP x CP ranks).
     fp32 training: fp32 weights (4) + fp32 grads (4) + Adam m, v (8); the weights are their own master.
     """
-    if params_dtype == "fp32":
-        param, optimizer = FP32, 2 * FP32
+    if params_dtype in ("fp32", "float32"):
+        param, optimizer, master = FP32, 2 * FP32, 0
     else:
-        param, optimizer = BF16, 3 * FP32
+        param, optimizer, master = BF16, 3 * FP32, FP32
     shards = optimizer_shards if distributed_optimizer else 1
-    return StateBytesPerParam(params=param, grads=FP32, optimizer=optimizer / shards)
+    return StateBytesPerParam(params=param, grads=FP32, optimizer=optimizer / shards,
+                              optimizer_at_start=master / shards)
 
 
 def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout) -> float:
@@ -139,6 +144,13 @@ def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: i
     """The last stage's output: bf16 logits plus an fp32 copy for the log-softmax, vocab split by TP."""
     vocab = padded_vocab_size(model.vocab_size, layout.tp) / layout.tp
     return tokens_per_micro_batch / layout.cp * vocab * (BF16 + FP32)
+
+
+def engine_static_bytes(mem_fraction_static: float, free_at_start: float) -> float:
+    """What an SGLang engine reserves per GPU for its weights and KV cache: ``mem_fraction_static`` of the
+    memory free when it starts (SGLang 0.5.23, model_runner: KV = free x fraction - weights, with the
+    free memory measured before it loads its weights), not of the GPU's total."""
+    return mem_fraction_static * max(free_at_start, 0.0)
 
 
 def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:

@@ -5,8 +5,11 @@ or a phase of a step needs more memory than the GPU has; ``print_plan(cfg)`` is 
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,6 +19,7 @@ from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
 from megatron_rl.plan.memory import Layout, Recompute, Stage
 from megatron_rl.plan.model_facts import load_model_facts
+from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
 
 GIB = 2**30
 ACTOR = "actor_rollout_ref.actor"
@@ -39,9 +43,11 @@ class MemoryRow:
 class RolloutShare:
     engines: int
     tp: int
-    reserved: float  # bytes per GPU: gpu_memory_utilization x GPU memory
+    reserved: float  # bytes per GPU: gpu_memory_utilization x the memory free when the engine starts
     weights: float
     kv_tokens: int  # KV cache capacity of one engine, in tokens
+    free_at_start: float = 0.0  # bytes per GPU free when the engine starts (after actor + reference)
+    fraction: float = 0.0  # gpu_memory_utilization (SGLang's mem_fraction_static)
 
     @property
     def kv_cache(self) -> float:
@@ -80,7 +86,8 @@ class Plan:
             f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
             f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
             self.sizes.summary(),
-            f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {_gib(rollout.reserved)} GiB: "
+            f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {rollout.fraction:g} x "
+            f"{_gib(rollout.free_at_start)} GiB free at engine start = {_gib(rollout.reserved)} GiB: "
             f"weights {_gib(rollout.weights)} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
             f"({rollout.kv_tokens // self.sequence_length:,} sequences of {self.sequence_length} tokens) per engine",
             f"memory per GPU in GiB, actor at its {self.actor_stage} pipeline stage:",
@@ -117,15 +124,38 @@ def _layout(cfg: DictConfig, prefix: str, world: int) -> Layout:
                   vpp=mcfg.virtual_pipeline_model_parallel_size, sequence_parallel=mcfg.sequence_parallel)
 
 
-def _recompute(cfg: DictConfig, prefix: str) -> Recompute:
-    # verl's knob: megatron.override_transformer_config goes straight to Megatron's TransformerConfig.
-    override = OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {}
-    granularity = override.get("recompute_granularity")
-    method = override.get("recompute_method") or "uniform"
-    if granularity not in (None, "selective", "full") or method not in ("uniform", "block"):
-        raise ConfigError(f"{prefix}.megatron.override_transformer_config: recompute_granularity={granularity!r}, "
-                          f"recompute_method={method!r}; known: None|selective|full and uniform|block")
-    return Recompute(granularity, method, int(override.get("recompute_num_layers") or 1))
+def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str) -> Any:
+    """The Megatron-Core TransformerConfig the engine builds for this role: the same function
+    (models.builder.make_transformer_config) with the same checked ``megatron`` overrides
+    (sequence_parallel, override_transformer_config), at the role's layout. The planner reads sequence
+    parallelism and recompute from it, so what it counts is what Megatron gets; Megatron's own refusals
+    (recompute_granularity=full without recompute_method, sequence parallelism at TP=1, ...) come here,
+    before launch, with the key named."""
+    with warnings.catch_warnings():  # Megatron-Core warns about missing TE/Apex on import
+        warnings.simplefilter("ignore")
+        import torch
+
+        from megatron_rl.models.builder import make_transformer_config, transformer_overrides
+    mcfg = OmegaConf.select(cfg, f"{prefix}.megatron")
+    try:
+        overrides = transformer_overrides(mcfg, f"{prefix}.megatron")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_transformer_config(
+                model, torch.float32 if dtype in ("fp32", "float32") else torch.bfloat16, init_weights=False,
+                layout=(layout.tp, layout.pp, layout.vpp, layout.cp), **overrides)
+    except (ValueError, AssertionError, TypeError) as err:
+        raise PlanError(f"{prefix}.megatron (sequence_parallel and override_transformer_config {overrides}): "
+                        f"Megatron-Core's TransformerConfig refuses it: {err}") from err
+
+
+def _recompute(tcfg: Any) -> Recompute:
+    """Recompute as the built TransformerConfig has it (megatron.override_transformer_config)."""
+    return Recompute(tcfg.recompute_granularity, tcfg.recompute_method or "uniform",
+                     int(tcfg.recompute_num_layers or 1))
 
 
 def _check_factors(model: HFModelConfig, prefix: str, layout: Layout) -> None:
@@ -154,9 +184,15 @@ class _PhaseTable:
     def __init__(self, phases: tuple[str, ...]) -> None:
         self.phases = phases
         self.rows: list[MemoryRow] = []
+        self.at_engine_start = 0.0  # bytes resident when the rollout engine starts (end of init_model)
 
-    def add(self, label: str, nbytes: float, phases: tuple[str, ...]) -> None:
+    def add(self, label: str, nbytes: float, phases: tuple[str, ...], at_engine_start: float | None = None) -> None:
+        """``at_engine_start``: what of the row exists when the engine starts (default: all of it when
+        the row is resident during generation, else nothing)."""
         self.rows.append(MemoryRow(label, {p: (nbytes if p in phases else 0.0) for p in self.phases}))
+        if at_engine_start is None:
+            at_engine_start = nbytes if "generate" in phases else 0.0
+        self.at_engine_start += at_engine_start
 
 
 ROLE_PREFIX = {"actor": ACTOR, "critic": "critic"}
@@ -183,6 +219,8 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     layout = _layout(cfg, prefix, role_sizes.model_parallel_size * role_sizes.data_parallel_size)
     update_phase = f"{role} update"
     dtype = _params_dtype(cfg, mcfg)
+    tcfg = transformer_config(cfg, prefix, model, layout, dtype)
+    layout = dataclasses.replace(layout, sequence_parallel=bool(tcfg.sequence_parallel))
     per_param = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
     lm_head = role == "actor"  # the critic ends in a hidden -> 1 value head
     params = memory.stage_params(model, layout, stage, lm_head=lm_head)
@@ -192,17 +230,19 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
     table.add(f"{role} grads (fp32)", params * per_param.grads, weights_phases)
     shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
-    table.add(f"{role} optimizer (Adam{shards})", params * per_param.optimizer, optim_phases)
+    table.add(f"{role} optimizer (Adam{shards})", params * per_param.optimizer, optim_phases,
+              at_engine_start=params * per_param.optimizer_at_start)  # m, v come at the first step
     tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg))
     act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,
-                                  _recompute(cfg, prefix))
+                                  _recompute(tcfg))
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,))
 
 
 def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,
-                 stage: Stage, rollout: RolloutShare) -> _PhaseTable:
+                 stage: Stage) -> _PhaseTable:
+    """Every row but the rollout engine's, which is sized on what these leave free (_add_engine)."""
     phases = ("generate", "actor update") + (("critic update",) if sizes.uses_critic else ())
     table = _PhaseTable(phases)
     _trained_role_rows(table, cfg, "actor", sizes.actor, model, stage)
@@ -216,26 +256,37 @@ def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, cri
         dtype = _params_dtype(cfg, ref_mcfg)
         per_param = memory.state_bytes_per_param(dtype, False, 1).params
         table.add(f"ref weights ({dtype})", ref_params * per_param, () if ref_mcfg.param_offload else phases)
-    if cfg.actor_rollout_ref.rollout.mode == "colocated":
-        # The engine gives its weights and KV cache back during updates only with free_cache_engine.
-        engine_phases = ("generate",) if cfg.actor_rollout_ref.rollout.free_cache_engine else phases
-        table.add("rollout engine (weights + KV)", rollout.reserved, engine_phases)
+        transformer_config(cfg, REF, model, ref_layout, dtype)  # the reference's overrides, checked before launch
     table.add("reserved (CUDA context, NCCL, fragmentation)", cfg.plan.reserved_gib * GIB, phases)
     return table
 
 
-def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, gpu_memory: float) -> RolloutShare:
+def _add_engine(table: _PhaseTable, cfg: DictConfig, rollout: RolloutShare) -> None:
+    if cfg.actor_rollout_ref.rollout.mode == "colocated":
+        # The engine gives its weights and KV cache back during updates only with free_cache_engine.
+        engine_phases = ("generate",) if cfg.actor_rollout_ref.rollout.free_cache_engine else table.phases
+        table.add("rollout engine (weights + KV)", rollout.reserved, engine_phases, at_engine_start=0.0)
+
+
+def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, free_at_start: float) -> RolloutShare:
+    """The engine's reservation: SGLang's mem_fraction_static (rollout.gpu_memory_utilization) of the memory
+    free when it starts; colocated, that is after the actor (weights, grads, fp32 master weights) and the
+    reference are built (workers/hybrid.py builds them first)."""
     rcfg = cfg.actor_rollout_ref.rollout
     tp = rcfg.tensor_model_parallel_size
     _check_rollout_factors(model, tp)
-    reserved = rcfg.gpu_memory_utilization * gpu_memory
+    reserved = memory.engine_static_bytes(rcfg.gpu_memory_utilization, free_at_start)
     weights = memory.rollout_weight_bytes(model, tp)
     kv_tokens = int(max(reserved - weights, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
-    share = RolloutShare(engines=world // tp, tp=tp, reserved=reserved, weights=weights, kv_tokens=kv_tokens)
+    # The same function the workers build their engines with (rollout/mesh.py), on the launchers' rank layout.
+    engines = build_rollout_mesh(default_places(world, cfg.trainer.n_gpus_per_node), tp).num_engines
+    share = RolloutShare(engines=engines, tp=tp, reserved=reserved, weights=weights, kv_tokens=kv_tokens,
+                         free_at_start=free_at_start, fraction=float(rcfg.gpu_memory_utilization))
     seq = _sequence_length(cfg)
     if kv_tokens < seq:
         raise PlanError(
-            f"{ROLLOUT}.gpu_memory_utilization={rcfg.gpu_memory_utilization} reserves {_gib(reserved)} GiB per GPU, "
+            f"{ROLLOUT}.gpu_memory_utilization={rcfg.gpu_memory_utilization} reserves that fraction of the "
+            f"{_gib(free_at_start)} GiB per GPU free when the engine starts = {_gib(reserved)} GiB, "
             f"but at {ROLLOUT}.tensor_model_parallel_size={tp} the engine's weights take {_gib(weights)} GiB, leaving "
             f"KV cache for {kv_tokens} tokens: less than one sequence of {seq} (prompt + response); "
             f"raise gpu_memory_utilization or the rollout TP")
@@ -256,11 +307,20 @@ def build_plan(cfg: DictConfig) -> Plan:
             critic_model = load_model_facts(cfg, "critic.model")
         _check_factors(critic_model, "critic", _layout(cfg, "critic", world))
     gpu_memory = cfg.plan.gpu_memory_gib * GIB
-    rollout = _rollout_share(cfg, model, world, gpu_memory)
+    for prefix in (ACTOR, REF, "critic"):
+        mcfg = OmegaConf.select(cfg, f"{prefix}.megatron")
+        for key in ("param_offload", "optimizer_offload"):
+            if mcfg[key]:  # the engine refuses them (workers/engine.py); a plan counting them would be fiction
+                raise PlanError(f"{prefix}.megatron.{key}=true is not supported yet (see docs/workers.md, "
+                                f"'Offload'); the plan cannot count memory the engine does not free")
 
     candidates = []
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
-        table = _build_table(cfg, sizes, model, critic_model, stage, rollout)
+        table = _build_table(cfg, sizes, model, critic_model, stage)
+        # Server mode: the engine has its GPU to itself.
+        free = gpu_memory - (table.at_engine_start if cfg.actor_rollout_ref.rollout.mode == "colocated" else 0.0)
+        rollout = _rollout_share(cfg, model, world, free)
+        _add_engine(table, cfg, rollout)
         candidates.append(Plan(sizes, model, gpu_memory, actor_layout, stage, table.phases, tuple(table.rows),
                                rollout, _sequence_length(cfg)))
     plan = max(candidates, key=lambda p: p.total(p.peak_phase()))
@@ -268,15 +328,63 @@ def build_plan(cfg: DictConfig) -> Plan:
         raise PlanError(
             f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
             f"options: more nodes (the distributed optimizer shards Adam over DP), a larger TP or PP, a smaller "
-            f"ppo_micro_batch_size_per_gpu, megatron.override_transformer_config.recompute_granularity=full, "
-            f"optimizer_offload/param_offload, or a lower {ROLLOUT}.gpu_memory_utilization")
+            f"ppo_micro_batch_size_per_gpu, megatron.override_transformer_config.recompute_granularity=full "
+            f"(with recompute_method and recompute_num_layers), or a lower {ROLLOUT}.gpu_memory_utilization")
     return plan
 
 
+def _distributed_optimizer_keys(cfg: DictConfig) -> list[str]:
+    sizes = validate(cfg)
+    prefixes = [ACTOR] + (["critic"] if sizes.uses_critic else [])
+    return [f"{p}.megatron.use_distributed_optimizer" for p in prefixes
+            if OmegaConf.select(cfg, f"{p}.megatron.use_distributed_optimizer")]
+
+
+def plan_without_distributed_optimizer(cfg: DictConfig, keys: list[str]) -> str:
+    """The plan with ``keys`` set to false, formatted (or why that one does not run either)."""
+    without = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(without, False)
+    for key in keys:
+        OmegaConf.update(without, key, False)
+    try:
+        return build_plan(without).format()
+    except ConfigError as err:
+        return f"that does not run either: {err}"
+
+
+def distributed_optimizer_problem(cfg: DictConfig) -> Optional[str]:
+    """Why this environment cannot give the distributed optimizer the config asks for, with the plan
+    without it; None when it is not asked for or is available."""
+    from megatron_rl.models.capabilities import distributed_optimizer_blocker
+
+    keys = _distributed_optimizer_keys(cfg)
+    blocker = distributed_optimizer_blocker() if keys else None
+    if blocker is None:
+        return None
+    return (f"{' and '.join(f'{k}=true' for k in keys)} {blocker}. Install megatron-rl[gpu] (Transformer Engine) "
+            f"or set {' and '.join(f'{k}=false' for k in keys)}; without it the plan is:\n"
+            f"{plan_without_distributed_optimizer(cfg, keys)}")
+
+
+def check_launch(cfg: DictConfig) -> None:
+    """What only the launching environment can tell, checked before any worker starts (train.py): a
+    distributed optimizer asked for but not available here is refused with the reason and the plan
+    without it (the engine would refuse it too, after minutes of start-up)."""
+    problem = distributed_optimizer_problem(cfg)
+    if problem is not None:
+        raise PlanError(problem)
+
+
 def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
-    """Print the plan (what ``--dry-run`` shows) and return it; raises PlanError when it cannot run."""
+    """Print the plan (what ``--dry-run`` shows) and return it; raises PlanError when it cannot run.
+
+    The plan is of the target cluster; what this environment lacks for it (TE/Apex for the distributed
+    optimizer) is printed as a note, and a real start from here is refused (``check_launch``)."""
     plan = build_plan(cfg)
     if title:
         print(title)
     print(plan.format())
+    problem = distributed_optimizer_problem(cfg)
+    if problem is not None:
+        print(f"note: a start from this environment is refused: {problem}")
     return plan

@@ -66,8 +66,9 @@ def test_grpo_70b_sbatch_script_maps_the_environment_to_overrides(tmp_path):
 
 
 def test_sbatch_script_rejects_a_plan_before_starting_ray(tmp_path):
-    # 4 nodes leave DP=1 for TP 8 x PP 4: Adam is not sharded and the 70B plan does not fit.
-    result = run_script("grpo_70b.sh", **slurm_job("43", 4, tmp_path, SLURM_GPUS_PER_NODE="8", HEAD_IP="10.0.0.1"))
+    # Micro-batches of 8 responses: 62.8 GiB of activations per GPU, and the 70B update does not fit.
+    result = run_script("grpo_70b.sh", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                        **slurm_job("43", 8, tmp_path, SLURM_GPUS_PER_NODE="8", HEAD_IP="10.0.0.1"))
     assert result.returncode == 1
     assert "does not fit" in result.stderr and "the plan was rejected (above); nothing was started" in result.stderr
 

@@ -54,17 +54,23 @@ def test_70b_preset_figures_match_hand_computation():
     assert row(plan, "actor activations", "actor update") == 34_304 * 3072 * 20 * 4  # 8,430,551,040 B = 7.9 GiB
     assert row(plan, "actor activations", "generate") == 0
 
-    # Rollout: 0.45 x 79.6 GiB = 38,461,432,135.68 B reserved; weights 70,552,387,584 * 2 B / TP 8 =
-    # 17,638,096,896 B; KV per token on a rank: 2 (K, V) * 80 layers * 1 KV head * 128 * 2 B = 40,960 B
-    # -> (38,461,432,135.68 - 17,638,096,896) / 40,960 = 508,382 tokens.
+    # Rollout: SGLang's mem_fraction_static is a fraction of the memory free when the engine starts, after
+    # the actor and the reference are built: weights 4,542,431,232 + grads 9,084,862,464 + fp32 master
+    # weights 2,271,215,616 * 4 B / 2 shards = 4,542,431,232 (Adam's m and v come at the first step)
+    # + ref 4,542,431,232 + 4 GiB reserved = 27,007,123,456 B in use; 79.6 GiB - that = 58,462,725,734.4 B
+    # (54.4 GiB) free; x 0.45 = 26,308,226,580.48 B reserved (24.5 GiB, not 0.45 x 79.6 = 35.8).
+    # Weights 70,552,387,584 * 2 B / TP 8 = 17,638,096,896 B; KV per token on a rank: 2 (K, V) * 80 layers
+    # * 1 KV head * 128 * 2 B = 40,960 B -> (26,308,226,580.48 - 17,638,096,896) / 40,960 = 211,673 tokens.
+    assert plan.rollout.free_at_start == pytest.approx(79.6 * GIB - 27_007_123_456)
+    assert plan.rollout.reserved == pytest.approx(0.45 * (79.6 * GIB - 27_007_123_456))
     assert plan.rollout.weights == 17_638_096_896
-    assert plan.rollout.kv_tokens == 508_382
+    assert plan.rollout.kv_tokens == 211_673
     assert row(plan, "rollout engine (weights + KV)", "actor update") == 0  # free_cache_engine
 
     # generate: 4,542,431,232 + 9,084,862,464 + 13,627,293,696 (actor) + 4,542,431,232 (ref)
-    #   + 38,461,432,135.68 (engine) + 4 GiB reserved = 74,553,418,055.68 B = 69.4 GiB of 79.6.
+    #   + 26,308,226,580.48 (engine) + 4 GiB reserved = 62,400,212,500.48 B = 58.1 GiB of 79.6.
     # actor update: 31,797,018,624 (states + ref) + 8,430,551,040 + 4 GiB = 44,522,536,960 B = 41.5 GiB.
-    assert plan.total("generate") == pytest.approx(74_553_418_055.68)
+    assert plan.total("generate") == pytest.approx(62_400_212_500.48)
     assert plan.total("actor update") == 44_522_536_960
     assert plan.peak_phase() == "generate" and plan.fits
 
@@ -108,16 +114,75 @@ def test_rejects_a_rollout_tp_that_does_not_split_the_heads():
 
 
 def test_rejects_a_plan_that_does_not_fit():
-    # 4 nodes: DP = 32 / 32 = 1, so Adam's 12 B/param is not sharded: 2,271,215,616 * 12 B = 25.4 GiB, and
-    # generate needs 4.2 + 8.5 + 25.4 + 4.2 (ref) + 35.8 (engine) + 4 = 82.1 GiB > 79.6 GiB.
-    with pytest.raises(PlanError, match=r"does not fit in 79.6 GiB.*\n(.*\n)*.*generate, 82.1 of 79.6 GiB"):
-        plan_for("+experiment=grpo_70b", "trainer.nnodes=4")
+    # Micro-batches of 8: activations 34,304 B * 3072 * 8 tokens * 20 layers * 4 in flight = 62.8 GiB, and the
+    # update needs 4.2 + 8.5 + 12.7 + 4.2 (ref) + 62.8 + 4 = 96.4 GiB > 79.6 GiB.
+    with pytest.raises(PlanError, match=r"does not fit in 79.6 GiB.*\n(.*\n)*.*actor update, 96.4 of 79.6 GiB"):
+        plan_for("+experiment=grpo_70b", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+
+
+def test_four_nodes_fit_because_the_engine_sizes_itself_on_free_memory():
+    # DP = 1: Adam unsharded (25.4 GiB, of which the fp32 master weights, 8.5 GiB, exist at engine start).
+    # Free at start 79.6 - (4.2 + 8.5 + 8.5 + 4.2 + 4) = 50.2 GiB; the engine takes 0.45 of it (22.6 GiB).
+    plan = plan_for("+experiment=grpo_70b", "trainer.nnodes=4")
+    assert plan.rollout.free_at_start / GIB == pytest.approx(50.2, abs=0.05)
+    assert plan.total("generate") / GIB == pytest.approx(68.9, abs=0.05) and plan.fits
 
 
 def test_rejects_a_rollout_share_smaller_than_the_engine_weights():
-    # 0.2 x 79.6 = 15.9 GiB cannot hold the 16.4 GiB of weights of a TP-8 engine.
-    with pytest.raises(PlanError, match="gpu_memory_utilization=0.2 .* weights take 16.4 GiB"):
+    # 0.2 x 54.4 GiB free at engine start = 10.9 GiB cannot hold the 16.4 GiB of weights of a TP-8 engine.
+    with pytest.raises(PlanError, match="gpu_memory_utilization=0.2 .* 54.4 GiB .* weights take 16.4 GiB"):
         plan_for("+experiment=grpo_70b", "actor_rollout_ref.rollout.gpu_memory_utilization=0.2")
+
+
+OVERRIDE = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+def test_planner_reads_recompute_from_the_built_transformer_config():
+    plan = plan_for("+experiment=grpo_70b", f"{OVERRIDE}.recompute_granularity=full",
+                    f"{OVERRIDE}.recompute_method=uniform", f"{OVERRIDE}.recompute_num_layers=1")
+    # test_full_recompute_keeps_layer_inputs_only: 503,316,480 + 105,381,888 B.
+    assert row(plan, "actor activations", "actor update") == 503_316_480 + 105_381_888
+    # Megatron refuses full recompute without a method; the planner says so before launch.
+    with pytest.raises(PlanError, match="override_transformer_config.*recompute_method"):
+        plan_for("+experiment=grpo_70b", f"{OVERRIDE}.recompute_granularity=full")
+
+
+def test_planner_refuses_unknown_transformer_config_fields_by_name():
+    with pytest.raises(ConfigError, match="override_transformer_config.recompute_granulrity is not a Megatron-Core "
+                                          "TransformerConfig field; nearest: recompute_granularity"):
+        plan_for("+experiment=grpo_70b", f"{OVERRIDE}.recompute_granulrity=full")
+
+
+def test_sequence_parallel_off_counts_replicated_norm_activations():
+    plan = plan_for("+experiment=grpo_70b", "actor_rollout_ref.actor.megatron.sequence_parallel=false")
+    # norms 4 * 8192 * 2 B = 65,536 per token and layer unsplit, + 26,112 split -> 91,648 B.
+    assert row(plan, "actor activations", "actor update") == 91_648 * 3072 * 20 * 4  # 21.0 GiB, not 7.9
+    with pytest.raises(PlanError, match="sequence parallelism without tensor parallelism"):
+        plan_for("+experiment=grpo_70b", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                 "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1", "trainer.nnodes=1",
+                 "trainer.n_gpus_per_node=8", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=8")
+
+
+@pytest.mark.parametrize("key", ["param_offload", "optimizer_offload"])
+def test_planner_refuses_offload_the_engine_refuses(key):
+    with pytest.raises(PlanError, match=f"actor_rollout_ref.actor.megatron.{key}=true is not supported"):
+        plan_for("+experiment=grpo_70b", f"actor_rollout_ref.actor.megatron.{key}=true")
+
+
+def test_distributed_optimizer_unavailable_is_refused_before_launch_with_the_plan_without_it(monkeypatch):
+    from megatron_rl.models import capabilities
+    from megatron_rl.plan import check_launch
+
+    cfg = load_config(overrides=["+experiment=grpo_70b"])
+    monkeypatch.setattr(capabilities, "distributed_optimizer_blocker", lambda: "needs TE (test)")
+    with pytest.raises(PlanError) as err:
+        check_launch(cfg)
+    message = str(err.value)
+    assert "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true needs TE (test)" in message
+    assert "without it the plan is:" in message and "actor optimizer (Adam) " in message
+    monkeypatch.setattr(capabilities, "distributed_optimizer_blocker", lambda: None)
+    check_launch(cfg)  # available: nothing to say
 
 
 def test_config_json_at_the_model_path_wins_over_the_preset(tmp_path):
