@@ -147,6 +147,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers)")
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
+    _require(rollout.name != "sglang" or not cfg.actor_rollout_ref.model.override_config,
+             f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
+             "to the Megatron model and the HF engine, but not passed to SGLang yet: the engine would serve a different "
+             "model; bake the fields into the checkpoint's config.json or use rollout.name=hf")
     _require(cfg.trainer.launcher in KNOWN_LAUNCHERS,
              f"trainer.launcher={cfg.trainer.launcher!r} is unknown; known: {list(KNOWN_LAUNCHERS)}")
     for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),

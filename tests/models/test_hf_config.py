@@ -124,3 +124,38 @@ def test_tp_beyond_kv_heads_allowed_when_groups_split_evenly():
         check_parallel_fit(
             parse_hf_config({**cfg(num_key_value_heads=3), "num_attention_heads": 12}), 4, 1, None
         )
+
+
+# ------------------------------------------------------------------ model.override_config (issue 14 item 3)
+def test_override_config_reaches_the_megatron_facts_and_the_hf_engine(tmp_path):
+    """actor_rollout_ref.model.override_config is applied wherever the HF config is read: the facts the
+    Megatron builder uses (load_hf_config), transformers' config (load_pretrained_config) and the HF
+    rollout engine the factory builds; SGLang, which reads config.json itself, refuses it by name."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.models.hf_config import load_hf_config, load_pretrained_config
+    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl.rollout import build_rollout_engine
+
+    model = make_tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2", with_tokenizer=False)
+    override = OmegaConf.create({"rms_norm_eps": 1e-3})
+    assert load_hf_config(model).rms_norm_eps != 1e-3
+    facts = load_hf_config(model, override)
+    assert facts.rms_norm_eps == 1e-3 and "override_config ['rms_norm_eps']" in facts.source
+    assert load_pretrained_config(model, override).rms_norm_eps == 1e-3
+
+    engine = build_rollout_engine(RolloutConfig(name="hf"), model, response_length=2, override_config=override)
+    assert engine.model.config.rms_norm_eps == 1e-3
+    plain = build_rollout_engine(RolloutConfig(name="hf"), model, response_length=2)
+    assert plain.model.config.rms_norm_eps != 1e-3
+    with pytest.raises(ValueError, match="override_config=.*not passed to SGLang"):
+        build_rollout_engine(RolloutConfig(name="sglang"), model, response_length=2, override_config=override)
+
+
+def test_sglang_with_override_config_is_refused_before_launch():
+    from megatron_rl.config import ConfigError, load_config, validate
+
+    cfg = load_config(overrides=["+experiment=grpo_70b", "+actor_rollout_ref.model.override_config.rope_theta=1e6"])
+    with pytest.raises(ConfigError, match="override_config=.*not passed to SGLang yet"):
+        validate(cfg)
