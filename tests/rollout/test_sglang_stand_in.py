@@ -369,12 +369,17 @@ def test_weight_update_session_rules(tp2, kv1_model):
         False,
         "a weight-update session is already open; call end_weight_update() first",
     )
+    bucket = {
+        "model.norm.weight": torch.full((32,), 7.0),
+        "model.layers.0.input_layernorm.weight": torch.ones(31),
+    }
     ok, message = tp2.update_weights_from_tensor(
-        payloads(*flatten({"model.norm.weight": torch.ones(31)}), 2, SGLANG_STAND_IN_NODE="nodeA"),
-        load_format="flattened_bucket",
+        payloads(*flatten(bucket), 2, SGLANG_STAND_IN_NODE="nodeA"), load_format="flattened_bucket"
     )
-    assert not ok and "model.norm.weight" in message and "(31,)" in message
+    assert not ok and "model.layers.0.input_layernorm.weight" in message and "(31,)" in message
     assert tp2.end_weight_update() == (True, "Success")
+    # like SGLang's load loop, what came before the bad tensor was loaded: a failed update is a partial one
+    assert torch.equal(tp2.stand_in_state_dict()["model.norm.weight"], torch.full((32,), 7.0))
 
 
 # ------------------------------------------------------------------------------------- threads, signals

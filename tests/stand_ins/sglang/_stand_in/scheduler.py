@@ -202,14 +202,6 @@ class Scheduler:
         if self.shards is None or "weights" in self.released:
             raise RuntimeError("weights are released; resume_memory_occupation(['weights']) before loading")
         plans = []
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
-            if not tensor.is_floating_point():
-                raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not floating point")
-            plan = self.layout.plan(name, tensor.shape)
-            if plan is not None:
-                plans.append((plan, tensor))
         shards = self.shards
 
         def copy() -> None:  # runs later on the copy stream, reading the producer's memory then
@@ -217,7 +209,18 @@ class Scheduler:
                 for plan, tensor in plans:
                     shards[plan.target][plan.dst].copy_(tensor[plan.src])
 
-        self.stream.submit(copy)
+        try:
+            for name, tensor in named:
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
+                if not tensor.is_floating_point():
+                    raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not floating point")
+                plan = self.layout.plan(name, tensor.shape)
+                if plan is not None:
+                    plans.append((plan, tensor))
+        finally:
+            # like SGLang's load_weights loop, the tensors before a bad one are loaded anyway
+            self.stream.submit(copy)
         return "Success"
 
     def cmd_generate(self, rows: list[list[int]], sampling: list[dict]) -> Any:
@@ -432,8 +435,6 @@ class Scheduler:
             if load_format == "flattened_bucket" and offset % t.itemsize:
                 raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {t}")
             offset += size
-        for name, shape in zip(names, shapes):  # validate before the broadcast: fail before receiving
-            self.layout.plan(name, tuple(shape))
         if load_format == "flattened_bucket":
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
             self.dist.broadcast(flat, src=0, group=group)
