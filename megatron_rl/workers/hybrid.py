@@ -1,10 +1,12 @@
 """The colocated workers a trainer drives: actor + reference + rollout in one process per rank (the
 hybrid engine), and the critic, which can share those processes.
 
-Each rank holds a full rollout-engine replica (rollout data parallelism over all ranks) next to its
-Megatron shard of the actor; after every update the actor's weights are exported under HF names
-(TP gathered, PP broadcast) and streamed into the local engine. The same classes run under Ray
-(``RayWorkerGroup``) and torchrun (``LocalWorkerGroup``).
+The ranks form rollout engine replicas (``megatron_rl.rollout.mesh``): one engine per rollout-TP group of
+consecutive GPUs, built and driven by the group's leader; generation goes to the leaders
+(ROLLOUT_COMPUTE_PROTO). After every update the actor's weights are exported under HF names (TP gathered,
+PP broadcast) and every rank feeds its replica (``megatron_rl.rollout.replica``). The engine gives its memory
+back when a training phase starts and gets it back, with the current weights, at the next sync. The same
+classes run under Ray (``RayWorkerGroup``) and torchrun (``LocalWorkerGroup``).
 """
 from __future__ import annotations
 
@@ -55,11 +57,12 @@ class ActorRolloutRefWorker(Worker):
     def __init__(self, config: dict[str, Any] | DictConfig) -> None:
         super().__init__()
         self.config = _as_config(config)
-        self.actor = self.ref = self.rollout = self.syncer = None
+        self.actor = self.ref = self.rollout = None
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from megatron_rl.rollout import WeightSyncer, build_rollout_engine
+    def init_model(self, probe_prompts: DataProto | None = None, token_ids: dict[str, Any] | None = None) -> None:
+        """Build actor (+ reference) and this rank's part of its rollout replica, then sync version 0.
+        ``probe_prompts``: the fixed verification batch; ``token_ids``: eos/pad ids (both from the driver)."""
         from megatron_rl.workers import ActorRole, MegatronEngine, ReferenceRole
 
         cfg = self.config
@@ -74,41 +77,62 @@ class ActorRolloutRefWorker(Worker):
             ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
                                         override_config=arr.model.override_config)
             self.ref = ReferenceRole(ref_engine, arr.ref)
-        self.set_mesh(**engine.mesh_kwargs())
-
-        engine_kwargs = (dict(arr.rollout.sglang, base_gpu_id=self.local_rank) if arr.rollout.name == "sglang"
-                         else {})
-        self.rollout = build_rollout_engine(arr.rollout, model_dir, response_length=cfg.data.max_response_length,
-                                            override_config=arr.model.override_config, **self._token_ids(),
-                                            **engine_kwargs)
-        self.syncer = WeightSyncer(arr.rollout.weight_sync, self.rollout, probe_prompts=self._probe_prompts(),
-                                   trainer_log_prob_fn=self._trainer_log_probs)
-        # The engine starts from random weights: the first sync (version 0, verified) makes it serve the actor's.
+        self.rollout = self._build_rollout(probe_prompts, dict(token_ids or {}))
+        replica = self.rollout.replica
+        self.set_mesh(**engine.mesh_kwargs(), rollout_replica=replica.index,
+                      rollout_replicas=self.rollout.mesh.num_engines, is_rollout_leader=self.rollout.is_leader)
+        # The engines start from random weights: the first sync (version 0, verified) makes them serve the actor's.
         self.sync_weights(0)
 
+    def _build_rollout(self, probe_prompts: DataProto | None, token_ids: dict[str, Any]):
+        import torch.distributed as dist
+
+        from megatron_rl.distributed.device import rank_place
+        from megatron_rl.rollout import build_rollout_engine
+        from megatron_rl.rollout.hf_engine import resolve_dtype
+        from megatron_rl.rollout.mesh import build_rollout_mesh, server_mesh
+        from megatron_rl.rollout.replica import RolloutReplica
+
+        cfg = self.config
+        rollout = cfg.actor_rollout_ref.rollout
+        world = dist.get_world_size()
+        if rollout.mode == "server":
+            mesh = server_mesh(world)
+        else:
+            places: list[Any] = [None] * world
+            dist.all_gather_object(places, rank_place(self.rank, self.local_rank))
+            mesh = build_rollout_mesh(places, rollout.tensor_model_parallel_size)
+
+        def build_engine(replica):
+            extra = {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id} if rollout.name == "sglang" else {}
+            return build_rollout_engine(rollout, cfg.actor_rollout_ref.model.path,
+                                        response_length=cfg.data.max_response_length,
+                                        override_config=cfg.actor_rollout_ref.model.override_config,
+                                        **token_ids, **extra)
+
+        return RolloutReplica(rollout, mesh, self.rank, build_engine,
+                              member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda")),
+                              probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs)
+
     # ------------------------------------------------------------------ rollout
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.ROLLOUT_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample this rank's share; then, with rollout.free_cache_engine, the engine sleeps so the
-        training phases get its memory back (the next sync wakes it)."""
-        self.rollout.wake_up()
-        try:
-            return self.rollout.generate_sequences(prompts)
-        finally:
-            if self.config.actor_rollout_ref.rollout.free_cache_engine:
-                self.rollout.sleep()
+        """Sample this replica's share on its engine (runs on the replica's leader only). Consecutive
+        generations (validation, ReMax's greedy baseline, DAPO's refills) all run on the weights of the last
+        sync: the engine releases its memory only when a training phase starts."""
+        return self.rollout.generate(prompts)
 
     @register(Dispatch.RANK_ZERO)
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the actor's current weights into this rank's engine (every rank takes part in the export);
-        the driver gets rank 0's metrics. The engine stays awake: generation comes next. ``version`` is
-        the training step the weights come from; every sample generated with them carries it."""
-        self.rollout.wake_up()
-        return self.syncer.sync(self.actor.named_hf_weights(), version=version)
+        """Push the actor's current weights into every engine (every rank takes part in the export and feeds
+        its replica); the driver gets rank 0's metrics. ``version`` is the training step the weights come
+        from; every sample generated with them carries it."""
+        return self.rollout.sync(self.actor.named_hf_weights(), version=version)
 
     # ------------------------------------------------------------------ actor / reference
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
+        self.rollout.release()
         return self.actor.compute_log_prob(data)
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
@@ -116,10 +140,12 @@ class ActorRolloutRefWorker(Worker):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob called but no reference model was built: neither "
                                "algorithm.use_kl_in_reward nor actor_rollout_ref.actor.use_kl_loss is set")
+        self.rollout.release()
         return self.ref.compute_ref_log_prob(data)
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
+        self.rollout.release()
         return self.actor.update_actor(data)
 
     # ------------------------------------------------------------------ checkpoints
@@ -141,22 +167,6 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ helpers
     def _tokenizer_dir(self) -> str:
         return self.config.data.tokenizer or self.config.actor_rollout_ref.model.path
-
-    def _token_ids(self) -> dict[str, Any]:
-        from megatron_rl.data import load_tokenizer
-
-        tokenizer = load_tokenizer(self._tokenizer_dir())
-        return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-
-    def _probe_prompts(self) -> DataProto:
-        """A fixed batch for sync verification: the first training prompts."""
-        from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
-
-        cfg = self.config
-        dataset = RLDataset.from_config(list(cfg.data.train_files), load_tokenizer(self._tokenizer_dir()), cfg.data)
-        size = min(cfg.actor_rollout_ref.rollout.weight_sync.probe_batch_size, len(dataset))
-        probe = next(iter(make_dataloader(dataset, size, shuffle=False, seed=0)))
-        return probe.pop_for_generation()
 
     def _trainer_log_probs(self, data: DataProto) -> torch.Tensor:
         data.meta_info.setdefault("temperature", 1.0)

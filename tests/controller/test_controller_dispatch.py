@@ -120,6 +120,20 @@ def test_megatron_sends_one_shard_per_dp_group_and_collects_from_last_stage_tp0(
     assert out.batch["rank"].tolist() == [4, 4, 4, 6, 6]
 
 
+def test_rollout_dispatch_sends_one_shard_per_engine_replica_to_its_leader_only():
+    # 4 ranks, rollout TP 2: replica 0 led by rank 1 (its lowest GPU), replica 1 by rank 2
+    mesh = [RankMesh(0, 1, is_collect=rank == 0, rollout_replica=r, rollout_replicas=2, is_rollout_leader=lead)
+            for rank, (r, lead) in enumerate(((0, False), (0, True), (1, True), (1, False)))]
+    plan = plan_call(spec(Dispatch.ROLLOUT_COMPUTE_PROTO), (rows(5),), {}, world_size=4, method="m", mesh=mesh)
+    assert plan.ranks == [1, 2]
+    assert [args[0].batch["ids"].tolist() for args, _ in plan.calls] == [[0, 1, 2], [3, 4, 0]]
+    out = run(plan, lambda rank, data: tag_rows(data, rank))
+    assert out.batch["ids"].tolist() == [0, 1, 2, 3, 4] and out.batch["rank"].tolist() == [1, 1, 1, 2, 2]
+    two_leaders = [RankMesh(0, 1, is_collect=rank == 0) for rank in range(2)]
+    with pytest.raises(RuntimeError, match=r"exactly one leader; replica -> leaders \{0: \[0, 1\]\}"):
+        plan_call(spec(Dispatch.ROLLOUT_COMPUTE_PROTO), (rows(2),), {}, world_size=2, method="m", mesh=two_leaders)
+
+
 def test_megatron_dispatch_requires_a_reported_mesh():
     with pytest.raises(ValueError, match="needs the group's mesh"):
         plan_call(spec(Dispatch.MEGATRON_COMPUTE_PROTO), (rows(2),), {}, world_size=2, method="m")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from rollout_models import make_engine
@@ -21,3 +24,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _activate_module():
+    path = Path(__file__).resolve().parents[1] / "stand_ins" / "activate.py"
+    spec = importlib.util.spec_from_file_location("sglang_stand_in_activate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def sglang_stand_in(tmp_path):
+    """The strict SGLang 0.5.23 stand-in (tests/stand_ins/sglang) as ``sglang``, 4 GPUs per node, for one test."""
+    with _activate_module().sglang_stand_in(tmp_path / "sglang_registry", gpus_per_node=4) as root:
+        yield root
