@@ -149,15 +149,19 @@ def _verify(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_rl.distributed.collectives import backend_device
     from megatron_rl.models.api import compute_full_logits
 
     hf = chunks[0].hf_config
+    # NCCL moves only CUDA tensors: the model's inputs and the all-reduced difference live on the
+    # backend's device (the CPU generator keeps the sequences the same on every machine).
+    device = backend_device()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, hf.vocab_size, (args.verify_seqs, args.verify_len), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, : args.verify_len // 4] = 0  # one left-padded prompt
-    logits = compute_full_logits(chunks, input_ids, attention_mask)
-    diff = torch.zeros(1, dtype=torch.float64)
+    logits = compute_full_logits(chunks, input_ids.to(device=device), attention_mask.to(device=device))
+    diff = torch.zeros(1, dtype=torch.float64, device=device)
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -173,7 +177,7 @@ def _verify(
                 position_ids=position_ids_from_mask(attention_mask),
             ).logits
         valid = attention_mask.bool()
-        diff[0] = (logits.cpu() - expected)[valid].abs().max().double()
+        diff[0] = (logits.cpu() - expected)[valid].abs().max().double().to(device=device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 

@@ -52,3 +52,20 @@ def test_sizes_that_do_not_fit_fail_before_any_process_starts(tmp_path):
         main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "o"), "--tp", "3"])
     with pytest.raises(SystemExit, match="no config.json"):
         main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.distributed
+def test_verify_puts_every_collective_tensor_on_the_backend_device(tmp_path):
+    """--verify all-reduced a CPU tensor, which NCCL refuses on a GPU cluster. Under the CPU stand-in of
+    NCCL's device rule (megatron_rl.distributed.nccl_like) every collective of the verification gets
+    tensors on the backend's device, and the check itself catches a CPU tensor."""
+    from convert_jobs import verify_under_nccl_like_job
+
+    from megatron_rl.distributed import run_multiprocess
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "qwen2", with_tokenizer=False)
+    (out,) = run_multiprocess(verify_under_nccl_like_job, 1, str(hf_dir), timeout_s=300)
+    assert "torch.distributed.all_reduce: tensor of shape (1,)" in out["self_check"]
+    assert out["device_tensor_ok"] == 1.0
+    assert "error" not in out, out.get("error")
+    assert out["diff"] <= 1e-4
