@@ -7,80 +7,10 @@ override them. OmegaConf type-checks every override against these fields, so a t
 from __future__ import annotations
 
 import enum
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-
-
-# Choice fields are enums (OmegaConf has no Literal): a value outside them fails at compose time with the
-# key and the options named, and validate() and error messages take the options from here. StrEnum
-# members are their strings: `cfg.trainer.launcher == "ray"` and f-strings work unchanged.
-class Truncation(enum.StrEnum):
-    error = "error"
-    left = "left"
-    right = "right"
-
-
-class MalformedRowPolicy(enum.StrEnum):
-    skip = "skip"
-    error = "error"
-
-
-class LRScheduler(enum.StrEnum):
-    constant = "constant"
-    cosine = "cosine"
-
-
-class RolloutEngineName(enum.StrEnum):
-    hf = "hf"
-    sglang = "sglang"
-
-
-class RolloutMode(enum.StrEnum):
-    colocated = "colocated"
-    server = "server"
-
-
-class ValueHeadInit(enum.StrEnum):
-    zero = "zero"
-    normal = "normal"
-
-
-class RewardManagerName(enum.StrEnum):
-    naive = "naive"
-    batch = "batch"
-
-
-class KLControlType(enum.StrEnum):
-    fixed = "fixed"
-    adaptive = "adaptive"
-
-
-class Launcher(enum.StrEnum):
-    ray = "ray"
-    torchrun = "torchrun"
-
-
-class Device(enum.StrEnum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class ResumeMode(enum.StrEnum):
-    auto = "auto"
-    disable = "disable"
-    resume_path = "resume_path"
-
-
-def choices_of(cls: type, name: str) -> list[str] | None:
-    """The options of the choice field ``cls.name`` (None when it is not a choice field)."""
-    import typing
-
-    hint = typing.get_type_hints(cls)[name]
-    return [m.value for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else None
 
 
 # Choice fields are enums (OmegaConf has no Literal): a value outside them fails at compose time with the
