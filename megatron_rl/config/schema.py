@@ -327,6 +327,11 @@ class RayInitConfig:
     address: Optional[str] = None  # None: start an embedded local Ray
     num_cpus: Optional[int] = None
     timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
+    # Per call kind (trainer/deadlines.py); null: timeout_s. A 70B init_model loads 140 GB and builds the engines.
+    init_timeout_s: Optional[float] = 3600.0  # init_model, load_checkpoint
+    generate_timeout_s: Optional[float] = None  # generate_sequences
+    update_timeout_s: Optional[float] = None  # update_actor, update_critic
+    save_timeout_s: Optional[float] = 1800.0  # save_checkpoint, save_hf
 
 
 @dataclass

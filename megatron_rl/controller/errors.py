@@ -49,7 +49,8 @@ def _convert(err: RayError, role: str, method: str, rank: int) -> WorkerError:
 
 
 def wait_for_results(
-    refs: Sequence[ray.ObjectRef], ranks: Sequence[int], role: str, method: str, timeout_s: float
+    refs: Sequence[ray.ObjectRef], ranks: Sequence[int], role: str, method: str, timeout_s: float,
+    timeout_key: str = "ray_init.timeout_s",
 ) -> list[Any]:
     """Results of ``refs`` (one per rank in ``ranks``), in order.
 
@@ -64,7 +65,7 @@ def wait_for_results(
     def timed_out(late: list[int]) -> WorkerTimeoutError:
         return WorkerTimeoutError(
             f"{role}.{method}(): ranks {late} gave no result within {timeout_s:g} s "
-            "(a hang, or a step slower than the deadline: raise ray_init.timeout_s)",
+            f"(a hang, or a step slower than the deadline: raise {timeout_key})",
             role=role, method=method, pending_ranks=late,
         )
 

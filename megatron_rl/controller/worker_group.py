@@ -29,9 +29,11 @@ ROLE_SEPARATOR = "__"  # colocated methods are named "<role>__<method>"
 class PendingCall:
     """A group call still running on the workers; ``get()`` waits for every rank and combines the results."""
 
-    def __init__(self, refs: list[ray.ObjectRef], plan: CallPlan, role: str, method: str, timeout_s: float) -> None:
+    def __init__(self, refs: list[ray.ObjectRef], plan: CallPlan, role: str, method: str, timeout_s: float,
+                 timeout_key: str = "ray_init.timeout_s") -> None:
         self.refs = refs
         self._plan, self._role, self._method, self._timeout_s = plan, role, method, timeout_s
+        self._timeout_key = timeout_key  # the config key that sets this deadline, for the error
 
     @property
     def ranks(self) -> list[int]:
@@ -44,7 +46,8 @@ class PendingCall:
     def get(self, timeout_s: float | None = None) -> Any:
         """The combined result; raises a WorkerError naming role, method and rank on any failure."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        outputs = wait_for_results(self.refs, self._plan.ranks, self._role, self._method, timeout)
+        outputs = wait_for_results(self.refs, self._plan.ranks, self._role, self._method, timeout,
+                                   timeout_key=self._timeout_key)
         return self._plan.collect(outputs)
 
 
@@ -118,7 +121,8 @@ class RoleGroup:
         if not callable(getattr(self._worker_cls, remote_name, None)):
             raise AttributeError(f"{self.role}: worker class {self._worker_cls.__name__} has no method {remote_name!r}")
         refs = self._group.call_ranks(remote_name, plan.ranks, plan.calls)
-        return PendingCall(refs, plan, self.role, method, self._group.timeout_s)
+        timeout_s, timeout_key = self._group.deadline(method)
+        return PendingCall(refs, plan, self.role, method, timeout_s, timeout_key)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.role!r} world_size={self.world_size}>"
@@ -168,7 +172,9 @@ class RayWorkerGroup(RoleGroup):
     Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and a MASTER_ADDR/MASTER_PORT
     free on rank 0's node, so its ``torch.distributed.init_process_group("env://")`` just works.
     ``env_vars`` are set in every rank's process before it starts. Waiting on any call is bounded by
-    ``timeout_s``. The constructor returns once every rank's __init__ has finished.
+    ``timeout_s``, or by ``method_timeouts[method]`` = (seconds, config key named in the error) for the
+    methods it lists (the trainer gives init/load, generate, update and save their own deadlines). The
+    constructor returns once every rank's __init__ has finished.
     """
 
     def __init__(
@@ -179,10 +185,15 @@ class RayWorkerGroup(RoleGroup):
         name_prefix: str | None = None,
         env_vars: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        method_timeouts: Mapping[str, tuple[float, str]] | None = None,
     ) -> None:
         _check_worker_cls(worker_cls)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.method_timeouts = dict(method_timeouts or {})
+        for method, (seconds, key) in self.method_timeouts.items():
+            if seconds <= 0:
+                raise ValueError(f"{key} must be > 0, got {seconds} (the deadline of {method})")
         role = name_prefix or worker_cls.__name__
         self.timeout_s = timeout_s
         self.resource_pool = resource_pool
@@ -210,6 +221,10 @@ class RayWorkerGroup(RoleGroup):
     @property
     def world_size(self) -> int:
         return len(self._actors)
+
+    def deadline(self, method: str) -> tuple[float, str]:
+        """(seconds, config key) bounding a call of ``method`` (the bare name, without a role prefix)."""
+        return self.method_timeouts.get(method, (self.timeout_s, "ray_init.timeout_s"))
 
     def call_ranks(self, method: str, ranks: list[int], calls: list[tuple[tuple, dict]]) -> list[ray.ObjectRef]:
         """Start ``method`` on each of ``ranks`` with its (args, kwargs); a DataProto shared by several

@@ -18,6 +18,7 @@ from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward import RewardManager
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
+from megatron_rl.trainer.deadlines import call_deadlines
 from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.tracking import Tracking, plot_curves
@@ -81,12 +82,14 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callabl
         cls = create_colocated_worker_cls({"actor_rollout": ActorRolloutRefWorker, "critic": CriticWorker})
         group = RayWorkerGroup(pool, cls, init_args={"actor_rollout": {"config": plain_cfg},
                                                      "critic": {"config": plain_cfg}},
-                               name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s)
+                               name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s,
+                               method_timeouts=call_deadlines(cfg.ray_init))
         roles = group.spawn()
         actor_rollout, critic = roles["actor_rollout"], roles["critic"]
     else:
         group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": plain_cfg},
-                               name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s)
+                               name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s,
+                               method_timeouts=call_deadlines(cfg.ray_init))
         actor_rollout, critic = group, None
 
     def close() -> None:

@@ -7,6 +7,12 @@ monkey_patch_torch_reductions``, ``sglang.srt.weight_sync.tensor_bucket.Flattene
 ``sglang.srt.utils.network.get_free_port_below_ephemeral``. The HTTP server is ``tests/stand_ins/
 sglang_server.py``.
 
+Environment: SGLANG_STAND_IN_ROOT (required: GPU registry + logs), SGLANG_STAND_IN_NODE (default hostname),
+SGLANG_STAND_IN_GPUS_PER_NODE (default 8), CUDA_VISIBLE_DEVICES, MEGATRON_RL_DEVICE_INDEX (current device
+index, default 0), SGLANG_MEMORY_SAVER_CUDA_GRAPH, SGLANG_STAND_IN_COPY_DELAY_S (default 0.075),
+SGLANG_STAND_IN_TIMEOUT_S (scheduler answers and collectives, default 60), SGLANG_STAND_IN_START_TIMEOUT_S
+(default 180), SGLANG_STAND_IN_CRASH_RANK (test hook).
+
 Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - every serialized payload carries a ProducerTag (node, physical GPU, pid); a flattened_bucket payload is
   accepted by scheduler i only if it was produced on the same node and on scheduler i's physical GPU
@@ -23,6 +29,8 @@ Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
   load_format="dummy" are required; ``selector`` must be "all"; a weight-update group needs rank_offset >= 1.
 
 Faithful to 0.5.23 (and therefore unforgiving the same way):
+- a load that fails on one tensor has loaded the tensors before it (SGLang's load loop): a failed update is
+  a partial one; update_weights_from_distributed receives the broadcast first and then validates;
 - weight copies are asynchronous: ``update_weights_from_tensor`` returns once every scheduler has queued
   its copy; the copy runs SGLANG_STAND_IN_COPY_DELAY_S (default 0.075) later and reads the producer's
   shared memory then, so reusing the buffer too early corrupts the weights; reads wait for copies;
@@ -32,7 +40,9 @@ Faithful to 0.5.23 (and therefore unforgiving the same way):
 - resume of a tag that is not released kills the engine (every later call: "engine is dead: ...");
   resumed weights are NaN until loaded; cuda_graph memory is freed only with
   SGLANG_MEMORY_SAVER_CUDA_GRAPH=true set at build time;
-- Engine() replaces the caller's SIGTERM handler (main thread) with one that logs and ignores SIGTERM;
+- Engine() (main thread) replaces the caller's SIGQUIT handler (kill the process tree, 0.5.23's launch
+  phase handler) and SIGTERM handler (log and ignore; 0.5.23's source does this on non-zero node ranks, the
+  stand-in always does it: stricter);
 - TP sharding like SGLang's Llama/Qwen2/Qwen3 loaders (qkv_proj / gate_up_proj stacked column parallel, kv
   heads replicated when tp > num_kv_heads, o_proj/down_proj row parallel, vocab parallel embed/lm_head
   padded to a multiple of 64, norms replicated).
@@ -40,11 +50,13 @@ Faithful to 0.5.23 (and therefore unforgiving the same way):
 Different from SGLang (by necessity):
 - CPU, fp32 always (``dtype`` is accepted and ignored); CPU shared memory (sharing strategy file_system)
   stands in for CUDA IPC; gloo stands in for NCCL (backend "nccl" is accepted and run as gloo);
-- generation gathers the shards to scheduler 0 and runs transformers (megatron_rl HFEngine) there: no
-  radix cache (flush_cache is a no-op), sampling_seed ignored, no streaming, text is always None,
-  rows with equal sampling params (apart from sampling_seed) are batched together;
+- generation gathers the shards to scheduler 0 and runs the transformers model there (own decode loop, fp32;
+  log-probs are temperature-scaled full-vocabulary log_softmax, greedy = log_softmax(logits) at
+  temperature 0): no radix cache (flush_cache is a no-op), sampling_seed ignored, no streaming, text is
+  always None, rows with equal sampling params (apart from sampling_seed) are batched together;
 - load_format=None tensors are serialized by the Engine in the caller (as SGLang does) and are not
-  GPU-checked (only node-checked); LocalSerializedTensor and load_format="direct" are not supported;
+  GPU-checked (only node-checked); per-rank payloads (flattened_bucket, and every HTTP payload) are;
+  LocalSerializedTensor and load_format="direct" are not supported;
 - the GPU registry and port choice are simulated on one machine (nodes are names, GPUs are numbers);
 - extra inspection methods ``stand_in_*`` exist on Engine; test hook: SGLANG_STAND_IN_CRASH_RANK=<r> makes
   scheduler r exit (code 3) during start;

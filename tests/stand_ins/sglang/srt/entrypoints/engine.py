@@ -92,6 +92,8 @@ class Engine:
             )
         if args["dtype"] not in ("auto", "float32", "bfloat16", "float16", "half"):
             raise ValueError(f"unknown dtype {args['dtype']!r}")
+        if args["mem_fraction_static"] is None:
+            args["mem_fraction_static"] = SERVER_ARGS_DEFAULTS["mem_fraction_static"]
         tp = args["tp_size"]
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp!r}")
@@ -337,6 +339,11 @@ class Engine:
                 r["meta_info"].pop("output_token_logprobs")
         return results[0] if single else results
 
+    def get_server_info(self) -> dict[str, Any]:
+        """A small subset of SGLang's: the server args given, version, weight_version."""
+        self._check()
+        return {**self._args, "version": "0.5.23", "weight_version": self.weight_version}
+
     def flush_cache(self) -> Any:
         self._call("flush_cache")
         return SimpleNamespace(success=True)
@@ -541,7 +548,8 @@ class Engine:
         full = self._call("state_dict")[0]
         return {k: torch.from_numpy(v) for k, v in full.items()}
 
-    def stand_in_shards(self) -> list[dict[str, Any]]:
+    def stand_in_shards(self) -> list[dict[str, Any] | None]:
+        """Per scheduler its shard by SGLang name (qkv_proj, gate_up_proj, ...); None while released."""
         import torch
 
         return [
