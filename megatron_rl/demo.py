@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         f"actor_rollout_ref.model.path={model_dir}",
         f"trainer.default_local_dir={args.out / 'run'}",
         "trainer.resume_mode=disable",
+        "trainer.overwrite=true",  # the demo always starts over in its own directory
         *args.overrides,
     ])
     result = run(cfg)

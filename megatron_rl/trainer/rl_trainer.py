@@ -130,7 +130,16 @@ class RLTrainer:
                 break
         if self.stop.requested:
             self.stopped = self.stop.reason
-        elif self.cfg.trainer.save_hf_at_end:
+        elif self.state.global_steps < self.total_steps:
+            epochs = self.cfg.trainer.total_epochs
+            if self.state.global_steps == 0:
+                raise RuntimeError(f"the training data gave no batch: trainer.total_training_steps="
+                                   f"{self.total_steps} but {len(self.train_loader)} batches per epoch x "
+                                   f"trainer.total_epochs={epochs}; nothing was trained")
+            logger.warning("the data ran out after %d of trainer.total_training_steps=%d steps "
+                           "(%d batches per epoch x trainer.total_epochs=%d); raise total_epochs to train them all",
+                           self.state.global_steps, self.total_steps, len(self.train_loader), epochs)
+        if not self.stop.requested and self.cfg.trainer.save_hf_at_end:
             self.export_hf()
         return last
 
@@ -182,13 +191,23 @@ class RLTrainer:
         self._last_batch = batch
         return metrics
 
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Every generation (training, ReMax's greedy baseline, DAPO's refills, validation) must run on the
+        weights of the last sync, which are the current step's: a sample from other weights is refused."""
+        out = self.actor_rollout.generate_sequences(prompts)
+        served = out.meta_info.get("weight_version")
+        if served is not None and served != self.state.global_steps:
+            raise RuntimeError(f"the rollout generated with weight version {served}, but the actor's weights are "
+                               f"version {self.state.global_steps}: a weight sync did not reach the engines")
+        return out
+
     def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
                            timer: StageTimer) -> DataProto:
         """Rollout n responses per prompt and score them: the first half of the lifeline."""
         batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
         gen = batch.pop_for_generation()
         with timer("gen"):
-            out = self.actor_rollout.generate_sequences(gen.repeat(self.n, interleave=True))
+            out = self.generate(gen.repeat(self.n, interleave=True))
         if self.cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
             with timer("gen_max"):
                 batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
@@ -246,7 +265,7 @@ class RLTrainer:
         """ReMax: the score of one greedy response per prompt is the baseline of that prompt's samples."""
         greedy = gen.select()
         greedy.meta_info["do_sample"] = False
-        out = self.actor_rollout.generate_sequences(greedy)
+        out = self.generate(greedy)
         prompt_fields = batch.select([], list(batch.non_tensor_batch), [])
         return self.reward_fn(prompt_fields.union(out)).batch["token_level_scores"].sum(-1)
 
@@ -258,7 +277,7 @@ class RLTrainer:
             batch.meta_info.update(validate=True, do_sample=vk.do_sample, temperature=vk.temperature,
                                    top_p=vk.top_p, top_k=vk.top_k, seed=self.cfg.actor_rollout_ref.rollout.seed)
             gen = batch.pop_for_generation()
-            out = self.actor_rollout.generate_sequences(gen.repeat(vk.n, interleave=True))
+            out = self.generate(gen.repeat(vk.n, interleave=True))
             full = batch.repeat(vk.n, interleave=True).union(out)
             scores = self.reward_fn(full)
             scores.meta_info.pop("reward_metrics", None)

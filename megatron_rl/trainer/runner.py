@@ -20,7 +20,7 @@ from megatron_rl.reward import RewardManager
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.deadlines import call_deadlines
 from megatron_rl.trainer.rl_trainer import RLTrainer
-from megatron_rl.trainer.signals import StopRequest
+from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
 from megatron_rl.trainer.tracking import Tracking, plot_curves
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
 
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
+    keep_handlers_through_ray()
     actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
     stop.install()  # Ray's start-up replaces the handlers with its own
     is_logger = not is_torchrun or actor_rollout.rank == 0

@@ -39,3 +39,14 @@ class StopRequest:
         name = signal.Signals(signum).name
         logger.warning("received %s: will save a checkpoint and stop after the current step", name)
         self.request(name)
+
+
+def keep_handlers_through_ray() -> None:
+    """`ray.init` replaces the driver's SIGTERM handler with `sys.exit`, which, arriving while Ray and the
+    workers start, ends in a native abort (rc 134) instead of a clean stop. Keep ours: a SIGTERM then stops
+    the run at the next check (before the first step, or after the current one)."""
+    try:
+        import ray._private.utils as ray_utils
+    except ImportError:
+        return
+    ray_utils.set_sigterm_handler = lambda _handler: None

@@ -108,3 +108,35 @@ def test_killed_worker_fails_the_driver_with_role_and_rank(tiny_assets, tmp_path
             proc.wait()
     assert proc.returncode != 0
     assert "actor_rollout rank" in output and "died" in output, output[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    assert "the run failed" in log and "died" in log, log[-3000:]  # train.log holds the error
+
+
+def test_sigterm_mid_run_checkpoints_and_exits_resumable(tiny_assets, tmp_path):
+    """Issue 15: a stopped run is not 'finished' (rc 75, not 0), says how to resume, and its train.log and
+    checkpoint are there; a re-run into the directory without a checkpoint would be refused instead."""
+    from megatron_rl.trainer.signals import EXIT_STOPPED_RESUMABLE
+
+    overrides = tiny_overrides(tiny_assets, tmp_path, "trainer.total_training_steps=50", "trainer.save_freq=-1")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, "training ended before the first step"
+            assert time.monotonic() < deadline, "no training step within 240 s"
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, output[-3000:]
+    assert "stopped by SIGTERM after step" in output and "final HF checkpoint: None" not in output
+    assert "Fatal Python error" not in output and "core dumped" not in output
+    steps = sorted(int(p.name.split("_")[-1]) for p in tmp_path.glob("global_step_*"))
+    assert steps and (tmp_path / f"global_step_{steps[-1]}" / "manifest.json").is_file()
+    assert (tmp_path / "train.log").is_file()

@@ -18,7 +18,7 @@ from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 MANIFEST_FILE = "manifest.json"  # written last into every checkpoint
 from megatron_rl.trainer.tracking import JsonlSink, Tracking, read_metrics
 
-from test_trainer_loop import FakeActorRollout, length_reward, make_trainer
+from test_trainer_loop import FakeActorRollout, FakeLoader, length_reward, make_trainer
 
 
 # ---------------------------------------------------------------------------- 1. no silent overwrite
@@ -273,3 +273,32 @@ def test_a_full_disk_while_logging_names_metrics_jsonl(tmp_path, monkeypatch):
     sink.file = Full()
     with pytest.raises(OSError, match=r"metrics.jsonl.*No space left"):
         sink.log({"x": 1.0}, 1)
+
+
+def test_ray_start_up_does_not_take_over_sigterm():
+    """ray.init installs sys.exit as the SIGTERM handler (a native abort mid start-up); the trainer keeps its own."""
+    import ray._private.utils as ray_utils
+
+    from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
+
+    original = ray_utils.set_sigterm_handler
+    stop = StopRequest().install()
+    try:
+        keep_handlers_through_ray()
+        ray_utils.set_sigterm_handler(lambda signum, frame: None)  # what ray.init calls
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        ray_utils.set_sigterm_handler = original
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_data_that_gives_no_batch_is_an_error_not_a_silent_success(tmp_path, caplog):
+    trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=3", loader=FakeLoader(1, 2))
+    with pytest.raises(RuntimeError, match=r"gave no batch.*total_training_steps=3"):
+        trainer.fit()
+    trainer, _ = make_trainer(tmp_path / "b", "trainer.total_training_steps=5", "trainer.save_hf_at_end=false",
+                              loader=FakeLoader(4, 2))
+    with caplog.at_level(logging.WARNING):
+        trainer.fit()
+    assert trainer.state.global_steps == 2 and "the data ran out after 2 of" in caplog.text

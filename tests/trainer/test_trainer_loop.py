@@ -128,7 +128,8 @@ def make_trainer(tmp_path, *overrides, loader=None, actor=None, stop=None):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.total_training_steps=3", *overrides,
     ])
     actor = actor or FakeActorRollout()
-    trainer = RLTrainer(cfg, validate(cfg), actor, None, length_reward, loader or FakeLoader(16, 2), None, stop=stop)
+    loader = loader if loader is not None else FakeLoader(16, 2)  # an empty loader is falsy
+    trainer = RLTrainer(cfg, validate(cfg), actor, None, length_reward, loader, None, stop=stop)
     trainer.tracking = Collect()
     return trainer, actor
 

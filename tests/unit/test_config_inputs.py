@@ -75,7 +75,9 @@ def test_reward_timeout_without_workers_is_an_error():
 # ---------------------------------------------------------------------------- 9. choices from the schema
 def test_choice_fields_are_typed_and_errors_list_the_options():
     from megatron_rl.config import schema
-    from megatron_rl.config import validate as validate_module
+    import importlib
+
+    validate_module = importlib.import_module("megatron_rl.config.validate")  # the package exports the function
 
     for name in ("KNOWN_ROLLOUT_ENGINES", "KNOWN_LAUNCHERS", "KNOWN_LR_SCHEDULERS", "KNOWN_REWARD_MANAGERS",
                  "KNOWN_TRUNCATIONS", "KNOWN_MALFORMED_ROW_POLICIES"):
