@@ -648,8 +648,8 @@ def test_engine_start_fails_fast_when_a_scheduler_dies(kv1_model, stand_in_root)
     start = time.monotonic()
     with (
         keep_signals(),
-        env(SGLANG_STAND_IN_NODE="nodeE", SGLANG_STAND_IN_CRASH_RANK="1"),
-        pytest.raises(RuntimeError, match=r"failed to start: .*TP1 \(GPU 1\) died with exit code 3"),
+        env(SGLANG_STAND_IN_NODE="nodeE", SGLANG_STAND_IN_CRASH_RANK="0"),  # TP1 then waits for TP0 forever
+        pytest.raises(RuntimeError, match=r"failed to start: .*TP0 \(GPU 0\) died with exit code 3"),
     ):
         Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
     assert time.monotonic() - start < 90

@@ -57,11 +57,10 @@ class CopyStream:
 
 class Scheduler:
     def __init__(self, args: dict[str, Any]) -> None:
+        if os.environ.get("SGLANG_STAND_IN_CRASH_RANK") == str(args["tp_rank"]):  # test hook: die at start
+            os._exit(3)
         import torch
         import torch.distributed as dist
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from sglang._stand_in.sharding import ShardLayout
 
         self.torch, self.dist = torch, dist
         self.args = args
@@ -91,8 +90,10 @@ class Scheduler:
                 f"scheduler TP{self.rank} failed to join the TP group on port {port}: {text}"
             ) from None
 
-        if os.environ.get("SGLANG_STAND_IN_CRASH_RANK") == str(self.rank):  # test hook: die during start
-            os._exit(3)
+        from transformers import AutoConfig, AutoModelForCausalLM  # after the bind: a port clash fails fast
+
+        from sglang._stand_in.sharding import ShardLayout
+
         self.config = AutoConfig.from_pretrained(args["model_path"])
         torch.manual_seed(int(args["random_seed"]))
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
