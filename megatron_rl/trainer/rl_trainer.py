@@ -153,7 +153,8 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         rollout = self.cfg.actor_rollout_ref.rollout
         # temperature travels with the batch: log-probs must be computed at the sampling temperature.
-        batch.meta_info.update(global_steps=step, seed=rollout.seed + step, temperature=rollout.temperature)
+        self._step_meta = {"global_steps": step, "seed": rollout.seed + step, "temperature": rollout.temperature}
+        batch.meta_info.update(self._step_meta)
 
         batch = self.generate_and_score(batch, step, metrics, timer)
         self._check_reward_failures(metrics, len(batch), step)
@@ -245,7 +246,7 @@ class RLTrainer:
             more = next(self._batch_iter, None)
             if more is None:
                 break
-            more.meta_info.update(batch.meta_info)
+            more.meta_info.update(self._step_meta)  # the step's settings, not the first rollout's outputs
             more = self.generate_and_score(more, step * 1000 + generations, metrics, timer)
             more_kept, more_dropped = filter_zero_variance_groups(more, metric=self.cfg.algorithm.filter_groups.metric)
             kept = DataProto.concat([kept, more_kept]) if len(kept) else more_kept
