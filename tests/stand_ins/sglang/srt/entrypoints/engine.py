@@ -236,7 +236,7 @@ class Engine:
             what = "failed to start" if starting else "is dead"
             detail = "; ".join(f"TP{i}: {m}" for i, m in errors) or fatal
             self._dead = f"engine {what}: {detail}"
-            self._teardown()
+            self._teardown(graceful=False)  # like SGLang killing the process tree: no drain
             raise EngineDead(self._dead)
         if errors:
             raise RuntimeError("; ".join(f"TP{i}: {m}" for i, m in errors))
@@ -261,9 +261,11 @@ class Engine:
             conn.send((name, per_rank[i] if per_rank is not None else kwargs))
         return self._collect(timeout if timeout is not None else self._timeout + 30.0)
 
-    def _teardown(self) -> None:
+    def _teardown(self, graceful: bool = True) -> None:
         for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive():
+            if not graceful and proc.is_alive():
+                proc.kill()
+            elif proc.is_alive():
                 try:
                     conn.send(("shutdown", {}))
                 except (OSError, BrokenPipeError):
