@@ -522,6 +522,9 @@ def in_thread(fn, *args):
     return thread, box
 
 
+SERVER_PROCS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def server(kv1_model):
     import sglang_server
@@ -532,6 +535,7 @@ def server(kv1_model):
         env={"SGLANG_STAND_IN_NODE": "nodeD"},
         nccl_port=get_free_port_below_ephemeral(),
     )
+    SERVER_PROCS[url] = proc
     yield url
     with contextlib.suppress(Exception):  # killed below if it does not stop on its own
         http(url, "/stand_in/shutdown", {}, timeout=30)
@@ -688,3 +692,9 @@ def test_server_update_from_tensor_checks_each_rank_gpu(server, kv1_model):
     digests = http(server, "/stand_in/weights_sha256", method="GET")[1]
     assert digests == {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sent.items()}
     assert http(server, "/server_info", method="GET")[1]["weight_version"] == "v8"
+
+
+def test_server_dies_with_its_engine(server):  # keep last: it kills the module's server
+    status, answer = http(server, "/resume_memory_occupation", {"tags": ["weights"]})  # nothing released
+    assert status == 500 and "engine is dead" in answer["message"] and "'weights'" in answer["message"]
+    assert SERVER_PROCS[server].wait(30) == 1  # the server went down with its scheduler

@@ -235,7 +235,7 @@ def _handler(app: App, server_state: dict) -> type[BaseHTTPRequestHandler]:
                 server_state["stop"] = True
             except EngineDead as exc:
                 status, answer = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(exc)}
-                server_state["stop"] = True
+                server_state["stop"] = server_state["dead"] = True
             except Exception as exc:  # noqa: BLE001 - failures go back as SGLang's 400s
                 status, answer = HTTPStatus.BAD_REQUEST, {"success": False, "message": f"{exc}"}
             self._send(status, answer)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         random_seed=args.random_seed,
     )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    state: dict[str, bool] = {"stop": False}
+    state: dict[str, bool] = {"stop": False, "dead": False}
     server = HTTPServer(("127.0.0.1", 0), _handler(App(engine), state))
     print(f"READY {server.server_address[1]}", flush=True)
     try:
@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         server.server_close()
         with contextlib.suppress(Exception):
             engine.shutdown()
+    if state["dead"]:
+        sys.exit(1)  # SGLang's server goes down with its scheduler
 
 
 def start(
