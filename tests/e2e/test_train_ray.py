@@ -140,3 +140,30 @@ def test_sigterm_mid_run_checkpoints_and_exits_resumable(tiny_assets, tmp_path):
     steps = sorted(int(p.name.split("_")[-1]) for p in tmp_path.glob("global_step_*"))
     assert steps and (tmp_path / f"global_step_{steps[-1]}" / "manifest.json").is_file()
     assert (tmp_path / "train.log").is_file()
+
+
+def test_rerun_into_a_finished_run_without_a_checkpoint_is_refused(tiny_assets, tmp_path):
+    """Issue 15 item 1, through the command line: rc 2 before Ray, the results untouched."""
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 11)))
+    (tmp_path / "hf_final").mkdir()
+    proc = run_module(["megatron_rl.train", *tiny_overrides(tiny_assets, tmp_path, "trainer.save_freq=-1")],
+                      timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"trainer.default_local_dir={tmp_path} already holds the results of a run" in proc.stderr
+    assert "metrics.jsonl (10 records)" in proc.stderr and "trainer.overwrite=true" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 10
+
+
+def test_dry_run_checks_the_data_files_like_the_real_start(tiny_assets, tmp_path):
+    """Issue 15 item 8: a directory given as a data file is named as such, in --dry-run and in a real start."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    overrides = tiny_overrides(tiny_assets, tmp_path / "run", f"data.train_files=[{data_dir}]")
+    outputs = []
+    for extra in (["--dry-run"], []):
+        proc = run_module(["megatron_rl.train", *overrides, *extra], timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        outputs.append(proc.stderr.strip().splitlines()[-1])
+    assert outputs[0] == outputs[1]
+    assert f"data.train_files: {data_dir} is a directory, expected a .parquet or .jsonl file" in outputs[0]

@@ -302,3 +302,22 @@ def test_data_that_gives_no_batch_is_an_error_not_a_silent_success(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         trainer.fit()
     assert trainer.state.global_steps == 2 and "the data ran out after 2 of" in caplog.text
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_only_rank_0_prints_the_summary(tmp_path, monkeypatch, capsys, rank, printed):
+    from megatron_rl import train
+    from megatron_rl.trainer.runner import RunResult
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr("megatron_rl.trainer.preflight.preflight", lambda cfg: None)
+    monkeypatch.setattr("megatron_rl.trainer.runner.run_training",
+                        lambda cfg, sizes: RunResult(tmp_path, tmp_path / "metrics.jsonl", tmp_path / "tb", None,
+                                                     tmp_path / "hf_final", {}, stopped=None, last_step=3))
+    cfg = load_config(overrides=[f"trainer.default_local_dir={tmp_path}", "trainer.nnodes=1",
+                                 "trainer.n_gpus_per_node=1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    train.run(cfg)
+    out = capsys.readouterr().out
+    assert ("world size 1" in out and "final HF checkpoint" in out) == printed and (out == "") != printed
