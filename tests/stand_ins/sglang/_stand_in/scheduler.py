@@ -47,6 +47,7 @@ class CopyStream:
             except Exception as exc:  # noqa: BLE001
                 self.error = f"asynchronous weight copy failed: {type(exc).__name__}: {exc}"
             finally:
+                fn = None  # drop the producer's memory (its shared-memory refcount) before the job is done
                 self.jobs.task_done()
 
     def synchronize(self) -> None:
@@ -481,6 +482,8 @@ def scheduler_main(conn, args: dict[str, Any]) -> None:
         except (EOFError, OSError):
             break
         if name == "shutdown":
+            with contextlib.suppress(Exception):
+                scheduler.stream.synchronize()  # release mappings of producer memory before exiting
             conn.send(("ok", None, False))
             break
         try:
