@@ -39,3 +39,11 @@ def sglang_stand_in(tmp_path):
     """The strict SGLang 0.5.23 stand-in (tests/stand_ins/sglang) as ``sglang``, 4 GPUs per node, for one test."""
     with _activate_module().sglang_stand_in(tmp_path / "sglang_registry", gpus_per_node=4) as root:
         yield root
+
+
+@pytest.fixture(scope="module")
+def sglang_stand_in_module(tmp_path_factory):
+    """The stand-in for a whole test module (servers shared by its tests)."""
+    root = tmp_path_factory.mktemp("sglang_registry")
+    with _activate_module().sglang_stand_in(root, gpus_per_node=4) as active:
+        yield active

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.sglang_engine import SGLANG_CONTRACT, SGLANG_PIN, WEIGHT_UPDATE_SESSION_SINCE
+from megatron_rl.rollout.sglang import SGLANG_CONTRACT, SGLANG_PIN, WEIGHT_UPDATE_SESSION_SINCE
 
 CACHE = Path(os.environ.get("MEGATRON_RL_TEST_CACHE", Path(tempfile.gettempdir()) / "megatron_rl_test_cache"))
 
@@ -146,8 +146,9 @@ def test_engine_constructor_fields_exist(src):
             if isinstance(c, ast.ClassDef)
         )
     )
-    missing = set(SGLANG_CONTRACT["server_args"]) - fields
+    missing = (set(SGLANG_CONTRACT["server_args"]) | set(SGLANG_CONTRACT["server_info_args"])) - fields
     assert not missing, f"ServerArgs has no fields {sorted(missing)}"
+    assert "resolved_dict" in ast.unparse(src.tree("srt/utils/common.py")), "/server_info no longer reports ServerArgs"
     assert set(SGLANG_CONTRACT["load_formats"]) <= src.strings("srt/arg_groups/choices.py")
 
 
@@ -212,3 +213,9 @@ def test_flattened_bucket_layout_and_serializer(src):
 
 def test_memory_tags_exist(src):
     assert set(SGLANG_CONTRACT["memory_tags"]) <= src.strings("srt/constants.py")
+
+
+def test_environment_variables_are_read_by_sglang(src):
+    read = set().union(*(src.strings(p) for p in src.paths("srt")))
+    missing = set(SGLANG_CONTRACT["env_vars"]) - read
+    assert not missing, f"sglang {SGLANG_PIN} never reads {sorted(missing)}"

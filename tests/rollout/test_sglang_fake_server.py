@@ -11,14 +11,10 @@ import rollout_sglang_stand_in
 import torch
 from rollout_models import EOS, PAD, prompt_batch, source_model, trainer_log_probs
 
-from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig, SGLangConfig
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.sglang_engine import (
-    SGLangEngine,
-    SGLangServerError,
-    SGLangUnavailableError,
-    _checked,
-)
+from megatron_rl.rollout.sglang import SGLangEngine, SGLangServerError, SGLangUnavailableError, build_sglang_engine
+from megatron_rl.rollout.sglang.contract import checked
 from megatron_rl.rollout.weight_sync import sync_weights
 
 R = 8
@@ -34,19 +30,11 @@ def servers():
         proc.join(timeout=10)
 
 
-def client(urls, **kwargs) -> SGLangEngine:
-    cfg = RolloutConfig(
-        name="sglang", mode="server", server_urls=list(urls), response_length=R, dtype="float32"
-    )
-    return SGLangEngine(
-        cfg,
-        "unused-by-server-mode",
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        update_group_backend="gloo",
-        master_address="127.0.0.1",
-        **kwargs,
-    )
+def client(urls, weight_transport: str) -> SGLangEngine:
+    sglang = SGLangConfig(weight_transport=weight_transport, update_group_backend="gloo", master_address="127.0.0.1")
+    cfg = RolloutConfig(name="sglang", mode="server", server_urls=list(urls), response_length=R, dtype="float32",
+                        sglang=sglang)
+    return build_sglang_engine(cfg, "unused-by-server-mode", eos_token_id=EOS, pad_token_id=PAD)
 
 
 def expected_greedy(model, prompts) -> torch.Tensor:
@@ -117,7 +105,7 @@ def test_pre_session_server_gets_no_begin_or_end(servers):
 def test_session_rule_and_server_errors_surface_with_sglang_message(servers, monkeypatch):
     rollout_sglang_stand_in.install(monkeypatch)
     engine = client(servers["current"][:1], weight_transport="tensor")
-    server = engine._servers[0]
+    server = engine.transport._servers[0]
     body = {"serialized_named_tensors": ["AA=="], "load_format": "flattened_bucket", "flush_cache": False}
     with pytest.raises(
         SGLangServerError,
@@ -140,11 +128,19 @@ def test_session_rule_and_server_errors_surface_with_sglang_message(servers, mon
 def test_colocated_mode_without_sglang_says_how_to_install():
     cfg = RolloutConfig(name="sglang", mode="colocated", response_length=R)
     with pytest.raises(SGLangUnavailableError, match=r"pip install megatron-rl\[sglang\].*no CPU build"):
-        SGLangEngine(cfg, "/some/model")
+        build_sglang_engine(cfg, "/some/model")
 
 
 def test_undeclared_fields_never_reach_sglang():
     with pytest.raises(AssertionError, match=r"\['bogus'\] not declared in SGLANG_CONTRACT"):
-        _checked("route", "/generate", {"input_ids": [], "bogus": 1})
+        checked("route", "/generate", {"input_ids": [], "bogus": 1})
     with pytest.raises(AssertionError, match="min_p"):
-        _checked("sampling", None, {"temperature": 1.0, "min_p": 0.1})
+        checked("sampling", None, {"temperature": 1.0, "min_p": 0.1})
+
+
+def test_update_group_address_must_reach_remote_servers():
+    from megatron_rl.rollout.sglang.server_transport import update_group_address
+
+    assert update_group_address("127.0.0.1", ["http://127.0.0.1:30000"]) == "127.0.0.1"
+    with pytest.raises(ValueError, match="master_address resolves to loopback .*other hosts"):
+        update_group_address("127.0.0.1", ["http://10.1.2.3:30000"])

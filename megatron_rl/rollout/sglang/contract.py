@@ -60,6 +60,8 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "nccl_port",  # explicit and distinct per engine: SGLang's own pick collides across ranks seeded alike
         "port",
     ),
+    # ServerArgs fields /server_info reports (srt/utils/common.py build_server_info: server_args.resolved_dict())
+    "server_info_args": ("tp_size",),
     # environment variables read by the engine's processes (set before sglang.Engine is built)
     "env_vars": {
         # without it, released CUDA-graph memory stays allocated (srt/model_executor/runner_backend/*)
@@ -70,7 +72,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
     # srt/entrypoints/http_server.py: route -> (request struct in srt/managers/io_struct.py, fields we send)
     "http_routes": {
         "/generate": ("GenerateReqInput", ("input_ids", "sampling_params", "return_logprob")),
-        "/server_info": (None, ()),  # we read "version" and "tp_size"
+        "/server_info": (None, ()),  # we read "version" and the server_info_args below
         "/flush_cache": (None, ()),
         "/begin_weight_update": ("BeginWeightUpdateReqInput", ()),
         "/end_weight_update": ("EndWeightUpdateReqInput", ()),
@@ -108,7 +110,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
             "finish_reason",
             "weight_version",
         ),
-        "srt/entrypoints/http_server.py": ("version", "success", "message", "tp_size"),
+        "srt/entrypoints/http_server.py": ("version", "success", "message"),
     },
     # importable names: module -> attributes
     "symbols": {

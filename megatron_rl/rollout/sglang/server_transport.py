@@ -117,7 +117,10 @@ class ServerTransport:
             raise ValueError(f"SGLang servers run different versions {sorted(versions)}: {server_urls}")
         self.version = versions.pop()
         # The update group spans every server's TP ranks, as the servers themselves report them.
-        self.server_tp = [int(info.get("tp_size", 1)) for info in infos]
+        missing = [url for url, info in zip(server_urls, infos) if "tp_size" not in info]
+        if missing:
+            raise SGLangServerError(f"SGLang /server_info of {missing} does not report tp_size (sglang {self.version})")
+        self.server_tp = [int(info["tp_size"]) for info in infos]
         self.tp_size = max(self.server_tp)
         self.weight_transport = weight_transport
         self.update_group_backend = update_group_backend
