@@ -17,8 +17,8 @@ import torch
 from rollout_models import source_model, tiny_qwen2_config
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
-# bound by the module fixture ``stand_in`` (the stand-in is importable as ``sglang`` only during this
-# module, so no other test module can pick it up by accident)
+# bound by the module fixture ``stand_in_root``: the stand-in is importable as ``sglang`` only while this
+# module runs, so no other test module can pick it up by accident
 sglang = Engine = ShardLayout = MultiprocessingSerializer = get_free_port_below_ephemeral = None
 FlattenedTensorMetadata = None
 

@@ -17,9 +17,9 @@ its children) and serves, from the Engine's own thread (one request at a time, l
 
 Answers are ``{"success", "message"}`` with 400 on failure; an unknown request field is a 400 (SGLang
 ignores them). ``/generate`` results carry ``meta_info.weight_version`` = the last version sent with an
-update. When the Engine dies (e.g. an unmatched resume) the server answers 500 and exits, as SGLang's
-server is killed with its scheduler. SIGTERM stops the server (the Engine's ignore-SIGTERM handler is
-replaced by the default after start).
+update. When the Engine dies (e.g. an unmatched resume) the server answers 500 and exits (code 1), as
+SGLang's server is killed with its scheduler. SIGTERM stops the server (the Engine's ignore-SIGTERM handler
+is replaced by the default after start).
 """
 
 from __future__ import annotations
