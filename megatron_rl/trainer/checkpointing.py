@@ -52,8 +52,10 @@ def checkpoint_problem(directory: Path) -> str | None:
     """Why ``directory`` is not a complete checkpoint, or None when its manifest matches its files."""
     manifest = directory / MANIFEST_FILE
     if not manifest.is_file():
-        state = "" if (directory / TRAINER_STATE_FILE).is_file() else f" and no {TRAINER_STATE_FILE}"
-        return f"no {MANIFEST_FILE}{state}: the save never finished"
+        if (directory / TRAINER_STATE_FILE).is_file():
+            return (f"no {MANIFEST_FILE}: the save never finished (one written before manifests existed can be "
+                    f"resumed with trainer.resume_mode=resume_path trainer.resume_from_path={directory})")
+        return f"no {MANIFEST_FILE} and no {TRAINER_STATE_FILE}: the save never finished"
     try:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -185,7 +187,10 @@ class TrainerCheckpointer:
             if not path.is_dir():
                 raise FileNotFoundError(f"trainer.resume_from_path={explicit} is not a directory")
             problem = checkpoint_problem(path)
-            if problem is not None:
+            if problem is not None and not (path / MANIFEST_FILE).exists() and (path / TRAINER_STATE_FILE).is_file():
+                logger.warning("trainer.resume_from_path=%s has no %s (written before manifests?): resuming from it "
+                               "unverified", explicit, MANIFEST_FILE)
+            elif problem is not None:
                 raise FileNotFoundError(f"trainer.resume_from_path={explicit} is incomplete: {problem}")
             return path
         if mode != "auto":

@@ -321,3 +321,16 @@ def test_only_rank_0_prints_the_summary(tmp_path, monkeypatch, capsys, rank, pri
     train.run(cfg)
     out = capsys.readouterr().out
     assert ("world size 1" in out and "final HF checkpoint" in out) == printed and (out == "") != printed
+
+
+def test_a_checkpoint_from_before_manifests_can_be_resumed_by_path(tmp_path, caplog):
+    ckpt = TrainerCheckpointer(tmp_path, keep_last=2)
+    old = _save(ckpt, 3)
+    (old / MANIFEST_FILE).unlink()  # what the previous version wrote
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume_path("auto", None) is None
+    assert f"trainer.resume_from_path={old}" in caplog.text  # the skip says how to take it anyway
+    assert ckpt.resume_path("resume_path", str(old)) == old
+    (old / "trainer_state.json").unlink()
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        ckpt.resume_path("resume_path", str(old))
