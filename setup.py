@@ -7,6 +7,7 @@ MEGATRON_RL_BUILD_CUDA=0 leaves them out. TORCH_CUDA_ARCH_LIST picks the GPU arc
 
 import os
 import platform
+import sys
 from glob import glob
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
-CUDA_ENV = "MEGATRON_RL_BUILD_CUDA"
+sys.path.insert(0, str(ROOT))
+from setup_cuda import CUDA_ENV, cuda_build_decision, nvcc_version  # noqa: E402
 
 
 def _rel(paths):
@@ -22,16 +24,19 @@ def _rel(paths):
 
 
 def _want_cuda() -> bool:
-    forced = os.environ.get(CUDA_ENV)
-    available = cpp_extension.CUDA_HOME is not None and __import__("torch").version.cuda is not None
-    if forced == "1" and not available:
-        raise RuntimeError(
-            f"{CUDA_ENV}=1 but the CUDA kernels cannot be built: torch.version.cuda="
-            f"{__import__('torch').version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
-        )
-    if forced not in (None, "0", "1"):
-        raise RuntimeError(f"{CUDA_ENV} must be 0 or 1, got {forced!r}")
-    return available if forced is None else forced == "1"
+    """Build the CUDA kernels? A toolkit whose CUDA major differs from torch's is refused with
+    MEGATRON_RL_BUILD_CUDA=1 and gives a CPU-only build with a warning otherwise (setup_cuda.py)."""
+    import torch
+
+    build, warning = cuda_build_decision(
+        torch.version.cuda,
+        nvcc_version(cpp_extension.CUDA_HOME),
+        os.environ.get(CUDA_ENV),
+        cuda_home=cpp_extension.CUDA_HOME,
+    )
+    if warning:
+        print(warning, file=sys.stderr)
+    return build
 
 
 def _extension():
