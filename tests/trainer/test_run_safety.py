@@ -223,6 +223,7 @@ def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, monkeypatch, caps
 
         def init_model(self, *args):
             os.kill(os.getpid(), signal.SIGTERM)  # arrives while the workers are still starting
+            return ["fake engine mesh"]
 
     actor = SignalledActor()
     monkeypatch.setattr(runner, "load_tokenizer", lambda path: None)
