@@ -335,3 +335,51 @@ def test_a_checkpoint_from_before_manifests_can_be_resumed_by_path(tmp_path, cap
     (old / "trainer_state.json").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
         ckpt.resume_path("resume_path", str(old))
+
+
+FULL_DISK_SCRIPT = r"""
+import json, resource, signal, sys
+from pathlib import Path
+from megatron_rl.trainer.checkpointing import TrainerCheckpointer
+from megatron_rl.trainer.tracking import JsonlSink
+
+root = Path(sys.argv[1])
+ckpt = TrainerCheckpointer(root, keep_last=2)
+with ckpt.saving(1) as tmp:
+    ckpt.write_trainer_state(tmp, {"global_steps": 1})
+sink = JsonlSink(root / "metrics.jsonl", initial_step=0)
+sink.log({"x": 1.0}, 1)
+# From here on no file may grow past 4 KiB: a full disk, as the writing process sees it (EFBIG, like ENOSPC).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+errors = []
+try:
+    with ckpt.saving(2) as tmp:
+        ckpt.write_trainer_state(tmp, {"global_steps": 2, "pad": "x" * 10000})
+except OSError as err:
+    errors.append(str(err))
+try:
+    for step in range(2, 200):
+        sink.log({"pad": float(step), **{f"k{i}": 1.0 for i in range(20)}}, step)
+except OSError as err:
+    errors.append(str(err))
+print(json.dumps(errors))
+"""
+
+
+def test_a_size_limited_disk_names_the_paths_and_keeps_the_last_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt_error, metrics_error = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "global_step_2" in ckpt_error and "File too large" in ckpt_error
+    assert "metrics.jsonl" in metrics_error and "File too large" in metrics_error
+    ckpt = TrainerCheckpointer(tmp_path, keep_last=2)
+    assert ckpt.resume_path("auto", None) == tmp_path / "global_step_1"  # the last whole checkpoint survives
+    ckpt.clean_leftovers()
+    assert not (tmp_path / "global_step_2.tmp").exists()
+    records = read_metrics(tmp_path / "metrics.jsonl", tolerate_torn_tail=True)  # a torn last line at most
+    assert records[0]["step"] == 1
