@@ -124,6 +124,9 @@ class MegatronParallelConfig:
     # Megatron-Core TransformerConfig fields, as verl (recompute_granularity/method/num_layers, ...);
     # unknown fields and those set from the HF config or the keys above are refused (docs/models.md).
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # Micro-batches as packed sequences (THD, Megatron's PackedSeqParams): the rows' real tokens end to end,
+    # block-diagonal causal attention; false keeps the padded [rows, longest] rectangles (docs/workers.md).
+    packed_sequences: bool = False
 
 
 @dataclass

@@ -76,8 +76,10 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, packed_seq_params)
         seq_q, batch, heads, dim = query.shape
         seq_k = key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
@@ -111,3 +113,33 @@ class SDPAttention(MegatronModule):
             )
         # [b, h, s, d] -> [s, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * dim)
+
+    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params):
+        """Packed sequences (THD, ``PackedSeqParams`` with ``cu_seqlens``): [t, heads, dim] q/k/v of
+        sequences laid end to end, [t, heads*dim] out. Each sequence attends causally to itself only
+        (block-diagonal causal attention), one SDPA call per sequence without a mask, so the cost is
+        sum(s_i^2), not t^2, and no [t, t] mask exists. The varlen twin of flash attention's
+        ``cu_seqlens`` kernels, token for token the padded path's numbers."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention packs only the thd format, got {packed_seq_params.qkv_format!r}")
+        cu_q = packed_seq_params.cu_seqlens_q.tolist()
+        cu_k = packed_seq_params.cu_seqlens_kv.tolist()
+        if cu_q != cu_k:
+            raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        heads, dim = query.shape[1], query.shape[2]
+        out = query.new_empty(query.shape[0], heads, dim)
+        for start, end in zip(cu_q[:-1], cu_q[1:]):
+            if end <= start:
+                continue
+            # [s, h, d] -> [1, h, s, d]
+            q, k, v = (t[start:end].permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+            seq = end - start
+            kwargs: dict = {"is_causal": True}
+            if self.window_left is not None:
+                kwargs = {"attn_mask": ~self._window_mask(seq, seq, query.device)}
+            piece = F.scaled_dot_product_attention(
+                q, k, v, scale=self.softmax_scale, dropout_p=self.dropout_p if self.training else 0.0,
+                enable_gqa=True, **kwargs,
+            )
+            out[start:end] = piece.squeeze(0).permute(1, 0, 2)
+        return out.reshape(out.shape[0], heads * dim)

@@ -133,6 +133,8 @@ class MegatronEngine:
         load_hf_weights(chunks, model_dir)
         self.hf_config = chunks[0].hf_config
         self.config = chunks[0].config
+        # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.
+        self.packed_sequences = bool(getattr(parallel, "packed_sequences", False))
         self.value_head = value_head
         self.optimizer = None
         self.scheduler = None
@@ -268,11 +270,19 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
-            output = model(
-                micro_batch.input_ids,
-                micro_batch.position_ids,
-                causal_padding_mask(micro_batch.attention_mask),
-            )
+            if micro_batch.is_thd:
+                output = model(
+                    micro_batch.input_ids,
+                    micro_batch.position_ids,
+                    None,
+                    packed_seq_params=micro_batch.packed_seq_params(),
+                )
+            else:
+                output = model(
+                    micro_batch.input_ids,
+                    micro_batch.position_ids,
+                    causal_padding_mask(micro_batch.attention_mask),
+                )
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:

@@ -15,7 +15,7 @@ from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
-from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts
+from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts, to_thd
 
 # (model output, micro-batch) -> {name: [b, R] tensor}
 PerTokenFn = Callable[[torch.Tensor, PackedMicroBatch], dict[str, torch.Tensor]]
@@ -28,7 +28,7 @@ def pack_batch(
     keys = ("input_ids", "attention_mask", "responses", *field_keys)
     batch = {key: data.batch[key].to(engine.device) for key in dict.fromkeys(keys)}
     lengths = real_token_counts(batch)
-    row_groups = split_micro_batches(lengths, spec, budget_name)
+    row_groups = split_micro_batches(lengths, spec, budget_name, packed=engine.packed_sequences)
     # One rectangle for all micro-batches where the schedule needs it (see MegatronEngine).
     # Sequence parallelism splits the sequence over TP ranks: widths are rounded up to a multiple of TP.
     multiple = engine.sequence_multiple
@@ -43,10 +43,17 @@ def pack_batch(
         uniform if engine.uniform_micro_batch_shape else (None if multiple == 1 else (len(rows), width(rows)))
         for rows in row_groups
     ]
-    return [
+    packed = [
         pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
         for rows, shape in zip(row_groups, shapes)
     ]
+    if engine.packed_sequences:  # THD: each micro-batch's real tokens end to end, no padding computed
+        total = None
+        if engine.uniform_micro_batch_shape:
+            longest = max(sum(lengths[r] for r in rows) for rows in row_groups)
+            total = -(-max(longest, 1) // multiple) * multiple
+        packed = [to_thd(micro_batch, multiple, total) for micro_batch in packed]
+    return packed
 
 
 def response_log_probs(

@@ -61,10 +61,29 @@ def _greedy_groups(sorted_lengths: np.ndarray, cap: int) -> list[int]:
     return starts
 
 
+def _first_fit_decreasing(lengths: np.ndarray, order: np.ndarray, cap: int) -> list[list[int]]:
+    """Packed sequences: rows (longest first) go into the first micro-batch whose total stays <= cap
+    (a THD micro-batch computes the sum of its rows' lengths, not rows x longest)."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for row in order.tolist():
+        length = int(lengths[row])
+        for index, total in enumerate(totals):
+            if total + length <= cap:
+                groups[index].append(row)
+                totals[index] += length
+                break
+        else:
+            groups.append([row])
+            totals.append(length)
+    return groups
+
+
 def split_by_token_budget(
-    lengths: Sequence[int], max_tokens: int, what: str = "max_token_len"
+    lengths: Sequence[int], max_tokens: int, what: str = "max_token_len", packed: bool = False
 ) -> list[np.ndarray]:
-    """Row indices of each micro-batch so that rows x (longest row) <= ``max_tokens`` in every one.
+    """Row indices of each micro-batch so that rows x (longest row) <= ``max_tokens`` in every one
+    (with ``packed``, the sum of the rows' lengths: what a THD micro-batch computes).
 
     ``lengths`` are the real-token counts of the rows. Raises naming ``what`` when a single row is
     longer than the budget.
@@ -84,24 +103,36 @@ def split_by_token_budget(
             "longest prompt + response"
         )
     order = np.argsort(-lengths, kind="stable")
+    if packed:
+        fewest = len(_first_fit_decreasing(lengths, order, max_tokens))
+        low, high = max(longest, 1), max_tokens  # the most balanced packing with that many micro-batches
+        while low < high:
+            mid = (low + high) // 2
+            if len(_first_fit_decreasing(lengths, order, mid)) <= fewest:
+                high = mid
+            else:
+                low = mid + 1
+        return [np.sort(np.asarray(g, dtype=np.int64)) for g in _first_fit_decreasing(lengths, order, low)]
     sorted_lengths = lengths[order]
-    fewest = len(_greedy_groups(sorted_lengths, max_tokens))
+    _greedy = _greedy_groups
+    fewest = len(_greedy(sorted_lengths, max_tokens))
     # Smallest cap that still needs no more micro-batches: the most balanced split of that count.
     low, high = max(longest, 1), max_tokens
     while low < high:
         mid = (low + high) // 2
-        if len(_greedy_groups(sorted_lengths, mid)) <= fewest:
+        if len(_greedy(sorted_lengths, mid)) <= fewest:
             high = mid
         else:
             low = mid + 1
-    starts = _greedy_groups(sorted_lengths, low) + [len(order)]
+    starts = _greedy(sorted_lengths, low) + [len(order)]
     return [np.sort(order[a:b]) for a, b in itertools.pairwise(starts)]
 
 
 def split_micro_batches(
-    lengths: Sequence[int], spec: MicroBatchSpec, what: str = "max_token_len"
+    lengths: Sequence[int], spec: MicroBatchSpec, what: str = "max_token_len", packed: bool = False
 ) -> list[np.ndarray]:
-    """Row indices of each micro-batch under ``spec`` (fixed size or token budget)."""
+    """Row indices of each micro-batch under ``spec`` (fixed size or token budget; ``packed``: the budget
+    bounds the sum of the rows' lengths)."""
     if spec.use_dynamic_bsz:
-        return split_by_token_budget(lengths, spec.max_token_len, what)
+        return split_by_token_budget(lengths, spec.max_token_len, what, packed=packed)
     return split_fixed(len(lengths), spec.micro_batch_size)

@@ -28,6 +28,20 @@ class PackedMicroBatch:
     labels: torch.Tensor  # [N] the response token ids
     response_len: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [b, R] inputs of the loss
+    # THD (to_thd): the rows' real tokens end to end in one [1, T] row; cu_seqlens [n + 1] int32 (a
+    # trailing pad sequence when T was rounded up); thd_index [N]: the packed position predicting each
+    # response token. None for the padded [b, W] layout.
+    cu_seqlens: torch.Tensor | None = None
+    thd_index: torch.Tensor | None = None
+
+    @property
+    def is_thd(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions the model computes for this micro-batch (the padded rectangle, or the pack)."""
+        return int(self.input_ids.numel())
 
     @property
     def num_rows(self) -> int:
@@ -35,11 +49,33 @@ class PackedMicroBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        """Positions of the packed tokens: 0.. per row (= cumsum(attention_mask) - 1 of the original)."""
+        """Positions of the packed tokens: 0.. per row (= cumsum(attention_mask) - 1 of the original);
+        0.. per sequence in the THD layout."""
+        if self.is_thd:
+            lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+            starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths)
+            return (torch.arange(self.input_ids.shape[1], device=self.input_ids.device) - starts)[None, :]
         return torch.arange(self.input_ids.shape[1], device=self.input_ids.device).expand_as(self.input_ids)
 
+    def packed_seq_params(self):
+        """Megatron's PackedSeqParams (qkv_format thd) of a THD micro-batch, else None."""
+        if not self.is_thd:
+            return None
+        from megatron.core import parallel_state
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        longest = int(lengths.max()) if len(lengths) else 0
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=parallel_state.get_context_parallel_group(),
+        )
+
     def select_predictors(self, output: torch.Tensor) -> torch.Tensor:
-        """[b', W, ...] model output -> [N, ...] at the positions that predict the response tokens."""
+        """[b', W, ...] model output ([1, T, ...] for THD) -> [N, ...] at the positions that predict the
+        response tokens."""
+        if self.is_thd:
+            return output[0, self.thd_index]
         return output[self.token_rows, self.predictor_cols]
 
     def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
@@ -100,3 +136,39 @@ def pack_micro_batch(
 def real_token_counts(batch: dict[str, torch.Tensor]) -> list[int]:
     """Real tokens per row: the length that packing leaves and the token budget counts."""
     return batch["attention_mask"].bool().sum(dim=1).tolist()
+
+
+def to_thd(micro_batch: PackedMicroBatch, multiple: int = 1, total: int | None = None) -> PackedMicroBatch:
+    """The same micro-batch as packed sequences (THD): each row's real tokens one after the other in a
+    single [1, T] row, ``cu_seqlens`` marking where each sequence starts. No position is padding except
+    a trailing pad sequence when T is rounded up to ``multiple`` (sequence parallelism splits T over TP)
+    or to ``total`` (one shape for every micro-batch, as the interleaved schedule needs)."""
+    real = micro_batch.attention_mask.bool()
+    lengths = real.sum(dim=1)
+    tokens = int(lengths.sum())
+    size = max(-(-max(tokens, 1) // multiple) * multiple, total or 0)
+    if total is not None and total < tokens:
+        raise ValueError(f"to_thd: a total of {total} positions cannot hold {tokens} real tokens")
+    device = micro_batch.input_ids.device
+    ids = torch.zeros(1, size, dtype=micro_batch.input_ids.dtype, device=device)
+    ids[0, :tokens] = micro_batch.input_ids[real]  # row-major: row 0's tokens, then row 1's, ...
+    starts = torch.cumsum(lengths, 0) - lengths
+    bounds = [0] + torch.cumsum(lengths, 0).tolist()
+    if size > tokens:
+        bounds.append(size)  # the pad sequence: attends only to itself, predicts nothing
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    # Keep only non-empty sequences' boundaries (rows added as padding have no tokens).
+    cu_seqlens = torch.unique_consecutive(cu_seqlens)
+    return PackedMicroBatch(
+        rows=micro_batch.rows,
+        input_ids=ids,
+        attention_mask=torch.ones(1, size, dtype=torch.bool, device=device),
+        token_rows=micro_batch.token_rows,
+        token_cols=micro_batch.token_cols,
+        predictor_cols=micro_batch.predictor_cols,
+        labels=micro_batch.labels,
+        response_len=micro_batch.response_len,
+        fields=micro_batch.fields,
+        cu_seqlens=cu_seqlens,
+        thd_index=starts[micro_batch.token_rows] + micro_batch.predictor_cols,
+    )

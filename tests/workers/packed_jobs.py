@@ -1,0 +1,61 @@
+"""Rank jobs of test_packed_sequences.py: the same batch through padded and packed (THD) micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from workers_jobs import ROLLOUT_N, actor_config, training_batch, update
+
+from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
+
+
+def _actor(model_dir: str, config, **megatron: Any):
+    from megatron_rl.workers import ActorRole, MegatronEngine
+
+    config = replace(config, megatron=replace(config.megatron, **megatron))
+    return ActorRole(MegatronEngine(model_dir, config.megatron, config.optim), config, rollout_n=ROLLOUT_N)
+
+
+def _computed_tokens(actor, data) -> tuple[int, bool]:
+    from megatron_rl.workers.forward import pack_batch
+    from megatron_rl.workers.micro_batches import MicroBatchSpec
+
+    spec = MicroBatchSpec(actor.config.ppo_micro_batch_size_per_gpu, actor.config.use_dynamic_bsz,
+                          actor.config.ppo_max_token_len_per_gpu)
+    micro_batches = pack_batch(actor.engine, data, spec, (), "test")
+    return sum(mb.computed_tokens for mb in micro_batches), all(mb.is_thd for mb in micro_batches)
+
+
+def _pair(model_dir: str, config, data, **megatron: Any) -> dict[str, Any]:
+    out = {}
+    for name, packed in (("padded", False), ("packed", True)):
+        actor = _actor(model_dir, config, packed_sequences=packed, **megatron)
+        result = actor.compute_log_prob(data)
+        out[f"{name}/log_probs"] = result.batch["old_log_probs"]
+        out[f"{name}/entropys"] = result.batch["entropys"]
+        out[f"{name}/metrics"] = update(actor, data)
+        out[f"{name}/computed_tokens"] = _computed_tokens(actor, data)
+    return out
+
+
+def packed_job(model_dir: str, deep_model_dir: str) -> dict[str, Any]:
+    data = training_batch()
+    out: dict[str, Any] = {"real_tokens": int(data.batch["attention_mask"].sum())}
+    init_model_parallel(tp=2)
+    for key, value in _pair(model_dir, actor_config(tp=2), data).items():
+        out[f"tp2/{key}"] = value
+    for key, value in _pair(model_dir, actor_config(tp=2), data, sequence_parallel=True).items():
+        out[f"tp2_sp/{key}"] = value
+    dynamic = actor_config(tp=2, use_dynamic_bsz=True)
+    for key, value in _pair(model_dir, dynamic, data).items():
+        out[f"tp2_dynamic/{key}"] = value
+    init_model_parallel(tp=1, pp=2)
+    for key, value in _pair(model_dir, actor_config(pp=2), data).items():
+        out[f"pp2/{key}"] = value
+    init_model_parallel(tp=1, pp=2, vpp=2)
+    vpp = actor_config(pp=2, vpp=2, ppo_micro_batch_size_per_gpu=3)
+    for key, value in _pair(deep_model_dir, vpp, data).items():
+        out[f"vpp/{key}"] = value
+    destroy_model_parallel()
+    return out
