@@ -39,6 +39,19 @@ def _pair(model_dir: str, config, data, **megatron: Any) -> dict[str, Any]:
     return out
 
 
+def _critic_values(model_dir: str, packed: bool, sequence_parallel: bool, data):
+    import torch
+    from workers_jobs import critic_config
+
+    from megatron_rl.workers import CriticRole, MegatronEngine
+
+    config = critic_config(tp=2)
+    megatron = replace(config.megatron, packed_sequences=packed, sequence_parallel=sequence_parallel)
+    torch.manual_seed(3)  # the same random value head for both layouts
+    engine = MegatronEngine(model_dir, megatron, config.optim, value_head=True, name="critic")
+    return CriticRole(engine, config, rollout_n=ROLLOUT_N).compute_values(data).batch["values"]
+
+
 def packed_job(model_dir: str, deep_model_dir: str) -> dict[str, Any]:
     data = training_batch()
     out: dict[str, Any] = {"real_tokens": int(data.batch["attention_mask"].sum())}
@@ -47,6 +60,10 @@ def packed_job(model_dir: str, deep_model_dir: str) -> dict[str, Any]:
         out[f"tp2/{key}"] = value
     for key, value in _pair(model_dir, actor_config(tp=2), data, sequence_parallel=True).items():
         out[f"tp2_sp/{key}"] = value
+    for sp in (False, True):
+        for packed in (False, True):
+            out[f"critic_sp{int(sp)}/{'packed' if packed else 'padded'}/values"] = _critic_values(
+                model_dir, packed, sp, data)
     dynamic = actor_config(tp=2, use_dynamic_bsz=True)
     for key, value in _pair(model_dir, dynamic, data).items():
         out[f"tp2_dynamic/{key}"] = value

@@ -39,6 +39,14 @@ def test_packed_equals_padded_token_for_token(results, layout):
         assert out[f"{layout}/packed/metrics"][key] == pytest.approx(out[f"{layout}/padded/metrics"][key], rel=1e-4)
 
 
+@pytest.mark.parametrize("sp", [0, 1])
+def test_packed_critic_values_equal_padded(results, sp):
+    out = results[-1]
+    packed, padded = out[f"critic_sp{sp}/packed/values"], out[f"critic_sp{sp}/padded/values"]
+    assert padded.abs().max() > 0
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+
+
 def test_packing_computes_only_real_tokens():
     from megatron_rl.workers.packing import pack_micro_batch, to_thd
 
