@@ -141,10 +141,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers)")
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
-    _require(rollout.name != "sglang" or not cfg.actor_rollout_ref.model.override_config,
+    _require(rollout.name != "sglang" or rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
              f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
-             "to the Megatron model and the HF engine, but not passed to SGLang yet: the engine would serve a different "
-             "model; bake the fields into the checkpoint's config.json or use rollout.name=hf")
+             "to the Megatron model and to colocated engines, but SGLang servers started elsewhere never see it: start "
+             "them with --json-model-override-args, bake the fields into config.json, or use rollout.mode=colocated")
     for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
                        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
         _require(value in known["loss_agg_modes"], f"{key}={value!r} is unknown; known: {known['loss_agg_modes']}")

@@ -26,7 +26,8 @@ def build_rollout_engine(
     ``rollout.response_length`` is unset. ``engine_kwargs`` go to the engine class (HFEngine:
     weights_path, device; SGLang: replica_index, base_gpu_id).
     ``override_config``: actor_rollout_ref.model.override_config, applied to the HF engine's config as
-    the Megatron builder applies it (models.load_pretrained_config)."""
+    the Megatron builder applies it (models.load_pretrained_config), and to a colocated SGLang engine's
+    (its json_model_override_args); servers started elsewhere must be started with it."""
     common = {"response_length": response_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     if config.name == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
@@ -36,12 +37,16 @@ def build_rollout_engine(
         model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
         return HFEngine(config, model_config, **common, **engine_kwargs)
     if config.name == "sglang":
-        if override_config:
-            raise ValueError(
-                f"actor_rollout_ref.model.override_config={dict(override_config)} is not passed to SGLang yet "
-                "(its json_model_override_args); use rollout.name=hf or bake the fields into config.json"
-            )
+        from megatron_rl.models.hf_config import _plain_overrides
         from megatron_rl.rollout.sglang import build_sglang_engine
 
-        return build_sglang_engine(config, str(model_path), **common, **engine_kwargs)
+        overrides = _plain_overrides(override_config)
+        if overrides and config.mode == "server":
+            raise ValueError(
+                f"actor_rollout_ref.model.override_config={overrides} cannot reach SGLang servers started "
+                "elsewhere: start them with --json-model-override-args, bake the fields into config.json, "
+                "or use rollout.mode=colocated"
+            )
+        extra = {"model_override": overrides} if overrides else {}
+        return build_sglang_engine(config, str(model_path), **common, **extra, **engine_kwargs)
     raise ValueError(f"rollout.name must be hf or sglang, got {config.name!r}")

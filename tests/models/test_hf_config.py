@@ -149,13 +149,48 @@ def test_override_config_reaches_the_megatron_facts_and_the_hf_engine(tmp_path):
     assert engine.model.config.rms_norm_eps == 1e-3
     plain = build_rollout_engine(RolloutConfig(name="hf"), model, response_length=2)
     assert plain.model.config.rms_norm_eps != 1e-3
-    with pytest.raises(ValueError, match="override_config=.*not passed to SGLang"):
-        build_rollout_engine(RolloutConfig(name="sglang"), model, response_length=2, override_config=override)
+    with pytest.raises(ValueError, match="override_config=.*cannot reach SGLang servers started elsewhere"):
+        build_rollout_engine(RolloutConfig(name="sglang", mode="server", server_urls=["http://x:1"]), model,
+                             response_length=2, override_config=override)
 
 
-def test_sglang_with_override_config_is_refused_before_launch():
+def test_override_config_reaches_a_colocated_sglang_engine(tmp_path, monkeypatch):
+    """SGLang reads config.json itself: the overrides go as its json_model_override_args (a ServerArgs
+    field of 0.5.23, listed in the contract the contract test checks against the wheel)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout import build_rollout_engine
+    from megatron_rl.rollout.sglang import SGLANG_CONTRACT, engine_transport
+
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    class FakeTransport:
+        def __init__(self, server_args, **kwargs):
+            seen.update(server_args)
+            raise Captured
+
+    monkeypatch.setattr(engine_transport, "InProcessTransport", FakeTransport)
+    override = OmegaConf.create({"rope_theta": 1e6})
+    with pytest.raises(Captured):
+        build_rollout_engine(RolloutConfig(name="sglang"), tmp_path, response_length=2, override_config=override)
+    assert json.loads(seen["json_model_override_args"]) == {"rope_theta": 1e6}
+    assert "json_model_override_args" in SGLANG_CONTRACT["server_args"]
+    seen.clear()
+    with pytest.raises(Captured):
+        build_rollout_engine(RolloutConfig(name="sglang"), tmp_path, response_length=2)
+    assert "json_model_override_args" not in seen
+
+
+def test_sglang_servers_with_override_config_are_refused_before_launch():
     from megatron_rl.config import ConfigError, load_config, validate
 
-    cfg = load_config(overrides=["+experiment=grpo_70b", "+actor_rollout_ref.model.override_config.rope_theta=1e6"])
-    with pytest.raises(ConfigError, match="override_config=.*not passed to SGLang yet"):
+    override = "+actor_rollout_ref.model.override_config.rope_theta=1e6"
+    validate(load_config(overrides=["+experiment=grpo_70b", override]))  # colocated: the engine gets it
+    cfg = load_config(overrides=["+experiment=grpo_70b", override, "actor_rollout_ref.rollout.mode=server",
+                                 "actor_rollout_ref.rollout.server_urls=[http://x:1]"])
+    with pytest.raises(ConfigError, match="override_config=.*SGLang servers started elsewhere never see it"):
         validate(cfg)

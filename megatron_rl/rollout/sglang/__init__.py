@@ -8,6 +8,7 @@ flattened bucket. sglang itself is imported only when an engine is built.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,10 +41,13 @@ def build_sglang_engine(
     response_length: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    model_override: dict[str, Any] | None = None,
 ) -> SGLangEngine:
     """The engine of one rollout replica. ``config``: the rollout config. Colocated: an ``sglang.Engine`` of
     rollout TP on GPUs ``base_gpu_id`` .. + TP - 1 (the replica's leader builds it); server: the servers of
-    ``rollout.server_urls`` (global rank 0 builds it)."""
+    ``rollout.server_urls`` (global rank 0 builds it). ``model_override``: config.json fields
+    (actor_rollout_ref.model.override_config) the colocated engine applies, as SGLang's
+    json_model_override_args, so it serves the model the Megatron side built."""
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     sgl = config.sglang
@@ -73,6 +77,7 @@ def build_sglang_engine(
                 "random_seed": int(config.seed),
                 "dtype": str(config.dtype),
                 "log_level": "error",
+                **({"json_model_override_args": json.dumps(model_override)} if model_override else {}),
             },
             replica_index=replica_index,
             port_base=int(sgl.port_base),

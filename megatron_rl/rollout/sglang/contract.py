@@ -57,6 +57,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "random_seed",
         "dtype",
         "log_level",
+        "json_model_override_args",  # srt/arg_groups/fields/model.py: config.json overrides, a JSON string
         "nccl_port",  # explicit and distinct per engine: SGLang's own pick collides across ranks seeded alike
         "port",
     ),
