@@ -36,6 +36,7 @@ class RunResult:
     last_metrics: dict[str, float]
     stopped: str | None = None  # the signal that stopped the run before its last step (resumable)
     last_step: int = 0
+    rollout_engines: str = ""  # which ranks form which rollout engine, on which node and GPUs
 
 
 def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]] | None:
@@ -153,7 +154,9 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     is_logger = not is_torchrun or actor_rollout.rank == 0
     tracking = None
     try:
-        actor_rollout.init_model(_probe_prompts(cfg, train_dataset), _token_ids(tokenizer))
+        meshes = actor_rollout.init_model(_probe_prompts(cfg, train_dataset), _token_ids(tokenizer))
+        if is_logger:
+            print(f"rollout engines: {meshes[0]}", flush=True)
         if critic is not None:
             critic.init_model()
         if stop.requested:
@@ -180,4 +183,4 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         plot = plot_curves(tracking.metrics_path, output_dir / "curves.png")
     hf_dir = trainer.hf_output_dir if cfg.trainer.save_hf_at_end and trainer.stopped is None else None
     return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last,
-                     stopped=trainer.stopped, last_step=trainer.state.global_steps)
+                     stopped=trainer.stopped, last_step=trainer.state.global_steps, rollout_engines=meshes[0])

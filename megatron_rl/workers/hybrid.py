@@ -60,9 +60,10 @@ class ActorRolloutRefWorker(Worker):
         self.actor = self.ref = self.rollout = None
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_model(self, probe_prompts: DataProto | None = None, token_ids: dict[str, Any] | None = None) -> None:
+    def init_model(self, probe_prompts: DataProto | None = None, token_ids: dict[str, Any] | None = None) -> str:
         """Build actor (+ reference) and this rank's part of its rollout replica, then sync version 0.
-        ``probe_prompts``: the fixed verification batch; ``token_ids``: eos/pad ids (both from the driver)."""
+        ``probe_prompts``: the fixed verification batch; ``token_ids``: eos/pad ids (both from the driver).
+        Returns the rollout mesh, described (which ranks form which engine, on which node and GPUs)."""
         from megatron_rl.workers import ActorRole, MegatronEngine, ReferenceRole
 
         cfg = self.config
@@ -83,6 +84,7 @@ class ActorRolloutRefWorker(Worker):
                       rollout_replicas=self.rollout.mesh.num_engines, is_rollout_leader=self.rollout.is_leader)
         # The engines start from random weights: the first sync (version 0, verified) makes them serve the actor's.
         self.sync_weights(0)
+        return self.rollout.mesh.describe()
 
     def _build_rollout(self, probe_prompts: DataProto | None, token_ids: dict[str, Any]):
         import torch.distributed as dist

@@ -47,3 +47,12 @@ def sglang_stand_in_module(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang_registry")
     with _activate_module().sglang_stand_in(root, gpus_per_node=4) as active:
         yield active
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The demo's task, tokenizer and tiny model (megatron_rl.demo), for the trainer runs of a module."""
+    from megatron_rl.demo import prepare_assets
+
+    train, val, model = prepare_assets(tmp_path_factory.mktemp("assets"))
+    return {"train": train, "val": val, "model": model}

@@ -11,20 +11,27 @@ What SGLang 0.5.23 demands of its host process, and how this class meets it:
   right after the Engine is built;
 - without ``nccl_port`` it draws a port with the global ``random`` module, so ranks seeded alike collide:
   each engine gets an explicit port (``port_base + 2 * replica``, the next free one if taken), checked free;
-- released CUDA-graph memory is kept unless SGLANG_MEMORY_SAVER_CUDA_GRAPH=true when the engine starts.
+- released CUDA-graph memory is kept unless SGLANG_MEMORY_SAVER_CUDA_GRAPH=true when the engine starts;
+- its scheduler processes join their TP group with ``init_process_group(init_method="tcp://...")``, which
+  under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, inherited) only connects to torchrun's agent store and
+  never hosts its own: they would wait until their timeout. The engine is started without that variable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_rl.rollout.sglang.contract import SGLANG_CONTRACT, check_result, checked, import_sglang
 
 __all__ = ["InProcessTransport", "pick_free_port"]
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def _port_is_free(port: int) -> bool:
@@ -50,6 +57,17 @@ def pick_free_port(preferred: int, *, stride: int, attempts: int = 64) -> int:
     )
 
 
+@contextlib.contextmanager
+def _without_launcher_store() -> Iterator[None]:
+    """Hide torchrun's agent-store switch from the processes the engine spawns (see the module docstring)."""
+    saved = os.environ.pop(AGENT_STORE_ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[AGENT_STORE_ENV] = saved
+
+
 class InProcessTransport:
     colocated = True
     #: the engine copies from our buffers after its calls return (CUDA IPC, asynchronous device copies)
@@ -67,7 +85,8 @@ class InProcessTransport:
         engine_cls = import_sglang("sglang", "Engine")
         handler = signal.getsignal(signal.SIGTERM) if self._owner is threading.main_thread() else None
         try:
-            self._engine = engine_cls(**checked("server_args", None, args))
+            with _without_launcher_store():
+                self._engine = engine_cls(**checked("server_args", None, args))
         finally:
             if handler is not None:  # SGLang replaced it with one that ignores SIGTERM
                 signal.signal(signal.SIGTERM, handler)
