@@ -167,7 +167,7 @@ def test_build_rollout_engine_picks_the_configured_engine():
     assert isinstance(
         build_rollout_engine(RolloutConfig(name="hf"), tiny_qwen2_config(), response_length=4), HFEngine
     )
-    with pytest.raises(SGLangUnavailableError):
+    with pytest.raises(SGLangUnavailableError, match=r"pip install megatron-rl\[sglang\].*no CPU build"):
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
     with pytest.raises(ValueError, match="rollout.name must be hf or sglang, got 'vllm'"):
         build_rollout_engine(RolloutConfig(name="vllm"), "/model", response_length=4)

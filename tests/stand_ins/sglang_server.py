@@ -96,15 +96,21 @@ class BadRequest(Exception):
     pass
 
 
+SESSION_SINCE = (0, 5, 23)  # sglang PR #28001: weight updates only inside begin/end_weight_update
+
+
 class App:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, version: str = "0.5.23") -> None:
         self.engine = engine
         self.tp = engine._tp
+        self.version = version
+        # an older server (slime's 0.5.15.post1) has no session routes and updates without one
+        self.has_session = tuple(int(p) for p in version.split(".")[:3]) >= SESSION_SINCE
 
     def handle(self, method: str, route: str, body: Any) -> Any:
         if method == "GET":
             if route in ("/server_info", "/get_server_info"):
-                return {"version": "0.5.23", "tp_size": self.tp, "weight_version": self.engine.weight_version}
+                return {"version": self.version, "tp_size": self.tp, "weight_version": self.engine.weight_version}
             if route == "/health":
                 return {}
             if route == "/stand_in/weights_sha256":
@@ -116,7 +122,8 @@ class App:
                 self.engine.flush_cache()
                 return "Cache flushed.\n"
             raise LookupError(route)
-        if route not in ROUTE_FIELDS:
+        if route not in ROUTE_FIELDS or (route in ("/begin_weight_update", "/end_weight_update")
+                                         and not self.has_session):
             raise LookupError(route)
         body = {} if body is None else body
         if not isinstance(body, dict):
@@ -153,12 +160,18 @@ class App:
         self.engine.flush_cache()
         return "Cache flushed.\n"
 
+    def _update(self, load) -> dict:
+        if self.has_session:
+            return self._answer(load())
+        self._answer(self.engine.begin_weight_update())  # the stand-in engine is 0.5.23 underneath
+        try:
+            return self._answer(load())
+        finally:
+            self.engine.end_weight_update()
+
     def update_weights_from_tensor(self, body: dict) -> dict:
-        return self._answer(
-            self.engine._update_weights_from_serialized(
-                body.get("serialized_named_tensors"), body.get("load_format"), body.get("weight_version")
-            )
-        )
+        return self._update(lambda: self.engine._update_weights_from_serialized(
+            body.get("serialized_named_tensors"), body.get("load_format"), body.get("weight_version")))
 
     def init_weights_update_group(self, body: dict) -> dict:
         missing = [
@@ -180,17 +193,15 @@ class App:
         )
 
     def update_weights_from_distributed(self, body: dict) -> dict:
-        return self._answer(
-            self.engine.update_weights_from_distributed(
-                body["names"],
-                body["dtypes"],
-                body["shapes"],
-                body.get("group_name", "weight_update_group"),
-                bool(body.get("flush_cache", True)),
-                body.get("load_format"),
-                body.get("weight_version"),
-            )
-        )
+        return self._update(lambda: self.engine.update_weights_from_distributed(
+            body["names"],
+            body["dtypes"],
+            body["shapes"],
+            body.get("group_name", "weight_update_group"),
+            bool(body.get("flush_cache", True)),
+            body.get("load_format"),
+            body.get("weight_version"),
+        ))
 
     def destroy_weights_update_group(self, body: dict) -> dict:
         return self._answer(
@@ -261,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--nccl-port", type=int, default=None)
     parser.add_argument("--random-seed", type=int, default=1)
+    parser.add_argument("--version", default="0.5.23", help="the sglang version to answer as (0.5.15: no session)")
     args = parser.parse_args(argv)
 
     import torch
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     state: dict[str, bool] = {"stop": False, "dead": False}
-    server = HTTPServer(("127.0.0.1", 0), _handler(App(engine), state))
+    server = HTTPServer(("127.0.0.1", 0), _handler(App(engine, args.version), state))
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         while not state["stop"]:
@@ -302,7 +314,7 @@ def start(
 ) -> tuple[subprocess.Popen, str]:
     """Start a server process; returns it and its URL. ``env`` is merged into os.environ (it must give
     SGLANG_STAND_IN_ROOT, and usually SGLANG_STAND_IN_NODE / CUDA_VISIBLE_DEVICES). ``options``:
-    base_gpu_id, nccl_port, random_seed."""
+    base_gpu_id, nccl_port, random_seed, version ("0.5.15": a pre-session server without begin/end routes)."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
     cmd = [
