@@ -224,14 +224,21 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     per_param = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
     lm_head = role == "actor"  # the critic ends in a hidden -> 1 value head
     params = memory.stage_params(model, layout, stage, lm_head=lm_head)
-    # verl's offload flags: the state leaves the GPU outside the update and comes back for it.
-    weights_phases = (update_phase,) if mcfg.param_offload else table.phases
+    # Offload (workers/offload.py): with param_offload the actor's weights leave for generation (before the
+    # engine starts, too) and come back for log-probs, the update and the weight export; the grads of both
+    # roles live only in their update; with optimizer_offload so does Adam's state. The critic is not told
+    # about generation: its weights stay.
+    weights_phases = table.phases
+    if mcfg.param_offload and role == "actor":
+        weights_phases = tuple(p for p in table.phases if p != "generate")
+    grads_phases = (update_phase,) if mcfg.param_offload else table.phases
     optim_phases = (update_phase,) if mcfg.optimizer_offload else table.phases
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
-    table.add(f"{role} grads (fp32)", params * per_param.grads, weights_phases)
+    table.add(f"{role} grads (fp32)", params * per_param.grads, grads_phases)
     shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
     table.add(f"{role} optimizer (Adam{shards})", params * per_param.optimizer, optim_phases,
-              at_engine_start=params * per_param.optimizer_at_start)  # m, v come at the first step
+              at_engine_start=params * per_param.optimizer_at_start if "generate" in optim_phases else 0.0)
+    # (m, v come at the first step, after the engine has sized itself)
     tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg))
     act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,
                                   _recompute(tcfg))
@@ -243,7 +250,7 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
 def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,
                  stage: Stage) -> _PhaseTable:
     """Every row but the rollout engine's, which is sized on what these leave free (_add_engine)."""
-    phases = ("generate", "actor update") + (("critic update",) if sizes.uses_critic else ())
+    phases = ("generate",) + _sync_phase(cfg) + ("actor update",) + (("critic update",) if sizes.uses_critic else ())
     table = _PhaseTable(phases)
     _trained_role_rows(table, cfg, "actor", sizes.actor, model, stage)
     if sizes.uses_critic:
@@ -255,7 +262,9 @@ def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, cri
         ref_params = max(memory.stage_params(model, ref_layout, s) for s in ("first", "last"))
         dtype = _params_dtype(cfg, ref_mcfg)
         per_param = memory.state_bytes_per_param(dtype, False, 1).params
-        table.add(f"ref weights ({dtype})", ref_params * per_param, () if ref_mcfg.param_offload else phases)
+        # offloaded for generation, back only for its own log-probs (not for the actor's weight export)
+        ref_phases = tuple(p for p in phases if p not in ("generate", "weight sync")) if ref_mcfg.param_offload else phases
+        table.add(f"ref weights ({dtype})", ref_params * per_param, ref_phases)
         transformer_config(cfg, REF, model, ref_layout, dtype)  # the reference's overrides, checked before launch
     table.add("reserved (CUDA context, NCCL, fragmentation)", cfg.plan.reserved_gib * GIB, phases)
     return table
@@ -266,6 +275,16 @@ def _add_engine(table: _PhaseTable, cfg: DictConfig, rollout: RolloutShare) -> N
         # The engine gives its weights and KV cache back during updates only with free_cache_engine.
         engine_phases = ("generate",) if cfg.actor_rollout_ref.rollout.free_cache_engine else table.phases
         table.add("rollout engine (weights + KV)", rollout.reserved, engine_phases, at_engine_start=0.0)
+        if "weight sync" in table.phases and cfg.actor_rollout_ref.rollout.free_cache_engine:
+            # resumed weights, KV cache not yet (the order verl and slime use)
+            table.rows[-1].per_phase["weight sync"] = rollout.weights
+
+
+def _sync_phase(cfg: DictConfig) -> tuple[str, ...]:
+    """With the actor's param_offload, its weights come back to the GPU for the export while the engine's
+    weights are resumed: a phase of its own ("weight sync"), which generation's numbers would hide."""
+    colocated = cfg.actor_rollout_ref.rollout.mode == "colocated"
+    return ("weight sync",) if colocated and cfg.actor_rollout_ref.actor.megatron.param_offload else ()
 
 
 def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, free_at_start: float) -> RolloutShare:
@@ -307,13 +326,6 @@ def build_plan(cfg: DictConfig) -> Plan:
             critic_model = load_model_facts(cfg, "critic.model")
         _check_factors(critic_model, "critic", _layout(cfg, "critic", world))
     gpu_memory = cfg.plan.gpu_memory_gib * GIB
-    for prefix in (ACTOR, REF, "critic"):
-        mcfg = OmegaConf.select(cfg, f"{prefix}.megatron")
-        for key in ("param_offload", "optimizer_offload"):
-            if mcfg[key]:  # the engine refuses them (workers/engine.py); a plan counting them would be fiction
-                raise PlanError(f"{prefix}.megatron.{key}=true is not supported yet (see docs/workers.md, "
-                                f"'Offload'); the plan cannot count memory the engine does not free")
-
     candidates = []
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
         table = _build_table(cfg, sizes, model, critic_model, stage)
@@ -329,7 +341,8 @@ def build_plan(cfg: DictConfig) -> Plan:
             f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
             f"options: more nodes (the distributed optimizer shards Adam over DP), a larger TP or PP, a smaller "
             f"ppo_micro_batch_size_per_gpu, megatron.override_transformer_config.recompute_granularity=full "
-            f"(with recompute_method and recompute_num_layers), or a lower {ROLLOUT}.gpu_memory_utilization")
+            f"(with recompute_method and recompute_num_layers), megatron.param_offload / optimizer_offload "
+            f"(state off the GPU while generating), or a lower {ROLLOUT}.gpu_memory_utilization")
     return plan
 
 

@@ -85,6 +85,7 @@ class ActorRole(CheckpointedRole):
         """{"old_log_probs", "entropys"}: [B, R] fp32 for the response tokens (0 on response padding)."""
         check_batch(data, (), "compute_log_prob")
         temperature = read_temperature(data, "compute_log_prob")
+        self.engine.offload.enter("compute")
         out = compute_log_probs(
             self.engine,
             data,
@@ -147,6 +148,7 @@ class ActorRole(CheckpointedRole):
         fields = self._update_fields()
         check_batch(data, fields, "update_actor")
         temperature = read_temperature(data, "update_actor")
+        self.engine.offload.enter("update")
         steps = []
         for mini_batch in self.schedule.mini_batches(data, self.updates_done, "update_actor"):
             metrics, grad_norm = train_mini_batch(
@@ -163,6 +165,7 @@ class ActorRole(CheckpointedRole):
             metrics["actor/kl_coef"] = self.config.kl_loss_coef
         self.engine.scheduler_step()
         self.updates_done += 1
+        self.engine.offload.enter("after_update")
         return DataProto(meta_info={"metrics": metrics})
 
     # ------------------------------------------------------------------ weights
@@ -171,4 +174,5 @@ class ActorRole(CheckpointedRole):
         group that every rank must consume to the end (``models.export_hf_weights``)."""
         from megatron_rl.models import export_hf_weights
 
+        self.engine.offload.enter("compute")
         yield from export_hf_weights(self.engine.model, dtype=dtype)

@@ -212,12 +212,14 @@ class CheckpointedRole:
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Model, optimizer, LR schedule, RNG, the role's update count and ``extra`` (collective)."""
+        self.engine.offload.enter("update")  # everything on the device while it is written
         save_checkpoint(
             self.engine, path, {**(extra or {}), self._ROLE_STATE: {"updates_done": self.updates_done}}
         )
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
         """Restore from ``path`` (any TP/PP layout); returns the ``extra`` given to save_checkpoint."""
+        self.engine.offload.enter("update")  # everything on the device while it is read
         extra = load_checkpoint(self.engine, path, load_optimizer)
         self.updates_done = extra.pop(self._ROLE_STATE)["updates_done"]
         return extra

@@ -66,6 +66,7 @@ class CriticRole(CheckpointedRole):
     def compute_values(self, data: DataProto) -> DataProto:
         """{"values": [B, R] fp32}, zero where response_mask is 0 (as verl)."""
         check_batch(data, ("response_mask",), "compute_values")
+        self.engine.offload.enter("compute")
         out = forward_per_token(
             self.engine,
             data,
@@ -101,6 +102,7 @@ class CriticRole(CheckpointedRole):
         """Returns ``DataProto(meta_info={"metrics": {critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr}})``, means over the optimizer steps, identical on every rank."""
         check_batch(data, UPDATE_FIELDS, "update_critic")
+        self.engine.offload.enter("update")
         steps = []
         for mini_batch in self.schedule.mini_batches(data, self.updates_done, "update_critic"):
             metrics, grad_norm = train_mini_batch(
@@ -115,4 +117,5 @@ class CriticRole(CheckpointedRole):
         metrics = mean_over_steps(steps) | {"critic/lr": self.engine.lr}
         self.engine.scheduler_step()
         self.updates_done += 1
+        self.engine.offload.enter("after_update")
         return DataProto(meta_info={"metrics": metrics})

@@ -74,9 +74,6 @@ def check_parallel_state(parallel: Any, prefix: str) -> None:
             raise ValueError(
                 f"{prefix}.{key}={wanted} but Megatron's parallel state was initialised with {value}"
             )
-    for key in ("param_offload", "optimizer_offload"):
-        if getattr(parallel, key):
-            raise ValueError(f"{prefix}.{key}=true is not supported yet (see docs/workers.md, 'Offload')")
 
 
 def _finalize_grads_unscaled(model, num_tokens, pg_collection=None, force_all_reduce=False):
@@ -148,6 +145,12 @@ class MegatronEngine:
             self.model = self._wrap_ddp(chunks, parallel)
             self.optimizer = self._build_optimizer(optim)
             self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")
+        # megatron.param_offload / optimizer_offload: the roles and the hybrid worker move the state
+        # between phases through this (workers/offload.py).
+        from megatron_rl.workers.offload import EngineOffload
+
+        self.offload = EngineOffload(self, getattr(parallel, "param_offload", False),
+                                     getattr(parallel, "optimizer_offload", False))
 
     # ------------------------------------------------------------------ construction
     def _use_distributed_optimizer(self, parallel: Any) -> bool:

@@ -78,6 +78,9 @@ class ActorRolloutRefWorker(Worker):
             ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
                                         override_config=arr.model.override_config)
             self.ref = ReferenceRole(ref_engine, arr.ref)
+        # Offloaded state (megatron.param_offload / optimizer_offload) leaves before the engine sizes itself
+        # on the memory then free (docs/workers.md, 'Offload').
+        self._offload_for_generation()
         self.rollout = self._build_rollout(probe_prompts, dict(token_ids or {}))
         replica = self.rollout.replica
         self.set_mesh(**engine.mesh_kwargs(), rollout_replica=replica.index,
@@ -129,7 +132,14 @@ class ActorRolloutRefWorker(Worker):
         """Push the actor's current weights into every engine (every rank takes part in the export and feeds
         its replica); the driver gets rank 0's metrics. ``version`` is the training step the weights come
         from; every sample generated with them carries it."""
-        return self.rollout.sync(self.actor.named_hf_weights(), version=version)
+        metrics = self.rollout.sync(self.actor.named_hf_weights(), version=version)
+        self._offload_for_generation()  # generation comes next, on every rank of the engines' GPUs
+        return metrics
+
+    def _offload_for_generation(self) -> None:
+        self.actor.engine.offload.enter("generate")
+        if self.ref is not None:
+            self.ref.engine.offload.enter("generate")
 
     # ------------------------------------------------------------------ actor / reference
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)

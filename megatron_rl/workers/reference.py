@@ -39,6 +39,7 @@ class ReferenceRole:
         """{"ref_log_prob": [B, R] fp32} for the response tokens (0 on response padding)."""
         check_batch(data, (), "compute_ref_log_prob")
         temperature = read_temperature(data, "compute_ref_log_prob")
+        self.engine.offload.enter("compute")
         out = compute_log_probs(
             self.engine, data, self.spec, temperature, False, f"{self.prefix}.log_prob_max_token_len_per_gpu"
         )

@@ -164,10 +164,21 @@ def test_sequence_parallel_off_counts_replicated_norm_activations():
                  "actor_rollout_ref.rollout.tensor_model_parallel_size=8")
 
 
-@pytest.mark.parametrize("key", ["param_offload", "optimizer_offload"])
-def test_planner_refuses_offload_the_engine_refuses(key):
-    with pytest.raises(PlanError, match=f"actor_rollout_ref.actor.megatron.{key}=true is not supported"):
-        plan_for("+experiment=grpo_70b", f"actor_rollout_ref.actor.megatron.{key}=true")
+def test_offload_frees_generation_and_adds_a_weight_sync_phase():
+    plan = plan_for("+experiment=grpo_70b", "actor_rollout_ref.actor.megatron.param_offload=true",
+                    "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+                    "actor_rollout_ref.ref.megatron.param_offload=true")
+    params = 2_271_215_616
+    assert plan.phases == ("generate", "weight sync", "actor update")
+    for label in ("actor weights (bf16)", "actor grads (fp32)", "actor optimizer (Adam, /2 shards)", "ref weights (bf16)"):
+        assert row(plan, label, "generate") == 0
+    # the export brings the actor's weights back while the engine's weights (not its KV cache) are resumed
+    assert row(plan, "actor weights (bf16)", "weight sync") == params * 2
+    assert row(plan, "rollout engine (weights + KV)", "weight sync") == plan.rollout.weights
+    # everything offloaded before the engine starts: it sizes itself on 79.6 - 4 GiB
+    assert plan.rollout.free_at_start == pytest.approx(79.6 * GIB - 4 * GIB)
+    assert plan.rollout.kv_tokens > 2 * 211_673
+    assert plan.total("actor update") == 44_522_536_960  # the update holds everything, as without offload
 
 
 def test_distributed_optimizer_unavailable_is_refused_before_launch_with_the_plan_without_it(monkeypatch):

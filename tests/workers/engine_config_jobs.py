@@ -121,8 +121,11 @@ def engine_config_job(model_dir: str) -> dict[str, Any]:
         return {"facts": _config_facts(bf16), "param_dtype": next(bf16.model[0].parameters()).dtype}
 
     def offload():
-        return {key: error_message(lambda key=key: _engine(model_dir, {key: True}))
-                for key in ("param_offload", "optimizer_offload")}
+        out = {}
+        for key in ("param_offload", "optimizer_offload"):
+            engine = _engine(model_dir, {key: True})
+            out[key] = {"params": engine.offload.params, "optimizer": engine.offload.optimizer}
+        return out
 
     for name, fn in (("baseline", baseline), ("sp", sequence_parallel), ("full", full_recompute),
                      ("recompute", other_recompute), ("refused", refused_fields),
