@@ -28,6 +28,15 @@ ENV_KEYS = (
 )
 
 
+def _remove_orphaned_shared_memory() -> None:
+    """Payload buffers travel as /dev/shm/torch_<pid>_* files (sharing strategy file_system); a rank killed
+    with its process group takes torch's shm manager along, which would have unlinked them."""
+    for path in Path("/dev/shm").glob("torch_*_*"):
+        pid = path.name.split("_")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def sglang_stand_in(root: Path, gpus_per_node: int = 4, **env: str) -> Iterator[Path]:
     """The stand-in as ``sglang``: its GPU registry under ``root``, ``gpus_per_node`` GPUs per node."""
@@ -46,6 +55,7 @@ def sglang_stand_in(root: Path, gpus_per_node: int = 4, **env: str) -> Iterator[
     try:
         yield root
     finally:
+        _remove_orphaned_shared_memory()
         sys.path.remove(str(STAND_INS))
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]
