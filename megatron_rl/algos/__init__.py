@@ -8,6 +8,12 @@ and ``actor_rollout_ref.actor.policy_loss`` (``register_policy_loss``).
 from megatron_rl.algos.advantage import compute_advantage
 from megatron_rl.algos.dynamic_sampling import filter_zero_variance_groups
 from megatron_rl.algos.estimators import (
+    ADV_ESTIMATOR_REGISTRY,
+    AdvantageEstimator,
+    EstimatorTraits,
+    get_adv_estimator_fn,
+    get_estimator_traits,
+    register_adv_est,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -29,6 +35,8 @@ from megatron_rl.algos.kl import (
 )
 from megatron_rl.algos.loss_agg import LOCAL_BATCH, LOSS_AGG_MODES, GlobalBatchInfo, agg_loss, masked_sum
 from megatron_rl.algos.policy_loss import (
+    POLICY_LOSS_REGISTRY,
+    get_policy_loss_fn,
     PolicyLoss,
     PolicyLossConfig,
     compute_policy_loss_gspo,
@@ -41,6 +49,14 @@ from megatron_rl.algos.rewards import apply_kl_penalty, rewards_from_scores
 from megatron_rl.algos.value_loss import compute_entropy_loss, compute_kl_loss, compute_value_loss
 
 __all__ = [
+    "ADV_ESTIMATOR_REGISTRY",
+    "POLICY_LOSS_REGISTRY",
+    "AdvantageEstimator",
+    "EstimatorTraits",
+    "get_adv_estimator_fn",
+    "get_estimator_traits",
+    "get_policy_loss_fn",
+    "register_adv_est",
     "KL_PENALTIES",
     "LOCAL_BATCH",
     "LOSS_AGG_MODES",

@@ -8,7 +8,10 @@ passes each parameter by name (see ``megatron_rl.algos.advantage``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import inspect
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -16,21 +19,96 @@ import torch
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_finite, check_per_sample, check_token_tensors
 from megatron_rl.algos.grouping import group_ids_from_uids
-from megatron_rl.algos.registry import Registry
+from megatron_rl.algos.registry import Registry, key_name
 
-AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+AdvantageEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 UidArray = np.ndarray | Sequence | torch.Tensor
 
-_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
+
+class AdvantageEstimator(str, Enum):
+    """verl's enum of estimator names; any member is accepted wherever a name is (registry, config)."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+    RLOO = "rloo"
 
 
-def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: make ``fn`` selectable as ``algorithm.adv_estimator=name``."""
-    return _ESTIMATORS.register(name)
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What an estimator needs from the run, declared when it is registered (read by config/validate.py
+    and the trainer instead of lists of names).
+
+    needs_critic: reads ``values`` (a critic must be enabled).
+    needs_groups: compares the responses of one prompt (``index`` = uid; rollout.n must be > 1).
+    needs_greedy_baseline: reads ``reward_baselines`` (the trainer generates a greedy response per prompt).
+    """
+
+    needs_critic: bool = False
+    needs_groups: bool = False
+    needs_greedy_baseline: bool = False
 
 
-def get_adv_estimator(name: str) -> AdvantageEstimator:
+_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry("advantage estimator", "algorithm.adv_estimator")
+_TRAITS: dict[str, EstimatorTraits] = {}
+ADV_ESTIMATOR_REGISTRY = _ESTIMATORS.view()  # verl's name; read-only, live
+
+
+def infer_traits(fn: Callable) -> EstimatorTraits:
+    """Traits from the parameter names (the way compute_advantage binds them): ``values`` -> critic,
+    ``index`` -> groups, ``reward_baselines`` -> greedy baseline."""
+    try:
+        params = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return EstimatorTraits()
+    return EstimatorTraits("values" in params, "index" in params, "reward_baselines" in params)
+
+
+def register_adv_estimator(
+    name: str | Enum,
+    *,
+    needs_critic: Optional[bool] = None,
+    needs_groups: Optional[bool] = None,
+    needs_greedy_baseline: Optional[bool] = None,
+) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
+    """Decorator: make ``fn`` selectable as ``algorithm.adv_estimator=name`` (a str or Enum member).
+
+    Traits left None are inferred from the parameter names (``infer_traits``); pass them to override.
+    """
+    register = _ESTIMATORS.register(name)
+    key = key_name(name)
+
+    def decorator(fn: AdvantageEstimatorFn) -> AdvantageEstimatorFn:
+        register(fn)
+        inferred = infer_traits(fn)
+        _TRAITS[key] = EstimatorTraits(
+            inferred.needs_critic if needs_critic is None else bool(needs_critic),
+            inferred.needs_groups if needs_groups is None else bool(needs_groups),
+            inferred.needs_greedy_baseline if needs_greedy_baseline is None else bool(needs_greedy_baseline),
+        )
+        return fn
+
+    return decorator
+
+
+def register_adv_est(name_or_enum: str | Enum) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
+    """verl's spelling of ``register_adv_estimator`` (traits inferred from the parameter names)."""
+    return register_adv_estimator(name_or_enum)
+
+
+def get_adv_estimator(name: str | Enum) -> AdvantageEstimatorFn:
     return _ESTIMATORS.get(name)
+
+
+get_adv_estimator_fn = get_adv_estimator  # verl's name
+
+
+def get_estimator_traits(name: str | Enum) -> EstimatorTraits:
+    """The traits of a registered estimator (ValueError naming the known ones when unknown)."""
+    _ESTIMATORS.get(name)
+    return _TRAITS[key_name(name)]
 
 
 def list_adv_estimators() -> list[str]:
@@ -54,7 +132,7 @@ def _group_outcome(
     return ops.group_normalize(scores, groups, mode=mode, epsilon=epsilon)
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator(AdvantageEstimator.GAE, needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
@@ -74,7 +152,7 @@ def compute_gae_advantage_return(
     return ops.masked_whiten(advantages, response_mask.float()), returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator(AdvantageEstimator.GRPO, needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -94,7 +172,7 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator(AdvantageEstimator.RLOO, needs_groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -111,7 +189,7 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -127,7 +205,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@register_adv_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS)
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
@@ -144,7 +222,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return ops.masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator(AdvantageEstimator.REMAX, needs_greedy_baseline=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor

@@ -8,15 +8,16 @@ of the whole mini-batch, so the accumulated gradient does not depend on how it w
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algos._checks import check_token_tensors
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 Count = float | int | torch.Tensor
 
 
@@ -84,31 +85,44 @@ def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
-    global_num_tokens: Optional[Count] = None,
-    global_batch_size: Optional[Count] = None,
     dp_size: int = 1,
+    batch_num_tokens: Optional[Count] = None,
+    global_batch_size: Optional[Count] = None,
     loss_scale_factor: Optional[float] = None,
+    *,
+    global_num_tokens: Optional[Count] = None,
 ) -> torch.Tensor:
-    """Scalar loss from ``loss_mat`` [B, T] over ``loss_mask`` [B, T] (verl's ``agg_loss``).
+    """Scalar loss from ``loss_mat`` [B, T] over ``loss_mask`` [B, T] (verl's ``agg_loss``, with
+    verl's positional order: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
 
     token-mean:              sum(loss * mask) / N_tokens
+    token-sum:               sum(loss * mask)
     seq-mean-token-sum:      sum_i (sum_t loss_it * m_it) / N_seqs
     seq-mean-token-mean:     sum_i (sum_t loss_it * m_it / (sum_t m_it + 1e-8)) / N_seqs
     seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (default: T, the padded width)
 
-    N_tokens / N_seqs are ``global_num_tokens`` / ``global_batch_size`` when given (the whole
-    mini-batch across micro-batches and DP ranks: then the parts' losses sum to the full-batch
-    loss), else this call's own counts (valid tokens; sequences with a valid token). The result
-    is multiplied by ``dp_size`` (see ``GlobalBatchInfo``). A zero count gives 0, not NaN.
+    N_tokens is ``batch_num_tokens`` (verl's name; ``global_num_tokens=`` is the same, keyword only)
+    and N_seqs ``global_batch_size`` when given (the whole mini-batch across micro-batches and DP
+    ranks: then the parts' losses sum to the full-batch loss), else this call's own counts (valid
+    tokens; sequences with a valid token). The result is multiplied by ``dp_size`` (see
+    ``GlobalBatchInfo``); dp_size > 1 without the global count is an error, as in verl. A zero count
+    gives 0, not NaN.
     """
     check_token_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {list(LOSS_AGG_MODES)}")
+    if batch_num_tokens is not None and global_num_tokens is not None:
+        raise ValueError("agg_loss: pass batch_num_tokens or global_num_tokens (the same count), not both")
+    if global_num_tokens is None:
+        global_num_tokens = batch_num_tokens
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
-        _require_global(dp_size, global_num_tokens, "global_num_tokens", loss_agg_mode)
+        _require_global(dp_size, global_num_tokens, "global_num_tokens (verl: batch_num_tokens)", loss_agg_mode)
         count = mask.sum() if global_num_tokens is None else global_num_tokens
         return masked_sum(loss_mat, mask) / _safe_divisor(count) * dp_size
+    if loss_agg_mode == "token-sum":
+        _check_dp_size(dp_size)
+        return masked_sum(loss_mat, mask) * dp_size
 
     _require_global(dp_size, global_batch_size, "global_batch_size", loss_agg_mode)
     tokens_per_seq = mask.sum(dim=-1)
@@ -123,9 +137,17 @@ def agg_loss(
     return loss
 
 
+def _check_dp_size(dp_size: Any) -> None:
+    # A count passed where dp_size sits (our pre-verl positional order) must not scale the loss.
+    if isinstance(dp_size, bool) or not isinstance(dp_size, numbers.Integral) or dp_size < 1:
+        raise ValueError(
+            f"dp_size must be a positive int, got {dp_size!r} (agg_loss takes verl's positional order: "
+            "loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)"
+        )
+
+
 def _require_global(dp_size: int, value: Optional[Count], name: str, mode: str) -> None:
-    if not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    _check_dp_size(dp_size)
     if dp_size > 1 and value is None:
         raise ValueError(
             f"agg_loss(loss_agg_mode={mode!r}, dp_size={dp_size}) needs {name}: a local count would "

@@ -8,7 +8,7 @@ names actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -61,8 +61,48 @@ class PolicyLossConfig:
 
     @classmethod
     def from_actor_config(cls, actor: Any) -> "PolicyLossConfig":
-        """Read the fields of the same names from ``actor_rollout_ref.actor`` (dataclass or DictConfig)."""
-        return cls(**{f.name: getattr(actor, f.name) for f in fields(cls)})
+        """Read the fields of the same names from an actor config: ours (``actor_rollout_ref.actor``),
+        a verl ``ActorConfig``, a DictConfig or a plain dict. Fields the config lacks keep their
+        defaults (verl 0.9 has no ``tis_imp_ratio_cap``: its correction lives in
+        ``algorithm.rollout_correction``)."""
+        if isinstance(actor, PolicyLossConfig):
+            return actor
+        values = {}
+        for f in fields(cls):
+            value = _read(actor, f.name, _ABSENT)
+            if value is not _ABSENT:
+                values[f.name] = value
+        return cls(**values)
+
+
+_ABSENT = object()
+
+
+def _read(cfg: Any, key: str, default: Any) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    try:
+        return getattr(cfg, key)
+    except (AttributeError, KeyError, Exception):  # DictConfig in struct mode raises its own error
+        return default
+
+
+def global_batch_from_config(config: Any) -> GlobalBatchInfo:
+    """verl passes the mini-batch normalisers in ``config.global_batch_info`` (dp_size,
+    batch_num_tokens, global_batch_size, loss_scale_factor); absent -> this call's own counts."""
+    info = _read(config, "global_batch_info", None) if config is not None else None
+    if not info:
+        return LOCAL_BATCH
+    info = dict(info)
+    unknown = set(info) - {"dp_size", "batch_num_tokens", "global_num_tokens", "global_batch_size", "loss_scale_factor"}
+    if unknown:
+        raise ValueError(f"config.global_batch_info has unknown keys {sorted(unknown)}")
+    return GlobalBatchInfo(
+        global_num_tokens=info.get("batch_num_tokens", info.get("global_num_tokens")),
+        global_batch_size=info.get("global_batch_size"),
+        dp_size=int(info.get("dp_size", 1)),
+        loss_scale_factor=info.get("loss_scale_factor"),
+    )
 
 
 class PolicyLoss(Protocol):
@@ -73,13 +113,16 @@ class PolicyLoss(Protocol):
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
         loss_agg_mode: str = ...,
-        config: Optional[PolicyLossConfig] = None,
+        config: Any = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+        *,
         rollout_log_probs: Optional[torch.Tensor] = None,
-        global_batch: GlobalBatchInfo = ...,
+        global_batch: Optional[GlobalBatchInfo] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 _POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss")
+POLICY_LOSS_REGISTRY = _POLICY_LOSSES.view()  # verl's name; read-only, live
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -89,6 +132,9 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
 
 def get_policy_loss(name: str) -> PolicyLoss:
     return _POLICY_LOSSES.get(name)
+
+
+get_policy_loss_fn = get_policy_loss  # verl's name
 
 
 def list_policy_losses() -> list[str]:
@@ -101,22 +147,44 @@ def _check_inputs(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_log_probs: Optional[torch.Tensor],
-    config: Optional[PolicyLossConfig],
-) -> PolicyLossConfig:
-    """Shapes agree and a TIS cap has the rollout log-probs it needs; returns the config (default if None)."""
+    config: Any,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    global_batch: Optional[GlobalBatchInfo] = None,
+) -> tuple[PolicyLossConfig, GlobalBatchInfo]:
+    """Shapes agree, IS weights look like weights, a TIS cap has the rollout log-probs it needs;
+    returns (the loss config, the global-batch normalisers), both defaulted and read from a
+    verl-shaped ``config`` (``global_batch_info``) when that is what was passed."""
     tensors = dict(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
     )
     if rollout_log_probs is not None:
         tensors["rollout_log_probs"] = rollout_log_probs
+    if rollout_is_weights is not None:
+        if not isinstance(rollout_is_weights, torch.Tensor):
+            raise ValueError(
+                f"rollout_is_weights (7th positional argument, verl's order) must be a tensor, got "
+                f"{type(rollout_is_weights).__name__}"
+            )
+        tensors["rollout_is_weights"] = rollout_is_weights
     check_token_tensors(**tensors)
-    config = config if config is not None else PolicyLossConfig()
+    if rollout_is_weights is not None:
+        valid = rollout_is_weights[response_mask.bool()]
+        if valid.numel() and bool((valid < 0).any()):
+            raise ValueError(
+                "rollout_is_weights has negative entries (min "
+                f"{valid.min().item():.4g}): importance weights are >= 0. If these are the rollout's "
+                "log-probs, pass them as rollout_log_probs= (the 7th positional argument is verl's "
+                "rollout_is_weights)"
+            )
+    if global_batch is None:
+        global_batch = global_batch_from_config(config)
+    config = PolicyLossConfig() if config is None else PolicyLossConfig.from_actor_config(config)
     if config.tis_imp_ratio_cap is not None and rollout_log_probs is None:
         raise ValueError(
             f"actor_rollout_ref.actor.tis_imp_ratio_cap={config.tis_imp_ratio_cap} is set but "
             "rollout_log_probs is None: the rollout must return the log-probs of the tokens it sampled"
         )
-    return config
+    return config, global_batch
 
 
 def _truncated_is(
@@ -146,9 +214,11 @@ def compute_policy_loss_vanilla(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Optional[PolicyLossConfig] = None,
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
     rollout_log_probs: Optional[torch.Tensor] = None,
-    global_batch: GlobalBatchInfo = LOCAL_BATCH,
+    global_batch: Optional[GlobalBatchInfo] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped objective with clip-higher and dual clip.
 
@@ -156,7 +226,9 @@ def compute_policy_loss_vanilla(
     where A < 0: l = min(l, -A*clip_ratio_c). pg_clipfrac: share of tokens where the clip binds;
     pg_clipfrac_lower: share where the dual clip binds; ppo_kl: masked mean of old - logp (clamped).
     """
-    config = _check_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config)
+    config, global_batch = _check_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config, rollout_is_weights, global_batch
+    )
     mask = response_mask.float()
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -174,6 +246,8 @@ def compute_policy_loss_vanilla(
         ).item(),
     }
     pg_losses = _truncated_is(pg_losses, old_log_prob, rollout_log_probs, mask, config, metrics)
+    if rollout_is_weights is not None:  # verl's rollout correction (algos/rollout_corr.py), detached
+        pg_losses = pg_losses * rollout_is_weights.detach()
     loss = agg_loss(pg_losses, mask, loss_agg_mode, **global_batch.agg_kwargs())
     return loss, metrics
 
@@ -185,9 +259,11 @@ def compute_policy_loss_gspo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
-    config: Optional[PolicyLossConfig] = None,
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
     rollout_log_probs: Optional[torch.Tensor] = None,
-    global_batch: GlobalBatchInfo = LOCAL_BATCH,
+    global_batch: Optional[GlobalBatchInfo] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (https://arxiv.org/abs/2507.18071): one importance ratio per sequence.
 
@@ -195,7 +271,9 @@ def compute_policy_loss_gspo(
     sg[s_i] * pi(y_t) / sg[pi(y_t)] (value s_i, gradient through each token's log-prob), its log
     clamped at 10; l = max(-A*s, -A*clip(s, 1-low, 1+high)). No dual clip, so pg_clipfrac_lower = 0.
     """
-    config = _check_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config)
+    config, global_batch = _check_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config, rollout_is_weights, global_batch
+    )
     mask = response_mask.float()
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
@@ -210,5 +288,7 @@ def compute_policy_loss_gspo(
         "actor/pg_clipfrac_lower": 0.0,
     }
     pg_losses = _truncated_is(pg_losses, old_log_prob, rollout_log_probs, mask, config, metrics)
+    if rollout_is_weights is not None:  # verl's rollout correction (algos/rollout_corr.py), detached
+        pg_losses = pg_losses * rollout_is_weights.detach()
     loss = agg_loss(pg_losses, mask, loss_agg_mode, **global_batch.agg_kwargs())
     return loss, metrics

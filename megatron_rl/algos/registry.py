@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from enum import Enum
+from typing import Any, Callable, Generic, Iterator, Mapping, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+def key_name(name: Any) -> str:
+    """A registry key from a str or an Enum member (verl's ``AdvantageEstimator.GRPO``)."""
+    if isinstance(name, Enum):
+        name = name.value
+    return name
 
 
 class Registry(Generic[F]):
     """Functions registered by name; an unknown name is an error that lists the known ones.
 
     ``kind`` and ``config_key`` only shape the error messages (e.g. "advantage estimator",
-    "algorithm.adv_estimator"), so the user learns which setting to fix.
+    "algorithm.adv_estimator"), so the user learns which setting to fix. Names may be given as
+    strings or as Enum members (their value is the key). ``view()`` is a live read-only mapping,
+    what verl exposes as ``ADV_ESTIMATOR_REGISTRY`` / ``POLICY_LOSS_REGISTRY``.
     """
 
     def __init__(self, kind: str, config_key: str) -> None:
@@ -19,7 +29,8 @@ class Registry(Generic[F]):
         self._config_key = config_key
         self._entries: dict[str, F] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: Any) -> Callable[[F], F]:
+        name = key_name(name)
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self._kind} needs a non-empty string name, got {name!r}")
 
@@ -38,13 +49,41 @@ class Registry(Generic[F]):
 
         return decorator
 
-    def get(self, name: str) -> F:
+    def get(self, name: Any) -> F:
         try:
-            return self._entries[name]
-        except KeyError:
+            return self._entries[key_name(name)]
+        except (KeyError, TypeError):
             raise ValueError(
-                f"unknown {self._kind} {name!r} ({self._config_key}); known: {self.names()}"
+                f"unknown {self._kind} {key_name(name)!r} ({self._config_key}); known: {self.names()}"
             ) from None
+
+    def __contains__(self, name: Any) -> bool:
+        return key_name(name) in self._entries
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def view(self) -> "RegistryView[F]":
+        return RegistryView(self._entries)
+
+
+class RegistryView(Mapping[str, F]):
+    """Read-only live view of a registry's entries (register through the decorator, not by assignment)."""
+
+    def __init__(self, entries: dict[str, F]) -> None:
+        self._entries = entries
+
+    def __getitem__(self, key: Any) -> F:
+        return self._entries[key_name(key)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Any) -> bool:
+        return key_name(key) in self._entries
+
+    def __repr__(self) -> str:
+        return f"RegistryView({list(self._entries)})"

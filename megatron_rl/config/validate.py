@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-VALUE_ESTIMATORS = ("gae",)  # estimators that need a critic
+
+def _estimator_traits(name: str):
+    """The traits an estimator declared when it was registered (algos/estimators.py): ours and a user's alike."""
+    from megatron_rl.algos import get_estimator_traits
+
+    return get_estimator_traits(name)
 
 
 class ConfigError(ValueError):
@@ -159,7 +164,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
     _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
-    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n == 1:
+    if _estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
                           f"needs actor_rollout_ref.rollout.n > 1, got 1")
     _require(not (algo.use_kl_in_reward and actor.use_kl_loss),
@@ -179,8 +184,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(rtp >= 1 and world % rtp == 0,
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size {world}")
 
-    uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else algo.adv_estimator in VALUE_ESTIMATORS
-    _require(uses_critic or algo.adv_estimator not in VALUE_ESTIMATORS,
+    needs_critic = _estimator_traits(algo.adv_estimator).needs_critic
+    uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else needs_critic
+    _require(uses_critic or not needs_critic,
              f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
     # The reference and the critic are colocated with the actor and share Megatron's (process-global)
     # parallel state, so their layout must be the actor's.

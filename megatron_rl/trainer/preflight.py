@@ -210,7 +210,10 @@ def check_schedule(cfg: DictConfig, train_rows: int) -> None:
                           f"{cfg.data.train_batch_size}: not one training step")
     for role in ("actor_rollout_ref.actor", "critic"):
         warmup = OmegaConf.select(cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
-        uses_critic = cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+        from megatron_rl.algos import get_estimator_traits
+
+        uses_critic = (cfg.critic.enable if cfg.critic.enable is not None
+                       else get_estimator_traits(cfg.algorithm.adv_estimator).needs_critic)
         if warmup > steps and (role != "critic" or uses_critic):
             raise ConfigError(f"{role}.optim.lr_warmup_steps={warmup} is longer than the at most {steps} training "
                               f"steps the data gives ({train_rows} rows / data.train_batch_size x "

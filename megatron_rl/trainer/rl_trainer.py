@@ -18,6 +18,7 @@ from megatron_rl.algos import (
     apply_kl_penalty,
     compute_advantage,
     filter_zero_variance_groups,
+    get_estimator_traits,
     get_kl_controller,
     rewards_from_scores,
 )
@@ -30,8 +31,6 @@ from megatron_rl.trainer.validation import validation_metrics
 
 logger = logging.getLogger(__name__)
 
-# Estimators that use a greedy rollout of the same prompt as the baseline.
-GREEDY_BASELINE_ESTIMATORS = ("remax",)
 
 
 class ActorRolloutRef(Protocol):
@@ -209,7 +208,7 @@ class RLTrainer:
         gen = batch.pop_for_generation()
         with timer("gen"):
             out = self.generate(gen.repeat(self.n, interleave=True))
-        if self.cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
+        if get_estimator_traits(self.cfg.algorithm.adv_estimator).needs_greedy_baseline:
             with timer("gen_max"):
                 batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
         batch = batch.repeat(self.n, interleave=True).union(out)  # response_mask comes with `out`

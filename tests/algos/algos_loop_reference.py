@@ -147,6 +147,8 @@ def agg(loss, mask, mode, num_tokens=None, num_seqs=None, scale=None):
         total = sum(li * mi for lrow, mrow in zip(lr, mr) for li, mi in zip(lrow, mrow))
         n = num_tokens if num_tokens is not None else sum(map(sum, mr))
         return total / n if n else 0.0
+    if mode == "token-sum":
+        return sum(li * mi for lrow, mrow in zip(lr, mr) for li, mi in zip(lrow, mrow))
     seq = []
     for lrow, mrow in zip(lr, mr):
         tokens = sum(mrow)

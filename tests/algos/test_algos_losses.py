@@ -107,8 +107,8 @@ def test_policy_loss_gradient_is_split_invariant_with_global_batch_info():
 
 
 def test_agg_loss_bad_inputs():
-    with pytest.raises(ValueError, match=r"unknown loss_agg_mode 'token-sum'; known: \['token-mean'"):
-        algos.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "token-sum")
+    with pytest.raises(ValueError, match=r"unknown loss_agg_mode 'token-max'; known: \['token-mean'"):
+        algos.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "token-max")
     with pytest.raises(ValueError, match=r"loss_mat \(2, 3\), loss_mask \(2, 4\)"):
         algos.agg_loss(torch.zeros(2, 3), torch.ones(2, 4), "token-mean")
     with pytest.raises(ValueError, match="dp_size=2\\) needs global_num_tokens"):
