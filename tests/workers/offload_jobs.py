@@ -43,8 +43,9 @@ def _step(actor, seed: int) -> dict[str, Any]:
 def offload_job(model_dir: str, tp: int) -> dict[str, Any]:
     init_model_parallel(tp=tp)
     out: dict[str, Any] = {}
-    for name, flags in (("plain", {}), ("offload", {"param_offload": True, "optimizer_offload": True}),
-                        ("params_only", {"param_offload": True})):
+    both = {"param_offload": True, "optimizer_offload": True}
+    for name, flags in (("plain", {}), ("offload", both), ("params_only", {"param_offload": True}),
+                        ("bf16_plain", {"params_dtype": "bf16"}), ("bf16_offload", {"params_dtype": "bf16", **both})):
         torch.manual_seed(0)
         actor = _actor(model_dir, tp, **flags)
         out[f"{name}/steps"] = [_step(actor, seed) for seed in (0, 1)]

@@ -58,3 +58,13 @@ def test_the_log_says_what_moved_where_in_which_phase(results):
     assert kinds_by_phase[("after_update", "host")] == {"grads", "optimizer"}
     assert results["plain/log"] == []  # without the flags nothing moves
     assert results["offload/residency"] == {"weights": "device", "grads": "host", "optimizer": "host"}
+
+
+def test_bf16_master_weights_travel_with_the_optimizer(results):
+    """bf16 parameters: Megatron's fp32 master weights are separate storages, offloaded with Adam's state."""
+    plain, moved = results["bf16_plain/steps"], results["bf16_offload/steps"]
+    assert moved[0]["host_bytes_in_generate"]["optimizer"] > 0  # master weights exist before the first step
+    for a, b in zip(plain, moved):
+        torch.testing.assert_close(b["log_probs"], a["log_probs"], atol=0, rtol=0)
+        for key, tensor in a["weights"].items():
+            assert torch.equal(b["weights"][key], tensor), key
