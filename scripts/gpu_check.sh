@@ -3,6 +3,9 @@
 # for this GPU only, run tests/gpu and the GPU kernel benchmarks, and write the results to $OUT
 # (default ./gpu_check_out): build.log, tests.xml, tests.log, bench.json, bench.log, summary.json.
 # Budget: under 8 minutes (the build is ~1-2 min with 16 cores; each step has its own timeout).
+# Megatron (tests/gpu/test_megatron_cuda.py): the actor on CUDA with the TE spec when TE imports, packed
+# sequences vs padded vs fp32 transformers (bf16 tolerance), offload freeing device memory, peak memory next
+# to the planned state (recorded as junit properties in tests.xml).
 # Rollout: SGLang cannot be installed on a lent GPU, so tests/gpu/test_rollout_cuda.py covers what the colocated
 # SGLang path relies on there instead: CUDA IPC buckets copied asynchronously by another process while the
 # producer allocates fresh ones (no reuse, exact copies), and the HF engine's sleep / weight-update cycle.
