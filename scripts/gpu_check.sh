@@ -30,7 +30,7 @@ echo "build rc=$build_rc (${build_s}s)"
 tests_rc=1
 bench_rc=1
 if [[ $build_rc -eq 0 ]]; then
-  timeout 150 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+  timeout 210 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
   tests_rc=${PIPESTATUS[0]}
   timeout 150 "$PY" -m pytest benchmarks/test_kernels_gpu.py -q -s -p no:cacheprovider \
     --benchmark-columns=min,mean,rounds --benchmark-json="$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
