@@ -1,0 +1,30 @@
+"""Multi-turn, tool-using rollouts (docs/rollout.md, "Agent loop"): the loop, environments, tools."""
+
+from megatron_rl.rollout.agent.env import (
+    ENV_REGISTRY,
+    AgentEnv,
+    SingleTurnEnv,
+    StepResult,
+    ToolEnv,
+    get_env,
+    register_env,
+)
+from megatron_rl.rollout.agent.loop import AgentLoop, AgentLoopSettings, agent_metrics, observation_token_ids
+from megatron_rl.rollout.agent.parser import ToolCall, ToolCallError, parse_tool_calls
+from megatron_rl.rollout.agent.tools import (
+    TOOL_REGISTRY,
+    CalculatorTool,
+    PythonTool,
+    Tool,
+    build_tools,
+    load_tool_config,
+    register_tool,
+    safe_arithmetic,
+)
+
+__all__ = [
+    "ENV_REGISTRY", "TOOL_REGISTRY", "AgentEnv", "AgentLoop", "AgentLoopSettings", "CalculatorTool",
+    "PythonTool", "SingleTurnEnv", "StepResult", "Tool", "ToolCall", "ToolCallError", "ToolEnv",
+    "agent_metrics", "build_tools", "get_env", "load_tool_config", "observation_token_ids",
+    "parse_tool_calls", "register_env", "register_tool", "safe_arithmetic",
+]
