@@ -288,6 +288,20 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction (algos/rollout_corr.py): IS weights and rejection against the
+    rollout engine's log-probs; all off by default. Thresholds take a number or a "lower_upper" string."""
+
+    rollout_is: Optional[str] = None  # null | token | sequence
+    rollout_is_threshold: Any = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None  # comma-separated: token_k1, seq_mean_k3, ...
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False  # old_log_probs := rollout_log_probs (no old-log-prob pass)
+    loss_type: str = "ppo_clip"  # bypass mode's loss; only ppo_clip runs in the trainer
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     gamma: float = 1.0
@@ -297,6 +311,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

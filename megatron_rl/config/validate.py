@@ -17,6 +17,18 @@ def _estimator_traits(name: str):
     return get_estimator_traits(name)
 
 
+def _check_rollout_correction(section) -> None:
+    from megatron_rl.algos.rollout_corr import RolloutCorrection
+
+    try:
+        corr = RolloutCorrection.from_config(section)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if corr.bypass_mode and corr.loss_type != "ppo_clip":
+        raise ConfigError(f"algorithm.rollout_correction.loss_type={corr.loss_type!r} with bypass_mode=true is not "
+                          "run by the trainer (only ppo_clip); compute_policy_loss_bypass_mode has it for custom loops")
+
+
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the key(s) and the values seen."""
 
@@ -164,6 +176,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
     _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _check_rollout_correction(algo.rollout_correction)
     if _estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
                           f"needs actor_rollout_ref.rollout.n > 1, got 1")

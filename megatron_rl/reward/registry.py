@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Scorer", "get_scorer", "register_scorer", "registered_data_sources"]
+__all__ = ["Scorer", "get_scorer", "register_scorer", "registered_data_sources", "EXTERNAL_SERVICE_SOURCES"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,21 @@ class Scorer:
 
 
 _SCORERS: dict[str, Scorer] = {}
+_PREFIX_SCORERS: dict[str, Scorer] = {}  # data_source prefix -> scorer (verl routes "aime*" by prefix)
+
+# verl's default_compute_score routes these to scorers that need a service megatron-rl does not run.
+EXTERNAL_SERVICE_SOURCES = {
+    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"),
+                    "a code-execution sandbox (verl: sandbox_fusion_url, or prime_code running the code locally)"),
+}
 
 
-def register_scorer(*data_sources: str, batched: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator: ``@register_scorer("openai/gsm8k", "gsm8k")`` makes ``fn`` score those data sources."""
-    if not data_sources or not all(isinstance(d, str) and d for d in data_sources):
+def register_scorer(
+    *data_sources: str, batched: bool = False, prefixes: tuple[str, ...] = ()
+) -> Callable[[Callable], Callable]:
+    """Decorator: ``@register_scorer("openai/gsm8k", "gsm8k")`` makes ``fn`` score those data sources;
+    ``prefixes=("aime",)`` also every data_source starting with one (an exact name wins)."""
+    if not (data_sources or prefixes) or not all(isinstance(d, str) and d for d in (*data_sources, *prefixes)):
         raise ValueError(
             f"register_scorer needs one or more non-empty data_source names, got {data_sources!r}"
         )
@@ -50,6 +60,11 @@ def register_scorer(*data_sources: str, batched: bool = False) -> Callable[[Call
                     f"refusing to replace it with {scorer.name}"
                 )
             _SCORERS[data_source] = scorer
+        for prefix in prefixes:
+            known = _PREFIX_SCORERS.get(prefix)
+            if known is not None and known.name != scorer.name:
+                raise ValueError(f"data_source prefix {prefix!r} already has the scorer {known.name}")
+            _PREFIX_SCORERS[prefix] = scorer
         return fn
 
     return register
@@ -59,6 +74,15 @@ def get_scorer(data_source: str) -> Scorer:
     try:
         return _SCORERS[data_source]
     except KeyError:
+        for prefix in sorted(_PREFIX_SCORERS, key=len, reverse=True):
+            if isinstance(data_source, str) and data_source.startswith(prefix):
+                return _PREFIX_SCORERS[prefix]
+        if data_source in EXTERNAL_SERVICE_SOURCES:
+            raise ValueError(
+                f"data_source {data_source!r} needs {EXTERNAL_SERVICE_SOURCES[data_source]}, which megatron-rl "
+                "does not provide: register a scorer for it (megatron_rl.reward.register_scorer) or set "
+                "reward.custom_reward_function.path"
+            ) from None
         raise ValueError(
             f"no scorer registered for data_source {data_source!r}; registered: "
             f"{registered_data_sources()}. Register one with megatron_rl.reward.register_scorer or "
@@ -67,4 +91,20 @@ def get_scorer(data_source: str) -> Scorer:
 
 
 def registered_data_sources() -> list[str]:
-    return sorted(_SCORERS)
+    return sorted(_SCORERS) + sorted(f"{p}*" for p in _PREFIX_SCORERS)
+
+
+def has_scorer(data_source: str) -> bool:
+    """True when ``get_scorer(data_source)`` would return a scorer (exact name or prefix)."""
+    try:
+        get_scorer(data_source)
+    except ValueError:
+        return False
+    return True
+
+
+def missing_scorer_reason(data_source: str) -> str | None:
+    """None when the data_source can be scored, else why not (an external service it needs, or no scorer)."""
+    if has_scorer(data_source):
+        return None
+    return EXTERNAL_SERVICE_SOURCES.get(data_source, "no scorer registered")

@@ -121,7 +121,7 @@ def check_data(cfg: DictConfig) -> int:
     custom = cfg.reward.custom_reward_function.path
     if custom:
         _check_custom_reward(Path(custom))
-    from megatron_rl.reward import registered_data_sources
+    from megatron_rl.reward.registry import missing_scorer_reason, registered_data_sources
 
     registered = registered_data_sources()
     train_rows = 0
@@ -137,9 +137,10 @@ def check_data(cfg: DictConfig) -> int:
                 train_rows += len(sources)
             if custom:
                 continue
-            unknown = Counter(s for s in sources if isinstance(s, str) and s and s not in registered)
+            unknown = Counter(s for s in sources if isinstance(s, str) and s and missing_scorer_reason(s))
             if unknown:
-                counts = ", ".join(f"{s!r}: {c} row{'s' if c > 1 else ''}" for s, c in unknown.most_common())
+                counts = ", ".join(f"{s!r}: {c} row{'s' if c > 1 else ''} ({missing_scorer_reason(s)})"
+                                   for s, c in unknown.most_common())
                 raise ConfigError(
                     f"{key}: {path} has rows whose data_source has no scorer ({counts}); registered: {registered}. "
                     f"Register one with megatron_rl.reward.register_scorer, or score every row with "

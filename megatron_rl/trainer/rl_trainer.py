@@ -22,6 +22,7 @@ from megatron_rl.algos import (
     get_kl_controller,
     rewards_from_scores,
 )
+from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.config import DerivedSizes
 from megatron_rl.protocol import DataProto
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
@@ -160,8 +161,14 @@ class RLTrainer:
         if self.cfg.algorithm.filter_groups.enable:
             batch = self.fill_with_informative_groups(batch, step, metrics, timer)
 
-        with timer("old_log_prob"):
-            batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        correction = RolloutCorrection.from_config(self.cfg.algorithm.get("rollout_correction"))
+        if correction.bypass_mode:  # verl's bypass mode: the rollout's log-probs are the old policy's
+            batch.require("rollout_log_probs", where="algorithm.rollout_correction.bypass_mode")
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        else:
+            with timer("old_log_prob"):
+                batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        metrics |= apply_rollout_correction(batch, correction)  # IS weights, rejected tokens
         if self.use_reference:
             with timer("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))

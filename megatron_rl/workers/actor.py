@@ -124,6 +124,7 @@ class ActorRole(CheckpointedRole):
             mask,
             cfg.loss_agg_mode,
             self.loss_config,
+            fields.get("rollout_is_weights"),
             rollout_log_probs=fields.get("rollout_log_probs"),
             global_batch=global_batch,
         )
@@ -146,6 +147,8 @@ class ActorRole(CheckpointedRole):
         actor/grad_norm, actor/lr: means over the optimizer steps, identical on every rank.
         """
         fields = self._update_fields()
+        if "rollout_is_weights" in data.batch:  # algorithm.rollout_correction (algos/rollout_corr.py)
+            fields += ("rollout_is_weights",)
         check_batch(data, fields, "update_actor")
         temperature = read_temperature(data, "update_actor")
         self.engine.offload.enter("update")

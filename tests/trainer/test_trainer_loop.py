@@ -250,3 +250,38 @@ def test_uids_are_deterministic_per_step():
 
     assert list(new_uids(3, 2)) == ["3-0", "3-1"]
     assert np.array_equal(new_uids(3, 2), new_uids(3, 2))
+
+
+class RolloutLogProbActor(FakeActorRollout):
+    """Returns rollout log-probs that differ from the (zero) old log-probs."""
+
+    def generate_sequences(self, gen):
+        out = super().generate_sequences(gen)
+        out.batch["rollout_log_probs"] = -0.5 * torch.arange(R, dtype=torch.float32).expand(len(gen), R).clone()
+        return out
+
+    def update_actor(self, data):
+        self.seen = data
+        return super().update_actor(data)
+
+
+def test_rollout_correction_weights_reach_the_actor(tmp_path):
+    actor = RolloutLogProbActor()
+    trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.save_hf_at_end=false",
+                              "algorithm.rollout_correction.rollout_is=token",
+                              "algorithm.rollout_correction.rollout_is_threshold=2.0", actor=actor)
+    trainer.fit()
+    weights = actor.seen.batch["rollout_is_weights"]
+    mask = actor.seen.batch["response_mask"].float()
+    expected = torch.exp(0.5 * torch.arange(R, dtype=torch.float32)).clamp(max=2.0) * mask
+    torch.testing.assert_close(weights, expected)
+    assert "rollout_corr/rollout_is_mean" in trainer.tracking.records[1]
+
+
+def test_rollout_correction_bypass_mode_skips_the_old_log_prob_pass(tmp_path):
+    actor = RolloutLogProbActor()
+    trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.save_hf_at_end=false",
+                              "algorithm.rollout_correction.bypass_mode=true", actor=actor)
+    trainer.fit()
+    assert "compute_log_prob" not in actor.calls
+    assert torch.equal(actor.seen.batch["old_log_probs"], actor.seen.batch["rollout_log_probs"])

@@ -4,11 +4,22 @@ Normalisation (in the spirit of the Hendrycks MATH ``strip_string``): drop spaci
 ``\\left``/``\\right``, ``$``, ``%``, degree marks and ``\\text{}``-style wrappers; ``\\dfrac``/``\\tfrac`` ->
 ``\\frac``; add braces to ``\\frac12`` and ``\\sqrt2``; drop a leading ``x=``; ``.5`` -> ``0.5``. Then
 plain numbers, ``a/b`` and ``\\frac{a}{b}`` compare by value, so ``0.5``, ``1/2`` and ``\\dfrac{1}{2}`` agree.
+
+Also accepted (what HF's math-verify accepts): units after a number (``5\\text{ cm}``, ``5 cm``,
+``30^\\circ``), ``{,}`` thousands separators, unicode minus, vulgar fractions (``½``), ``π``, ``√``,
+``×``. When ``math_verify`` is installed (optional) and the own comparison says "different", it gets
+the last word on symbolic equality (``\\frac{\\sqrt{2}}{2}`` vs ``\\frac{1}{\\sqrt{2}}``), with its own
+timeouts, in the main thread only (its timeout is signal-based).
+
+Bounded time: answers longer than ``MAX_ANSWER_CHARS`` are compared as normalised strings only (no
+numeric parse, no math-verify), numbers are parsed only up to ``MAX_NUMBER_DIGITS`` digits; the
+scoring pool's per-call timeout (``reward.timeout_s``) bounds the rest.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 from typing import Any
 
@@ -22,6 +33,32 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _FRAC = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
 _SLASH = re.compile(r"(-?\d+)/(-?\d+)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+MAX_ANSWER_CHARS = 1000
+MAX_NUMBER_DIGITS = 400
+_UNITS = (
+    "cm", "mm", "km", "m", "kg", "g", "mg", "l", "ml", "s", "sec", "seconds", "second", "min", "minutes", "minute",
+    "hours", "hour", "hrs", "days", "day", "weeks", "years", "year", "degrees", "degree", "deg", "units", "unit",
+    "inches", "inch", "in", "feet", "foot", "ft", "yards", "yd", "miles", "mile", "mph", "meters", "meter",
+    "centimeters", "dollars", "dollar", "cents", "cent", "percent", "sq", "squareunits", "squarefeet",
+    "squaremeters", "cubicunits", "points", "people", "students", "pounds", "lbs", "oz", "ounces", "liters",
+)
+_UNIT_TAIL = re.compile(r"(?<=[\d}])(?:\\(?:text|mbox|mathrm)\{\s*([a-zA-Z ]+)\}|\s*([a-zA-Z]+)(?:\^[23])?)$")
+_UNICODE = {
+    "\u2212": "-", "\u2013": "-", "\u00bd": "1/2", "\u2153": "1/3", "\u2154": "2/3", "\u00bc": "1/4",
+    "\u00be": "3/4", "\u215b": "1/8", "\u03c0": "\\pi ", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u00b0": "^\\circ",
+    "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ",
+}
+_SQRT_UNICODE = re.compile("\u221a\\s*(\\d+|[a-zA-Z]|\\{[^{}]*\\}|\\([^()]*\\))")
+
+
+def _strip_unit(s: str) -> str:
+    """Drop one trailing unit after a number ("5\\text{ cm}", "5cm", "12 dollars"); "2x" keeps its x."""
+    match = _UNIT_TAIL.search(s)
+    if match:
+        word = (match[1] or match[2] or "").replace(" ", "").lower()
+        if word in _UNITS:
+            return s[: match.start()]
+    return s
 
 
 def last_boxed(text: str) -> str | None:
@@ -44,6 +81,11 @@ def last_boxed(text: str) -> str | None:
 
 def normalize_answer(answer: str) -> str:
     s = answer.strip().replace("\n", "")
+    for char, repl in _UNICODE.items():
+        s = s.replace(char, repl)
+    s = _SQRT_UNICODE.sub(lambda m: "\\sqrt{" + m[1].strip("{}()") + "}", s)
+    s = s.replace("{,}", ",").replace("\\!", "")
+    s = _strip_unit(s.strip())
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = s.replace("\\left", "").replace("\\right", "")
     while _WRAPPER.search(s):
@@ -52,6 +94,7 @@ def normalize_answer(answer: str) -> str:
     for token in ("^{\\circ}", "^\\circ", "\\$", "$", "\\%", "%", " "):
         s = s.replace(token, "")
     s = re.sub(r"^[a-zA-Z]\w*=(?!=)", "", s)  # "x=5" -> "5"
+    s = _strip_unit(s)
     s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", s)
@@ -65,6 +108,8 @@ def normalize_answer(answer: str) -> str:
 
 
 def _as_fraction(s: str) -> Fraction | None:
+    if sum(c.isdigit() for c in s) > MAX_NUMBER_DIGITS:  # a 100k-digit "answer" is not worth a bignum parse
+        return None
     try:
         if _NUMBER.fullmatch(s):
             return Fraction(s)
@@ -73,20 +118,40 @@ def _as_fraction(s: str) -> Fraction | None:
             return -value if match[1] else value
         if match := _SLASH.fullmatch(s):
             return Fraction(int(match[1]), int(match[2]))
-    except ZeroDivisionError:
+    except (ZeroDivisionError, ValueError):
         return None
     return None
 
 
-def is_equiv(prediction: str, ground_truth: str) -> bool:
+def is_equiv(prediction: str, ground_truth: str, use_math_verify: bool = True) -> bool:
+    if len(prediction) > MAX_ANSWER_CHARS or len(ground_truth) > MAX_ANSWER_CHARS:
+        return prediction.strip() == ground_truth.strip()
     a, b = normalize_answer(prediction), normalize_answer(ground_truth)
     if a == b:
         return True
     value_a, value_b = _as_fraction(a), _as_fraction(b)
-    return value_a is not None and value_a == value_b
+    if value_a is not None and value_b is not None:
+        return value_a == value_b
+    return use_math_verify and _math_verify_equal(prediction, ground_truth)
 
 
-@register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
+def _math_verify_equal(prediction: str, ground_truth: str, timeout_s: int = 3) -> bool:
+    """HF math-verify's symbolic check when installed and usable here (main thread), else False."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        import math_verify
+    except ImportError:
+        return False
+    try:
+        gold = math_verify.parse(f"${ground_truth}$", parsing_timeout=timeout_s)
+        pred = math_verify.parse(f"${prediction}$", parsing_timeout=timeout_s)
+        return bool(gold and pred and math_verify.verify(gold, pred, timeout_seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a parser failure or timeout means "not shown equal"
+        return False
+
+
+@register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 def compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
 ) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""verl.trainer on megatron-rl (only ``ppo.core_algos`` is mirrored)."""

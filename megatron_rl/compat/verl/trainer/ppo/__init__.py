@@ -1,0 +1,1 @@
+"""verl.trainer.ppo on megatron-rl."""

@@ -1,0 +1,1 @@
+"""verl.utils on megatron-rl (only ``reward_score`` is mirrored)."""
