@@ -49,7 +49,8 @@ def build_lr_scheduler(optimizer: Any, optim: Any, prefix: str) -> Any:
         min_lr=optim.lr * optim.min_lr_ratio,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps,
-        lr_decay_style=optim.lr_scheduler,
+        # a plain str: the scheduler's state goes into checkpoints, which torch.load(weights_only) reads back
+        lr_decay_style=str(optim.lr_scheduler),
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,
         wd_incr_steps=1,
