@@ -5,7 +5,8 @@ Public API (docs/models.md has the details):
     build_gpt_model(hf_config, *, value_head=False, ...) -> list of model chunks (one per VPP stage)
     load_hf_weights(chunks, dir)
     build_from_hf(dir, **build_kwargs) -> chunks (build + load)
-    export_hf_weights(chunks, dtype=None) -> iterator of (hf_name, full tensor), on every rank
+    export_hf_weights(chunks, dtype=None) -> iterator of (hf_name, full tensor), on every rank (shard-first,
+        bucketed; export_hf_buckets yields the sealed buckets, export_consumers limits who materialises)
     save_hf_checkpoint(chunks, out_dir, tokenizer_dir=None, dtype=None)
     causal_padding_mask(attention_mask [B, T]) -> [B, 1, T, T] bool mask for GPTModel.forward
     compute_full_logits(chunks, input_ids, attention_mask) -> [B, T, vocab] on the last stage
@@ -26,6 +27,9 @@ _EXPORTS = {
     "build_gpt_model": "builder",
     "make_transformer_config": "builder",
     "export_hf_weights": "export",
+    "export_hf_buckets": "export",
+    "export_hf_weights_tensorwise": "export",
+    "export_consumers": "export_options",
     "save_hf_checkpoint": "export",
     "CheckpointMismatchError": "hf_checkpoint",
     "HFCheckpointReader": "hf_checkpoint",

@@ -1,9 +1,38 @@
 """Stream full HF-named tensors out of TP/PP-sharded Megatron chunks, and save an HF directory.
 
-``export_hf_weights`` is a collective: every rank of the model-parallel group must iterate it to the
-end, in step. Each tensor is TP-all-gathered on the stage that holds it, re-laid out to HF (q/k/v and
-gate/up split, vocabulary padding dropped) and broadcast over the pipeline group, so **every rank
-receives every tensor** (same order on all ranks). Only one logical tensor is materialised at a time.
+``export_hf_weights`` is a collective over the model-parallel group: every rank must iterate it to the end,
+in step. It is **shard-first and bucketed** (docs/rollout.md, "Weight export: shard first"):
+
+1. Buckets. Every rank builds the same plan: the HF tensor groups in checkpoint order, cut into buckets of
+   consecutive groups held by one pipeline stage, each bucket one flat byte buffer of this TP rank's shards
+   (``bucket_bytes`` of full tensors, i.e. ``bucket_bytes / tp`` per rank; a larger group travels alone).
+2. Pipeline: the owning stage's rank of TP rank t packs its shards (casting to ``dtype`` in the copy) and
+   broadcasts the flat buffer over its pipeline group, so every rank receives only **its own TP rank's
+   shards** of the stages it does not hold — one collective per bucket, never a full tensor across nodes.
+3. Tensor parallel: one ``all_gather_into_tensor`` per bucket over the TP group (inside a node) gives every
+   TP rank all shards of the bucket.
+4. Conversion, once per tensor, only on ranks that materialise (``consumers``): the shards are written straight
+   into a fresh HF-layout bucket (SGLang's flattened_bucket layout; q/k/v and gate/up split, vocabulary
+   padding dropped), which is sealed (never written again) and yielded tensor by tensor as views of it.
+   ``sync_weights`` hands a sealed bucket to the engine as is, without another copy.
+
+Who takes part in what (``consumers``: the ranks that need full tensors; default every rank). A rank *needs
+shards* when some rank of its TP group is a consumer. Pipeline step of a bucket in a pipeline group: the
+receivers are the members, other than the owner, that need shards — none: nothing is sent; all: one
+broadcast; some: point-to-point sends from the owner to each. TP step, on ranks that need shards: every TP
+rank a consumer: all-gather; else one gather to each consumer. Non-consumers yield nothing. Colocated
+engines: every rank consumes. Server mode: only global rank 0 (the sender) consumes, so only its TP group
+gathers (to it) and only its pipeline groups send, point to point, to it.
+
+Overlap: bucket k+1's pipeline transfer is started before bucket k is converted and its TP gather before
+bucket k is yielded (asynchronous collectives), so they run while the consumer loads bucket k into the engine.
+Buffers are fresh per bucket and never rewritten, so a consumer may keep (or hand an engine) any view.
+Peak extra memory per rank: 2 buckets in flight x (bucket_bytes / tp shard buffer + bucket_bytes gathered)
++ the HF bucket being consumed (<= bucket_bytes), plus what the consumer still holds.
+
+``export_hf_weights_tensorwise`` is the previous path (per tensor: TP all-gather on the owning stage, then
+the full tensor broadcast over every pipeline group), kept as the baseline of the benchmark and the
+traffic model's check.
 """
 
 from __future__ import annotations
@@ -11,6 +40,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +48,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
+from megatron_rl.models import export_options
+from megatron_rl.models.export_options import export_consumers  # noqa: F401  (re-exported)
 from megatron_rl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import (
     Kind,
     ParamMapping,
+    TensorGroup,
     chunk_mappings,
     hf_from_shards,
     hf_tensor_groups,
@@ -43,6 +76,310 @@ TOKENIZER_FILES = (
 )
 
 
+
+DEFAULT_EXPORT_BUCKET_BYTES = export_options.DEFAULT_EXPORT_BUCKET_BYTES
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _aligned(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    """One Megatron parameter's TP shard in a bucket's flat per-rank buffer (same on every TP rank)."""
+
+    group: TensorGroup
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes into the per-rank buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExportBucket:
+    stage: int  # pipeline rank that holds these parameters
+    slots: tuple[ShardSlot, ...]
+    shard_bytes: int  # per-rank flat buffer size
+
+
+def plan_export_buckets(
+    groups: list[TensorGroup], owner: dict[str, tuple[int, str, tuple[int, ...]]], tp: int, bucket_bytes: int
+) -> list[ExportBucket]:
+    """Cut the HF tensor groups (checkpoint order) into buckets of one stage, <= ``bucket_bytes`` of gathered
+    bytes (``tp`` x per-rank bytes) each; a group larger than that travels alone. ``owner``: group key ->
+    (stage, dtype name, local shard shape). Pure: the traffic model calls it too."""
+    buckets: list[ExportBucket] = []
+    slots: list[ShardSlot] = []
+    stage, used = -1, 0
+    for group in groups:
+        if group.key not in owner:
+            raise RuntimeError(f"no pipeline stage holds {group.key!r}; are all model chunks passed?")
+        g_stage, dtype_name, shape = owner[group.key]
+        dtype = getattr(torch, dtype_name)
+        nbytes = _numel(shape) * dtype.itemsize
+        offset = _aligned(used, dtype.itemsize)
+        if slots and (g_stage != stage or (offset + nbytes) * tp > bucket_bytes):
+            buckets.append(ExportBucket(stage, tuple(slots), used))
+            slots, used, offset = [], 0, 0
+        stage = g_stage
+        slots.append(ShardSlot(group, tuple(shape), dtype, offset, nbytes))
+        used = offset + nbytes
+    if slots:
+        buckets.append(ExportBucket(stage, tuple(slots), used))
+    return buckets
+
+
+def hf_bucket_specs(hf: HFModelConfig, bucket: ExportBucket) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, full shape, dtype) of every tensor the bucket converts to."""
+    return [(t.name, tuple(t.shape), slot.dtype) for slot in bucket.slots for t in slot.group.tensors]
+
+
+def _write_hf(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Tensor], dests: list[torch.Tensor]) -> None:
+    """Write the full HF tensors of ``group`` from its TP shards straight into ``dests`` (one copy per byte)."""
+    kind, tp = group.kind, len(shards)
+    if kind is Kind.REPLICATED:
+        dests[0].copy_(shards[0])
+        return
+    if kind is Kind.COLUMN:
+        rows = shards[0].shape[0]
+        for r, shard in enumerate(shards):
+            dests[0][r * rows : (r + 1) * rows].copy_(shard)
+        return
+    if kind is Kind.ROW:
+        cols = shards[0].shape[1]
+        for r, shard in enumerate(shards):
+            dests[0][:, r * cols : (r + 1) * cols].copy_(shard)
+        return
+    if kind is Kind.VOCAB:
+        rows, vocab = shards[0].shape[0], dests[0].shape[0]
+        for r, shard in enumerate(shards):
+            lo, hi = r * rows, min((r + 1) * rows, vocab)
+            if hi > lo:
+                dests[0][lo:hi].copy_(shard[: hi - lo])
+        return
+    if kind is Kind.GATE_UP:
+        half = shards[0].shape[0] // 2
+        for r, shard in enumerate(shards):
+            dests[0][r * half : (r + 1) * half].copy_(shard[:half])
+            dests[1][r * half : (r + 1) * half].copy_(shard[half:])
+        return
+    if kind is Kind.QKV:
+        ng, hd = hf.num_key_value_heads, hf.head_dim
+        q_rows = hf.num_attention_heads // ng * hd
+        if ng % tp == 0:  # each shard holds whole query groups
+            per = ng // tp
+            q, k, v = (d.view(ng, -1, *d.shape[1:]) for d in dests)
+            for r, shard in enumerate(shards):
+                sq, sk, sv = shard.view(per, q_rows + 2 * hd, *shard.shape[1:]).split([q_rows, hd, hd], dim=1)
+                q[r * per : (r + 1) * per].copy_(sq)
+                k[r * per : (r + 1) * per].copy_(sk)
+                v[r * per : (r + 1) * per].copy_(sv)
+            return
+        for dest, full in zip(dests, hf_from_shards(hf, group, shards)):  # TP > query groups: partial groups
+            dest.copy_(full)
+        return
+    raise AssertionError(kind)
+
+
+class _Transfer:
+    """The collectives of one bucket on this rank: pipeline step, then TP step (both may run asynchronously)."""
+
+    def __init__(self, ctx: _ExportContext, bucket: ExportBucket) -> None:
+        self.ctx, self.bucket = ctx, bucket
+        self.shard: torch.Tensor | None = None
+        self.gathered: torch.Tensor | None = None
+        self._works: list = []
+
+    def start_pipeline(self) -> _Transfer:
+        ctx, bucket = self.ctx, self.bucket
+        receivers = [s for s in range(ctx.pp_size) if s != bucket.stage and ctx.needs_shards[s]]
+        if bucket.stage == ctx.pp_rank:
+            if not receivers and not ctx.needs_shards[ctx.pp_rank]:
+                return self
+        elif ctx.pp_rank not in receivers:
+            return self
+        shard = torch.empty(bucket.shard_bytes, dtype=torch.uint8, device=ctx.device)
+        if bucket.stage == ctx.pp_rank:
+            for slot in bucket.slots:
+                view = shard[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                view.copy_(ctx.local[slot.group.key].param.detach())  # the cast to the export dtype is this copy
+        self.shard = shard
+        if not receivers:
+            return self
+        if len(receivers) == ctx.pp_size - 1:
+            self._works.append(
+                dist.broadcast(shard, group=ctx.pp_group, group_src=bucket.stage, async_op=True)
+            )
+        elif bucket.stage == ctx.pp_rank:
+            self._works += [dist.isend(shard, dst=ctx.pp_ranks[s], group=ctx.pp_group) for s in receivers]
+        else:
+            self._works.append(dist.irecv(shard, src=ctx.pp_ranks[bucket.stage], group=ctx.pp_group))
+        return self
+
+    def _wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+    def start_tensor_parallel(self) -> _Transfer:
+        self._wait()
+        ctx = self.ctx
+        if not ctx.needs_shards[ctx.pp_rank]:
+            self.shard = None
+            return self
+        assert self.shard is not None
+        if ctx.tp_size == 1:
+            self.gathered = self.shard if ctx.is_consumer else None
+            return self
+        consumers = ctx.tp_consumers
+        if len(consumers) == ctx.tp_size:
+            self.gathered = torch.empty(ctx.tp_size * self.bucket.shard_bytes, dtype=torch.uint8, device=ctx.device)
+            self._works.append(
+                dist.all_gather_into_tensor(self.gathered, self.shard, group=ctx.tp_group, async_op=True)
+            )
+        else:
+            for dst in consumers:
+                out = None
+                if dst == ctx.rank:
+                    self.gathered = torch.empty(
+                        ctx.tp_size * self.bucket.shard_bytes, dtype=torch.uint8, device=ctx.device
+                    )
+                    out = list(self.gathered.view(ctx.tp_size, -1))
+                self._works.append(
+                    dist.gather(self.shard, out, dst=dst, group=ctx.tp_group, async_op=True)
+                )
+        return self
+
+    def finish(self) -> torch.Tensor | None:
+        """The gathered buffer ([tp x shard_bytes] uint8) on a consumer, else None."""
+        self._wait()
+        self.shard = None
+        gathered, self.gathered = self.gathered, None
+        return gathered
+
+
+@dataclass
+class _ExportContext:
+    hf: HFModelConfig
+    local: dict[str, ParamMapping]
+    device: torch.device
+    rank: int
+    pp_group: object
+    pp_rank: int
+    pp_size: int
+    pp_ranks: list[int]
+    tp_group: object
+    tp_size: int
+    is_consumer: bool
+    tp_consumers: list[int]  # global ranks of this TP group that consume
+    needs_shards: list[bool]  # per pipeline rank of this pipeline group
+
+
+def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor):
+    from megatron_rl.rollout.bucket import WeightBucket, seal
+
+    specs = hf_bucket_specs(ctx.hf, bucket)
+    out = WeightBucket(WeightBucket.capacity_for([(shape, dtype) for _, shape, dtype in specs]), ctx.device)
+    rows = gathered.view(ctx.tp_size, bucket.shard_bytes)
+    for slot in bucket.slots:
+        shards = [rows[r, slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                  for r in range(ctx.tp_size)]
+        dests = [out.reserve(t.name, tuple(t.shape), slot.dtype) for t in slot.group.tensors]
+        if slot.group.kind is Kind.REPLICATED:
+            shards = shards[:1]
+        _write_hf(ctx.hf, slot.group, shards, dests)
+    return seal(out)
+
+
+def _export_context(chunks, dtype, consumers) -> tuple[_ExportContext, dict, bool]:
+    hf = chunks[0].hf_config
+    local = {m.group.key: m for chunk in chunks for m in chunk_mappings(chunk) if m.export}
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    rank = dist.get_rank()
+    is_consumer = consumers is None or rank in consumers
+    tp_consumers = [r for r in tp_ranks if consumers is None or r in consumers]
+    holdings = {
+        key: (str(dtype or m.param.dtype).removeprefix("torch."), tuple(m.param.shape)) for key, m in local.items()
+    }
+    mine = (holdings, bool(tp_consumers))
+    if pp_size > 1:
+        everyone: list = [None] * pp_size
+        dist.all_gather_object(everyone, mine, group=pp_group)
+    else:
+        everyone = [mine]
+    owner = {key: (stage, dt, shape) for stage, (held, _) in enumerate(everyone) for key, (dt, shape) in held.items()}
+    value_model = any("score.weight" in held for held, _ in everyone)  # only the last stage has the head
+    ctx = _ExportContext(
+        hf=hf, local=local, device=_device(), rank=rank, pp_group=pp_group, pp_rank=pp_rank, pp_size=pp_size,
+        pp_ranks=dist.get_process_group_ranks(pp_group), tp_group=tp_group, tp_size=len(tp_ranks),
+        is_consumer=is_consumer, tp_consumers=tp_consumers, needs_shards=[needs for _, needs in everyone],
+    )
+    return ctx, owner, value_model
+
+
+def export_hf_buckets(
+    model_chunks: list[torch.nn.Module],
+    dtype: torch.dtype | None = None,
+    *,
+    bucket_bytes: int | None = None,
+    consumers=None,
+):
+    """Yield sealed HF-layout ``WeightBucket``s (checkpoint order) on consumer ranks; a collective (module
+    docstring). ``consumers``: global ranks that materialise (default: ``export_consumers``' setting, else all)."""
+    chunks = [unwrap(c) for c in model_chunks]
+    if consumers is None:
+        consumers = export_options.consumers
+    bucket_bytes = bucket_bytes or export_options.bucket_bytes or DEFAULT_EXPORT_BUCKET_BYTES
+    ctx, owner, value_model = _export_context(chunks, dtype, None if consumers is None else frozenset(consumers))
+    buckets = plan_export_buckets(hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes)
+    if not buckets:
+        return
+    pending = _Transfer(ctx, buckets[0]).start_pipeline().start_tensor_parallel()
+    for k, bucket in enumerate(buckets):
+        gathered = pending.finish()
+        following = _Transfer(ctx, buckets[k + 1]).start_pipeline() if k + 1 < len(buckets) else None
+        out = _hf_bucket(ctx, bucket, gathered) if gathered is not None else None
+        del gathered
+        if following is not None:
+            pending = following.start_tensor_parallel()  # runs while the consumer loads ``out``
+        if out is not None:
+            yield out
+
+
+def export_hf_weights(
+    model_chunks: list[torch.nn.Module],
+    dtype: torch.dtype | None = None,
+    *,
+    bucket_bytes: int | None = None,
+    consumers=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` in HF checkpoint order on every consumer rank (default: every rank).
+
+    ``dtype`` casts before communication (e.g. bf16 for rollout engines); default: parameter dtype.
+    A value model yields ``score.weight``/``score.bias`` instead of ``lm_head.weight``; a tied model
+    yields no ``lm_head.weight``. Tensors are views of sealed buckets on the current CUDA device (CPU
+    without CUDA), never written again. Non-consumer ranks take part in the collectives and yield nothing.
+    """
+    for bucket in export_hf_buckets(model_chunks, dtype, bucket_bytes=bucket_bytes, consumers=consumers):
+        yield from bucket.named_tensors()
+
+
+# ---------------------------------------------------------------- the previous path (baseline)
+
+
 def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     group = parallel_state.get_tensor_model_parallel_group()
     size = dist.get_world_size(group)
@@ -61,23 +398,17 @@ def _full_tensors(hf: HFModelConfig, mapping: ParamMapping, dtype: torch.dtype |
     return [t.contiguous() for t in hf_from_shards(hf, mapping.group, shards)]
 
 
-def export_hf_weights(
+def export_hf_weights_tensorwise(
     model_chunks: list[torch.nn.Module], dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` in HF checkpoint order, one tensor at a time, on every rank.
-
-    ``dtype`` casts before communication (e.g. bf16 for rollout engines); default: parameter dtype.
-    A value model yields ``score.weight``/``score.bias`` instead of ``lm_head.weight``; a tied model
-    yields no ``lm_head.weight``. Tensors live on the current CUDA device (CPU without CUDA).
-    """
+    """The previous export: per tensor, TP all-gather on the owning stage, then the FULL tensor broadcast over
+    the pipeline group, so every rank receives every full tensor. Kept as the benchmark's baseline."""
     chunks = [unwrap(c) for c in model_chunks]
     hf = chunks[0].hf_config
     local = {m.group.key: m for chunk in chunks for m in chunk_mappings(chunk) if m.export}
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = dist.get_world_size(pp_group)
     pp_rank = dist.get_rank(pp_group)
-
-    # Who holds what, and in which dtype: one small object all-gather over the pipeline group.
     holdings = {key: str(dtype or m.param.dtype).removeprefix("torch.") for key, m in local.items()}
     everyone: list[dict[str, str]] = [{} for _ in range(pp_size)]
     if pp_size > 1:
@@ -85,13 +416,8 @@ def export_hf_weights(
     else:
         everyone = [holdings]
     owner = {key: (rank, dt) for rank, held in enumerate(everyone) for key, dt in held.items()}
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-    value_model = any("score.weight" in held for held in everyone)  # only the last stage has the head
+    device = _device()
+    value_model = any("score.weight" in held for held in everyone)
     for group in hf_tensor_groups(hf, value_head=value_model):
         if group.key not in owner:
             raise RuntimeError(f"no pipeline stage holds {group.key!r}; are all model chunks passed?")
@@ -141,7 +467,7 @@ def save_hf_checkpoint(
     out = Path(out_dir)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    stream = export_hf_weights(chunks, dtype=dtype)
+    stream = export_hf_weights(chunks, dtype=dtype, consumers={0})  # only the writer materialises
     if progress and writer:
         from tqdm import tqdm
 

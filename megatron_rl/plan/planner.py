@@ -397,6 +397,9 @@ def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
     if title:
         print(title)
     print(plan.format())
+    from megatron_rl.plan.traffic import plan_sync_traffic  # issue 16: the weight-sync traffic model
+
+    print(plan_sync_traffic(cfg, plan))
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         print(f"note: a start from this environment is refused: {problem}")

@@ -8,11 +8,12 @@ is packed back to back — the layout SGLang's distributed receiver allocates fr
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BucketEntry", "WeightBucket"]
+__all__ = ["BucketEntry", "WeightBucket", "seal", "sealed_bucket_of"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,26 @@ class WeightBucket:
         self.entries.append(BucketEntry(name, tuple(tensor.shape), dtype, start, end))
         self.used = end
 
+    def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Append an entry and return its (uninitialised) view: the caller writes the tensor in place."""
+        nbytes = _numel(shape) * dtype.itemsize
+        if not self.fits(nbytes, dtype):
+            raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used")
+        if self.buffer is None:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        start = _aligned(self.used, dtype.itemsize)
+        self.entries.append(BucketEntry(name, tuple(shape), dtype, start, start + nbytes))
+        self.used = start + nbytes
+        return self.tensor(-1)
+
+    @staticmethod
+    def capacity_for(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes a bucket needs to hold tensors of these (shape, dtype), in this order, aligned."""
+        used = 0
+        for shape, dtype in specs:
+            used = _aligned(used, dtype.itemsize) + _numel(shape) * dtype.itemsize
+        return max(used, 1)
+
     def flat(self) -> torch.Tensor:
         """The used part of the buffer, 1-D uint8 (what SGLang calls ``flattened_tensor``)."""
         assert self.buffer is not None, "empty bucket"
@@ -93,6 +114,37 @@ class WeightBucket:
     def clear(self) -> None:
         self.entries = []
         self.used = 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# Sealed buckets: filled once by their producer and never written again (the weight export makes a fresh one
+# per bucket). A consumer may hand such a bucket to an engine as is — even an asynchronous one — instead of
+# copying its tensors into a bucket of its own. Keyed by the buffer's address; the value is weak, so an entry
+# lives exactly as long as its bucket (and so its buffer, whose address no other live tensor can have).
+_SEALED: weakref.WeakValueDictionary[tuple[str, int], WeightBucket] = weakref.WeakValueDictionary()
+
+
+def seal(bucket: WeightBucket) -> WeightBucket:
+    """Declare ``bucket`` immutable from now on (its producer will never write it again)."""
+    if bucket.buffer is not None:
+        _SEALED[(str(bucket.device), bucket.buffer.data_ptr())] = bucket
+    return bucket
+
+
+def sealed_bucket_of(tensor: torch.Tensor) -> WeightBucket | None:
+    """The sealed bucket whose buffer ``tensor`` is a view of (its storage starts at the buffer), or None."""
+    if not _SEALED:
+        return None
+    bucket = _SEALED.get((str(tensor.device), tensor.untyped_storage().data_ptr()))
+    if bucket is None or bucket.buffer is None or bucket.buffer.untyped_storage().data_ptr() != bucket.buffer.data_ptr():
+        return None
+    return bucket
 
 
 def _aligned(offset: int, alignment: int) -> int:

@@ -167,22 +167,29 @@ class RolloutReplica:
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Push weight version ``version`` (the training step) into the replica's engine; every rank calls this
         with the same export stream. Returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
+        from megatron_rl.models.export_options import export_consumers
+
         sync_cfg = self.config.weight_sync
         verify = sync_cfg.verify_freq > 0 and version % sync_cfg.verify_freq == 0
-        if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
-            for _ in named_tensors:
-                pass
-            metrics: dict[str, float] = {}
-            checksums = None
-        else:
-            stats = sync_weights(
-                named_tensors,
-                self.sink,
-                version=version,
-                bucket_bytes=int(sync_cfg.bucket_size_mb) << 20,
-                compute_checksums=verify and self.is_leader,
-            )
-            metrics, checksums = stats.metrics(), stats.checksums
+        bucket_bytes = int(sync_cfg.bucket_size_mb) << 20
+        # Colocated: every rank feeds its engine, so every rank materialises full tensors. Server mode: only
+        # the sender (the leader) does; the other ranks send their shards towards it and skip the rest.
+        feeding = None if self.config.mode == "colocated" else self.mesh.leaders
+        with export_consumers(feeding, bucket_bytes):
+            if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
+                for _ in named_tensors:
+                    pass
+                metrics: dict[str, float] = {}
+                checksums = None
+            else:
+                stats = sync_weights(
+                    named_tensors,
+                    self.sink,
+                    version=version,
+                    bucket_bytes=bucket_bytes,
+                    compute_checksums=verify and self.is_leader,
+                )
+                metrics, checksums = stats.metrics(), stats.checksums
         self.version = version
         if verify:
             metrics |= self._verify(version, checksums)

@@ -31,7 +31,7 @@ import torch
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.rollout.bucket import WeightBucket, sealed_bucket_of
 from megatron_rl.rollout.checksum import TensorChecksum, mismatched_tensors, tensor_checksum
 
 __all__ = [
@@ -84,6 +84,7 @@ class _DoubleBufferedPusher:
         self._pending: list[Future | None] = [None, None]
         self._index = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self._sealed: Future | None = None
         self.num_buckets = 0
 
     @property
@@ -104,6 +105,13 @@ class _DoubleBufferedPusher:
         """A tensor larger than a bucket travels in its own buffer; return once the engine has taken it."""
         self._submit(bucket).result()
 
+    def push_sealed(self, bucket: WeightBucket) -> None:
+        """A producer's sealed bucket (never rewritten): load it as is on the helper thread; at most one such
+        load is in flight, so the producer makes the next bucket meanwhile."""
+        if self._sealed is not None:
+            self._sealed.result()
+        self._sealed = self._submit(bucket)
+
     def _submit(self, bucket: WeightBucket) -> Future:
         _sync_device(bucket)
         self.num_buckets += 1
@@ -117,6 +125,9 @@ class _DoubleBufferedPusher:
     def drain(self) -> None:
         for slot in (0, 1):
             self._wait(slot)
+        if self._sealed is not None:
+            future, self._sealed = self._sealed, None
+            future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -145,6 +156,9 @@ class _FreshBucketPusher:
 
     def push_alone(self, bucket: WeightBucket) -> None:
         self._push(bucket)
+
+    def push_sealed(self, bucket: WeightBucket) -> None:
+        self._push(bucket)  # never rewritten by its producer: the no-reuse rule holds without a copy
 
     def _push(self, bucket: WeightBucket) -> None:
         _sync_device(bucket)
@@ -196,6 +210,24 @@ def sync_weights(
     seen: set[str] = set()
     total_bytes = 0
     engine.begin_weight_update(version)
+
+    def copy_in(name: str, tensor: torch.Tensor, cast: torch.dtype, nbytes: int) -> None:
+        if nbytes > bucket_bytes:
+            sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
+            pusher.push_alone(sent)
+        else:
+            if not pusher.current.fits(nbytes, cast):
+                pusher.push_current()
+            pusher.current.add(name, tensor, cast)
+            sent = pusher.current
+        if checksums is not None:
+            checksums[name] = tensor_checksum(sent.tensor(-1))
+
+    # A run of tensors that are, in order, the entries of a producer's sealed bucket (the Megatron export makes
+    # them) no larger than ``bucket_bytes`` is pushed as that bucket: no copy. If the stream leaves the run early,
+    # what was taken is copied.
+    adopting: WeightBucket | None = None
+    taken = 0
     try:
         for name, tensor in _chain(first, stream):
             _check_item((name, tensor))
@@ -204,17 +236,38 @@ def sync_weights(
             seen.add(name)
             cast = target_dtype if tensor.is_floating_point() else tensor.dtype
             nbytes = tensor.numel() * cast.itemsize
-            if nbytes > bucket_bytes:
-                sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
-                pusher.push_alone(sent)
-            else:
-                if not pusher.current.fits(nbytes, cast):
-                    pusher.push_current()
-                pusher.current.add(name, tensor, cast)
-                sent = pusher.current
-            if checksums is not None:
-                checksums[name] = tensor_checksum(sent.tensor(-1))
             total_bytes += nbytes
+            if adopting is not None:
+                if _is_entry(adopting, taken, name, tensor):
+                    taken += 1
+                    if checksums is not None:
+                        checksums[name] = tensor_checksum(tensor)
+                    if taken == len(adopting):
+                        pusher.push_sealed(adopting)
+                        adopting = None
+                    continue
+                for i in range(taken):  # the stream left the bucket's run: copy what was taken
+                    entry = adopting.entries[i]
+                    copy_in(entry.name, adopting.tensor(i), entry.dtype, entry.end - entry.start)
+                adopting = None
+            sealed = sealed_bucket_of(tensor) if cast == tensor.dtype else None
+            if sealed is not None and (sealed.used > bucket_bytes and len(sealed) > 1):
+                sealed = None  # larger than the caller's bucket: copy, keeping its memory bound
+            if sealed is not None and _is_entry(sealed, 0, name, tensor):
+                pusher.push_current()  # keep the engine's load order
+                if checksums is not None:
+                    checksums[name] = tensor_checksum(tensor)
+                if len(sealed) == 1:
+                    pusher.push_sealed(sealed)
+                else:
+                    adopting, taken = sealed, 1
+                continue
+            copy_in(name, tensor, cast, nbytes)
+        if adopting is not None:
+            for i in range(taken):
+                entry = adopting.entries[i]
+                copy_in(entry.name, adopting.tensor(i), entry.dtype, entry.end - entry.start)
+            adopting = None
         pusher.push_current()
         pusher.drain()
     except BaseException as exc:
@@ -238,6 +291,20 @@ def sync_weights(
         stats.metrics()["weight_sync/GBps"],
     )
     return stats
+
+
+def _is_entry(bucket: WeightBucket, index: int, name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is exactly entry ``index`` of ``bucket`` (same name, dtype, shape and bytes)."""
+    if index >= len(bucket):
+        return False
+    entry = bucket.entries[index]
+    return (
+        entry.name == name
+        and entry.dtype == tensor.dtype
+        and entry.shape == tuple(tensor.shape)
+        and tensor.is_contiguous()
+        and tensor.data_ptr() == bucket.buffer.data_ptr() + entry.start
+    )
 
 
 def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]):

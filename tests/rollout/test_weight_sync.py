@@ -171,3 +171,39 @@ def test_build_rollout_engine_picks_the_configured_engine():
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
     with pytest.raises(ValueError, match="rollout.name must be hf or sglang, got 'vllm'"):
         build_rollout_engine(RolloutConfig(name="vllm"), "/model", response_length=4)
+
+
+def _sealed_buckets(pairs, per_bucket):
+    from megatron_rl.rollout.bucket import seal
+
+    buckets = []
+    for i in range(0, len(pairs), per_bucket):
+        part = pairs[i : i + per_bucket]
+        bucket = WeightBucket(WeightBucket.capacity_for([(tuple(t.shape), t.dtype) for _, t in part]), "cpu")
+        for name, tensor in part:
+            bucket.reserve(name, tuple(tensor.shape), tensor.dtype).copy_(tensor)
+        buckets.append(seal(bucket))
+    return buckets
+
+
+def test_sealed_buckets_reach_the_engine_as_is_and_a_broken_run_is_copied():
+    """The Megatron export yields views of sealed (never rewritten) buckets: sync_weights hands each to the
+    engine without copying; when the stream leaves a bucket's run, or the bucket exceeds bucket_bytes, it copies."""
+    source = source_model(seed=2)
+    pairs = list(source.state_dict().items())
+    buckets = _sealed_buckets(pairs, 3)
+    stream = [pair for bucket in buckets for pair in bucket.named_tensors()]
+    for order, bucket_bytes, adopted in (
+        (stream, 1 << 22, len(buckets)),
+        ([stream[0]] + stream[2:] + [stream[1]], 1 << 22, len(buckets) - 1),  # bucket 0's run is broken
+        (stream, 64, sum(len(b) == 1 for b in buckets)),  # larger than the caller's bucket: copied (unless alone)
+    ):
+        engine = make_engine()
+        loads = []
+        load = engine.load_weight_bucket
+        engine.load_weight_bucket = lambda bucket, load=load, loads=loads: (loads.append(bucket), load(bucket))[1]
+        sync_weights(order, engine, version=1, bucket_bytes=bucket_bytes)
+        held = engine.model.state_dict()
+        for name, tensor in pairs:
+            assert torch.equal(held[name], tensor), name
+        assert sum(any(load is b for b in buckets) for load in loads) == adopted, (bucket_bytes, len(loads))
