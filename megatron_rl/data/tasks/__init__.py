@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from megatron_rl.data.tasks.arithmetic import make_arithmetic_rows
 from megatron_rl.data.tasks.digits import DIGIT_OPS, make_digit_rows
+from megatron_rl.data.tasks.tool_multiply import make_tool_multiply_rows
 
 __all__ = ["TASKS", "make_rows", "task_texts", "write_task"]
 
@@ -26,6 +27,7 @@ __all__ = ["TASKS", "make_rows", "task_texts", "write_task"]
 TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
     **{op: partial(make_digit_rows, op) for op in DIGIT_OPS},
     "arith": make_arithmetic_rows,
+    "tool_multiply": make_tool_multiply_rows,
 }
 
 

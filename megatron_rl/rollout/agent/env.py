@@ -10,6 +10,7 @@ the loop turns the exception into an error observation for that sample.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,15 +81,24 @@ class ToolEnv(AgentEnv):
     a turn without a tool call is the final answer. Malformed calls, unknown tools and tool errors
     become observations. Config: ``max_parallel_calls`` (calls run per turn; the rest are refused in the
     observation), ``max_tool_response_length`` / ``tool_response_truncate_side`` (characters, verl's keys).
-    ``extra_info["tools_kwargs"][tool_name]`` (verl's field) is passed to that tool's execute."""
+    ``extra_info["tools_kwargs"][tool_name]`` (verl's field) is passed to that tool's execute.
+    ``extra_info["final_answer_pattern"]`` (a regex) with ``extra_info["nudge"]`` (a user message): a turn
+    without a tool call that does not match the pattern is answered with the nudge instead of ending the
+    episode (the model is told to use the tool or to answer in the expected form)."""
 
     def reset(self, sample: Mapping[str, Any]) -> None:
         extra = sample.get("extra_info") or {}
-        self.tools_kwargs = dict(extra.get("tools_kwargs") or {}) if isinstance(extra, Mapping) else {}
+        extra = extra if isinstance(extra, Mapping) else {}
+        self.tools_kwargs = dict(extra.get("tools_kwargs") or {})
+        pattern = extra.get("final_answer_pattern")
+        self.final_answer = re.compile(pattern) if pattern else None
+        self.nudge = str(extra.get("nudge") or "Use a tool, or give the final answer.")
 
     def step(self, text: str) -> StepResult:
         calls, _ = parse_tool_calls(text)
         if not calls:
+            if self.final_answer is not None and not self.final_answer.search(text):
+                return StepResult(observation=[{"role": "user", "content": self.nudge}])
             return StepResult(done=True)
         limit = int(self.config.get("max_parallel_calls", 1) or 1)
         width = int(self.config.get("max_tool_response_length", 256) or 0)

@@ -36,7 +36,7 @@ from megatron_rl.rollout.agent.env import AgentEnv, StepResult, get_env
 from megatron_rl.rollout.agent.tools import Tool, build_tools, load_tool_config
 from megatron_rl.rollout.batch_io import check_prompt_batch, prompt_token_lists
 
-__all__ = ["AgentLoop", "AgentLoopSettings", "agent_metrics", "observation_token_ids"]
+__all__ = ["AgentLoop", "AgentLoopSettings", "agent_metrics", "observation_token_ids", "rollout_probs_diff"]
 
 logger = logging.getLogger(__name__)
 
@@ -294,9 +294,10 @@ class AgentLoop:
             "__num_turns__": np.array(turns, dtype=object),
             "num_turns": np.array(turns, dtype=object),
             "tool_call_counts": np.array([s.tool_calls for s in samples], dtype=object),
-            "agent_name": np.array([s.agent_name for s in samples], dtype=object),
             "stop_reason": np.array([s.stop_reason or "length" for s in samples], dtype=object),
         }
+        if "agent_name" not in non_tensor:  # the data's column, when it has one, passes through as it was
+            non_tensor["agent_name"] = np.array([s.agent_name for s in samples], dtype=object)
         meta = {**prompts.meta_info, "timing": {"generate_sequences": seconds}}
         if version is not None:
             meta["weight_version"] = version
@@ -314,3 +315,17 @@ def agent_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
             metrics |= {f"{name}/min": float(values.min()), f"{name}/max": float(values.max()),
                         f"{name}/mean": float(values.mean())}
     return metrics
+
+
+def rollout_probs_diff(data: DataProto) -> dict[str, float]:
+    """verl's ``training/rollout_probs_diff_{max,mean,std}``: |p_rollout - p_trainer| on the trained tokens
+    (``response_mask``; observation tokens excluded), from ``rollout_log_probs`` and ``old_log_probs``."""
+    b = data.batch
+    if "rollout_log_probs" not in b or "old_log_probs" not in b:
+        return {}
+    mask = b["response_mask"].bool()
+    if not bool(mask.any()):
+        return {}
+    diff = (b["rollout_log_probs"].float().exp() - b["old_log_probs"].float().exp()).abs()[mask]
+    return {"training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}
