@@ -207,6 +207,25 @@ class SGLangConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``rollout.multi_turn``: multi-turn, tool-using rollouts through the agent loop (verl's keys; ours below
+    them). docs/rollout.md, "Agent loop"."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = 5  # model turns per sample
+    max_user_turns: Optional[int] = None  # observation turns per sample (None: no limit of its own)
+    max_parallel_calls: int = 1  # tool calls run per model turn
+    max_tool_response_length: int = 256  # characters of one tool result
+    tool_response_truncate_side: str = "middle"  # left | right | middle
+    tool_config_path: Optional[str] = None  # verl's tool YAML; None: the built-in tools named in `tools`
+    format: str = "hermes"  # tool-call format: <tool_call>{json}</tool_call> (the only one parsed)
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    default_agent: str = "tool_agent"  # environment of rows without agent_name
+    tool_timeout_s: float = 10.0  # every environment step (tool call) is bounded by this
+    num_tool_workers: int = 8  # threads running tool calls while the engine decodes other samples
+
+
+@dataclass
 class RolloutConfig:
     name: RolloutEngineName = RolloutEngineName.hf
     mode: RolloutMode = RolloutMode.colocated
@@ -227,6 +246,7 @@ class RolloutConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

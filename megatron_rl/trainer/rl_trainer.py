@@ -25,6 +25,7 @@ from megatron_rl.algos import (
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.config import DerivedSizes
 from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.agent.loop import agent_metrics, rollout_probs_diff
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics, compute_throughput_metrics
 from megatron_rl.trainer.signals import StopRequest
@@ -168,6 +169,7 @@ class RLTrainer:
         else:
             with timer("old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+            metrics |= rollout_probs_diff(batch)  # trainer vs engine on the trained tokens (verl's training/*)
         metrics |= apply_rollout_correction(batch, correction)  # IS weights, rejected tokens
         if self.use_reference:
             with timer("ref"):
@@ -212,7 +214,7 @@ class RLTrainer:
                            timer: StageTimer) -> DataProto:
         """Rollout n responses per prompt and score them: the first half of the lifeline."""
         batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
-        gen = batch.pop_for_generation()
+        gen = self._pop_for_generation(batch)
         with timer("gen"):
             out = self.generate(gen.repeat(self.n, interleave=True))
         if get_estimator_traits(self.cfg.algorithm.adv_estimator).needs_greedy_baseline:
@@ -222,7 +224,18 @@ class RLTrainer:
         with timer("reward"):
             scores = self.reward_fn(batch)
         metrics |= scores.meta_info.pop("reward_metrics", {})
+        metrics |= agent_metrics(batch)  # num_turns/*, tool_call_counts/* of multi-turn rollouts (verl's names)
         return batch.union(scores)
+
+    def _pop_for_generation(self, batch: DataProto) -> DataProto:
+        """The prompt batch for the rollout; a multi-turn rollout also gets what picks and sets up each sample's
+        environment (verl's agent_name, extra_info with tools_kwargs, the row's data_source and reward_model)."""
+        gen = batch.pop_for_generation()
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            for key in ("agent_name", "extra_info", "data_source", "reward_model"):
+                if key in batch.non_tensor_batch:
+                    gen.non_tensor_batch[key] = batch.non_tensor_batch[key]
+        return gen
 
     def _check_reward_failures(self, reward_metrics: dict[str, float], samples: int, step: int) -> None:
         """A reward that fails for every sample trains on zeros: warn each such step, stop after
@@ -283,7 +296,7 @@ class RLTrainer:
         for batch in self.val_batches():
             batch.meta_info.update(validate=True, do_sample=vk.do_sample, temperature=vk.temperature,
                                    top_p=vk.top_p, top_k=vk.top_k, seed=self.cfg.actor_rollout_ref.rollout.seed)
-            gen = batch.pop_for_generation()
+            gen = self._pop_for_generation(batch)
             out = self.generate(gen.repeat(vk.n, interleave=True))
             full = batch.repeat(vk.n, interleave=True).union(out)
             scores = self.reward_fn(full)

@@ -81,6 +81,7 @@ class ActorRolloutRefWorker(Worker):
         # Offloaded state (megatron.param_offload / optimizer_offload) leaves before the engine sizes itself
         # on the memory then free (docs/workers.md, 'Offload').
         self._offload_for_generation()
+        self._token_ids = dict(token_ids or {})
         self.rollout = self._build_rollout(probe_prompts, dict(token_ids or {}))
         replica = self.rollout.replica
         self.set_mesh(**engine.mesh_kwargs(), rollout_replica=replica.index,
@@ -124,8 +125,27 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample this replica's share on its engine (runs on the replica's leader only). Consecutive
         generations (validation, ReMax's greedy baseline, DAPO's refills) all run on the weights of the last
-        sync: the engine releases its memory only when a training phase starts."""
+        sync: the engine releases its memory only when a training phase starts. With
+        ``rollout.multi_turn.enable`` every sample runs through the agent loop, one engine call per turn."""
+        if self.config.actor_rollout_ref.rollout.multi_turn.enable:
+            return self._agent_loop().generate_sequences(prompts)
         return self.rollout.generate(prompts)
+
+    def _agent_loop(self):
+        """The multi-turn agent loop over this replica's engine (built once; docs/rollout.md, "Agent loop")."""
+        if getattr(self, "_agent", None) is None:
+            from megatron_rl.data.tokenizer import load_tokenizer
+            from megatron_rl.rollout.agent import AgentLoop
+
+            cfg = self.config
+            rollout = cfg.actor_rollout_ref.rollout
+            tokenizer = load_tokenizer(self._tokenizer_dir())
+            eos = (getattr(self, "_token_ids", None) or {}).get("eos_token_id", tokenizer.eos_token_id)
+            eos = [eos] if isinstance(eos, int) else list(eos)
+            self._agent = AgentLoop(self.rollout.generate, tokenizer, rollout.multi_turn,
+                                    response_length=rollout.response_length or cfg.data.max_response_length,
+                                    finish_token_ids=[*eos, *rollout.stop_token_ids])
+        return self._agent
 
     @register(Dispatch.RANK_ZERO)
     def sync_weights(self, version: int) -> dict[str, float]:
