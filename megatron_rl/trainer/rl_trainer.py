@@ -231,7 +231,7 @@ class RLTrainer:
         """The prompt batch for the rollout; a multi-turn rollout also gets what picks and sets up each sample's
         environment (verl's agent_name, extra_info with tools_kwargs, the row's data_source and reward_model)."""
         gen = batch.pop_for_generation()
-        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        if OmegaConf.select(self.cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False):
             for key in ("agent_name", "extra_info", "data_source", "reward_model"):
                 if key in batch.non_tensor_batch:
                     gen.non_tensor_batch[key] = batch.non_tensor_batch[key]

@@ -127,7 +127,7 @@ class ActorRolloutRefWorker(Worker):
         generations (validation, ReMax's greedy baseline, DAPO's refills) all run on the weights of the last
         sync: the engine releases its memory only when a training phase starts. With
         ``rollout.multi_turn.enable`` every sample runs through the agent loop, one engine call per turn."""
-        if self.config.actor_rollout_ref.rollout.multi_turn.enable:
+        if OmegaConf.select(self.config, "actor_rollout_ref.rollout.multi_turn.enable", default=False):
             return self._agent_loop().generate_sequences(prompts)
         return self.rollout.generate(prompts)
 

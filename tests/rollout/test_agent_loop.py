@@ -173,3 +173,17 @@ def test_environment_exception_is_an_observation(tok):
     n = int(b["attention_mask"][0, b["prompts"].shape[1]:].sum())
     assert "environment failed" in tok.decode(b["responses"][0, :n][b["response_mask"][0, :n] == 0].tolist())
     assert out.non_tensor_batch["stop_reason"][0] == "max_turns"
+
+
+def test_settings_from_the_schema_and_refused_formats(tok):
+    from megatron_rl.config.schema import MultiTurnConfig
+    from megatron_rl.rollout.agent import AgentLoop, AgentLoopSettings
+
+    s = AgentLoopSettings.from_config(MultiTurnConfig(max_assistant_turns=2, tools=["calculator", "python"]))
+    assert s.max_assistant_turns == 2 and s.tools == ["calculator", "python"]
+    loop = AgentLoop(lambda d: d, tok, MultiTurnConfig(tools=["calculator", "python"]), response_length=8)
+    assert sorted(loop.tools) == ["calculator", "python"]
+    with pytest.raises(ValueError, match="only 'hermes'"):
+        AgentLoop(lambda d: d, tok, {"format": "llama3_json"}, response_length=8)
+    with pytest.raises(ValueError, match="truncate_side"):
+        AgentLoop(lambda d: d, tok, {"tool_response_truncate_side": "top"}, response_length=8)

@@ -119,6 +119,13 @@ class AgentLoop:
         self.generate_fn = generate_fn
         self.tokenizer = tokenizer
         self.settings = AgentLoopSettings.from_config(settings)
+        fmt = settings.get("format", "hermes") if hasattr(settings, "get") else getattr(settings, "format", "hermes")
+        if fmt not in (None, "hermes"):
+            raise ValueError(f"rollout.multi_turn.format={fmt!r}: only 'hermes' (<tool_call>{{json}}</tool_call>, "
+                             "Qwen's format) is parsed")
+        if self.settings.tool_response_truncate_side not in ("left", "right", "middle"):
+            raise ValueError("rollout.multi_turn.tool_response_truncate_side must be left, right or middle, got "
+                             f"{self.settings.tool_response_truncate_side!r}")
         self.response_length = int(response_length)
         if tools is None:
             tools = (load_tool_config(self.settings.tool_config_path) if self.settings.tool_config_path
