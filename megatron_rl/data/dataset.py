@@ -40,6 +40,7 @@ class _Prompt:
     reward_model: dict[str, Any]
     extra_info: dict[str, Any]
     index: int  # position of the row in the concatenated source files (stable across filtering)
+    agent_name: str | None = None  # verl's column: the multi-turn environment of the row (rollout.multi_turn)
 
 
 class RLDataset(Dataset):
@@ -114,6 +115,8 @@ class RLDataset(Dataset):
                 if ids is not None:
                     self._prompts.append(self._make_prompt(row, ids, index))
         self._report(rows_read, longest)
+        # verl's agent_name column travels with the rows that have one ("" elsewhere: the default agent)
+        self._has_agent_name = any(p.agent_name for p in self._prompts)
 
     def _render(self, row: SourceRow) -> str | None:
         """Chat-template a checked row; None (after recording the problem) when the row is malformed."""
@@ -158,6 +161,7 @@ class RLDataset(Dataset):
             reward_model=data["reward_model"],
             extra_info=data.get("extra_info") or {},
             index=index,
+            agent_name=data.get("agent_name") or None,
         )
 
     def _report(self, total_rows: int, longest: int) -> None:
@@ -201,7 +205,9 @@ class RLDataset(Dataset):
             input_ids[-len(ids) :] = ids
             attention_mask[-len(ids) :] = 1
         position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)
+        extra = {"agent_name": prompt.agent_name or ""} if self._has_agent_name else {}
         return {
+            **extra,
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids,

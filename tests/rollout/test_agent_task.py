@@ -82,3 +82,16 @@ def test_the_task_needs_the_tool(tmp_path, use_tool):
         assert list(out.non_tensor_batch["tool_call_counts"]) == [1] * 6
     else:
         assert scores == [0.0] * 6
+
+
+def test_dataset_carries_verls_agent_name_column(tmp_path):
+    from megatron_rl.data.dataset import RLDataset
+    from megatron_rl.data.loader import collate_to_dataproto
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    write_main(["tool_multiply", "--out", str(tmp_path), "--train", "3", "--val", "1", "--tokenizer", "--vocab-size", "200"])
+    tok = load_tokenizer(tmp_path / "tokenizer")
+    data = RLDataset([str(tmp_path / "train.parquet")], tok, max_prompt_length=256)
+    batch = collate_to_dataproto([data[i] for i in range(3)])
+    assert list(batch.non_tensor_batch["agent_name"]) == ["tool_agent"] * 3
+    assert batch.non_tensor_batch["extra_info"][0]["tools_kwargs"]["calculator"]["create_kwargs"]["ground_truth"]
