@@ -26,9 +26,10 @@ gathers (to it) and only its pipeline groups send, point to point, to it.
 
 Overlap: bucket k+1's pipeline transfer is started before bucket k is converted and its TP gather before
 bucket k is yielded (asynchronous collectives), so they run while the consumer loads bucket k into the engine.
-Buffers are fresh per bucket and never rewritten, so a consumer may keep (or hand an engine) any view.
-Peak extra memory per rank: 2 buckets in flight x (bucket_bytes / tp shard buffer + bucket_bytes gathered)
-+ the HF bucket being consumed (<= bucket_bytes), plus what the consumer still holds.
+The yielded HF buckets are fresh per bucket and never rewritten, so a consumer may keep (or hand an engine) any
+view; the internal transfer buffers (two slots each, reused) are never handed on. Peak extra memory per rank:
+2 x (bucket_bytes / tp shard buffer + bucket_bytes gathered) for the export's lifetime + the HF bucket being
+consumed (<= bucket_bytes), plus what the consumer still holds.
 
 ``export_hf_weights_tensorwise`` is the previous path (per tensor: TP all-gather on the owning stage, then
 the full tensor broadcast over every pipeline group), kept as the baseline of the benchmark and the
@@ -194,8 +195,8 @@ def _write_hf(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Tensor],
 class _Transfer:
     """The collectives of one bucket on this rank: pipeline step, then TP step (both may run asynchronously)."""
 
-    def __init__(self, ctx: _ExportContext, bucket: ExportBucket) -> None:
-        self.ctx, self.bucket = ctx, bucket
+    def __init__(self, ctx: _ExportContext, bucket: ExportBucket, index: int) -> None:
+        self.ctx, self.bucket, self.slot = ctx, bucket, index % 2
         self.shard: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
         self._works: list = []
@@ -208,7 +209,7 @@ class _Transfer:
                 return self
         elif ctx.pp_rank not in receivers:
             return self
-        shard = torch.empty(bucket.shard_bytes, dtype=torch.uint8, device=ctx.device)
+        shard = ctx.staging("shard", self.slot, bucket.shard_bytes)
         if bucket.stage == ctx.pp_rank:
             for slot in bucket.slots:
                 view = shard[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
@@ -243,7 +244,7 @@ class _Transfer:
             return self
         consumers = ctx.tp_consumers
         if len(consumers) == ctx.tp_size:
-            self.gathered = torch.empty(ctx.tp_size * self.bucket.shard_bytes, dtype=torch.uint8, device=ctx.device)
+            self.gathered = ctx.staging("gathered", self.slot, ctx.tp_size * self.bucket.shard_bytes)
             self._works.append(
                 dist.all_gather_into_tensor(self.gathered, self.shard, group=ctx.tp_group, async_op=True)
             )
@@ -251,9 +252,7 @@ class _Transfer:
             for dst in consumers:
                 out = None
                 if dst == ctx.rank:
-                    self.gathered = torch.empty(
-                        ctx.tp_size * self.bucket.shard_bytes, dtype=torch.uint8, device=ctx.device
-                    )
+                    self.gathered = ctx.staging("gathered", self.slot, ctx.tp_size * self.bucket.shard_bytes)
                     out = list(self.gathered.view(ctx.tp_size, -1))
                 self._works.append(
                     dist.gather(self.shard, out, dst=dst, group=ctx.tp_group, async_op=True)
@@ -283,6 +282,19 @@ class _ExportContext:
     is_consumer: bool
     tp_consumers: list[int]  # global ranks of this TP group that consume
     needs_shards: list[bool]  # per pipeline rank of this pipeline group
+    _staging: dict | None = None
+
+    def staging(self, kind: str, slot: int, nbytes: int) -> torch.Tensor:
+        """Internal transfer buffers, two slots per kind (bucket k uses slot k % 2), reused across buckets: bucket
+        k+2's transfer starts only after bucket k was converted out of them, and they are never handed on (the
+        consumer gets the fresh sealed HF bucket). Saves an allocation and its first touch per bucket."""
+        if self._staging is None:
+            self._staging = {}
+        buffer = self._staging.get((kind, slot))
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[(kind, slot)] = buffer
+        return buffer[:nbytes]
 
 
 def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor):
@@ -347,10 +359,10 @@ def export_hf_buckets(
     buckets = plan_export_buckets(hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes)
     if not buckets:
         return
-    pending = _Transfer(ctx, buckets[0]).start_pipeline().start_tensor_parallel()
+    pending = _Transfer(ctx, buckets[0], 0).start_pipeline().start_tensor_parallel()
     for k, bucket in enumerate(buckets):
         gathered = pending.finish()
-        following = _Transfer(ctx, buckets[k + 1]).start_pipeline() if k + 1 < len(buckets) else None
+        following = _Transfer(ctx, buckets[k + 1], k + 1).start_pipeline() if k + 1 < len(buckets) else None
         out = _hf_bucket(ctx, bucket, gathered) if gathered is not None else None
         del gathered
         if following is not None:
