@@ -1,11 +1,17 @@
 """DataProto: the one container a sample travels in, from the dataloader to the weight sync.
 
 Three parts, following verl's convention so users can move code across:
-- ``batch``: tensors that share dim 0 (one row per sample),
+- ``batch``: a ``tensordict.TensorDict`` of tensors that share dim 0 (one row per sample; its
+  ``batch_size`` is [len]); a plain dict given to the constructor or assigned later is converted,
 - ``non_tensor_batch``: numpy object arrays of the same length (uid, data_source, raw prompts, ...),
 - ``meta_info``: a plain dict for per-batch facts (temperature, global_steps, timing, ...).
 
 Every operation checks lengths and keys and raises a ValueError that names the key and the sizes seen.
+
+Note (as in verl): iterating a TensorDict yields rows; use ``data.batch.keys()`` for the keys.
+``concat`` merges ``meta_info["metrics"]`` of all parts into a dict of lists (verl's rule; use
+``reduce_metrics`` for means), ``meta_info["timing"]`` per key by max (the slowest part), and raises
+on any other key whose values differ between parts.
 """
 from __future__ import annotations
 
@@ -13,10 +19,25 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+import io
+import os
+from collections import defaultdict
+
 import numpy as np
 import torch
+from tensordict import TensorDict
 
-__all__ = ["DataProto", "collate_dicts"]
+__all__ = [
+    "DataProto",
+    "collate_dicts",
+    "fold_batch_dim",
+    "pad_dataproto_to_divisor",
+    "reduce_metrics",
+    "union_numpy_dict",
+    "union_tensor_dict",
+    "unfold_batch_dim",
+    "unpad_dataproto",
+]
 
 # The prompt tensors a rollout engine reads (prompts left-padded, verl's convention).
 GENERATION_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -38,8 +59,13 @@ def _to_object_array(key: str, value: Any) -> np.ndarray:
     return out
 
 
-def _check_lengths(batch: Mapping[str, torch.Tensor], non_tensor: Mapping[str, np.ndarray]) -> int | None:
+def _check_lengths(batch: Mapping[str, torch.Tensor] | TensorDict, non_tensor: Mapping[str, np.ndarray]) -> int | None:
     lengths: dict[str, int] = {}
+    if isinstance(batch, TensorDict):
+        if batch.batch_dims >= 1:
+            keys = list(batch.keys())
+            lengths[f"batch[{keys[0]!r}]" if keys else "batch"] = batch.batch_size[0]
+        batch = {}
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"batch[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
@@ -71,17 +97,58 @@ def _normalise_index(index: IndexLike, length: int) -> slice | np.ndarray:
     return arr.reshape(-1)
 
 
+def _as_tensordict(batch: Any, length: int | None) -> TensorDict:
+    """A TensorDict with batch_size [n] from a dict, a TensorDict (batch_size filled in when empty) or None."""
+    if batch is None:
+        return TensorDict({}, batch_size=[length or 0])
+    if isinstance(batch, TensorDict):
+        if batch.batch_dims == 0:
+            tensors = dict(batch.items())
+            n = _check_lengths(tensors, {}) if tensors else (length or 0)
+            batch = TensorDict(tensors, batch_size=[n], device=batch.device)
+        return batch
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"DataProto.batch must be a TensorDict or a dict of tensors, got {type(batch).__name__}")
+    n = _check_lengths(batch, {})
+    return TensorDict(dict(batch), batch_size=[n if n is not None else (length or 0)])
+
+
+def _non_tensor_length(non_tensor: Mapping[str, np.ndarray]) -> int | None:
+    return len(next(iter(non_tensor.values()))) if non_tensor else None
+
+
 @dataclass
 class DataProto:
-    batch: dict[str, torch.Tensor] = field(default_factory=dict)
+    batch: TensorDict = field(default_factory=lambda: TensorDict({}, batch_size=[0]))
     non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
     meta_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.batch = dict(self.batch or {})
-        self.non_tensor_batch = {k: _to_object_array(k, v) for k, v in (self.non_tensor_batch or {}).items()}
+        non_tensor = {k: _to_object_array(k, v) for k, v in (self.non_tensor_batch or {}).items()}
+        if isinstance(self.batch, Mapping) or self.batch is None or isinstance(self.batch, TensorDict):
+            _check_lengths({} if self.batch is None or isinstance(self.batch, TensorDict) else self.batch, {})
+        batch = _as_tensordict(self.batch, _non_tensor_length(non_tensor))
+        object.__setattr__(self, "batch", batch)
+        self.non_tensor_batch = non_tensor
         self.meta_info = dict(self.meta_info or {})
         _check_lengths(self.batch, self.non_tensor_batch)
+        if self.batch.batch_dims == 1 and not len(self.batch.keys()) and non_tensor:
+            # an empty TensorDict takes the rows' count from the non-tensor fields
+            object.__setattr__(self, "batch", TensorDict({}, batch_size=[_non_tensor_length(non_tensor)]))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "batch" and "non_tensor_batch" in self.__dict__ and not isinstance(value, TensorDict):
+            value = _as_tensordict(value, _non_tensor_length(self.non_tensor_batch))
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def _make(cls, batch: TensorDict, non_tensor: dict[str, np.ndarray], meta: dict[str, Any]) -> "DataProto":
+        """Internal fast path: parts already checked (indexing, concat)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "batch", batch)
+        object.__setattr__(out, "non_tensor_batch", non_tensor)
+        object.__setattr__(out, "meta_info", meta)
+        return out
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -104,6 +171,9 @@ class DataProto:
     def __len__(self) -> int:
         return _check_lengths(self.batch, self.non_tensor_batch) or 0
 
+    def _has_fields(self) -> bool:
+        return bool(len(self.batch.keys())) or bool(self.non_tensor_batch)
+
     def __getitem__(self, index: IndexLike) -> "DataProto":
         length = len(self)
         if isinstance(index, (int, np.integer)):
@@ -112,9 +182,9 @@ class DataProto:
             index = slice(index, index + 1 if index != -1 else None)
         idx = _normalise_index(index, length)
         torch_idx = idx if isinstance(idx, slice) else torch.from_numpy(idx.astype(np.int64))
-        batch = {k: v[torch_idx] for k, v in self.batch.items()}
+        batch = self.batch[torch_idx]
         non_tensor = {k: v[idx] for k, v in self.non_tensor_batch.items()}
-        return DataProto(batch, non_tensor, dict(self.meta_info))
+        return DataProto._make(batch, non_tensor, dict(self.meta_info))
 
     def __repr__(self) -> str:
         tensors = ", ".join(f"{k}:{tuple(v.shape)}:{str(v.dtype).replace('torch.', '')}" for k, v in self.batch.items())
@@ -122,11 +192,11 @@ class DataProto:
 
     def require(self, *keys: str, where: str = "") -> None:
         """Raise a ValueError naming every missing field (checked before work starts, not deep inside it)."""
-        missing = [k for k in keys if k not in self.batch and k not in self.non_tensor_batch]
+        missing = [k for k in keys if k not in self.batch.keys() and k not in self.non_tensor_batch]
         if missing:
             ctx = f" for {where}" if where else ""
             raise ValueError(
-                f"DataProto is missing {missing}{ctx}; it has batch={sorted(self.batch)} "
+                f"DataProto is missing {missing}{ctx}; it has batch={sorted(self.batch.keys())} "
                 f"non_tensor_batch={sorted(self.non_tensor_batch)}"
             )
 
@@ -136,33 +206,38 @@ class DataProto:
         batch_keys: Iterable[str] | None = None,
         non_tensor_batch_keys: Iterable[str] | None = None,
         meta_info_keys: Iterable[str] | None = None,
+        deepcopy: bool = False,
     ) -> "DataProto":
-        """A view holding only the named keys (None keeps all of that part)."""
+        """A view holding only the named keys (None keeps all of that part); deepcopy=True copies."""
 
         def pick(src: Mapping[str, Any], keys: Iterable[str] | None, part: str) -> dict[str, Any]:
+            names = list(src.keys())
             if keys is None:
-                return dict(src)
+                return {k: src[k] for k in names}
             keys = list(keys)
-            missing = [k for k in keys if k not in src]
+            missing = [k for k in keys if k not in names]
             if missing:
-                raise ValueError(f"select: {part} has no keys {missing}; available: {sorted(src)}")
+                raise ValueError(f"select: {part} has no keys {missing}; available: {sorted(names)}")
             return {k: src[k] for k in keys}
 
-        return DataProto(
-            pick(self.batch, batch_keys, "batch"),
+        batch = TensorDict(pick(self.batch, batch_keys, "batch"), batch_size=self.batch.batch_size,
+                           device=self.batch.device)
+        out = DataProto._make(
+            batch,
             pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch"),
             pick(self.meta_info, meta_info_keys, "meta_info"),
         )
+        return copy.deepcopy(out) if deepcopy else out
 
     def pop(
         self,
-        batch_keys: Iterable[str] = (),
-        non_tensor_batch_keys: Iterable[str] = (),
-        meta_info_keys: Iterable[str] = (),
+        batch_keys: Iterable[str] | None = (),
+        non_tensor_batch_keys: Iterable[str] | None = (),
+        meta_info_keys: Iterable[str] | None = (),
     ) -> "DataProto":
         """Remove the named keys from self and return them as a new DataProto."""
-        out = self.select(list(batch_keys), list(non_tensor_batch_keys), list(meta_info_keys))
-        for k in out.batch:
+        out = self.select(list(batch_keys or ()), list(non_tensor_batch_keys or ()), list(meta_info_keys or ()))
+        for k in list(out.batch.keys()):
             del self.batch[k]
         for k in out.non_tensor_batch:
             del self.non_tensor_batch[k]
@@ -176,21 +251,24 @@ class DataProto:
         if len(old) != len(new):
             raise ValueError(f"rename: {len(old)} old keys but {len(new)} new keys")
         for o, n in zip(old, new):
-            part = self.batch if o in self.batch else self.non_tensor_batch if o in self.non_tensor_batch else None
+            in_batch = o in self.batch.keys()
+            part = self.batch if in_batch else self.non_tensor_batch if o in self.non_tensor_batch else None
             if part is None:
                 raise ValueError(f"rename: no key {o!r} in batch or non_tensor_batch")
-            if n in self.batch or n in self.non_tensor_batch:
+            if n in self.batch.keys() or n in self.non_tensor_batch:
                 raise ValueError(f"rename: target key {n!r} already exists")
             part[n] = part.pop(o)
         return self
 
     def union(self, other: "DataProto") -> "DataProto":
         """Merge ``other`` into self. A key present in both must hold equal values, else a ValueError names it."""
-        if len(self.batch) + len(self.non_tensor_batch) and len(other.batch) + len(other.non_tensor_batch):
+        if self._has_fields() and other._has_fields():
             if len(self) != len(other):
                 raise ValueError(f"union: lengths differ, {len(self)} vs {len(other)}")
+        elif other._has_fields():  # a fieldless DataProto (metrics only) takes the other's rows
+            object.__setattr__(self, "batch", TensorDict({}, batch_size=[len(other)], device=other.batch.device))
         for k, v in other.batch.items():
-            if k in self.batch:
+            if k in self.batch.keys():
                 mine = self.batch[k]
                 if mine.shape != v.shape or mine.dtype != v.dtype or not torch.equal(mine, v.to(mine.device)):
                     raise ValueError(f"union: batch[{k!r}] differs between the two DataProtos "
@@ -260,17 +338,20 @@ class DataProto:
 
     @staticmethod
     def concat(data: Sequence["DataProto"]) -> "DataProto":
+        """Rows of all parts in order. meta_info: ``metrics`` of every part merged into a dict of lists
+        (verl's rule), ``timing`` merged per key by max, any other key must agree between parts."""
         if not data:
             raise ValueError("concat needs at least one DataProto")
         first = data[0]
+        first_keys = set(first.batch.keys())
         for i, d in enumerate(data[1:], start=1):
-            if set(d.batch) != set(first.batch) or set(d.non_tensor_batch) != set(first.non_tensor_batch):
+            if set(d.batch.keys()) != first_keys or set(d.non_tensor_batch) != set(first.non_tensor_batch):
                 raise ValueError(
-                    f"concat: item {i} has keys batch={sorted(d.batch)} non_tensor={sorted(d.non_tensor_batch)}, "
-                    f"item 0 has batch={sorted(first.batch)} non_tensor={sorted(first.non_tensor_batch)}"
+                    f"concat: item {i} has keys batch={sorted(d.batch.keys())} non_tensor={sorted(d.non_tensor_batch)}, "
+                    f"item 0 has batch={sorted(first_keys)} non_tensor={sorted(first.non_tensor_batch)}"
                 )
         batch = {}
-        for k in first.batch:
+        for k in first.batch.keys():
             parts = [d.batch[k] for d in data]
             dtypes = {p.dtype for p in parts}
             if len(dtypes) > 1:
@@ -280,11 +361,9 @@ class DataProto:
                 raise ValueError(f"concat: batch[{k!r}] has mismatched trailing shapes {sorted(tails)}")
             batch[k] = torch.cat(parts, dim=0)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in first.non_tensor_batch}
-        meta: dict[str, Any] = {}
-        for d in data:
-            for k, v in d.meta_info.items():
-                meta.setdefault(k, v)
-        return DataProto(batch, non_tensor, meta)
+        n = sum(len(d) for d in data)
+        return DataProto._make(TensorDict(batch, batch_size=[n], device=first.batch.device), non_tensor,
+                               _merge_meta([d.meta_info for d in data]))
 
     def pad_to_divisor(self, divisor: int) -> tuple["DataProto", int]:
         """Pad by repeating leading rows so len is a multiple of ``divisor``; returns (padded, pad_size)."""
@@ -306,13 +385,247 @@ class DataProto:
 
     # ------------------------------------------------------------------ misc
     def to(self, device: str | torch.device) -> "DataProto":
-        self.batch = {k: v.to(device) for k, v in self.batch.items()}
+        object.__setattr__(self, "batch", self.batch.to(device))
         return self
 
     def copy(self) -> "DataProto":
-        return DataProto({k: v.clone() for k, v in self.batch.items()},
-                         {k: v.copy() for k, v in self.non_tensor_batch.items()},
-                         copy.deepcopy(self.meta_info))
+        return DataProto._make(self.batch.clone(),
+                               {k: v.copy() for k, v in self.non_tensor_batch.items()},
+                               copy.deepcopy(self.meta_info))
+
+    # ------------------------------------------------------------------ verl's extras
+    def select_idxs(self, idxs: IndexLike) -> "DataProto":
+        return self[idxs]
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> "DataProto":
+        return self[slice(start, end, step)]
+
+    def check_consistency(self) -> None:
+        _check_lengths(self.batch, self.non_tensor_batch)
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | torch.Tensor | np.ndarray) -> "DataProto":
+        """Row i repeated repeat_times[i] times (rows stay in order; 0 drops a row)."""
+        if isinstance(repeat_times, torch.Tensor):
+            repeat_times = repeat_times.cpu().numpy()
+        counts = np.asarray(list(repeat_times) if isinstance(repeat_times, tuple) else repeat_times)
+        if counts.ndim != 1 or counts.shape[0] != len(self):
+            raise ValueError(f"sample_level_repeat: repeat_times must hold one count per row ({len(self)}), "
+                             f"got shape {counts.shape}")
+        if counts.size and (counts.dtype.kind not in "iu" or counts.min() < 0):
+            raise ValueError(f"sample_level_repeat: repeat_times must be integers >= 0, got {counts.tolist()[:8]}")
+        return self[np.repeat(np.arange(len(self)), counts)]
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
+        """Split dim 1 of the ``split_keys`` into n_split chunks that become rows (row i -> rows
+        i*n_split ...); every other field is repeated n_split times (verl's semantics)."""
+        split_keys = list(split_keys or ())
+        n = len(self)
+        batch = {}
+        for k, v in self.batch.items():
+            if k in split_keys:
+                if v.dim() < 2 or v.shape[1] % n_split:
+                    raise ValueError(f"unfold_column_chunks: batch[{k!r}] of shape {tuple(v.shape)} has no dim 1 "
+                                     f"divisible by {n_split}")
+                batch[k] = v.reshape(n * n_split, v.shape[1] // n_split, *v.shape[2:])
+            else:
+                batch[k] = torch.repeat_interleave(v, n_split, dim=0)
+        non_tensor = {}
+        for k, v in self.non_tensor_batch.items():
+            if k in split_keys:
+                raise ValueError(f"unfold_column_chunks: non_tensor_batch[{k!r}] is 1-D; only tensors split")
+            non_tensor[k] = np.repeat(v, n_split, axis=0)
+        return DataProto._make(TensorDict(batch, batch_size=[n * n_split], device=self.batch.device), non_tensor,
+                               dict(self.meta_info))
+
+    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
+                      dataloader_kwargs: dict | None = None):
+        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` times; ``dataloader_kwargs={"shuffle": True}``
+        shuffles each epoch (with ``seed``). Each mini-batch carries this meta_info."""
+        if mini_batch_size < 1 or len(self) % mini_batch_size:
+            raise ValueError(f"make_iterator: {len(self)} rows are not divisible by mini_batch_size={mini_batch_size}")
+        kwargs = dict(dataloader_kwargs or {})
+        shuffle = bool(kwargs.pop("shuffle", False))
+        kwargs.pop("drop_last", None)
+        if kwargs:
+            raise ValueError(f"make_iterator: unsupported dataloader_kwargs {sorted(kwargs)} (supported: shuffle)")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+        def batches():
+            for _ in range(epochs):
+                order = torch.randperm(len(self), generator=generator) if shuffle else torch.arange(len(self))
+                for start in range(0, len(self), mini_batch_size):
+                    part = self[order[start:start + mini_batch_size]]
+                    part.meta_info = self.meta_info
+                    yield part
+
+        return iter(batches())
+
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict: the tensors, each non-tensor field as a NonTensorStack, meta_info as NonTensorData."""
+        from tensordict import NonTensorData, NonTensorStack
+
+        common = set(self.batch.keys()) & (set(self.non_tensor_batch) | set(self.meta_info))
+        if common:
+            raise ValueError(f"to_tensordict: keys {sorted(common)} are in more than one part")
+        out = TensorDict(dict(self.batch.items()), batch_size=self.batch.batch_size, device=self.batch.device)
+        for k, v in self.non_tensor_batch.items():
+            out[k] = NonTensorStack.from_list([NonTensorData(item) for item in v])
+        for k, v in self.meta_info.items():
+            out[k] = NonTensorData(v)
+        return out
+
+    @classmethod
+    def from_tensordict(cls, tensor_dict: TensorDict, meta_info: Mapping[str, Any] | None = None,
+                        num_batch_dims: int = 1) -> "DataProto":
+        """Inverse of to_tensordict: tensors -> batch, NonTensorStack -> non_tensor_batch, NonTensorData -> meta_info."""
+        from tensordict import NonTensorData, NonTensorStack
+
+        if num_batch_dims != 1:
+            raise ValueError(f"from_tensordict supports num_batch_dims=1, got {num_batch_dims}")
+        meta = dict(meta_info or {})
+        tensors, non_tensor = {}, {}
+        for key in tensor_dict.keys():
+            val = tensor_dict.get(key)
+            if isinstance(val, NonTensorStack):
+                non_tensor[key] = _to_object_array(key, [elem.data if isinstance(elem, NonTensorData) else elem
+                                                         for elem in val.tolist()])
+            elif isinstance(val, NonTensorData):
+                meta[key] = val.data
+            elif isinstance(val, torch.Tensor):
+                tensors[key] = val
+            else:
+                raise ValueError(f"from_tensordict: field {key!r} is a {type(val).__name__}, not a tensor or non-tensor")
+        return cls(tensors, non_tensor, meta)
+
+    def serialize(self) -> bytes:
+        """Bytes (torch.save of the three parts) that ``DataProto.deserialize`` reads back."""
+        buffer = io.BytesIO()
+        torch.save({"batch": dict(self.batch.items()), "batch_size": list(self.batch.batch_size),
+                    "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> "DataProto":
+        state = torch.load(io.BytesIO(data), weights_only=False)
+        batch = TensorDict(state["batch"], batch_size=state["batch_size"])
+        return cls(batch, state["non_tensor_batch"], state["meta_info"])
+
+    def save_to_disk(self, filepath: str | os.PathLike) -> None:
+        with open(filepath, "wb") as f:
+            f.write(self.serialize())
+
+    @staticmethod
+    def load_from_disk(filepath: str | os.PathLike) -> "DataProto":
+        """Only load files you trust: object fields are unpickled."""
+        with open(filepath, "rb") as f:
+            return DataProto.deserialize(f.read())
+
+
+def _merge_meta(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    all_metrics: list[Mapping[str, Any]] = []
+    timing: dict[str, Any] = {}
+    for meta in metas:
+        for k, v in meta.items():
+            if k == "metrics":
+                if v is None:
+                    continue
+                all_metrics.extend(v if isinstance(v, list) else [v])
+            elif k == "timing" and isinstance(v, Mapping):
+                for name, seconds in v.items():
+                    timing[name] = max(timing[name], seconds) if name in timing else seconds
+            elif k in merged:
+                if not _objects_equal(merged[k], v):
+                    raise ValueError(f"concat: meta_info[{k!r}] differs between parts: {merged[k]!r} vs {v!r}")
+            else:
+                merged[k] = v
+    if timing:
+        merged["timing"] = timing
+    if all_metrics:
+        out: dict[str, list] = defaultdict(list)
+        for m in all_metrics:
+            for name, value in m.items():
+                if isinstance(value, list):
+                    out[name].extend(value)
+                else:
+                    out[name].append(value)
+        merged["metrics"] = dict(out)
+    return merged
+
+
+def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Mean of each list-valued metric (what concat's merged ``meta_info["metrics"]`` holds); scalars kept."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (list, tuple)):
+            out[k] = float(np.mean(v)) if len(v) else float("nan")
+        else:
+            out[k] = v
+    return out
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add tensor_dict2's tensors to tensor_dict1 (in place); a shared key must hold equal tensors."""
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise ValueError(f"union_tensor_dict: batch sizes differ, {list(tensor_dict1.batch_size)} vs "
+                         f"{list(tensor_dict2.batch_size)}")
+    for key in tensor_dict2.keys():
+        value = tensor_dict2[key]
+        if key in tensor_dict1.keys():
+            mine = tensor_dict1[key]
+            if mine.shape != value.shape or not torch.equal(mine, value.to(mine.device)):
+                raise ValueError(f"union_tensor_dict: {key!r} differs between the two TensorDicts")
+        else:
+            tensor_dict1[key] = value
+    return tensor_dict1
+
+
+def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add tensor_dict2's arrays to tensor_dict1 (in place); a shared key must hold equal arrays (NaN == NaN)."""
+    for key, value in tensor_dict2.items():
+        if key in tensor_dict1:
+            mine = tensor_dict1[key]
+            if len(mine) != len(value) or any(not _objects_equal(a, b) and not (_is_nan(a) and _is_nan(b))
+                                              for a, b in zip(mine, value)):
+                raise ValueError(f"union_numpy_dict: {key!r} differs between the two dicts")
+        tensor_dict1[key] = value
+    return tensor_dict1
+
+
+def _is_nan(x: Any) -> bool:
+    return isinstance(x, float) and x != x
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """verl's module-level name for ``data.pad_to_divisor(size_divisor)``."""
+    return data.pad_to_divisor(size_divisor)
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """verl's module-level name for ``data.unpad(pad_size)``."""
+    return data.unpad(pad_size)
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """[B, ...] -> [new_batch_size, B // new_batch_size, ...] on every field (batch_size becomes 2-D)."""
+    n = len(data)
+    if new_batch_size < 1 or n % new_batch_size:
+        raise ValueError(f"fold_batch_dim: {n} rows are not divisible by new_batch_size={new_batch_size}")
+    batch = data.batch.view(new_batch_size, -1)
+    non_tensor = {k: np.reshape(v, (new_batch_size, -1, *v.shape[1:])) for k, v in data.non_tensor_batch.items()}
+    return DataProto._make(batch, non_tensor, data.meta_info)
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Inverse of fold_batch_dim: the first ``batch_dims`` dims become one row dim."""
+    batch = data.batch
+    if batch.batch_dims != batch_dims:
+        batch = batch.clone(False)
+        batch.auto_batch_size_(batch_dims=batch_dims)
+    batch = batch.reshape(-1)
+    n = batch.batch_size[0]
+    non_tensor = {k: np.reshape(v, (n, *v.shape[batch_dims:])) for k, v in data.non_tensor_batch.items()}
+    return DataProto._make(batch, non_tensor, data.meta_info)
 
 
 def _objects_equal(a: Any, b: Any) -> bool:

@@ -73,7 +73,7 @@ def _bind_arguments(fn: Any, name: str, data: DataProto, options: dict[str, Any]
             field = 'non_tensor_batch["uid"]' if param.name == "index" else f'batch["{param.name}"]'
             raise ValueError(
                 f"adv_estimator {name!r} needs {field}, which the DataProto lacks; it has "
-                f"batch={sorted(data.batch)} non_tensor_batch={sorted(data.non_tensor_batch)}"
+                f"batch={sorted(data.batch.keys())} non_tensor_batch={sorted(data.non_tensor_batch)}"
             )
     return kwargs
 

@@ -24,7 +24,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.config import DerivedSizes
-from megatron_rl.protocol import DataProto
+from megatron_rl.protocol import DataProto, reduce_metrics
 from megatron_rl.rollout.agent.loop import agent_metrics, rollout_probs_diff
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics, compute_throughput_metrics
@@ -190,9 +190,9 @@ class RLTrainer:
 
         if self.use_critic:
             with timer("update_critic"):
-                metrics |= self.critic.update_critic(batch).meta_info["metrics"]
+                metrics |= reduce_metrics(self.critic.update_critic(batch).meta_info["metrics"])
         with timer("update_actor"):
-            metrics |= self.actor_rollout.update_actor(batch).meta_info["metrics"]
+            metrics |= reduce_metrics(self.actor_rollout.update_actor(batch).meta_info["metrics"])
         with timer("sync_weights"):
             metrics |= self.actor_rollout.sync_weights(step)
 

@@ -79,7 +79,7 @@ def test_dp_collect_of_row_less_results_ignores_the_padding():
     # an update returns only metrics (meta_info): nothing to unpad even when the input was padded
     plan = plan_call(spec(Dispatch.DP_COMPUTE_PROTO), (rows(5),), {}, world_size=2, method="m")
     out = run(plan, lambda rank, data: DataProto(meta_info={"metrics": {"loss": 1.0}}))
-    assert len(out) == 0 and out.meta_info == {"metrics": {"loss": 1.0}}
+    assert len(out) == 0 and out.meta_info == {"metrics": {"loss": [1.0, 1.0]}}  # every rank's, as verl merges them
 
 
 def test_dp_compute_proto_passes_other_arguments_unchanged_and_lists_non_proto_results():

@@ -24,9 +24,9 @@ def indices(batches) -> list[list[int]]:
 def test_batches_are_dataprotos_with_the_contract_fields(dataset, tokenizer):
     batch = next(iter(make_dataloader(dataset, batch_size=4, shuffle=False, seed=0)))
     assert isinstance(batch, DataProto) and len(batch) == 4
-    assert set(batch.batch) == {"input_ids", "attention_mask", "position_ids"}
+    assert set(batch.batch.keys()) == {"input_ids", "attention_mask", "position_ids"}
     assert set(batch.non_tensor_batch) == {"raw_prompt", "data_source", "reward_model", "extra_info", "index"}
-    for key in batch.batch:
+    for key in batch.batch.keys():
         assert batch.batch[key].shape == (4, 24) and batch.batch[key].dtype == torch.long
     assert batch.batch["input_ids"][:, 0].eq(tokenizer.pad_token_id).all()  # left-padded
     assert batch.non_tensor_batch["reward_model"][3] == {"style": "rule", "ground_truth": "3"}

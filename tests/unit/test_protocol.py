@@ -23,8 +23,8 @@ def make(n: int, width: int = 3, offset: int = 0) -> DataProto:
 
 
 def assert_same(a: DataProto, b: DataProto) -> None:
-    assert set(a.batch) == set(b.batch) and set(a.non_tensor_batch) == set(b.non_tensor_batch)
-    for k in a.batch:
+    assert set(a.batch.keys()) == set(b.batch.keys()) and set(a.non_tensor_batch) == set(b.non_tensor_batch)
+    for k in a.batch.keys():
         assert torch.equal(a.batch[k], b.batch[k]), k
     for k in a.non_tensor_batch:
         assert list(a.non_tensor_batch[k]) == list(b.non_tensor_batch[k]), k
