@@ -66,8 +66,8 @@ def test_python_tool_time_and_memory_limits():
     out = py.execute({"code": "while True: pass"})
     assert time.monotonic() - start < 4 and ("longer than" in out or "signal" in out)
     out = PythonTool({"timeout_s": 10, "memory_mb": 256}).execute(
-        {"code": "x = bytearray(1024 * 1024 * 1024); print('allocated')"})
-    assert "MemoryError" in out and "allocated" not in out
+        {"code": "x = bytearray(1024 * 1024 * 1024); print('alloc' + 'ated')"})
+    assert "MemoryError" in out and "allocated" not in out.replace("'alloc' + 'ated'", "")
 
 
 def test_python_tool_environment_and_network():
@@ -75,11 +75,11 @@ def test_python_tool_environment_and_network():
     # no inherited secrets / proxies; runs in an empty temporary directory
     assert py.execute({"code": "import os; print(sorted(os.environ))"}).strip() in (
         "['PATH', 'PYTHONIOENCODING']", "['LC_CTYPE', 'PATH', 'PYTHONIOENCODING']")
-    assert py.execute({"code": "import os; print(os.listdir('.'))"}).strip() == "[]"
+    assert py.execute({"code": "import os; print(os.listdir('.'))"}).strip() == "['main.py']"
     if not py.network_isolated:
         pytest.skip("no unprivileged network namespace here (unshare -rn): network isolation not enforced")
-    out = py.execute({"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1); print('connected')"})
-    assert "connected" not in out and ("Error" in out or "unreachable" in out.lower())
+    out = py.execute({"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1); print('conn' + 'ected')"})
+    assert "connected" not in out.replace("'conn' + 'ected'", "") and ("OSError" in out or "Errno" in out)
 
 
 def test_verl_tool_config(tmp_path):

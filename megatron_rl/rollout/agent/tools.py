@@ -19,7 +19,6 @@ import ast
 import importlib
 import operator
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -187,15 +186,22 @@ class PythonTool(Tool):
     def network_isolated(self) -> bool:
         return self.isolate_network and bool(_unshare_prefix())
 
-    def _limits(self) -> None:  # runs in the child before exec
+    def _boot(self) -> str:
+        """The child's first statements: set its own limits, then run the program (no preexec_fn, which is
+        unsafe in a multi-threaded parent such as the agent loop's tool pool)."""
         cpu = max(1, int(self.timeout_s) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         mem = self.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024 * 1024, 16 * 1024 * 1024))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.setsid()
+        return (
+            "import resource as r\n"
+            f"r.setrlimit(r.RLIMIT_CPU, ({cpu}, {cpu}))\n"
+            f"r.setrlimit(r.RLIMIT_AS, ({mem}, {mem}))\n"
+            "r.setrlimit(r.RLIMIT_FSIZE, (16 << 20, 16 << 20))\n"
+            "r.setrlimit(r.RLIMIT_NOFILE, (64, 64))\n"
+            "r.setrlimit(r.RLIMIT_CORE, (0, 0))\n"
+            "src = open('main.py').read()\n"
+            "del r\n"
+            "exec(compile(src, 'main.py', 'exec'), {'__name__': '__main__'})\n"
+        )
 
     def execute(self, arguments: dict[str, Any], **kwargs: Any) -> str:
         code = arguments.get("code")
@@ -204,10 +210,13 @@ class PythonTool(Tool):
         prefix = _unshare_prefix() if self.isolate_network else ()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8"}
         with tempfile.TemporaryDirectory(prefix="mrl-python-tool-") as cwd:
+            with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
             try:
                 proc = subprocess.Popen(
-                    [*prefix, sys.executable, "-I", "-c", code], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self._limits,
+                    [*prefix, sys.executable, "-I", "-c", self._boot()], cwd=cwd, env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             except OSError as exc:
                 return f"Error: could not start the Python sandbox: {exc}"
