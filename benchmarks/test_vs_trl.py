@@ -1,0 +1,120 @@
+"""megatron-rl against Hugging Face TRL's GRPOTrainer (CPU, no vLLM) on the same machine in the same run: the
+demo's task, model, prompts, reward and hyperparameters, at two sizes — (a) the demo (80k-parameter Qwen2,
+6-token responses, 32 prompts x 8) and (b) a ~30M-parameter Qwen2-shaped random model with 32-token
+responses, 16 prompts x 8. Each trainer runs as its own process (start-up counts) at each thread setting;
+the faster counts. Reported: seconds per step (median after warm-up; one step = prompts x 8 samples and 2
+optimizer steps), start-up to the first step, and TRL's s/step over ours (> 1: we are faster).
+
+    pip install -e .[bench]          # TRL; skipped with this message when it is absent
+    pytest benchmarks/test_vs_trl.py -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rl.demo import prepare_assets
+from megatron_rl.trainer.tracking import read_metrics
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                reason="TRL is not installed: pip install -e .[bench]")
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, WARMUP = 16, 3
+SIZES = {
+    "demo": {"prompts": 32, "n": 8, "response_length": 6, "lr": 5e-3, "model": None},
+    "30M": {"prompts": 16, "n": 8, "response_length": 32, "lr": 1e-4,
+            "model": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+                      "num_attention_heads": 8, "num_key_value_heads": 4}},
+}
+# our layouts: the demo's (Megatron TP 2 on 2 Ray ranks) and one rank, what a model this small wants
+OURS = {"tp2x2ranks": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+        "1rank": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"]}
+
+
+def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
+    if shape is None:
+        return assets_model
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(assets_model)
+    for key, value in shape.items():
+        setattr(config, key, value)
+    config.max_position_embeddings = 128
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (assets_model / name).exists():
+            (out / name).write_bytes((assets_model / name).read_bytes())
+    return out
+
+
+def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) -> dict:
+    prompts, n = size["prompts"], size["n"]
+    overrides = [
+        "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={out}", f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false", "trainer.overwrite=true",
+        f"data.train_batch_size={prompts}", f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // 2}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts // 2 * n}",
+        f"data.max_response_length={size['response_length']}", f"actor_rollout_ref.actor.optim.lr={size['lr']}",
+        *layout,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, startup = out / "metrics.jsonl", None
+    while proc.poll() is None:
+        if startup is None and metrics.exists() and metrics.read_text().strip():
+            first = read_metrics(metrics)[0]
+            startup = time.perf_counter() - start - first["timing_s/step"]
+        time.sleep(0.05)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    steps = [r["timing_s/step"] for r in read_metrics(metrics)]
+    return {"startup_s": startup, "step_s": steps}
+
+
+def _trl(train: Path, model: Path, size: dict, threads: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"train": str(train), "model": str(model), "threads": threads, "steps": STEPS, "seed": 1,
+            "workdir": str(out / "trl"), **{k: size[k] for k in ("prompts", "n", "response_length", "lr")}}
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "trl_grpo_run.py"), "--spec", str(out / "spec.json"),
+                    "--out", str(out / "result.json")], env=env, check=True, capture_output=True, timeout=3600)
+    return json.loads((out / "result.json").read_text())
+
+
+def _median_step(result: dict) -> float:
+    return float(np.median(result["step_s"][WARMUP:]))
+
+
+@pytest.mark.parametrize("size_name", list(SIZES))
+def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_name):
+    size = SIZES[size_name]
+    train, _val, assets_model = prepare_assets(tmp_path / "assets")
+    model = _model_dir(assets_model, size["model"], tmp_path / "model")
+    ours = {name: _ours(train, model, size, layout, tmp_path / f"ours-{name}") for name, layout in OURS.items()}
+    trl = {threads: _trl(train, model, size, threads, tmp_path / f"trl-{threads}") for threads in (1, 2)}
+    best_ours = min(ours, key=lambda k: _median_step(ours[k]))
+    best_trl = min(trl, key=lambda k: _median_step(trl[k]))
+    ratio = _median_step(trl[best_trl]) / _median_step(ours[best_ours])
+    rows = {f"ours/{k}": v for k, v in ours.items()} | {f"trl/{k}threads": v for k, v in trl.items()}
+    benchmark.extra_info.update({f"{k}/step_s": _median_step(v) for k, v in rows.items()})
+    benchmark.extra_info.update({f"{k}/startup_s": v["startup_s"] for k, v in rows.items()})
+    benchmark.extra_info["trl_over_ours"] = ratio
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\n{size_name}: " + "; ".join(f"{k} {_median_step(v):.3f} s/step, start-up {v['startup_s']:.1f} s"
+                                       for k, v in rows.items())
+          + f" -> TRL s/step / ours = {ratio:.2f} (best: ours {best_ours}, TRL {best_trl} threads)")
