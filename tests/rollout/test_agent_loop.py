@@ -187,3 +187,20 @@ def test_settings_from_the_schema_and_refused_formats(tok):
         AgentLoop(lambda d: d, tok, {"format": "llama3_json"}, response_length=8)
     with pytest.raises(ValueError, match="truncate_side"):
         AgentLoop(lambda d: d, tok, {"tool_response_truncate_side": "top"}, response_length=8)
+
+
+def test_parallel_call_limit_and_tool_response_truncation(tok):
+    two = CALL + CALL + '<tool_call>{"name": "calculator", "arguments": {"expression": "9 ** 999"}}</tool_call>'
+    out, _ = run_scripted(tok, [QUESTION], [[two, "#### 1"]],
+                          settings={"max_parallel_calls": 2, "max_tool_response_length": 100})
+    b = out.batch
+    n = int(b["attention_mask"][0, b["prompts"].shape[1]:].sum())
+    text = tok.decode(b["responses"][0, :n][b["response_mask"][0, :n] == 0].tolist())
+    assert text.count("80779853376") == 2 and "at most 2 tool call" in text
+    assert out.non_tensor_batch["tool_call_counts"][0] == 3
+    out, _ = run_scripted(tok, [QUESTION], [['<tool_call>{"name": "calculator", "arguments": {"expression": "9 ** 999"}}</tool_call>', "#### 1"]],
+                          settings={"max_tool_response_length": 40})
+    b = out.batch
+    n = int(b["attention_mask"][0, b["prompts"].shape[1]:].sum())
+    text = tok.decode(b["responses"][0, :n][b["response_mask"][0, :n] == 0].tolist())
+    assert "truncated" in text and len(text) < 120
