@@ -204,6 +204,9 @@ class SGLangConfig:
     update_group_backend: str = "nccl"
     master_address: Optional[str] = None  # this trainer's address as the servers see it
     request_timeout_s: float = 600.0
+    # Colocated engines: engine i uses port_base + 2i (and +1); a taken port moves on by port_stride.
+    port_base: int = 23000
+    port_stride: int = 1000
 
 
 @dataclass
@@ -364,6 +367,7 @@ class TrainerConfig:
 class RayInitConfig:
     address: Optional[str] = None  # None: start an embedded local Ray
     num_cpus: Optional[int] = None
+    num_gpus: Optional[int] = None  # GPUs an embedded Ray declares (None: what it detects)
     timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
     # Per call kind (trainer/deadlines.py); null: timeout_s. A 70B init_model loads 140 GB and builds the engines.
     init_timeout_s: Optional[float] = 3600.0  # init_model, load_checkpoint

@@ -196,6 +196,13 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     rtp = rollout.tensor_model_parallel_size
     _require(rtp >= 1 and world % rtp == 0,
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size {world}")
+    # One engine per rollout-TP group of consecutive GPUs of one node (rollout/mesh.py).
+    _require(rollout.mode == "server" or cfg.trainer.n_gpus_per_node % rtp == 0,
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide "
+             f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: a colocated engine cannot span two nodes")
+    _require(rollout.name != "hf" or rtp == 1,
+             f"actor_rollout_ref.rollout.name=hf runs one model per process: it needs "
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name=sglang for TP)")
 
     needs_critic = _estimator_traits(algo.adv_estimator).needs_critic
     uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else needs_critic
