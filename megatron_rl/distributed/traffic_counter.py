@@ -61,6 +61,10 @@ def count_traffic(gpus_per_node: int):
         _gather_all(nbytes(input), group)
         return originals["all_gather_into_tensor"](output, input, group=group, async_op=async_op)
 
+    def all_gather_single(output, input, group=None, async_op=False):
+        _gather_all(nbytes(input), group)
+        return originals["all_gather_single"](output, input, group=group, async_op=async_op)
+
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         _gather_all(nbytes(tensor), group)
         return originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
@@ -88,6 +92,8 @@ def count_traffic(gpus_per_node: int):
 
     wrappers = dict(broadcast=broadcast, all_gather_into_tensor=all_gather_into_tensor, all_gather=all_gather,
                     gather=gather, isend=isend, irecv=irecv)
+    if hasattr(dist, "all_gather_single"):
+        wrappers["all_gather_single"] = all_gather_single
     for name, fn in wrappers.items():
         originals[name] = getattr(dist, name)
         setattr(dist, name, fn)

@@ -192,6 +192,11 @@ def _write_hf(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Tensor],
     raise AssertionError(kind)
 
 
+def _all_gather_flat():
+    """torch >= 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); looked up per call."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _Transfer:
     """The collectives of one bucket on this rank: pipeline step, then TP step (both may run asynchronously)."""
 
@@ -246,7 +251,7 @@ class _Transfer:
         if len(consumers) == ctx.tp_size:
             self.gathered = ctx.staging("gathered", self.slot, ctx.tp_size * self.bucket.shard_bytes)
             self._works.append(
-                dist.all_gather_into_tensor(self.gathered, self.shard, group=ctx.tp_group, async_op=True)
+                _all_gather_flat()(self.gathered, self.shard, group=ctx.tp_group, async_op=True)
             )
         else:
             for dst in consumers:
