@@ -236,3 +236,35 @@ def compute_remax_outcome_advantage(
     mask = response_mask.float()
     returns = (token_level_rewards.float() * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     return returns - reward_baselines.float().unsqueeze(-1) * mask, returns
+
+
+@register_adv_estimator("grpo_vectorized", needs_groups=True)
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: object = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorized GRPO: the same numbers as ``grpo`` (ours is vectorized already)."""
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+
+
+@register_adv_estimator("rloo_vectorized", needs_groups=True)
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+    config: object = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorized RLOO: as ``rloo`` except that a group of one gets 0 (verl's ``rloo`` keeps s)."""
+    advantages, _ = compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, epsilon)
+    groups, num_groups = group_ids_from_uids(index, advantages.shape[0], advantages.device)
+    sizes = torch.bincount(groups, minlength=num_groups)[groups]
+    advantages = advantages * (sizes > 1).to(advantages.dtype).unsqueeze(-1)
+    return advantages, advantages

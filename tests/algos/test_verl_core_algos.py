@@ -192,3 +192,17 @@ def test_a_user_estimator_is_validated_like_ours():
     assert sizes.uses_critic
     with pytest.raises(ConfigError, match="'test18_needs_groups' compares responses within a group"):
         validate(_cfg("algorithm.adv_estimator=test18_needs_groups", "actor_rollout_ref.rollout.n=1"))
+
+
+def test_vectorized_estimators_match_verl(verl_core_algos):
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(11)
+    rewards = torch.randn(7, 5, generator=gen)
+    mask = torch.ones(7, 5)
+    index = np.array(["a", "a", "b", "b", "b", "c", "d"], dtype=object)  # c, d: groups of one
+    for name in ("grpo_vectorized", "rloo_vectorized"):
+        ours = algos.get_adv_estimator_fn(name)(rewards, mask, index)
+        theirs = verl_core_algos.get_adv_estimator_fn(name)(rewards, mask, index)
+        torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    assert algos.compute_rloo_vectorized_outcome_advantage(rewards, mask, index)[0][5:].abs().sum() == 0
