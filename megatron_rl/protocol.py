@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 __all__ = [
     "DataProto",
+    "ProtocolError",
     "collate_dicts",
     "fold_batch_dim",
     "pad_dataproto_to_divisor",
@@ -157,11 +158,18 @@ class DataProto:
         tensors: Mapping[str, torch.Tensor] | None = None,
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: Mapping[str, Any] | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> "DataProto":
+        """verl's signature; only num_batch_dims=1 is supported, auto_padding is accepted and has no effect
+        (megatron-rl's dispatch pads explicitly with pad_to_divisor)."""
+        if num_batch_dims != 1:
+            raise ValueError(f"DataProto.from_dict supports num_batch_dims=1, got {num_batch_dims}")
         return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta_info or {}))
 
     @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None) -> "DataProto":
+    def from_single_dict(cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None,
+                         auto_padding: bool = False) -> "DataProto":
         """Tensors go to ``batch``, everything else (lists, numpy arrays) to ``non_tensor_batch``."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
@@ -521,6 +529,30 @@ class DataProto:
             return DataProto.deserialize(f.read())
 
 
+class ProtocolError(ValueError, AssertionError):
+    """A DataProto operation refused: a ValueError (megatron-rl) that is also what verl raises (AssertionError)."""
+
+
+def _deep_equal(a: Any, b: Any) -> bool:
+    """Equality that treats NaN == NaN and recurses into arrays, lists and dicts (verl's union rule)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        if a.dtype != object and b.dtype != object:
+            try:
+                return bool(np.array_equal(a, b, equal_nan=True))
+            except TypeError:
+                return bool(np.array_equal(a, b))
+        return all(_deep_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
+    if _is_nan(a) and _is_nan(b):
+        return True
+    return type(a) is type(b) and _objects_equal(a, b) if isinstance(a, str) or isinstance(b, str) else _objects_equal(a, b)
+
+
 def _merge_meta(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     all_metrics: list[Mapping[str, Any]] = []
@@ -536,7 +568,8 @@ def _merge_meta(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     timing[name] = max(timing[name], seconds) if name in timing else seconds
             elif k in merged:
                 if not _objects_equal(merged[k], v):
-                    raise ValueError(f"concat: meta_info[{k!r}] differs between parts: {merged[k]!r} vs {v!r}")
+                    raise ProtocolError(f"concat: meta_info[{k!r}] differs between parts: {merged[k]!r} vs {v!r} "
+                                        f"(Conflicting values for meta_info key '{k}')")
             else:
                 merged[k] = v
     if timing:
@@ -567,14 +600,14 @@ def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
     """Add tensor_dict2's tensors to tensor_dict1 (in place); a shared key must hold equal tensors."""
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(f"union_tensor_dict: batch sizes differ, {list(tensor_dict1.batch_size)} vs "
+        raise ProtocolError(f"union_tensor_dict: batch sizes differ, {list(tensor_dict1.batch_size)} vs "
                          f"{list(tensor_dict2.batch_size)}")
     for key in tensor_dict2.keys():
         value = tensor_dict2[key]
         if key in tensor_dict1.keys():
             mine = tensor_dict1[key]
             if mine.shape != value.shape or not torch.equal(mine, value.to(mine.device)):
-                raise ValueError(f"union_tensor_dict: {key!r} differs between the two TensorDicts")
+                raise ProtocolError(f"union_tensor_dict: {key!r} differs between the two TensorDicts")
         else:
             tensor_dict1[key] = value
     return tensor_dict1
@@ -585,9 +618,8 @@ def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: Mapping[
     for key, value in tensor_dict2.items():
         if key in tensor_dict1:
             mine = tensor_dict1[key]
-            if len(mine) != len(value) or any(not _objects_equal(a, b) and not (_is_nan(a) and _is_nan(b))
-                                              for a, b in zip(mine, value)):
-                raise ValueError(f"union_numpy_dict: {key!r} differs between the two dicts")
+            if not _deep_equal(np.asarray(mine), np.asarray(value)):
+                raise ProtocolError(f"union_numpy_dict: {key!r} differs between the two dicts")
         tensor_dict1[key] = value
     return tensor_dict1
 

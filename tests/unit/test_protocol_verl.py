@@ -120,3 +120,16 @@ def test_verl_code_runs_through_the_compat_namespace():
     data = VerlDataProto.from_dict(tensors={"a": torch.arange(4)}, non_tensors={"b": np.arange(4)})
     assert data.select(batch_keys=["a"], deepcopy=True).batch["a"].tolist() == [0, 1, 2, 3]
     assert u is union_tensor_dict
+
+
+def test_refusals_are_value_errors_and_verl_style_assertion_errors():
+    from megatron_rl.protocol import ProtocolError
+
+    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'config'"):
+        DataProto.concat([DataProto(meta_info={"config": "A"}), DataProto(meta_info={"config": "B"})])
+    with pytest.raises(ValueError):
+        union_tensor_dict(TensorDict({"x": torch.ones(2)}, [2]), TensorDict({"x": torch.zeros(2)}, [2]))
+    nan_rows = np.array([1.0, float("nan"), np.array([2, 3])], dtype=object)
+    union_numpy_dict({"a": nan_rows}, {"a": nan_rows.copy()})  # NaN == NaN, nested arrays compared
+    assert issubclass(ProtocolError, ValueError) and issubclass(ProtocolError, AssertionError)
+    assert len(DataProto.from_dict({"a": torch.zeros(2)}, num_batch_dims=1, auto_padding=False)) == 2
