@@ -2,11 +2,14 @@
 
     megatron-rl-convert hf-to-mcore --hf-dir Qwen2.5-7B --out ckpt/qwen-mcore --tp 2 --pp 2 --verify
     megatron-rl-convert mcore-to-hf --mcore-dir ckpt/qwen-mcore --out Qwen2.5-7B-back --verify
+    megatron-rl-convert mcore-to-hf --mcore-dir run/global_step_40/actor --hf-config Qwen2.5-7B --out step40-hf
 
 Run it plainly and it starts TP*PP local processes itself (gloo without CUDA, nccl with it); run it
 under torchrun/srun with WORLD_SIZE = TP*PP and it uses those ranks. The Megatron checkpoint is a
 ``megatron.core.dist_checkpointing`` directory (``<out>/weights``) next to the HF config.json and
-tokenizer files, so it can be loaded back at any TP/PP.
+tokenizer files, so it can be loaded back at any TP/PP. A trainer checkpoint (``<run>/global_step_N/actor``) is a
+distributed checkpoint without an HF config beside it: pass the trained model's HF directory as ``--hf-config``
+(config and tokenizer come from there, the weights from the checkpoint; optimizer state is ignored).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF directory")
     to_hf.add_argument("--mcore-dir", required=True, type=Path)
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    to_hf.add_argument("--hf-config", type=Path, default=None,
+                       help="for a trainer checkpoint (global_step_N/actor): the trained model's HF directory")
     for command in (to_mcore, to_hf):
         command.add_argument("--out", required=True, type=Path)
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
@@ -102,20 +107,44 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
     dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
     if not args.verify:
         return None
-    return _verify(_load_mcore(args.out), args.hf_dir, dtype, args)
+    return _verify(_load_mcore(args.out, args.out), args.hf_dir, dtype, args)
 
 
-def _load_mcore(mcore_dir: Path, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+def _weights_dir(mcore_dir: Path) -> Path:
+    """``<dir>/weights`` of a converted checkpoint, or ``<dir>`` itself for a trainer checkpoint."""
+    for weights in (mcore_dir / WEIGHTS_DIR, mcore_dir):
+        if (weights / "metadata.json").is_file():
+            return weights
+    raise FileNotFoundError(
+        f"{mcore_dir} is not a Megatron distributed checkpoint: expected {mcore_dir / WEIGHTS_DIR}/metadata.json "
+        f"(written by hf-to-mcore) or {mcore_dir}/metadata.json (a trainer checkpoint, <run>/global_step_N/actor)"
+    )
+
+
+def _config_dir(args: argparse.Namespace) -> Path:
+    """Where config.json and the tokenizer are: --hf-config, else the converted checkpoint itself."""
+    if args.hf_config is not None:
+        return args.hf_config
+    if _weights_dir(args.mcore_dir) == args.mcore_dir:
+        raise SystemExit(
+            f"megatron-rl-convert: {args.mcore_dir} is a trainer checkpoint (global_step_N/actor): it holds no HF "
+            "config. Pass the trained model's HF directory (the run's actor_rollout_ref.model.path) as --hf-config"
+        )
+    return args.mcore_dir
+
+
+def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
     from megatron.core import dist_checkpointing
 
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.hf_config import load_hf_config
 
-    weights = mcore_dir / WEIGHTS_DIR
-    if not (weights / "metadata.json").is_file():
-        raise FileNotFoundError(f"{weights} is not a Megatron distributed checkpoint (no metadata.json)")
-    chunks = build_gpt_model(load_hf_config(mcore_dir), params_dtype=dtype, init_weights=False)
-    state = dist_checkpointing.load(chunks[0].sharded_state_dict(), str(weights))
+    chunks = build_gpt_model(load_hf_config(config_dir), params_dtype=dtype, init_weights=False)
+    weights = _weights_dir(mcore_dir)
+    if weights == mcore_dir:  # a trainer checkpoint: the model under "model0" beside optimizer and scheduler state
+        state = dist_checkpointing.load({"model0": chunks[0].sharded_state_dict()}, str(weights))["model0"]
+    else:
+        state = dist_checkpointing.load(chunks[0].sharded_state_dict(), str(weights))
     chunks[0].load_state_dict(state)
     return chunks
 
@@ -124,20 +153,21 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models.export import save_hf_checkpoint
 
-    dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(args.mcore_dir)
+    config_dir = _config_dir(args)
+    dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(config_dir)
     init_model_parallel(tp=args.tp, pp=args.pp)
-    chunks = _load_mcore(args.mcore_dir, dtype)
+    chunks = _load_mcore(args.mcore_dir, config_dir, dtype)
     save_hf_checkpoint(
         chunks,
         args.out,
-        tokenizer_dir=args.mcore_dir,
+        tokenizer_dir=config_dir,
         dtype=dtype,
         max_shard_bytes=int(args.max_shard_gb * 1024**3),
         progress=True,
     )
     if not args.verify:
         return None
-    return _verify(_load_mcore(args.mcore_dir), args.out, dtype, args)
+    return _verify(_load_mcore(args.mcore_dir, config_dir), args.out, dtype, args)
 
 
 def _verify(
@@ -206,8 +236,8 @@ def _check_source(args: argparse.Namespace) -> None:
     for size in ("tp", "pp"):
         if getattr(args, size) < 1:
             raise SystemExit(f"--{size} must be >= 1, got {getattr(args, size)}")
-    source = args.hf_dir if args.command == "hf-to-mcore" else args.mcore_dir
     try:
+        source = args.hf_dir if args.command == "hf-to-mcore" else _config_dir(args)
         check_parallel_fit(load_hf_config(source), args.tp, args.pp, None)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"megatron-rl-convert: {error}") from None

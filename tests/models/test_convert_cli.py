@@ -50,7 +50,7 @@ def test_sizes_that_do_not_fit_fail_before_any_process_starts(tmp_path):
     hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "qwen2", with_tokenizer=False)
     with pytest.raises(SystemExit, match="num_attention_heads=4 is not divisible by TP=3"):
         main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "o"), "--tp", "3"])
-    with pytest.raises(SystemExit, match="no config.json"):
+    with pytest.raises(SystemExit, match="missing is not a Megatron distributed checkpoint: expected"):
         main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
 
 
@@ -69,3 +69,33 @@ def test_verify_puts_every_collective_tensor_on_the_backend_device(tmp_path):
     assert out["device_tensor_ok"] == 1.0
     assert "error" not in out, out.get("error")
     assert out["diff"] <= 1e-4
+
+
+def _save_trainer_checkpoint(hf_dir: str, path: str) -> None:
+    """What the trainer writes at global_step_N/actor: model, optimizer, scheduler (one rank, TP 1)."""
+    from megatron_rl.config.schema import ActorConfig
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.workers.checkpoint import save_checkpoint
+    from megatron_rl.workers.engine import MegatronEngine
+
+    actor = ActorConfig()
+    init_model_parallel(tp=1, pp=1)
+    save_checkpoint(MegatronEngine(hf_dir, actor.megatron, actor.optim), path)
+
+
+@pytest.mark.distributed
+def test_trainer_checkpoints_convert_with_the_models_hf_config(tmp_path, capsys):
+    from megatron_rl.distributed.spawn import run_multiprocess
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "qwen2")
+    actor_dir = tmp_path / "run" / "global_step_3" / "actor"
+    run_multiprocess(_save_trainer_checkpoint, 1, str(hf_dir), str(actor_dir), timeout_s=300)
+    with pytest.raises(SystemExit, match=r"is a trainer checkpoint \(global_step_N/actor\).*--hf-config"):
+        main(["mcore-to-hf", "--mcore-dir", str(actor_dir), "--out", str(tmp_path / "nope")])
+    back = tmp_path / "back"
+    assert main(["mcore-to-hf", "--mcore-dir", str(actor_dir), "--hf-config", str(hf_dir), "--out", str(back)]) == 0
+    original, converted = tensors(hf_dir), tensors(back)
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[name], tensor) for name, tensor in original.items())
+    with pytest.raises(SystemExit, match="not a Megatron distributed checkpoint: expected .*metadata.json"):
+        main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "run"), "--out", str(tmp_path / "nope2")])
