@@ -22,6 +22,8 @@ class CallPlan:
     ranks: list[int]  # the ranks that run, in the order of ``calls``
     calls: list[tuple[tuple, dict]]  # (args, kwargs) for each of ``ranks``
     collect: Callable[[list[Any]], Any]  # results in ``ranks`` order -> the driver's answer
+    # positions in ``ranks`` whose results ``collect`` reads (None: all); the others need not be sent anywhere
+    used: list[int] | None = None
 
 
 def plan_call(
@@ -39,7 +41,7 @@ def plan_call(
     if mode is Dispatch.ONE_TO_ALL:
         return CallPlan(list(range(world_size)), [(args, kwargs)] * world_size, list)
     if mode is Dispatch.RANK_ZERO:
-        return CallPlan(list(range(world_size)), [(args, kwargs)] * world_size, lambda outputs: outputs[0])
+        return CallPlan(list(range(world_size)), [(args, kwargs)] * world_size, lambda outputs: outputs[0], [0])
     if mode is Dispatch.ALL_TO_ALL:
         return CallPlan(list(range(world_size)), _scatter_lists(args, kwargs, world_size, method), list)
     if mode is Dispatch.DP_COMPUTE_PROTO:
@@ -89,7 +91,7 @@ def _plan_data_parallel(
     def collect(outputs: list[Any]) -> Any:  # every rank runs, so outputs[r] is rank r's result
         return _concat_results([outputs[r] for r in collect_ranks], collect_ranks, pad, method)
 
-    return CallPlan(list(range(len(dp_of_rank))), [per_dp[d] for d in dp_of_rank], collect)
+    return CallPlan(list(range(len(dp_of_rank))), [per_dp[d] for d in dp_of_rank], collect, list(collect_ranks))
 
 
 def _shard_data_protos(

@@ -3,7 +3,8 @@
 Each rank calls the group's methods with the same arguments (the driver loop is deterministic), so a
 call is planned exactly as ``RayWorkerGroup`` plans it (``plan_call``); this rank runs its own share
 and the ranks' results are exchanged with one ``all_gather_object`` so every rank collects the same
-answer. The worker class, its ``@register`` specs and the trainer are the same as under Ray.
+answer. Only the results the plan's ``collect`` reads are sent (a MEGATRON_COMPUTE_PROTO call: the DP groups'
+collecting ranks), so each rank receives the batch once, not once per model-parallel rank. The worker class, its ``@register`` specs and the trainer are the same as under Ray.
 """
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ class LocalWorkerGroup:
         plan = plan_call(spec, args, kwargs, self.world_size, f"{self.role}.{name}", mesh)
         result = None
         if self.rank in plan.ranks:
-            call_args, call_kwargs = plan.calls[plan.ranks.index(self.rank)]
+            position = plan.ranks.index(self.rank)
+            call_args, call_kwargs = plan.calls[position]
             result = getattr(self.worker, name)(*call_args, **call_kwargs)
+            if plan.used is not None and position not in plan.used:
+                result = None  # nobody reads it (e.g. a non-collecting TP/PP rank's copy): do not send it
         outputs: list[Any] = [None] * self.world_size
         dist.all_gather_object(outputs, result)
         return plan.collect([outputs[r] for r in plan.ranks])

@@ -1,0 +1,49 @@
+"""LocalWorkerGroup (torchrun mode): every rank runs the driver loop and gets the same answer, but only the
+results the plan reads travel — a non-collecting TP/PP rank's copy of a MEGATRON_COMPUTE_PROTO result is not
+exchanged, so each rank receives the batch once instead of once per model-parallel rank."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.distributed.spawn import run_multiprocess
+
+pytestmark = pytest.mark.distributed
+
+
+def _gathered_bytes_of_one_megatron_call() -> dict:
+    from controller_workers import ProbeWorker
+
+    from megatron_rl.controller.local_group import LocalWorkerGroup
+    from megatron_rl.protocol import DataProto
+
+    os.environ.update(FAKE_TP="2", FAKE_PP="2")  # world 8: DP 2, collectors rank 4 (dp 0) and rank 6 (dp 1)
+    group = LocalWorkerGroup(ProbeWorker(), "probe")
+    sent: list[int] = []
+    real = dist.all_gather_object
+
+    def counting(outputs, obj, group=None):
+        sent.append(len(pickle.dumps(obj)))
+        return real(outputs, obj, group=group)
+
+    dist.all_gather_object = counting
+    try:
+        rows = 64
+        data = DataProto.from_dict({"ids": torch.arange(rows)}, {"uid": [f"u{i}" for i in range(rows)]})
+        out = group.tag_megatron(data)
+    finally:
+        dist.all_gather_object = real
+    return {"ids": out.batch["ids"].tolist(), "rank": out.batch["rank"].tolist(), "sent": sent[-1]}
+
+
+def test_only_the_collecting_ranks_results_are_exchanged():
+    reports = run_multiprocess(_gathered_bytes_of_one_megatron_call, 8, timeout_s=300)
+    assert all(r["ids"] == list(range(64)) for r in reports)  # every rank drives with the same answer
+    assert all(r["rank"] == [4] * 32 + [6] * 32 for r in reports)
+    senders = [rank for rank, r in enumerate(reports) if r["sent"] > 100]
+    assert senders == [4, 6]  # 2 shards (= the batch once) travel, not 8
