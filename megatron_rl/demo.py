@@ -23,8 +23,11 @@ REQUIRED_RISE = 0.3
 SCORE_KEY = "critic/score/mean"
 
 
-def prepare_assets(out: Path, seed: int = 0) -> tuple[Path, Path, Path]:
-    """Task data, tokenizer and a random tiny model under `out`; returns (train, val, model_dir)."""
+def prepare_assets(out: Path, seed: int = 0, *, task: str = "copy", n_train: int = 4096, n_val: int = 64,
+                   tokenizer_kwargs: dict | None = None, max_positions: int = 64) -> tuple[Path, Path, Path]:
+    """Task data, tokenizer and a random tiny model under `out`; returns (train, val, model_dir). The demo's
+    task by default; the tests build other tasks (e.g. tool_multiply, whose turns need longer positions) the
+    same way."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -32,13 +35,13 @@ def prepare_assets(out: Path, seed: int = 0) -> tuple[Path, Path, Path]:
     from megatron_rl.data import build_tiny_tokenizer
     from megatron_rl.data.tasks import task_texts, write_task
 
-    paths = write_task("copy", out / "data", n_train=4096, n_val=64, seed=seed)
+    paths = write_task(task, out / "data", n_train=n_train, n_val=n_val, seed=seed)
     rows = [row for path in paths.values() for row in pq.read_table(path).to_pylist()]
     model_dir = out / "model"
-    tokenizer = build_tiny_tokenizer(model_dir, task_texts(rows))
+    tokenizer = build_tiny_tokenizer(model_dir, task_texts(rows), **(tokenizer_kwargs or {}))
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -16,26 +16,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def tool_assets(tmp_path_factory):
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from megatron_rl.demo import prepare_assets
 
-    from megatron_rl.data import build_tiny_tokenizer
-    from megatron_rl.data.tasks import task_texts, write_task
-
-    out = tmp_path_factory.mktemp("tool_assets")
-    paths = write_task("tool_multiply", out / "data", n_train=64, n_val=8, seed=0)
-    rows = [row for path in paths.values() for row in pq.read_table(path).to_pylist()]
-    model_dir = out / "model"
-    tokenizer = build_tiny_tokenizer(model_dir, task_texts(rows), vocab_size=200)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    return {"train": paths["train"], "val": paths["val"], "model": model_dir}
+    train, val, model = prepare_assets(tmp_path_factory.mktemp("tool_assets"), task="tool_multiply", n_train=64,
+                                       n_val=8, tokenizer_kwargs={"vocab_size": 200}, max_positions=512)
+    return {"train": train, "val": val, "model": model}
 
 
 def test_multi_turn_grpo_on_two_sglang_engines(sglang_stand_in, tool_assets, tmp_path):
