@@ -8,6 +8,7 @@ to [B, 1, Tq, Tk] where True means "do not attend".
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -15,6 +16,29 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+log = logging.getLogger(__name__)
+
+FLASH_VARLEN = "flash_varlen"
+SDPA_PER_SEQUENCE = "sdpa_per_sequence"
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_ANNOUNCED_KERNELS: set[str] = set()
+
+
+def packed_attention_kernel(query: torch.Tensor, dropout_p: float) -> tuple[str, str]:
+    """The kernel packed (THD) attention runs on for ``query``, and why.
+
+    torch's ``varlen_attn`` is flash attention's ``cu_seqlens`` kernel: one fused call over every
+    sequence of the pack, no mask, no per-sequence launches. It exists on CUDA only, for fp16/bf16,
+    and without dropout; anywhere else the per-sequence SDPA twin runs (same numbers, more launches).
+    """
+    if not query.is_cuda:
+        return SDPA_PER_SEQUENCE, f"query on {query.device.type}, the fused varlen kernel is CUDA-only"
+    if query.dtype not in _FLASH_DTYPES:
+        return SDPA_PER_SEQUENCE, f"query dtype {query.dtype}, the fused varlen kernel takes fp16/bf16"
+    if dropout_p > 0.0:
+        return SDPA_PER_SEQUENCE, f"attention_dropout={dropout_p}, the fused varlen kernel has no dropout"
+    return FLASH_VARLEN, "CUDA, half precision, no dropout"
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -117,18 +141,41 @@ class SDPAttention(MegatronModule):
     def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params):
         """Packed sequences (THD, ``PackedSeqParams`` with ``cu_seqlens``): [t, heads, dim] q/k/v of
         sequences laid end to end, [t, heads*dim] out. Each sequence attends causally to itself only
-        (block-diagonal causal attention), one SDPA call per sequence without a mask, so the cost is
-        sum(s_i^2), not t^2, and no [t, t] mask exists. The varlen twin of flash attention's
-        ``cu_seqlens`` kernels, token for token the padded path's numbers."""
+        (block-diagonal causal attention): cost sum(s_i^2), not t^2, and no [t, t] mask exists."""
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"SDPAttention packs only the thd format, got {packed_seq_params.qkv_format!r}")
-        cu_q = packed_seq_params.cu_seqlens_q.tolist()
-        cu_k = packed_seq_params.cu_seqlens_kv.tolist()
-        if cu_q != cu_k:
+        cu_q, cu_k = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if not torch.equal(cu_q, cu_k):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        dropout_p = self.dropout_p if self.training else 0.0
+        kernel, why = packed_attention_kernel(query, dropout_p)
+        if kernel not in _ANNOUNCED_KERNELS:
+            # said once per process and kernel, so a run's log shows which attention its packs got
+            log.info("packed attention: %s (%s)", kernel, why)
+            _ANNOUNCED_KERNELS.add(kernel)
         heads, dim = query.shape[1], query.shape[2]
-        out = query.new_empty(query.shape[0], heads, dim)
-        for start, end in zip(cu_q[:-1], cu_q[1:]):
+        if kernel == FLASH_VARLEN:
+            out = self._flash_varlen(query, key, value, cu_q, packed_seq_params.max_seqlen_q)
+        else:
+            out = self._sdpa_per_sequence(query, key, value, cu_q.tolist(), dropout_p)
+        return out.reshape(out.shape[0], heads * dim)
+
+    def _flash_varlen(self, query, key, value, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        # (left, 0): causal, keys at most `left` back (Mistral's window); (-1, 0): plain causal
+        window = (self.window_left if self.window_left is not None else -1, 0)
+        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                           scale=self.softmax_scale, window_size=window, enable_gqa=True)
+
+    def _sdpa_per_sequence(self, query, key, value, bounds: list[int], dropout_p: float) -> torch.Tensor:
+        """The varlen twin: one SDPA call per sequence without a mask, token for token the padded
+        path's numbers (the CPU kernel, and the fallback where flash cannot run)."""
+        out = query.new_empty(query.shape)
+        for start, end in zip(bounds[:-1], bounds[1:]):
             if end <= start:
                 continue
             # [s, h, d] -> [1, h, s, d]
@@ -138,8 +185,7 @@ class SDPAttention(MegatronModule):
             if self.window_left is not None:
                 kwargs = {"attn_mask": ~self._window_mask(seq, seq, query.device)}
             piece = F.scaled_dot_product_attention(
-                q, k, v, scale=self.softmax_scale, dropout_p=self.dropout_p if self.training else 0.0,
-                enable_gqa=True, **kwargs,
+                q, k, v, scale=self.softmax_scale, dropout_p=dropout_p, enable_gqa=True, **kwargs,
             )
             out[start:end] = piece.squeeze(0).permute(1, 0, 2)
-        return out.reshape(out.shape[0], heads * dim)
+        return out

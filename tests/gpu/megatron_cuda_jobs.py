@@ -16,6 +16,7 @@ def megatron_cuda_job(model_dir: str) -> dict[str, Any]:
     from workers_jobs import ROLLOUT_N, actor_config, training_batch, update
 
     from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
+    from megatron_rl.models import attention
     from megatron_rl.models.builder import te_available
     from megatron_rl.workers import ActorRole, MegatronEngine
 
@@ -34,6 +35,7 @@ def megatron_cuda_job(model_dir: str) -> dict[str, Any]:
         out[f"{name}/log_probs"] = role.compute_log_prob(data).batch["old_log_probs"]
         out[f"{name}/metrics"] = update(role, data)
         out[f"{name}/peak_bytes"] = torch.cuda.max_memory_allocated()
+        out[f"{name}/attention_kernels"] = sorted(attention._ANNOUNCED_KERNELS)
         out[f"{name}/params"] = sum(p.numel() for chunk in role.engine.model for p in chunk.parameters())
         del role
         torch.cuda.empty_cache()
