@@ -29,6 +29,14 @@ def build_rollout_engine(
     the Megatron builder applies it (models.load_pretrained_config), and to a colocated SGLang engine's
     (its json_model_override_args); servers started elsewhere must be started with it."""
     common = {"response_length": response_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    if config.name == "hf" and config.mode == "server":
+        # HF-engine servers (rollout/hf_server.py) speak SGLang's routes and weight protocol: same client.
+        from megatron_rl.rollout.sglang import build_sglang_engine
+
+        if override_config:
+            raise ValueError("actor_rollout_ref.model.override_config cannot reach rollout servers started from "
+                             "model.path; bake the fields into config.json or use rollout.mode=colocated")
+        return build_sglang_engine(config, str(model_path), **common, compute_device="cpu")
     if config.name == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 

@@ -42,12 +42,14 @@ def build_sglang_engine(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     model_override: dict[str, Any] | None = None,
+    compute_device: str = "cuda",
 ) -> SGLangEngine:
     """The engine of one rollout replica. ``config``: the rollout config. Colocated: an ``sglang.Engine`` of
     rollout TP on GPUs ``base_gpu_id`` .. + TP - 1 (the replica's leader builds it); server: the servers of
     ``rollout.server_urls`` (global rank 0 builds it). ``model_override``: config.json fields
     (actor_rollout_ref.model.override_config) the colocated engine applies, as SGLang's
-    json_model_override_args, so it serves the model the Megatron side built."""
+    json_model_override_args, so it serves the model the Megatron side built. ``compute_device``: cpu for the
+    HF-engine servers (rollout/hf_server.py), which speak the same protocol."""
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     sgl = config.sglang
@@ -86,5 +88,5 @@ def build_sglang_engine(
         needs_sync = "the engine starts with random weights (load_format=dummy)"
     return SGLangEngine(
         config, transport, response_length=response_length, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, needs_sync=needs_sync,
+        pad_token_id=pad_token_id, needs_sync=needs_sync, compute_device=compute_device,
     )

@@ -50,9 +50,11 @@ class SGLangEngine(RolloutEngine):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         needs_sync: str = "the engine starts with random weights (load_format=dummy)",
+        compute_device: str = "cuda",
     ) -> None:
         """``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
-        ``megatron_rl.rollout.sglang.build_sglang_engine``)."""
+        ``megatron_rl.rollout.sglang.build_sglang_engine``). ``compute_device``: where the engines compute,
+        which decides ``rollout.dtype=auto`` (cpu for the HF-engine servers, rollout/hf_server.py)."""
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
             raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
@@ -60,7 +62,7 @@ class SGLangEngine(RolloutEngine):
         self.transport = transport
         self.response_length = int(length)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
-        self.dtype = resolve_dtype(str(config.dtype), torch.device("cuda"))
+        self.dtype = resolve_dtype(str(config.dtype), torch.device(compute_device))
         self.tp_size = transport.tp_size
         self.async_loads = transport.async_loads
         self.sglang_version = str(transport.version)

@@ -1,0 +1,300 @@
+"""An HF-engine rollout server that speaks SGLang's HTTP routes and weight-update protocol (sglang 0.5.23).
+
+It is the CPU production path of ``rollout.mode=server`` with ``rollout.name=hf``: the replicas run in their
+own processes (their own cores), the trainer drives them with the same client as SGLang servers
+(``rollout.sglang.server_transport``): control over HTTP, weights over an update group joined through
+``/init_weights_update_group`` (gloo on CPU, where SGLang uses NCCL) and broadcast per bucket with
+``/update_weights_from_distributed``. ``python -m megatron_rl.rollout.hf_server --model-path DIR`` prints
+``READY <port>`` once it listens.
+
+Routes (fields SGLANG_CONTRACT lists; any other field is a 400, stricter than SGLang, so a client that
+drifts from the contract fails here first):
+
+- ``GET /server_info``: ``{"version", "tp_size": 1, "weight_version", "engine": "hf"}``; ``GET /health``;
+- ``POST /generate``: SGLang's batched form (``input_ids`` lists, one ``sampling_params`` per row,
+  ``return_logprob``); each result's ``meta_info`` has ``output_token_logprobs`` ([logprob, token, null]),
+  ``finish_reason`` and ``weight_version`` (the version of the weights that produced it);
+- the weight-update session ``/begin_weight_update`` ... ``/end_weight_update`` (loads outside it are
+  refused; the end refuses an incomplete update and the server then refuses to generate), ``/flush_cache``,
+  ``/init_weights_update_group``, ``/update_weights_from_distributed`` (flattened bucket packed back to
+  back), ``/destroy_weights_update_group``, ``/release_memory_occupation``, ``/resume_memory_occupation``.
+
+Requests run one at a time (a lock), like SGLang's control path; ``/health`` and ``/server_info`` answer
+while a generation runs, so a slow server is told apart from a dead one. Rows of one ``/generate`` share one
+sampling generator seeded with the first row's ``sampling_seed``: the same request gives the same samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, MEMORY_TAGS, SGLANG_CONTRACT, SGLANG_PIN
+
+__all__ = ["HFServerApp", "main"]
+
+ROUTES = SGLANG_CONTRACT["http_routes"]
+SAMPLING_FIELDS = set(SGLANG_CONTRACT["sampling_params"])
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (400); the message names the route and the field."""
+
+
+class HFServerApp:
+    """The routes over one HFEngine. ``engine`` must start unsynced (random weights) or from a checkpoint."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.served_version = "0"  # SGLang's weight_version: the string the last update sent
+        self._pending_version: str | None = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._released: set[str] = set()
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, method: str, route: str, body: Any) -> Any:
+        if method == "GET":
+            if route == "/server_info":
+                return {"version": SGLANG_PIN, "tp_size": 1, "weight_version": self.served_version, "engine": "hf"}
+            if route == "/health":
+                return {}
+            raise LookupError(route)
+        if route not in ROUTES:
+            raise LookupError(route)
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise BadRequest(f"{route}: the request body must be a JSON object")
+        unknown = sorted(set(body) - set(ROUTES[route][1]))
+        if unknown:
+            raise BadRequest(f"{route}: unknown fields {unknown}; this server takes {sorted(ROUTES[route][1])}")
+        with self.lock:
+            return getattr(self, route.strip("/"))(body)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, body: dict) -> list[dict]:
+        input_ids, params = body.get("input_ids"), body.get("sampling_params")
+        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(r, list) and r for r in input_ids):
+            raise BadRequest("/generate: input_ids must be a non-empty list of non-empty token lists")
+        if isinstance(params, dict):
+            params = [params] * len(input_ids)
+        if not isinstance(params, list) or len(params) != len(input_ids):
+            raise BadRequest(f"/generate: {len(input_ids)} prompts need as many sampling_params")
+        meta = _common_sampling(params)
+        pad = self.engine.pad_token_id if self.engine.pad_token_id is not None else meta["eos_token_id"][0]
+        prompts = _left_padded(input_ids, pad)
+        prompts.meta_info["pad_token_id"] = int(pad)
+        prompts.meta_info.update(meta)
+        out = self.engine.generate_sequences(prompts)
+        lengths = out.batch["response_mask"].sum(-1).tolist()
+        results = []
+        for row, n in enumerate(lengths):
+            tokens = out.batch["responses"][row, :n].tolist()
+            lps = out.batch["rollout_log_probs"][row, :n].tolist()
+            finished = bool(tokens) and tokens[-1] in meta["eos_token_id"]
+            results.append({"meta_info": {
+                "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(lps, tokens)],
+                "finish_reason": {"type": "stop", "matched": tokens[-1]} if finished else {"type": "length", "length": n},
+                "weight_version": self.served_version,
+            }})
+        return results
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, body: dict) -> dict:
+        self.engine.begin_weight_update(0)  # SGLang's session carries no version; the loads do
+        self._pending_version = None
+        return _ok("weight update session opened")
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        group = self._groups.get(body["group_name"])
+        if group is None:
+            raise BadRequest(f"group {body['group_name']!r} not in {sorted(self._groups)}; "
+                             "call /init_weights_update_group first")
+        if body.get("load_format") != BUCKET_FORMAT["load_format"]:
+            raise BadRequest(f"/update_weights_from_distributed: load_format must be {BUCKET_FORMAT['load_format']!r}")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not names or not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest("/update_weights_from_distributed: names, dtypes, shapes must be non-empty and equally long")
+        types = [getattr(torch, d) for d in dtypes]
+        sizes = [torch.Size(s).numel() * t.itemsize for s, t in zip(shapes, types)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=group)
+        named, offset = [], 0
+        for name, shape, t, size in zip(names, shapes, types, sizes):
+            named.append((name, flat[offset:offset + size].view(t).view(shape)))
+            offset += size
+        self.engine.load_named_tensors(named)  # refuses unknown names and shape mismatches, naming the tensor
+        if body.get("weight_version") is not None:
+            self._pending_version = str(body["weight_version"])
+        return _ok(f"loaded {len(named)} tensors")
+
+    def end_weight_update(self, body: dict) -> dict:
+        self.engine.end_weight_update()  # refuses an update that left parameters out
+        if self._pending_version is not None:
+            self.served_version = self._pending_version
+        return _ok(f"serving weight version {self.served_version}")
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        from megatron_rl.rollout.update_group import init_weight_update_group
+
+        missing = [k for k in ROUTES["/init_weights_update_group"][1] if k not in body]
+        if missing:
+            raise BadRequest(f"/init_weights_update_group: missing fields {missing}")
+        if body["group_name"] in self._groups:
+            raise BadRequest(f"update group {body['group_name']!r} exists already")
+        self._groups[body["group_name"]] = init_weight_update_group(
+            body["master_address"], int(body["master_port"]), rank=int(body["rank_offset"]),
+            world_size=int(body["world_size"]), group_name=body["group_name"], backend=body["backend"])
+        return _ok("joined the update group")
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        group = self._groups.pop(body.get("group_name"), None)
+        if group is None:
+            raise BadRequest(f"group {body.get('group_name')!r} not in {sorted(self._groups)}")
+        dist.destroy_process_group(group)
+        return _ok("destroyed the update group")
+
+    def flush_cache(self, body: dict) -> dict:
+        return _ok("no prefix cache")  # the HF engine keeps no KV cache between requests
+
+    # ------------------------------------------------------------------ memory
+    def release_memory_occupation(self, body: dict) -> dict:
+        tags = _tags(body)
+        self.engine.sleep()
+        self._released.update(tags)
+        return _ok(f"released {tags}")
+
+    def resume_memory_occupation(self, body: dict) -> dict:
+        tags = _tags(body)
+        never = sorted(set(tags) - self._released)
+        if never:  # SGLang's scheduler dies on this; refuse it loudly
+            raise BadRequest(f"resume of memory {never} that was never released (released: {sorted(self._released)})")
+        self._released.difference_update(tags)
+        if not self._released:
+            self.engine.wake_up()
+        return _ok(f"resumed {tags}")
+
+
+def _ok(message: str) -> dict:
+    return {"success": True, "message": message}
+
+
+def _tags(body: dict) -> list[str]:
+    tags = list(body.get("tags") or MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise BadRequest(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+    return tags
+
+
+def _common_sampling(params: list[dict]) -> dict[str, Any]:
+    """One batch, one sampling setting: every row must agree on all fields but ``sampling_seed``."""
+    for row, p in enumerate(params):
+        unknown = sorted(set(p) - SAMPLING_FIELDS)
+        if unknown:
+            raise BadRequest(f"/generate: sampling_params[{row}] has unknown fields {unknown}")
+    first = {k: v for k, v in params[0].items() if k != "sampling_seed"}
+    for row, p in enumerate(params[1:], start=1):
+        if {k: v for k, v in p.items() if k != "sampling_seed"} != first:
+            raise BadRequest(f"/generate: sampling_params[{row}] differs from row 0 in more than sampling_seed")
+    if "max_new_tokens" not in first:
+        raise BadRequest("/generate: sampling_params need max_new_tokens")
+    temperature = float(first.get("temperature", 1.0))
+    meta: dict[str, Any] = {
+        "do_sample": temperature > 0, "temperature": temperature if temperature > 0 else 1.0,
+        "top_p": float(first.get("top_p", 1.0)), "top_k": int(first.get("top_k", -1)),
+        "response_length": int(first["max_new_tokens"]), "eos_token_id": list(first.get("stop_token_ids") or []),
+    }
+    if not meta["eos_token_id"]:
+        raise BadRequest("/generate: sampling_params need stop_token_ids (the tokens that end a response)")
+    if params[0].get("sampling_seed") is not None:
+        meta["seed"] = int(params[0]["sampling_seed"])
+    return meta
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> DataProto:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+
+
+def _handler(app: HFServerApp) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._serve("GET", None)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length)) if length else None
+            except ValueError:
+                self._send(HTTPStatus.BAD_REQUEST, {"success": False, "message": "the body is not JSON"})
+                return
+            self._serve("POST", body)
+
+        def _serve(self, method: str, body: Any) -> None:
+            try:
+                status, answer = HTTPStatus.OK, app.handle(method, self.path, body)
+            except LookupError:
+                status, answer = HTTPStatus.NOT_FOUND, {"detail": "Not Found"}
+            except Exception as exc:  # noqa: BLE001 - every refusal goes back as SGLang's 400
+                status, answer = HTTPStatus.BAD_REQUEST, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            self._send(status, answer)
+
+        def _send(self, status: HTTPStatus, answer: Any) -> None:
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def build_engine(model_path: str, dtype: str, seed: int, threads: int):
+    """The server's HFEngine: the actor's architecture, random weights until the first sync."""
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    torch.set_num_threads(threads)
+    return HFEngine(RolloutConfig(name="hf", dtype=dtype, seed=seed, response_length=1), model_path, device="cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", required=True, help="the actor's HF directory (config.json)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed as READY <port>)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    args = parser.parse_args(argv)
+    app = HFServerApp(build_engine(args.model_path, args.dtype, args.seed, args.threads))
+    server = ThreadingHTTPServer((args.host, args.port), _handler(app))
+    server.daemon_threads = True
+    print(f"READY {server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The HF-engine rollout server (megatron_rl/rollout/hf_server.py) driven by the trainer's own SGLang server
+client (rollout.name=hf, rollout.mode=server): weights over a gloo update group, verified against the
+trainer's log-probs after each sync, versions on every result, refusals by name, a killed server named."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+import torch.distributed as dist
+from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
+
+from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("hf_server_model")
+    tiny_qwen2_config().save_pretrained(model_dir)
+    servers = RolloutServerPool(str(model_dir), 1)
+    yield servers
+    servers.close()
+
+
+def _post(url: str, route: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _sync_twice_and_generate(url: str) -> dict:
+    from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
+    from megatron_rl.rollout import RolloutReplica, build_rollout_engine
+    from megatron_rl.rollout.mesh import server_mesh
+
+    torch.set_num_threads(1)
+    config = RolloutConfig(
+        name="hf", mode="server", server_urls=[url], dtype="auto", response_length=5,
+        sglang=SGLangConfig(update_group_backend="gloo", master_address="127.0.0.1"),
+        weight_sync=WeightSyncConfig(bucket_size_mb=1, verify_freq=1, verify_max_logprob_diff=1e-5),
+    )
+    source = source_model(41)
+    replica = RolloutReplica(
+        config, server_mesh(dist.get_world_size()), dist.get_rank(),
+        lambda r: build_rollout_engine(config, "unused", eos_token_id=EOS, pad_token_id=PAD),
+        member_dtype=torch.float32, probe_prompts=prompt_batch([3, 4]), trainer_log_prob_fn=trainer_log_probs(source),
+    )
+    report: dict = {"dtype": str(replica.engine.dtype)}
+    try:
+        for version in (1, 2):
+            metrics = replica.sync(source.state_dict().items(), version=version)
+            report[f"diff_v{version}"] = metrics["rollout/logprob_diff_max"]
+            source = source_model(42)
+            replica.trainer_log_prob_fn = trainer_log_probs(source)
+        out = replica.generate(prompt_batch([3, 5], do_sample=True, seed=7))
+        report["version"] = out.meta_info["weight_version"]
+        report["again"] = torch.equal(out.batch["responses"],
+                                      replica.generate(prompt_batch([3, 5], do_sample=True, seed=7)).batch["responses"])
+        return report
+    finally:
+        replica.shutdown()
+
+
+def test_trainer_syncs_and_verifies_through_the_gloo_update_group(pool):
+    url = pool.urls[0]
+    status, answer = _post(url, "/generate", {"input_ids": [[5, 6]], "return_logprob": True, "sampling_params":
+                                             [{"max_new_tokens": 3, "stop_token_ids": [EOS]}]})
+    assert status == 400 and "never synced" in answer["message"]  # random weights are never served
+    [report] = run_multiprocess(_sync_twice_and_generate, 1, url, timeout_s=300)
+    assert report["dtype"] == "torch.float32"  # rollout.dtype=auto on the CPU servers
+    assert report["diff_v1"] < 1e-5 and report["diff_v2"] < 1e-5
+    assert report["version"] == 2 and report["again"]  # same seed, same samples
+    info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=30).read())
+    assert info["weight_version"] == "2" and info["tp_size"] == 1
+
+
+def test_refusals_name_the_route_and_field(pool):
+    url = pool.urls[0]
+    status, answer = _post(url, "/generate", {"input_ids": [[5]], "sampling_params": [{}], "text": "hi"})
+    assert status == 400 and "unknown fields ['text']" in answer["message"]
+    status, answer = _post(url, "/update_weights_from_distributed", {
+        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope",
+        "flush_cache": False, "load_format": "flattened_bucket", "weight_version": "3"})
+    assert status == 400 and "group 'nope'" in answer["message"]
+    status, answer = _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 400 and "never released" in answer["message"]
+
+
+def test_a_killed_server_is_named_and_replaced(pool):  # last: it replaces the module's server
+    victim = pool.servers[0]
+    victim.proc.kill()
+    victim.proc.wait()
+    with pytest.raises(RolloutServerDied, match=rf"rollout server 0 \({victim.url}, pid {victim.proc.pid}\) exited"):
+        pool.check()
+    new_url = pool.replace(0)
+    pool.check()
+    assert new_url != victim.url and pool.urls == [new_url]
+    status, answer = _post(new_url, "/generate", {"input_ids": [[5, 6]], "return_logprob": True, "sampling_params":
+                                                 [{"max_new_tokens": 3, "stop_token_ids": [EOS]}]})
+    assert status == 400 and "never synced" in answer["message"]  # a replacement serves after the next sync
