@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Architecture -> model_type. All four share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA.
+from megatron_rl.models.moe import MoESpec, parse_moe_config
+
+# Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
+# (Qwen3-MoE: Qwen3's attention, Mixtral: Mistral's) replace the MLP by routed SwiGLU experts (models/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
@@ -55,6 +60,9 @@ class HFModelConfig:
     max_position_embeddings: int
     source: str  # where the config came from, for error messages
     raw: dict[str, Any] = field(repr=False, compare=False)  # the config.json dict, written back on export
+    moe: MoESpec | None = None  # the routed experts of every layer; None for dense models
+    # <Family>ForSequenceClassification (a reward model): its score head has no bias.
+    sequence_classifier: bool = False
 
     @property
     def q_size(self) -> int:
@@ -96,16 +104,20 @@ def _reject(cond: bool, where: str, message: str) -> None:
 
 def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
     """Validate a config.json dict and normalise it; every refusal says which field and value."""
-    # A saved critic is <Family>ForTokenClassification: same backbone, read as its causal-LM family.
+    # A saved critic is <Family>ForTokenClassification, a reward model <Family>ForSequenceClassification:
+    # same backbone, read as its causal-LM family.
+    declared = list(cfg.get("architectures") or [])
     architectures = [
-        a.replace("ForTokenClassification", "ForCausalLM") for a in cfg.get("architectures") or []
+        a.replace("ForTokenClassification", "ForCausalLM").replace("ForSequenceClassification", "ForCausalLM")
+        for a in declared
     ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
-            f"supported: {supported} (and their ForTokenClassification critics)"
+            f"supported: {supported} (and their ForTokenClassification critics and "
+            "ForSequenceClassification reward models)"
         )
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _reject(
@@ -127,7 +139,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     )
     layer_types = set(cfg.get("layer_types") or ["full_attention"])
     _reject(
-        model_type != "mistral" and layer_types != {"full_attention"},
+        model_type not in ("mistral", "mixtral") and layer_types != {"full_attention"},
         source,
         f"layer_types {sorted(layer_types)} are not supported",
     )
@@ -139,6 +151,15 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         heads % kv_heads != 0,
         source,
         f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+    )
+    sequence_classifier = any(a.endswith("ForSequenceClassification") for a in declared)
+    # transformers' default without id2label is two labels.
+    num_labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    _reject(
+        sequence_classifier and num_labels != 1,
+        source,
+        f"a reward model needs one label (a scalar score), this ForSequenceClassification has "
+        f"num_labels={num_labels} (id2label)",
     )
     theta, scaling = _rope(cfg, source)
     return HFModelConfig(
@@ -155,12 +176,14 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         source=source,
         raw=dict(cfg),
+        moe=parse_moe_config(cfg, model_type, source),
+        sequence_classifier=sequence_classifier,
     )
 
 
