@@ -5,7 +5,8 @@ Accounting (the traffic model's): a broadcast sends the root's n bytes to each o
 or into one tensor) sends each member's n bytes to every other member; a gather sends each member's n bytes to
 the root; isend / irecv count n once. A pair of ranks is inter-node when rank // gpus_per_node differs. Only
 calls made through the ``torch.distributed`` namespace are seen (``all_gather_object``'s internal calls are not:
-it is metadata, not weights).
+it is metadata, not weights). The export's shared-memory TP gather (``host_gather``: gloo ranks of one host, the
+CPU stand-in for NVLink) is off inside the block, so what is counted is the collectives the NCCL path makes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.distributed import host_gather
 
 __all__ = ["KEYS", "count_traffic"]
 
@@ -97,8 +100,10 @@ def count_traffic(gpus_per_node: int):
     for name, fn in wrappers.items():
         originals[name] = getattr(dist, name)
         setattr(dist, name, fn)
+    shared_gather, host_gather.enabled = host_gather.enabled, False
     try:
         yield counts
     finally:
+        host_gather.enabled = shared_gather
         for name, fn in originals.items():
             setattr(dist, name, fn)

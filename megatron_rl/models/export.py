@@ -49,6 +49,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
+from megatron_rl.distributed.host_gather import HostGather, host_gather_for
 from megatron_rl.models import export_options
 from megatron_rl.models.export_options import export_consumers  # noqa: F401  (re-exported)
 from megatron_rl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
@@ -204,6 +205,7 @@ class _Transfer:
         self.ctx, self.bucket, self.slot = ctx, bucket, index % 2
         self.shard: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
+        self._host_slot: int | None = None  # set when the TP step went through the host's shared buffer
         self._works: list = []
 
     def start_pipeline(self) -> _Transfer:
@@ -214,7 +216,7 @@ class _Transfer:
                 return self
         elif ctx.pp_rank not in receivers:
             return self
-        shard = ctx.staging("shard", self.slot, bucket.shard_bytes)
+        shard = ctx.shard_buffer(self.slot, bucket.shard_bytes)
         if bucket.stage == ctx.pp_rank:
             for slot in bucket.slots:
                 view = shard[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
@@ -248,7 +250,12 @@ class _Transfer:
             self.gathered = self.shard if ctx.is_consumer else None
             return self
         consumers = ctx.tp_consumers
-        if len(consumers) == ctx.tp_size:
+        if ctx.host_gather is not None:
+            # the shard already sits in this rank's row of the host's shared buffer (packed or received there)
+            self._works.append(ctx.host_gather.publish())
+            if ctx.is_consumer:
+                self._host_slot = self.slot
+        elif len(consumers) == ctx.tp_size:
             self.gathered = ctx.staging("gathered", self.slot, ctx.tp_size * self.bucket.shard_bytes)
             self._works.append(
                 _all_gather_flat()(self.gathered, self.shard, group=ctx.tp_group, async_op=True)
@@ -268,6 +275,8 @@ class _Transfer:
         """The gathered buffer ([tp x shard_bytes] uint8) on a consumer, else None."""
         self._wait()
         self.shard = None
+        if self._host_slot is not None:
+            self.gathered = self.ctx.host_gather.gathered(self._host_slot, self.bucket.shard_bytes)
         gathered, self.gathered = self.gathered, None
         return gathered
 
@@ -287,7 +296,15 @@ class _ExportContext:
     is_consumer: bool
     tp_consumers: list[int]  # global ranks of this TP group that consume
     needs_shards: list[bool]  # per pipeline rank of this pipeline group
+    host_gather: HostGather | None = None  # CPU ranks of one host: the TP step through shared memory
     _staging: dict | None = None
+
+    def shard_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Where this rank's TP shard of a bucket is packed or received: its row of the shared buffer when
+        the TP step goes through the host's memory (no copy into the gather), else a staging buffer."""
+        if self.host_gather is not None:
+            return self.host_gather.row(slot, nbytes)
+        return self.staging("shard", slot, nbytes)
 
     def staging(self, kind: str, slot: int, nbytes: int) -> torch.Tensor:
         """Internal transfer buffers, two slots per kind (bucket k uses slot k % 2), reused across buckets: bucket
@@ -364,6 +381,8 @@ def export_hf_buckets(
     buckets = plan_export_buckets(hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes)
     if not buckets:
         return
+    if ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:
+        ctx.host_gather = host_gather_for(ctx.tp_group, max(b.shard_bytes for b in buckets))
     pending = _Transfer(ctx, buckets[0], 0).start_pipeline().start_tensor_parallel()
     for k, bucket in enumerate(buckets):
         gathered = pending.finish()
@@ -455,8 +474,7 @@ def _config_for_export(hf: HFModelConfig, value_model: bool, dtype: torch.dtype)
     config = dict(hf.raw)
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
-    # A reward model stays <Family>ForSequenceClassification: its config.json already says so.
-    if value_model and not hf.sequence_classifier:
+    if value_model:
         # Loadable as transformers' <Family>ForTokenClassification with one label: the critic.
         config["architectures"] = [hf.architecture.replace("ForCausalLM", "ForTokenClassification")]
         config["num_labels"] = 1

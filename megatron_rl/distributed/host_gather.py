@@ -1,0 +1,101 @@
+"""All-gather through shared memory between the CPU ranks of one host: the CPU stand-in for NVLink.
+
+gloo moves an all-gather's bytes through TCP loopback (a kernel copy out, a kernel copy in, per peer, on the
+same cores that then convert the weights); that was half of a TP=2 weight sync on CPU. Ranks of one host
+can instead map one buffer: each rank writes its shard straight into its own row, a barrier says every row
+is written, and every rank reads the whole buffer in place. NCCL groups never take this path (NVLink is
+the real thing there); gloo groups take it when all members share a host and /dev/shm has room.
+
+Two slots (bucket k in slot k % 2) let bucket k+1 be written while bucket k is read. A rank writes slot s
+for bucket k+1 only after bucket k's barrier, which no rank enters before it finished reading bucket k-1
+from slot s (the order of ``export_hf_buckets``: convert k-1, then start k's transfer), so a row is never
+overwritten while someone reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+enabled = True  # switched off where the interconnect's own collectives are what is measured (traffic counter)
+
+
+class HostGather:
+    """``slots`` x [group size x shard_bytes] uint8 rows in one shared mapping of the group's host."""
+
+    def __init__(self, group: dist.ProcessGroup, shard_bytes: int, slots: int = 2) -> None:
+        self.group, self.shard_bytes, self.slots = group, shard_bytes, slots
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        nbytes = slots * self.size * shard_bytes
+        name = [os.path.join(SHM_DIR, f"megatron-rl-gather-{uuid.uuid4().hex}") if self.rank == 0 else None]
+        dist.broadcast_object_list(name, group=group, group_src=0)
+        if self.rank == 0:
+            self.buffer = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier(group=group)
+        if self.rank != 0:
+            self.buffer = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier(group=group)
+        if self.rank == 0:
+            os.unlink(name[0])  # the mappings stay; nothing is left behind if a rank dies later
+        self._rows = self.buffer.view(slots, self.size, shard_bytes)
+
+    def row(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Where this rank puts its shard of the bucket in ``slot`` (the first ``nbytes`` of its row)."""
+        return self._rows[slot, self.rank, :nbytes]
+
+    def gathered(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Every rank's shard of ``slot`` as one [size x nbytes] flat buffer (a copy only when the bucket is
+        smaller than the row; then the rows are not contiguous)."""
+        rows = self._rows[slot, :, :nbytes]
+        return rows.reshape(-1) if nbytes == self.shard_bytes else rows.contiguous().view(-1)
+
+    def publish(self):
+        """Start the barrier that says this rank's row is written; ``.wait()`` it before reading the rows."""
+        return dist.barrier(group=self.group, async_op=True)
+
+
+_cache: dict[tuple[int, ...], HostGather] = {}
+
+
+def _one_host(group: dist.ProcessGroup) -> bool:
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
+
+
+def _room_for(nbytes: int) -> bool:
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize > 2 * nbytes  # touching a tmpfs page past its size is SIGBUS
+
+
+def host_gather_for(group: dist.ProcessGroup, shard_bytes: int) -> HostGather | None:
+    """The group's shared gather buffer (made once, grown when a larger shard comes), or None where the
+    group must use its backend's all-gather: NCCL, members on several hosts, no /dev/shm room, or off.
+    Every member must call it together with the same ``shard_bytes`` (it may run collectives)."""
+    if not enabled or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+        return None
+    key = tuple(dist.get_process_group_ranks(group))
+    cached = _cache.get(key)
+    if cached is not None and cached.shard_bytes >= shard_bytes:
+        return cached
+    # every member decides on the same facts: one host, and room on every member's /dev/shm
+    verdict = torch.tensor([int(_room_for(2 * len(key) * shard_bytes))])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+    if not verdict.item() or not _one_host(group):
+        log.info("TP gather over %s for ranks %s (no shared /dev/shm room or several hosts)",
+                 dist.get_backend(group), key)
+        return None
+    _cache.pop(key, None)
+    _cache[key] = HostGather(group, shard_bytes)
+    return _cache[key]

@@ -1,0 +1,93 @@
+"""The export's TP step through the host's shared memory (megatron_rl.distributed.host_gather), gloo, 2 ranks.
+
+What it must hold, like the all-gather it replaces: the consumer gets every rank's shard of every bucket
+bit for bit even when the ranks run at different speeds (a slow consumer, a fast non-consumer that races
+ahead into the next buckets: the slot reuse must not overwrite a bucket still being read), no TP all-gather
+runs, and no file is left in /dev/shm. Off (``host_gather.enabled``) it falls back to gloo's all-gather.
+"""
+
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.distributed.spawn import run_multiprocess
+
+pytestmark = pytest.mark.distributed
+BUCKET_BYTES = 8 << 10  # many small buckets: every slot is reused many times
+
+
+def raced_exports(ckpt_dir: str) -> dict:
+    from megatron_rl.distributed import host_gather, init_model_parallel
+    from megatron_rl.models import build_from_hf, export_hf_weights, export_hf_weights_tensorwise
+
+    init_model_parallel(tp=2)
+    chunks = build_from_hf(ckpt_dir)
+    rank = dist.get_rank()
+    reference = {name: t.clone() for name, t in export_hf_weights_tensorwise(chunks)}
+    calls = {"all_gather_single": 0, "all_gather_into_tensor": 0}
+    originals = {name: getattr(dist, name) for name in calls if hasattr(dist, name)}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        received, buckets = {}, 0
+        # rank 0 consumes slowly; rank 1 only drains, as fast as the barriers let it
+        for name, tensor in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES, consumers={0}):
+            received[name] = tensor
+            buckets += 1
+            if buckets % 3 == 0:
+                time.sleep(0.02)
+        shm_calls = dict(calls)
+        host_gather.enabled = False
+        fallback = {name: t.clone() for name, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES)}
+        host_gather.enabled = True
+        fallback_calls = {k: calls[k] - shm_calls[k] for k in calls}
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    out = {"shm_calls": shm_calls, "fallback_calls": fallback_calls, "tensors": len(received)}
+    if rank == 0:
+        out["mismatch"] = sorted(n for n, t in reference.items() if not torch.equal(received.get(n), t))
+        out["fallback_mismatch"] = sorted(n for n, t in reference.items() if not torch.equal(fallback[n], t))
+        out["missing"] = sorted(set(reference) - set(received))
+    dist.barrier()
+    out["leftover_files"] = glob.glob("/dev/shm/megatron-rl-gather-*")
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+
+    model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("host_gather") / "qwen2", "qwen2", with_tokenizer=False)
+    return run_multiprocess(raced_exports, 2, str(model), timeout_s=300)
+
+
+def test_consumer_gets_every_shard_bit_for_bit_while_the_other_rank_races_ahead(results):
+    rank0, rank1 = results
+    assert rank0["tensors"] > 0 and not rank0["missing"]
+    assert rank0["mismatch"] == [], rank0["mismatch"]
+    assert rank1["tensors"] == 0  # not a consumer: takes part, yields nothing
+
+
+def test_no_tp_all_gather_runs_and_nothing_is_left_in_dev_shm(results):
+    for out in results:
+        assert sum(out["shm_calls"].values()) == 0, out["shm_calls"]
+        assert out["leftover_files"] == []
+
+
+def test_switched_off_it_falls_back_to_gloo_all_gather_with_the_same_bytes(results):
+    rank0 = results[0]
+    assert sum(rank0["fallback_calls"].values()) > 0
+    assert rank0["fallback_mismatch"] == []
