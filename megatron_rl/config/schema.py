@@ -42,6 +42,11 @@ class RolloutMode(enum.StrEnum):
     server = "server"
 
 
+class AsyncMode(enum.StrEnum):
+    sync = "sync"
+    one_step_off = "one_step_off"
+
+
 class ValueHeadInit(enum.StrEnum):
     zero = "zero"
     normal = "normal"
@@ -246,6 +251,9 @@ class RolloutConfig:
     seed: int = 0
     dtype: str = "auto"
     server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
+    # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (rollout/hf_server.py)
+    num_servers: int = 0
+    server_threads: int = 1  # torch threads of each HF-engine server
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -386,6 +394,16 @@ class PlanConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """``async_training``: rollouts generated ahead of the update on rollout servers (docs/trainer.md, "Async").
+    verl's recipe names: one_step_off (recipe/one_step_off_policy), fully_async (recipe/fully_async_policy)."""
+
+    mode: AsyncMode = AsyncMode.sync
+    # versions a sample may lag the policy it trains; one_step_off: 1, and 0 is the on-policy limit (= sync)
+    max_staleness: int = 1
+
+
+@dataclass
 class PPOTrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -395,6 +413,7 @@ class PPOTrainerConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 SCHEMA_NAME = "ppo_trainer_schema"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def _estimator_traits(name: str):
@@ -69,6 +69,29 @@ class DerivedSizes:
                 f"micro-batches of {role.micro_batch_size} per optimizer step"
             )
         return "\n".join(lines)
+
+
+def _check_async(cfg: DictConfig) -> None:
+    """async_training.mode=one_step_off: what the loop of trainer/off_policy.py can and cannot run."""
+    run = cfg.async_training
+    if run.mode == "sync":
+        return
+    rollout, algo = cfg.actor_rollout_ref.rollout, cfg.algorithm
+    where = f"async_training.mode={run.mode}"
+    _require(rollout.mode == "server", f"{where} generates on rollout servers: set actor_rollout_ref.rollout.mode=server")
+    _require(cfg.trainer.launcher == "ray", f"{where} needs trainer.launcher=ray (one driver talks to the servers)")
+    _require(run.max_staleness in (0, 1), f"{where}: async_training.max_staleness must be 0 (on-policy, = sync) or 1, "
+             f"got {run.max_staleness}")
+    _require(not algo.filter_groups.enable, f"{where} does not run algorithm.filter_groups (dynamic sampling refills)")
+    _require(not _estimator_traits(algo.adv_estimator).needs_greedy_baseline,
+             f"{where} does not run algorithm.adv_estimator={algo.adv_estimator} (its greedy baseline is on-policy)")
+    _require(not OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False),
+             f"{where} does not run multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable)")
+    corr = algo.rollout_correction
+    _require(run.max_staleness == 0 or corr.rollout_is is not None or corr.bypass_mode,
+             f"{where} trains on samples one weight version old: set algorithm.rollout_correction.rollout_is "
+             "(token|sequence: importance weights to the behaviour policy, the PPO ratio to the current one) "
+             "or algorithm.rollout_correction.bypass_mode=true")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -154,8 +177,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         checks.check_choices(cfg)
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
-    _require(rollout.mode != "server" or bool(rollout.server_urls),
-             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers)")
+    _require(rollout.mode != "server" or bool(rollout.server_urls) or (rollout.name == "hf" and rollout.num_servers >= 1),
+             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers), "
+             "or rollout.name=hf with rollout.num_servers >= 1 (HF-engine servers the run starts)")
+    _check_async(cfg)
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
     _require(rollout.name != "sglang" or rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,

@@ -299,7 +299,7 @@ def build_gpt_model(
         if not init_weights:
             mark_tensor_parallel_weights(model)
         if value_head and model.post_process:
-            attach_value_head(model, init=value_head_init)
+            attach_value_head(model, init=value_head_init, bias=not hf.sequence_classifier)
         model.hf_config = hf
         chunks.append(model)
     return chunks

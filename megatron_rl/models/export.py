@@ -474,7 +474,8 @@ def _config_for_export(hf: HFModelConfig, value_model: bool, dtype: torch.dtype)
     config = dict(hf.raw)
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
-    if value_model:
+    # A reward model stays <Family>ForSequenceClassification: its config.json already says so.
+    if value_model and not hf.sequence_classifier:
         # Loadable as transformers' <Family>ForTokenClassification with one label: the critic.
         config["architectures"] = [hf.architecture.replace("ForCausalLM", "ForTokenClassification")]
         config["num_labels"] = 1

@@ -55,6 +55,8 @@ class HFModelConfig:
     max_position_embeddings: int
     source: str  # where the config came from, for error messages
     raw: dict[str, Any] = field(repr=False, compare=False)  # the config.json dict, written back on export
+    # <Family>ForSequenceClassification (a reward model): its score head has no bias.
+    sequence_classifier: bool = False
 
     @property
     def q_size(self) -> int:
@@ -96,16 +98,20 @@ def _reject(cond: bool, where: str, message: str) -> None:
 
 def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
     """Validate a config.json dict and normalise it; every refusal says which field and value."""
-    # A saved critic is <Family>ForTokenClassification: same backbone, read as its causal-LM family.
+    # A saved critic is <Family>ForTokenClassification, a reward model <Family>ForSequenceClassification:
+    # same backbone, read as its causal-LM family.
+    declared = list(cfg.get("architectures") or [])
     architectures = [
-        a.replace("ForTokenClassification", "ForCausalLM") for a in cfg.get("architectures") or []
+        a.replace("ForTokenClassification", "ForCausalLM").replace("ForSequenceClassification", "ForCausalLM")
+        for a in declared
     ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
-            f"supported: {supported} (and their ForTokenClassification critics)"
+            f"supported: {supported} (and their ForTokenClassification critics and "
+            "ForSequenceClassification reward models)"
         )
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _reject(
@@ -140,6 +146,15 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         source,
         f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
     )
+    sequence_classifier = any(a.endswith("ForSequenceClassification") for a in declared)
+    # transformers' default without id2label is two labels.
+    num_labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    _reject(
+        sequence_classifier and num_labels != 1,
+        source,
+        f"a reward model needs one label (a scalar score), this ForSequenceClassification has "
+        f"num_labels={num_labels} (id2label)",
+    )
     theta, scaling = _rope(cfg, source)
     return HFModelConfig(
         architecture=arch,
@@ -161,6 +176,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         source=source,
         raw=dict(cfg),
+        sequence_classifier=sequence_classifier,
     )
 
 

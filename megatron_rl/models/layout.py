@@ -100,12 +100,11 @@ def embedding_group(hf: HFModelConfig) -> TensorGroup:
 
 
 def head_groups(hf: HFModelConfig, value_head: bool) -> list[TensorGroup]:
-    """Groups after the final norm: lm_head (untied causal LM), score (value model), or none (tied)."""
+    """Groups after the final norm: lm_head (untied causal LM), score (value model; a sequence-classification
+    reward model has no score.bias), or none (tied)."""
     if value_head:
-        return [
-            _single(Kind.REPLICATED, "score.weight", (1, hf.hidden_size)),
-            _single(Kind.REPLICATED, "score.bias", (1,)),
-        ]
+        score = [_single(Kind.REPLICATED, "score.weight", (1, hf.hidden_size))]
+        return score if hf.sequence_classifier else score + [_single(Kind.REPLICATED, "score.bias", (1,))]
     if hf.tie_word_embeddings:
         return []
     return [_single(Kind.VOCAB, "lm_head.weight", (hf.vocab_size, hf.hidden_size))]
@@ -179,8 +178,8 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
         )
         head = model.output_layer
         if isinstance(head, ValueHead):
-            score_weight, score_bias = head_groups(hf, value_head=True)
-            mappings += [ParamMapping(head.weight, score_weight), ParamMapping(head.bias, score_bias)]
+            params = (head.weight,) if head.bias is None else (head.weight, head.bias)
+            mappings += [ParamMapping(p, g) for p, g in zip(params, head_groups(hf, value_head=True), strict=True)]
         elif not hf.tie_word_embeddings:
             mappings.append(ParamMapping(head.weight, head_groups(hf, value_head=False)[0]))
         elif head.weight is not None:

@@ -89,6 +89,16 @@ def tiny_hf_config(
     return config
 
 
+def perturb_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norm weights 1 + noise, biases noise (in place): a layout bug in any of them changes the outputs."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+
+
 def make_tiny_hf_checkpoint(
     path: str | Path,
     family: str = "qwen2",
@@ -110,12 +120,7 @@ def make_tiny_hf_checkpoint(
     config = tiny_hf_config(family, **config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.1 * torch.randn_like(param))
+    perturb_norms_and_biases(model)
     model = model.to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **save_kwargs)

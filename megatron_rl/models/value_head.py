@@ -3,6 +3,7 @@
 The critic is the policy's GPT with this head: ``GPTModel.forward`` then returns values of shape
 [batch, seq, 1] instead of logits. The layout matches transformers' ``*ForTokenClassification`` with
 ``num_labels=1`` (``score.weight`` [1, hidden], ``score.bias`` [1]), so an exported critic loads there.
+A reward model (``*ForSequenceClassification``, one label) has the same ``score.weight`` and no bias.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class ValueHead(MegatronModule):
     """Replicated on every TP rank: the hidden states entering it are identical across TP ranks, so
     every rank computes the same values and the same gradients without communication."""
 
-    def __init__(self, config: TransformerConfig, init: str = "normal"):
+    def __init__(self, config: TransformerConfig, init: str = "normal", bias: bool = True):
         super().__init__(config=config)
         if init not in ("normal", "zero"):
             raise ValueError(f"value head init must be 'normal' or 'zero', got {init!r}")
@@ -27,7 +28,9 @@ class ValueHead(MegatronModule):
         self.weight = torch.nn.Parameter(
             torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device)
         )
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device)) if bias else None
+        )
         with torch.no_grad():
             if init == "zero":
                 self.weight.zero_()
@@ -46,13 +49,14 @@ class ValueHead(MegatronModule):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def attach_value_head(model: torch.nn.Module, init: str = "normal") -> None:
-    """Replace a last-stage GPTModel's output layer with a ValueHead (in place)."""
+def attach_value_head(model: torch.nn.Module, init: str = "normal", bias: bool = True) -> None:
+    """Replace a last-stage GPTModel's output layer with a ValueHead (in place); ``bias=False`` for a
+    sequence-classification reward model."""
     if not getattr(model, "post_process", False):
         raise ValueError("only the last pipeline stage (post_process=True) has an output layer to replace")
     if model.share_embeddings_and_output_weights:
         raise ValueError("a value model must not tie embeddings to its output layer")
-    head = ValueHead(model.config, init=init)
+    head = ValueHead(model.config, init=init, bias=bias)
     # Every TP rank must start from the same head, whatever its RNG consumed before.
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:

@@ -34,13 +34,23 @@ from megatron_rl.reward.results import SampleResult, results_of
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RewardConfig
 
-__all__ = ["REWARD_MANAGERS", "RewardManager"]
+__all__ = ["REWARD_MANAGERS", "RewardManager", "decode_responses"]
 
 logger = logging.getLogger(__name__)
 
 # naive: every scorer is called per sample. batch: the custom function takes whole lists (verl's
 # BatchRewardManager convention); registered scorers keep their own kind either way.
 REWARD_MANAGERS = ("naive", "batch")
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase, responses: torch.Tensor, response_mask: torch.Tensor
+) -> list[str]:
+    """Each response up to its last valid token (masked tokens in between, e.g. tool output, included),
+    special tokens skipped."""
+    ends = (last_valid_positions(response_mask) + 1).tolist()
+    rows = responses.cpu().tolist()
+    return tokenizer.batch_decode([row[:end] for row, end in zip(rows, ends, strict=True)], skip_special_tokens=True)
 
 
 class RewardManager:
@@ -101,13 +111,7 @@ class RewardManager:
         )
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        """Each response up to its last valid token (masked tokens in between, e.g. tool output, included),
-        special tokens skipped."""
-        ends = (last_valid_positions(response_mask) + 1).tolist()
-        rows = responses.cpu().tolist()
-        return self.tokenizer.batch_decode(
-            [row[:end] for row, end in zip(rows, ends, strict=True)], skip_special_tokens=True
-        )
+        return decode_responses(self.tokenizer, responses, response_mask)
 
     # ------------------------------------------------------------------ scoring
     def _scorer_for(self, data_source: str) -> Scorer:

@@ -152,9 +152,7 @@ class RLTrainer:
 
     def train_step(self, batch: DataProto, step: int, timer: StageTimer) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        rollout = self.cfg.actor_rollout_ref.rollout
-        # temperature travels with the batch: log-probs must be computed at the sampling temperature.
-        self._step_meta = {"global_steps": step, "seed": rollout.seed + step, "temperature": rollout.temperature}
+        self._step_meta = self.step_meta(step)
         batch.meta_info.update(self._step_meta)
 
         batch = self.generate_and_score(batch, step, metrics, timer)
@@ -210,9 +208,19 @@ class RLTrainer:
                                f"version {self.state.global_steps}: a weight sync did not reach the engines")
         return out
 
+    def step_meta(self, step: int) -> dict[str, Any]:
+        """What every generation of a step carries; temperature travels with the batch because log-probs
+        must be computed at the sampling temperature."""
+        rollout = self.cfg.actor_rollout_ref.rollout
+        return {"global_steps": step, "seed": rollout.seed + step, "temperature": rollout.temperature}
+
     def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
                            timer: StageTimer) -> DataProto:
         """Rollout n responses per prompt and score them: the first half of the lifeline."""
+        return self.score(self.rollout(batch, step, timer), metrics, timer)
+
+    def rollout(self, batch: DataProto, step: int, timer: StageTimer) -> DataProto:
+        """n responses per prompt, joined to the prompts' rows (a trainer.async_mode loop calls this ahead)."""
         batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
         gen = self._pop_for_generation(batch)
         with timer("gen"):
@@ -220,7 +228,9 @@ class RLTrainer:
         if get_estimator_traits(self.cfg.algorithm.adv_estimator).needs_greedy_baseline:
             with timer("gen_max"):
                 batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
-        batch = batch.repeat(self.n, interleave=True).union(out)  # response_mask comes with `out`
+        return batch.repeat(self.n, interleave=True).union(out)  # response_mask comes with `out`
+
+    def score(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         with timer("reward"):
             scores = self.reward_fn(batch)
         metrics |= scores.meta_info.pop("reward_metrics", {})
@@ -318,6 +328,7 @@ class RLTrainer:
                 if self.critic is not None:
                     self.critic.save_checkpoint(str(tmp_dir / "critic"))
                 self.checkpointer.write_trainer_state(tmp_dir, self.state.__dict__)
+                self.save_driver_extras(tmp_dir)
             except OSError:
                 raise  # the checkpointer names the directory
             except Exception as err:  # a remote worker's error (Ray wraps the OSError)
@@ -340,9 +351,16 @@ class RLTrainer:
         self.train_loader.load_state_dict(self.state.dataloader)
         if self.kl_ctrl is not None and self.state.kl_ctrl:
             self.kl_ctrl.load_state_dict(self.state.kl_ctrl)
+        self.load_driver_extras(path)
         # The rollout engine must generate with the restored weights, not the initial ones.
         self.actor_rollout.sync_weights(self.state.global_steps)
         return self.state.global_steps
+
+    def save_driver_extras(self, directory: Path) -> None:
+        """Driver state beyond TrainerState (an async loop's rollouts generated ahead); nothing here."""
+
+    def load_driver_extras(self, directory: Path) -> None:
+        """Counterpart of save_driver_extras."""
 
     # ------------------------------------------------------------------ helpers
     def _train_batches(self) -> Iterator[DataProto]:

@@ -1,0 +1,133 @@
+"""One-step off-policy loop (trainer/off_policy.py) on in-process fakes: the generation of step k+1 really runs
+during the update of step k, every sample's weight version is exact, staleness is 1 (0 at the first step), the
+on-policy limit (max_staleness=0) gives the synchronous trainer's numbers, and a resumed run trains every
+prompt exactly once with the same versions as an uninterrupted one. The real stack (HF-engine servers, Ray,
+Megatron) runs in tests/e2e/test_async_train.py."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from test_trainer_loop import Collect, FakeActorRollout, FakeLoader, length_reward
+
+from megatron_rl.config import load_config, validate
+from megatron_rl.config.validate import ConfigError
+from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
+from megatron_rl.trainer.rl_trainer import RLTrainer
+from megatron_rl.trainer.signals import StopRequest
+
+ASYNC = ["actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1", "async_training.mode=one_step_off",
+         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+
+
+class FakeServers(FakeActorRollout):
+    """Rollout servers + the actor workers that sync them: responses as FakeActorRollout's, each sample tagged
+    with the version the servers hold, behaviour log-probs that depend on that version. With ``overlap``, a
+    generation started during a step waits until that step's update has begun: without real overlap the
+    loop would deadlock (and the wait fails after 20 s)."""
+
+    def __init__(self, overlap: bool = False) -> None:
+        super().__init__()
+        self.version = 0
+        self.overlap = overlap
+        self.updating = threading.Event()
+        self.trained: list[dict] = []
+
+    def generate_sequences(self, gen):
+        if self.overlap and gen.meta_info["global_steps"] > 1 and not self.updating.wait(20):
+            raise AssertionError(f"the generation of step {gen.meta_info['global_steps']} did not overlap an update")
+        self.updating.clear()
+        out = super().generate_sequences(gen)
+        out.batch["rollout_log_probs"] = torch.full(out.batch["responses"].shape, -0.1 * (self.version + 1))
+        out.non_tensor_batch["weight_version"] = np.full(len(out), self.version, dtype=np.int64)
+        return out
+
+    def update_actor(self, data):
+        self.updating.set()
+        self.trained.append({"uids": sorted(set(data.non_tensor_batch["uid"])),
+                             "versions": sorted(set(data.non_tensor_batch["weight_version"].tolist())),
+                             "is_mean": float(data.batch["rollout_is_weights"].sum())})
+        return super().update_actor(data)
+
+    def sync_weights(self, version):
+        self.version = version
+        return super().sync_weights(version)
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(overrides=[
+        f"trainer.default_local_dir={tmp_path}", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
+        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.total_training_steps=4",
+        "trainer.save_hf_at_end=false", "trainer.save_freq=-1", *overrides])
+
+
+def async_trainer(tmp_path, *overrides, servers=None, stop=None):
+    cfg = _cfg(tmp_path, *ASYNC, *overrides)
+    servers = servers or FakeServers()
+    trainer = OneStepOffPolicyTrainer(cfg, validate(cfg), servers, None, length_reward, FakeLoader(16, 2), None,
+                                      stop=stop, rollout_client=servers)
+    trainer.tracking = Collect()
+    return trainer, servers
+
+
+def test_next_rollout_overlaps_the_update_and_versions_are_exact(tmp_path):
+    trainer, servers = async_trainer(tmp_path, servers=FakeServers(overlap=True))
+    trainer.fit()
+    assert [t["versions"] for t in servers.trained] == [[0], [0], [1], [2]]  # step k >= 2 trains v[k-2]
+    records = trainer.tracking.records
+    assert [records[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert [records[s]["async/staleness_mean"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert servers.synced == [1, 2, 3, 4]
+    assert [t["uids"] for t in servers.trained] == [[f"{s}-0", f"{s}-1"] for s in (1, 2, 3, 4)]
+    assert "rollout_corr/rollout_is_mean" in records[2]  # behaviour log-probs reach the update
+
+
+def test_on_policy_limit_equals_the_synchronous_trainer(tmp_path):
+    cfg = _cfg(tmp_path / "sync", "algorithm.rollout_correction.rollout_is=token")
+    sync_actor = FakeServers()
+    sync = RLTrainer(cfg, validate(cfg), sync_actor, None, length_reward, FakeLoader(16, 2), None)
+    sync.tracking = Collect()
+    sync.fit()
+    limit, servers = async_trainer(tmp_path / "async", "async_training.max_staleness=0")
+    limit.fit()
+    assert servers.trained == sync_actor.trained
+    for step in (1, 2, 3, 4):
+        a, b = sync.tracking.records[step], limit.tracking.records[step]
+        same = {k for k in a if not k.startswith(("timing_s/", "perf/"))}
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+        assert b["async/staleness_max"] == 0.0
+
+
+def test_resume_trains_the_saved_rollouts_once(tmp_path):
+    straight, servers = async_trainer(tmp_path / "straight")
+    straight.fit()
+
+    class StopAfterStep2(FakeServers):
+        def update_actor(self, data):
+            if len(self.trained) == 1:
+                stop.request("SIGTERM")
+            return super().update_actor(data)
+
+    stop = StopRequest()
+    first, first_servers = async_trainer(tmp_path / "cut", servers=StopAfterStep2(), stop=stop)
+    first.fit()
+    assert first.state.global_steps == 2 and (tmp_path / "cut" / "global_step_2" / "rollout_ahead.pkl").is_file()
+    second, second_servers = async_trainer(tmp_path / "cut")
+    assert second.resume() == 2
+    second.fit()
+    assert first_servers.trained + second_servers.trained == servers.trained  # same prompts, versions, weights
+    assert second.tracking.records[3]["async/staleness_max"] == 1.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["actor_rollout_ref.rollout.mode=colocated"], "set actor_rollout_ref.rollout.mode=server"),
+    (["algorithm.rollout_correction.rollout_is=null"], "algorithm.rollout_correction.rollout_is"),
+    (["async_training.max_staleness=2"], "max_staleness must be 0"),
+    (["algorithm.filter_groups.enable=true"], "filter_groups"),
+])
+def test_refusals_name_the_key(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_cfg(tmp_path, *ASYNC, *extra))
