@@ -302,6 +302,44 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # an HF <Family>ForSequenceClassification directory (one label)
+    # verl's meaning: the policy's tokenizer. Set it when the RM's tokenizer or chat template differs: responses
+    # are decoded with it and re-tokenized with the RM's (raw_prompt + the response as the assistant turn).
+    # null (default here, verl defaults to the actor's path): the RM reads the policy's tokens as they are.
+    input_tokenizer: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardCombineConfig:
+    """How the RM score and the rule score of a sample make its score (reward/model/combine.py)."""
+
+    mode: str = "rm"  # rm: the RM score alone (verl) | sum: rule + weight * rm | gate: weight * rm where rule > gate_threshold, else rule
+    weight: float = 1.0
+    gate_threshold: float = 0.0
+    per_data_source: dict[str, Any] = field(default_factory=dict)  # data_source -> {mode, weight, gate_threshold}
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward_model``: a sequence-classification RM on Megatron (verl's key names where verl has them)."""
+
+    enable: bool = False
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 4
+    max_length: Optional[int] = None  # RM rows longer than this keep their last max_length tokens
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 32768
+    # Under Ray the RM runs on its own pool of n_gpus_per_node x nnodes ranks (0: the trainer's); under torchrun
+    # it shares the trainer's processes (and then its megatron layout must be the actor's).
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
+    megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
+
+
+@dataclass
 class KLControlConfig:
     type: KLControlType = KLControlType.fixed
     kl_coef: float = 0.001
@@ -409,6 +447,7 @@ class PPOTrainerConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)

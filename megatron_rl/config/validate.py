@@ -153,6 +153,33 @@ def _known_algorithm_names() -> dict[str, list[str]]:
             "loss_agg_modes": list(LOSS_AGG_MODES), "kl_penalties": list(KL_PENALTIES)}
 
 
+def _check_reward_model(cfg: DictConfig) -> None:
+    """reward_model.*: the checkpoint, the combine plan, and a layout its ranks can hold."""
+    from megatron_rl.reward.model.combine import CombinePlan
+
+    rm = cfg.reward_model
+    _require(bool(rm.model.path), "reward_model.enable=true needs reward_model.model.path (an HF "
+             "<Family>ForSequenceClassification directory with one label)")
+    _require(rm.max_length is None or rm.max_length >= 1,
+             f"reward_model.max_length must be >= 1 or null, got {rm.max_length}")
+    _positive(cfg, "reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu")
+    try:
+        CombinePlan(rm.combine)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    layout = {k: rm.megatron[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                          "context_parallel_size")}
+    if cfg.trainer.launcher == "torchrun":  # the RM shares the trainer's processes and their parallel state
+        actor = {k: cfg.actor_rollout_ref.actor.megatron[k] for k in layout}
+        _require(layout == actor, f"under trainer.launcher=torchrun the reward model shares the actor's processes: "
+                 f"reward_model.megatron {layout} must equal actor_rollout_ref.actor.megatron {actor}")
+    ranks = ((rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node) * (rm.nnodes or cfg.trainer.nnodes))
+    model_parallel = layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"] * \
+        layout["context_parallel_size"]
+    _require(ranks % model_parallel == 0, f"the reward model's {ranks} ranks (reward_model.n_gpus_per_node x "
+             f"nnodes, 0 = the trainer's) are not a multiple of its TP x PP x CP = {model_parallel}")
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Check the whole config; raise ConfigError naming the key and numbers, else return derived sizes."""
     from megatron_rl.config import checks
@@ -197,6 +224,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
     _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")
     _require(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
+    if cfg.reward_model.enable:
+        _check_reward_model(cfg)
     _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
              f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")

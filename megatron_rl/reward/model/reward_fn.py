@@ -1,0 +1,104 @@
+"""The trainer's reward function when ``reward_model.enable``: RM scores, rule scores where the data source's
+combine mode needs them, combined per sample and placed at the last valid response token.
+
+Returns what ``RewardManager`` returns (``token_level_scores``, ``non_tensor_batch["score"]`` and the rule
+scorers' extras, ``meta_info["reward_metrics"]``) plus ``rm_scores`` [B, R] (verl's key, the RM score at the
+same position) and ``non_tensor_batch["rm_score"]``/``["rule_score"]`` (None where no rule ran). Metrics:
+``reward/rm/mean``, ``reward/rule/mean`` (over the samples a rule scored), ``reward/score/mean`` (combined),
+``reward/rm/truncated`` and the rule manager's ``reward/errors`` / ``reward/timeouts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.reward.manager import RewardManager
+from megatron_rl.reward.model.combine import CombinePlan, combine_scores
+from megatron_rl.reward.model.inputs import RewardModelInputs
+from megatron_rl.reward.placement import place_scores
+
+
+class ModelRewardFn:
+    """Args:
+    rm_group: anything with ``compute_rm_score(DataProto) -> DataProto{"rm_scores": [B]}`` (the RM worker group).
+    inputs: turns the batch into RM token rows.
+    plan: the combine rule of each data source.
+    rule: the rule-based manager, needed when some data source's mode is ``sum`` or ``gate``.
+    close: stops the RM worker group.
+    """
+
+    def __init__(self, rm_group: Any, inputs: RewardModelInputs, plan: CombinePlan,
+                 rule: RewardManager | None = None, close: Callable[[], None] = lambda: None) -> None:
+        self.rm_group = rm_group
+        self.inputs = inputs
+        self.plan = plan
+        self.rule = rule
+        self._close = close
+
+    def __call__(self, data: DataProto) -> DataProto:
+        data.require("responses", "response_mask", "data_source", where="reward model")
+        mask = data.batch["response_mask"].cpu()
+        rows, metrics = self.inputs(data)
+        rm = self.rm_group.compute_rm_score(rows).batch["rm_scores"].float().cpu()
+        rules = self.plan.rules([str(s) for s in data.non_tensor_batch["data_source"]])
+        ruled = [i for i, r in enumerate(rules) if r.needs_rule_score]
+        rule_scores = torch.zeros(len(data))
+        non_tensor: dict[str, np.ndarray] = {"rule_score": _column([None] * len(data))}
+        if ruled:
+            if self.rule is None:
+                raise RuntimeError("reward_model.combine asks for rule scores but no rule RewardManager was given")
+            out = self.rule(data.select_idxs(ruled))
+            rule_metrics = out.meta_info["reward_metrics"]
+            rule_scores[ruled] = out.batch["token_level_scores"].sum(-1)
+            non_tensor["rule_score"][ruled] = rule_scores[ruled].tolist()
+            for key, column in out.non_tensor_batch.items():
+                if key != "score":  # the rule's extras (acc, pred, ...), None for samples no rule scored
+                    non_tensor[key] = _column([None] * len(data))
+                    non_tensor[key][ruled] = list(column)
+            metrics |= {k: v for k, v in rule_metrics.items() if k != "reward/score/mean"}
+            metrics["reward/rule/mean"] = rule_metrics["reward/score/mean"]
+        scores = combine_scores(rules, rm, rule_scores)
+        metrics |= {"reward/rm/mean": rm.mean().item() if len(rm) else 0.0,
+                    "reward/score/mean": scores.mean().item() if len(scores) else 0.0}
+        non_tensor |= {"score": _column(scores.tolist()), "rm_score": _column(rm.tolist())}
+        tensors = {"token_level_scores": place_scores(scores, mask), "rm_scores": place_scores(rm, mask)}
+        return DataProto.from_dict(tensors, non_tensor, {"reward_metrics": metrics})
+
+    def close(self) -> None:
+        if self.rule is not None:
+            self.rule.close()
+        self._close()
+
+
+def _column(values: list[Any]) -> np.ndarray:
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
+    """``RewardManager`` (rule scorers) unless ``reward_model.enable``; then the RM worker group is started
+    (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
+    if not cfg.reward_model.enable:
+        return RewardManager(tokenizer, cfg.reward)
+    from megatron_rl.data import load_tokenizer
+    from megatron_rl.workers.reward_model import start_reward_model_group
+
+    rm = cfg.reward_model
+    plan = CombinePlan(rm.combine)
+    needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
+    input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
+    inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
+    rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
+    try:
+        group, close = start_reward_model_group(cfg)
+    except BaseException:
+        if rule is not None:
+            rule.close()
+        raise
+    return ModelRewardFn(group, inputs, plan, rule, close)

@@ -1,0 +1,77 @@
+"""RewardModelWorker: one rank of the reward model (a frozen, Megatron-sharded ``*ForSequenceClassification``),
+and the worker group the reward function calls: its own Ray pool, or the trainer's processes under torchrun.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.controller import Dispatch, Worker, register
+from megatron_rl.protocol import DataProto
+from megatron_rl.workers.hybrid import _as_config, setup_parallel_state
+
+
+class RewardModelWorker(Worker):
+    """``config`` is the whole trainer config (a plain dict under Ray); the RM is ``reward_model``."""
+
+    def __init__(self, config: dict[str, Any] | DictConfig) -> None:
+        super().__init__()
+        self.config = _as_config(config)
+        self.role = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from megatron_rl.reward.model.role import RewardModelRole
+        from megatron_rl.workers import MegatronEngine
+
+        rm = self.config.reward_model
+        setup_parallel_state(rm.megatron)
+        engine = MegatronEngine(rm.model.path, rm.megatron, None, value_head=True, name="reward_model",
+                                override_config=rm.model.override_config)
+        self.role = RewardModelRole(engine, rm)
+        self.set_mesh(**engine.mesh_kwargs())
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """{"rm_scores": [B]} of RM token rows (input_ids, attention_mask)."""
+        return self.role.compute_rm_score(data)
+
+
+def start_reward_model_group(cfg: DictConfig) -> tuple[Any, Callable[[], None]]:
+    """The RM's worker group, its model built; and what stops it. Under Ray: its own resource pool of
+    ``reward_model.n_gpus_per_node`` x ``reward_model.nnodes`` ranks (0: the trainer's); under torchrun: the
+    trainer's processes (torch.distributed already initialised)."""
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    if cfg.trainer.launcher == "torchrun":
+        from megatron_rl.controller.local_group import LocalWorkerGroup
+
+        group = LocalWorkerGroup(RewardModelWorker(config=plain_cfg), "reward_model")
+        group.init_model()
+        return group, lambda: None
+
+    from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray
+    from megatron_rl.trainer.deadlines import call_deadlines
+
+    gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
+    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)  # does nothing when Ray is already up
+    rm = cfg.reward_model
+    per_node, nodes = rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node, rm.nnodes or cfg.trainer.nnodes
+    # As the trainer's pool: a GPU per rank on a CUDA run, else GPUs only where the cluster has them.
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    pool = RayResourcePool([per_node] * nodes, use_gpu=True if cuda else None, name="reward_model_pool")
+    group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": plain_cfg}, name_prefix="reward_model",
+                           timeout_s=cfg.ray_init.timeout_s, method_timeouts=call_deadlines(cfg.ray_init))
+    try:
+        group.init_model()
+    except BaseException:
+        group.kill()
+        pool.release()
+        raise
+
+    def close() -> None:
+        group.kill()
+        pool.release()
+
+    return group, close
