@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_rl.config import DerivedSizes
 from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
-from megatron_rl.reward import RewardManager
+from megatron_rl.reward.model.reward_fn import build_reward_fn
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.deadlines import call_deadlines
 from megatron_rl.trainer.rl_trainer import RLTrainer
@@ -144,7 +144,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     train_loader = make_dataloader(train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed, drop_last=True,
                                    num_workers=cfg.data.dataloader_num_workers)
-    reward_fn = RewardManager(tokenizer, cfg.reward)
+    reward_fn = build_reward_fn(cfg, tokenizer)  # rule scorers, and the reward model when reward_model.enable
 
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()

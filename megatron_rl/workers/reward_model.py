@@ -39,17 +39,33 @@ class RewardModelWorker(Worker):
         return self.role.compute_rm_score(data)
 
 
+class StartedOnFirstCall:
+    """Under torchrun the RM joins the parallel state the actor sets up, so it is built at its first use."""
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start = start
+        self._group = None
+
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        if self._group is None:
+            self._group = self._start()
+        return self._group.compute_rm_score(data)
+
+
 def start_reward_model_group(cfg: DictConfig) -> tuple[Any, Callable[[], None]]:
     """The RM's worker group, its model built; and what stops it. Under Ray: its own resource pool of
     ``reward_model.n_gpus_per_node`` x ``reward_model.nnodes`` ranks (0: the trainer's); under torchrun: the
-    trainer's processes (torch.distributed already initialised)."""
+    trainer's processes, built at the first scoring (the actor's parallel state exists by then)."""
     plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if cfg.trainer.launcher == "torchrun":
         from megatron_rl.controller.local_group import LocalWorkerGroup
 
-        group = LocalWorkerGroup(RewardModelWorker(config=plain_cfg), "reward_model")
-        group.init_model()
-        return group, lambda: None
+        def start() -> LocalWorkerGroup:
+            group = LocalWorkerGroup(RewardModelWorker(config=plain_cfg), "reward_model")
+            group.init_model()
+            return group
+
+        return StartedOnFirstCall(start), lambda: None
 
     from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray
     from megatron_rl.trainer.deadlines import call_deadlines
