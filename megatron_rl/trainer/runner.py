@@ -19,7 +19,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.reward.model.reward_fn import build_reward_fn
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.deadlines import call_deadlines
-from megatron_rl.trainer.rl_trainer import RLTrainer
+from megatron_rl.trainer.disaggregated import build_trainer, start_rollout_servers
 from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
 from megatron_rl.trainer.tracking import Tracking, plot_curves
 
@@ -149,7 +149,13 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
     keep_handlers_through_ray()
-    actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+    servers = start_rollout_servers(cfg)  # rollout servers on their own processes (server mode, name=hf)
+    try:
+        actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+    except BaseException:
+        if servers is not None:
+            servers.close()
+        raise
     stop.install()  # Ray's start-up replaces the handlers with its own
     is_logger = not is_torchrun or actor_rollout.rank == 0
     tracking = None
@@ -164,8 +170,9 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
                            stop.reason)
             return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", None, None, {},
                              stopped=stop.reason, last_step=0)
-        trainer = RLTrainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
-                            stop=stop, checkpointer=_checkpointer(cfg, is_torchrun))
+        trainer = build_trainer(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, _val_batches(cfg, tokenizer),
+                                stop=stop, checkpointer=_checkpointer(cfg, is_torchrun), servers=servers,
+                                token_ids=_token_ids(tokenizer))
         start_step = trainer.resume()
         if is_logger:
             tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -177,6 +184,8 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
             tracking.close()
         reward_fn.close()
         close()
+        if servers is not None:
+            servers.close()
 
     plot = None
     if is_logger and tracking.metrics_path.exists():

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl.rollout.server_client import ServerRolloutClient
 from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
 
 pytestmark = [pytest.mark.distributed]
@@ -102,6 +104,11 @@ def test_a_killed_server_is_named_and_replaced(pool):  # last: it replaces the m
     victim.proc.wait()
     with pytest.raises(RolloutServerDied, match=rf"rollout server 0 \({victim.url}, pid {victim.proc.pid}\) exited"):
         pool.check()
+    client = ServerRolloutClient(RolloutConfig(), pool.urls, response_length=3, eos_token_id=EOS, pad_token_id=PAD,
+                                 timeout_s=30, pool=pool)
+    with pytest.raises(RolloutServerDied, match=r"rollout server 0 .* exited with code -9"):
+        client.generate_sequences(prompt_batch([3]))  # a generation on a dead server fails fast, naming it
+    client.close()
     new_url = pool.replace(0)
     pool.check()
     assert new_url != victim.url and pool.urls == [new_url]

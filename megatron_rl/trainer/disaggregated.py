@@ -1,0 +1,47 @@
+"""Disaggregated placement for a run: the rollout servers the run starts itself, and the trainer that drives
+them (the synchronous RLTrainer, or the one-step off-policy loop of ``async_training.mode``).
+
+``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
+HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers, and
+their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
+(gloo update group: the servers compute on CPU).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from megatron_rl.rollout.server_pool import RolloutServerPool
+from megatron_rl.trainer.rl_trainer import RLTrainer
+
+__all__ = ["build_trainer", "start_rollout_servers"]
+
+
+def start_rollout_servers(cfg: DictConfig) -> RolloutServerPool | None:
+    """Start the HF-engine servers the config asks for and point ``rollout.server_urls`` at them."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "server" or rollout.name != "hf" or rollout.server_urls or rollout.num_servers < 1:
+        return None
+    dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
+    pool = RolloutServerPool(str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers), dtype=dtype,
+                             seed=int(rollout.seed), threads=int(rollout.server_threads))
+    with open_dict(cfg):
+        rollout.server_urls = pool.urls
+        rollout.sglang.update_group_backend = "gloo"
+        rollout.sglang.master_address = rollout.sglang.master_address or "127.0.0.1"
+    return pool
+
+
+def build_trainer(cfg: DictConfig, *args: Any, servers: RolloutServerPool | None, token_ids: dict[str, Any],
+                  **kwargs: Any) -> RLTrainer:
+    """``args``/``kwargs``: RLTrainer's. ``token_ids``: eos/pad ids for the driver's generation client."""
+    if cfg.async_training.mode == "sync":
+        return RLTrainer(cfg, *args, **kwargs)
+    from megatron_rl.rollout.server_client import ServerRolloutClient
+    from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
+
+    rollout = cfg.actor_rollout_ref.rollout
+    client = ServerRolloutClient(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
+                                 timeout_s=rollout.sglang.request_timeout_s, pool=servers, **token_ids)
+    return OneStepOffPolicyTrainer(cfg, *args, rollout_client=client, **kwargs)
