@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -29,16 +30,27 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                 reason="TRL is not installed: pip install -e .[bench]")
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, WARMUP = 16, 3
+# >= 20 measured steps after warm-up; MRL_BENCH_STEPS shortens a run on a shared machine
+WARMUP = 3
+STEPS = int(os.environ.get("MRL_BENCH_STEPS", 23))
 SIZES = {
     "demo": {"prompts": 32, "n": 8, "response_length": 6, "lr": 5e-3, "model": None},
     "30M": {"prompts": 16, "n": 8, "response_length": 32, "lr": 1e-4,
             "model": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
                       "num_attention_heads": 8, "num_key_value_heads": 4}},
 }
-# our layouts: the demo's (Megatron TP 2 on 2 Ray ranks) and one rank, what a model this small wants
-OURS = {"tp2x2ranks": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
-        "1rank": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"]}
+# Our layouts. "tp2x2ranks": the demo's (Megatron TP 2 on 2 Ray ranks), default numerics. "1proc": what a
+# model this small wants (docs/trainer.md, "Speed"): one rank, TP 1, in the driver's process (the in-process
+# workers of the torchrun launcher, no Ray), and the rollout's log-probs as the old ones (verl's bypass mode:
+# exactly on-policy here, the engine serves the actor's weights of the same step). MRL_BENCH_LAYOUTS picks some.
+ONE_RANK = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"]
+BYPASS = ["algorithm.rollout_correction.bypass_mode=true"]
+LAYOUTS = {"tp2x2ranks": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+           "1rank": ONE_RANK, "1rank+bypass": ONE_RANK + BYPASS,
+           "1proc": ONE_RANK + ["trainer.launcher=torchrun"],
+           "1proc+bypass": ONE_RANK + ["trainer.launcher=torchrun"] + BYPASS}
+OURS = {name: LAYOUTS[name] for name in os.environ.get("MRL_BENCH_LAYOUTS", "tp2x2ranks,1proc+bypass").split(",")}
+TRL_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_TRL_THREADS", "1,2").split(",")]
 
 
 def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
@@ -59,6 +71,12 @@ def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
     return out
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) -> dict:
     prompts, n = size["prompts"], size["n"]
     overrides = [
@@ -71,16 +89,23 @@ def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) ->
         f"data.max_response_length={size['response_length']}", f"actor_rollout_ref.actor.optim.lr={size['lr']}",
         *layout,
     ]
+    env = dict(os.environ)
+    if "trainer.launcher=torchrun" in layout:  # one process, as `torchrun --nproc-per-node 1` would start it
+        env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}  # one thread, as a Ray rank has
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "stderr.log", "w")  # a file, not a pipe: a full pipe would stall the run
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     metrics, startup = out / "metrics.jsonl", None
     while proc.poll() is None:
         if startup is None and metrics.exists() and metrics.read_text().strip():
             first = read_metrics(metrics)[0]
             startup = time.perf_counter() - start - first["timing_s/step"]
         time.sleep(0.05)
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    log.close()
+    assert proc.returncode == 0, (out / "stderr.log").read_text()[-3000:]
     steps = [r["timing_s/step"] for r in read_metrics(metrics)]
     return {"startup_s": startup, "step_s": steps}
 
@@ -106,7 +131,7 @@ def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_nam
     train, _val, assets_model = prepare_assets(tmp_path / "assets")
     model = _model_dir(assets_model, size["model"], tmp_path / "model")
     ours = {name: _ours(train, model, size, layout, tmp_path / f"ours-{name}") for name, layout in OURS.items()}
-    trl = {threads: _trl(train, model, size, threads, tmp_path / f"trl-{threads}") for threads in (1, 2)}
+    trl = {threads: _trl(train, model, size, threads, tmp_path / f"trl-{threads}") for threads in TRL_THREADS}
     best_ours = min(ours, key=lambda k: _median_step(ours[k]))
     best_trl = min(trl, key=lambda k: _median_step(trl[k]))
     ratio = _median_step(trl[best_trl]) / _median_step(ours[best_ours])

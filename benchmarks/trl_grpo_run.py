@@ -52,6 +52,7 @@ def main() -> None:
         num_generations=n, max_completion_length=spec["response_length"], temperature=1.0, top_p=1.0,
         beta=0.0, epsilon=0.2, num_iterations=1, disable_dropout=True, dataloader_num_workers=0,
         gradient_checkpointing=False,  # TRL's default recomputes activations: slower for models this small
+        bf16=False,  # TRL defaults to bf16 autocast, which is slow on CPU; ours trains in fp32 here too
     )
     marks: list[float] = []
 

@@ -33,6 +33,8 @@ class LocalWorkerGroup:
             setattr(self, name, functools.partial(self._call, name))
 
     def _mesh(self) -> list[Any]:
+        if self.world_size == 1:
+            return [self.worker.mesh_info()]
         meshes: list[Any] = [None] * self.world_size
         dist.all_gather_object(meshes, self.worker.mesh_info())
         return meshes
@@ -48,6 +50,8 @@ class LocalWorkerGroup:
             result = getattr(self.worker, name)(*call_args, **call_kwargs)
             if plan.used is not None and position not in plan.used:
                 result = None  # nobody reads it (e.g. a non-collecting TP/PP rank's copy): do not send it
+        if self.world_size == 1:  # nothing to exchange: no pickling round trip through the process group
+            return plan.collect([result])
         outputs: list[Any] = [None] * self.world_size
         dist.all_gather_object(outputs, result)
         return plan.collect([outputs[r] for r in plan.ranks])

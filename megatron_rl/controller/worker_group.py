@@ -8,10 +8,12 @@ ranks, waits (with a deadline) and combines the results; ``wg.compute_log_prob.a
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Mapping
 
 import ray
 
+from megatron_rl.controller import call_stats
 from megatron_rl.controller.decorator import MethodSpec, registered_methods
 from megatron_rl.controller.dispatch import MESH_DISPATCH, CallPlan, plan_call
 from megatron_rl.controller.errors import WorkerError, wait_for_results
@@ -30,10 +32,12 @@ class PendingCall:
     """A group call still running on the workers; ``get()`` waits for every rank and combines the results."""
 
     def __init__(self, refs: list[ray.ObjectRef], plan: CallPlan, role: str, method: str, timeout_s: float,
-                 timeout_key: str = "ray_init.timeout_s") -> None:
+                 timeout_key: str = "ray_init.timeout_s", started: float | None = None, sent_bytes: int = 0) -> None:
         self.refs = refs
         self._plan, self._role, self._method, self._timeout_s = plan, role, method, timeout_s
         self._timeout_key = timeout_key  # the config key that sets this deadline, for the error
+        self._started = time.perf_counter() if started is None else started
+        self._sent_bytes = sent_bytes
 
     @property
     def ranks(self) -> list[int]:
@@ -46,9 +50,15 @@ class PendingCall:
     def get(self, timeout_s: float | None = None) -> Any:
         """The combined result; raises a WorkerError naming role, method and rank on any failure."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        outputs = wait_for_results(self.refs, self._plan.ranks, self._role, self._method, timeout,
-                                   timeout_key=self._timeout_key)
-        return self._plan.collect(outputs)
+        timed = wait_for_results(self.refs, self._plan.ranks, self._role, self._method, timeout,
+                                 timeout_key=self._timeout_key)
+        outputs = [result for result, _ in timed]
+        combined = self._plan.collect(outputs)
+        if call_stats.is_recording():
+            call_stats.record_call(f"{self._role}.{self._method}", time.perf_counter() - self._started,
+                                   max(seconds for _, seconds in timed), self._sent_bytes,
+                                   call_stats.payload_bytes(outputs))
+        return combined
 
 
 class GroupMethod:
@@ -63,10 +73,11 @@ class GroupMethod:
         return pending.get() if self.spec.blocking else pending
 
     def async_(self, *args: Any, **kwargs: Any) -> PendingCall:
+        started = time.perf_counter()
         target = self._target
         mesh = target.mesh() if self.spec.dispatch_mode in MESH_DISPATCH else None
         plan = plan_call(self.spec, args, kwargs, target.world_size, f"{target.role}.{self._name}", mesh)
-        return target.submit(self._name, plan)
+        return target.submit(self._name, plan, started)
 
     def __repr__(self) -> str:
         return f"<GroupMethod {self._target.role}.{self._name} {self.spec.dispatch_mode.name}>"
@@ -116,13 +127,16 @@ class RoleGroup:
         self._mesh = None
         return self.mesh()
 
-    def submit(self, method: str, plan: CallPlan) -> PendingCall:
+    def submit(self, method: str, plan: CallPlan, started: float | None = None) -> PendingCall:
         remote_name = self._prefix + method
         if not callable(getattr(self._worker_cls, remote_name, None)):
             raise AttributeError(f"{self.role}: worker class {self._worker_cls.__name__} has no method {remote_name!r}")
-        refs = self._group.call_ranks(remote_name, plan.ranks, plan.calls)
+        sent = 0
+        if call_stats.is_recording():
+            sent = call_stats.payload_bytes([v for args, kwargs in plan.calls for v in (*args, *kwargs.values())])
+        refs = self._group.call_ranks(remote_name, plan.ranks, plan.calls, plan.used)
         timeout_s, timeout_key = self._group.deadline(method)
-        return PendingCall(refs, plan, self.role, method, timeout_s, timeout_key)
+        return PendingCall(refs, plan, self.role, method, timeout_s, timeout_key, started, sent)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.role!r} world_size={self.world_size}>"
@@ -143,6 +157,13 @@ def _hosted_class(worker_cls: type[Worker], role: str) -> type:
 
         def __repr__(self) -> str:  # Ray prefixes the worker's log lines with this
             return f"{role}:{os.environ.get('RANK', '?')}"
+
+        def _timed_call(self, method: str, keep_result: bool, /, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+            """Every group call comes through here: (the result, or None where the driver does not read it,
+            so it is neither serialised nor sent; seconds spent in the method)."""
+            start = time.perf_counter()
+            result = getattr(self, method)(*args, **kwargs)
+            return (result if keep_result else None), time.perf_counter() - start
 
     Hosted.__name__ = Hosted.__qualname__ = worker_cls.__name__
     return Hosted
@@ -226,9 +247,11 @@ class RayWorkerGroup(RoleGroup):
         """(seconds, config key) bounding a call of ``method`` (the bare name, without a role prefix)."""
         return self.method_timeouts.get(method, (self.timeout_s, "ray_init.timeout_s"))
 
-    def call_ranks(self, method: str, ranks: list[int], calls: list[tuple[tuple, dict]]) -> list[ray.ObjectRef]:
+    def call_ranks(self, method: str, ranks: list[int], calls: list[tuple[tuple, dict]],
+                   used: list[int] | None = None) -> list[ray.ObjectRef]:
         """Start ``method`` on each of ``ranks`` with its (args, kwargs); a DataProto shared by several
-        ranks goes into the object store once."""
+        ranks goes into the object store once. Each ref resolves to (result, seconds in the method); the
+        result is None at the positions outside ``used`` (None: all are used)."""
         stored: dict[int, ray.ObjectRef] = {}
 
         def share(value: Any) -> Any:
@@ -239,9 +262,10 @@ class RayWorkerGroup(RoleGroup):
             return stored[id(value)]
 
         refs = []
-        for rank, (args, kwargs) in zip(ranks, calls):
-            remote = getattr(self._actors[rank], method)
-            refs.append(remote.remote(*[share(a) for a in args], **{k: share(v) for k, v in kwargs.items()}))
+        for position, (rank, (args, kwargs)) in enumerate(zip(ranks, calls)):
+            keep = used is None or position in used
+            refs.append(self._actors[rank]._timed_call.remote(method, keep, *[share(a) for a in args],
+                                                              **{k: share(v) for k, v in kwargs.items()}))
         return refs
 
     def spawn(self) -> dict[str, RoleGroup]:

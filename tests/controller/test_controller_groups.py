@@ -137,3 +137,25 @@ def test_colocated_roles_share_a_process_and_route_by_role(ray_cluster):
     finally:
         actor.group.kill()
         pools.pools["global"].release()
+
+
+def test_calls_are_timed_and_results_nobody_reads_stay_on_the_workers(probes):
+    from megatron_rl.controller import call_stats
+
+    data = rows(8)
+    with call_stats.recording() as totals:
+        out = probes.tag_megatron(data)
+        probes.rank_value()
+    assert out.batch["ids"].tolist() == list(range(8))
+    megatron, rank_zero = totals["probe.tag_megatron"], totals["probe.rank_value"]
+    assert megatron.calls == rank_zero.calls == 1
+    assert 0 <= megatron.worker_s <= megatron.wall_s and 0 <= rank_zero.worker_s <= rank_zero.wall_s
+    # two DP shards sent (each once, shared by the DP group's two ranks); only the 2 collecting ranks' results
+    # come back: together they are about the size of the whole batch, not twice it
+    shards = call_stats.payload_bytes([data[:4]]) + call_stats.payload_bytes([data[4:]])
+    assert megatron.sent_bytes == pytest.approx(shards, rel=0.05)
+    assert megatron.received_bytes < 1.5 * shards
+    assert rank_zero.sent_bytes == rank_zero.received_bytes == 0
+    with call_stats.recording() as later:
+        pass
+    assert not later  # nothing recorded outside a block
