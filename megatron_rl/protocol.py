@@ -12,16 +12,21 @@ Note (as in verl): iterating a TensorDict yields rows; use ``data.batch.keys()``
 ``concat`` merges ``meta_info["metrics"]`` of all parts into a dict of lists (verl's rule; use
 ``reduce_metrics`` for means), ``meta_info["timing"]`` per key by max (the slowest part), and raises
 on any other key whose values differ between parts.
+
+As in verl: ``data[i]`` (an int) is a ``DataProtoItem`` (one row: a TensorDict with batch_size [],
+the row's objects, the shared meta_info), any other index a DataProto; ``chunk(n)`` needs
+``len % n == 0`` unless padding is enabled (``DataProtoConfig.auto_padding = True``, the
+``VERL_AUTO_PADDING`` environment variable, or ``from_dict(..., auto_padding=True)`` for one batch),
+in which case the chunks are as equal as possible (sizes differ by at most one).
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
-
 import io
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,11 +34,19 @@ from tensordict import TensorDict
 
 __all__ = [
     "DataProto",
+    "DataProtoConfig",
+    "DataProtoFuture",
+    "DataProtoItem",
     "ProtocolError",
     "collate_dicts",
+    "collate_fn",
+    "deserialize_single_tensor",
+    "deserialize_tensordict",
     "fold_batch_dim",
     "pad_dataproto_to_divisor",
     "reduce_metrics",
+    "serialize_single_tensor",
+    "serialize_tensordict",
     "union_numpy_dict",
     "union_tensor_dict",
     "unfold_batch_dim",
@@ -118,6 +131,38 @@ def _non_tensor_length(non_tensor: Mapping[str, np.ndarray]) -> int | None:
     return len(next(iter(non_tensor.values()))) if non_tensor else None
 
 
+class _DataProtoConfigMeta(type):
+    """``DataProtoConfig.auto_padding``: a process-wide switch (verl's), also on via VERL_AUTO_PADDING."""
+
+    _config: dict[str, bool] = {}
+    auto_padding_key = "_verl_auto_padding"  # the meta_info key that turns it on for one DataProto
+
+    @property
+    def auto_padding(cls) -> bool:
+        by_env = os.getenv("VERL_AUTO_PADDING", "FALSE").upper() in ("TRUE", "1")
+        return by_env or cls._config.get(cls.auto_padding_key, False)
+
+    @auto_padding.setter
+    def auto_padding(cls, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise ProtocolError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
+        cls._config[cls.auto_padding_key] = enabled
+
+
+class DataProtoConfig(metaclass=_DataProtoConfigMeta):
+    pass
+
+
+@dataclass
+class DataProtoItem:
+    """One row of a DataProto (``data[i]``): ``batch`` a TensorDict with batch_size [], each
+    non-tensor field's object for that row, and the DataProto's meta_info (shared, not copied)."""
+
+    batch: Optional[TensorDict] = None
+    non_tensor_batch: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class DataProto:
     batch: TensorDict = field(default_factory=lambda: TensorDict({}, batch_size=[0]))
@@ -161,11 +206,14 @@ class DataProto:
         num_batch_dims: int = 1,
         auto_padding: bool = False,
     ) -> "DataProto":
-        """verl's signature; only num_batch_dims=1 is supported, auto_padding is accepted and has no effect
-        (megatron-rl's dispatch pads explicitly with pad_to_divisor)."""
+        """verl's signature; only num_batch_dims=1 is supported. ``auto_padding=True`` lets this
+        DataProto (and what is indexed or chunked from it) be chunked unevenly (see ``chunk``)."""
         if num_batch_dims != 1:
-            raise ValueError(f"DataProto.from_dict supports num_batch_dims=1, got {num_batch_dims}")
-        return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta_info or {}))
+            raise ProtocolError(f"DataProto.from_dict supports num_batch_dims=1 (one row dim), got {num_batch_dims}")
+        meta = dict(meta_info or {})
+        if auto_padding:
+            meta[DataProtoConfig.auto_padding_key] = True
+        return cls(dict(tensors or {}), dict(non_tensors or {}), meta)
 
     @classmethod
     def from_single_dict(cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None,
@@ -173,7 +221,7 @@ class DataProto:
         """Tensors go to ``batch``, everything else (lists, numpy arrays) to ``non_tensor_batch``."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
-        return cls.from_dict(tensors, others, meta_info)
+        return cls.from_dict(tensors, others, meta_info, auto_padding=auto_padding)
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -182,12 +230,13 @@ class DataProto:
     def _has_fields(self) -> bool:
         return bool(len(self.batch.keys())) or bool(self.non_tensor_batch)
 
-    def __getitem__(self, index: IndexLike) -> "DataProto":
+    def __getitem__(self, index: IndexLike) -> "DataProto | DataProtoItem":
         length = len(self)
-        if isinstance(index, (int, np.integer)):
-            if not -length <= index < length:
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            if not -length <= index < length:  # IndexError also ends ``for item in data``
                 raise IndexError(f"index {index} out of range for DataProto of length {length}")
-            index = slice(index, index + 1 if index != -1 else None)
+            return DataProtoItem(self.batch[int(index)], {k: v[index] for k, v in self.non_tensor_batch.items()},
+                                 self.meta_info)
         idx = _normalise_index(index, length)
         torch_idx = idx if isinstance(idx, slice) else torch.from_numpy(idx.astype(np.int64))
         batch = self.batch[torch_idx]
@@ -335,14 +384,35 @@ class DataProto:
             raise ValueError(f"split_size must be >= 1, got {split_size}")
         return [self[i : i + split_size] for i in range(0, len(self), split_size)]
 
+    def is_padding_enabled(self) -> bool:
+        """Uneven chunks allowed: this DataProto's meta_info says so, or DataProtoConfig.auto_padding."""
+        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """In place: append ``padding_size`` copies of the first row (``"first"``) or the last row."""
+        if padding_size < 0:
+            raise ProtocolError(f"padding: padding_size must be >= 0, got {padding_size}")
+        if padding_size == 0:
+            return
+        if not len(self):
+            raise ProtocolError("padding: cannot pad an empty DataProto")
+        row = 0 if padding_candidate == "first" else len(self) - 1
+        padded = self[np.concatenate([np.arange(len(self)), np.full(padding_size, row)])]
+        object.__setattr__(self, "batch", padded.batch)
+        self.non_tensor_batch = padded.non_tensor_batch
+
     def chunk(self, chunks: int) -> list["DataProto"]:
-        """Exactly ``chunks`` equal parts; use pad_to_divisor first when len is not a multiple."""
+        """``chunks`` parts in row order. Equal parts only, unless padding is enabled
+        (``is_padding_enabled``): then the first ``len % chunks`` parts hold one row more."""
         if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if len(self) % chunks:
-            raise ValueError(f"chunk: length {len(self)} is not divisible by {chunks}; call pad_to_divisor({chunks}) first")
-        size = len(self) // chunks
-        return [self[i * size : (i + 1) * size] for i in range(chunks)]
+            raise ProtocolError(f"chunks must be >= 1, got {chunks}")
+        n = len(self)
+        if n % chunks and not self.is_padding_enabled():
+            raise ProtocolError(f"chunk: length {n} is not divisible by {chunks}; call pad_to_divisor({chunks}) first "
+                                "or enable DataProtoConfig.auto_padding")
+        base, extra = divmod(n, chunks)
+        bounds = np.cumsum([0] + [base + (i < extra) for i in range(chunks)])
+        return [self[int(bounds[i]) : int(bounds[i + 1])] for i in range(chunks)]
 
     @staticmethod
     def concat(data: Sequence["DataProto"]) -> "DataProto":
@@ -425,7 +495,8 @@ class DataProto:
 
     def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
         """Split dim 1 of the ``split_keys`` into n_split chunks that become rows (row i -> rows
-        i*n_split ...); every other field is repeated n_split times (verl's semantics)."""
+        i*n_split ...); every other field is repeated n_split times (verl's semantics). A non-tensor
+        key in ``split_keys`` must hold a sequence per row; each row gets a list of its chunk."""
         split_keys = list(split_keys or ())
         n = len(self)
         batch = {}
@@ -439,9 +510,7 @@ class DataProto:
                 batch[k] = torch.repeat_interleave(v, n_split, dim=0)
         non_tensor = {}
         for k, v in self.non_tensor_batch.items():
-            if k in split_keys:
-                raise ValueError(f"unfold_column_chunks: non_tensor_batch[{k!r}] is 1-D; only tensors split")
-            non_tensor[k] = np.repeat(v, n_split, axis=0)
+            non_tensor[k] = _split_rows(k, v, n_split) if k in split_keys else np.repeat(v, n_split, axis=0)
         return DataProto._make(TensorDict(batch, batch_size=[n * n_split], device=self.batch.device), non_tensor,
                                dict(self.meta_info))
 
@@ -518,6 +587,22 @@ class DataProto:
         batch = TensorDict(state["batch"], batch_size=state["batch_size"])
         return cls(batch, state["non_tensor_batch"], state["meta_info"])
 
+    def __getstate__(self) -> tuple:
+        """Pickling (Ray, multiprocessing): the TensorDict as is, or with
+        VERL_DATAPROTO_SERIALIZATION_METHOD=numpy as ``serialize_tensordict``'s byte arrays (verl's
+        option; no consolidated copy of the TensorDict is made)."""
+        if os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy":
+            return ("numpy", serialize_tensordict(self.batch)), self.non_tensor_batch, self.meta_info
+        return ("tensordict", self.batch), self.non_tensor_batch, self.meta_info
+
+    def __setstate__(self, state: tuple) -> None:
+        (method, batch), non_tensor, meta = state
+        if method not in ("numpy", "tensordict"):
+            raise ProtocolError(f"DataProto state has unknown batch encoding {method!r}")
+        object.__setattr__(self, "batch", deserialize_tensordict(batch) if method == "numpy" else batch)
+        object.__setattr__(self, "non_tensor_batch", non_tensor)
+        object.__setattr__(self, "meta_info", meta)
+
     def save_to_disk(self, filepath: str | os.PathLike) -> None:
         with open(filepath, "wb") as f:
             f.write(self.serialize())
@@ -529,12 +614,64 @@ class DataProto:
             return DataProto.deserialize(f.read())
 
 
+@dataclass
+class DataProtoFuture:
+    """verl's handle on DataProtos still being computed by Ray workers: ``get()`` waits for
+    ``futures`` (Ray ObjectRefs of DataProtos), merges them with ``collect_fn`` (``DataProto.concat``)
+    and, when set, applies ``dispatch_fn`` (e.g. "my chunk"). Nothing else may be done with it on the
+    driver; pass it on to the next worker call or ``get()`` it."""
+
+    collect_fn: Callable[[list["DataProto"]], "DataProto"]
+    futures: list[Any]
+    dispatch_fn: Callable[["DataProto"], "DataProto"] | None = None
+
+    @staticmethod
+    def concat(data: list[Any]) -> "DataProtoFuture":
+        return DataProtoFuture(collect_fn=DataProto.concat, futures=list(data))
+
+    def chunk(self, chunks: int) -> list["DataProtoFuture"]:
+        """``chunks`` futures over the same results, the i-th resolving to ``collect(...).chunk(chunks)[i]``."""
+        if chunks < 1:
+            raise ProtocolError(f"DataProtoFuture.chunk: chunks must be >= 1, got {chunks}")
+        return [DataProtoFuture(self.collect_fn, self.futures, _ChunkOf(i, chunks)) for i in range(chunks)]
+
+    def get(self) -> "DataProto":
+        import ray
+
+        parts = ray.get(self.futures)
+        bad = [type(p).__name__ for p in parts if not isinstance(p, DataProto)]
+        if bad:
+            raise ProtocolError(f"DataProtoFuture.get: the futures resolved to {bad}, not DataProtos")
+        out = self.collect_fn(parts)
+        return self.dispatch_fn(out) if self.dispatch_fn is not None else out
+
+
+@dataclass(frozen=True)
+class _ChunkOf:
+    """Picklable "the i-th of n chunks" (a closure would not travel to Ray workers)."""
+
+    index: int
+    chunks: int
+
+    def __call__(self, data: "DataProto") -> "DataProto":
+        return data.chunk(self.chunks)[self.index]
+
+
 class ProtocolError(ValueError, AssertionError):
     """A DataProto operation refused: a ValueError (megatron-rl) that is also what verl raises (AssertionError)."""
 
 
-def _deep_equal(a: Any, b: Any) -> bool:
-    """Equality that treats NaN == NaN and recurses into arrays, lists and dicts (verl's union rule)."""
+def _deep_equal(a: Any, b: Any, _seen: Optional[set[tuple[int, int]]] = None) -> bool:
+    """Equality that treats NaN == NaN and recurses into arrays, lists and dicts (verl's union rule).
+    A pair of containers met again on the way down (a self-referencing object array) counts as equal
+    there, so cycles end instead of recursing forever."""
+    if isinstance(a, (np.ndarray, list, tuple, dict)):
+        seen = set() if _seen is None else _seen
+        if (id(a), id(b)) in seen:
+            return True
+        seen.add((id(a), id(b)))
+    else:
+        seen = _seen
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
             return False
@@ -543,11 +680,11 @@ def _deep_equal(a: Any, b: Any) -> bool:
                 return bool(np.array_equal(a, b, equal_nan=True))
             except TypeError:
                 return bool(np.array_equal(a, b))
-        return all(_deep_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
+        return all(_deep_equal(x, y, seen) for x, y in zip(a.ravel(), b.ravel()))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_deep_equal(x, y, seen) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k], seen) for k in a)
     if _is_nan(a) and _is_nan(b):
         return True
     return type(a) is type(b) and _objects_equal(a, b) if isinstance(a, str) or isinstance(b, str) else _objects_equal(a, b)
@@ -619,7 +756,8 @@ def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: Mapping[
         if key in tensor_dict1:
             mine = tensor_dict1[key]
             if not _deep_equal(np.asarray(mine), np.asarray(value)):
-                raise ProtocolError(f"union_numpy_dict: {key!r} differs between the two dicts")
+                raise ProtocolError(f"union_numpy_dict: {key!r} differs between the two dicts "
+                                    f"(`{key}` in tensor_dict1 and tensor_dict2 are not the same object.)")
         tensor_dict1[key] = value
     return tensor_dict1
 
@@ -687,3 +825,71 @@ def collate_dicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = _to_object_array(key, values)
     return out
+
+
+def _split_rows(key: str, values: np.ndarray, n_split: int) -> np.ndarray:
+    """unfold_column_chunks on a non-tensor field: row i's sequence -> n_split rows of its chunks."""
+    out = np.empty(len(values) * n_split, dtype=object)
+    for i, row in enumerate(values):
+        if not isinstance(row, (list, tuple, np.ndarray)) or len(row) % n_split:
+            raise ProtocolError(f"unfold_column_chunks: non_tensor_batch[{key!r}] row {i} is "
+                                f"{type(row).__name__}, not a sequence with a length divisible by {n_split}")
+        size = len(row) // n_split
+        for j in range(n_split):
+            out[i * n_split + j] = list(row[j * size:(j + 1) * size])
+    return out
+
+
+def collate_fn(items: Sequence[DataProtoItem]) -> DataProto:
+    """verl's collate_fn: DataProtoItems (``data[i]``) back into one DataProto (tensors stacked)."""
+    if not items:
+        raise ProtocolError("collate_fn needs at least one DataProtoItem")
+    bad = [i for i, item in enumerate(items) if not isinstance(item, DataProtoItem)]
+    if bad:
+        raise ProtocolError(f"collate_fn takes DataProtoItems (data[i]); items {bad[:5]} are not "
+                            "(use collate_dicts for dataset rows)")
+    batch = torch.stack([item.batch for item in items]).contiguous()
+    keys = list(items[0].non_tensor_batch)
+    non_tensor = {k: _to_object_array(k, [item.non_tensor_batch[k] for item in items]) for k in keys}
+    return DataProto(batch, non_tensor)
+
+
+def serialize_single_tensor(obj: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(dtype name, shape, the bytes as a uint8 numpy array): picklable without torch's storage format."""
+    data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data
+
+
+def deserialize_single_tensor(arr: tuple[str, Sequence[int], Any]) -> torch.Tensor:
+    dtype, shape, data = arr
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ProtocolError(f"deserialize_single_tensor: {dtype!r} is not a torch dtype")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype).view(tuple(shape))
+
+
+def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], Optional[str], dict[str, tuple]]:
+    """(batch_size, device or None, {key: single-tensor encoding, or (layout, [encodings]) for a
+    nested tensor})."""
+    items: dict[str, tuple] = {}
+    for k, v in batch.items():
+        if v.is_nested:
+            items[k] = (str(v.layout).removeprefix("torch."), [serialize_single_tensor(t) for t in v.unbind()])
+        else:
+            items[k] = serialize_single_tensor(v)
+    return tuple(batch.batch_size), (str(batch.device) if batch.device is not None else None), items
+
+
+def deserialize_tensordict(arr: tuple) -> TensorDict:
+    batch_size, device, items = arr
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in items.items():
+        if len(v) == 3:
+            tensors[k] = deserialize_single_tensor(v)
+        elif len(v) == 2:
+            layout, parts = v
+            tensors[k] = torch.nested.as_nested_tensor([deserialize_single_tensor(p) for p in parts],
+                                                       layout=getattr(torch, layout))
+        else:
+            raise ProtocolError(f"deserialize_tensordict: {k!r} has an encoding of {len(v)} parts (expected 2 or 3)")
+    return TensorDict(tensors, batch_size=batch_size, device=device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import torch
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_finite, check_per_sample, check_token_tensors
 from megatron_rl.algos.grouping import group_ids_from_uids
-from megatron_rl.algos.registry import Registry, key_name
+from megatron_rl.algos.registry import Registry
 
 AdvantageEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 UidArray = np.ndarray | Sequence | torch.Tensor
@@ -51,11 +51,6 @@ class EstimatorTraits:
     needs_greedy_baseline: bool = False
 
 
-_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry("advantage estimator", "algorithm.adv_estimator")
-_TRAITS: dict[str, EstimatorTraits] = {}
-ADV_ESTIMATOR_REGISTRY = _ESTIMATORS.view()  # verl's name; read-only, live
-
-
 def infer_traits(fn: Callable) -> EstimatorTraits:
     """Traits from the parameter names (the way compute_advantage binds them): ``values`` -> critic,
     ``index`` -> groups, ``reward_baselines`` -> greedy baseline."""
@@ -64,6 +59,13 @@ def infer_traits(fn: Callable) -> EstimatorTraits:
     except (TypeError, ValueError):
         return EstimatorTraits()
     return EstimatorTraits("values" in params, "index" in params, "reward_baselines" in params)
+
+
+_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry(
+    "advantage estimator", "algorithm.adv_estimator", describe=infer_traits
+)
+# verl's name: a mutable mapping (``ADV_ESTIMATOR_REGISTRY["x"] = fn`` registers with inferred traits).
+ADV_ESTIMATOR_REGISTRY = _ESTIMATORS
 
 
 def register_adv_estimator(
@@ -77,18 +79,15 @@ def register_adv_estimator(
 
     Traits left None are inferred from the parameter names (``infer_traits``); pass them to override.
     """
-    register = _ESTIMATORS.register(name)
-    key = key_name(name)
 
     def decorator(fn: AdvantageEstimatorFn) -> AdvantageEstimatorFn:
-        register(fn)
         inferred = infer_traits(fn)
-        _TRAITS[key] = EstimatorTraits(
+        traits = EstimatorTraits(
             inferred.needs_critic if needs_critic is None else bool(needs_critic),
             inferred.needs_groups if needs_groups is None else bool(needs_groups),
             inferred.needs_greedy_baseline if needs_greedy_baseline is None else bool(needs_greedy_baseline),
         )
-        return fn
+        return _ESTIMATORS.register(name, traits)(fn)
 
     return decorator
 
@@ -99,7 +98,7 @@ def register_adv_est(name_or_enum: str | Enum) -> Callable[[AdvantageEstimatorFn
 
 
 def get_adv_estimator(name: str | Enum) -> AdvantageEstimatorFn:
-    return _ESTIMATORS.get(name)
+    return _ESTIMATORS.lookup(name)
 
 
 get_adv_estimator_fn = get_adv_estimator  # verl's name
@@ -107,8 +106,7 @@ get_adv_estimator_fn = get_adv_estimator  # verl's name
 
 def get_estimator_traits(name: str | Enum) -> EstimatorTraits:
     """The traits of a registered estimator (ValueError naming the known ones when unknown)."""
-    _ESTIMATORS.get(name)
-    return _TRAITS[key_name(name)]
+    return _ESTIMATORS.meta(name)
 
 
 def list_adv_estimators() -> list[str]:
@@ -160,11 +158,13 @@ def compute_grpo_outcome_advantage(
     index: UidArray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: a_i = (s_i - mean_g) / (std_g + epsilon), unbiased std, broadcast over the response.
 
     A group of one uses mean 0 and std 1. ``norm_adv_by_std_in_grpo=False`` gives s_i - mean_g
     (Dr.GRPO). ``index`` holds one uid (str or int) per response. returns = advantages.
+    ``config`` (verl's AlgoConfig) is accepted for verl's signature and unused, as in verl.
     """
     mode = "grpo" if norm_adv_by_std_in_grpo else "grpo_mean"
     per_response = _group_outcome(token_level_rewards, response_mask, index, mode, epsilon)
@@ -179,10 +179,12 @@ def compute_rloo_outcome_advantage(
     response_mask: torch.Tensor,
     index: UidArray,
     epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: a_i = s_i * n/(n-1) - mean_g * n/(n-1) (leave-one-out baseline); a group of one keeps s_i.
 
-    ``epsilon`` is accepted for verl's signature and unused, as in verl.
+    ``epsilon``, ``config`` and extra keywords are accepted for verl's signature and unused, as in verl.
     """
     per_response = _group_outcome(token_level_rewards, response_mask, index, "rloo", epsilon)
     advantages = per_response.unsqueeze(-1) * response_mask
@@ -196,9 +198,12 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     response_mask: torch.Tensor,
     index: UidArray,
     epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: s_i - mean_g (0 for a group of one), broadcast, whitened over the whole
-    batch's valid tokens, masked. ``epsilon`` is accepted for verl's signature and unused, as in verl."""
+    batch's valid tokens, masked. ``epsilon``, ``config`` and extra keywords are accepted for verl's
+    signature and unused, as in verl."""
     per_response = _group_outcome(token_level_rewards, response_mask, index, "grpo_mean", epsilon)
     mask = response_mask.float()
     advantages = ops.masked_whiten(per_response.unsqueeze(-1) * mask, mask) * mask
@@ -208,10 +213,20 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 @register_adv_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS)
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    *,
+    gamma: Optional[float] = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return-to-go over valid tokens (masked tokens carry it through, and
-    hold 0), advantages = whitened returns, masked."""
+    hold 0), advantages = whitened returns, masked.
+
+    The discount is ``gamma=`` when given, else ``config.gamma`` (verl's order: the 3rd argument is
+    the algorithm config). A number in the config slot is taken as gamma (megatron-rl's earlier order).
+    """
+    gamma = _discount(config, gamma)
     check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
     check_finite("token_level_rewards", token_level_rewards)
     mask = response_mask.float()
@@ -222,10 +237,26 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return ops.masked_whiten(returns, mask) * mask, returns
 
 
+def _discount(config: Any, gamma: Optional[float]) -> float:
+    if gamma is None and isinstance(config, (int, float)) and not isinstance(config, bool):
+        return float(config)
+    if gamma is None:
+        gamma = getattr(config, "gamma", None) if not isinstance(config, Mapping) else config.get("gamma")
+    if gamma is None:
+        raise ValueError(
+            "reinforce_plus_plus needs the discount: pass gamma= or a config with gamma (algorithm.gamma)"
+        )
+    return float(gamma)
+
+
 @register_adv_estimator(AdvantageEstimator.REMAX, needs_greedy_baseline=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(
-    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: returns = reverse cumulative sum of masked rewards; advantages = returns - b_i * mask,
     b_i = the greedy response's score (``batch["reward_baselines"]``, [B])."""

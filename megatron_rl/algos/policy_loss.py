@@ -122,16 +122,17 @@ class PolicyLoss(Protocol):
 
 
 _POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss")
-POLICY_LOSS_REGISTRY = _POLICY_LOSSES.view()  # verl's name; read-only, live
+POLICY_LOSS_REGISTRY = _POLICY_LOSSES  # verl's name: a mutable mapping (assignment replaces, as in verl)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: make ``fn`` (a ``PolicyLoss``) selectable as ``actor.policy_loss=name``."""
+    """Decorator: make ``fn`` (a ``PolicyLoss``) selectable as ``actor.policy_loss=name``; a taken name
+    is refused (verl's ``register_policy_loss``, in compat, replaces instead)."""
     return _POLICY_LOSSES.register(name)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    return _POLICY_LOSSES.get(name)
+    return _POLICY_LOSSES.lookup(name)
 
 
 get_policy_loss_fn = get_policy_loss  # verl's name

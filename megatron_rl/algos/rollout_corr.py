@@ -29,6 +29,12 @@ import torch
 
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_token_tensors
+from megatron_rl.algos.loss_agg import agg_loss
+from megatron_rl.algos.policy_loss import (
+    compute_policy_loss_vanilla,
+    global_batch_from_config,
+    register_policy_loss,
+)
 
 SAFETY_BOUND = 20.0
 IS_LEVELS = ("token", "sequence")
@@ -42,10 +48,17 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 KEY = "algorithm.rollout_correction"
 
 
+class ThresholdTypeError(TypeError, ValueError):
+    """A threshold of the wrong type: verl raises TypeError, megatron-rl's config checks ValueError."""
+
+
 def parse_is_threshold(spec: Any) -> tuple[float, Optional[float]]:
     """(upper, lower): a number -> (x, None) = truncation; "lower_upper" -> masking outside [lower, upper]."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ValueError(f"{KEY}.rollout_is_threshold must be a number or 'lower_upper', got {spec!r}")
+    if isinstance(spec, bool):  # bool is an int in Python; True must not mean a threshold of 1
+        raise ThresholdTypeError(f"{KEY}.rollout_is_threshold must be a number or 'lower_upper', not a boolean "
+                                 f"(got {spec!r})")
+    if not isinstance(spec, (int, float, str)):
+        raise ThresholdTypeError(f"{KEY}.rollout_is_threshold must be a number or 'lower_upper', got {spec!r}")
     lower: Optional[float] = None
     try:
         if isinstance(spec, str) and "_" in spec:
@@ -157,27 +170,9 @@ def compute_rollout_correction_weights(
         weights = raw.clamp(max=upper)
     else:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
-    valid = mask.bool()
-    metrics: dict[str, float] = {}
-    low_bound = 1.0 / upper if lower is None else lower
-    if valid.any() and rollout_is == "sequence":  # per-response statistics of the untruncated weight
-        metrics["rollout_is_mean"] = ops.masked_mean(weights, mask).item()
-        metrics["rollout_is_max"] = math.exp(min(log_w.max().item(), SAFETY_BOUND))
-        metrics["rollout_is_min"] = math.exp(log_w.min().item())
-        metrics["rollout_is_ratio_fraction_high"] = (log_w > math.log(upper)).float().mean().item()
-        metrics["rollout_is_ratio_fraction_low"] = (log_w < math.log(low_bound)).float().mean().item()
-    elif valid.any():
-        metrics["rollout_is_mean"] = ops.masked_mean(weights, mask).item()
-        metrics["rollout_is_max"] = weights[valid].max().item()
-        metrics["rollout_is_min"] = weights[valid].min().item()
-        metrics["rollout_is_ratio_fraction_high"] = ops.masked_mean((raw > upper).float(), mask).item()
-        metrics["rollout_is_ratio_fraction_low"] = ops.masked_mean((raw < low_bound).float(), mask).item()
-    if valid.any():
-        clipped = weights.clamp(min=0.0, max=upper)
-        normalized = clipped / (ops.masked_mean(clipped, mask) + 1e-8)
-        metrics["rollout_is_eff_sample_size"] = 1.0 / ops.masked_mean(normalized.square(), mask).item()
-        if lower is not None:
-            metrics["rollout_is_oob_ratio"] = ops.masked_mean(((raw < lower) | (raw > upper)).float(), mask).item()
+    metrics = compute_is_metrics(weights, raw, log_w, response_mask, rollout_is, upper, lower)
+    if lower is not None:
+        metrics["rollout_is_oob_ratio"] = ops.masked_mean(((raw < lower) | (raw > upper)).float(), mask).item()
     weights = weights.detach()
     if rollout_is_batch_normalize:
         if rollout_is == "token":
@@ -192,6 +187,110 @@ def compute_rollout_correction_weights(
         else:
             metrics["rollout_is_batch_norm_factor"] = 1.0
     return weights, metrics
+
+
+def _require_valid(response_mask: torch.Tensor) -> None:
+    if not bool(response_mask.bool().any()):
+        raise ValueError("response_mask has no valid token: rollout-correction statistics need at least one")
+
+
+def compute_is_metrics(
+    rollout_is_weights: torch.Tensor,
+    raw_rollout_is_weights: torch.Tensor,
+    log_ratio_for_metrics: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str,
+    rollout_is_threshold: float,
+    rollout_is_threshold_lower: Optional[float] = None,
+) -> dict[str, float]:
+    """Statistics of the applied weights and of the raw ones (verl's names and numbers).
+
+    ``log_ratio_for_metrics`` is the per-token log-ratio (token level) or the per-response sum
+    [B, 1] (sequence level): the sequence-level max/min and high/low fractions are taken in log
+    space, so a weight beyond exp(20) is still counted. The seq_* metrics use each response's
+    mean weight; their high/low fractions use the raw weights (a truncated mean never exceeds
+    the threshold)."""
+    _require_valid(response_mask)
+    mask = response_mask.to(rollout_is_weights.dtype)
+    valid = mask.bool()
+    upper = float(rollout_is_threshold)
+    low_bound = 1.0 / upper if rollout_is_threshold_lower is None else float(rollout_is_threshold_lower)
+    metrics: dict[str, float] = {"rollout_is_mean": ops.masked_mean(rollout_is_weights, mask).item()}
+    if rollout_is == "sequence":
+        metrics["rollout_is_max"] = math.exp(min(log_ratio_for_metrics.max().item(), SAFETY_BOUND))
+        metrics["rollout_is_min"] = math.exp(log_ratio_for_metrics.min().item())
+        metrics["rollout_is_ratio_fraction_high"] = (log_ratio_for_metrics > math.log(upper)).float().mean().item()
+        metrics["rollout_is_ratio_fraction_low"] = (log_ratio_for_metrics < math.log(low_bound)).float().mean().item()
+    else:
+        metrics["rollout_is_max"] = rollout_is_weights[valid].max().item()
+        metrics["rollout_is_min"] = rollout_is_weights[valid].min().item()
+        metrics["rollout_is_ratio_fraction_high"] = ops.masked_mean((raw_rollout_is_weights > upper).float(), mask).item()
+        metrics["rollout_is_ratio_fraction_low"] = ops.masked_mean(
+            (raw_rollout_is_weights < low_bound).float(), mask
+        ).item()
+    clipped = rollout_is_weights.clamp(min=0.0, max=upper)
+    clipped_mean = ops.masked_mean(clipped, mask)
+    if mask.sum() > 1:
+        variance = ops.masked_mean(clipped.square(), mask) - clipped_mean.square()
+        metrics["rollout_is_std"] = variance.clamp(min=0.0).sqrt().item()
+    else:
+        metrics["rollout_is_std"] = 0.0
+    normalized = clipped / (clipped_mean + 1e-8)
+    metrics["rollout_is_eff_sample_size"] = 1.0 / ops.masked_mean(normalized.square(), mask).item()
+    if rollout_is_weights.dim() > 1:
+        seq_mean = ops.masked_mean(rollout_is_weights, mask, dim=-1)
+        metrics["rollout_is_seq_mean"] = seq_mean.mean().item()
+        metrics["rollout_is_seq_std"] = seq_mean.std().item() if seq_mean.numel() > 1 else 0.0
+        metrics["rollout_is_seq_max"] = seq_mean.max().item()
+        metrics["rollout_is_seq_min"] = seq_mean.min().item()
+        metrics["rollout_is_seq_max_deviation"] = (seq_mean - 1.0).abs().max().item()
+        raw_seq_mean = ops.masked_mean(raw_rollout_is_weights, mask, dim=-1)
+        metrics["rollout_is_seq_fraction_high"] = (raw_seq_mean > upper).float().mean().item()
+        metrics["rollout_is_seq_fraction_low"] = (raw_seq_mean < low_bound).float().mean().item()
+    return metrics
+
+
+def compute_offpolicy_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+) -> dict[str, float]:
+    """How far the trainer's policy is from the rollout's (verl's names, unprefixed), always reported.
+
+    training_ppl / rollout_ppl: batch mean of each response's exp(-mean log-prob); *_log_ppl the
+    same without exp. kl = E[log pi_rollout - log pi_old]; k3_kl = E[r - 1 - log r], r = pi_old/pi_rollout.
+    log_ppl_diff (mean, abs mean, max, min over responses) = mean log pi_rollout - mean log pi_old per
+    response; ppl_ratio = mean exp(log_ppl_diff). chi2_token = E_token[r^2] - 1; chi2_seq =
+    E_seq[(prod_t r_t)^2] - 1 (log-ratios clamped at +-20). Without rollout log-probs only the
+    training perplexity is reported."""
+    _require_valid(response_mask)
+    mask = response_mask.to(old_log_prob.dtype)
+    seq_train = ops.masked_mean(old_log_prob, mask, dim=-1)
+    metrics = {
+        "training_ppl": torch.exp(-seq_train).mean().item(),
+        "training_log_ppl": (-seq_train).mean().item(),
+    }
+    if rollout_log_prob is None:
+        return metrics
+    log_ratio = old_log_prob - rollout_log_prob
+    seq_rollout = ops.masked_mean(rollout_log_prob, mask, dim=-1)
+    log_ppl_diff = seq_rollout - seq_train
+    clamped = torch.clamp(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    seq_log_ratio = torch.clamp((log_ratio * mask).sum(-1), -SAFETY_BOUND, SAFETY_BOUND)
+    metrics |= {
+        "kl": ops.masked_mean(-log_ratio, mask).item(),
+        "k3_kl": ops.masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask).item(),
+        "rollout_ppl": torch.exp(-seq_rollout).mean().item(),
+        "rollout_log_ppl": (-seq_rollout).mean().item(),
+        "log_ppl_diff": log_ppl_diff.mean().item(),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
+        "log_ppl_diff_max": log_ppl_diff.max().item(),
+        "log_ppl_diff_min": log_ppl_diff.min().item(),
+        "ppl_ratio": torch.exp(log_ppl_diff).mean().item(),
+        "chi2_token": (ops.masked_mean(torch.exp(clamped).square(), mask) - 1.0).item(),
+        "chi2_seq": (torch.exp(2.0 * seq_log_ratio).mean() - 1.0).item(),
+    }
+    return metrics
 
 
 def compute_rollout_rejection_mask(
@@ -220,10 +319,14 @@ def compute_rollout_rejection_mask(
         else:  # seq_max
             filled = stat.masked_fill(~valid, float("-inf")).max(dim=-1, keepdim=True).values
             values = torch.where(torch.isinf(filled), torch.zeros_like(filled), filled)
+        bounds = (math.log(low), math.log(up)) if low is not None else (None, up)
         if low is not None:  # k1: bounds on the log-ratio statistic, in log space (verl's convention)
-            keep = (values >= math.log(low)) & (values <= math.log(up))
+            keep = (values >= bounds[0]) & (values <= bounds[1])
         else:
             keep = values <= up
+        if valid.any():
+            level_values = None if name.startswith("token") else values.squeeze(-1)
+            metrics |= _rs_statistics(name, values.expand_as(mask), level_values, mask, *bounds)
         keep = keep.expand_as(mask).to(mask.dtype)
         keep_all = keep_all * keep
         metrics[f"rollout_rs_{name}_masked_fraction"] = ops.masked_mean(1 - keep, mask).item() if valid.any() else 0.0
@@ -234,6 +337,46 @@ def compute_rollout_rejection_mask(
     metrics["rollout_rs_masked_fraction"] = ops.masked_mean(1 - keep_all, mask).item() if valid.any() else 0.0
     metrics["rollout_rs_seq_masked_fraction"] = (((keep_all < 0.5) & valid).any(dim=-1)).float().mean().item()
     return (response_mask * keep_all).to(response_mask.dtype), metrics
+
+
+def _rs_statistics(
+    name: str, per_token: torch.Tensor, per_sequence: Optional[torch.Tensor], mask: torch.Tensor,
+    lower: Optional[float], upper: float,
+) -> dict[str, float]:
+    """One rejection option's statistic: mean/max/min/std, the shares beyond the bounds, and the same
+    over responses (``seq_*``). Sequence-level options count responses; token-level ones tokens.
+    ``lower`` is None for the one-sided k2/k3 options (their low fraction is 0)."""
+    prefix = f"rollout_rs_{name}"
+    valid = mask.bool()
+    seq_valid = valid.any(dim=-1)
+    seq_values = (per_sequence if per_sequence is not None else ops.masked_mean(per_token, mask, dim=-1))[seq_valid]
+    low = 0.0 if lower is None else lower
+    out = {f"{prefix}_mean": ops.masked_mean(per_token, mask).item()}
+    if per_sequence is not None:
+        out[f"{prefix}_max"], out[f"{prefix}_min"] = seq_values.max().item(), seq_values.min().item()
+        out[f"{prefix}_fraction_high"] = (seq_values > upper).float().mean().item()
+        out[f"{prefix}_fraction_low"] = (seq_values < low).float().mean().item() if lower is not None else 0.0
+    else:
+        out[f"{prefix}_max"], out[f"{prefix}_min"] = per_token[valid].max().item(), per_token[valid].min().item()
+        out[f"{prefix}_fraction_high"] = ops.masked_mean((per_token > upper).float(), mask).item()
+        out[f"{prefix}_fraction_low"] = (
+            ops.masked_mean((per_token < low).float(), mask).item() if lower is not None else 0.0
+        )
+    if mask.sum() > 1:
+        clamped = per_token.clamp(min=low, max=upper)
+        variance = ops.masked_mean(clamped.square(), mask) - ops.masked_mean(clamped, mask).square()
+        out[f"{prefix}_std"] = variance.clamp(min=0.0).sqrt().item()
+    else:
+        out[f"{prefix}_std"] = 0.0
+    out[f"{prefix}_seq_mean"] = seq_values.mean().item()
+    out[f"{prefix}_seq_std"] = seq_values.std().item() if seq_values.numel() > 1 else 0.0
+    out[f"{prefix}_seq_max"] = seq_values.max().item()
+    out[f"{prefix}_seq_min"] = seq_values.min().item()
+    out[f"{prefix}_seq_max_deviation"] = seq_values.abs().max().item()  # the ideal divergence is 0
+    out[f"{prefix}_seq_fraction_high"] = (seq_values > upper).float().mean().item()
+    if lower is not None:
+        out[f"{prefix}_seq_fraction_low"] = (seq_values < low).float().mean().item()
+    return out
 
 
 def compute_rollout_correction_and_rejection_mask(
@@ -264,10 +407,7 @@ def compute_rollout_correction_and_rejection_mask(
             log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize
         )
         metrics |= is_metrics
-    fmask = response_mask.float()
-    if fmask.sum() > 0:  # off-policy diagnostics, always reported
-        metrics["kl"] = ops.masked_mean(-log_ratio, fmask).item()
-        metrics["k3_kl"] = ops.masked_mean(torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio, fmask).item()
+    metrics |= compute_offpolicy_metrics(old_log_prob.float(), rollout_log_prob.float(), response_mask)
     return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
@@ -290,6 +430,30 @@ def apply_rollout_correction(batch: Any, correction: Any) -> dict[str, float]:
     return metrics
 
 
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Plain policy gradient (no ratio, no clip): per token -A * log pi, times ``rollout_is_weights``
+    (detached) when given; aggregated with the config's ``global_batch_info``. ``actor/ppo_kl`` is
+    the masked mean of rollout_log_prob - log_prob (verl's REINFORCE loss, its default aggregation)."""
+    check_token_tensors(rollout_log_prob=rollout_log_prob, log_prob=log_prob, advantages=advantages,
+                        response_mask=response_mask)
+    per_token = -advantages * log_prob
+    if rollout_is_weights is not None:
+        check_token_tensors(log_prob=log_prob, rollout_is_weights=rollout_is_weights)
+        per_token = per_token * rollout_is_weights.detach()
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, **global_batch_from_config(config).agg_kwargs())
+    ppo_kl = ops.masked_mean((rollout_log_prob - log_prob).detach(), response_mask.float()).item()
+    return loss, {"actor/ppo_kl": ppo_kl}
+
+
+@register_policy_loss("bypass_mode")
 def compute_policy_loss_bypass_mode(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -300,16 +464,20 @@ def compute_policy_loss_bypass_mode(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's bypass-mode loss: ``old_log_prob`` are the rollout's log-probs; the correction settings
-    come from ``config.policy_loss.rollout_correction``. ppo_clip: the vanilla loss (its ratio is
-    pi/pi_rollout; weights only reported); reinforce: -A * w * log pi with w = pi/pi_rollout (IS
-    settings applied, detached)."""
-    from megatron_rl.algos.loss_agg import agg_loss
-    from megatron_rl.algos.policy_loss import compute_policy_loss_vanilla, global_batch_from_config
+    come from ``config.policy_loss.rollout_correction``. The IS weights (pi/pi_rollout, with the
+    configured level and threshold) and the rejection mask are computed here from ``log_prob``
+    (``rollout_is_weights`` is ignored, as in verl).
 
+    ppo_clip: the vanilla loss on the rejection mask; its ratio is already pi/pi_rollout, so the weights
+    are only reported (applying them would count the correction twice). reinforce:
+    ``compute_policy_loss_reinforce`` with the weights (none when ``rollout_is`` is null)."""
     policy_loss = getattr(config, "policy_loss", None) if config is not None else None
     corr_cfg = policy_loss.get("rollout_correction", None) if hasattr(policy_loss, "get") else None
     if corr_cfg is None:
-        raise ValueError("bypass mode needs config.policy_loss.rollout_correction (verl's layout)")
+        raise ValueError(
+            "bypass mode needs config.policy_loss.rollout_correction (verl's layout: the actor config's "
+            "policy_loss section carries algorithm.rollout_correction)"
+        )
     corr = RolloutCorrection.from_config(corr_cfg)
     with torch.no_grad():
         weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
@@ -318,10 +486,8 @@ def compute_policy_loss_bypass_mode(
         )
     if corr.loss_type == "ppo_clip":
         loss, pg_metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask, loss_agg_mode, config)
-        return loss, {**pg_metrics, **metrics}
-    w = weights if weights is not None else torch.exp(torch.clamp(log_prob - old_log_prob, -20, 20)).detach()
-    per_token = -advantages * w * log_prob
-    gb = global_batch_from_config(config)
-    loss = agg_loss(per_token, mask, loss_agg_mode, **gb.agg_kwargs())
-    ppo_kl = ops.masked_mean((old_log_prob - log_prob).detach(), mask.float()).item()
-    return loss, {"actor/ppo_kl": ppo_kl, **metrics}
+    else:
+        loss, pg_metrics = compute_policy_loss_reinforce(
+            old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights
+        )
+    return loss, {**pg_metrics, **metrics}

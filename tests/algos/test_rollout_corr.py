@@ -111,3 +111,107 @@ def test_matches_verl(verl_core_algos, kwargs):
     shared = [k for k in met if k in vmet]
     assert len(shared) >= 4
     assert {k: met[k] for k in shared} == pytest.approx({k: float(vmet[k]) for k in shared}, abs=1e-5)
+
+
+# ---------------------------------------------------------------- off-policy metrics, per-option rejection statistics
+
+
+def test_offpolicy_metrics_follow_their_formulas():
+    old, roll, mask = _batch(3, b=4, t=6)
+    m = rc.compute_offpolicy_metrics(old, roll, mask)
+    n = mask.sum(-1)
+    seq_old, seq_roll = (old * mask).sum(-1) / n, (roll * mask).sum(-1) / n
+    ratio = torch.exp(old - roll)
+    assert m["training_ppl"] == pytest.approx(torch.exp(-seq_old).mean().item(), rel=1e-5)
+    assert m["rollout_log_ppl"] == pytest.approx((-seq_roll).mean().item(), rel=1e-5)
+    assert m["log_ppl_diff_max"] == pytest.approx((seq_roll - seq_old).max().item(), rel=1e-5)
+    assert m["ppl_ratio"] == pytest.approx(torch.exp(seq_roll - seq_old).mean().item(), rel=1e-5)
+    assert m["chi2_token"] == pytest.approx(((ratio**2 * mask).sum() / mask.sum() - 1).item(), rel=1e-5)
+    seq_ratio = torch.exp(((old - roll) * mask).sum(-1))
+    assert m["chi2_seq"] == pytest.approx((seq_ratio**2).mean().item() - 1, rel=1e-5)
+    assert set(rc.compute_offpolicy_metrics(old, None, mask)) == {"training_ppl", "training_log_ppl"}
+    _, _, prefixed = rc.compute_rollout_correction_and_rejection_mask(old, roll, mask)
+    assert prefixed["rollout_corr/chi2_seq"] == pytest.approx(m["chi2_seq"])  # always reported
+
+
+def test_rejection_option_statistics_count_sequences_for_sequence_options():
+    old, roll, mask = _batch(4, b=5, t=7)
+    _, _, m = rc.compute_rollout_correction_and_rejection_mask(old, roll, mask, rollout_rs="seq_mean_k3,token_k2",
+                                                               rollout_rs_threshold="0.02,0.05")
+    lr = old - roll
+    k3 = torch.exp(lr) - 1 - lr
+    seq_k3 = (k3 * mask).sum(-1) / mask.sum(-1)
+    assert m["rollout_corr/rollout_rs_seq_mean_k3_max"] == pytest.approx(seq_k3.max().item(), rel=1e-5)
+    assert m["rollout_corr/rollout_rs_seq_mean_k3_fraction_high"] == pytest.approx((seq_k3 > 0.02).float().mean().item())
+    k2 = 0.5 * lr**2
+    assert m["rollout_corr/rollout_rs_token_k2_fraction_high"] == pytest.approx(
+        ((k2 > 0.05).float() * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    assert m["rollout_corr/rollout_rs_token_k2_fraction_low"] == 0.0  # one-sided option
+
+
+def test_an_all_padding_batch_is_refused_by_name():
+    old, roll, mask = _batch(5)
+    with pytest.raises(ValueError, match="response_mask has no valid token"):
+        rc.compute_rollout_correction_and_rejection_mask(old, roll, torch.zeros_like(mask), rollout_is="token")
+
+
+def test_boolean_threshold_is_a_type_error_that_is_also_a_value_error():
+    with pytest.raises(TypeError, match="not a boolean"):
+        rc.parse_is_threshold(True)
+    with pytest.raises(ValueError):
+        rc.RolloutCorrection(rollout_is="token", rollout_is_threshold=False)
+
+
+# ---------------------------------------------------------------- bypass mode, REINFORCE loss
+
+
+class _ActorCfg(dict):
+    """A verl-shaped actor config: attribute access, policy_loss.rollout_correction inside."""
+
+    __getattr__ = dict.get
+
+
+def _bypass_cfg(**corr):
+    return _ActorCfg(policy_loss={"rollout_correction": {"bypass_mode": True, **corr}})
+
+
+def test_reinforce_bypass_without_is_is_plain_policy_gradient():
+    old, roll, mask = _batch(6)
+    logp = (old + 0.1).requires_grad_()
+    adv = torch.randn_like(old)
+    loss, m = rc.compute_policy_loss_bypass_mode(roll, logp, adv, mask, "token-mean", _bypass_cfg(loss_type="reinforce"))
+    want = (-adv * logp * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, want)  # no weight at all when rollout_is is null
+    assert m["actor/ppo_kl"] == pytest.approx(((roll - logp) * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    assert "rollout_corr/kl" in m
+
+
+def test_reinforce_bypass_with_token_is_weights_the_log_prob_by_the_truncated_ratio():
+    old, roll, mask = _batch(7)
+    logp = (old + 0.05 * torch.randn_like(old)).requires_grad_()
+    adv = torch.randn_like(old)
+    cfg = _bypass_cfg(loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.2)
+    loss, _ = rc.compute_policy_loss_bypass_mode(roll, logp, adv, mask, "seq-mean-token-sum", cfg)
+    w = torch.clamp(torch.exp(logp.detach() - roll), max=1.2) * mask
+    want = ((-adv * logp * w * mask).sum(-1)).sum() / (mask.sum(-1) > 0).sum()
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * w * mask / (mask.sum(-1) > 0).sum())  # the weight is detached
+
+
+def test_bypass_ppo_clip_does_not_apply_the_weights_twice():
+    old, roll, mask = _batch(8)
+    logp, adv = old + 0.1, torch.randn_like(old)
+    cfg = _bypass_cfg(rollout_is="token", rollout_is_threshold=1.5)
+    loss, m = rc.compute_policy_loss_bypass_mode(roll, logp, adv, mask, "token-mean", cfg)
+    plain, _ = rc.compute_policy_loss_vanilla(roll, logp, adv, mask, "token-mean")
+    torch.testing.assert_close(loss, plain)
+    assert "rollout_corr/rollout_is_mean" in m  # reported only
+
+
+def test_bypass_mode_is_a_registered_policy_loss():
+    from megatron_rl.algos import get_policy_loss_fn
+
+    assert get_policy_loss_fn("bypass_mode") is rc.compute_policy_loss_bypass_mode
+    with pytest.raises(ValueError, match="config.policy_loss.rollout_correction"):
+        rc.compute_policy_loss_bypass_mode(*_batch(9)[:2], torch.zeros(10, 8), _batch(9)[2])

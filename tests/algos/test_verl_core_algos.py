@@ -138,10 +138,65 @@ def test_module_level_registries_and_enum_keys():
     assert algos.get_adv_estimator_fn(algos.AdvantageEstimator.GAE) is algos.compute_gae_advantage_return
     assert algos.AdvantageEstimator.GRPO in algos.ADV_ESTIMATOR_REGISTRY
     assert algos.POLICY_LOSS_REGISTRY["vanilla"] is algos.compute_policy_loss_vanilla
-    with pytest.raises(TypeError):
-        algos.ADV_ESTIMATOR_REGISTRY["mine"] = lambda: None  # read-only: register through the decorator
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'nope' \(algorithm.adv_estimator\)"):
         algos.get_adv_estimator_fn("nope")
+
+
+def test_registries_are_mutable_like_verls_dicts_and_keep_traits():
+    def critic_user(token_level_rewards, values, response_mask, **kwargs):
+        return token_level_rewards, token_level_rewards
+
+    algos.ADV_ESTIMATOR_REGISTRY["test18_assigned"] = critic_user  # verl code assigns into the dict
+    try:
+        assert algos.get_adv_estimator_fn("test18_assigned") is critic_user
+        assert algos.get_estimator_traits("test18_assigned").needs_critic  # described like a decorated one
+        assert algos.ADV_ESTIMATOR_REGISTRY.get("test18_missing") is None  # dict semantics for .get
+    finally:
+        del algos.ADV_ESTIMATOR_REGISTRY["test18_assigned"]
+    assert "test18_assigned" not in algos.ADV_ESTIMATOR_REGISTRY
+    with pytest.raises(ValueError, match="unknown advantage estimator 'test18_assigned'"):
+        algos.get_estimator_traits("test18_assigned")
+    with pytest.raises(ValueError, match="must be callable"):
+        algos.ADV_ESTIMATOR_REGISTRY["test18_bad"] = 3
+
+
+def test_compat_policy_loss_registration_replaces_as_in_verl_native_refuses():
+    from megatron_rl.compat.verl.trainer.ppo import core_algos
+
+    def first(*args, **kwargs):
+        return None
+
+    def second(*args, **kwargs):
+        return None
+
+    core_algos.register_policy_loss("test18_loss")(first)
+    try:
+        core_algos.register_policy_loss("test18_loss")(second)  # verl: the later registration wins
+        assert core_algos.get_policy_loss_fn("test18_loss") is second is algos.get_policy_loss_fn("test18_loss")
+        with pytest.raises(ValueError, match="already registered"):
+            algos.register_policy_loss("test18_loss")(first)  # megatron-rl's own decorator refuses
+    finally:
+        del algos.POLICY_LOSS_REGISTRY["test18_loss"]
+    with pytest.raises(ValueError, match="Unsupported loss mode: test18_loss"):
+        core_algos.get_policy_loss_fn("test18_loss")
+
+
+def test_compat_registry_functions_follow_a_rebound_module_attribute(monkeypatch):
+    from megatron_rl.compat.verl.trainer.ppo import core_algos
+
+    own = {"double": lambda x: 2 * x}
+    monkeypatch.setattr(core_algos, "ADV_ESTIMATOR_REGISTRY", own)  # what verl's own tests do
+
+    @core_algos.register_adv_est("test18_in_own_dict")
+    def est(x):
+        return x
+
+    assert own["test18_in_own_dict"] is est and "test18_in_own_dict" not in algos.ADV_ESTIMATOR_REGISTRY
+    assert core_algos.get_adv_estimator_fn("double")(3) == 6
+    with pytest.raises(ValueError, match="Unknown advantage estimator simply: nope"):
+        core_algos.get_adv_estimator_fn("nope")
+    with pytest.raises(ValueError, match="already been registered"):
+        core_algos.register_adv_est("double")(est)
 
 
 def test_verls_own_enum_members_are_accepted(verl_core_algos):

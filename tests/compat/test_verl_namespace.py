@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 import megatron_rl.algos as algos
@@ -45,3 +47,49 @@ def test_compute_rewards():
 def test_reward_score_dispatch():
     assert reward_score.default_compute_score("openai/gsm8k", "so #### 42", "42") == 1.0
     assert reward_score.default_compute_score("lighteval/MATH", "\\boxed{\\frac12}", "0.5") == 1.0
+
+
+def test_estimators_take_verls_config_argument():
+    from types import SimpleNamespace
+
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    by_config, _ = core_algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=SimpleNamespace(gamma=0.5))
+    by_keyword, _ = algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    by_old_order, _ = algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.5)
+    torch.testing.assert_close(by_config, by_keyword)
+    torch.testing.assert_close(by_config, by_old_order)
+    with pytest.raises(ValueError, match="needs the discount"):
+        core_algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask)
+    index = np.array(["a", "a"], dtype=object)
+    cfg = SimpleNamespace(gamma=1.0, norm_adv_by_std_in_grpo=True)
+    for fn in (core_algos.compute_grpo_outcome_advantage, core_algos.compute_rloo_outcome_advantage,
+               core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage):
+        fn(rewards, mask, index, 1e-6, config=cfg)  # verl passes config= to every estimator
+    core_algos.compute_remax_outcome_advantage(rewards, torch.zeros(2), mask, config=cfg, unused=1)
+
+
+def test_value_loss_takes_verls_normalisers_positionally():
+    g = torch.Generator().manual_seed(0)
+    vpreds, returns, values = (torch.randn(3, 4, generator=g) for _ in range(3))
+    mask = torch.ones(3, 4)
+    loss, clipfrac = core_algos.compute_value_loss(vpreds, returns, values, mask, 0.2, "token-mean", 2, 24)
+    ours, ours_clipfrac = algos.compute_value_loss(vpreds, returns, values, mask, 0.2, "token-mean",
+                                                   algos.GlobalBatchInfo(global_num_tokens=24, dp_size=2))
+    torch.testing.assert_close(loss, ours)
+    torch.testing.assert_close(clipfrac, ours_clipfrac)
+    half, _ = core_algos.compute_value_loss(vpreds, returns, values, mask, 0.2)
+    torch.testing.assert_close(loss, half)  # 12 of 24 tokens here, times dp_size 2 = the local mean
+
+
+def test_rollout_corr_helper_returns_weights_in_a_data_proto_like_verl():
+    from megatron_rl.compat.verl.trainer.ppo import rollout_corr_helper as helper
+
+    old, roll, mask = torch.zeros(2, 3), torch.full((2, 3), -0.1), torch.ones(2, 3)
+    proto, out_mask, metrics = helper.compute_rollout_correction_and_rejection_mask(old, roll, mask, rollout_is="token")
+    assert isinstance(proto, DataProto)
+    torch.testing.assert_close(proto.batch["rollout_is_weights"], torch.full((2, 3), float(np.exp(0.1))))
+    assert "rollout_corr/chi2_token" in metrics and "seq_max_k3" in helper.SUPPORTED_ROLLOUT_RS_OPTIONS
+    batch = DataProto.from_dict({"old_log_probs": old, "rollout_log_probs": roll, "response_mask": mask})
+    batch, metrics = helper.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "sequence"})
+    assert "rollout_is_weights" in batch.batch.keys() and "rollout_corr/rollout_is_mean" in metrics

@@ -81,8 +81,11 @@ def test_chunk_concat_round_trip_with_padding(n, chunks):
 
 def test_getitem_variants():
     d = make(5)
-    assert len(d[2]) == 1 and d[2].non_tensor_batch["uid"][0] == "u2"
-    assert len(d[-1]) == 1 and d[-1].non_tensor_batch["uid"][0] == "u4"
+    # an int gives one row (verl's DataProtoItem): the row's objects themselves, a TensorDict of batch_size []
+    assert d[2].non_tensor_batch["uid"] == "u2" and d[2].batch.batch_size == torch.Size([])
+    assert d[-1].non_tensor_batch["uid"] == "u4"
+    assert [item.non_tensor_batch["uid"] for item in d] == [f"u{i}" for i in range(5)]  # iteration stops
+    assert len(d[2:3]) == 1 and d[2:3].non_tensor_batch["uid"][0] == "u2"
     assert list(d[1:3].non_tensor_batch["uid"]) == ["u1", "u2"]
     assert list(d[torch.tensor([4, 0])].non_tensor_batch["uid"]) == ["u4", "u0"]
     assert list(d[np.array([True, False, True, False, False])].non_tensor_batch["uid"]) == ["u0", "u2"]
