@@ -148,7 +148,8 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
 
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
-    keep_handlers_through_ray()
+    if not is_torchrun:  # under torchrun nothing imports Ray (a second of start-up)
+        keep_handlers_through_ray()
     servers = start_rollout_servers(cfg)  # rollout servers on their own processes (server mode, name=hf)
     try:
         actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
