@@ -10,6 +10,8 @@ under torchrun/srun with WORLD_SIZE = TP*PP and it uses those ranks. The Megatro
 tokenizer files, so it can be loaded back at any TP/PP. A trainer checkpoint (``<run>/global_step_N/actor``) is a
 distributed checkpoint without an HF config beside it: pass the trained model's HF directory as ``--hf-config``
 (config and tokenizer come from there, the weights from the checkpoint; optimizer state is ignored).
+A reward model (``<Family>ForSequenceClassification``, one label) converts with its score head both ways;
+``--verify`` then compares its score at every position.
 """
 
 from __future__ import annotations
@@ -82,10 +84,13 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
 
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models.api import build_from_hf
+    from megatron_rl.models.hf_config import load_hf_config
 
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.hf_dir / "config.json")
     init_model_parallel(tp=args.tp, pp=args.pp)
-    chunks = build_from_hf(args.hf_dir, params_dtype=dtype, progress=True)
+    # A reward model (<Family>ForSequenceClassification) converts with its score head as the value head.
+    reward_model = load_hf_config(args.hf_dir).sequence_classifier
+    chunks = build_from_hf(args.hf_dir, params_dtype=dtype, progress=True, value_head=reward_model)
     for chunk in chunks:  # norms too (Megatron creates them fp32), as Float16Module would
         chunk.to(dtype)
     weights = args.out / WEIGHTS_DIR
@@ -139,7 +144,8 @@ def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.fl
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.hf_config import load_hf_config
 
-    chunks = build_gpt_model(load_hf_config(config_dir), params_dtype=dtype, init_weights=False)
+    hf = load_hf_config(config_dir)
+    chunks = build_gpt_model(hf, params_dtype=dtype, init_weights=False, value_head=hf.sequence_classifier)
     weights = _weights_dir(mcore_dir)
     if weights == mcore_dir:  # a trainer checkpoint: the model under "model0" beside optimizer and scheduler state
         state = dist_checkpointing.load({"model0": chunks[0].sharded_state_dict()}, str(weights))["model0"]
@@ -173,8 +179,8 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
 def _verify(
     chunks: list[torch.nn.Module], hf_dir: Path, dtype: torch.dtype, args: argparse.Namespace
 ) -> float | None:
-    """Max |logit| difference between the Megatron chunks and transformers on random sequences, on
-    the last pipeline stage; all-reduced so every rank returns it. Both sides compute in fp32; the
+    """Max |logit| difference (a reward model: |score| at every position) between the Megatron chunks and
+    transformers on random sequences, on the last pipeline stage; all-reduced so every rank returns it. Both sides compute in fp32; the
     transformers weights are first rounded to the conversion ``dtype``, as the converted ones were."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -193,19 +199,21 @@ def _verify(
     logits = compute_full_logits(chunks, input_ids.to(device=device), attention_mask.to(device=device))
     diff = torch.zeros(1, dtype=torch.float64, device=device)
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         from megatron_rl.models.api import position_ids_from_mask
 
-        reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        model_cls = AutoModelForSequenceClassification if hf.sequence_classifier else AutoModelForCausalLM
+        reference = model_cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         for param in reference.parameters():  # parameters only: the RoPE buffers stay fp32 on both sides
             param.data = param.data.to(dtype).float()
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask))
         with torch.no_grad():
-            expected = reference(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-            ).logits
+            if hf.sequence_classifier:  # the score at every position (the RM reads it at the last real token)
+                expected = reference.score(reference.model(**inputs).last_hidden_state)
+            else:
+                expected = reference(**inputs).logits
         valid = attention_mask.bool()
         diff[0] = (logits.cpu() - expected)[valid].abs().max().double().to(device=device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
