@@ -322,6 +322,26 @@ class RewardCombineConfig:
 
 
 @dataclass
+class JudgeModelConfig:
+    path: Optional[str] = None  # an HF causal LM with a chat template
+
+
+@dataclass
+class RewardJudgeConfig:
+    """``reward_model.judge``: a generative judge on an HF rollout engine in the driver (reward/model/judge.py)."""
+
+    enable: bool = False
+    model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
+    template: str = "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nRate the answer 0-10. Score:"
+    verdict_pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # group 1: the number
+    verdict_scale: float = 0.1  # score = verdict * scale
+    response_length: int = 16  # tokens of the judge's answer
+    dtype: str = "float32"
+    timeout_s: float = 60.0  # per engine call; a call past it scores its samples 0 (reward/timeouts)
+    retries: int = 1  # failed samples (parse failure, timeout, engine error) are asked again this many times
+
+
+@dataclass
 class RewardModelConfig:
     """``reward_model``: a sequence-classification RM on Megatron (verl's key names where verl has them)."""
 
@@ -337,6 +357,7 @@ class RewardModelConfig:
     nnodes: int = 0
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
     combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
+    judge: RewardJudgeConfig = field(default_factory=RewardJudgeConfig)  # enable: the judge scores instead of model.path
 
 
 @dataclass

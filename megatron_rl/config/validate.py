@@ -153,13 +153,28 @@ def _known_algorithm_names() -> dict[str, list[str]]:
             "loss_agg_modes": list(LOSS_AGG_MODES), "kl_penalties": list(KL_PENALTIES)}
 
 
+def _check_judge(judge: DictConfig) -> None:
+    from megatron_rl.reward.model.judge import GenerativeJudge, VerdictParser
+
+    _require(bool(judge.model.path), "reward_model.judge.enable=true needs reward_model.judge.model.path (a causal LM)")
+    _require(judge.response_length >= 1, f"reward_model.judge.response_length must be >= 1, got {judge.response_length}")
+    try:
+        GenerativeJudge(lambda prompts: prompts, judge.template, VerdictParser(judge.verdict_pattern),
+                        judge.timeout_s, judge.retries)
+    except ValueError as err:
+        raise ConfigError(f"reward_model.judge: {err}") from None
+
+
 def _check_reward_model(cfg: DictConfig) -> None:
     """reward_model.*: the checkpoint, the combine plan, and a layout its ranks can hold."""
     from megatron_rl.reward.model.combine import CombinePlan
 
     rm = cfg.reward_model
+    if rm.judge.enable:
+        _check_judge(rm.judge)
+        return
     _require(bool(rm.model.path), "reward_model.enable=true needs reward_model.model.path (an HF "
-             "<Family>ForSequenceClassification directory with one label)")
+             "<Family>ForSequenceClassification directory with one label) or reward_model.judge.enable=true")
     _require(rm.max_length is None or rm.max_length >= 1,
              f"reward_model.max_length must be >= 1 or null, got {rm.max_length}")
     _positive(cfg, "reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu")

@@ -12,7 +12,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.reward import RewardManager
 from megatron_rl.reward.model.combine import CombinePlan, CombineRule, combine_scores
 from megatron_rl.reward.model.inputs import RewardModelInputs
-from megatron_rl.reward.model.reward_fn import ModelRewardFn
+from megatron_rl.reward.model.reward_fn import ClassifierScorer, ModelRewardFn
 from megatron_rl.reward.model.role import check_rm_rows
 from reward_batches import response_batch, reward_config
 
@@ -43,7 +43,7 @@ def mixed_batch(tokenizer) -> DataProto:
 def reward_fn(tokenizer, combine: dict) -> tuple[ModelRewardFn, LengthRM]:
     rm = LengthRM()
     rule = RewardManager(tokenizer, reward_config())
-    return ModelRewardFn(rm, RewardModelInputs(tokenizer), CombinePlan(combine), rule), rm
+    return ModelRewardFn(ClassifierScorer(rm, RewardModelInputs(tokenizer)), CombinePlan(combine), rule), rm
 
 
 def test_sum_for_rule_sources_rm_alone_elsewhere(tokenizer):
@@ -74,7 +74,7 @@ def test_gate_gives_the_rm_score_only_where_the_rule_passed():
 
 
 def test_rm_only_never_calls_the_rule_scorer(tokenizer):
-    fn = ModelRewardFn(LengthRM(), RewardModelInputs(tokenizer), CombinePlan({"mode": "rm"}), rule=None)
+    fn = ModelRewardFn(ClassifierScorer(LengthRM(), RewardModelInputs(tokenizer)), CombinePlan({"mode": "rm"}), rule=None)
     out = fn(mixed_batch(tokenizer))  # "chat" has no ground truth: a rule scorer would count errors
     assert "reward/rule/mean" not in out.meta_info["reward_metrics"]
     assert "reward/errors" not in out.meta_info["reward_metrics"]

@@ -1,5 +1,6 @@
-"""The trainer's reward function when ``reward_model.enable``: RM scores, rule scores where the data source's
-combine mode needs them, combined per sample and placed at the last valid response token.
+"""The trainer's reward function when ``reward_model.enable``: model scores (a sequence-classification RM, or
+a generative judge with ``reward_model.judge.enable``), rule scores where the data source's combine mode needs
+them, combined per sample and placed at the last valid response token.
 
 Returns what ``RewardManager`` returns (``token_level_scores``, ``non_tensor_batch["score"]`` and the rule
 scorers' extras, ``meta_info["reward_metrics"]``) plus ``rm_scores`` [B, R] (verl's key, the RM score at the
@@ -17,25 +18,54 @@ import numpy as np
 import torch
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.reward.manager import RewardManager
+from megatron_rl.reward.manager import RewardManager, decode_responses
 from megatron_rl.reward.model.combine import CombinePlan, combine_scores
 from megatron_rl.reward.model.inputs import RewardModelInputs
 from megatron_rl.reward.placement import place_scores
 
 
+# the batch -> ([B] model scores, metrics)
+ModelScorer = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
+
+
+class ClassifierScorer:
+    """The RM worker group (anything with ``compute_rm_score(DataProto) -> {"rm_scores": [B]}``) on the RM
+    token rows ``inputs`` makes of the batch."""
+
+    def __init__(self, rm_group: Any, inputs: RewardModelInputs) -> None:
+        self.rm_group, self.inputs = rm_group, inputs
+
+    def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        rows, metrics = self.inputs(data)
+        return self.rm_group.compute_rm_score(rows).batch["rm_scores"].float().cpu(), metrics
+
+
+class JudgeScorer:
+    """A ``GenerativeJudge`` on the prompt (its last message), the decoded response and the ground truth."""
+
+    def __init__(self, judge: Any, tokenizer: Any) -> None:
+        self.judge, self.tokenizer = judge, tokenizer
+
+    def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        data.require("raw_prompt", "reward_model", where="generative judge")
+        prompts = [p if isinstance(p, str) else str(list(p)[-1]["content"]) for p in data.non_tensor_batch["raw_prompt"]]
+        responses = decode_responses(self.tokenizer, data.batch["responses"], data.batch["response_mask"])
+        truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in data.non_tensor_batch["reward_model"]]
+        results = self.judge.score(prompts, responses, truths)
+        return torch.tensor([r.score for r in results], dtype=torch.float32), dict(self.judge.last_metrics)
+
+
 class ModelRewardFn:
     """Args:
-    rm_group: anything with ``compute_rm_score(DataProto) -> DataProto{"rm_scores": [B]}`` (the RM worker group).
-    inputs: turns the batch into RM token rows.
+    model_scorer: the batch -> model scores (``ClassifierScorer`` or ``JudgeScorer``).
     plan: the combine rule of each data source.
     rule: the rule-based manager, needed when some data source's mode is ``sum`` or ``gate``.
-    close: stops the RM worker group.
+    close: stops what scores (the RM worker group).
     """
 
-    def __init__(self, rm_group: Any, inputs: RewardModelInputs, plan: CombinePlan,
-                 rule: RewardManager | None = None, close: Callable[[], None] = lambda: None) -> None:
-        self.rm_group = rm_group
-        self.inputs = inputs
+    def __init__(self, model_scorer: ModelScorer, plan: CombinePlan, rule: RewardManager | None = None,
+                 close: Callable[[], None] = lambda: None) -> None:
+        self.model_scorer = model_scorer
         self.plan = plan
         self.rule = rule
         self._close = close
@@ -43,8 +73,8 @@ class ModelRewardFn:
     def __call__(self, data: DataProto) -> DataProto:
         data.require("responses", "response_mask", "data_source", where="reward model")
         mask = data.batch["response_mask"].cpu()
-        rows, metrics = self.inputs(data)
-        rm = self.rm_group.compute_rm_score(rows).batch["rm_scores"].float().cpu()
+        rm, metrics = self.model_scorer(data)
+        model_errors = metrics.pop("reward/errors", 0.0), metrics.pop("reward/timeouts", 0.0)
         rules = self.plan.rules([str(s) for s in data.non_tensor_batch["data_source"]])
         ruled = [i for i, r in enumerate(rules) if r.needs_rule_score]
         rule_scores = torch.zeros(len(data))
@@ -62,6 +92,9 @@ class ModelRewardFn:
                     non_tensor[key][ruled] = list(column)
             metrics |= {k: v for k, v in rule_metrics.items() if k != "reward/score/mean"}
             metrics["reward/rule/mean"] = rule_metrics["reward/score/mean"]
+        if any(model_errors) or "reward/errors" in metrics:  # a judge's failures count as the rule scorers' do
+            metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + model_errors[0]
+            metrics["reward/timeouts"] = metrics.get("reward/timeouts", 0.0) + model_errors[1]
         scores = combine_scores(rules, rm, rule_scores)
         metrics |= {"reward/rm/mean": rm.mean().item() if len(rm) else 0.0,
                     "reward/score/mean": scores.mean().item() if len(scores) else 0.0}
@@ -92,6 +125,9 @@ def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
     rm = cfg.reward_model
     plan = CombinePlan(rm.combine)
     needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
+    if rm.judge.enable:
+        return ModelRewardFn(JudgeScorer(build_judge(rm.judge, cfg.trainer.device), tokenizer), plan,
+                             RewardManager(tokenizer, cfg.reward) if needs_rule else None)
     input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
     inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
     rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
@@ -101,4 +137,21 @@ def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
         if rule is not None:
             rule.close()
         raise
-    return ModelRewardFn(group, inputs, plan, rule, close)
+    return ModelRewardFn(ClassifierScorer(group, inputs), plan, rule, close)
+
+
+def build_judge(judge_cfg: Any, device: str) -> Any:
+    """``reward_model.judge``: the judge model on an HF rollout engine in this process (greedy answers)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.data import load_tokenizer
+    from megatron_rl.reward.model.judge import EngineJudgeBackend, GenerativeJudge, VerdictParser
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    path = judge_cfg.model.path
+    engine = HFEngine(OmegaConf.structured(RolloutConfig(name="hf", dtype=judge_cfg.dtype)), path, weights_path=path,
+                      device=None if device == "auto" else device, response_length=judge_cfg.response_length)
+    parser = VerdictParser(judge_cfg.verdict_pattern, judge_cfg.verdict_scale)
+    return GenerativeJudge(EngineJudgeBackend(engine, load_tokenizer(path)), judge_cfg.template, parser,
+                           judge_cfg.timeout_s, judge_cfg.retries)
