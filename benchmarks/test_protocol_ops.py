@@ -1,4 +1,4 @@
-"""DataProto's hot-path row operations on 8192 rows, TensorDict-backed (megatron_rl.protocol) against the
+"""DataProto's hot-path row operations (repeat, union, concat, split, chunk) on 8192 rows, TensorDict-backed (megatron_rl.protocol) against the
 dict-backed version it replaced (benchmarks/protocol_dict_baseline.py), in the same run.
 
 A trainer-shaped batch: 512 prompts x 16 samples, 1024 prompt+response tokens, the usual tensors and
@@ -59,6 +59,7 @@ def _ops(cls):
         "union": lambda: cls.from_dict(tensors, non_tensors).union(cls.from_dict(extra)),
         "concat": lambda: cls.concat(parts),
         "split": lambda: full.split(1024),
+        "chunk": lambda: full.chunk(8),
     }
 
 
@@ -71,7 +72,7 @@ def _best(fn) -> float:
     return best
 
 
-@pytest.mark.parametrize("op", ["repeat", "union", "concat", "split"])
+@pytest.mark.parametrize("op", ["repeat", "union", "concat", "split", "chunk"])
 def test_protocol_op_against_dict_baseline(benchmark, op):
     ours, theirs = _ops(DataProto)[op], _ops(baseline.DataProto)[op]
     old = _best(theirs)
