@@ -159,9 +159,10 @@ class RolloutReplica:
         return self.engine.generate_sequences(prompts)
 
     def release(self) -> None:
-        """Entering a training phase: with ``free_cache_engine`` the engine gives its memory back (the next
-        sync brings it back with current weights, so every generation runs on them)."""
-        if self.is_leader and self.config.free_cache_engine:
+        """Entering a training phase: with ``free_cache_engine`` a colocated engine gives its memory back (the
+        next sync brings it back with current weights, so every generation runs on them). Servers keep theirs:
+        their devices are not the trainer's, and an async loop generates on them during the update."""
+        if self.is_leader and self.config.free_cache_engine and self.config.mode == "colocated":
             self.engine.sleep()
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:

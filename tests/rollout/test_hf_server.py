@@ -64,6 +64,7 @@ def _sync_twice_and_generate(url: str) -> dict:
             report[f"diff_v{version}"] = metrics["rollout/logprob_diff_max"]
             source = source_model(42)
             replica.trainer_log_prob_fn = trainer_log_probs(source)
+        replica.release()  # a training phase: servers keep serving (an async loop generates during it)
         out = replica.generate(prompt_batch([3, 5], do_sample=True, seed=7))
         report["version"] = out.meta_info["weight_version"]
         report["again"] = torch.equal(out.batch["responses"],
