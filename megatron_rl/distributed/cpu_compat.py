@@ -18,6 +18,16 @@ torch, these are the calls that fail and what this module answers instead:
   installed the layer (a per-call cost of a few microseconds, paid only on CPU machines).
 * ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizers and gradient clipping: the
   same mode answers ``type()`` (no arguments) with the CUDA type name.
+* CUDA streams (MoE only): the all-to-all token dispatcher creates a side stream when it is built and
+  copies its split sizes to the host on it (``torch.cuda.Stream()``, ``torch.cuda.stream(s)``,
+  ``current_stream()``, ``wait_stream``, ``record_event().synchronize()``). On CPU every op is already
+  synchronous and those tensors are host tensors, so the stream objects only need to exist: a no-op
+  stream and event stand in for them.
+* MoE all-to-all split sizes: the dispatcher hands its split sizes to ``all_to_all_single`` after
+  ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors (to numpy). On CPU
+  they stay tensors, and torch's ``all_to_all_single`` wants a sequence of ints (TypeError). The
+  dispatcher's copy of the function is replaced by one that converts host tensors too, i.e. gives
+  what the GPU path gives.
 
 Everything is installed by one call, ``install_cpu_compat()``, which returns a handle (also a context
 manager) that restores the originals; nesting is reference-counted. Install and uninstall from the
@@ -58,6 +68,17 @@ class CudaToCpuMode(TorchFunctionMode):
         return result
 
 
+def _host_splits_as_numpy(original: Any) -> Any:
+    """``maybe_move_tensor_to_cpu`` that also returns host tensors as numpy when ``as_numpy`` is asked."""
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
+
+
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
@@ -76,6 +97,55 @@ def _cpu_set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
 
 def _tensor_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self
+
+
+class _CpuEvent:
+    """Stands in for torch.cuda.Event: CPU work is done when it was issued."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream (see the module docstring: MoE's token dispatcher)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    return _CPU_STREAM
+
+
+class _cpu_stream_context:
+    """``with torch.cuda.stream(s):`` on CPU: nothing to switch."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 class CpuCompatHandle:
@@ -142,9 +212,18 @@ def _apply() -> None:
     _saved["current_device"] = torch.cuda.current_device
     _saved["synchronize"] = torch.cuda.synchronize
     _saved["tensor_cuda"] = torch.Tensor.cuda
+    _saved["streams"] = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = (
+        _CpuStream, _cpu_current_stream, _cpu_stream_context
+    )
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
     torch.Tensor.cuda = _tensor_stays_on_cpu
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _saved["moe_splits"] = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_splits_as_numpy(_saved["moe_splits"])
 
     mode = CudaToCpuMode()
     mode.__enter__()
@@ -168,3 +247,7 @@ def _release() -> None:
         torch.cuda.current_device = _saved.pop("current_device")
         torch.cuda.synchronize = _saved.pop("synchronize")
         torch.Tensor.cuda = _saved.pop("tensor_cuda")
+        torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = _saved.pop("streams")
+        from megatron.core.transformer.moe import token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _saved.pop("moe_splits")

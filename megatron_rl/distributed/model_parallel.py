@@ -1,4 +1,5 @@
-"""Megatron-Core parallel state (TP, PP, VPP, CP, DP) with errors that say which numbers clash."""
+"""Megatron-Core parallel state (TP, PP, VPP, CP, DP, and EP/ETP for MoE experts) with errors that say which
+numbers clash."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class ParallelLayout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    etp: int = 1
 
 
 def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None) -> int:
@@ -45,6 +48,21 @@ def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, vpp: in
     return world_size // model_parallel
 
 
+def check_expert_parallel_sizes(world_size: int, tp: int, pp: int, ep: int, etp: int | None) -> None:
+    """Experts are laid out as ETP x EP x expert-DP inside each pipeline stage (Megatron's tp-ep-dp-pp,
+    independent of the dense layers' TP x CP x DP): ETP * EP must divide the ranks of a stage."""
+    etp = tp if etp is None else etp
+    for name, size in (("EP", ep), ("ETP", etp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} size must be a positive integer, got {size!r}")
+    per_stage = world_size // pp
+    if per_stage % (ep * etp):
+        raise ValueError(
+            f"{world_size // pp} ranks per pipeline stage (world {world_size} / PP {pp}) are not divisible "
+            f"by EP*ETP = {ep}*{etp} = {ep * etp}"
+        )
+
+
 _cpu_compat: CpuCompatHandle | None = None
 
 
@@ -55,11 +73,14 @@ def init_model_parallel(
     cp: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 10,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelLayout:
     """Set up Megatron's parallel groups on an initialised default process group and seed the RNGs.
 
     Without CUDA the CPU compatibility layer is installed first (and removed again by
     ``destroy_model_parallel``). Ranks are laid out in Megatron's default order tp-cp-ep-dp-pp.
+    ``ep``/``etp``: expert parallel and expert tensor parallel sizes of MoE layers (ETP defaults to TP).
     """
     global _cpu_compat
     from megatron.core import parallel_state
@@ -69,6 +90,7 @@ def init_model_parallel(
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
     world_size = dist.get_world_size()
     dp = check_parallel_sizes(world_size, tp, pp, cp, vpp)
+    check_expert_parallel_sizes(world_size, tp, pp, ep, etp)
 
     if _cpu_compat is None:
         _cpu_compat = install_cpu_compat()
@@ -79,6 +101,8 @@ def init_model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
     )
     random.seed(seed)
@@ -95,6 +119,8 @@ def init_model_parallel(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep=ep,
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 

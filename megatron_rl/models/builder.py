@@ -27,6 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
+from megatron_rl.models.moe_compat import bind_missing_te_names
 from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
 from megatron_rl.models.value_head import attach_value_head
 
@@ -51,9 +53,10 @@ DERIVED_FIELDS = {
         for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
             "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size",
+            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size", *MOE_DERIVED_FIELDS,
         )
     },
+    **{name: f"megatron.{name}" for name in MOE_PARALLEL_FIELDS},
     **{
         name: f"megatron.{name}"
         for name in (
@@ -116,10 +119,12 @@ def make_transformer_config(
     init_weights: bool = True,
     *,
     layout: tuple[int, int, int | None, int] | None = None,
+    expert_layout: tuple[int, int] | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """TransformerConfig for ``hf`` at the TP/PP/VPP/CP sizes of Megatron's initialised parallel state,
-    or at ``layout`` = (tp, pp, vpp, cp) without one (what the planner does).
+    or at ``layout`` = (tp, pp, vpp, cp) without one (what the planner does); for an MoE model also at its
+    EP/ETP sizes (``expert_layout`` = (ep, etp) without a parallel state, default (1, tp)).
 
     ``overrides`` go straight to TransformerConfig (e.g. ``sequence_parallel=True``,
     ``recompute_granularity="full"``); ``transformer_overrides`` checks a config's.
@@ -131,7 +136,13 @@ def make_transformer_config(
         cp = parallel_state.get_context_parallel_world_size()
     else:
         tp, pp, vpp, cp = layout
-    check_parallel_fit(hf, tp, pp, vpp)
+    if expert_layout is None and layout is None:
+        expert_layout = (
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    ep, etp = expert_layout or (1, tp)
+    check_parallel_fit(hf, tp, pp, vpp, ep=ep, etp=etp)
     kwargs: dict[str, Any] = dict(
         num_layers=hf.num_layers,
         hidden_size=hf.hidden_size,
@@ -174,6 +185,8 @@ def make_transformer_config(
         # with gloo). The unbatched path sends the two directions over different groups.
         batch_p2p_comm=not (pp == 2 and vpp is not None),
     )
+    if hf.moe is not None:
+        kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -199,11 +212,20 @@ class LocalRMSNorm(torch.nn.RMSNorm):
 def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
     always SDPAttention so the explicit causal+padding mask means the same thing on every backend.
-    The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too)."""
+    The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too). An MoE model's
+    MLP is Megatron's MoELayer with SequentialMLP experts (one MLP per local expert, no grouped GEMM), so
+    each expert has its own linear_fc1/linear_fc2 on every backend."""
+    experts = hf.moe.num_experts if hf.moe is not None else None
+    if experts is not None:
+        bind_missing_te_names()
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=hf.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=hf.qk_norm
+        )
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=hf.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=hf.qk_norm, normalization="RMSNorm"
+        )
         spec.submodules.input_layernorm = LocalRMSNorm
         spec.submodules.pre_mlp_layernorm = LocalRMSNorm
         if hf.qk_norm:

@@ -31,6 +31,13 @@ view; the internal transfer buffers (two slots each, reused) are never handed on
 2 x (bucket_bytes / tp shard buffer + bucket_bytes gathered) for the export's lifetime + the HF bucket being
 consumed (<= bucket_bytes), plus what the consumer still holds.
 
+MoE experts (models/moe.py). Buckets never mix experts with other tensors, nor experts of two EP ranks. An
+expert bucket first goes over the expert-parallel group of its stage: the EP rank that owns the experts packs
+its ETP shards and broadcasts them to the other EP ranks of the stage (every rank of the stage takes part), so
+each rank of the stage then holds the shard its own position needs; pipeline and TP steps follow as for dense
+buckets. ETP is 1 or TP (sizes.check_parallel_fit): at ETP = TP the expert-TP group is the TP group (checked),
+at ETP = 1 each rank holds whole experts and the TP step is skipped.
+
 ``export_hf_weights_tensorwise`` is the previous path (per tensor: TP all-gather on the owning stage, then
 the full tensor broadcast over every pipeline group), kept as the baseline of the benchmark and the
 traffic model's check.
@@ -112,32 +119,41 @@ class ExportBucket:
     stage: int  # pipeline rank that holds these parameters
     slots: tuple[ShardSlot, ...]
     shard_bytes: int  # per-rank flat buffer size
+    ep_rank: int | None = None  # MoE experts under EP > 1: the EP rank that holds them (module docstring)
+    expert: bool = False  # MoE expert tensors (split over ETP, not TP)
 
 
 def plan_export_buckets(
-    groups: list[TensorGroup], owner: dict[str, tuple[int, str, tuple[int, ...]]], tp: int, bucket_bytes: int
+    groups: list[TensorGroup],
+    owner: dict[str, tuple[int, str, tuple[int, ...]]],
+    tp: int,
+    bucket_bytes: int,
+    ep_owner: dict[str, int] | None = None,
 ) -> list[ExportBucket]:
     """Cut the HF tensor groups (checkpoint order) into buckets of one stage, <= ``bucket_bytes`` of gathered
     bytes (``tp`` x per-rank bytes) each; a group larger than that travels alone. ``owner``: group key ->
-    (stage, dtype name, local shard shape). Pure: the traffic model calls it too."""
+    (stage, dtype name, local shard shape); ``ep_owner``: MoE expert group key -> EP rank holding it (EP > 1).
+    A bucket holds either MoE expert tensors of one EP rank or other tensors. Pure: the traffic model calls it."""
+    ep_owner = ep_owner or {}
     buckets: list[ExportBucket] = []
     slots: list[ShardSlot] = []
-    stage, used = -1, 0
+    stage, used, holder = -1, 0, (None, False)
     for group in groups:
         if group.key not in owner:
             raise RuntimeError(f"no pipeline stage holds {group.key!r}; are all model chunks passed?")
         g_stage, dtype_name, shape = owner[group.key]
+        g_holder = (ep_owner.get(group.key), group.expert is not None)
         dtype = getattr(torch, dtype_name)
         nbytes = _numel(shape) * dtype.itemsize
         offset = _aligned(used, dtype.itemsize)
-        if slots and (g_stage != stage or (offset + nbytes) * tp > bucket_bytes):
-            buckets.append(ExportBucket(stage, tuple(slots), used))
+        if slots and (g_stage != stage or g_holder != holder or (offset + nbytes) * tp > bucket_bytes):
+            buckets.append(ExportBucket(stage, tuple(slots), used, *holder))
             slots, used, offset = [], 0, 0
-        stage = g_stage
+        stage, holder = g_stage, g_holder
         slots.append(ShardSlot(group, tuple(shape), dtype, offset, nbytes))
         used = offset + nbytes
     if slots:
-        buckets.append(ExportBucket(stage, tuple(slots), used))
+        buckets.append(ExportBucket(stage, tuple(slots), used, *holder))
     return buckets
 
 
@@ -208,8 +224,27 @@ class _Transfer:
         self._host_slot: int | None = None  # set when the TP step went through the host's shared buffer
         self._works: list = []
 
+    def _pack(self, buffer: torch.Tensor) -> None:
+        """This rank's shards of the bucket's parameters into its flat buffer."""
+        for slot in self.bucket.slots:
+            view = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            view.copy_(self.ctx.local[slot.group.key].param.detach())  # the cast to the export dtype is this copy
+
+    def _expert_parallel_step(self) -> torch.Tensor | None:
+        """An expert bucket under EP > 1, on its stage: the owning EP rank's shards, broadcast over the EP group
+        (every rank of the stage takes part, whatever it consumes). None for other buckets and stages."""
+        ctx, bucket = self.ctx, self.bucket
+        if bucket.ep_rank is None or bucket.stage != ctx.pp_rank:
+            return None
+        buffer = ctx.staging("expert", self.slot, bucket.shard_bytes)
+        if ctx.ep_rank == bucket.ep_rank:
+            self._pack(buffer)
+        dist.broadcast(buffer, group=ctx.ep_group, group_src=bucket.ep_rank)
+        return buffer
+
     def start_pipeline(self) -> _Transfer:
         ctx, bucket = self.ctx, self.bucket
+        expert_shard = self._expert_parallel_step()
         receivers = [s for s in range(ctx.pp_size) if s != bucket.stage and ctx.needs_shards[s]]
         if bucket.stage == ctx.pp_rank:
             if not receivers and not ctx.needs_shards[ctx.pp_rank]:
@@ -217,10 +252,10 @@ class _Transfer:
         elif ctx.pp_rank not in receivers:
             return self
         shard = ctx.shard_buffer(self.slot, bucket.shard_bytes)
-        if bucket.stage == ctx.pp_rank:
-            for slot in bucket.slots:
-                view = shard[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                view.copy_(ctx.local[slot.group.key].param.detach())  # the cast to the export dtype is this copy
+        if expert_shard is not None:
+            shard.copy_(expert_shard)
+        elif bucket.stage == ctx.pp_rank:
+            self._pack(shard)
         self.shard = shard
         if not receivers:
             return self
@@ -246,7 +281,7 @@ class _Transfer:
             self.shard = None
             return self
         assert self.shard is not None
-        if ctx.tp_size == 1:
+        if ctx.split_of(self.bucket) == 1:
             self.gathered = self.shard if ctx.is_consumer else None
             return self
         consumers = ctx.tp_consumers
@@ -296,6 +331,11 @@ class _ExportContext:
     is_consumer: bool
     tp_consumers: list[int]  # global ranks of this TP group that consume
     needs_shards: list[bool]  # per pipeline rank of this pipeline group
+    # MoE: the expert-parallel group of this rank, its rank in it, the expert-TP size, expert key -> EP rank
+    ep_group: object = None
+    ep_rank: int = 0
+    etp_size: int = 1
+    ep_owner: dict | None = None
     host_gather: HostGather | None = None  # CPU ranks of one host: the TP step through shared memory
     _staging: dict | None = None
 
@@ -305,6 +345,10 @@ class _ExportContext:
         if self.host_gather is not None:
             return self.host_gather.row(slot, nbytes)
         return self.staging("shard", slot, nbytes)
+
+    def split_of(self, bucket: ExportBucket) -> int:
+        """How many ranks' shards make up the bucket's full tensors: TP, or for experts at ETP = 1 one."""
+        return self.etp_size if bucket.expert else self.tp_size
 
     def staging(self, kind: str, slot: int, nbytes: int) -> torch.Tensor:
         """Internal transfer buffers, two slots per kind (bucket k uses slot k % 2), reused across buckets: bucket
@@ -324,10 +368,11 @@ def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor
 
     specs = hf_bucket_specs(ctx.hf, bucket)
     out = WeightBucket(WeightBucket.capacity_for([(shape, dtype) for _, shape, dtype in specs]), ctx.device)
-    rows = gathered.view(ctx.tp_size, bucket.shard_bytes)
+    split = ctx.split_of(bucket)
+    rows = gathered.view(split, bucket.shard_bytes)
     for slot in bucket.slots:
         shards = [rows[r, slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                  for r in range(ctx.tp_size)]
+                  for r in range(split)]
         dests = [out.reserve(t.name, tuple(t.shape), slot.dtype) for t in slot.group.tensors]
         if slot.group.kind is Kind.REPLICATED:
             shards = shards[:1]
@@ -348,6 +393,7 @@ def _export_context(chunks, dtype, consumers) -> tuple[_ExportContext, dict, boo
     holdings = {
         key: (str(dtype or m.param.dtype).removeprefix("torch."), tuple(m.param.shape)) for key, m in local.items()
     }
+    holdings, ep_owner = _expert_holdings(holdings, local)
     mine = (holdings, bool(tp_consumers))
     if pp_size > 1:
         everyone: list = [None] * pp_size
@@ -361,7 +407,40 @@ def _export_context(chunks, dtype, consumers) -> tuple[_ExportContext, dict, boo
         pp_ranks=dist.get_process_group_ranks(pp_group), tp_group=tp_group, tp_size=len(tp_ranks),
         is_consumer=is_consumer, tp_consumers=tp_consumers, needs_shards=[needs for _, needs in everyone],
     )
+    _add_expert_parallel(ctx, ep_owner)
     return ctx, owner, value_model
+
+
+def _expert_holdings(holdings: dict, local: dict[str, ParamMapping]) -> tuple[dict, dict[str, int] | None]:
+    """Under EP > 1 each rank holds only its experts: add the other EP ranks' (all-gather over the EP group),
+    with the EP rank of each expert key. Without EP: unchanged, None."""
+    group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+    if group is None or dist.get_world_size(group) == 1:
+        return holdings, None
+    mine = {key: held for key, held in holdings.items() if local[key].group.expert is not None}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ep_owner = {key: ep_rank for ep_rank, held in enumerate(everyone) for key in held}
+    merged = dict(holdings)
+    for held in everyone:
+        merged.update(held)
+    return merged, ep_owner
+
+
+def _add_expert_parallel(ctx: _ExportContext, ep_owner: dict[str, int] | None) -> None:
+    if ctx.hf.moe is None:
+        return
+    ctx.ep_group = parallel_state.get_expert_model_parallel_group()
+    ctx.ep_rank = dist.get_rank(ctx.ep_group)
+    ctx.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    ctx.ep_owner = ep_owner
+    if 1 < ctx.etp_size:
+        etp_ranks = dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())
+        if etp_ranks != dist.get_process_group_ranks(ctx.tp_group):
+            raise RuntimeError(
+                f"expert-TP group {etp_ranks} is not the TP group {dist.get_process_group_ranks(ctx.tp_group)}: "
+                "the export gathers expert shards over the TP group"
+            )
 
 
 def export_hf_buckets(
@@ -378,7 +457,9 @@ def export_hf_buckets(
         consumers = export_options.consumers
     bucket_bytes = bucket_bytes or export_options.bucket_bytes or DEFAULT_EXPORT_BUCKET_BYTES
     ctx, owner, value_model = _export_context(chunks, dtype, None if consumers is None else frozenset(consumers))
-    buckets = plan_export_buckets(hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes)
+    buckets = plan_export_buckets(
+        hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes, ctx.ep_owner
+    )
     if not buckets:
         return
     if ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:

@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Architecture -> model_type. All four share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA.
+from megatron_rl.models.moe import MoESpec, parse_moe_config
+
+# Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
+# (Qwen3-MoE: Qwen3's attention, Mixtral: Mistral's) replace the MLP by routed SwiGLU experts (models/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
@@ -55,6 +60,7 @@ class HFModelConfig:
     max_position_embeddings: int
     source: str  # where the config came from, for error messages
     raw: dict[str, Any] = field(repr=False, compare=False)  # the config.json dict, written back on export
+    moe: MoESpec | None = None  # the routed experts of every layer; None for dense models
     # <Family>ForSequenceClassification (a reward model): its score head has no bias.
     sequence_classifier: bool = False
 
@@ -133,7 +139,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     )
     layer_types = set(cfg.get("layer_types") or ["full_attention"])
     _reject(
-        model_type != "mistral" and layer_types != {"full_attention"},
+        model_type not in ("mistral", "mixtral") and layer_types != {"full_attention"},
         source,
         f"layer_types {sorted(layer_types)} are not supported",
     )
@@ -170,12 +176,13 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         source=source,
         raw=dict(cfg),
+        moe=parse_moe_config(cfg, model_type, source),
         sequence_classifier=sequence_classifier,
     )
 

@@ -8,6 +8,9 @@ Rules (REFERENCE.md §3):
   ``linear_fc2``) dim 1; norms and the value head are replicated.
 * the embedding / output layer have ``padded_vocab`` rows; rows past the real vocabulary are zero on
   load and dropped on export.
+* MoE layers (models/moe.py): the router is replicated; each expert's fc1 (gate|up) / fc2 are split like a
+  dense MLP's, but over the expert-tensor-parallel group (ETP), and only the EP rank that owns the
+  expert holds it (``TensorGroup.expert``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.moe import local_experts
 from megatron_rl.models.value_head import ValueHead
 
 
@@ -45,6 +49,7 @@ class TensorGroup:
 
     kind: Kind
     tensors: tuple[HFTensor, ...]
+    expert: int | None = None  # global expert index of an MoE expert's tensors (split over ETP, owned by one EP rank)
 
     @property
     def key(self) -> str:
@@ -60,8 +65,22 @@ class ParamMapping:
     export: bool = True  # False for the tied output-layer copy on the last stage
 
 
-def _layer_groups(hf: HFModelConfig, i: int) -> dict[str, TensorGroup]:
-    """HF groups of layer ``i`` keyed by role, in HF's own order."""
+def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGroup]:
+    """Router and the ``experts``' fc1/fc2 groups of MoE layer ``i``, keyed by role."""
+    moe, h, f = hf.moe, hf.hidden_size, hf.moe.ffn_hidden_size
+    groups = {"router": TensorGroup(Kind.REPLICATED, (HFTensor(moe.router_name(i), (moe.num_experts, h)),))}
+    for e in experts:
+        gate, up = (HFTensor(moe.expert_name(i, e, role), (f, h)) for role in ("gate", "up"))
+        groups[f"expert{e}.gate_up"] = TensorGroup(Kind.GATE_UP, (gate, up), expert=e)
+        groups[f"expert{e}.down"] = TensorGroup(
+            Kind.ROW, (HFTensor(moe.expert_name(i, e, "down"), (h, f)),), expert=e
+        )
+    return groups
+
+
+def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> dict[str, TensorGroup]:
+    """HF groups of layer ``i`` keyed by role, in HF's own order; of an MoE layer's experts only
+    ``experts`` (default all)."""
     p, h, f = f"model.layers.{i}.", hf.hidden_size, hf.intermediate_size
 
     def qkv(suffix: str, *rest: int) -> tuple[HFTensor, ...]:
@@ -83,6 +102,8 @@ def _layer_groups(hf: HFModelConfig, i: int) -> dict[str, TensorGroup]:
     groups["post_norm"] = TensorGroup(
         Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),)
     )
+    if hf.moe is not None:
+        return {**groups, **_moe_groups(hf, i, range(hf.moe.num_experts) if experts is None else experts)}
     groups["gate_up"] = TensorGroup(
         Kind.GATE_UP,
         (HFTensor(f"{p}mlp.gate_proj.weight", (f, h)), HFTensor(f"{p}mlp.up_proj.weight", (f, h))),
@@ -147,15 +168,31 @@ def _norm_weight(norm_module: torch.nn.Module, fused_owner: torch.nn.Module) -> 
     return weight if weight is not None else fused_owner.layer_norm_weight
 
 
+def _moe_params(mlp: torch.nn.Module, experts: range) -> dict[str, torch.nn.Parameter]:
+    """The router and local experts of a Megatron MoELayer, by the roles of ``_moe_groups``."""
+    params = {"router": mlp.router.weight}
+    for e, expert in zip(experts, mlp.experts.local_experts, strict=True):
+        params[f"expert{e}.gate_up"] = expert.linear_fc1.weight
+        params[f"expert{e}.down"] = expert.linear_fc2.weight
+    return params
+
+
 def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
-    """Mappings for the parameters this model chunk holds, in checkpoint order."""
+    """Mappings for the parameters this model chunk holds (of MoE layers: the local experts), in checkpoint order."""
     model = unwrap(chunk)
     hf: HFModelConfig = model.hf_config
     mappings: list[ParamMapping] = []
     if model.pre_process:
         mappings.append(ParamMapping(model.embedding.word_embeddings.weight, embedding_group(hf)))
+    experts = None
+    if hf.moe is not None:
+        experts = local_experts(
+            hf.moe,
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_rank(),
+        )
     for layer in model.decoder.layers:
-        groups = _layer_groups(hf, layer.layer_number - 1)
+        groups = _layer_groups(hf, layer.layer_number - 1, experts)
         attn, mlp = layer.self_attention, layer.mlp
         params = {
             "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
@@ -164,10 +201,14 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
             "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
             "o_proj": attn.linear_proj.weight,
-            "post_norm": _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1),
-            "gate_up": mlp.linear_fc1.weight,
-            "down": mlp.linear_fc2.weight,
         }
+        if experts is not None:
+            params["post_norm"] = layer.pre_mlp_layernorm.weight  # never fused into the MoE layer
+            params.update(_moe_params(mlp, experts))
+        else:
+            params["post_norm"] = _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1)
+            params["gate_up"] = mlp.linear_fc1.weight
+            params["down"] = mlp.linear_fc2.weight
         mappings += [ParamMapping(params[role], group) for role, group in groups.items()]
     if model.post_process:
         mappings.append(

@@ -20,7 +20,8 @@ def load_hf_weights(
     The checkpoint header is checked first against the config (every tensor present, every shape
     right, nothing unexpected); a mismatch raises CheckpointMismatchError naming the tensor, the
     expected and the found shape. Then each rank reads only the slices of its own TP shard of the
-    layers its pipeline stage holds. A value model takes ``score.*`` if the checkpoint has it (a saved
+    layers its pipeline stage holds (of MoE layers: only the experts its EP rank owns, each expert's
+    ETP shard). A value model takes ``score.*`` if the checkpoint has it (a saved
     critic) and keeps its initialised head otherwise (a causal LM, whose lm_head is dropped).
     ``progress`` shows a tqdm bar on global rank 0. Collective over the pipeline group.
     """
@@ -41,17 +42,21 @@ def load_hf_weights(
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    # MoE experts are split over the expert-tensor-parallel group instead (models/moe.py)
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
     mappings = [m for chunk in chunks for m in chunk_mappings(chunk)]
     show = progress and torch.distributed.get_rank() == 0
     for mapping in tqdm(mappings, desc=f"loading {reader.model_dir.name}", unit="tensor", disable=not show):
         if mapping.group.key.startswith("score.") and not has_score:
             continue
         param = mapping.param
-        shard = shard_from_hf(hf, mapping.group, reader.read, tp_rank, tp_size, local_rows=param.shape[0])
+        rank, size = (tp_rank, tp_size) if mapping.group.expert is None else (etp_rank, etp_size)
+        shard = shard_from_hf(hf, mapping.group, reader.read, rank, size, local_rows=param.shape[0])
         if tuple(shard.shape) != tuple(param.shape):
             names_str = ", ".join(t.name for t in mapping.group.tensors)
             raise CheckpointMismatchError(
-                f"{names_str}: TP shard {tp_rank}/{tp_size} has shape {tuple(shard.shape)}, "
+                f"{names_str}: TP shard {rank}/{size} has shape {tuple(shard.shape)}, "
                 f"the Megatron parameter expects {tuple(param.shape)}"
             )
         with torch.no_grad():

@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+# Expert counts etc. of the MoE families at toy size (any of them may be overridden).
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
@@ -62,9 +67,10 @@ def tiny_hf_config(
     **overrides: Any,
 ):
     """A transformers config of ``family`` (llama, qwen2, qwen3, mistral) at toy size."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     kwargs: dict[str, Any] = dict(
@@ -83,6 +89,7 @@ def tiny_hf_config(
         eos_token_id=258,
         pad_token_id=256,
     )
+    kwargs.update(TINY_MOE.get(family, {}))
     kwargs.update(overrides)
     config = classes[family](**kwargs)
     config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]

@@ -1,0 +1,144 @@
+"""Mixture-of-experts facts of an HF config (Qwen3-MoE, Mixtral) and how they map to Megatron-Core.
+
+No Megatron import: the planner and hf_config read this module before any worker starts.
+
+Routing, HF vs Megatron-Core 0.16.1 (``topk_routing_with_score_function``):
+* HF (both families): p = softmax(router logits) over all experts, keep the top k; with
+  ``norm_topk_prob`` (Mixtral always) the k kept values are renormalised to sum 1.
+* Renormalised top-k of a softmax is the softmax of the top-k logits (the full-softmax denominator
+  cancels), which is Megatron's ``moe_router_pre_softmax=False``; without renormalisation it is
+  Megatron's ``moe_router_pre_softmax=True`` (softmax first, top-k of the probabilities).
+Experts are dropless (no capacity factor), as in HF.
+
+Expert placement: Megatron gives EP rank r the experts ``[r * E / EP, (r + 1) * E / EP)`` (contiguous);
+each expert's fc1 (gate|up) and fc2 are split over the expert-tensor-parallel group (ETP) like a dense
+MLP's over TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# model_type -> (router name, {role: expert tensor name}) inside ``model.layers.<i>.``
+_HF_NAMES = {
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+MOE_MODEL_TYPES = tuple(_HF_NAMES)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE block of every decoder layer (the supported families have no dense layers)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per expert
+    norm_topk_prob: bool
+    block: str  # HF module name of the MoE block in a layer: "mlp" or "block_sparse_moe"
+    expert_names: tuple[tuple[str, str], ...]  # (role, HF tensor name) for gate, up, down
+    router_aux_loss_coef: float  # the HF config's value, for information (training sets its own)
+
+    def router_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.block}.gate.weight"
+
+    def expert_name(self, layer: int, expert: int, role: str) -> str:
+        return f"model.layers.{layer}.{self.block}.experts.{expert}.{dict(self.expert_names)[role]}.weight"
+
+
+def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESpec | None:
+    """The MoESpec of an MoE family's config.json dict (None for dense families); refusals name the field."""
+    from megatron_rl.models.hf_config import UnsupportedModelError  # hf_config imports this module
+
+    if model_type not in _HF_NAMES:
+        return None
+
+    def refuse(message: str) -> None:
+        raise UnsupportedModelError(f"{source}: {message}")
+
+    # Qwen3-MoE writes num_experts, Mixtral (and transformers 5 for both) num_local_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        refuse("missing required field 'num_experts' (or 'num_local_experts')")
+    topk = cfg.get("num_experts_per_tok")
+    if topk is None:
+        refuse("missing required field 'num_experts_per_tok'")
+    experts, topk = int(experts), int(topk)
+    if not 1 <= topk <= experts:
+        refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
+    if model_type == "qwen3_moe":
+        ffn = cfg.get("moe_intermediate_size")
+        if ffn is None:
+            refuse("missing required field 'moe_intermediate_size'")
+        if int(cfg.get("decoder_sparse_step", 1)) != 1 or list(cfg.get("mlp_only_layers") or []):
+            refuse(
+                f"decoder_sparse_step={cfg.get('decoder_sparse_step')} / mlp_only_layers="
+                f"{cfg.get('mlp_only_layers')}: dense layers between MoE layers are not supported "
+                "(every layer must be MoE: decoder_sparse_step=1, mlp_only_layers=[])"
+            )
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+    else:  # mixtral: always renormalised, expert size is intermediate_size
+        ffn = cfg["intermediate_size"]
+        norm_topk = True
+        if float(cfg.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+            refuse(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported (only 0.0)")
+    block, names = _HF_NAMES[model_type]
+    return MoESpec(
+        num_experts=experts,
+        topk=topk,
+        ffn_hidden_size=int(ffn),
+        norm_topk_prob=norm_topk,
+        block=block,
+        expert_names=tuple(names.items()),
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
+    )
+
+
+def moe_transformer_kwargs(moe: MoESpec, ep: int, etp: int) -> dict[str, Any]:
+    """TransformerConfig fields for ``moe`` at expert-parallel size ``ep`` and expert-TP size ``etp``."""
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        # see the module docstring: renormalised top-k == softmax over the top-k logits
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0,  # training turns it on: override_transformer_config.moe_aux_loss_coeff
+        # fp32 router logits and softmax: the top-k choice is the part of the model most sensitive to
+        # rounding (a flipped expert changes the token's output), and HF's softmax is fp32 too.
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,  # SequentialMLP: plain torch per expert, no grouped-GEMM kernels
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+# TransformerConfig fields moe_transformer_kwargs sets from the HF config (override_transformer_config
+# may not change them: the checkpoint's routing would no longer be the model's).
+MOE_DERIVED_FIELDS = (
+    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+)
+MOE_PARALLEL_FIELDS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def local_experts(moe: MoESpec, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts EP rank ``ep_rank`` holds (Megatron's contiguous placement)."""
+    per_rank = moe.num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def check_expert_parallel_fit(moe: MoESpec, tp: int, ep: int, etp: int, where: str) -> None:
+    """Refuse EP/ETP sizes that do not split the experts evenly, naming the numbers."""
+    if moe.num_experts % ep:
+        raise ValueError(f"{where}: num_experts={moe.num_experts} is not divisible by EP={ep}")
+    if moe.ffn_hidden_size % etp:
+        raise ValueError(
+            f"{where}: moe_intermediate_size (per expert)={moe.ffn_hidden_size} is not divisible by ETP={etp}"
+        )
+    if etp not in (1, tp):
+        # Export gathers expert shards over the TP group (ETP = TP: the same ranks) or not at all (ETP = 1).
+        raise ValueError(f"{where}: expert_tensor_parallel_size={etp} must be 1 or the TP size ({tp})")

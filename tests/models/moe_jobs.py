@@ -1,0 +1,98 @@
+"""Rank jobs of test_moe.py (importable by spawned ranks): logits, export, owned-expert reads and
+gradients of tiny Qwen3-MoE / Mixtral models at several TP / PP / EP / ETP layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# (TP, PP, EP, ETP); ETP None = TP
+LAYOUTS_2 = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)]
+LAYOUTS_4 = [(2, 1, 2, None), (1, 2, 2, None)]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-, right- and both-sides-padded rows, like RL prompts + responses."""
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 300, (3, 12), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    attention_mask[1, 9:] = 0
+    attention_mask[2, :2] = 0
+    attention_mask[2, 10:] = 0
+    return input_ids, attention_mask
+
+
+def _recorded_reads(monkeypatch_target) -> list[str]:
+    names: list[str] = []
+    original = monkeypatch_target.read
+
+    def read(self, name, *args, **kwargs):
+        names.append(name)
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch_target.read = read
+    return names
+
+
+def _grads_by_hf_key(chunks) -> dict[str, torch.Tensor]:
+    """Gradient of (logits * fixed weights).sum() on this rank's own rows, keyed by HF group key; grads of
+    parameters replicated over the data-parallel group of their kind summed over it (what DDP does)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.api import position_ids_from_mask
+    from megatron_rl.models.attention import causal_padding_mask
+    from megatron_rl.models.layout import chunk_mappings
+
+    input_ids, mask = batch()
+    rank = parallel_state.get_data_parallel_rank()
+    ids, mask = input_ids[rank::2], mask[rank::2]  # a different batch per data-parallel rank
+    model = chunks[0]
+    model.train()
+    logits = model(ids, position_ids_from_mask(mask), causal_padding_mask(mask))
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7))[: logits.shape[0]]
+    (logits * weights * mask[..., None]).sum().backward()
+    out = {}
+    for mapping in chunk_mappings(model):
+        grad = mapping.param.grad.clone()
+        expert = mapping.group.expert is not None
+        group = parallel_state.get_expert_data_parallel_group() if expert else parallel_state.get_data_parallel_group()
+        dist.all_reduce(grad, group=group)
+        out[mapping.group.key] = grad
+    return out
+
+
+def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, compute_full_logits, export_hf_weights
+    from megatron_rl.models.hf_checkpoint import HFCheckpointReader
+    from megatron_rl.models.moe import local_experts
+
+    input_ids, attention_mask = batch()
+    out: dict[str, Any] = {"logits": {}, "export": {}, "export_rank0": {}, "reads": {}, "grads": {}}
+    reads = _recorded_reads(HFCheckpointReader)
+    for tp, pp, ep, etp in layouts:
+        init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
+        key_layout = (tp, pp, ep, etp)
+        for name, directory in dirs.items():
+            reads.clear()
+            chunks = build_from_hf(directory)
+            owned = list(local_experts(chunks[0].hf_config.moe, ep, parallel_state.get_expert_model_parallel_rank()))
+            out["reads"][name, key_layout] = (owned, sorted(set(reads)))
+            logits = compute_full_logits(chunks, input_ids, attention_mask)
+            if logits is not None:
+                out["logits"][name, key_layout] = logits
+            # small buckets: several expert buckets per layer and EP rank
+            out["export"][name, key_layout] = [(n, t.clone()) for n, t in export_hf_weights(chunks, bucket_bytes=20_000)]
+            out["export_rank0"][name, key_layout] = [
+                (n, t.clone()) for n, t in export_hf_weights(chunks, bucket_bytes=20_000, consumers={0})
+            ]
+            if tp == 1 and pp == 1:
+                out["grads"][name, key_layout] = _grads_by_hf_key(chunks)
+    out["rank"] = dist.get_rank()
+    return out
