@@ -118,6 +118,9 @@ class MegatronParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # MoE models (docs/models.md): experts split over EP ranks, each expert over ETP ranks (null: = TP)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     # Shards Adam's state over DP; needs TE or Apex (refused, not dropped, without them). Off by default
     # so CPU runs need nothing; the GPU presets turn it on.
@@ -351,8 +354,10 @@ class RewardModelConfig:
     max_length: Optional[int] = None  # RM rows longer than this keep their last max_length tokens
     use_dynamic_bsz: bool = False
     forward_max_token_len_per_gpu: int = 32768
-    # Under Ray the RM runs on its own pool of n_gpus_per_node x nnodes ranks (0: the trainer's); under torchrun
-    # it shares the trainer's processes (and then its megatron layout must be the actor's).
+    # verl's name. false: the RM shares the hybrid engine's processes (Ray) as the critic does, so its megatron
+    # TP/PP/CP must be the actor's; true: its own Ray pool of n_gpus_per_node x nnodes ranks (0: the trainer's).
+    # Under torchrun it always shares the trainer's processes.
+    enable_resource_pool: bool = False
     n_gpus_per_node: int = 0
     nnodes: int = 0
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)

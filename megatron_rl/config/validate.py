@@ -184,9 +184,11 @@ def _check_reward_model(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
     layout = {k: rm.megatron[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                           "context_parallel_size")}
-    if cfg.trainer.launcher == "torchrun":  # the RM shares the trainer's processes and their parallel state
+    if cfg.trainer.launcher == "torchrun" or not rm.enable_resource_pool:  # it shares the actor's processes
         actor = {k: cfg.actor_rollout_ref.actor.megatron[k] for k in layout}
-        _require(layout == actor, f"under trainer.launcher=torchrun the reward model shares the actor's processes: "
+        where = ("under trainer.launcher=torchrun" if cfg.trainer.launcher == "torchrun"
+                 else "with reward_model.enable_resource_pool=false")
+        _require(layout == actor, f"{where} the reward model shares the actor's processes: "
                  f"reward_model.megatron {layout} must equal actor_rollout_ref.actor.megatron {actor}")
     ranks = ((rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node) * (rm.nnodes or cfg.trainer.nnodes))
     model_parallel = layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"] * \

@@ -61,7 +61,7 @@ def _token_ids(tokenizer) -> dict[str, Any]:
     return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 
 
-def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callable[[], None]]:
+def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
     from megatron_rl.controller import (
         RayResourcePool,
         RayWorkerGroup,
@@ -70,6 +70,7 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callabl
         shutdown_ray,
     )
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+    from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
 
     gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
     init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)
@@ -78,30 +79,35 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callabl
     # an embedded Ray, which is how the CPU tests give each rank its own GPU id).
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                            use_gpu=True if _device(cfg) == "cuda" else None, name="global_pool")
-    # Actor, reference, rollout (and the critic when used) share one process per rank: the hybrid engine.
+    # Actor, reference, rollout (and the critic and the reward model when used and colocated) share one process
+    # per rank: the hybrid engine.
+    workers = {"actor_rollout": ActorRolloutRefWorker}
     if sizes.uses_critic:
-        cls = create_colocated_worker_cls({"actor_rollout": ActorRolloutRefWorker, "critic": CriticWorker})
-        group = RayWorkerGroup(pool, cls, init_args={"actor_rollout": {"config": plain_cfg},
-                                                     "critic": {"config": plain_cfg}},
+        workers["critic"] = CriticWorker
+    if colocated_with_actor(cfg):
+        workers["reward_model"] = RewardModelWorker
+    if len(workers) > 1:
+        cls = create_colocated_worker_cls(workers)
+        group = RayWorkerGroup(pool, cls, init_args={role: {"config": plain_cfg} for role in workers},
                                name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg.ray_init))
         roles = group.spawn()
-        actor_rollout, critic = roles["actor_rollout"], roles["critic"]
+        actor_rollout, critic, reward_model = (roles.get(r) for r in ("actor_rollout", "critic", "reward_model"))
     else:
         group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": plain_cfg},
                                name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg.ray_init))
-        actor_rollout, critic = group, None
+        actor_rollout, critic, reward_model = group, None, None
 
     def close() -> None:
         group.kill()
         pool.release()
         shutdown_ray()
 
-    return actor_rollout, critic, close
+    return actor_rollout, critic, reward_model, close
 
 
-def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Callable[[], None]]:
+def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
     from megatron_rl.controller.local_group import LocalWorkerGroup
     from megatron_rl.distributed import init_distributed
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
@@ -113,7 +119,7 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Ca
     plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=plain_cfg), "actor_rollout")
     critic = LocalWorkerGroup(CriticWorker(config=plain_cfg), "critic") if sizes.uses_critic else None
-    return actor_rollout, critic, lambda: None
+    return actor_rollout, critic, None, lambda: None  # the reward model joins these processes itself
 
 
 def _checkpointer(cfg: DictConfig, is_torchrun: bool) -> TrainerCheckpointer:
@@ -152,7 +158,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         keep_handlers_through_ray()
     servers = start_rollout_servers(cfg)  # rollout servers on their own processes (server mode, name=hf)
     try:
-        actor_rollout, critic, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+        actor_rollout, critic, reward_model, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
     except BaseException:
         if servers is not None:
             servers.close()
@@ -166,6 +172,9 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
             print(f"rollout engines: {meshes[0]}", flush=True)
         if critic is not None:
             critic.init_model()
+        if reward_model is not None:  # colocated with the actor (reward_model.enable_resource_pool=false)
+            reward_model.init_model()
+            reward_fn.attach(reward_model)
         if stop.requested:
             logger.warning("received %s before the first step; stopping (nothing trained, nothing to save)",
                            stop.reason)

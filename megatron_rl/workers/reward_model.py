@@ -52,10 +52,20 @@ class StartedOnFirstCall:
         return self._group.compute_rm_score(data)
 
 
-def start_reward_model_group(cfg: DictConfig) -> tuple[Any, Callable[[], None]]:
-    """The RM's worker group, its model built; and what stops it. Under Ray: its own resource pool of
-    ``reward_model.n_gpus_per_node`` x ``reward_model.nnodes`` ranks (0: the trainer's); under torchrun: the
-    trainer's processes, built at the first scoring (the actor's parallel state exists by then)."""
+def colocated_with_actor(cfg: DictConfig) -> bool:
+    """Whether the Ray run puts the RM in the hybrid engine's processes (verl's enable_resource_pool=false)."""
+    rm = cfg.reward_model
+    return bool(rm.enable and not rm.judge.enable and not rm.enable_resource_pool)
+
+
+def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], None]]:
+    """The RM's worker group, its model built; and what stops it. Under Ray with
+    ``reward_model.enable_resource_pool``: its own resource pool of ``reward_model.n_gpus_per_node`` x
+    ``reward_model.nnodes`` ranks (0: the trainer's); colocated with the actor: None (the runner builds it in the
+    hybrid engine's processes and attaches it); under torchrun: the trainer's processes, built at the first
+    scoring (the actor's parallel state exists by then)."""
+    if cfg.trainer.launcher != "torchrun" and colocated_with_actor(cfg):
+        return None, lambda: None
     plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if cfg.trainer.launcher == "torchrun":
         from megatron_rl.controller.local_group import LocalWorkerGroup

@@ -95,9 +95,11 @@ def test_bad_combine_settings_are_refused_by_key():
     (["reward_model.model.path=/rm", "reward_model.max_length=0"], "reward_model.max_length must be >= 1"),
     (["reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=0"],
      "reward_model.micro_batch_size_per_gpu must be a positive integer"),
-    (["reward_model.model.path=/rm", "reward_model.megatron.tensor_model_parallel_size=4"],
-     "not a multiple of its TP x PP x CP = 4"),
-    (["reward_model.model.path=/rm", "trainer.launcher=torchrun"],
+    (["reward_model.model.path=/rm", "reward_model.megatron.tensor_model_parallel_size=4",
+      "reward_model.enable_resource_pool=true"], "not a multiple of its TP x PP x CP = 4"),
+    (["reward_model.model.path=/rm"],  # colocated by default: the actor's TP=2 is not the RM's TP=1
+     "with reward_model.enable_resource_pool=false the reward model shares the actor's processes"),
+    (["reward_model.model.path=/rm", "trainer.launcher=torchrun", "reward_model.enable_resource_pool=true"],
      "the reward model shares the actor's processes"),
 ])
 def test_reward_model_config_is_checked_before_launch(overrides, message):

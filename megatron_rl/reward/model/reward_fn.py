@@ -36,6 +36,8 @@ class ClassifierScorer:
         self.rm_group, self.inputs = rm_group, inputs
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.rm_group is None:
+            raise RuntimeError("the reward model's worker group was never attached (ModelRewardFn.attach)")
         rows, metrics = self.inputs(data)
         return self.rm_group.compute_rm_score(rows).batch["rm_scores"].float().cpu(), metrics
 
@@ -101,6 +103,10 @@ class ModelRewardFn:
         non_tensor |= {"score": _column(scores.tolist()), "rm_score": _column(rm.tolist())}
         tensors = {"token_level_scores": place_scores(scores, mask), "rm_scores": place_scores(rm, mask)}
         return DataProto.from_dict(tensors, non_tensor, {"reward_metrics": metrics})
+
+    def attach(self, rm_group: Any) -> None:
+        """The RM worker group built later, in the actor's processes (colocated)."""
+        self.model_scorer.rm_group = rm_group
 
     def close(self) -> None:
         if self.rule is not None:
