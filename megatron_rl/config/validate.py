@@ -27,6 +27,13 @@ def _check_rollout_correction(section) -> None:
     if corr.bypass_mode and corr.loss_type != "ppo_clip":
         raise ConfigError(f"algorithm.rollout_correction.loss_type={corr.loss_type!r} with bypass_mode=true is not "
                           "run by the trainer (only ppo_clip); compute_policy_loss_bypass_mode has it for custom loops")
+    if corr.bypass_mode and (corr.rollout_is is not None or corr.rollout_rs is not None):
+        # verl computes them inside its bypass loss from the policy being trained; the trainer's bypass sets
+        # old := rollout log-probs before the update, where they would be no-ops (weights 1, nothing rejected)
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=true with rollout_is/rollout_rs set "
+                          f"(rollout_is={corr.rollout_is!r}, rollout_rs={corr.rollout_rs!r}): the trainer's bypass "
+                          "does not compute them against the policy being trained, so they would do nothing; "
+                          "unset them, or set bypass_mode=false to correct against recomputed old log-probs")
 
 
 class ConfigError(ValueError):
