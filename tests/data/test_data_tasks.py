@@ -13,7 +13,8 @@ from megatron_rl.data.tasks.__main__ import main
 def test_rows_are_valid_verl_rows_and_seeded(task):
     rows = make_rows(task, 20, seed=5, split="train")
     assert all(check_row(row, "prompt") is None for row in rows)
-    assert {row["data_source"] for row in rows} == {f"synthetic/{task}"}
+    source = "copy" if re.fullmatch(r"copy\d", task) else task  # copyN: copy with N digits, the copy scorer
+    assert {row["data_source"] for row in rows} == {f"synthetic/{source}"}
     assert make_rows(task, 20, seed=5, split="train") == rows
     assert make_rows(task, 20, seed=6, split="train") != rows
     assert make_rows(task, 20, seed=5, split="val") != rows
@@ -29,6 +30,13 @@ def test_digit_answers_are_the_transformed_digits(task, transform):
         assert 3 <= len(digits) <= 5 and digits.isdigit()
         assert row["prompt"][0]["content"] == f"{task}: {digits}"
         assert row["reward_model"]["ground_truth"] == transform(digits)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_fixed_length_copies(length):
+    rows = make_rows(f"copy{length}", 50, seed=0, split="train")
+    assert {len(row["extra_info"]["digits"]) for row in rows} == {length}
+    assert all(row["reward_model"]["ground_truth"] == row["extra_info"]["digits"] for row in rows)
 
 
 def test_arithmetic_solutions_compute_the_ground_truth():

@@ -26,6 +26,9 @@ __all__ = ["TASKS", "make_rows", "task_texts", "write_task"]
 # task name -> rows(n, rng, split)
 TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
     **{op: partial(make_digit_rows, op) for op in DIGIT_OPS},
+    # copy with a fixed number of digits (data_source synthetic/copy, same scorer): every answer digit and
+    # the stop sit at the same place in every row, which a random 2-layer model learns by RL in minutes
+    **{f"copy{k}": partial(make_digit_rows, "copy", min_digits=k, max_digits=k) for k in (1, 2, 3)},
     "arith": make_arithmetic_rows,
     "tool_multiply": make_tool_multiply_rows,
 }
