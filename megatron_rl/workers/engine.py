@@ -16,6 +16,7 @@ mini-batch loss, however the mini-batch was split over micro-batches and ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.models.moe_training import moe_metrics, router_loss_scaling
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
 from megatron_rl.workers.optimizer_device import optimizer_device_scope
 from megatron_rl.workers.packing import PackedMicroBatch
@@ -67,9 +69,14 @@ def check_parallel_state(parallel: Any, prefix: str) -> None:
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
         "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
     }
+    # MoE sizes: EP 1 and ETP = TP (Megatron's default) when a config does not set them
+    defaults = {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": parallel.tensor_model_parallel_size}
     for key, value in actual.items():
-        wanted = getattr(parallel, key)
+        wanted = getattr(parallel, key, None)
+        wanted = defaults[key] if wanted is None and key in defaults else wanted
         if wanted != value:
             raise ValueError(
                 f"{prefix}.{key}={wanted} but Megatron's parallel state was initialised with {value}"
@@ -133,6 +140,8 @@ class MegatronEngine:
         # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.
         self.packed_sequences = bool(getattr(parallel, "packed_sequences", False))
         self.value_head = value_head
+        # MoE router losses of the last training run (models/moe_training.py); {} for dense models
+        self.router_metrics: dict[str, float] = {}
         self.optimizer = None
         self.scheduler = None
         self.use_distributed_optimizer = False
@@ -291,8 +300,11 @@ class MegatronEngine:
         for chunk in self.model:
             chunk.train(not forward_only)
         iterators = [iter(micro_batches) for _ in self.model]
-        with torch.set_grad_enabled(not forward_only):
-            return get_forward_backward_func()(
+        scaling = contextlib.nullcontext() if forward_only else router_loss_scaling(
+            self.config, len(micro_batches), parallel_state.get_data_parallel_world_size()
+        )
+        with torch.set_grad_enabled(not forward_only), scaling:
+            outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.model if len(self.model) > 1 else self.model[0],
@@ -301,6 +313,9 @@ class MegatronEngine:
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
                 forward_only=forward_only,
             )
+        if not forward_only and self.hf_config.moe is not None:
+            self.router_metrics = moe_metrics(self.config.num_layers, len(micro_batches))
+        return outputs
 
     def zero_grad(self) -> None:
         for chunk in self.model:

@@ -48,7 +48,9 @@ def setup_parallel_state(megatron_cfg: Any) -> None:
                              f"{have} already set up in this process")
         return
     init_model_parallel(tp=wanted[0], pp=wanted[1], vpp=megatron_cfg.virtual_pipeline_model_parallel_size,
-                        cp=wanted[2], seed=megatron_cfg.seed)
+                        cp=wanted[2], seed=megatron_cfg.seed,
+                        ep=megatron_cfg.expert_model_parallel_size,
+                        etp=megatron_cfg.expert_tensor_parallel_size)
 
 
 class ActorRolloutRefWorker(Worker):

@@ -96,3 +96,25 @@ def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | No
                 out["grads"][name, key_layout] = _grads_by_hf_key(chunks)
     out["rank"] = dist.get_rank()
     return out
+
+
+def moe_actor_job(model_dir: str, steps: int) -> list[dict[str, float]]:
+    """``steps`` PPO updates of an MoE actor at EP=2 (2 ranks, DP=2) with the router losses on; the metrics."""
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+    from workers_jobs import actor_config, dp_shard, make_actor, training_batch, update
+
+    from megatron_rl.distributed import init_model_parallel
+
+    init_model_parallel(tp=1, pp=1, ep=2)
+    config = actor_config()
+    megatron = replace(
+        config.megatron,
+        expert_model_parallel_size=2,
+        override_transformer_config={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001},
+    )
+    role = make_actor(model_dir, replace(config, megatron=megatron))
+    return [update(role, dp_shard(training_batch(seed=step))) for step in range(steps)]

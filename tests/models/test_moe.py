@@ -172,3 +172,18 @@ def test_four_ranks_expert_and_tensor_parallel(four_ranks, layout):
     _check_logits(dirs, results, layout)
     _check_export(dirs, results, layout)
     _check_reads(results, layout)
+
+
+@pytest.mark.distributed
+def test_actor_updates_at_expert_parallel_log_router_losses(tmp_path):
+    from moe_jobs import moe_actor_job
+
+    model = make_tiny_hf_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    per_rank = run_multiprocess(moe_actor_job, 2, str(model), 3, timeout_s=900)
+    assert per_rank[0] == per_rank[1]  # metrics are reduced: identical on every rank
+    for metrics in per_rank[0]:
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+        # Megatron's switch loss, E / topk * sum_i(f_i * p_i): 1 for uniform routing, E / topk = 2 at most
+        assert 0.9 < metrics["actor/moe_aux_loss"] < 2.0, metrics
+        assert {"actor/moe_aux_loss/layer_0", "actor/moe_aux_loss/layer_1"} <= metrics.keys()
+        assert metrics["actor/moe_z_loss"] > 0

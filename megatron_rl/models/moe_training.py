@@ -1,0 +1,80 @@
+"""MoE router losses in training: what the coefficients mean here, and their logged values.
+
+Megatron-Core 0.16.1 adds the load-balancing loss (``moe_aux_loss_coeff``) and the router z-loss
+(``moe_z_loss_coeff``) through ``MoEAuxLossAutoScaler`` in every micro-batch's backward. Megatron's own
+training averages those gradients over micro-batches and data-parallel ranks (it scales by
+1/num_microbatches and averages over DP). The engine does neither (its policy loss is already normalised to
+the global mini-batch and DP gradients are summed, workers/engine.py), and its routers are built before the
+engine turns on ``calculate_per_token_loss`` (so they take Megatron's unscaled path). Left alone, the router
+losses would weigh ``num_microbatches x DP`` times their coefficient. ``router_loss_scaling`` divides the
+coefficients by that for the backward pass of one mini-batch, so a coefficient means what it means in
+Megatron (and in verl/slime, which train with Megatron's schedule): ``coeff x`` the mean router loss.
+
+Megatron logs the loss values divided by their coefficient, so ``moe_metrics`` reports the raw losses (the actor logs them as ``actor/moe_aux_loss`` ...), summed
+over the pipeline stages' layers as Megatron does, averaged over layers and DP ranks; per-layer values too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Megatron's tracker name -> our metric name
+_TRACKED = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
+
+
+@contextlib.contextmanager
+def router_loss_scaling(config: Any, num_microbatches: int, dp_size: int) -> Iterator[None]:
+    """Router-loss coefficients of ``config`` divided by ``num_microbatches x dp_size`` inside the block."""
+    if getattr(config, "num_moe_experts", None) is None:
+        yield
+        return
+    saved = (config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+    factor = num_microbatches * dp_size
+
+    def scaled(coeff):
+        if coeff is None:
+            return None
+        if isinstance(coeff, (list, tuple)):
+            return [c / factor for c in coeff]
+        return coeff / factor
+
+    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = scaled(saved[0]), scaled(saved[1])
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
+
+
+def moe_metrics(num_layers: int, num_microbatches: int) -> dict[str, float]:
+    """``moe_aux_loss`` (and ``moe_z_loss`` when on), layer means, plus ``moe_aux_loss/layer_<i>``,
+    per micro-batch, from Megatron's tracker since the last call (which it then clears; it sums over the
+    ``num_microbatches`` of one optimizer step). Identical on every rank: collective over PP and DP; {} when no
+    router loss was computed (dense model, coefficients 0)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = [name for name in _TRACKED if name in tracker]
+    if not names:
+        return {}
+    reduce_aux_losses_tracker_across_ranks(names)
+    out: dict[str, float] = {}
+    for name in names:
+        values: torch.Tensor = tracker[name]["values"][:num_layers].float()
+        if tracker[name].get("reduce_group") is None:  # z-loss: Megatron leaves it per rank
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group(), op=dist.ReduceOp.AVG)
+        values = values.cpu() / num_microbatches
+        out[_TRACKED[name]] = float(values.mean())
+        if name == "load_balancing_loss":
+            out.update({f"moe_aux_loss/layer_{i}": float(v) for i, v in enumerate(values)})
+    clear_aux_losses_tracker()
+    return out
