@@ -82,7 +82,7 @@ def test_validate_checks_the_rollout_correction_keys():
         validate(_cfg("algorithm.rollout_correction.rollout_is=seq"))
     with pytest.raises(ConfigError, match="loss_type='reinforce' with bypass_mode=true"):
         validate(_cfg("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"))
-    for keys in (("rollout_is=token",), ("rollout_rs=token_k1", "rollout_rs_threshold=0.5")):
+    for keys in (("rollout_is=token",), ("rollout_rs=token_k1", "rollout_rs_threshold=2.0")):
         with pytest.raises(ConfigError, match="bypass_mode=true with rollout_is/rollout_rs set"):
             validate(_cfg("algorithm.rollout_correction.bypass_mode=true", *(f"algorithm.rollout_correction.{k}" for k in keys)))
 
