@@ -36,7 +36,7 @@ STEPS = int(os.environ.get("MRL_BENCH_STEPS", 23))
 SIZES = {
     "demo": {"prompts": 32, "n": 8, "response_length": 6, "lr": 5e-3, "model": None},
     "30M": {"prompts": 16, "n": 8, "response_length": 32, "lr": 1e-4,
-            "model": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+            "model": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 10,  # 29.5M parameters
                       "num_attention_heads": 8, "num_key_value_heads": 4}},
 }
 # Our layouts. "tp2x2ranks": the demo's (Megatron TP 2 on 2 Ray ranks), default numerics. "1proc": what a
@@ -62,6 +62,8 @@ def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
     config = AutoConfig.from_pretrained(assets_model)
     for key, value in shape.items():
         setattr(config, key, value)
+    if getattr(config, "layer_types", None):  # one entry per layer
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
     config.max_position_embeddings = 128
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)

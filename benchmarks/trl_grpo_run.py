@@ -3,7 +3,8 @@ hyperparameters as ours (benchmarks/test_vs_trl.py runs it in its own process, l
 
     python benchmarks/trl_grpo_run.py --spec spec.json --out result.json
 
-Writes {"startup_s": process start -> first optimizer step begins, "step_s": [seconds per 256-sample step]}.
+Writes {"startup_s": process start -> first optimizer step begins, "startup_cpu_s": this process's CPU seconds
+until then, "step_s": [seconds per generation round (our step)], "step_cpu_s": [its CPU seconds]}.
 One of our training steps (``prompts`` x n responses, 2 optimizer steps) is one TRL generation round:
 ``steps_per_generation`` = 2 optimizer steps of ``prompts / 2`` x n completions each.
 """
@@ -55,19 +56,24 @@ def main() -> None:
         bf16=False,  # TRL defaults to bf16 autocast, which is slow on CPU; ours trains in fp32 here too
     )
     marks: list[float] = []
+    cpu_marks: list[float] = []  # this process's CPU seconds: what the work costs whatever else loads the machine
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             marks.append(time.perf_counter())
+            cpu_marks.append(time.process_time())
 
     trainer = GRPOTrainer(model=model, reward_funcs=digits_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepClock()])
     trainer.train()
     marks.append(time.perf_counter())
+    cpu_marks.append(time.process_time())
     # a generation round (our step) = two optimizer steps; the round starts at the first of them
     rounds = [marks[i + 2] - marks[i] for i in range(0, len(marks) - 2, 2)]
+    cpu_rounds = [cpu_marks[i + 2] - cpu_marks[i] for i in range(0, len(cpu_marks) - 2, 2)]
     with open(args.out, "w") as out:
-        json.dump({"startup_s": marks[0] - START, "step_s": rounds}, out)
+        json.dump({"startup_s": marks[0] - START, "startup_cpu_s": cpu_marks[0], "step_s": rounds,
+                   "step_cpu_s": cpu_rounds}, out)
 
 
 if __name__ == "__main__":
