@@ -48,6 +48,7 @@ from megatron_rl.algos.policy_loss import (
     register_policy_loss,
 )
 from megatron_rl.algos.rewards import apply_kl_penalty, rewards_from_scores
+from megatron_rl.algos import rollout_corr  # noqa: F401  (registers the `bypass_mode` policy loss)
 from megatron_rl.algos.value_loss import compute_entropy_loss, compute_kl_loss, compute_value_loss
 
 __all__ = [
