@@ -143,6 +143,9 @@ class OneStepOffPolicyTrainer(RLTrainer):
             return super().fit()
         finally:
             self._threads.shutdown(wait=True)  # a generation in flight at an error finishes; its result is dropped
+            close = getattr(self.rollout_client, "close", None)
+            if close is not None:
+                close()
 
     # ------------------------------------------------------------------ checkpoints
     def save_driver_extras(self, directory: Path) -> None:
