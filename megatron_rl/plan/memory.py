@@ -27,6 +27,13 @@ class Layout:
     dp: int
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    ep: int = 1  # MoE: experts split over EP ranks ...
+    etp: Optional[int] = None  # ... and each expert over ETP ranks (None: = TP)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks one layer's experts are spread over: EP x ETP."""
+        return self.ep * (self.tp if self.etp is None else self.etp)
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,24 @@ class StateBytesPerParam:
     optimizer_at_start: float = 0.0
 
 
+def attention_params(model: HFModelConfig) -> int:
+    """q, k, v, o projections of one layer (and an MoE layer's router: replicated like them)."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    router = model.moe.num_experts * h if model.moe is not None else 0
+    return h * (q + 2 * kv) + q * h + router
+
+
+def mlp_params(model: HFModelConfig, experts: int | None = None) -> int:
+    """SwiGLU gate, up, down of one layer: the dense MLP, or ``experts`` (default all) MoE experts."""
+    if model.moe is None:
+        return 3 * model.hidden_size * model.intermediate_size
+    count = model.moe.num_experts if experts is None else experts
+    return count * 3 * model.hidden_size * model.moe.ffn_hidden_size
+
+
 def layer_params(model: HFModelConfig) -> int:
-    """Weights of one transformer layer: q, k, v, o projections and the SwiGLU gate, up, down."""
-    h, q, kv, ffn = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
-    return h * (q + 2 * kv) + q * h + 3 * h * ffn
+    """Weights of one transformer layer: attention (+ router) and the MLP or all experts."""
+    return attention_params(model) + mlp_params(model)
 
 
 def total_params(model: HFModelConfig) -> int:
@@ -60,21 +81,47 @@ def total_params(model: HFModelConfig) -> int:
     return model.num_layers * layer_params(model) + vocab_matrices * model.vocab_size * model.hidden_size
 
 
+def active_params(model: HFModelConfig) -> int:
+    """Weights one token passes through: all of a dense model; of an MoE model only its top-k experts."""
+    if model.moe is None:
+        return total_params(model)
+    experts = model.num_layers * (mlp_params(model) - mlp_params(model, model.moe.topk))
+    return total_params(model) - experts
+
+
 def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bool = True) -> int:
     """Parameters on one GPU of the first or last pipeline stage.
 
-    Layers split evenly over PP and their weights over TP. The (padded) embedding lives on the first
+    Layers split evenly over PP and their weights over TP; MoE experts over EP x ETP instead. The (padded)
+    embedding lives on the first
     stage and the output layer on the last; with PP=1 both are on the one stage, and tied embeddings
     share one matrix there. ``lm_head=False`` is the critic: a hidden -> 1 value head, no vocab output.
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
-    layers = model.num_layers // layout.pp * layer_params(model) // layout.tp
+    if model.moe is None:
+        layers = model.num_layers // layout.pp * layer_params(model) // layout.tp
+    else:
+        per_layer = attention_params(model) // layout.tp + mlp_params(model) // layout.expert_shards
+        layers = model.num_layers // layout.pp * per_layer
     if layout.pp == 1:
         shared = model.tie_word_embeddings and lm_head
         return layers + vocab_shard * (1 if shared or not lm_head else 2)
     if stage == "first":
         return layers + vocab_shard
     return layers + (vocab_shard if lm_head else 0)
+
+
+def stage_expert_params(model: HFModelConfig, layout: Layout) -> int:
+    """Of ``stage_params``, the MoE experts on one GPU (0 for a dense model)."""
+    if model.moe is None:
+        return 0
+    return model.num_layers // layout.pp * (mlp_params(model) // layout.expert_shards)
+
+
+def expert_data_parallel(layout: Layout) -> int:
+    """Ranks holding the same experts (Megatron's expert-DP group): a stage's ranks / (EP x ETP). The
+    distributed optimizer shards the experts' Adam state over these, not over DP."""
+    return layout.tp * layout.cp * layout.dp // layout.expert_shards
 
 
 def state_bytes_per_param(params_dtype: str, distributed_optimizer: bool, optimizer_shards: int) -> StateBytesPerParam:

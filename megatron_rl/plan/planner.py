@@ -79,8 +79,12 @@ class Plan:
     def format(self) -> str:
         model, layout, rollout = self.model, self.actor_layout, self.rollout
         params = memory.total_params(model)
+        moe = model.moe
+        active = (f" ({_count(memory.active_params(model))} active: top-{moe.topk} of {moe.num_experts} experts of "
+                  f"ffn {moe.ffn_hidden_size}; experts over EP {layout.ep} x ETP {layout.etp or layout.tp})"
+                  if moe is not None else "")
         lines = [
-            f"model ({model.source}): {model.architecture}, {_count(params)} params; hidden {model.hidden_size}, "
+            f"model ({model.source}): {model.architecture}, {_count(params)} params{active}; hidden {model.hidden_size}, "
             f"{model.num_layers} layers, {model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
             f"ffn {model.intermediate_size}, vocab {model.vocab_size} (padded to "
             f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
@@ -121,7 +125,9 @@ def _layout(cfg: DictConfig, prefix: str, world: int) -> Layout:
         raise PlanError(f"{prefix}.megatron: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
                         f"world size {world}")
     return Layout(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp),
-                  vpp=mcfg.virtual_pipeline_model_parallel_size, sequence_parallel=mcfg.sequence_parallel)
+                  vpp=mcfg.virtual_pipeline_model_parallel_size, sequence_parallel=mcfg.sequence_parallel,
+                  ep=OmegaConf.select(mcfg, "expert_model_parallel_size", default=1),
+                  etp=OmegaConf.select(mcfg, "expert_tensor_parallel_size", default=None))
 
 
 def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str) -> Any:
@@ -146,7 +152,8 @@ def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layou
             warnings.simplefilter("ignore")
             return make_transformer_config(
                 model, torch.float32 if dtype in ("fp32", "float32") else torch.bfloat16, init_weights=False,
-                layout=(layout.tp, layout.pp, layout.vpp, layout.cp), **overrides)
+                layout=(layout.tp, layout.pp, layout.vpp, layout.cp),
+                expert_layout=(layout.ep, layout.tp if layout.etp is None else layout.etp), **overrides)
     except (ValueError, AssertionError, TypeError) as err:
         raise PlanError(f"{prefix}.megatron (sequence_parallel and override_transformer_config {overrides}): "
                         f"Megatron-Core's TransformerConfig refuses it: {err}") from err
@@ -160,9 +167,13 @@ def _recompute(tcfg: Any) -> Recompute:
 
 def _check_factors(model: HFModelConfig, prefix: str, layout: Layout) -> None:
     try:
-        check_parallel_fit(model, layout.tp, layout.pp, layout.vpp)
+        check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp)
+        if (layout.tp * layout.cp * layout.dp) % layout.expert_shards:
+            raise ValueError(f"EP*ETP = {layout.expert_shards} does not divide the "
+                             f"{layout.tp * layout.cp * layout.dp} ranks of a pipeline stage")
     except ValueError as err:
-        raise PlanError(f"{prefix}.megatron (TP={layout.tp}, PP={layout.pp}) does not factor this model: {err}") from err
+        raise PlanError(f"{prefix}.megatron (TP={layout.tp}, PP={layout.pp}, EP={layout.ep}) does not factor this "
+                        f"model: {err}") from err
 
 
 def _check_rollout_factors(model: HFModelConfig, tp: int) -> None:
@@ -236,8 +247,16 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
     table.add(f"{role} grads (fp32)", params * per_param.grads, grads_phases)
     shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
-    table.add(f"{role} optimizer (Adam{shards})", params * per_param.optimizer, optim_phases,
-              at_engine_start=params * per_param.optimizer_at_start if "generate" in optim_phases else 0.0)
+    # MoE: the experts' Adam state is sharded over the expert-DP group only
+    experts = memory.stage_expert_params(model, layout)
+    expert_dp = memory.expert_data_parallel(layout)
+    per_expert = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, expert_dp)
+    if experts and mcfg.use_distributed_optimizer:
+        shards += f", experts /{expert_dp}"
+    optimizer = (params - experts) * per_param.optimizer + experts * per_expert.optimizer
+    at_start = (params - experts) * per_param.optimizer_at_start + experts * per_expert.optimizer_at_start
+    table.add(f"{role} optimizer (Adam{shards})", optimizer, optim_phases,
+              at_engine_start=at_start if "generate" in optim_phases else 0.0)
     # (m, v come at the first step, after the engine has sized itself)
     tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg))
     act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,

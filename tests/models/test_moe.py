@@ -187,3 +187,38 @@ def test_actor_updates_at_expert_parallel_log_router_losses(tmp_path):
         assert 0.9 < metrics["actor/moe_aux_loss"] < 2.0, metrics
         assert {"actor/moe_aux_loss/layer_0", "actor/moe_aux_loss/layer_1"} <= metrics.keys()
         assert metrics["actor/moe_z_loss"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two CLI runs, each starting two ranks
+def test_convert_cli_round_trip_is_exact(tmp_path, capsys):
+    from megatron_rl.models.convert_cli import main
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "mixtral")
+    mcore_dir, back_dir = tmp_path / "mcore", tmp_path / "back"
+    assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(mcore_dir), "--tp", "2", "--verify"]) == 0
+    diff = float(re.search(r"max \|logit diff\| = (\S+) \(ok", capsys.readouterr().out).group(1))
+    assert diff <= TOLERANCE
+    assert main(["mcore-to-hf", "--mcore-dir", str(mcore_dir), "--out", str(back_dir), "--pp", "2"]) == 0
+    original, converted = load_file(hf_dir / "model.safetensors"), load_file(back_dir / "model.safetensors")
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[name], tensor) for name, tensor in original.items())
+
+
+def test_planner_counts_total_and_active_params_and_shards_experts_over_ep():
+    from megatron_rl.plan import memory
+
+    qwen3_30b_a3b = dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    )
+    model = parse_hf_config(qwen3_30b_a3b)
+    assert round(memory.total_params(model) / 1e9, 2) == 30.53  # Qwen's model card: 30.5 B total
+    assert round(memory.active_params(model) / 1e9, 2) == 3.35  # ... 3.3 B activated
+    ep1 = memory.Layout(tp=2, pp=1, cp=1, dp=8)
+    ep8 = memory.Layout(tp=2, pp=1, cp=1, dp=8, ep=8, etp=1)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert memory.stage_expert_params(model, ep8) == experts // 8
+    assert memory.stage_params(model, ep1, "first") - memory.stage_params(model, ep8, "first") == experts // 2 - experts // 8
+    assert memory.expert_data_parallel(ep8) == 2  # 16 ranks / (EP 8 x ETP 1)
