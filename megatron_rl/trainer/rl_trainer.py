@@ -74,6 +74,29 @@ def new_uids(step: int, count: int) -> np.ndarray:
     return np.array([f"{step}-{i}" for i in range(count)], dtype=object)
 
 
+def planned_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
+    """The run's step count: ``trainer.total_training_steps``, else epochs x batches per epoch (verl's rule)."""
+    if cfg.trainer.total_training_steps is not None:
+        return int(cfg.trainer.total_training_steps)
+    total = batches_per_epoch * cfg.trainer.total_epochs
+    if total == 0:
+        raise ValueError(f"the training data gives 0 steps: {batches_per_epoch} batches of "
+                         f"data.train_batch_size={cfg.data.train_batch_size} prompts per epoch x "
+                         f"trainer.total_epochs={cfg.trainer.total_epochs}; use more prompts or a "
+                         f"smaller data.train_batch_size")
+    return total
+
+
+def fill_optimizer_steps(cfg: DictConfig, batches_per_epoch: int) -> None:
+    """An optimizer's ``total_training_steps: -1`` becomes the run's step count (as verl fills it), before the
+    workers are built: the cosine schedule decays over it."""
+    total = planned_steps(cfg, batches_per_epoch)
+    for role in ("actor_rollout_ref.actor", "critic"):
+        optim = OmegaConf.select(cfg, f"{role}.optim")
+        if optim is not None and optim.total_training_steps == -1:
+            optim.total_training_steps = total
+
+
 class RLTrainer:
     def __init__(self, cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutRef,
                  critic: Critic | None, reward_fn: RewardFn, train_loader, val_batches: Callable[[], Iterator[DataProto]] | None,
@@ -377,15 +400,7 @@ class RLTrainer:
             yield from self.train_loader
 
     def _total_steps(self) -> int:
-        if self.cfg.trainer.total_training_steps is not None:
-            total = int(self.cfg.trainer.total_training_steps)
-        else:
-            total = len(self.train_loader) * self.cfg.trainer.total_epochs
-            if total == 0:
-                raise ValueError(f"the training data gives 0 steps: {len(self.train_loader)} batches of "
-                                 f"data.train_batch_size={self.cfg.data.train_batch_size} prompts per epoch x "
-                                 f"trainer.total_epochs={self.cfg.trainer.total_epochs}; use more prompts or a "
-                                 f"smaller data.train_batch_size")
+        total = planned_steps(self.cfg, len(self.train_loader))
         for role in ("actor_rollout_ref.actor", "critic"):
             warmup = OmegaConf.select(self.cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
             if warmup > total and (role != "critic" or self.use_critic):

@@ -20,6 +20,7 @@ from megatron_rl.reward.model.reward_fn import build_reward_fn
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.deadlines import call_deadlines
 from megatron_rl.trainer.disaggregated import build_trainer, start_rollout_servers
+from megatron_rl.trainer.rl_trainer import fill_optimizer_steps
 from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
 from megatron_rl.trainer.tracking import Tracking, plot_curves
 
@@ -151,6 +152,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
                                    seed=cfg.data.seed, drop_last=True,
                                    num_workers=cfg.data.dataloader_num_workers)
     reward_fn = build_reward_fn(cfg, tokenizer)  # rule scorers, and the reward model when reward_model.enable
+    fill_optimizer_steps(cfg, len(train_loader))  # before the workers build their lr schedules
 
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
