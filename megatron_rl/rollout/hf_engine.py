@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -98,6 +99,9 @@ class HFEngine(RolloutEngine):
         self._targets = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
         self._unique_params = {id(p): name for name, p in self.model.named_parameters()}
         self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
+        # MoE: per-expert names written into transformers 5's fused expert tensors (models/moe_fused.py);
+        # a fused tensor counts as loaded once every expert slice of it was
+        self._session_slices: dict[int, set[str]] = {}
         self._session_version = 0
         # why the served weights cannot be trusted (None: they can)
         self._broken: str | None = (
@@ -213,6 +217,7 @@ class HFEngine(RolloutEngine):
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self.wake_up()  # an engine released for training comes back through its next weight update
         self._session_loaded = set()
+        self._session_slices = {}
         self._session_version = int(version)
 
     @torch.no_grad()
@@ -220,7 +225,9 @@ class HFEngine(RolloutEngine):
         if self._session_loaded is None:
             raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
         for name, tensor in named_tensors:
-            target = self._targets.get(name)
+            target, fused = self._targets.get(name), None
+            if target is None and (found := expert_slice(self._targets, name)) is not None:
+                target, fused = found
             if target is None:
                 raise WeightUpdateError(
                     f"weight {name!r} is not a parameter of the rollout model "
@@ -231,7 +238,13 @@ class HFEngine(RolloutEngine):
                     f"weight {name!r} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-            self._session_loaded.add(id(target))
+            if fused is None:
+                self._session_loaded.add(id(target))
+                continue
+            filled = self._session_slices.setdefault(id(fused), set())
+            filled.add(name)
+            if len(filled) == slices_per_fused(fused, self._unique_params[id(fused)]):
+                self._session_loaded.add(id(fused))
 
     def end_weight_update(self) -> None:
         if self._session_loaded is None:

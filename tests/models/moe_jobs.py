@@ -118,3 +118,24 @@ def moe_actor_job(model_dir: str, steps: int) -> list[dict[str, float]]:
     )
     role = make_actor(model_dir, replace(config, megatron=megatron))
     return [update(role, dp_shard(training_batch(seed=step))) for step in range(steps)]
+
+
+def moe_sync_job(model_dir: str) -> dict[str, float]:
+    """EP=2: export -> sync_weights -> an HF engine started from random weights; its log-probs vs the trainer's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    from test_megatron_sync import _prompts, _trainer_log_prob_fn
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, export_hf_weights
+    from megatron_rl.rollout import HFEngine, sync_weights, verify_sync
+
+    init_model_parallel(tp=1, pp=1, ep=2)
+    chunks = build_from_hf(model_dir)
+    torch.manual_seed(7)  # every rank's engine starts from the same random weights
+    engine = HFEngine(RolloutConfig(response_length=6), model_dir)
+    sync_weights(export_hf_weights(chunks), engine, version=1, bucket_bytes=16 << 10)
+    return verify_sync(_trainer_log_prob_fn(chunks), engine, _prompts(), threshold=1e-5)

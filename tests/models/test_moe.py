@@ -226,3 +226,12 @@ def test_planner_counts_total_and_active_params_and_shards_experts_over_ep():
     assert memory.stage_expert_params(model, ep8) == experts // 8
     assert memory.stage_params(model, ep1, "first") - memory.stage_params(model, ep8, "first") == experts // 2 - experts // 8
     assert memory.expert_data_parallel(ep8) == 2  # 16 ranks / (EP 8 x ETP 1)
+
+
+@pytest.mark.distributed
+def test_weight_sync_into_hf_engine_at_expert_parallel(tmp_path):
+    from moe_jobs import moe_sync_job
+
+    model = make_tiny_hf_checkpoint(tmp_path / "mixtral", "mixtral", seed=3)
+    for rank, metrics in enumerate(run_multiprocess(moe_sync_job, 2, str(model), timeout_s=600)):
+        assert metrics["rollout/logprob_diff_max"] < 1e-5, (rank, metrics)
