@@ -9,7 +9,10 @@ the real thing there); gloo groups take it when all members share a host and /de
 Two slots (bucket k in slot k % 2) let bucket k+1 be written while bucket k is read. A rank writes slot s
 for bucket k+1 only after bucket k's barrier, which no rank enters before it finished reading bucket k-1
 from slot s (the order of ``export_hf_buckets``: convert k-1, then start k's transfer), so a row is never
-overwritten while someone reads it.
+overwritten while someone reads it. Across exports the same holds through a barrier when an export takes the
+buffer (a rank that finished the previous export early must not write bucket 0 while another still converts
+the previous export's last bucket), and an export that starts while another one holds the buffer (two
+exports iterated together) uses the backend's all-gather instead.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class HostGather:
 
     def __init__(self, group: dist.ProcessGroup, shard_bytes: int, slots: int = 2) -> None:
         self.group, self.shard_bytes, self.slots = group, shard_bytes, slots
+        self.in_use = False  # held by an export from its start to its end (export_hf_buckets)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         nbytes = slots * self.size * shard_bytes
         name = [os.path.join(SHM_DIR, f"megatron-rl-gather-{uuid.uuid4().hex}") if self.rank == 0 else None]
@@ -57,6 +61,10 @@ class HostGather:
         rows = self._rows[slot, :, :nbytes]
         return rows.reshape(-1) if nbytes == self.shard_bytes else rows.contiguous().view(-1)
 
+    def release(self) -> None:
+        """The export that took the buffer is done with it."""
+        self.in_use = False
+
     def publish(self):
         """Start the barrier that says this rank's row is written; ``.wait()`` it before reading the rows."""
         return dist.barrier(group=self.group, async_op=True)
@@ -80,14 +88,19 @@ def _room_for(nbytes: int) -> bool:
 
 
 def host_gather_for(group: dist.ProcessGroup, shard_bytes: int) -> HostGather | None:
-    """The group's shared gather buffer (made once, grown when a larger shard comes), or None where the
-    group must use its backend's all-gather: NCCL, members on several hosts, no /dev/shm room, or off.
-    Every member must call it together with the same ``shard_bytes`` (it may run collectives)."""
+    """The group's shared gather buffer (made once, grown when a larger shard comes), taken for one export
+    (``release`` it at the export's end), or None where the group must use its backend's all-gather: NCCL,
+    members on several hosts, no /dev/shm room, off, or the buffer held by another export. Every member
+    must call it together with the same ``shard_bytes`` (it runs collectives)."""
     if not enabled or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
         return None
     key = tuple(dist.get_process_group_ranks(group))
     cached = _cache.get(key)
-    if cached is not None and cached.shard_bytes >= shard_bytes:
+    if cached is not None and cached.in_use:
+        return None  # another export on this group is still running (iterated together with this one)
+    if cached is not None and cached.group is group and cached.shard_bytes >= shard_bytes:
+        dist.barrier(group=group)  # everyone has finished reading the previous export's last bucket
+        cached.in_use = True
         return cached
     # every member decides on the same facts: one host, and room on every member's /dev/shm
     verdict = torch.tensor([int(_room_for(2 * len(key) * shard_bytes))])
@@ -96,6 +109,7 @@ def host_gather_for(group: dist.ProcessGroup, shard_bytes: int) -> HostGather | 
         log.info("TP gather over %s for ranks %s (no shared /dev/shm room or several hosts)",
                  dist.get_backend(group), key)
         return None
-    _cache.pop(key, None)
-    _cache[key] = HostGather(group, shard_bytes)
+    _cache.pop(key, None)  # too small, or made for an earlier group of the same ranks (parallel state rebuilt)
+    _cache[key] = HostGather(group, shard_bytes)  # its barriers order it after every earlier use
+    _cache[key].in_use = True
     return _cache[key]

@@ -464,16 +464,20 @@ def export_hf_buckets(
         return
     if ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:
         ctx.host_gather = host_gather_for(ctx.tp_group, max(b.shard_bytes for b in buckets))
-    pending = _Transfer(ctx, buckets[0], 0).start_pipeline().start_tensor_parallel()
-    for k, bucket in enumerate(buckets):
-        gathered = pending.finish()
-        following = _Transfer(ctx, buckets[k + 1], k + 1).start_pipeline() if k + 1 < len(buckets) else None
-        out = _hf_bucket(ctx, bucket, gathered) if gathered is not None else None
-        del gathered
-        if following is not None:
-            pending = following.start_tensor_parallel()  # runs while the consumer loads ``out``
-        if out is not None:
-            yield out
+    try:
+        pending = _Transfer(ctx, buckets[0], 0).start_pipeline().start_tensor_parallel()
+        for k, bucket in enumerate(buckets):
+            gathered = pending.finish()
+            following = _Transfer(ctx, buckets[k + 1], k + 1).start_pipeline() if k + 1 < len(buckets) else None
+            out = _hf_bucket(ctx, bucket, gathered) if gathered is not None else None
+            del gathered
+            if following is not None:
+                pending = following.start_tensor_parallel()  # runs while the consumer loads ``out``
+            if out is not None:
+                yield out
+    finally:
+        if ctx.host_gather is not None:
+            ctx.host_gather.release()
 
 
 def export_hf_weights(

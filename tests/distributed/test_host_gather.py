@@ -2,7 +2,8 @@
 
 What it must hold, like the all-gather it replaces: the consumer gets every rank's shard of every bucket
 bit for bit even when the ranks run at different speeds (a slow consumer, a fast non-consumer that races
-ahead into the next buckets: the slot reuse must not overwrite a bucket still being read), no TP all-gather
+ahead into the next buckets or the next export: the slot reuse must not overwrite a bucket still being
+read; two exports iterated together must not share the buffer), no TP all-gather
 runs, and no file is left in /dev/shm. Off (``host_gather.enabled``) it falls back to gloo's all-gather.
 """
 
@@ -24,6 +25,7 @@ BUCKET_BYTES = 8 << 10  # many small buckets: every slot is reused many times
 def raced_exports(ckpt_dir: str) -> dict:
     from megatron_rl.distributed import host_gather, init_model_parallel
     from megatron_rl.models import build_from_hf, export_hf_weights, export_hf_weights_tensorwise
+    from megatron_rl.models import export
 
     init_model_parallel(tp=2)
     chunks = build_from_hf(ckpt_dir)
@@ -49,6 +51,19 @@ def raced_exports(ckpt_dir: str) -> dict:
             if buckets % 3 == 0:
                 time.sleep(0.02)
         shm_calls = dict(calls)
+        # back-to-back exports: the fast non-consumer starts the next export (writing bucket 0) while the
+        # consumer may still convert the previous export's last bucket; buckets sizes vary the last slot
+        back_to_back = []
+        convert = export._hf_bucket
+        # the consumer converts slowly (it reads the shared rows late), so a writer that does not wait shows
+        export._hf_bucket = lambda *a: (time.sleep(0.05), convert(*a))[1]
+        for bucket_bytes in (BUCKET_BYTES, 12 << 10, 16 << 10, 24 << 10):
+            back_to_back.append({n: t.clone() for n, t in export_hf_weights(chunks, bucket_bytes=bucket_bytes,
+                                                                             consumers={0})})
+        export._hf_bucket = convert
+        # two exports iterated together: the second one must not share the first one's buffer
+        zipped = [(a, b.clone()) for (a, _), (_, b) in zip(export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES),
+                                                             export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES))]
         host_gather.enabled = False
         fallback = {name: t.clone() for name, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES)}
         host_gather.enabled = True
@@ -61,6 +76,9 @@ def raced_exports(ckpt_dir: str) -> dict:
         out["mismatch"] = sorted(n for n, t in reference.items() if not torch.equal(received.get(n), t))
         out["fallback_mismatch"] = sorted(n for n, t in reference.items() if not torch.equal(fallback[n], t))
         out["missing"] = sorted(set(reference) - set(received))
+        out["back_to_back_mismatch"] = sorted(n for got in back_to_back for n, t in reference.items()
+                                              if not torch.equal(got[n], t))
+        out["zipped_mismatch"] = sorted(n for n, t in zipped if not torch.equal(reference[n], t))
     dist.barrier()
     out["leftover_files"] = glob.glob("/dev/shm/megatron-rl-gather-*")
     return out
@@ -79,6 +97,11 @@ def test_consumer_gets_every_shard_bit_for_bit_while_the_other_rank_races_ahead(
     assert rank0["tensors"] > 0 and not rank0["missing"]
     assert rank0["mismatch"] == [], rank0["mismatch"]
     assert rank1["tensors"] == 0  # not a consumer: takes part, yields nothing
+
+
+def test_back_to_back_and_zipped_exports_never_overwrite_a_bucket_being_read(results):
+    assert results[0]["back_to_back_mismatch"] == []
+    assert results[0]["zipped_mismatch"] == []
 
 
 def test_no_tp_all_gather_runs_and_nothing_is_left_in_dev_shm(results):
