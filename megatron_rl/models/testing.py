@@ -96,6 +96,19 @@ def tiny_hf_config(
     return config
 
 
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of three rows padded on the left, the right and both sides, like RL prompts +
+    responses (token ids < 300, so any tiny model's vocabulary holds them)."""
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 300, (3, 12), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    attention_mask[1, 9:] = 0
+    attention_mask[2, :2] = 0
+    attention_mask[2, 10:] = 0
+    return input_ids, attention_mask
+
+
 def perturb_norms_and_biases(model: torch.nn.Module) -> None:
     """Norm weights 1 + noise, biases noise (in place): a layout bug in any of them changes the outputs."""
     with torch.no_grad():

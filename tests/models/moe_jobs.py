@@ -7,21 +7,11 @@ from typing import Any
 
 import torch
 
+from megatron_rl.models.testing import padded_batch as batch
+
 # (TP, PP, EP, ETP); ETP None = TP
 LAYOUTS_2 = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)]
 LAYOUTS_4 = [(2, 1, 2, None), (1, 2, 2, None)]
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-, right- and both-sides-padded rows, like RL prompts + responses."""
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, 300, (3, 12), generator=gen)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, :3] = 0
-    attention_mask[1, 9:] = 0
-    attention_mask[2, :2] = 0
-    attention_mask[2, 10:] = 0
-    return input_ids, attention_mask
 
 
 def _recorded_reads(monkeypatch_target) -> list[str]:

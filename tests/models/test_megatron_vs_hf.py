@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.testing import make_tiny_hf_checkpoint
+from megatron_rl.models.testing import padded_batch as batch
 
 pytestmark = pytest.mark.distributed
 
@@ -44,18 +45,6 @@ MODELS = {
     "mistral": dict(family="mistral", sliding_window=4),
     "qwen2_kv1": dict(family="qwen2", num_kv_heads=1),
 }
-
-
-def batch():
-    """Left-padded, right-padded and both-sides-padded rows, like RL prompts + responses."""
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, 300, (3, 12), generator=gen)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, :3] = 0
-    attention_mask[1, 9:] = 0
-    attention_mask[2, :2] = 0
-    attention_mask[2, 10:] = 0
-    return input_ids, attention_mask
 
 
 def corrupt(src: Path, dst: Path, how: str) -> Path:
