@@ -12,12 +12,16 @@ torch, these are the calls that fail and what this module answers instead:
 * ``Tensor.cuda()``: GPTModel moves the tied output-layer copy of the embedding to "cuda" before
   all-reducing it across pipeline stages (and dist_checkpointing moves exchanged shards). Returns
   the tensor unchanged.
-* ``device="cuda"`` tensor creation: pipeline schedules (token counters), the optimizers
-  (``FP32Optimizer._scale``, ``found_inf``), gradient clipping and the DDP buffers. A
-  ``TorchFunctionMode`` rewrites CUDA devices to CPU for every torch call of the thread that
-  installed the layer (a per-call cost of a few microseconds, paid only on CPU machines).
-* ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizers and gradient clipping: the
-  same mode answers ``type()`` (no arguments) with the CUDA type name.
+* ``device="cuda"`` tensor creation: pipeline schedules (a token counter per step), the optimizers
+  (``FP32Optimizer._scale``, ``found_inf``), gradient clipping. In megatron-core 0.16.1 these are all
+  calls of torch's factory functions (``torch.tensor/zeros/ones/empty/empty_like/randn``, ...), so
+  those functions are wrapped to turn a CUDA ``device=`` into CPU. Why not a ``TorchFunctionMode``
+  (it was one): a mode sends every torch op of the thread through a Python handler, the HF engine's
+  generation included — 8,000 calls and ~20 % of a demo-sized CPU step. The wrappers cost a dict
+  look-up on factory calls only.
+* ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizers and gradient clipping: only
+  there, so ``workers.optimizer_device.optimizer_device_scope`` enters ``CudaToCpuMode`` (which also
+  answers ``type()`` with the CUDA name) while the optimizer is built or stepped.
 * CUDA streams (MoE only): the all-to-all token dispatcher creates a side stream when it is built and
   copies its split sizes to the host on it (``torch.cuda.Stream()``, ``torch.cuda.stream(s)``,
   ``current_stream()``, ``wait_stream``, ``record_event().synchronize()``). On CPU every op is already
@@ -30,9 +34,8 @@ torch, these are the calls that fail and what this module answers instead:
   what the GPU path gives.
 
 Everything is installed by one call, ``install_cpu_compat()``, which returns a handle (also a context
-manager) that restores the originals; nesting is reference-counted. Install and uninstall from the
-same thread: the mode lives on that thread's torch-function mode stack. With CUDA present the call
-changes nothing, so the same code runs on GPU clusters untouched.
+manager) that restores the originals; nesting is reference-counted, and the shims are process-wide.
+With CUDA present the call changes nothing, so the same code runs on GPU clusters untouched.
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
             return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
         return result
+
+
+# torch's factory functions that take ``device=`` (the ones megatron-core 0.16.1 calls with "cuda", and
+# their siblings, so a new call site of the same kind is covered too)
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
+    "zeros_like", "ones_like", "empty_like", "full_like", "randn_like",
+)
+_CPU = torch.device("cpu")
+
+
+def _factory_on_cpu(factory: Any) -> Any:
+    """``factory`` with a CUDA ``device=`` (string, torch.device or ordinal) answered on the CPU."""
+
+    def create(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    create.__name__ = create.__qualname__ = factory.__name__
+    create.__doc__ = factory.__doc__
+    return create
 
 
 def _host_splits_as_numpy(original: Any) -> Any:
@@ -225,9 +251,9 @@ def _apply() -> None:
     _saved["moe_splits"] = token_dispatcher.maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _host_splits_as_numpy(_saved["moe_splits"])
 
-    mode = CudaToCpuMode()
-    mode.__enter__()
-    _saved["mode"] = mode
+    _saved["factories"] = {name: getattr(torch, name) for name in _FACTORIES}
+    for name, factory in _saved["factories"].items():
+        setattr(torch, name, _factory_on_cpu(factory))
 
 
 def _release() -> None:
@@ -238,7 +264,8 @@ def _release() -> None:
             return
         from megatron.core.tensor_parallel import random as mcore_random
 
-        _saved.pop("mode").__exit__(None, None, None)
+        for name, factory in _saved.pop("factories").items():
+            setattr(torch, name, factory)
         (
             mcore_random._CUDA_RNG_STATE_TRACKER,
             mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,

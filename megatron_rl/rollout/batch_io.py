@@ -66,20 +66,22 @@ def build_rollout_batch(
         raise ValueError(
             f"{len(responses)} responses / {len(log_probs)} log-prob rows for {batch_size} prompts"
         )
-    prompt_ids = prompts.batch["input_ids"]
-    device = prompt_ids.device
-    out_ids = torch.full((batch_size, response_length), pad_token_id, dtype=prompt_ids.dtype)
-    out_mask = torch.zeros((batch_size, response_length), dtype=prompts.batch["attention_mask"].dtype)
-    out_lp = torch.zeros((batch_size, response_length), dtype=torch.float32)
-    for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
-        n = len(tokens)
+    lengths = [len(tokens) for tokens in responses]
+    for i, (n, lps) in enumerate(zip(lengths, log_probs)):
         if n > response_length or len(lps) != n:
             raise ValueError(
                 f"sample {i}: {n} response tokens and {len(lps)} log-probs for max length {response_length}"
             )
-        out_ids[i, :n] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
-        out_mask[i, :n] = 1
-        out_lp[i, :n] = torch.as_tensor(list(lps), dtype=torch.float32)
+    prompt_ids = prompts.batch["input_ids"]
+    device = prompt_ids.device
+    # One scatter of all rows' tokens (row-major, as the mask's True cells are visited), not a copy per row:
+    # a per-row loop cost ~20-60 ms per call at 256 samples.
+    out_mask = torch.arange(response_length) < torch.tensor(lengths, dtype=torch.long).unsqueeze(-1)
+    out_ids = torch.full((batch_size, response_length), pad_token_id, dtype=prompt_ids.dtype)
+    out_ids[out_mask] = torch.tensor([t for row in responses for t in row], dtype=prompt_ids.dtype)
+    out_lp = torch.zeros((batch_size, response_length), dtype=torch.float32)
+    out_lp[out_mask] = torch.tensor([lp for row in log_probs for lp in row], dtype=torch.float32)
+    out_mask = out_mask.to(prompts.batch["attention_mask"].dtype)
     out_ids, out_mask, out_lp = out_ids.to(device), out_mask.to(device), out_lp.to(device)
 
     prompt_pos = prompts.batch["position_ids"]
