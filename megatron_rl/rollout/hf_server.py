@@ -17,11 +17,21 @@ drifts from the contract fails here first):
 - the weight-update session ``/begin_weight_update`` ... ``/end_weight_update`` (loads outside it are
   refused; the end refuses an incomplete update and the server then refuses to generate), ``/flush_cache``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed`` (flattened bucket packed back to
-  back), ``/destroy_weights_update_group``, ``/release_memory_occupation``, ``/resume_memory_occupation``.
+  back), ``/destroy_weights_update_group``, ``/release_memory_occupation``, ``/resume_memory_occupation``;
+- ``/pause_generation`` (``mode``: ``abort`` (SGLang's default), ``in_place``, ``retract``) and
+  ``/continue_generation``, with SGLang's semantics (srt/managers/tokenizer_manager.py): ``abort`` returns
+  every in-flight request with the tokens it has so far (``finish_reason`` ``{"type": "abort"}``) and answers
+  once none runs; ``in_place``/``retract`` park them (they go on after ``/continue_generation``, on whatever
+  weights are loaded then; this engine keeps no KV cache, so both recompute the prefix); while paused a new
+  ``/generate`` waits for ``/continue_generation``.
 
-Requests run one at a time (a lock), like SGLang's control path; ``/health`` and ``/server_info`` answer
-while a generation runs, so a slow server is told apart from a dead one. Rows of one ``/generate`` share one
-sampling generator seeded with the first row's ``sampling_seed``: the same request gives the same samples.
+Generation is token-chunked (``--chunk-tokens``): the engine decodes at most that many tokens per call and
+the request's prefix is fed back for the next chunk, so a pause takes effect at the next chunk boundary and a
+request can stop mid-response. Weight and memory routes run one at a time (a lock) and, as in SGLang, wait for
+running generations unless the server is paused (then parked/aborted requests do not hold them up).
+``/health`` and ``/server_info`` always answer, so a slow server is told apart from a dead one. Rows of one
+``/generate`` share one sampling generator seeded with the first row's ``sampling_seed`` (chunk c uses
+seed + c): the same request gives the same samples.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ import json
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +54,8 @@ __all__ = ["HFServerApp", "main"]
 
 ROUTES = SGLANG_CONTRACT["http_routes"]
 SAMPLING_FIELDS = set(SGLANG_CONTRACT["sampling_params"])
+PAUSE_MODES = ("abort", "in_place", "retract")  # io_struct.py PauseGenerationReqInput.mode
+UNCONTROLLED = ("/generate", "/pause_generation", "/continue_generation")  # not behind the control lock
 
 
 class BadRequest(ValueError):
@@ -52,9 +65,17 @@ class BadRequest(ValueError):
 class HFServerApp:
     """The routes over one HFEngine. ``engine`` must start unsynced (random weights) or from a checkpoint."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, chunk_tokens: int = 8) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
         self.engine = engine
-        self.lock = threading.Lock()
+        self.chunk_tokens = int(chunk_tokens)
+        self.lock = threading.Lock()  # control routes, one at a time
+        self.engine_lock = threading.Lock()  # one engine call at a time (a chunk, a load)
+        self.state = threading.Condition()  # guards paused / pause_mode / running / controlling
+        self.paused, self.pause_mode = False, "abort"
+        self.running = 0  # generations inside a chunk or between chunks (not parked)
+        self.controlling = False
         self.served_version = "0"  # SGLang's weight_version: the string the last update sent
         self._pending_version: str | None = None
         self._groups: dict[str, dist.ProcessGroup] = {}
@@ -76,8 +97,57 @@ class HFServerApp:
         unknown = sorted(set(body) - set(ROUTES[route][1]))
         if unknown:
             raise BadRequest(f"{route}: unknown fields {unknown}; this server takes {sorted(ROUTES[route][1])}")
-        with self.lock:
+        if route in UNCONTROLLED:
             return getattr(self, route.strip("/"))(body)
+        with self.lock, self.control():
+            return getattr(self, route.strip("/"))(body)
+
+    @contextmanager
+    def control(self) -> Iterator[None]:
+        """A weight/memory operation: waits until no generation runs (parked ones do not count), and no
+        generation starts or resumes until it is done."""
+        with self.state:
+            self.state.wait_for(lambda: self.running == 0)
+            self.controlling = True
+        try:
+            with self.engine_lock:
+                yield
+        finally:
+            with self.state:
+                self.controlling = False
+                self.state.notify_all()
+
+    # ------------------------------------------------------------------ pause / continue
+    def pause_generation(self, body: dict) -> dict:
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"/pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        with self.state:
+            self.paused, self.pause_mode = True, mode
+            self.state.wait_for(lambda: self.running == 0)  # aborted ones returned, parked ones wait
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body: dict) -> dict:
+        with self.state:
+            self.paused = False
+            self.state.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _may_run(self) -> bool:
+        return not self.paused and not self.controlling
+
+    def _next_chunk_allowed(self) -> bool:
+        """At a chunk boundary: False when a pause aborts the request; parks it for in_place/retract."""
+        with self.state:
+            if self._may_run():
+                return True
+            if self.paused and self.pause_mode == "abort":
+                return False
+            self.running -= 1
+            self.state.notify_all()
+            self.state.wait_for(self._may_run)
+            self.running += 1
+            return True
 
     # ------------------------------------------------------------------ generation
     def generate(self, body: dict) -> list[dict]:
@@ -89,23 +159,39 @@ class HFServerApp:
         if not isinstance(params, list) or len(params) != len(input_ids):
             raise BadRequest(f"/generate: {len(input_ids)} prompts need as many sampling_params")
         meta = _common_sampling(params)
-        pad = self.engine.pad_token_id if self.engine.pad_token_id is not None else meta["eos_token_id"][0]
-        prompts = _left_padded(input_ids, pad)
-        prompts.meta_info["pad_token_id"] = int(pad)
-        prompts.meta_info.update(meta)
-        out = self.engine.generate_sequences(prompts)
-        lengths = out.batch["response_mask"].sum(-1).tolist()
-        results = []
-        for row, n in enumerate(lengths):
-            tokens = out.batch["responses"][row, :n].tolist()
-            lps = out.batch["rollout_log_probs"][row, :n].tolist()
-            finished = bool(tokens) and tokens[-1] in meta["eos_token_id"]
-            results.append({"meta_info": {
-                "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(lps, tokens)],
-                "finish_reason": {"type": "stop", "matched": tokens[-1]} if finished else {"type": "length", "length": n},
-                "weight_version": self.served_version,
-            }})
-        return results
+        with self.state:
+            self.state.wait_for(self._may_run)  # SGLang: a request sent while paused waits for the continue
+            self.running += 1
+        try:
+            rows = self._generate_chunked(input_ids, meta)
+        finally:
+            with self.state:
+                self.running -= 1
+                self.state.notify_all()
+        return [row.result(meta["eos_token_id"], self.served_version) for row in rows]
+
+    def _generate_chunked(self, input_ids: list[list[int]], meta: dict[str, Any]) -> list["_Row"]:
+        rows = [_Row(list(r)) for r in input_ids]
+        limit, chunk = meta["response_length"], 0
+        while live := [r for r in rows if not r.done(limit, meta["eos_token_id"])]:
+            if not self._next_chunk_allowed():
+                for r in live:
+                    r.aborted = True
+                break
+            pad = self.engine.pad_token_id if self.engine.pad_token_id is not None else meta["eos_token_id"][0]
+            prompts = _left_padded([r.prompt + r.tokens for r in live], pad)
+            prompts.meta_info.update(meta, pad_token_id=int(pad),
+                                     response_length=min(self.chunk_tokens, limit - len(live[0].tokens)))
+            if "seed" in meta:
+                prompts.meta_info["seed"] = meta["seed"] + chunk
+            with self.engine_lock:
+                out = self.engine.generate_sequences(prompts)
+                version = self.served_version
+            for r, n, tokens, lps in zip(live, out.batch["response_mask"].sum(-1).tolist(),
+                                         out.batch["responses"], out.batch["rollout_log_probs"]):
+                r.extend(tokens[:n].tolist(), lps[:n].tolist(), version)
+            chunk += 1
+        return rows
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, body: dict) -> dict:
@@ -131,10 +217,14 @@ class HFServerApp:
         for name, shape, t, size in zip(names, shapes, types, sizes):
             named.append((name, flat[offset:offset + size].view(t).view(shape)))
             offset += size
-        self.engine.load_named_tensors(named)  # refuses unknown names and shape mismatches, naming the tensor
-        if body.get("weight_version") is not None:
-            self._pending_version = str(body["weight_version"])
+        self.load_tensors(named, body.get("weight_version"))
         return _ok(f"loaded {len(named)} tensors")
+
+    def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: Any = None) -> None:
+        """The load step of an update, inside a begin/end session; the version is served from the end."""
+        self.engine.load_named_tensors(named)  # refuses unknown names and shape mismatches, naming the tensor
+        if weight_version is not None:
+            self._pending_version = str(weight_version)
 
     def end_weight_update(self, body: dict) -> dict:
         self.engine.end_weight_update()  # refuses an update that left parameters out
@@ -181,6 +271,34 @@ class HFServerApp:
         if not self._released:
             self.engine.wake_up()
         return _ok(f"resumed {tags}")
+
+
+class _Row:
+    """One request row: its prompt and what the chunks generated so far, with each token's weight version."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt, self.tokens, self.log_probs, self.versions = prompt, [], [], []
+        self.aborted = False
+
+    def extend(self, tokens: list[int], log_probs: list[float], version: str) -> None:
+        self.tokens += tokens
+        self.log_probs += log_probs
+        self.versions += [version] * len(tokens)
+
+    def done(self, limit: int, eos: list[int]) -> bool:
+        return self.aborted or len(self.tokens) >= limit or bool(self.tokens and self.tokens[-1] in eos)
+
+    def result(self, eos: list[int], served_version: str) -> dict:
+        if self.aborted:
+            finish = {"type": "abort", "message": "generation paused (mode abort)"}
+        elif self.tokens and self.tokens[-1] in eos:
+            finish = {"type": "stop", "matched": self.tokens[-1]}
+        else:
+            finish = {"type": "length", "length": len(self.tokens)}
+        # SGLang reports one weight_version per result: the weights of its last token
+        version = self.versions[-1] if self.versions else served_version
+        return {"meta_info": {"output_token_logprobs": [[lp, tok, None] for lp, tok in zip(self.log_probs, self.tokens)],
+                              "finish_reason": finish, "weight_version": version}}
 
 
 def _ok(message: str) -> dict:
@@ -285,8 +403,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    parser.add_argument("--chunk-tokens", type=int, default=8,
+                        help="tokens decoded per engine call: a pause takes effect at the next chunk boundary")
     args = parser.parse_args(argv)
-    app = HFServerApp(build_engine(args.model_path, args.dtype, args.seed, args.threads))
+    app = HFServerApp(build_engine(args.model_path, args.dtype, args.seed, args.threads), args.chunk_tokens)
     server = ThreadingHTTPServer((args.host, args.port), _handler(app))
     server.daemon_threads = True
     print(f"READY {server.server_address[1]}", flush=True)

@@ -3,7 +3,15 @@
 In server mode the weight updates stay where they are (trainer rank 0's SGLangEngine opens the servers'
 sessions and broadcasts); generation for an async loop goes straight from the driver to the servers, so it can
 run while the trainer ranks update. Every sample keeps the weight version the server reports for it
-(``non_tensor_batch["weight_version"]``, ints): the loop, not the client, decides which versions it accepts.
+(``non_tensor_batch["weight_version"]``, ints: the oldest version among its tokens): the loop, not the client,
+decides which versions it accepts.
+
+Partial rollouts (``pause_generation`` / ``continue_generation``, SGLang's routes, mode ``abort``): a pause
+returns every in-flight request with the tokens it has so far; the client sends such a row again as prompt +
+those tokens for the tokens it has left (the server holds it until the continue), so a response may span a
+weight update. Each token keeps the version that sampled it (``non_tensor_batch["token_weight_versions"]``,
+one int array per row); the prefix keeps the old version's log-probs. This is the pattern slime and verl's
+fully-async recipe use with SGLang, so it works against real SGLang servers too.
 A server that cannot be reached is named, with the pool's exit code when the pool started it.
 """
 
@@ -54,26 +62,65 @@ class ServerRolloutClient:
         futures = [self._threads.submit(self._generate_on, server, input_ids[lo:hi], sampling[lo:hi])
                    for server, lo, hi in parts]
         outputs = [out for f in futures for out in f.result()]
-        responses, log_probs, versions = [], [], []
-        for row, output in enumerate(outputs):
+        responses, log_probs, token_versions = [], [], []
+        for row, (output, versions) in enumerate(outputs):
             tokens, lps = _parse_output(output, row, params)
             responses.append(tokens)
             log_probs.append(lps)
-            versions.append(int(output["meta_info"]["weight_version"]))
+            if not tokens:
+                raise RuntimeError(f"rollout server result {row} has no response token")
+            token_versions.append(np.asarray(versions[:len(tokens)], dtype=np.int64))
+        oldest = np.asarray([v.min() for v in token_versions], dtype=np.int64)
         out = build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
-                                  pad_token_id=params.pad_token_id, weight_version=min(versions),
+                                  pad_token_id=params.pad_token_id, weight_version=int(oldest.min()),
                                   seconds=time.perf_counter() - start)
-        out.non_tensor_batch["weight_version"] = np.asarray(versions, dtype=np.int64)
+        out.non_tensor_batch["weight_version"] = oldest
+        out.non_tensor_batch["token_weight_versions"] = _object_array(token_versions)
         return out
 
-    def _generate_on(self, server: _HTTPServer, input_ids: list, sampling: list) -> list[dict]:
+    def pause_generation(self) -> None:
+        """Every server: in-flight requests come back partial (their rows are sent again and wait there)."""
+        for server in self._servers:
+            self._call(server, "/pause_generation", {"mode": "abort"})
+
+    def continue_generation(self) -> None:
+        for server in self._servers:
+            self._call(server, "/continue_generation", {})
+
+    def _generate_on(self, server: _HTTPServer, input_ids: list, sampling: list) -> list[tuple[dict, list[int]]]:
+        """Each row to its end, across pauses: (its output with all its tokens, each token's version)."""
+        entries: list[list] = [[] for _ in input_ids]
+        versions: list[list[int]] = [[] for _ in input_ids]
+        finish: list[Any] = [None] * len(input_ids)
+        todo = list(range(len(input_ids)))
+        while todo:
+            left = [sampling[i]["max_new_tokens"] - len(entries[i]) for i in todo]
+            outputs = self._request(server, [input_ids[i] + [int(e[1]) for e in entries[i]] for i in todo],
+                                    [dict(sampling[i], max_new_tokens=n) for i, n in zip(todo, left)])
+            again = []
+            for i, n, output in zip(todo, left, outputs):
+                meta = output["meta_info"]
+                got = meta["output_token_logprobs"]
+                entries[i] += got
+                versions[i] += [int(meta["weight_version"])] * len(got)
+                finish[i] = meta["finish_reason"]
+                if finish[i] and finish[i].get("type") == "abort" and len(got) < n:
+                    again.append(i)
+            todo = again
+        return [({"meta_info": {"output_token_logprobs": e, "finish_reason": f}}, v)
+                for e, f, v in zip(entries, finish, versions)]
+
+    def _call(self, server: _HTTPServer, route: str, body: dict) -> Any:
         try:
-            outputs = server.request("/generate", {"input_ids": input_ids, "sampling_params": sampling,
-                                                   "return_logprob": True})
+            return server.request(route, body)
         except SGLangServerError as exc:
             if self.pool is not None:
                 self.pool.check()  # names the server that exited and its code
-            raise RolloutServerDied(f"rollout server {server.url} failed a generation: {exc}") from exc
+            raise RolloutServerDied(f"rollout server {server.url} failed {route}: {exc}") from exc
+
+    def _request(self, server: _HTTPServer, input_ids: list, sampling: list) -> list[dict]:
+        outputs = self._call(server, "/generate", {"input_ids": input_ids, "sampling_params": sampling,
+                                                   "return_logprob": True})
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             raise RuntimeError(f"rollout server {server.url} returned {len(outputs) if isinstance(outputs, list) else outputs!r} "
                                f"results for {len(input_ids)} prompts")
@@ -81,3 +128,11 @@ class ServerRolloutClient:
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
+
+
+def _object_array(rows: list[np.ndarray]) -> np.ndarray:
+    """One entry per row (numpy would make a 2-D array of equally long rows)."""
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out

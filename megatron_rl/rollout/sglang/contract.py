@@ -92,6 +92,11 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", ("group_name",)),
         "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", ("tags",)),
         "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", ("tags",)),
+        # fully async partial rollouts: "abort" returns in-flight requests with what they generated so far
+        # (finish_reason type "abort"); new requests wait until /continue_generation; weight updates while
+        # paused do not wait for in-flight requests (srt/managers/tokenizer_manager.py pause_generation)
+        "/pause_generation": ("PauseGenerationReqInput", ("mode",)),
+        "/continue_generation": ("ContinueGenerationReqInput", ()),
     },
     # srt/sampling/sampling_params.py, class SamplingParams: fields we send
     "sampling_params": (
