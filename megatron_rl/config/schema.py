@@ -294,6 +294,14 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class RewardOverlapConfig:
+    """``reward.overlap``: score finished chunks of the rollout while the next chunk generates (reward/overlap.py)."""
+
+    enable: bool = False
+    num_chunks: int = 4  # engine calls per rollout, each of whole prompt groups; the last chunk's scoring stays exposed
+
+
+@dataclass
 class RewardConfig:
     reward_manager: RewardManagerName = RewardManagerName.naive
     num_workers: int = 4
@@ -302,6 +310,7 @@ class RewardConfig:
     # (each such step is warned about); 0: never stop.
     max_failed_steps: int = 3
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    overlap: RewardOverlapConfig = field(default_factory=RewardOverlapConfig)
 
 
 @dataclass

@@ -204,6 +204,23 @@ def _check_reward_model(cfg: DictConfig) -> None:
              f"nnodes, 0 = the trainer's) are not a multiple of its TP x PP x CP = {model_parallel}")
 
 
+def _check_reward_overlap(cfg: DictConfig) -> None:
+    """reward.overlap: scoring in a thread beside generation, so it must not use the generating processes."""
+    overlap, rm = cfg.reward.overlap, cfg.reward_model
+    if not overlap.enable:
+        return
+    _require(isinstance(overlap.num_chunks, int) and overlap.num_chunks >= 2,
+             f"reward.overlap.num_chunks must be an integer >= 2 (1 chunk scores after the whole rollout, as "
+             f"reward.overlap.enable=false does), got {overlap.num_chunks!r}")
+    _require(cfg.async_training.mode == "sync", f"reward.overlap runs in the synchronous loop; "
+             f"async_training.mode={cfg.async_training.mode} scores in its own loop: set reward.overlap.enable=false")
+    shared = cfg.trainer.launcher == "torchrun" or not rm.enable_resource_pool
+    _require(not (rm.enable and not rm.judge.enable and shared),
+             "reward.overlap needs the reward model on its own pool (reward_model.enable_resource_pool=true, "
+             "trainer.launcher=ray): in the actor's processes its scoring cannot run while they generate, and its "
+             "collectives would interleave with generation's")
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Check the whole config; raise ConfigError naming the key and numbers, else return derived sizes."""
     from megatron_rl.config import checks
@@ -250,6 +267,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     if cfg.reward_model.enable:
         _check_reward_model(cfg)
+    _check_reward_overlap(cfg)
     _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
              f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")

@@ -25,6 +25,7 @@ from megatron_rl.algos import (
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.config import DerivedSizes
 from megatron_rl.protocol import DataProto, reduce_metrics
+from megatron_rl.reward.overlap import OverlappedScoring
 from megatron_rl.rollout.agent.loop import agent_metrics, rollout_probs_diff
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics, compute_throughput_metrics
@@ -121,6 +122,8 @@ class RLTrainer:
                                                                 cfg.trainer.max_ckpt_to_keep)
         self.stopped: str | None = None  # the signal that stopped the run early (resumable), else None
         self._failed_reward_steps = 0  # consecutive steps in which every sample's reward errored
+        overlap = OmegaConf.select(cfg, "reward.overlap")
+        self.overlap = OverlappedScoring(reward_fn, overlap.num_chunks) if overlap and overlap.enable else None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -240,7 +243,28 @@ class RLTrainer:
     def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
                            timer: StageTimer) -> DataProto:
         """Rollout n responses per prompt and score them: the first half of the lifeline."""
+        if self.overlap is not None:
+            return self.overlapped_generate_and_score(batch, step, metrics, timer)
         return self.score(self.rollout(batch, step, timer), metrics, timer)
+
+    def overlapped_generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
+                                      timer: StageTimer) -> DataProto:
+        """reward.overlap: generated in chunks, each scored while the next generates (reward/overlap.py).
+        timing_s/reward is the scoring time, timing_s/reward_exposed the part of it the step waited for."""
+        batch.non_tensor_batch["uid"] = new_uids(step, len(batch))
+        gen = self._pop_for_generation(batch)
+        if get_estimator_traits(self.cfg.algorithm.adv_estimator).needs_greedy_baseline:
+            with timer("gen_max"):  # first: its scoring must not run beside the chunks' in the scoring thread
+                batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen)
+        with timer("gen"):
+            pending = self.overlap.start(batch.repeat(self.n, interleave=True), gen.repeat(self.n, interleave=True),
+                                         self.generate, group_size=self.n)
+        with timer("reward_exposed"):
+            batch = pending.wait()
+        timer.seconds["reward"] += pending.scoring_s
+        metrics |= pending.metrics
+        metrics |= agent_metrics(batch)
+        return batch
 
     def rollout(self, batch: DataProto, step: int, timer: StageTimer) -> DataProto:
         """n responses per prompt, joined to the prompts' rows (a trainer.async_mode loop calls this ahead)."""
