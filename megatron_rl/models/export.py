@@ -394,18 +394,22 @@ def _export_context(chunks, dtype, consumers) -> tuple[_ExportContext, dict, boo
         key: (str(dtype or m.param.dtype).removeprefix("torch."), tuple(m.param.shape)) for key, m in local.items()
     }
     holdings, ep_owner = _expert_holdings(holdings, local)
-    mine = (holdings, bool(tp_consumers))
+    # the EP owners of every stage's experts travel with the holdings: every rank must cut the same buckets
+    mine = (holdings, bool(tp_consumers), ep_owner)
     if pp_size > 1:
         everyone: list = [None] * pp_size
         dist.all_gather_object(everyone, mine, group=pp_group)
     else:
         everyone = [mine]
-    owner = {key: (stage, dt, shape) for stage, (held, _) in enumerate(everyone) for key, (dt, shape) in held.items()}
-    value_model = any("score.weight" in held for held, _ in everyone)  # only the last stage has the head
+    owner = {key: (stage, dt, shape)
+             for stage, (held, *_) in enumerate(everyone) for key, (dt, shape) in held.items()}
+    value_model = any("score.weight" in held for held, *_ in everyone)  # only the last stage has the head
+    if ep_owner is not None:
+        ep_owner = {key: ep for *_, stage_owner in everyone for key, ep in stage_owner.items()}
     ctx = _ExportContext(
         hf=hf, local=local, device=_device(), rank=rank, pp_group=pp_group, pp_rank=pp_rank, pp_size=pp_size,
         pp_ranks=dist.get_process_group_ranks(pp_group), tp_group=tp_group, tp_size=len(tp_ranks),
-        is_consumer=is_consumer, tp_consumers=tp_consumers, needs_shards=[needs for _, needs in everyone],
+        is_consumer=is_consumer, tp_consumers=tp_consumers, needs_shards=[needs for _, needs, _ in everyone],
     )
     _add_expert_parallel(ctx, ep_owner)
     return ctx, owner, value_model

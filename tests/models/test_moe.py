@@ -166,10 +166,6 @@ def test_gradients_do_not_depend_on_expert_parallelism(two_ranks):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.skip(
-    reason="open (issue 20): under pytest on the shared 2-core machine a rank of the 4-rank group dies during the "
-    "export's TP step (gloo 'connection reset', twice); the same job run standalone passes at (2, 1, 2, None)"
-)
 @pytest.mark.parametrize("layout", LAYOUTS_4)
 def test_four_ranks_expert_and_tensor_parallel(four_ranks, layout):
     dirs, results = four_ranks
