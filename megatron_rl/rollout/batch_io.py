@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl.protocol import DataProto
 
-__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists"]
+__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists", "repeated_prompt_rows"]
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -46,6 +46,19 @@ def prompt_token_lists(data: DataProto) -> list[list[int]]:
     """The prompts without their left padding."""
     ids, mask = data.batch["input_ids"], data.batch["attention_mask"].bool()
     return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def repeated_prompt_rows(
+    ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """GRPO's ``rollout.n`` samples of a prompt arrive as identical consecutive rows, so an engine can
+    prefill each prompt once. Returns (the first row of every run of identical rows, each row's run
+    index), or None when no two consecutive rows are equal."""
+    same = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1]) & (pos[1:] == pos[:-1])).all(-1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ~same])
+    return starts.nonzero().squeeze(-1), starts.cumsum(0) - 1
 
 
 def build_rollout_batch(

@@ -32,7 +32,7 @@ from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
-from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, repeated_prompt_rows
 from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params, sample_next_token
 
@@ -156,14 +156,21 @@ class HFEngine(RolloutEngine):
         (rows that finished early keep sampling into slots ``_cut_at_finish`` discards)."""
         finish_ids = torch.tensor(params.finish_token_ids, dtype=ids.dtype, device=self.device)
         cache = {self._cache_kwarg: DynamicCache(config=self.model.config)}  # filled in place by each forward
+        # rollout.n identical prompt rows: prefill each prompt once, then copy its cache rows and logits
+        shared = repeated_prompt_rows(ids, mask, pos)
+        firsts, rows = shared if shared is not None else (slice(None), slice(None))
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, **cache, use_cache=True, logits_to_keep=1
+            input_ids=ids[firsts], attention_mask=mask[firsts], position_ids=pos[firsts], **cache, use_cache=True,
+            logits_to_keep=1,
         )
+        logits = out.logits[rows, -1]
+        if shared is not None:
+            cache[self._cache_kwarg].reorder_cache(rows)
         next_pos = pos[:, -1:] + 1
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         tokens, log_probs = [], []
         for step in range(params.max_response_length):
-            token, log_prob = sample_next_token(out.logits[:, -1], params, generator)
+            token, log_prob = sample_next_token(logits, params, generator)
             tokens.append(token)
             log_probs.append(log_prob)
             finished |= torch.isin(token, finish_ids)
@@ -178,6 +185,7 @@ class HFEngine(RolloutEngine):
                 use_cache=True,
                 logits_to_keep=1,
             )
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return torch.stack(tokens, dim=-1), torch.stack(log_probs, dim=-1)
 

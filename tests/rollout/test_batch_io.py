@@ -44,3 +44,16 @@ def test_bad_rows_are_named(responses, log_probs, message):
     with pytest.raises(ValueError, match=message):
         build_rollout_batch(_prompts(), responses, log_probs, response_length=4, pad_token_id=PAD,
                             weight_version=0, seconds=0.0)
+
+
+def test_repeated_prompt_rows_finds_runs_of_identical_consecutive_rows():
+    from megatron_rl.rollout.batch_io import repeated_prompt_rows
+
+    prompts = _prompts().batch
+    ids, mask, pos = (prompts[k].repeat_interleave(2, dim=0) for k in ("input_ids", "attention_mask", "position_ids"))
+    ids, mask, pos = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]]), torch.cat([pos, pos[:1]])  # row 0 again
+    firsts, inverse = repeated_prompt_rows(ids, mask, pos)
+    assert firsts.tolist() == [0, 2, 4, 6] and inverse.tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert torch.equal(ids[firsts][inverse], ids)
+    p = _prompts().batch
+    assert repeated_prompt_rows(p["input_ids"], p["attention_mask"], p["position_ids"]) is None  # all distinct
