@@ -17,8 +17,15 @@ time model uses them. Modelled time per GPU, serial (no overlap credited), worst
 
     t = inter_recv / inter_node_Bps + intra_recv / nvlink_Bps + copy_bytes / copy_Bps + collectives x latency
 
+MoE (``ep`` / ``etp``): the export's buckets (``plan_export_buckets`` itself, so the cut is the export's) never
+mix experts with other tensors nor two EP ranks' experts. An expert bucket is first broadcast by its owning EP
+rank over each expert-parallel group of its stage (Megatron's expert order tp(ETP)-ep-dp-pp), then goes over the
+pipeline groups like any bucket, then is all-gathered over the TP group only when ETP = TP > 1 (ETP = 1: whole
+experts, no TP step). Only the shard-first path is modelled for MoE (the tensorwise baseline is dense-only).
+
 ``copy_bytes`` counts the local copies each path makes: shard_first = pack own shards + write every full tensor
-once + the engine's load (full bytes / rollout TP); tensorwise = re-layout of the owned full tensors + the copy
+once + the engine's load (full bytes / rollout TP), for MoE plus the copy of each expert bucket of the stage
+from the EP broadcast's buffer into the shard buffer; tensorwise = re-layout of the owned full tensors + the copy
 into the sync's bucket + the engine's load.
 """
 
@@ -26,7 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import re
+
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.layout import Kind, TensorGroup, hf_tensor_groups
 from megatron_rl.models.sizes import padded_vocab_size
 
 __all__ = ["Bandwidths", "SyncTraffic", "model_sync_traffic", "format_sync_traffic", "shard_groups"]
@@ -60,6 +70,8 @@ class SyncTraffic:
     # per rank: {"inter_recv", "inter_send", "intra_recv", "intra_send", "collectives", "copy"} -> count
     per_rank: list[dict[str, int]] = field(default_factory=list)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    ep: int = 1  # MoE: expert parallel and expert tensor parallel sizes
+    etp: int = 1
 
     def worst(self, key: str) -> int:
         return max(r[key] for r in self.per_rank)
@@ -104,6 +116,13 @@ def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_he
     return groups
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _buckets(groups: list[_Group], tp: int, bucket_bytes: int) -> list[tuple[int, int]]:
     """(stage, per-rank bytes) of each bucket: the export's rule (one dtype, so no alignment padding)."""
     out: list[list[int]] = []
@@ -113,6 +132,43 @@ def _buckets(groups: list[_Group], tp: int, bucket_bytes: int) -> list[tuple[int
         else:
             out.append([g.stage, g.shard_bytes])
     return [(s, n) for s, n in out]
+
+
+def _stage_of(hf: HFModelConfig, group: TensorGroup, pp: int) -> int:
+    """The pipeline stage holding ``group`` (layers split evenly; embedding first, final norm and head last)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", group.key)
+    if layer:
+        return int(layer.group(1)) // (hf.num_layers // pp)
+    return 0 if group.key == "model.embed_tokens.weight" else pp - 1
+
+
+def _shard_shape(hf: HFModelConfig, group: TensorGroup, split: int, tp: int) -> tuple[int, ...]:
+    """Local shape of ``group``'s Megatron parameter split ``split`` ways (the vocabulary padded for ``tp``)."""
+    shape = group.tensors[0].shape
+    if group.kind is Kind.REPLICATED:
+        return shape
+    if group.kind is Kind.VOCAB:
+        return (padded_vocab_size(hf.vocab_size, tp) // split, *shape[1:])
+    if group.kind is Kind.ROW:
+        return (shape[0], shape[1] // split)
+    return (sum(t.shape[0] for t in group.tensors) // split, *shape[1:])  # QKV, GATE_UP: stacked rows
+
+
+def moe_export_buckets(hf: HFModelConfig, tp: int, pp: int, ep: int, etp: int, dtype_bytes: int,
+                       bucket_bytes: int, value_head: bool = False):
+    """The export's buckets of an MoE model at this layout (``plan_export_buckets`` on the HF groups, experts
+    split over ETP and owned by EP rank ``expert // (num_experts / EP)``), as every rank plans them."""
+    from megatron_rl.models.export import plan_export_buckets
+
+    if hf.num_layers % pp:
+        raise ValueError(f"num_hidden_layers={hf.num_layers} is not divisible by PP={pp}")
+    dtype = {2: "bfloat16", 4: "float32"}[dtype_bytes]
+    groups = hf_tensor_groups(hf, value_head)
+    owner = {g.key: (_stage_of(hf, g, pp), dtype, _shard_shape(hf, g, tp if g.expert is None else etp, tp))
+             for g in groups}
+    per_rank = hf.moe.num_experts // ep
+    ep_owner = {g.key: g.expert // per_rank for g in groups if g.expert is not None} if ep > 1 else None
+    return plan_export_buckets(groups, owner, tp, bucket_bytes, ep_owner)
 
 
 def model_sync_traffic(
@@ -128,10 +184,20 @@ def model_sync_traffic(
     rollout_tp: int | None = None,
     value_head: bool = False,
     bandwidths: Bandwidths | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> SyncTraffic:
-    """Per-rank bytes (by link class), collectives and local copies of one sync, every rank feeding an engine."""
+    """Per-rank bytes (by link class), collectives and local copies of one sync, every rank feeding an engine.
+    ``ep`` / ``etp`` (MoE models; ``etp`` None = TP): expert parallel and expert tensor parallel sizes."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    etp = tp if etp is None else etp
+    if hf.moe is None and (ep, etp) != (1, tp):
+        raise ValueError(f"EP={ep} / ETP={etp} need an MoE model")
+    if hf.moe is not None and path != "shard_first":
+        raise ValueError("the tensorwise export is modelled for dense models only; MoE: path='shard_first'")
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"TP x DP = {tp * dp} ranks per stage is not divisible by EP x ETP = {ep * etp}")
     world = tp * pp * dp
     node = [r // gpus_per_node for r in range(world)]
 
@@ -159,19 +225,46 @@ def model_sync_traffic(
                 if i != j:
                     send(i, j, n)
 
+    pp_groups = [(t, d) for t in range(tp) for d in range(dp)]
+
+    def pipeline_and_tensor_steps(stage: int, n: int, split: int) -> None:
+        if pp > 1:
+            for t, d in pp_groups:
+                broadcast([rank(t, d, s) for s in range(pp)], rank(t, d, stage), n)
+        if split > 1:
+            for d in range(dp):
+                for s in range(pp):
+                    all_gather([rank(t, d, s) for t in range(tp)], n)
+
+    if hf.moe is not None:
+        buckets = moe_export_buckets(hf, tp, pp, ep, etp, dtype_bytes, bucket_bytes, value_head)
+        stage_size, edp = tp * dp, tp * dp // (ep * etp)
+
+        def expert_rank(et: int, e: int, d: int, s: int) -> int:  # Megatron's expert order tp-ep-dp-pp
+            return et + etp * (e + ep * (d + edp * s))
+
+        for b in buckets:
+            if b.ep_rank is not None:  # the owning EP rank's shards to the other EP ranks of the stage
+                for et in range(etp):
+                    for d in range(edp):
+                        members = [expert_rank(et, e, d, b.stage) for e in range(ep)]
+                        broadcast(members, members[b.ep_rank], b.shard_bytes)
+            pipeline_and_tensor_steps(b.stage, b.shard_bytes, etp if b.expert else tp)
+        full = sum(_numel(t.shape) for g in hf_tensor_groups(hf, value_head) for t in g.tensors) * dtype_bytes
+        for r in range(world):
+            s, ep_rank = r // stage_size, (r % stage_size) // etp % ep
+            mine = [b for b in buckets if b.stage == s]
+            packed = sum(b.shard_bytes for b in mine if b.ep_rank in (None, ep_rank))
+            received = sum(b.shard_bytes for b in mine if b.ep_rank is not None)  # EP buffer -> shard buffer
+            per_rank[r]["copy"] = packed + received + full + full // (rollout_tp or tp)
+        return SyncTraffic(path, tp, pp, dp, gpus_per_node, per_rank, bandwidths or Bandwidths(), ep, etp)
+
     groups = shard_groups(hf, tp, pp, dtype_bytes, value_head)
     full = sum(sum(g.hf_bytes) for g in groups)
     engine_load = full // (rollout_tp or tp)
-    pp_groups = [(t, d) for t in range(tp) for d in range(dp)]
     if path == "shard_first":
         for stage, n in _buckets(groups, tp, bucket_bytes):
-            if pp > 1:
-                for t, d in pp_groups:
-                    broadcast([rank(t, d, s) for s in range(pp)], rank(t, d, stage), n)
-            if tp > 1:
-                for d in range(dp):
-                    for s in range(pp):
-                        all_gather([rank(t, d, s) for t in range(tp)], n)
+            pipeline_and_tensor_steps(stage, n, tp)
         for r in range(world):
             s = r // (tp * dp)
             own = sum(g.shard_bytes for g in groups if g.stage == s)
@@ -194,18 +287,19 @@ def model_sync_traffic(
 
 def format_sync_traffic(hf: HFModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, *, name: str = "",
                         dtype_bytes: int = 2, bucket_bytes: int = 512 << 20, rollout_tp: int | None = None,
-                        bandwidths: Bandwidths | None = None) -> str:
-    """The planner's weight-sync lines: both paths, worst GPU, at the stated bandwidths."""
+                        bandwidths: Bandwidths | None = None, ep: int = 1, etp: int | None = None) -> str:
+    """The planner's weight-sync lines: both paths (MoE: shard-first only), worst GPU, at the stated bandwidths."""
     bw = bandwidths or Bandwidths()
+    experts = f" x EP {ep} x ETP {tp if etp is None else etp}" if hf.moe is not None else ""
     lines = [
-        f"weight sync{(' ' + name) if name else ''} (TP {tp} x PP {pp} x DP {dp}, {gpus_per_node} GPUs per node, "
+        f"weight sync{(' ' + name) if name else ''} (TP {tp} x PP {pp} x DP {dp}{experts}, {gpus_per_node} GPUs per node, "
         f"{dtype_bytes}-byte weights, {bucket_bytes >> 20} MiB buckets; worst GPU; at {bw.inter_node_Bps / 1e9:g} GB/s "
         f"inter-node, {bw.nvlink_Bps / 1e9:g} GB/s NVLink, {bw.copy_Bps / 1e12:g} TB/s copy, "
         f"{bw.latency_s * 1e6:g} us per collective):"
     ]
-    for path in PATHS:
+    for path in PATHS if hf.moe is None else ("shard_first",):
         t = model_sync_traffic(hf, tp, pp, dp, gpus_per_node, path=path, dtype_bytes=dtype_bytes,
-                               bucket_bytes=bucket_bytes, rollout_tp=rollout_tp, bandwidths=bw)
+                               bucket_bytes=bucket_bytes, rollout_tp=rollout_tp, bandwidths=bw, ep=ep, etp=etp)
         label = "today (tensorwise)" if path == "tensorwise" else "shard-first"
         lines.append(
             f"  {label:<20} inter-node in {t.worst('inter_recv') / 1e9:7.2f} GB, NVLink in "
@@ -228,5 +322,5 @@ def plan_sync_traffic(cfg, plan) -> str:
     return format_sync_traffic(
         plan.model, layout.tp, layout.pp, layout.dp * layout.cp, int(cfg.trainer.n_gpus_per_node),
         dtype_bytes=dtype_bytes, bucket_bytes=int(rollout.weight_sync.bucket_size_mb) << 20,
-        rollout_tp=int(rollout.tensor_model_parallel_size),
+        rollout_tp=int(rollout.tensor_model_parallel_size), ep=layout.ep, etp=layout.etp,
     )

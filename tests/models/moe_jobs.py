@@ -1,5 +1,5 @@
-"""Rank jobs of test_moe.py (importable by spawned ranks): logits, export, owned-expert reads and
-gradients of tiny Qwen3-MoE / Mixtral models at several TP / PP / EP / ETP layouts."""
+"""Rank jobs of test_moe.py (importable by spawned ranks): logits, export (and its counted traffic),
+owned-expert reads and gradients of tiny Qwen3-MoE / Mixtral models at several TP / PP / EP / ETP layouts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from megatron_rl.models.testing import padded_batch as batch
 
 # (TP, PP, EP, ETP); ETP None = TP
+GPUS_PER_NODE = 2  # for the traffic counter: 4 ranks are 2 simulated nodes
 LAYOUTS_2 = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (2, 1, 2, 1), (1, 2, 1, None)]
 LAYOUTS_4 = [(2, 1, 2, None), (1, 2, 2, None)]
 
@@ -61,10 +62,11 @@ def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | No
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf, compute_full_logits, export_hf_weights
     from megatron_rl.models.hf_checkpoint import HFCheckpointReader
+    from megatron_rl.distributed.traffic_counter import count_traffic
     from megatron_rl.models.moe import local_experts
 
     input_ids, attention_mask = batch()
-    out: dict[str, Any] = {"logits": {}, "export": {}, "export_rank0": {}, "reads": {}, "grads": {}}
+    out: dict[str, Any] = {"logits": {}, "export": {}, "export_rank0": {}, "reads": {}, "grads": {}, "traffic": {}}
     reads = _recorded_reads(HFCheckpointReader)
     for tp, pp, ep, etp in layouts:
         init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
@@ -82,6 +84,10 @@ def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | No
             out["export_rank0"][name, key_layout] = [
                 (n, t.clone()) for n, t in export_hf_weights(chunks, bucket_bytes=20_000, consumers={0})
             ]
+            with count_traffic(GPUS_PER_NODE) as counts:  # the collectives' bytes (plan/traffic.py's model)
+                for _ in export_hf_weights(chunks, bucket_bytes=20_000):
+                    pass
+            out["traffic"][name, key_layout] = dict(counts)
             if tp == 1 and pp == 1:
                 out["grads"][name, key_layout] = _grads_by_hf_key(chunks)
     out["rank"] = dist.get_rank()

@@ -2,8 +2,8 @@
 
 One spawned group of 2 ranks covers EP=1, EP=2, TP=2, TP=2 x EP=2 (ETP=1) and PP=2; a slow group of 4 ranks
 covers EP=2 x TP=2 (ETP=2) and PP=2 x EP=2. Each checks logits (1e-4 of transformers'), the export round trip
-(bit-exact, every rank and rank 0 only), that loading reads only the experts a rank owns, and (at TP=PP=1)
-that gradients do not depend on EP.
+(bit-exact, every rank and rank 0 only), that loading reads only the experts a rank owns, that the export's
+counted traffic equals plan/traffic.py's model byte for byte, and (at TP=PP=1) that gradients do not depend on EP.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.sizes import check_parallel_fit
 from megatron_rl.models.testing import make_tiny_hf_checkpoint, tiny_hf_config
-from moe_jobs import LAYOUTS_2, LAYOUTS_4, batch, moe_checks
+from moe_jobs import GPUS_PER_NODE, LAYOUTS_2, LAYOUTS_4, batch, moe_checks
 
 TOLERANCE = 1e-4
 FAMILIES = ("qwen3_moe", "mixtral")
@@ -141,6 +141,26 @@ def _check_reads(results, layout):
             assert experts == set(owned), f"{name} {layout}: read experts {sorted(experts)}, owns {owned}"
 
 
+def _check_traffic(dirs, results, layout):
+    """Counted bytes per link class and collectives of one export = plan/traffic.py's model, rank by rank."""
+    import json
+
+    from megatron_rl.distributed.traffic_counter import KEYS
+    from megatron_rl.plan.traffic import model_sync_traffic
+
+    tp, pp, ep, etp = layout
+    for name in FAMILIES:
+        with open(f"{dirs[name]}/config.json") as f:
+            hf = parse_hf_config(json.load(f))
+        model = model_sync_traffic(hf, tp, pp, len(results) // (tp * pp), GPUS_PER_NODE, path="shard_first",
+                                   dtype_bytes=4, bucket_bytes=20_000, ep=ep, etp=etp)
+        for result in results:
+            expected = {k: model.per_rank[result["rank"]][k] for k in KEYS}
+            assert result["traffic"][name, layout] == expected, (name, layout, result["rank"])
+            if layout != (1, 1, 1, None):  # every other layout moves bytes (at TP=PP=1: the EP step alone)
+                assert expected["intra_recv"] + expected["inter_recv"] > 0, (name, layout, expected)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS_2)
 def test_two_ranks_logits_export_and_owned_reads(two_ranks, layout):
@@ -148,6 +168,7 @@ def test_two_ranks_logits_export_and_owned_reads(two_ranks, layout):
     _check_logits(dirs, results, layout)
     _check_export(dirs, results, layout)
     _check_reads(results, layout)
+    _check_traffic(dirs, results, layout)
 
 
 @pytest.mark.distributed
@@ -172,6 +193,7 @@ def test_four_ranks_expert_and_tensor_parallel(four_ranks, layout):
     _check_logits(dirs, results, layout)
     _check_export(dirs, results, layout)
     _check_reads(results, layout)
+    _check_traffic(dirs, results, layout)
 
 
 @pytest.mark.distributed
