@@ -56,10 +56,9 @@ class HostGather:
         return self._rows[slot, self.rank, :nbytes]
 
     def gathered(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Every rank's shard of ``slot`` as one [size x nbytes] flat buffer (a copy only when the bucket is
-        smaller than the row; then the rows are not contiguous)."""
-        rows = self._rows[slot, :, :nbytes]
-        return rows.reshape(-1) if nbytes == self.shard_bytes else rows.contiguous().view(-1)
+        """Every rank's shard of ``slot``, [size x nbytes], in place (strided when the bucket is smaller than
+        the row: consumers read each rank's row, so no copy makes it contiguous)."""
+        return self._rows[slot, :, :nbytes]
 
     def release(self) -> None:
         """The export that took the buffer is done with it."""

@@ -307,7 +307,7 @@ class _Transfer:
         return self
 
     def finish(self) -> torch.Tensor | None:
-        """The gathered buffer ([tp x shard_bytes] uint8) on a consumer, else None."""
+        """The gathered shards ([split x shard_bytes] uint8, one row per rank) on a consumer, else None."""
         self._wait()
         self.shard = None
         if self._host_slot is not None:
@@ -369,7 +369,7 @@ def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor
     specs = hf_bucket_specs(ctx.hf, bucket)
     out = WeightBucket(WeightBucket.capacity_for([(shape, dtype) for _, shape, dtype in specs]), ctx.device)
     split = ctx.split_of(bucket)
-    rows = gathered.view(split, bucket.shard_bytes)
+    rows = gathered.view(split, bucket.shard_bytes) if gathered.dim() == 1 else gathered
     for slot in bucket.slots:
         shards = [rows[r, slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
                   for r in range(split)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BucketEntry", "WeightBucket", "seal", "sealed_bucket_of"]
+__all__ = ["BucketEntry", "WeightBucket", "adopt", "seal", "sealed_bucket_of"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,16 @@ def seal(bucket: WeightBucket) -> WeightBucket:
     if bucket.buffer is not None:
         _SEALED[(str(bucket.device), bucket.buffer.data_ptr())] = bucket
     return bucket
+
+
+def adopt(bucket: WeightBucket) -> bool:
+    """Take a sealed bucket's memory over instead of copying out of it (an in-process engine makes its
+    parameters views of it). True once: the bucket is unsealed, so it is nobody's shared immutable buffer
+    any more (its new owner may write it) and a second engine handed the same bucket copies."""
+    if bucket.buffer is None or sealed_bucket_of(bucket.buffer) is not bucket:
+        return False
+    del _SEALED[(str(bucket.device), bucket.buffer.data_ptr())]
+    return True
 
 
 def sealed_bucket_of(tensor: torch.Tensor) -> WeightBucket | None:

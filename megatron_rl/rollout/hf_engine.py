@@ -10,7 +10,10 @@ Weights: built from the actor's HF config. Without ``weights_path`` (an HF check
 weights are random and the engine refuses to generate until the first complete weight update, so a
 missing initial sync fails loudly instead of sampling noise. Weights arrive by name through the
 weight-update session of ``RolloutEngine``. Loading is strict: an unknown name, a shape mismatch or (at the end of a session) a
-parameter that was never sent is an error naming the tensor.
+parameter that was never sent is an error naming the tensor. A sealed bucket (the Megatron export's: written once,
+never again by its producer) is adopted rather than copied: the parameters it holds, same dtype, shape and device,
+become views of it (``bucket.adopt``), which saves one full copy of the weights per sync in this process; the
+memory of the weights it replaces goes back when the last of them is replaced. Any other bucket is copied.
 
 Sleep/wake: on CUDA ``sleep()`` moves the weights to host memory and empties the CUDA cache;
 ``wake_up()`` (and the next weight update) moves them back. On CPU there is no device memory to give back, so both only flip the
@@ -33,6 +36,7 @@ from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, repeated_prompt_rows
+from megatron_rl.rollout.bucket import WeightBucket, adopt
 from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params, sample_next_token
 
@@ -253,6 +257,26 @@ class HFEngine(RolloutEngine):
             filled.add(name)
             if len(filled) == slices_per_fused(fused, self._unique_params[id(fused)]):
                 self._session_loaded.add(id(fused))
+
+    @torch.no_grad()
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        if self._session_loaded is None or not adopt(bucket):
+            self.load_named_tensors(bucket.named_tensors())
+            return
+        copied = []
+        for index, entry in enumerate(bucket.entries):
+            target = self._targets.get(entry.name)
+            adoptable = (
+                isinstance(target, torch.nn.Parameter) and id(target) in self._unique_params
+                and target.dtype == entry.dtype and tuple(target.shape) == entry.shape
+                and target.device == bucket.buffer.device
+            )
+            if not adoptable:  # an expert slice of a fused tensor, another dtype: copied (and checked) below
+                copied.append((entry.name, bucket.tensor(index)))
+                continue
+            target.data = bucket.tensor(index)
+            self._session_loaded.add(id(target))
+        self.load_named_tensors(copied)
 
     def end_weight_update(self) -> None:
         if self._session_loaded is None:

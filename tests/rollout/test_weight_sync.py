@@ -191,13 +191,14 @@ def test_sealed_buckets_reach_the_engine_as_is_and_a_broken_run_is_copied():
     engine without copying; when the stream leaves a bucket's run, or the bucket exceeds bucket_bytes, it copies."""
     source = source_model(seed=2)
     pairs = list(source.state_dict().items())
-    buckets = _sealed_buckets(pairs, 3)
-    stream = [pair for bucket in buckets for pair in bucket.named_tensors()]
-    for order, bucket_bytes, adopted in (
-        (stream, 1 << 22, len(buckets)),
-        ([stream[0]] + stream[2:] + [stream[1]], 1 << 22, len(buckets) - 1),  # bucket 0's run is broken
-        (stream, 64, sum(len(b) == 1 for b in buckets)),  # larger than the caller's bucket: copied (unless alone)
+    for reorder, bucket_bytes, expected in (
+        (lambda s: s, 1 << 22, len),
+        (lambda s: [s[0]] + s[2:] + [s[1]], 1 << 22, lambda b: len(b) - 1),  # bucket 0's run is broken
+        (lambda s: s, 64, lambda b: sum(len(x) == 1 for x in b)),  # larger than the caller's bucket: copied (unless alone)
     ):
+        buckets = _sealed_buckets(pairs, 3)  # fresh ones: an engine that loaded a sealed bucket owns it
+        order = reorder([pair for bucket in buckets for pair in bucket.named_tensors()])
+        adopted = expected(buckets)
         engine = make_engine()
         loads = []
         load = engine.load_weight_bucket
@@ -207,3 +208,47 @@ def test_sealed_buckets_reach_the_engine_as_is_and_a_broken_run_is_copied():
         for name, tensor in pairs:
             assert torch.equal(held[name], tensor), name
         assert sum(any(load is b for b in buckets) for load in loads) == adopted, (bucket_bytes, len(loads))
+
+
+def _storage_within(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.untyped_storage().data_ptr()
+    return start <= tensor.data_ptr() < start + buffer.untyped_storage().nbytes()
+
+
+def test_the_engine_adopts_a_sealed_bucket_once_and_copies_everything_else():
+    """A sealed bucket's tensors become the engine's parameters (no copy); the bucket is then the engine's: a
+    second engine handed it copies (no two engines share weights that one of them may overwrite), and an
+    unsealed bucket, a bucket in another dtype and a wrong name are copied or refused as before."""
+    pairs = list(source_model(seed=4).state_dict().items())
+    buckets = _sealed_buckets(pairs, 4)
+    first, second = make_engine(), make_engine()
+    sync_weights([p for b in buckets for p in b.named_tensors()], first, version=1, bucket_bytes=1 << 22)
+    params = dict(first.model.named_parameters())
+    for bucket in buckets:
+        for name, _ in bucket.named_tensors():
+            assert _storage_within(params[name], bucket.buffer), f"{name} was copied, not adopted"
+    second.begin_weight_update(1)
+    for bucket in buckets:  # no longer sealed: copied into the second engine's own memory
+        second.load_weight_bucket(bucket)
+    second.end_weight_update()
+    theirs = dict(second.model.named_parameters())
+    assert not any(_storage_within(theirs[name], b.buffer) for b in buckets for name, _ in b.named_tensors())
+    with torch.no_grad():
+        params["model.norm.weight"].add_(1.0)  # the owner writes its weights: the other engine must not see it
+    assert torch.equal(theirs["model.norm.weight"], dict(pairs)["model.norm.weight"])
+
+    half = WeightBucket(1 << 22, "cpu")  # sealed, but in bf16 for an fp32 engine: cast by copying
+    for name, tensor in pairs[:3]:
+        half.add(name, tensor, torch.bfloat16)
+    from megatron_rl.rollout.bucket import seal
+
+    third = make_engine()
+    third.begin_weight_update(2)
+    third.load_weight_bucket(seal(half))
+    mine = dict(third.model.named_parameters())
+    for name, tensor in pairs[:3]:
+        assert mine[name].dtype == torch.float32 and not _storage_within(mine[name], half.buffer)
+        assert torch.equal(mine[name], tensor.to(torch.bfloat16).float()), name
+    (wrong,) = _sealed_buckets([("model.not_a_weight", torch.zeros(3))], 1)
+    with pytest.raises(Exception, match="'model.not_a_weight' is not a parameter"):
+        third.load_weight_bucket(wrong)
