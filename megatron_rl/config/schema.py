@@ -45,6 +45,14 @@ class RolloutMode(enum.StrEnum):
 class AsyncMode(enum.StrEnum):
     sync = "sync"
     one_step_off = "one_step_off"
+    fully_async = "fully_async"
+
+
+class StaleSamples(enum.StrEnum):
+    """fully_async: what happens to samples above async_training.max_staleness (trainer/fully_async.py)."""
+
+    drop = "drop"  # the batch is not trained (groups stay whole)
+    mask = "mask"  # the too-old tokens leave response_mask (slime's mask-offpolicy-in-partial-rollout)
 
 
 class ValueHeadInit(enum.StrEnum):
@@ -472,8 +480,14 @@ class AsyncTrainingConfig:
     verl's recipe names: one_step_off (recipe/one_step_off_policy), fully_async (recipe/fully_async_policy)."""
 
     mode: AsyncMode = AsyncMode.sync
-    # versions a sample may lag the policy it trains; one_step_off: 1, and 0 is the on-policy limit (= sync)
+    # versions a sample (its oldest token) may lag the policy it trains; one_step_off: 1; 0: on-policy (= sync)
     max_staleness: int = 1
+    # fully_async: batches generated ahead and not yet trained (the bounded buffer; 0 when max_staleness=0)
+    buffer_batches: int = 2
+    # fully_async: a weight sync pauses in-flight requests and they resume on the new weights (verl's name);
+    # false: the sync waits for the batch in flight
+    partial_rollout: bool = True
+    stale_samples: StaleSamples = StaleSamples.drop
 
 
 @dataclass

@@ -79,7 +79,7 @@ class DerivedSizes:
 
 
 def _check_async(cfg: DictConfig) -> None:
-    """async_training.mode=one_step_off: what the loop of trainer/off_policy.py can and cannot run."""
+    """async_training.mode=one_step_off|fully_async: what trainer/off_policy.py and trainer/fully_async.py run."""
     run = cfg.async_training
     if run.mode == "sync":
         return
@@ -87,18 +87,27 @@ def _check_async(cfg: DictConfig) -> None:
     where = f"async_training.mode={run.mode}"
     _require(rollout.mode == "server", f"{where} generates on rollout servers: set actor_rollout_ref.rollout.mode=server")
     _require(cfg.trainer.launcher == "ray", f"{where} needs trainer.launcher=ray (one driver talks to the servers)")
-    _require(run.max_staleness in (0, 1), f"{where}: async_training.max_staleness must be 0 (on-policy, = sync) or 1, "
-             f"got {run.max_staleness}")
+    if run.mode == "one_step_off":
+        _require(run.max_staleness in (0, 1), f"{where}: async_training.max_staleness must be 0 (on-policy, = sync) "
+                 f"or 1, got {run.max_staleness}")
+    else:
+        _require(run.max_staleness >= 0, f"{where}: async_training.max_staleness must be >= 0, got {run.max_staleness}")
+        _require(run.buffer_batches >= 1, f"{where}: async_training.buffer_batches must be >= 1, got {run.buffer_batches}")
+        _require(not run.partial_rollout or rollout.weight_sync.verify_freq == 0,
+                 f"{where} with async_training.partial_rollout=true: set actor_rollout_ref.rollout.weight_sync."
+                 "verify_freq=0 (the verification probe is a /generate, which a paused server holds until the sync "
+                 "has ended and the generation continues)")
     _require(not algo.filter_groups.enable, f"{where} does not run algorithm.filter_groups (dynamic sampling refills)")
     _require(not _estimator_traits(algo.adv_estimator).needs_greedy_baseline,
              f"{where} does not run algorithm.adv_estimator={algo.adv_estimator} (its greedy baseline is on-policy)")
     _require(not OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False),
              f"{where} does not run multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable)")
     corr = algo.rollout_correction
-    _require(run.max_staleness == 0 or corr.rollout_is is not None or corr.bypass_mode,
-             f"{where} trains on samples one weight version old: set algorithm.rollout_correction.rollout_is "
-             "(token|sequence: importance weights to the behaviour policy, the PPO ratio to the current one) "
-             "or algorithm.rollout_correction.bypass_mode=true")
+    decoupled = cfg.actor_rollout_ref.actor.policy_loss == "decoupled_ppo"
+    _require(run.max_staleness == 0 or corr.rollout_is is not None or corr.bypass_mode or decoupled,
+             f"{where} trains on samples older than the policy: set algorithm.rollout_correction.rollout_is "
+             "(token|sequence: importance weights to the behaviour policy, the PPO ratio to the current one), "
+             "algorithm.rollout_correction.bypass_mode=true or actor_rollout_ref.actor.policy_loss=decoupled_ppo")
 
 
 def _require(cond: bool, message: str) -> None:

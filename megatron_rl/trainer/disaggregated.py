@@ -1,5 +1,5 @@
 """Disaggregated placement for a run: the rollout servers the run starts itself, and the trainer that drives
-them (the synchronous RLTrainer, or the one-step off-policy loop of ``async_training.mode``).
+them (the synchronous RLTrainer, or the async loop of ``async_training.mode``: one_step_off, fully_async).
 
 ``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
 HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers, and
@@ -39,9 +39,11 @@ def build_trainer(cfg: DictConfig, *args: Any, servers: RolloutServerPool | None
     if cfg.async_training.mode == "sync":
         return RLTrainer(cfg, *args, **kwargs)
     from megatron_rl.rollout.server_client import ServerRolloutClient
+    from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 
     rollout = cfg.actor_rollout_ref.rollout
     client = ServerRolloutClient(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
                                  timeout_s=rollout.sglang.request_timeout_s, pool=servers, **token_ids)
-    return OneStepOffPolicyTrainer(cfg, *args, rollout_client=client, **kwargs)
+    loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer
+    return loop(cfg, *args, rollout_client=client, **kwargs)
