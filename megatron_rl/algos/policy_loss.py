@@ -1,5 +1,5 @@
-"""Policy-gradient losses by name ("vanilla" PPO clip, "gspo"), with truncated importance sampling
-against the rollout engine's log-probs as an opt-in correction for rollout/trainer mismatch.
+"""Policy-gradient losses by name ("vanilla" PPO clip, "gspo", "decoupled_ppo"), with truncated importance
+sampling against the rollout engine's log-probs as an opt-in correction for rollout/trainer mismatch.
 
 Every loss has one signature, ``PolicyLoss``, and returns ``(loss, metrics)`` with verl's metric
 names actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl.
@@ -28,6 +28,8 @@ class PolicyLossConfig:
     clip_ratio_c: dual-clip bound for negative advantages (vanilla only), must be > 1.
     tis_imp_ratio_cap: truncated IS weight min(exp(old_log_prob - rollout_log_probs), cap) on each
         token's loss; None (default) turns it off.
+    behav_imp_weight_cap: decoupled_ppo only (AReaL's name): tokens whose behaviour->proximal weight
+        exp(old_log_prob - rollout_log_probs) exceeds it leave the loss (weight 0); None: no cap.
     """
 
     clip_ratio: float = 0.2
@@ -35,6 +37,7 @@ class PolicyLossConfig:
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = 3.0
     tis_imp_ratio_cap: Optional[float] = None
+    behav_imp_weight_cap: Optional[float] = None
 
     def __post_init__(self) -> None:
         for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
@@ -45,11 +48,10 @@ class PolicyLossConfig:
             raise ValueError(
                 f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}"
             )
-        if self.tis_imp_ratio_cap is not None and not self.tis_imp_ratio_cap > 0:
-            raise ValueError(
-                "actor_rollout_ref.actor.tis_imp_ratio_cap must be > 0 or null (off), "
-                f"got {self.tis_imp_ratio_cap}"
-            )
+        for key in ("tis_imp_ratio_cap", "behav_imp_weight_cap"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"actor_rollout_ref.actor.{key} must be > 0 or null (off), got {value}")
 
     @property
     def low(self) -> float:
@@ -208,6 +210,29 @@ def _truncated_is(
     return pg_losses * weights
 
 
+def _dual_clip_losses(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token PPO clip with clip-higher and dual clip on ratio = pi / pi_old, and its metrics."""
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - config.low, 1 + config.high)
+    clipped_max = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * config.clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(dual_bound, clipped_max), clipped_max)
+    metrics = {
+        "actor/pg_clipfrac": ops.masked_mean(torch.gt(clipped, unclipped).float(), mask).item(),
+        "actor/ppo_kl": ops.masked_mean(-log_ratio.detach(), mask).item(),
+        "actor/pg_clipfrac_lower": ops.masked_mean(
+            (torch.gt(clipped_max, dual_bound) & negative).float(), mask
+        ).item(),
+    }
+    return pg_losses, metrics
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
@@ -231,21 +256,7 @@ def compute_policy_loss_vanilla(
         old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config, rollout_is_weights, global_batch
     )
     mask = response_mask.float()
-    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - config.low, 1 + config.high)
-    clipped_max = torch.maximum(unclipped, clipped)
-    dual_bound = -advantages * config.clip_ratio_c
-    negative = advantages < 0
-    pg_losses = torch.where(negative, torch.minimum(dual_bound, clipped_max), clipped_max)
-    metrics = {
-        "actor/pg_clipfrac": ops.masked_mean(torch.gt(clipped, unclipped).float(), mask).item(),
-        "actor/ppo_kl": ops.masked_mean(-log_ratio.detach(), mask).item(),
-        "actor/pg_clipfrac_lower": ops.masked_mean(
-            (torch.gt(clipped_max, dual_bound) & negative).float(), mask
-        ).item(),
-    }
+    pg_losses, metrics = _dual_clip_losses(old_log_prob, log_prob, advantages, mask, config)
     pg_losses = _truncated_is(pg_losses, old_log_prob, rollout_log_probs, mask, config, metrics)
     if rollout_is_weights is not None:  # verl's rollout correction (algos/rollout_corr.py), detached
         pg_losses = pg_losses * rollout_is_weights.detach()
@@ -292,4 +303,53 @@ def compute_policy_loss_gspo(
     if rollout_is_weights is not None:  # verl's rollout correction (algos/rollout_corr.py), detached
         pg_losses = pg_losses * rollout_is_weights.detach()
     loss = agg_loss(pg_losses, mask, loss_agg_mode, **global_batch.agg_kwargs())
+    return loss, metrics
+
+
+@register_policy_loss("decoupled_ppo")
+def compute_policy_loss_decoupled_ppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    global_batch: Optional[GlobalBatchInfo] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL, https://arxiv.org/abs/2505.24298): three policies. ``rollout_log_probs`` are
+    the behaviour policy's (the engine that sampled, possibly several versions old), ``old_log_prob`` the
+    proximal policy's (the trainer's recomputation with the weights before this update), ``log_prob`` the
+    current one's. The clip is on the proximal ratio pi / pi_prox (the vanilla dual clip), and each token's
+    loss is multiplied by the behaviour->proximal weight w = exp(old_log_prob - rollout_log_probs), detached;
+    with ``behav_imp_weight_cap`` tokens with w above it get weight 0 (they still count in the aggregation's
+    denominator, as in AReaL). Metrics: actor/behav_imp_weight_mean|max (over the kept tokens),
+    actor/behav_capped_frac, actor/behav_kl (mean of old_log_prob - rollout_log_probs).
+    """
+    if rollout_log_probs is None:
+        raise ValueError("actor_rollout_ref.actor.policy_loss=decoupled_ppo needs rollout_log_probs (the behaviour "
+                         "policy's log-probs, returned by the rollout)")
+    if rollout_is_weights is not None:
+        raise ValueError("actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
+                         "algorithm.rollout_correction.rollout_is (the weights would count twice)")
+    config, global_batch = _check_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_log_probs, config, None, global_batch
+    )
+    mask = response_mask.float()
+    pg_losses, metrics = _dual_clip_losses(old_log_prob, log_prob, advantages, mask, config)
+    behav_log = (old_log_prob - rollout_log_probs).detach()
+    weights = torch.exp(torch.clamp(behav_log, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    kept = mask.bool()
+    if config.behav_imp_weight_cap is not None:
+        kept = kept & (weights <= config.behav_imp_weight_cap)
+    weights = torch.where(kept, weights, torch.zeros_like(weights))
+    metrics |= {
+        "actor/behav_imp_weight_mean": ops.masked_mean(weights, kept.float()).item() if kept.any() else 0.0,
+        "actor/behav_imp_weight_max": float(weights.max()) if kept.any() else 0.0,
+        "actor/behav_capped_frac": ops.masked_mean((~kept).float(), mask).item(),
+        "actor/behav_kl": ops.masked_mean(behav_log, mask).item(),
+    }
+    loss = agg_loss(pg_losses * weights, mask, loss_agg_mode, **global_batch.agg_kwargs())
     return loss, metrics

@@ -171,12 +171,13 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
-    policy_loss: str = "vanilla"  # registry name: vanilla | gspo
+    policy_loss: str = "vanilla"  # registry name: vanilla | gspo | decoupled_ppo (AReaL, for async training)
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # None: clip_ratio
     clip_ratio_high: Optional[float] = None  # None: clip_ratio
     clip_ratio_c: float = 3.0
     tis_imp_ratio_cap: Optional[float] = None  # truncated IS vs rollout_log_probs; None = off
+    behav_imp_weight_cap: Optional[float] = None  # decoupled_ppo: tokens above this behaviour weight get 0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

@@ -101,8 +101,8 @@ class ActorRole(CheckpointedRole):
         fields = ["response_mask", "old_log_probs", "advantages"]
         if self.config.use_kl_loss:
             fields.append("ref_log_prob")
-        if self.config.tis_imp_ratio_cap is not None:
-            fields.append("rollout_log_probs")
+        if self.config.tis_imp_ratio_cap is not None or self.config.policy_loss == "decoupled_ppo":
+            fields.append("rollout_log_probs")  # the behaviour policy's, which decoupled PPO weights against
         return tuple(fields)
 
     def _policy_step(
