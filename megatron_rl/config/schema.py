@@ -129,6 +129,8 @@ class MegatronParallelConfig:
     # MoE models (docs/models.md): experts split over EP ranks, each expert over ETP ranks (null: = TP)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
+    # MoE: the routers' weights are not trained (rollout and trainer route alike for longer; docs/models.md)
+    freeze_router: bool = False
     sequence_parallel: bool = False
     # Shards Adam's state over DP; needs TE or Apex (refused, not dropped, without them). Off by default
     # so CPU runs need nothing; the GPU presets turn it on.

@@ -10,6 +10,9 @@ losses would weigh ``num_microbatches x DP`` times their coefficient. ``router_l
 coefficients by that for the backward pass of one mini-batch, so a coefficient means what it means in
 Megatron (and in verl/slime, which train with Megatron's schedule): ``coeff x`` the mean router loss.
 
+``freeze_routers`` (``megatron.freeze_router``) keeps every MoE router's weights out of training: one of the
+anchors' answers to the mismatch between the rollout engine's routing and the trainer's (docs/models.md).
+
 Megatron logs the loss values divided by their coefficient, so ``moe_metrics`` reports the raw losses (the actor logs them as ``actor/moe_aux_loss`` ...), summed
 over the pipeline stages' layers as Megatron does, averaged over layers and DP ranks; per-layer values too.
 """
@@ -78,3 +81,16 @@ def moe_metrics(num_layers: int, num_microbatches: int) -> dict[str, float]:
             out.update({f"moe_aux_loss/layer_{i}": float(v) for i, v in enumerate(values)})
     clear_aux_losses_tracker()
     return out
+
+
+def freeze_routers(chunks: list[torch.nn.Module], key: str) -> int:
+    """Take every MoE router's parameters out of training (before DDP and the optimizer are built, which then
+    leave them out); the number of routers. ``key`` names the config option in the error for a dense model."""
+    from megatron.core.transformer.moe.router import Router
+
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    if not routers:
+        raise ValueError(f"{key}=true needs an MoE model (this one has no router)")
+    for router in routers:
+        router.requires_grad_(False)
+    return len(routers)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.models.moe_training import moe_metrics, router_loss_scaling
+from megatron_rl.models.moe_training import freeze_routers, moe_metrics, router_loss_scaling
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
 from megatron_rl.workers.optimizer_device import optimizer_device_scope
 from megatron_rl.workers.packing import PackedMicroBatch
@@ -151,6 +151,8 @@ class MegatronEngine:
                 chunk.eval()
             self.model: list[torch.nn.Module] = chunks
         else:
+            if getattr(parallel, "freeze_router", False):
+                freeze_routers(chunks, f"{name}.megatron.freeze_router")
             self.model = self._wrap_ddp(chunks, parallel)
             self.optimizer = self._build_optimizer(optim)
             self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")

@@ -94,14 +94,15 @@ def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | No
     return out
 
 
-def moe_actor_job(model_dir: str, steps: int) -> list[dict[str, float]]:
-    """``steps`` PPO updates of an MoE actor at EP=2 (2 ranks, DP=2) with the router losses on; the metrics."""
+def moe_actor_job(model_dir: str, steps: int) -> dict[str, Any]:
+    """At EP=2 (2 ranks, DP=2), router losses on: the metrics of ``steps`` PPO updates; then, for an actor
+    with ``megatron.freeze_router``, the largest change of each HF tensor over one update."""
     import sys
     from dataclasses import replace
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
-    from workers_jobs import actor_config, dp_shard, make_actor, training_batch, update
+    from workers_jobs import actor_config, dp_shard, make_actor, training_batch, update, weights
 
     from megatron_rl.distributed import init_model_parallel
 
@@ -113,7 +114,13 @@ def moe_actor_job(model_dir: str, steps: int) -> list[dict[str, float]]:
         override_transformer_config={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001},
     )
     role = make_actor(model_dir, replace(config, megatron=megatron))
-    return [update(role, dp_shard(training_batch(seed=step))) for step in range(steps)]
+    metrics = [update(role, dp_shard(training_batch(seed=step))) for step in range(steps)]
+    del role
+    frozen = make_actor(model_dir, replace(config, megatron=replace(megatron, freeze_router=True)))
+    before = weights(frozen)
+    update(frozen, dp_shard(training_batch(seed=0)))
+    change = {name: (tensor - before[name]).abs().max().item() for name, tensor in weights(frozen).items()}
+    return {"metrics": metrics, "frozen_change": change}
 
 
 def moe_sync_job(model_dir: str) -> dict[str, float]:

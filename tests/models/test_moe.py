@@ -202,13 +202,28 @@ def test_actor_updates_at_expert_parallel_log_router_losses(tmp_path):
 
     model = make_tiny_hf_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
     per_rank = run_multiprocess(moe_actor_job, 2, str(model), 3, timeout_s=900)
-    assert per_rank[0] == per_rank[1]  # metrics are reduced: identical on every rank
-    for metrics in per_rank[0]:
+    assert per_rank[0]["metrics"] == per_rank[1]["metrics"]  # metrics are reduced: identical on every rank
+    for metrics in per_rank[0]["metrics"]:
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
         # Megatron's switch loss, E / topk * sum_i(f_i * p_i): 1 for uniform routing, E / topk = 2 at most
         assert 0.9 < metrics["actor/moe_aux_loss"] < 2.0, metrics
         assert {"actor/moe_aux_loss/layer_0", "actor/moe_aux_loss/layer_1"} <= metrics.keys()
         assert metrics["actor/moe_z_loss"] > 0
+    # megatron.freeze_router: one update leaves every router as it was and moves every expert
+    change = per_rank[0]["frozen_change"]
+    routers = [name for name in change if name.endswith("mlp.gate.weight")]
+    experts = [name for name in change if ".experts." in name]
+    assert len(routers) == 2 and len(experts) == 2 * 4 * 3, sorted(change)
+    assert all(change[name] == 0 for name in routers), {name: change[name] for name in routers}
+    assert all(change[name] > 0 for name in experts), {name: change[name] for name in experts}
+    assert change["model.embed_tokens.weight"] > 0
+
+
+def test_freeze_router_on_a_dense_model_is_refused_by_name():
+    from megatron_rl.models.moe_training import freeze_routers
+
+    with pytest.raises(ValueError, match=re.escape("actor.megatron.freeze_router=true needs an MoE model")):
+        freeze_routers([torch.nn.Linear(2, 2)], "actor.megatron.freeze_router")
 
 
 @pytest.mark.distributed
