@@ -188,6 +188,9 @@ def _check_reward_model(cfg: DictConfig) -> None:
     rm = cfg.reward_model
     if rm.judge.enable:
         _check_judge(rm.judge)
+        _require(not (rm.enable_resource_pool and cfg.trainer.launcher == "torchrun"),
+                 "reward_model.enable_resource_pool=true serves the judge in a Ray actor of its own: it needs "
+                 "trainer.launcher=ray (false: the judge runs in the driver)")
         return
     _require(bool(rm.model.path), "reward_model.enable=true needs reward_model.model.path (an HF "
              "<Family>ForSequenceClassification directory with one label) or reward_model.judge.enable=true")

@@ -135,3 +135,43 @@ def test_judge_as_the_runs_reward_model_counts_its_failures_with_the_rule_errors
     assert metrics["reward/errors"] == 2.0 and metrics["reward/judge/parse_failures"] == 2.0
     assert metrics["reward/rule/mean"] == 0.5 and metrics["reward/rm/mean"] == 0.0
     assert out.batch["token_level_scores"].sum(-1).tolist() == [1.0, 0.0]  # the rule's score + 0 from the judge
+
+
+def test_judge_on_a_ray_actor_of_its_own_answers_as_in_the_driver(tmp_path):
+    """reward_model.enable_resource_pool=true: the judge's engine lives in a Ray actor (another process) and
+    gives the greedy answers the driver-hosted engine gives; its failures are counted the same way."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.controller import shutdown_ray
+    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl.reward.model.judge_actor import build_judge_engine
+    from megatron_rl.reward.model.reward_fn import build_reward_fn
+    from reward_batches import response_batch
+
+    judge_dir = make_tiny_hf_checkpoint(tmp_path / "judge", "qwen2")
+    overrides = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", f"actor_rollout_ref.model.path={judge_dir}",
+                 "reward_model.enable=true", "reward_model.judge.enable=true", f"reward_model.judge.model.path={judge_dir}",
+                 "reward_model.judge.response_length=3", "reward_model.judge.retries=0",
+                 "reward_model.enable_resource_pool=true", "ray_init.num_cpus=2"]
+    cfg = load_config(overrides=overrides)
+    validate(cfg)
+    with pytest.raises(ConfigError, match="needs trainer.launcher=ray"):
+        validate(load_config(overrides=[*overrides, "trainer.launcher=torchrun"]))
+    tokenizer = AutoTokenizer.from_pretrained(judge_dir)
+    batch = response_batch(tokenizer, ["123", "999"], ["123", "456"])
+    batch.non_tensor_batch["raw_prompt"] = np.array([[{"role": "user", "content": "copy 123"}]] * 2, dtype=object)
+    fn = build_reward_fn(cfg, tokenizer)
+    try:
+        backend = fn.model_scorer.judge.backend
+        assert backend.engine.pid != os.getpid()
+        prompts = ["rate: abc", "rate: a much longer answer"]
+        in_driver = EngineJudgeBackend(build_judge_engine(cfg.reward_model.judge, "cpu"), tokenizer)
+        assert backend(prompts) == in_driver(prompts)
+        metrics = fn(batch).meta_info["reward_metrics"]
+    finally:
+        fn.close()
+        shutdown_ray()
+    assert metrics["reward/errors"] == 2.0 and metrics["reward/judge/parse_failures"] == 2.0

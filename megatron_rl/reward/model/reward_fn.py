@@ -131,13 +131,13 @@ def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
     rm = cfg.reward_model
     plan = CombinePlan(rm.combine)
     needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
-    if rm.judge.enable:
-        return ModelRewardFn(JudgeScorer(build_judge(rm.judge, cfg.trainer.device), tokenizer), plan,
-                             RewardManager(tokenizer, cfg.reward) if needs_rule else None)
-    input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
-    inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
     rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
     try:
+        if rm.judge.enable:
+            judge, close = build_judge(cfg)
+            return ModelRewardFn(JudgeScorer(judge, tokenizer), plan, rule, close)
+        input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
+        inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
         group, close = start_reward_model_group(cfg)
     except BaseException:
         if rule is not None:
@@ -146,18 +146,24 @@ def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
     return ModelRewardFn(ClassifierScorer(group, inputs), plan, rule, close)
 
 
-def build_judge(judge_cfg: Any, device: str) -> Any:
-    """``reward_model.judge``: the judge model on an HF rollout engine in this process (greedy answers)."""
-    from omegaconf import OmegaConf
-
-    from megatron_rl.config.schema import RolloutConfig
+def build_judge(cfg: Any) -> tuple[Any, Callable[[], None]]:
+    """``reward_model.judge`` (greedy answers) and what stops it: its engine in the driver, or in a Ray actor of
+    its own with ``reward_model.enable_resource_pool`` (reward/model/judge_actor.py)."""
     from megatron_rl.data import load_tokenizer
     from megatron_rl.reward.model.judge import EngineJudgeBackend, GenerativeJudge, VerdictParser
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.reward.model.judge_actor import RayJudgeEngine, build_judge_engine
 
-    path = judge_cfg.model.path
-    engine = HFEngine(OmegaConf.structured(RolloutConfig(name="hf", dtype=judge_cfg.dtype)), path, weights_path=path,
-                      device=None if device == "auto" else device, response_length=judge_cfg.response_length)
+    judge_cfg, device = cfg.reward_model.judge, cfg.trainer.device
+    if cfg.reward_model.enable_resource_pool:
+        from megatron_rl.controller import init_ray
+
+        gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
+        init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)  # does nothing when Ray is already up
+        engine = RayJudgeEngine(judge_cfg, device, cfg.ray_init.timeout_s)
+        close = engine.close
+    else:
+        engine, close = build_judge_engine(judge_cfg, device), (lambda: None)
     parser = VerdictParser(judge_cfg.verdict_pattern, judge_cfg.verdict_scale)
-    return GenerativeJudge(EngineJudgeBackend(engine, load_tokenizer(path)), judge_cfg.template, parser,
-                           judge_cfg.timeout_s, judge_cfg.retries)
+    judge = GenerativeJudge(EngineJudgeBackend(engine, load_tokenizer(judge_cfg.model.path)), judge_cfg.template,
+                            parser, judge_cfg.timeout_s, judge_cfg.retries)
+    return judge, close
