@@ -268,6 +268,7 @@ class RolloutConfig:
     # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (rollout/hf_server.py)
     num_servers: int = 0
     server_threads: int = 1  # torch threads of each HF-engine server
+    server_chunk_tokens: int = 8  # HF-engine server: tokens per decode call; a pause acts at a chunk boundary
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -34,10 +34,10 @@ class ServerProcess:
 
 
 def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
-                    timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+                    chunk_tokens: int = 8, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     """Start ``python -m megatron_rl.rollout.hf_server``; returns the process and its URL once it listens."""
     cmd = [sys.executable, "-m", "megatron_rl.rollout.hf_server", "--model-path", str(model_path),
-           "--dtype", dtype, "--seed", str(seed), "--threads", str(threads)]
+           "--dtype", dtype, "--seed", str(seed), "--threads", str(threads), "--chunk-tokens", str(chunk_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     sel = selectors.DefaultSelector()
@@ -61,10 +61,11 @@ class RolloutServerPool:
     """``num_servers`` HF-engine servers of the actor's architecture (``model_path``)."""
 
     def __init__(self, model_path: str, num_servers: int, *, dtype: str = "float32", seed: int = 0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, chunk_tokens: int = 8) -> None:
         if num_servers < 1:
             raise ValueError(f"actor_rollout_ref.rollout.num_servers must be >= 1, got {num_servers}")
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
+        self.chunk_tokens = chunk_tokens
         self.servers: list[ServerProcess] = []
         try:
             for i in range(num_servers):
@@ -74,7 +75,8 @@ class RolloutServerPool:
             raise
 
     def _start(self, index: int) -> ServerProcess:
-        proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index, threads=self.threads)
+        proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index, threads=self.threads,
+                                    chunk_tokens=self.chunk_tokens)
         return ServerProcess(index, proc, url)
 
     @property

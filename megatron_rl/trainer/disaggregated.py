@@ -25,7 +25,8 @@ def start_rollout_servers(cfg: DictConfig) -> RolloutServerPool | None:
         return None
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
     pool = RolloutServerPool(str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers), dtype=dtype,
-                             seed=int(rollout.seed), threads=int(rollout.server_threads))
+                             seed=int(rollout.seed), threads=int(rollout.server_threads),
+                             chunk_tokens=int(rollout.server_chunk_tokens))
     with open_dict(cfg):
         rollout.server_urls = pool.urls
         rollout.sglang.update_group_backend = "gloo"

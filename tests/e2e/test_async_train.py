@@ -29,3 +29,25 @@ def test_one_step_off_on_an_hf_rollout_server(tiny_assets, tmp_path):
     assert steps[1]["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
     assert steps[3]["rollout_corr/rollout_is_mean"] != pytest.approx(1.0, abs=1e-5)
     assert "servers" in result.rollout_engines
+
+
+def test_fully_async_with_partial_rollouts_and_decoupled_ppo(tiny_assets, tmp_path):
+    """The rollouter generates ahead (2 batches), each sync pauses the server mid-response (1-token chunks),
+    decoupled PPO weights behaviour->proximal; staleness stays within the bound."""
+    result = run(tiny_config(
+        tiny_assets, tmp_path, "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1",
+        "actor_rollout_ref.rollout.server_chunk_tokens=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=0",
+        "async_training.mode=fully_async", "async_training.max_staleness=2", "async_training.buffer_batches=2",
+        "actor_rollout_ref.actor.policy_loss=decoupled_ppo", "actor_rollout_ref.actor.behav_imp_weight_cap=5.0",
+    ))
+    steps = train_steps(result.metrics_path)
+    assert sorted(steps) == [1, 2, 3]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["async/staleness_max"] <= 2
+        assert "actor/behav_imp_weight_mean" in record
+    assert steps[1]["async/staleness_max"] == 0.0
+    # the first batch is generated before any update: its behaviour and proximal policies are the same weights
+    assert steps[1]["actor/behav_kl"] == pytest.approx(0.0, abs=1e-4)
+    assert max(steps[s]["async/staleness_max"] for s in (2, 3)) >= 1.0
