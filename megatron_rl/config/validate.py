@@ -253,6 +253,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
     _require(actor.policy_loss in policy_losses,
              f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
+    _require(actor.policy_loss != "decoupled_ppo" or algo.rollout_correction.rollout_is is None,
+             "actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
+             "algorithm.rollout_correction.rollout_is (the weights would count twice)")
     try:  # every choice field (an enum in config/schema.py), its options from the schema
         checks.check_choices(cfg)
     except checks.CheckError as err:

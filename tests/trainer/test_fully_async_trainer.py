@@ -216,6 +216,7 @@ def test_resume_trains_every_produced_batch_once(tmp_path):
     (["async_training.buffer_batches=0"], "buffer_batches must be >= 1"),
     (["algorithm.rollout_correction.rollout_is=null"], "policy_loss=decoupled_ppo"),
     (["async_training.max_staleness=-1"], "max_staleness must be >= 0"),
+    (["actor_rollout_ref.actor.policy_loss=decoupled_ppo"], "unset algorithm.rollout_correction.rollout_is"),
 ])
 def test_refusals_name_the_key(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
