@@ -10,6 +10,10 @@ losses would weigh ``num_microbatches x DP`` times their coefficient. ``router_l
 coefficients by that for the backward pass of one mini-batch, so a coefficient means what it means in
 Megatron (and in verl/slime, which train with Megatron's schedule): ``coeff x`` the mean router loss.
 
+``ExpertLoad`` counts the tokens each router sends to each expert in the training forwards and reports, per
+layer, the busiest expert's load relative to a uniform split (``moe_expert_load/layer_<i>``: 1 = balanced,
+E / top-k = every token on the same top-k experts), over all micro-batches and ranks of one update.
+
 ``freeze_routers`` (``megatron.freeze_router``) keeps every MoE router's weights out of training: one of the
 anchors' answers to the mismatch between the rollout engine's routing and the trainer's (docs/models.md).
 
@@ -86,11 +90,45 @@ def moe_metrics(num_layers: int, num_microbatches: int) -> dict[str, float]:
 def freeze_routers(chunks: list[torch.nn.Module], key: str) -> int:
     """Take every MoE router's parameters out of training (before DDP and the optimizer are built, which then
     leave them out); the number of routers. ``key`` names the config option in the error for a dense model."""
-    from megatron.core.transformer.moe.router import Router
-
-    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    routers = _routers(chunks)
     if not routers:
         raise ValueError(f"{key}=true needs an MoE model (this one has no router)")
     for router in routers:
         router.requires_grad_(False)
     return len(routers)
+
+
+def _routers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.transformer.moe.router import Router
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each layer in the training forwards since the last ``metrics()``
+    (a forward hook on every router of ``chunks``; forwards without grad, i.e. log-prob passes, not counted)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], num_layers: int, num_experts: int) -> None:
+        routers = _routers(chunks)
+        self.counts = torch.zeros(num_layers, num_experts, device=routers[0].weight.device)
+        for router in routers:
+            router.register_forward_hook(self._count(router.layer_number - 1))  # Megatron's global 1-based
+
+    def _count(self, layer: int):
+        def hook(module, inputs, output) -> None:
+            if torch.is_grad_enabled():
+                self.counts[layer] += output[1].sum(dim=0)  # routing_map [tokens, experts], bool
+        return hook
+
+    def metrics(self) -> dict[str, float]:
+        """``moe_expert_load/layer_<i>`` (max / mean tokens per expert) and their mean over layers; a collective
+        over all ranks. Summing every rank's counts is exact up to a factor per layer (TP ranks without sequence
+        parallelism route the same tokens), which the ratio does not see. Pad tokens count, as in the aux loss."""
+        import torch.distributed as dist
+
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        dist.all_reduce(counts)
+        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).cpu()
+        out = {f"moe_expert_load/layer_{i}": float(v) for i, v in enumerate(load)}
+        out["moe_expert_load"] = float(load.mean())
+        return out

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.models.moe_training import freeze_routers, moe_metrics, router_loss_scaling
+from megatron_rl.models.moe_training import ExpertLoad, freeze_routers, moe_metrics, router_loss_scaling
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
 from megatron_rl.workers.optimizer_device import optimizer_device_scope
 from megatron_rl.workers.packing import PackedMicroBatch
@@ -140,8 +140,9 @@ class MegatronEngine:
         # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.
         self.packed_sequences = bool(getattr(parallel, "packed_sequences", False))
         self.value_head = value_head
-        # MoE router losses of the last training run (models/moe_training.py); {} for dense models
+        # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
         self.router_metrics: dict[str, float] = {}
+        self.expert_load: ExpertLoad | None = None
         self.optimizer = None
         self.scheduler = None
         self.use_distributed_optimizer = False
@@ -153,6 +154,8 @@ class MegatronEngine:
         else:
             if getattr(parallel, "freeze_router", False):
                 freeze_routers(chunks, f"{name}.megatron.freeze_router")
+            if self.hf_config.moe is not None:
+                self.expert_load = ExpertLoad(chunks, self.config.num_layers, self.hf_config.moe.num_experts)
             self.model = self._wrap_ddp(chunks, parallel)
             self.optimizer = self._build_optimizer(optim)
             self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")
@@ -316,7 +319,8 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         if not forward_only and self.hf_config.moe is not None:
-            self.router_metrics = moe_metrics(self.config.num_layers, len(micro_batches))
+            losses = moe_metrics(self.config.num_layers, len(micro_batches))
+            self.router_metrics = losses | self.expert_load.metrics()
         return outputs
 
     def zero_grad(self) -> None:

@@ -209,6 +209,9 @@ def test_actor_updates_at_expert_parallel_log_router_losses(tmp_path):
         assert 0.9 < metrics["actor/moe_aux_loss"] < 2.0, metrics
         assert {"actor/moe_aux_loss/layer_0", "actor/moe_aux_loss/layer_1"} <= metrics.keys()
         assert metrics["actor/moe_z_loss"] > 0
+        # busiest expert's tokens / the mean: 1 balanced, E / topk = 2 at most
+        for layer in (0, 1):
+            assert 1.0 <= metrics[f"actor/moe_expert_load/layer_{layer}"] <= 2.0, metrics
     # megatron.freeze_router: one update leaves every router as it was and moves every expert
     change = per_rank[0]["frozen_change"]
     routers = [name for name in change if name.endswith("mlp.gate.weight")]
