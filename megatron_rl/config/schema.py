@@ -352,7 +352,8 @@ class JudgeModelConfig:
 
 @dataclass
 class RewardJudgeConfig:
-    """``reward_model.judge``: a generative judge on an HF rollout engine in the driver (reward/model/judge.py)."""
+    """``reward_model.judge``: a generative judge on an HF rollout engine in the driver, or with
+    ``reward_model.enable_resource_pool`` in a Ray actor of its own (reward/model/judge.py, judge_actor.py)."""
 
     enable: bool = False
     model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
