@@ -3,7 +3,9 @@ demo's task, model, prompts, reward and hyperparameters, at two sizes — (a) th
 6-token responses, 32 prompts x 8) and (b) a ~30M-parameter Qwen2-shaped random model with 32-token
 responses, 16 prompts x 8. Each trainer runs as its own process (start-up counts) at each thread setting;
 the faster counts. Reported: seconds per step (median after warm-up; one step = prompts x 8 samples and 2
-optimizer steps), start-up to the first step, and TRL's s/step over ours (> 1: we are faster).
+optimizer steps), start-up to the first step, and TRL's s/step over ours (> 1: we are faster); also CPU seconds
+per step where one process does all the work (TRL; ours in the one-process layouts), which a loaded machine
+inflates far less than wall time.
 
     pip install -e .[bench]          # TRL; skipped with this message when it is absent
     pytest benchmarks/test_vs_trl.py -s
@@ -79,6 +81,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) -> dict:
     prompts, n = size["prompts"], size["n"]
     overrides = [
@@ -101,15 +109,30 @@ def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) ->
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=log, text=True)
     metrics, startup = out / "metrics.jsonl", None
+    # One process does all the work here (no Ray workers): its CPU seconds at each new metrics line give the
+    # CPU seconds per step, which a loaded machine does not inflate as it does wall time.
+    one_process = "trainer.launcher=torchrun" in layout
+    cpu_marks: list[float] = []
     while proc.poll() is None:
-        if startup is None and metrics.exists() and metrics.read_text().strip():
+        lines = metrics.read_text().count("\n") if metrics.exists() else 0
+        if startup is None and lines:
             first = read_metrics(metrics)[0]
             startup = time.perf_counter() - start - first["timing_s/step"]
+        if one_process and lines > len(cpu_marks):
+            try:
+                cpu_marks += [_cpu_seconds(proc.pid)] * (lines - len(cpu_marks))
+            except (FileNotFoundError, ProcessLookupError, IndexError):  # it just exited
+                pass
         time.sleep(0.05)
     log.close()
     assert proc.returncode == 0, (out / "stderr.log").read_text()[-3000:]
     steps = [r["timing_s/step"] for r in read_metrics(metrics)]
-    return {"startup_s": startup, "step_s": steps}
+    result = {"startup_s": startup, "step_s": steps}
+    if one_process and len(cpu_marks) > WARMUP + 1:
+        # the first step's CPU includes start-up; the last is missing when the process exited before the poll
+        cpu = [float("nan"), *np.diff(cpu_marks)]
+        result["step_cpu_s"] = cpu + [float("nan")] * (len(steps) - len(cpu))
+    return result
 
 
 def _trl(train: Path, model: Path, size: dict, threads: int, out: Path) -> dict:
@@ -127,6 +150,13 @@ def _median_step(result: dict) -> float:
     return float(np.median(result["step_s"][WARMUP:]))
 
 
+def _median_cpu_step(result: dict) -> float | None:
+    """CPU seconds per step (median after warm-up), where measured: TRL's and ours in one process."""
+    if "step_cpu_s" not in result:
+        return None
+    return float(np.nanmedian(result["step_cpu_s"][WARMUP:]))
+
+
 @pytest.mark.parametrize("size_name", list(SIZES))
 def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_name):
     size = SIZES[size_name]
@@ -141,7 +171,14 @@ def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_nam
     benchmark.extra_info.update({f"{k}/step_s": _median_step(v) for k, v in rows.items()})
     benchmark.extra_info.update({f"{k}/startup_s": v["startup_s"] for k, v in rows.items()})
     benchmark.extra_info["trl_over_ours"] = ratio
+    cpu = {k: _median_cpu_step(v) for k, v in rows.items() if _median_cpu_step(v) is not None}
+    benchmark.extra_info.update({f"{k}/step_cpu_s": v for k, v in cpu.items()})
+    cpu_ratio = ""
+    if f"ours/{best_ours}" in cpu and f"trl/{best_trl}threads" in cpu:
+        benchmark.extra_info["trl_over_ours_cpu"] = cpu[f"trl/{best_trl}threads"] / cpu[f"ours/{best_ours}"]
+        cpu_ratio = f", in CPU seconds {benchmark.extra_info['trl_over_ours_cpu']:.2f}"
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    print(f"\n{size_name}: " + "; ".join(f"{k} {_median_step(v):.3f} s/step, start-up {v['startup_s']:.1f} s"
-                                       for k, v in rows.items())
-          + f" -> TRL s/step / ours = {ratio:.2f} (best: ours {best_ours}, TRL {best_trl} threads)")
+    print(f"\n{size_name}: " + "; ".join(
+        f"{k} {_median_step(v):.3f} s/step" + (f" ({cpu[k]:.3f} CPU-s)" if k in cpu else "")
+        + f", start-up {v['startup_s']:.1f} s" for k, v in rows.items())
+        + f" -> TRL s/step / ours = {ratio:.2f}{cpu_ratio} (best: ours {best_ours}, TRL {best_trl} threads)")
