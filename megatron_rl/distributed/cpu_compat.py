@@ -20,8 +20,8 @@ torch, these are the calls that fail and what this module answers instead:
   generation included — 8,000 calls and ~20 % of a demo-sized CPU step. The wrappers cost a dict
   look-up on factory calls only.
 * ``tensor.type() == "torch.cuda.FloatTensor"`` checks in the optimizers and gradient clipping: only
-  there, so ``workers.optimizer_device.optimizer_device_scope`` enters ``CudaToCpuMode`` (which also
-  answers ``type()`` with the CUDA name) while the optimizer is built or stepped.
+  there, so ``workers.optimizer_device.optimizer_device_scope`` opens ``cuda_type_names()`` (``type()``
+  answers with the CUDA name) while the optimizer is built or stepped.
 * CUDA streams (MoE only): the all-to-all token dispatcher creates a side stream when it is built and
   copies its split sizes to the host on it (``torch.cuda.Stream()``, ``torch.cuda.stream(s)``,
   ``current_stream()``, ``wait_stream``, ``record_event().synchronize()``). On CPU every op is already
@@ -40,11 +40,12 @@ With CUDA present the call changes nothing, so the same code runs on GPU cluster
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -56,19 +57,25 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda`` (or an int ordinal) to CPU for every torch call in its scope, and
-    answers ``tensor.type()`` with the CUDA name ("torch.cuda.FloatTensor") that Megatron's
-    optimizers and gradient clipping assert on."""
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """Inside: ``tensor.type()`` (no arguments) answers with the CUDA name, "torch.cuda.FloatTensor" for a
+    CPU float tensor, which Megatron's optimizers and gradient clipping assert on. Patches the method (not
+    a torch-function mode: that would put every op of the optimizer step through Python); process-wide
+    while open, so keep it around the optimizer only. Nests."""
+    original = torch.Tensor.type
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs = {**kwargs, "device": torch.device("cpu")}
-        result = func(*args, **kwargs)
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
-            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
-        return result
+    def type_with_cuda_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if args or kwargs or ".cuda." in result:  # a conversion, or already a CUDA name
+            return result
+        return result.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_with_cuda_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 # torch's factory functions that take ``device=`` (the ones megatron-core 0.16.1 calls with "cuda", and

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.distributed.cpu_compat import CudaToCpuMode, cpu_compat_installed, install_cpu_compat
+from megatron_rl.distributed.cpu_compat import cpu_compat_installed, cuda_type_names, install_cpu_compat
 from megatron_rl.distributed.process_group import first_slurm_host, read_launch_env
 
 
@@ -56,11 +56,14 @@ def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
 
 
-def test_mode_redirects_cuda_factory_calls_to_cpu():
-    with CudaToCpuMode():
-        assert torch.zeros(2, device="cuda").device.type == "cpu"
-        assert torch.empty(3, device=torch.device("cuda", 0)).device.type == "cpu"
-        assert torch.ones(1, device=0).device.type == "cpu"
+def test_type_names_are_cuda_names_inside_the_scope_only():
+    t = torch.ones(2)
+    with cuda_type_names(), cuda_type_names():  # nests (the engine's optimizer scope may be re-entered)
+        assert t.type() == "torch.cuda.FloatTensor"  # what Megatron's gradient clipping asserts
+        assert torch.nn.Parameter(t).type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float64).dtype == torch.float64  # conversions are untouched
+        assert torch._C._len_torch_function_stack() == 0  # no per-op Python handler
+    assert t.type() == "torch.FloatTensor"
 
 
 def test_cpu_compat_is_reversible_and_nests():

@@ -98,6 +98,7 @@ def optimizer_step(directory: str, tp: int, pp: int, distributed_optimizer: bool
 
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf, export_hf_weights
+    from megatron_rl.workers.optimizer_device import optimizer_device_scope
 
     init_model_parallel(tp=tp, pp=pp)
     chunks = build_from_hf(directory)
@@ -105,18 +106,20 @@ def optimizer_step(directory: str, tp: int, pp: int, distributed_optimizer: bool
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=0.1,
-            adam_eps=1.0,
-            clip_grad=1.0,
-            use_distributed_optimizer=distributed_optimizer,
-        ),
-        model,
-    )
+    with optimizer_device_scope():  # as the engine builds and steps it (CUDA type names on CPU)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=0.1,
+                adam_eps=1.0,
+                clip_grad=1.0,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            model,
+        )
     forward_backward(model, None, chunks[0].hf_config.vocab_size)
-    updated, grad_norm, _ = optimizer.step()
+    with optimizer_device_scope():
+        updated, grad_norm, _ = optimizer.step()
     return {
         "updated": updated,
         "grad_norm": grad_norm,
