@@ -106,24 +106,45 @@ def _routers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 class ExpertLoad:
     """Tokens routed to each expert of each layer in the training forwards since the last ``metrics()``
-    (a forward hook on every router of ``chunks``; forwards without grad, i.e. log-prob passes, not counted)."""
+    (a forward hook on every router of ``chunks``; forwards without grad, i.e. log-prob passes, not counted).
+    ``valid`` ([seq, batch] bool, Megatron's token order), set by the engine before each micro-batch's forward,
+    leaves pad tokens out; None counts every token (packed micro-batches, or full recompute, whose router runs
+    again in the backward pass, possibly after the next micro-batch's forward under PP)."""
 
     def __init__(self, chunks: list[torch.nn.Module], num_layers: int, num_experts: int) -> None:
         routers = _routers(chunks)
         self.counts = torch.zeros(num_layers, num_experts, device=routers[0].weight.device)
+        self.valid: torch.Tensor | None = None
         for router in routers:
             router.register_forward_hook(self._count(router.layer_number - 1))  # Megatron's global 1-based
 
     def _count(self, layer: int):
         def hook(module, inputs, output) -> None:
-            if torch.is_grad_enabled():
-                self.counts[layer] += output[1].sum(dim=0)  # routing_map [tokens, experts], bool
+            if not torch.is_grad_enabled():
+                return
+            routing_map = output[1]  # [tokens, experts] bool, tokens in [seq, batch] order
+            valid = self._valid_rows(routing_map.shape[0])
+            self.counts[layer] += (routing_map if valid is None else routing_map[valid]).sum(dim=0)
         return hook
+
+    def _valid_rows(self, tokens: int) -> torch.Tensor | None:
+        """The mask of this rank's router tokens: ``valid``, or (sequence parallel) its TP rank's slice of the
+        sequence; None (count all) without a mask or when the tokens are laid out otherwise (context parallel)."""
+        from megatron.core import parallel_state
+
+        if self.valid is None:
+            return None
+        valid = self.valid.to(self.counts.device)
+        if valid.numel() != tokens:
+            rows = valid.shape[0] // parallel_state.get_tensor_model_parallel_world_size()
+            start = parallel_state.get_tensor_model_parallel_rank() * rows
+            valid = valid[start : start + rows]
+        return valid.reshape(-1) if valid.numel() == tokens else None
 
     def metrics(self) -> dict[str, float]:
         """``moe_expert_load/layer_<i>`` (max / mean tokens per expert) and their mean over layers; a collective
         over all ranks. Summing every rank's counts is exact up to a factor per layer (TP ranks without sequence
-        parallelism route the same tokens), which the ratio does not see. Pad tokens count, as in the aux loss."""
+        parallelism route the same tokens), which the ratio does not see."""
         import torch.distributed as dist
 
         counts, self.counts = self.counts, torch.zeros_like(self.counts)

@@ -285,8 +285,13 @@ class MegatronEngine:
             # Three values + calculate_per_token_loss: Megatron back-propagates the loss as is.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), data
 
+        count_valid = self.expert_load is not None and self.config.recompute_granularity != "full"
+
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
+            if count_valid:  # the expert load leaves this micro-batch's pad tokens out (moe_training.ExpertLoad)
+                thd = micro_batch.is_thd
+                self.expert_load.valid = None if thd else micro_batch.attention_mask.t().bool()
             if micro_batch.is_thd:
                 output = model(
                     micro_batch.input_ids,

@@ -1,6 +1,6 @@
 """GRPO through the real trainer on a tiny Qwen3-MoE (issue 20): Megatron actor at EP=2 over two gloo ranks
 (DP=2, the experts split between them), HF rollout engines colocated, router losses on, weight sync
-verified against the engine every step."""
+verified against the engine every step, expert load logged per layer."""
 from __future__ import annotations
 
 import math
@@ -54,6 +54,7 @@ def test_grpo_on_moe_at_expert_parallel(moe_assets, tmp_path):
         assert 0.9 < record["actor/moe_aux_loss"] < 2.0, record
         assert record["actor/moe_z_loss"] > 0
         assert {"actor/moe_aux_loss/layer_0", "actor/moe_aux_loss/layer_1"} <= record.keys()
+        assert all(1.0 <= record[f"actor/moe_expert_load/layer_{i}"] <= 2.0 for i in (0, 1)), record
         # the engines serve exactly the trainer's (expert-parallel) weights after every sync
         assert record["rollout/logprob_diff_max"] < 1e-4, record
         assert math.isfinite(record["actor/grad_norm"]) and record["actor/grad_norm"] > 0
