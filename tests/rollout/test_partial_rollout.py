@@ -14,6 +14,7 @@ import torch
 from rollout_models import EOS, PAD, make_engine, prompt_batch, source_model, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.hf_server import HFServerApp, _handler
 from megatron_rl.rollout.server_client import ServerRolloutClient
 
@@ -102,3 +103,36 @@ def test_pause_modes_and_refusals(served):
     worker.join(60)
     assert result["out"].batch["response_mask"].sum().item() == LENGTH
     assert result["out"].non_tensor_batch["token_weight_versions"][0].tolist() == [0] * LENGTH
+
+
+def test_in_place_parks_the_request_and_it_goes_on_with_the_new_weights(served):
+    """SGLang's in_place/retract: the request is not returned, it waits and resumes after the continue. A result
+    reports one weight_version (the last token's, as SGLang), so per-token versions need mode abort."""
+    app, engine, client = served
+    engine.hold = True
+    result: dict = {}
+    body = {"input_ids": [[5, 6, 7]], "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": LENGTH, "stop_token_ids": [10_000], "sampling_seed": 3}]}
+    worker = threading.Thread(target=lambda: result.setdefault("out", app.handle("POST", "/generate", body)))
+    worker.start()
+    assert engine.first_chunk_done.wait(60)
+    app.handle("POST", "/pause_generation", {"mode": "in_place"})
+    new = source_model(200)
+    app.handle("POST", "/begin_weight_update", {})
+    with app.lock, app.control():  # a parked request does not hold up the update
+        app.load_tensors(new.state_dict().items(), weight_version=1)
+    app.handle("POST", "/end_weight_update", {})
+    app.handle("POST", "/continue_generation", {})
+    worker.join(60)
+    [out] = result["out"]
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "1"
+    tokens = [e[1] for e in meta["output_token_logprobs"]]
+    lps = torch.tensor([e[0] for e in meta["output_token_logprobs"]])
+    full = torch.tensor([[5, 6, 7, *tokens]])
+    scored = DataProto.from_dict({"input_ids": full, "attention_mask": torch.ones_like(full),
+                                  "position_ids": torch.arange(full.shape[1])[None], "responses": full[:, 3:],
+                                  "response_mask": torch.ones(1, LENGTH, dtype=torch.long)})
+    old_lp, new_lp = trainer_log_probs(source_model(100))(scored)[0], trainer_log_probs(new)(scored)[0]
+    torch.testing.assert_close(lps[:CHUNK], old_lp[:CHUNK], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lps[CHUNK:], new_lp[CHUNK:], atol=1e-5, rtol=0)
