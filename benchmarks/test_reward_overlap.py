@@ -9,6 +9,8 @@ step the overlap changes) and step time. Overlap off runs first and last; ratios
 
     pytest benchmarks/test_reward_overlap.py -s
     MRL_OVERLAP_SCORE_MS=20 MRL_OVERLAP_CHUNKS=4,8 pytest benchmarks/test_reward_overlap.py -s
+    MRL_OVERLAP_HIDDEN=512 MRL_OVERLAP_CHUNKS=4 MRL_OVERLAP_STEPS=5 pytest benchmarks/test_reward_overlap.py -s
+        # a wider random model (hidden 512): generation compute-bound, its time grows with the rows of a call
 
 Timings on a shared machine are noisy; the ratios are paired (same run of this file).
 """
@@ -29,6 +31,7 @@ STEPS = int(os.environ.get("MRL_OVERLAP_STEPS", "8"))
 WARMUP = 2  # one-off costs: allocations, first collectives, the scoring processes starting
 SCORE_MS = float(os.environ.get("MRL_OVERLAP_SCORE_MS", "5"))
 CHUNKS = [int(c) for c in os.environ.get("MRL_OVERLAP_CHUNKS", "2,4").split(",")]
+HIDDEN = os.environ.get("MRL_OVERLAP_HIDDEN")  # unset: the demo's model (hidden 64)
 
 COSTLY_SCORER = textwrap.dedent("""
     import time
@@ -60,8 +63,19 @@ def _run(name: str, overrides: list[str], assets, scorer, out) -> dict[str, floa
             "score_mean": mean("critic/score/mean"), "reward_errors": mean("reward/errors")}
 
 
+def widen(model_dir, hidden: int) -> None:
+    """The demo's model at another width (random weights, the same tokenizer and depth)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+
+
 def test_reward_overlap_hides_scoring(benchmark, tmp_path):
     assets = prepare_assets(tmp_path / "assets")
+    if HIDDEN:
+        widen(assets[2], int(HIDDEN))
     scorer = tmp_path / "costly_reward.py"
     scorer.write_text(COSTLY_SCORER.format(seconds=SCORE_MS / 1000))
     results = {}
@@ -79,7 +93,7 @@ def test_reward_overlap_hides_scoring(benchmark, tmp_path):
     off = {k: (results["off"][k] + results["off/again"][k]) / 2 for k in results["off"]}
     ratios = {f"{name}/{k}_over_off": r[k] / off[k] for name, r in results.items() if name.startswith("on/")
               for k in ("reward_exposed_s", "gen_s", "gen_plus_exposed_s", "step_s")}
-    print(f"\n{SCORE_MS:g} ms per sample, steps {WARMUP + 1}..{STEPS} (means):")
+    print(f"\n{SCORE_MS:g} ms per sample, model hidden {HIDDEN or 64}, steps {WARMUP + 1}..{STEPS} (means):")
     for name, r in results.items():
         print(f"  overlap {name:9s}: step {r['step_s']:.3f} s, generation {r['gen_s']:.3f} s, scoring "
               f"{r['reward_s']:.3f} s of which the step waited {r['reward_exposed_s']:.3f} s "

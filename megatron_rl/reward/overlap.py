@@ -7,8 +7,8 @@ while the driver generates the next chunk; the reward stage then waits only for 
 chunks are put back together in sample order, as one reward call over the whole batch would return them.
 
     overlap = OverlappedScoring(reward_fn, num_chunks=4)
-    pending = overlap.start(rows, prompts, generate)   # returns when the last chunk is generated
-    batch = pending.wait()                             # rows | responses | scores; pending.metrics, .scoring_s
+    pending = overlap.start(rows, prompts, generate, group_size=n)   # returns once the last chunk is generated
+    batch = pending.wait()   # rows | responses | scores; then pending.metrics, pending.scoring_s
 
 Samples: a chunk is an engine call with ``meta_info["seed"]`` moved on by the chunk's first row, so an engine
 that seeds each row with ``seed + row`` (SGLang's ``sampling_seed``) samples exactly what one call would. The
