@@ -233,3 +233,32 @@ def test_overlap_refuses_what_it_cannot_run(overrides, message):
     cfg = load_config(overrides=["reward.overlap.enable=true", *overrides])
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_the_hf_engine_answers_greedy_chunks_as_one_call(tmp_path):
+    """The HF engine draws a call's rows from one generator, so only greedy chunks are the one-call rollout (docs)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl.reward.overlap import OverlappedScoring
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    path = make_tiny_hf_checkpoint(tmp_path / "policy", "qwen2")
+    engine = HFEngine(OmegaConf.structured(RolloutConfig(name="hf", dtype="float32")), path, weights_path=path,
+                      device="cpu", response_length=4)
+    ids = torch.randint(3, 60, (6, P), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 0] = ids[1, 0] = 0  # a left-padded row
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+                                  meta_info={"do_sample": False, "seed": 5})  # sampled, the chunks differ
+    rows = DataProto.from_dict({"row": torch.arange(6)}, {"data_source": np.array(["x"] * 6, dtype=object)})
+    def no_reward(chunk: DataProto) -> DataProto:
+        return DataProto.from_dict({"token_level_scores": torch.zeros(len(chunk), 4)}, meta_info={"reward_metrics": {}})
+
+    overlap = OverlappedScoring(no_reward, num_chunks=3)
+    chunked = overlap.start(rows, prompts, engine.generate_sequences, group_size=2).wait()
+    whole = engine.generate_sequences(prompts)
+    assert torch.equal(chunked.batch["responses"], whole.batch["responses"])
+    assert torch.equal(chunked.batch["row"], torch.arange(6))
