@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 # >= 20 measured steps after warm-up; MRL_BENCH_STEPS shortens a run on a shared machine
 WARMUP = 3
 STEPS = int(os.environ.get("MRL_BENCH_STEPS", 23))
-# The suite's 20-minute hang guard (pyproject) is far below one 30M run on a loaded 2-core machine (~30 CPU-s a
-# step per trainer, 23 steps each, the two run one after the other): it killed the TRL half of such runs.
+# The suite's 20-minute hang guard (pyproject) is far below one 30M run on a loaded 2-core machine (~30
+# CPU-s a step per trainer, 23 steps each, one trainer after the other): it killed the TRL half of such runs.
 RUN_TIMEOUT_S = 4 * 3600
 SIZES = {
     "demo": {"prompts": 32, "n": 8, "response_length": 6, "lr": 5e-3, "model": None},

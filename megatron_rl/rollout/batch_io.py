@@ -15,7 +15,9 @@ import torch
 
 from megatron_rl.protocol import DataProto
 
-__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists", "repeated_prompt_rows"]
+__all__ = [
+    "PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists", "repeated_prompt_rows",
+]
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 

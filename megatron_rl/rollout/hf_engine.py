@@ -168,8 +168,8 @@ class HFEngine(RolloutEngine):
         shared = repeated_prompt_rows(ids, mask, pos)
         firsts, rows = shared if shared is not None else (slice(None), slice(None))
         out = self.model(
-            input_ids=ids[firsts], attention_mask=mask[firsts], position_ids=pos[firsts], **cache, use_cache=True,
-            logits_to_keep=1,
+            input_ids=ids[firsts], attention_mask=mask[firsts], position_ids=pos[firsts], **cache,
+            use_cache=True, logits_to_keep=1,
         )
         logits = out.logits[rows, -1]
         if shared is not None:

@@ -86,10 +86,11 @@ def test_cpu_compat_is_reversible_and_nests():
         with mcore_random.get_cuda_rng_tracker().fork():  # no-op fork: no CUDA generator needed
             pass
         assert torch.tensor([1.0], device="cuda").device.type == "cpu"  # e.g. FP32Optimizer._scale
-        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"  # the schedules' token count
+        # the pipeline schedules' token count
+        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
         assert torch.empty_like(torch.ones(2), device=torch.device("cuda", 0)).device.type == "cpu"
         assert torch.ones(1, device=0).device.type == "cpu"
-        assert torch.zeros(2, device="cpu", dtype=torch.int8).dtype == torch.int8  # other arguments pass through
+        assert torch.zeros(2, device="cpu", dtype=torch.int8).dtype == torch.int8  # other arguments pass on
         # no torch-function mode: ordinary ops (the model's forward, the HF engine's generation) are not
         # routed through a Python handler (one was, ~20 % of a demo-sized CPU step)
         assert torch._C._len_torch_function_stack() == 0

@@ -15,7 +15,8 @@ def _prompts() -> DataProto:
     mask = (ids != PAD).long()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
-                               non_tensors={"uid": np.array(["a", "b", "c"], dtype=object)}, meta_info={"step": 3})
+                               non_tensors={"uid": np.array(["a", "b", "c"], dtype=object)},
+                               meta_info={"step": 3})
 
 
 def test_rows_of_different_lengths_are_right_padded_in_order():
@@ -36,7 +37,8 @@ def test_rows_of_different_lengths_are_right_padded_in_order():
 
 
 @pytest.mark.parametrize("responses, log_probs, message", [
-    ([[1], [2, 3, 4, 5, 6], [3]], [[0.0], [0.0] * 5, [0.0]], "sample 1: 5 response tokens and 5 log-probs for max length 4"),
+    ([[1], [2, 3, 4, 5, 6], [3]], [[0.0], [0.0] * 5, [0.0]],
+     "sample 1: 5 response tokens and 5 log-probs for max length 4"),
     ([[1], [2], [3, 4]], [[0.0], [0.0], [0.0]], "sample 2: 2 response tokens and 1 log-probs"),
     ([[1], [2]], [[0.0], [0.0]], "2 responses / 2 log-prob rows for 3 prompts"),
 ])
@@ -50,10 +52,12 @@ def test_repeated_prompt_rows_finds_runs_of_identical_consecutive_rows():
     from megatron_rl.rollout.batch_io import repeated_prompt_rows
 
     prompts = _prompts().batch
-    ids, mask, pos = (prompts[k].repeat_interleave(2, dim=0) for k in ("input_ids", "attention_mask", "position_ids"))
-    ids, mask, pos = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]]), torch.cat([pos, pos[:1]])  # row 0 again
+    keys = ("input_ids", "attention_mask", "position_ids")
+    ids, mask, pos = (prompts[k].repeat_interleave(2, dim=0) for k in keys)
+    ids, mask, pos = (torch.cat([t, t[:1]]) for t in (ids, mask, pos))  # row 0 once more, after the others
     firsts, inverse = repeated_prompt_rows(ids, mask, pos)
     assert firsts.tolist() == [0, 2, 4, 6] and inverse.tolist() == [0, 0, 1, 1, 2, 2, 3]
     assert torch.equal(ids[firsts][inverse], ids)
     p = _prompts().batch
-    assert repeated_prompt_rows(p["input_ids"], p["attention_mask"], p["position_ids"]) is None  # all distinct
+    # all rows distinct
+    assert repeated_prompt_rows(p["input_ids"], p["attention_mask"], p["position_ids"]) is None

@@ -19,4 +19,5 @@ def test_no_random_init_before_the_first_sync(monkeypatch):
     assert torch.equal(engine.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
     engine.update_weights(reference.state_dict().items(), version=1)
     out = engine.generate_sequences(prompt_batch([3, 5], prompt_seed=2))
-    torch.testing.assert_close(trainer_log_probs(reference)(out), out.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    rescored = trainer_log_probs(reference)(out)
+    torch.testing.assert_close(rescored, out.batch["rollout_log_probs"], atol=1e-5, rtol=0)
