@@ -6,7 +6,8 @@ can instead map one buffer: each rank writes its shard straight into its own row
 is written, and every rank reads the whole buffer in place. NCCL groups never take this path (NVLink is
 the real thing there); gloo groups take it when all members share a host and /dev/shm has room.
 
-Two slots (bucket k in slot k % 2) let bucket k+1 be written while bucket k is read. A rank writes slot s
+Two slots (bucket k in slot k % 2, counting only the buckets that go through the buffer: a bucket without a TP
+step publishes no barrier, so it takes no slot) let bucket k+1 be written while bucket k is read. A rank writes slot s
 for bucket k+1 only after bucket k's barrier, which no rank enters before it finished reading bucket k-1
 from slot s (the order of ``export_hf_buckets``: convert k-1, then start k's transfer), so a row is never
 overwritten while someone reads it. Across exports the same holds through a barrier when an export takes the

@@ -221,7 +221,8 @@ class _Transfer:
         self.ctx, self.bucket, self.slot = ctx, bucket, index % 2
         self.shard: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
-        self._host_slot: int | None = None  # set when the TP step went through the host's shared buffer
+        # the host's shared buffer slot, for buckets whose TP step goes through it (``_ExportContext.host_slot``)
+        self._host_slot = ctx.host_slot(bucket)
         self._works: list = []
 
     def _pack(self, buffer: torch.Tensor) -> None:
@@ -251,7 +252,7 @@ class _Transfer:
                 return self
         elif ctx.pp_rank not in receivers:
             return self
-        shard = ctx.shard_buffer(self.slot, bucket.shard_bytes)
+        shard = ctx.shard_buffer(self.slot, self._host_slot, bucket.shard_bytes)
         if expert_shard is not None:
             shard.copy_(expert_shard)
         elif bucket.stage == ctx.pp_rank:
@@ -285,11 +286,9 @@ class _Transfer:
             self.gathered = self.shard if ctx.is_consumer else None
             return self
         consumers = ctx.tp_consumers
-        if ctx.host_gather is not None:
+        if self._host_slot is not None:
             # the shard already sits in this rank's row of the host's shared buffer (packed or received there)
             self._works.append(ctx.host_gather.publish())
-            if ctx.is_consumer:
-                self._host_slot = self.slot
         elif len(consumers) == ctx.tp_size:
             self.gathered = ctx.staging("gathered", self.slot, ctx.tp_size * self.bucket.shard_bytes)
             self._works.append(
@@ -310,7 +309,7 @@ class _Transfer:
         """The gathered shards ([split x shard_bytes] uint8, one row per rank) on a consumer, else None."""
         self._wait()
         self.shard = None
-        if self._host_slot is not None:
+        if self._host_slot is not None and self.ctx.is_consumer:
             self.gathered = self.ctx.host_gather.gathered(self._host_slot, self.bucket.shard_bytes)
         gathered, self.gathered = self.gathered, None
         return gathered
@@ -338,12 +337,23 @@ class _ExportContext:
     ep_owner: dict | None = None
     host_gather: HostGather | None = None  # CPU ranks of one host: the TP step through shared memory
     _staging: dict | None = None
+    _host_buckets: int = 0  # buckets given a slot of the shared buffer so far
 
-    def shard_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+    def host_slot(self, bucket: ExportBucket) -> int | None:
+        """The shared buffer's slot for ``bucket`` when its TP step goes through it, else None; called once per
+        bucket, in order. The slots alternate over these buckets only: a bucket without a TP step (experts at
+        expert-TP 1) publishes no barrier, so it must not take a slot either, or a rank could write the row
+        of the slot in use two buckets ago while another rank still reads it (host_gather's slot rule)."""
+        if self.host_gather is None or self.split_of(bucket) == 1:
+            return None
+        self._host_buckets += 1
+        return (self._host_buckets - 1) % 2
+
+    def shard_buffer(self, slot: int, host_slot: int | None, nbytes: int) -> torch.Tensor:
         """Where this rank's TP shard of a bucket is packed or received: its row of the shared buffer when
         the TP step goes through the host's memory (no copy into the gather), else a staging buffer."""
-        if self.host_gather is not None:
-            return self.host_gather.row(slot, nbytes)
+        if host_slot is not None:
+            return self.host_gather.row(host_slot, nbytes)
         return self.staging("shard", slot, nbytes)
 
     def split_of(self, bucket: ExportBucket) -> int:

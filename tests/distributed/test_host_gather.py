@@ -84,6 +84,35 @@ def raced_exports(ckpt_dir: str) -> dict:
     return out
 
 
+def raced_moe_export(ckpt_dir: str) -> list[str]:
+    """TP=2, expert TP 1: expert buckets skip the TP step (each rank holds whole experts), so they publish no
+    barrier; the fast non-consumer must still not write a row the slow consumer reads for an earlier bucket."""
+    from megatron_rl.distributed import host_gather, init_model_parallel
+    from megatron_rl.models import build_from_hf, export, export_hf_weights
+
+    init_model_parallel(tp=2, etp=1)
+    chunks = build_from_hf(ckpt_dir)
+    host_gather.enabled = False
+    reference = {name: t.clone() for name, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES)}
+    host_gather.enabled = True
+    convert = export._hf_bucket
+    export._hf_bucket = lambda *a: (time.sleep(0.02), convert(*a))[1]  # the consumer reads the rows late
+    try:
+        received = {n: t.clone() for n, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES, consumers={0})}
+    finally:
+        export._hf_bucket = convert
+    if dist.get_rank() != 0:
+        return []
+    return sorted(n for n, t in reference.items() if n not in received or not torch.equal(received[n], t))
+
+
+def test_expert_buckets_without_a_tp_step_never_overwrite_a_row_being_read(tmp_path):
+    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+
+    model = make_tiny_hf_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
+    assert run_multiprocess(raced_moe_export, 2, str(model), timeout_s=300)[0] == []
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from megatron_rl.models.testing import make_tiny_hf_checkpoint
