@@ -352,10 +352,12 @@ class JudgeModelConfig:
 
 @dataclass
 class RewardJudgeConfig:
-    """``reward_model.judge``: a generative judge on an HF rollout engine in the driver, or with
-    ``reward_model.enable_resource_pool`` in a Ray actor of its own (reward/model/judge.py, judge_actor.py)."""
+    """``reward_model.judge``: a generative judge on a rollout engine (``engine``: hf, or sglang on GPUs) in the
+    driver, or with ``reward_model.enable_resource_pool`` in a Ray actor of its own (reward/model/judge.py,
+    judge_actor.py)."""
 
     enable: bool = False
+    engine: str = "hf"  # hf | sglang: the rollout engine that serves the judge, loaded from model.path
     model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
     template: str = "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nRate the answer 0-10. Score:"
     verdict_pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # group 1: the number

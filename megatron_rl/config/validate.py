@@ -173,6 +173,7 @@ def _check_judge(judge: DictConfig) -> None:
     from megatron_rl.reward.model.judge import GenerativeJudge, VerdictParser
 
     _require(bool(judge.model.path), "reward_model.judge.enable=true needs reward_model.judge.model.path (a causal LM)")
+    _require(judge.engine in ("hf", "sglang"), f"reward_model.judge.engine must be hf or sglang, got {judge.engine!r}")
     _require(judge.response_length >= 1, f"reward_model.judge.response_length must be >= 1, got {judge.response_length}")
     try:
         GenerativeJudge(lambda prompts: prompts, judge.template, VerdictParser(judge.verdict_pattern),

@@ -78,6 +78,34 @@ def test_bad_judge_settings_are_refused():
         GenerativeJudge(lambda p: p, TEMPLATE, retries=-1)
 
 
+def test_judge_engine_sglang_serves_the_judge_checkpoint_and_bad_engines_are_refused(monkeypatch):
+    """reward_model.judge.engine=sglang builds the SGLang rollout engine on the judge's own checkpoint (no weights
+    path, no sync: SGLang loads model.path itself); on a machine without SGLang the builder says why; an engine
+    name we do not have is refused at config time, naming the key."""
+    import megatron_rl.rollout.sglang as sglang_package
+    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.config.schema import JudgeModelConfig, RewardJudgeConfig
+    from megatron_rl.reward.model.judge_actor import build_judge_engine
+    from megatron_rl.rollout.sglang import SGLangUnavailableError
+
+    judge = OmegaConf.structured(RewardJudgeConfig(enable=True, engine="sglang", dtype="bfloat16", response_length=5,
+                                                   model=JudgeModelConfig(path="/ckpt/judge")))
+    real = sglang_package.build_sglang_engine
+    built = []
+    monkeypatch.setattr(sglang_package, "build_sglang_engine", lambda config, path, **kw: built.append((config, path, kw)))
+    build_judge_engine(judge, "cuda")
+    (config, path, kwargs), = built
+    assert (config.name, config.mode, config.dtype, path) == ("sglang", "colocated", "bfloat16", "/ckpt/judge")
+    assert kwargs["response_length"] == 5 and "weights_path" not in kwargs
+    monkeypatch.setattr(sglang_package, "build_sglang_engine", real)
+    with pytest.raises(SGLangUnavailableError, match="no CPU build"):
+        build_judge_engine(judge, "cpu")
+    overrides = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", "reward_model.enable=true",
+                 "reward_model.judge.enable=true", "reward_model.judge.model.path=/ckpt/judge"]
+    with pytest.raises(ConfigError, match="reward_model.judge.engine must be hf or sglang, got 'vllm'"):
+        validate(load_config(overrides=[*overrides, "reward_model.judge.engine=vllm"]))
+
+
 def test_judge_served_by_the_hf_rollout_engine(tmp_path):
     from transformers import AutoTokenizer
 

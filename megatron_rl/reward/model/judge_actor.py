@@ -18,15 +18,18 @@ __all__ = ["RayJudgeEngine", "build_judge_engine"]
 
 
 def build_judge_engine(judge_cfg: Any, device: str) -> Any:
-    """``reward_model.judge``: the judge model on an HF rollout engine in this process."""
+    """``reward_model.judge``: the judge model on its rollout engine (``judge.engine``) in this process, serving
+    the checkpoint at ``judge.model.path`` as loaded (no weight sync ever reaches it). SGLang runs on this
+    process's first visible GPU (the Ray actor's own, with ``enable_resource_pool``)."""
     from omegaconf import OmegaConf
 
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.factory import build_rollout_engine
 
     path = judge_cfg.model.path
-    return HFEngine(OmegaConf.structured(RolloutConfig(name="hf", dtype=judge_cfg.dtype)), path, weights_path=path,
-                    device=None if device == "auto" else device, response_length=judge_cfg.response_length)
+    config = OmegaConf.structured(RolloutConfig(name=judge_cfg.engine, dtype=judge_cfg.dtype))
+    where = {"weights_path": path, "device": None if device == "auto" else device} if judge_cfg.engine == "hf" else {}
+    return build_rollout_engine(config, path, response_length=judge_cfg.response_length, **where)
 
 
 class JudgeEngineWorker:
@@ -52,7 +55,8 @@ class RayJudgeEngine:
         import ray
         from omegaconf import OmegaConf
 
-        gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        gpu = (device == "cuda" or judge_cfg.engine == "sglang"
+               or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0))
         actor_class = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(JudgeEngineWorker)
         plain = OmegaConf.to_container(judge_cfg, resolve=True) if OmegaConf.is_config(judge_cfg) else dict(judge_cfg)
         self.actor = actor_class.remote(plain, "cuda" if gpu else "cpu")
