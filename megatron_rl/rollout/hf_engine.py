@@ -217,6 +217,26 @@ class HFEngine(RolloutEngine):
             parts.append(lp * response_mask)
         return torch.cat(parts, dim=0)
 
+    @torch.no_grad()
+    def expert_choices(self, data: DataProto) -> dict[int, dict[int, torch.Tensor]] | None:
+        """MoE models: per layer and row of ``data``, the top-k experts ([tokens, experts] bool) transformers'
+        routers pick for the row's real tokens (``attention_mask``), for the routing agreement with the trainer
+        (models/moe_routing.py); None for a dense model. One row per forward, so no padding enters the routing."""
+        from megatron_rl.models.moe_routing import top_k_choices
+
+        k = getattr(self.model.config, "num_experts_per_tok", None)
+        if k is None:
+            return None
+        self._check_servable()
+        data.require("input_ids", "attention_mask", where="expert_choices")
+        out: dict[int, dict[int, torch.Tensor]] = {}
+        for row, (ids, mask) in enumerate(zip(data.batch["input_ids"], data.batch["attention_mask"].bool())):
+            tokens = ids[mask].unsqueeze(0).to(self.device)
+            router_logits = self.model(input_ids=tokens, output_router_logits=True).router_logits
+            for layer, logits in enumerate(router_logits):
+                out.setdefault(layer, {})[row] = top_k_choices(logits.reshape(tokens.shape[1], -1), int(k))
+        return out
+
     def _check_servable(self) -> None:
         if self._asleep:
             raise RuntimeError("HFEngine is asleep; call wake_up() before generating or scoring")

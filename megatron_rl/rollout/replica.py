@@ -100,7 +100,9 @@ class _MemberSink:
 class RolloutReplica:
     """``config``: the rollout config (``weight_sync``, ``free_cache_engine``, ``mode``). ``build_engine`` is
     called on the replica's leader only. ``trainer_log_prob_fn`` (DataProto -> [B, R]) must be callable on
-    every rank; it is called on all ranks with the same batch."""
+    every rank; it is called on all ranks with the same batch, and so is ``trainer_routing_fn`` (MoE: the
+    trainer's routing of that batch, models/moe_routing.py, or None), whose result a leader whose engine reports
+    its own routing compares with it (``rollout/moe_routing_agreement``)."""
 
     def __init__(
         self,
@@ -112,6 +114,7 @@ class RolloutReplica:
         member_dtype: torch.dtype,
         probe_prompts: DataProto | None = None,
         trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
+        trainer_routing_fn: Callable[[DataProto], Any] | None = None,
     ) -> None:
         sync_cfg = config.weight_sync
         if sync_cfg.bucket_size_mb <= 0:
@@ -127,6 +130,7 @@ class RolloutReplica:
         self.replica = mesh.replica_of(rank)
         self.is_leader = self.replica.leader == rank
         self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
+        self.trainer_routing_fn = trainer_routing_fn
         self.version = 0
         payloads = self._payload_group() if config.mode == "colocated" else None
         self.engine = build_engine(self.replica) if self.is_leader else None
@@ -204,8 +208,9 @@ class RolloutReplica:
             outputs = [gathered[leader] for leader in self.mesh.leaders]
         else:
             outputs = [mine]
+        probe = DataProto.concat(outputs)
         with torch.no_grad():
-            trainer_lp = self.trainer_log_prob_fn(DataProto.concat(outputs))
+            trainer_lp = self.trainer_log_prob_fn(probe)
         per_replica, start = [], 0
         for output in outputs:
             per_replica.append(logprob_diff(output, trainer_lp[start : start + len(output)]))
@@ -224,7 +229,22 @@ class RolloutReplica:
             return f"{where}; its leader, rank {replica.leader}, names the tensors"
 
         check_logprob_diff(metrics, self.config.weight_sync.verify_max_logprob_diff, f"weight sync v{version}", explain)
+        if self.trainer_routing_fn is not None:
+            return metrics | self._routing_agreement(probe)
         return metrics
+
+    def _routing_agreement(self, probe: DataProto) -> dict[str, float]:
+        """MoE: the trainer's routing of the probe (every rank takes part) against this leader's engine's, when
+        the engine reports its own (the HF engine; SGLang does not)."""
+        from megatron_rl.models.moe_routing import routing_agreement
+
+        with torch.no_grad():
+            trainer = self.trainer_routing_fn(probe)
+        choices = getattr(self.engine, "expert_choices", None) if self.is_leader else None
+        if trainer is None or choices is None:
+            return {}
+        engine = choices(probe)
+        return {} if engine is None else routing_agreement(trainer, engine)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -143,6 +143,8 @@ class MegatronEngine:
         # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
         self.router_metrics: dict[str, float] = {}
         self.expert_load: ExpertLoad | None = None
+        # set while a probe's routing is recorded (models/moe_routing.py: routing agreement with the rollout engine)
+        self.routing_recorder = None
         self.optimizer = None
         self.scheduler = None
         self.use_distributed_optimizer = False
@@ -292,6 +294,8 @@ class MegatronEngine:
             if count_valid:  # the expert load leaves this micro-batch's pad tokens out (moe_training.ExpertLoad)
                 thd = micro_batch.is_thd
                 self.expert_load.valid = None if thd else micro_batch.attention_mask.t().bool()
+            if self.routing_recorder is not None:
+                self.routing_recorder.expect(micro_batch)
             if micro_batch.is_thd:
                 output = model(
                     micro_batch.input_ids,

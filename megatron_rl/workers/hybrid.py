@@ -120,7 +120,8 @@ class ActorRolloutRefWorker(Worker):
 
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
                               member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda")),
-                              probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs)
+                              probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
+                              trainer_routing_fn=self._trainer_routing if self.actor.engine.hf_config.moe else None)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.ROLLOUT_COMPUTE_PROTO)
@@ -205,6 +206,14 @@ class ActorRolloutRefWorker(Worker):
     def _trainer_log_probs(self, data: DataProto) -> torch.Tensor:
         data.meta_info.setdefault("temperature", 1.0)
         return self.actor.compute_log_prob(data).batch["old_log_probs"]
+
+    def _trainer_routing(self, data: DataProto) -> Any:
+        """MoE: the actor's routing of ``data`` (a no-grad forward of the probe; a collective)."""
+        from megatron_rl.models.moe_routing import recording_routing
+
+        with recording_routing(self.actor.engine) as recorder:
+            self._trainer_log_probs(data)
+        return recorder.gathered()
 
 
 class CriticWorker(Worker):

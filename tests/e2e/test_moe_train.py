@@ -1,6 +1,6 @@
 """GRPO through the real trainer on a tiny Qwen3-MoE (issue 20): Megatron actor at EP=2 over two gloo ranks
 (DP=2, the experts split between them), HF rollout engines colocated, router losses on, weight sync
-verified against the engine every step, expert load logged per layer."""
+verified against the engine every step (log-probs and routing agreement), expert load logged per layer."""
 from __future__ import annotations
 
 import math
@@ -57,4 +57,8 @@ def test_grpo_on_moe_at_expert_parallel(moe_assets, tmp_path):
         assert all(1.0 <= record[f"actor/moe_expert_load/layer_{i}"] <= 2.0 for i in (0, 1)), record
         # the engines serve exactly the trainer's (expert-parallel) weights after every sync
         assert record["rollout/logprob_diff_max"] < 1e-4, record
+        # and route the probe's tokens as the trainer does (a misaligned comparison agrees ~1/6 of the time:
+        # 4 experts, top 2)
+        assert record["rollout/moe_routing_agreement"] > 0.95, record
+        assert record["rollout/moe_routing_overlap"] >= record["rollout/moe_routing_agreement"], record
         assert math.isfinite(record["actor/grad_norm"]) and record["actor/grad_norm"] > 0
