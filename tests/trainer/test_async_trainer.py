@@ -85,20 +85,31 @@ def test_next_rollout_overlaps_the_update_and_versions_are_exact(tmp_path):
     assert "rollout_corr/rollout_is_mean" in records[2]  # behaviour log-probs reach the update
 
 
-def test_on_policy_limit_equals_the_synchronous_trainer(tmp_path):
-    cfg = _cfg(tmp_path / "sync", "algorithm.rollout_correction.rollout_is=token")
-    sync_actor = FakeServers()
-    sync = RLTrainer(cfg, validate(cfg), sync_actor, None, length_reward, FakeLoader(16, 2), None)
+def synchronous_run(tmp_path, servers) -> RLTrainer:
+    """RLTrainer on ``servers`` with the async tests' config (token IS on): the on-policy limit's reference."""
+    cfg = _cfg(tmp_path, "algorithm.rollout_correction.rollout_is=token")
+    sync = RLTrainer(cfg, validate(cfg), servers, None, length_reward, FakeLoader(16, 2), None)
     sync.tracking = Collect()
     sync.fit()
+    return sync
+
+
+def assert_same_steps(sync: RLTrainer, other, steps=(1, 2, 3, 4)) -> None:
+    """Every metric of every step equal, timings and the async trainer's own metrics aside."""
+    for step in steps:
+        a, b = sync.tracking.records[step], other.tracking.records[step]
+        same = {k for k in a if not k.startswith(("timing_s/", "perf/", "async/"))}
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
+def test_on_policy_limit_equals_the_synchronous_trainer(tmp_path):
+    sync_actor = FakeServers()
+    sync = synchronous_run(tmp_path / "sync", sync_actor)
     limit, servers = async_trainer(tmp_path / "async", "async_training.max_staleness=0")
     limit.fit()
     assert servers.trained == sync_actor.trained
-    for step in (1, 2, 3, 4):
-        a, b = sync.tracking.records[step], limit.tracking.records[step]
-        same = {k for k in a if not k.startswith(("timing_s/", "perf/"))}
-        assert {k: a[k] for k in same} == {k: b[k] for k in same}
-        assert b["async/staleness_max"] == 0.0
+    assert_same_steps(sync, limit)
+    assert all(limit.tracking.records[step]["async/staleness_max"] == 0.0 for step in (1, 2, 3, 4))
 
 
 def test_resume_trains_the_saved_rollouts_once(tmp_path):

@@ -11,13 +11,12 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_async_trainer import _cfg
+from test_async_trainer import _cfg, assert_same_steps, synchronous_run
 from test_trainer_loop import Collect, FakeActorRollout, FakeLoader, length_reward
 
 from megatron_rl.config import validate
 from megatron_rl.config.validate import ConfigError
 from megatron_rl.trainer.fully_async import FullyAsyncTrainer
-from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
 
 FULLY = ["actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1",
@@ -171,19 +170,13 @@ def test_mask_drops_only_the_tokens_above_the_bound(tmp_path):
 
 
 def test_on_policy_limit_equals_the_synchronous_trainer(tmp_path):
-    cfg = _cfg(tmp_path / "sync", "algorithm.rollout_correction.rollout_is=token")
     sync_servers = FakeAsyncServers()
-    sync = RLTrainer(cfg, validate(cfg), sync_servers, None, length_reward, FakeLoader(16, 2), None)
-    sync.tracking = Collect()
-    sync.fit()
+    sync = synchronous_run(tmp_path / "sync", sync_servers)
     limit, servers = fully_async(tmp_path / "async", "async_training.max_staleness=0")
     limit.fit()
     assert servers.trained == sync_servers.trained
-    for step in (1, 2, 3, 4):
-        a, b = sync.tracking.records[step], limit.tracking.records[step]
-        same = {k for k in a if not k.startswith(("timing_s/", "perf/", "async/"))}
-        assert {k: a[k] for k in same} == {k: b[k] for k in same}
-        assert b["async/staleness_max"] == 0.0
+    assert_same_steps(sync, limit)
+    assert all(limit.tracking.records[step]["async/staleness_max"] == 0.0 for step in (1, 2, 3, 4))
 
 
 def test_resume_trains_every_produced_batch_once(tmp_path):
