@@ -93,10 +93,6 @@ def _check_async(cfg: DictConfig) -> None:
     else:
         _require(run.max_staleness >= 0, f"{where}: async_training.max_staleness must be >= 0, got {run.max_staleness}")
         _require(run.buffer_batches >= 1, f"{where}: async_training.buffer_batches must be >= 1, got {run.buffer_batches}")
-        _require(not run.partial_rollout or rollout.weight_sync.verify_freq == 0,
-                 f"{where} with async_training.partial_rollout=true: set actor_rollout_ref.rollout.weight_sync."
-                 "verify_freq=0 (the verification probe is a /generate, which a paused server holds until the sync "
-                 "has ended and the generation continues)")
     _require(not algo.filter_groups.enable, f"{where} does not run algorithm.filter_groups (dynamic sampling refills)")
     _require(not _estimator_traits(algo.adv_estimator).needs_greedy_baseline,
              f"{where} does not run algorithm.adv_estimator={algo.adv_estimator} (its greedy baseline is on-policy)")

@@ -131,6 +131,7 @@ class RolloutReplica:
         self.is_leader = self.replica.leader == rank
         self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
         self.trainer_routing_fn = trainer_routing_fn
+        self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         payloads = self._payload_group() if config.mode == "colocated" else None
         self.engine = build_engine(self.replica) if self.is_leader else None
@@ -169,9 +170,13 @@ class RolloutReplica:
         if self.is_leader and self.config.free_cache_engine and self.config.mode == "colocated":
             self.engine.sleep()
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    def sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, defer_verify: bool = False
+    ) -> dict[str, float]:
         """Push weight version ``version`` (the training step) into the replica's engine; every rank calls this
-        with the same export stream. Returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics."""
+        with the same export stream. Returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics.
+        ``defer_verify``: a due verification waits for ``verify_pending`` (servers paused around the sync hold
+        the probe's generation until they continue, so the probe must come after)."""
         from megatron_rl.models.export_options import export_consumers
 
         sync_cfg = self.config.weight_sync
@@ -196,9 +201,16 @@ class RolloutReplica:
                 )
                 metrics, checksums = stats.metrics(), stats.checksums
         self.version = version
-        if verify:
+        if verify and defer_verify:
+            self._pending_verify = (version, checksums)
+        elif verify:
             metrics |= self._verify(version, checksums)
         return metrics
+
+    def verify_pending(self) -> dict[str, float]:
+        """Run the verification a ``defer_verify`` sync left (every rank calls this); {} when none is due."""
+        pending, self._pending_verify = self._pending_verify, None
+        return {} if pending is None else self._verify(*pending)
 
     def _verify(self, version: int, checksums: Any) -> dict[str, float]:
         mine = probe_rollout(self.engine, self.probe_prompts) if self.is_leader else None

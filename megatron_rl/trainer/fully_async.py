@@ -146,14 +146,18 @@ class _PausedSync:
         elif rollouter is not None:
             rollouter.hold()
         try:
-            metrics = self._workers.sync_weights(version)
+            # paused servers hold every /generate until they continue, the verification probe's too
+            metrics = self._workers.sync_weights(version, trainer.partial_rollout)
             trainer.served_version = version
         finally:
             if trainer.partial_rollout:
                 client.continue_generation()
             elif rollouter is not None:
                 rollouter.release()
-        return {**metrics, "async/sync_pause_s": time.perf_counter() - started}
+        paused_s = time.perf_counter() - started
+        if trainer.partial_rollout:
+            metrics = {**metrics, **self._workers.verify_weights()}
+        return {**metrics, "async/sync_pause_s": paused_s}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._workers, name)

@@ -151,12 +151,20 @@ class ActorRolloutRefWorker(Worker):
         return self._agent
 
     @register(Dispatch.RANK_ZERO)
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int, defer_verify: bool = False) -> dict[str, float]:
         """Push the actor's current weights into every engine (every rank takes part in the export and feeds
         its replica); the driver gets rank 0's metrics. ``version`` is the training step the weights come
-        from; every sample generated with them carries it."""
-        metrics = self.rollout.sync(self.actor.named_hf_weights(), version=version)
+        from; every sample generated with them carries it. ``defer_verify``: a due verification runs at
+        ``verify_weights`` (fully async: after the paused servers continue)."""
+        metrics = self.rollout.sync(self.actor.named_hf_weights(), version=version, defer_verify=defer_verify)
         self._offload_for_generation()  # generation comes next, on every rank of the engines' GPUs
+        return metrics
+
+    @register(Dispatch.RANK_ZERO)
+    def verify_weights(self) -> dict[str, float]:
+        """The verification a ``defer_verify`` sync left ({} when none was due); rank 0's metrics."""
+        metrics = self.rollout.verify_pending()
+        self._offload_for_generation()
         return metrics
 
     def _offload_for_generation(self) -> None:

@@ -33,11 +33,12 @@ def test_one_step_off_on_an_hf_rollout_server(tiny_assets, tmp_path):
 
 def test_fully_async_with_partial_rollouts_and_decoupled_ppo(tiny_assets, tmp_path):
     """The rollouter generates ahead (2 batches), each sync pauses the server mid-response (1-token chunks),
-    decoupled PPO weights behaviour->proximal; staleness stays within the bound."""
+    decoupled PPO weights behaviour->proximal; staleness stays within the bound; every sync is verified once the
+    server generates again (a probe inside the paused window would wait for the continue: a deadlock)."""
     result = run(tiny_config(
         tiny_assets, tmp_path, "trainer.total_training_steps=3",
         "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1",
-        "actor_rollout_ref.rollout.server_chunk_tokens=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=0",
+        "actor_rollout_ref.rollout.server_chunk_tokens=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
         "async_training.mode=fully_async", "async_training.max_staleness=2", "async_training.buffer_batches=2",
         "actor_rollout_ref.actor.policy_loss=decoupled_ppo", "actor_rollout_ref.actor.behav_imp_weight_cap=5.0",
     ))
@@ -47,6 +48,7 @@ def test_fully_async_with_partial_rollouts_and_decoupled_ppo(tiny_assets, tmp_pa
         assert_finite(record)
         assert record["async/staleness_max"] <= 2
         assert "actor/behav_imp_weight_mean" in record
+        assert record["rollout/logprob_diff_max"] < 1e-4, record  # the server serves the trainer's weights
     assert steps[1]["async/staleness_max"] == 0.0
     # the first batch is generated before any update: its behaviour and proximal policies are the same weights
     assert steps[1]["actor/behav_kl"] == pytest.approx(0.0, abs=1e-4)

@@ -47,6 +47,8 @@ class FakeAsyncServers(FakeActorRollout):
         self.state = threading.Condition()
         self.started: set[int] = set()
         self.trained: list[dict] = []
+        self.verified: list[int] = []  # versions whose deferred verification ran (after the continue)
+        self.deferred_verify = False
 
     def pause_generation(self):
         with self.state:
@@ -101,13 +103,25 @@ class FakeAsyncServers(FakeActorRollout):
             "is_sum": float(data.batch["rollout_is_weights"].sum()) if "rollout_is_weights" in data.batch else None})
         return super().update_actor(data)
 
-    def sync_weights(self, version):
+    def sync_weights(self, version, defer_verify=False):
         with self.state:
             if self.in_flight and (not self.partial or not self.paused):
                 raise AssertionError(f"weights v{version} swapped under a running generation (paused={self.paused})")
             self.version = version
+            self.deferred_verify = defer_verify
             self.state.notify_all()
         return super().sync_weights(version)
+
+    def verify_weights(self):
+        """The deferred verification: its probe is a /generate, which paused servers hold (a deadlock)."""
+        with self.state:
+            if self.paused:
+                raise AssertionError(f"verification probe of v{self.version} sent to paused servers")
+            if not self.deferred_verify:
+                raise AssertionError("verify_weights without a deferred sync before it")
+            self.deferred_verify = False
+            self.verified.append(self.version)
+        return {"rollout/logprob_diff_max": 0.0}
 
 
 def fully_async(tmp_path, *overrides, servers=None, stop=None):
@@ -135,6 +149,8 @@ def test_responses_span_the_sync_with_exact_token_versions(tmp_path):
     assert _records(trainer, "async/partial_samples") == [0.0, 1.0, 1.0, 1.0]  # the 2-token response
     assert [t["uids"] for t in servers.trained] == [[f"{s}-0", f"{s}-1"] for s in (1, 2, 3, 4)]
     assert servers.synced == [1, 2, 3, 4]
+    assert servers.verified == [1, 2, 3, 4]  # each sync's check ran once the servers generated again
+    assert all("rollout/logprob_diff_max" in trainer.tracking.records[s] for s in (1, 2, 3, 4))
     assert "rollout_corr/rollout_is_mean" in trainer.tracking.records[2]
 
 
@@ -143,6 +159,7 @@ def test_without_partial_rollout_the_sync_waits_for_the_batch_in_flight(tmp_path
                                    servers=FakeAsyncServers(partial=False))
     trainer.fit()
     assert all(len(set(v)) == 1 for t in servers.trained for v in t["tokens"])
+    assert servers.verified == []  # nothing paused: a due check runs inside the sync
     assert max(_records(trainer, "async/staleness_max")) <= 1
 
 
@@ -205,7 +222,6 @@ def test_resume_trains_every_produced_batch_once(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["actor_rollout_ref.rollout.weight_sync.verify_freq=1"], "verify_freq=0"),
     (["async_training.buffer_batches=0"], "buffer_batches must be >= 1"),
     (["algorithm.rollout_correction.rollout_is=null"], "policy_loss=decoupled_ppo"),
     (["async_training.max_staleness=-1"], "max_staleness must be >= 0"),
