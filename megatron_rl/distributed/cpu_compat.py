@@ -80,7 +80,7 @@ def cuda_type_names() -> Iterator[None]:
 
 # torch's factory functions that take ``device=`` (the ones megatron-core 0.16.1 calls with "cuda", and
 # their siblings, so a new call site of the same kind is covered too)
-_FACTORIES = (
+FACTORIES = (
     "tensor", "as_tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
     "zeros_like", "ones_like", "empty_like", "full_like", "randn_like",
 )
@@ -258,7 +258,14 @@ def _apply() -> None:
     _saved["moe_splits"] = token_dispatcher.maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _host_splits_as_numpy(_saved["moe_splits"])
 
-    _saved["factories"] = {name: getattr(torch, name) for name in _FACTORIES}
+    # torch's device context (``with torch.device("meta")``, which transformers builds models under) finds the
+    # factory calls it must place by identity in a set made once, on first use: make it now, from the real
+    # functions, or it would hold the wrappers and miss every call (they call the real ones): transformers'
+    # meta-device init then made real tensors and left RoPE's inv_freq uninitialised (garbage logits)
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
+    _saved["factories"] = {name: getattr(torch, name) for name in FACTORIES}
     for name, factory in _saved["factories"].items():
         setattr(torch, name, _factory_on_cpu(factory))
 

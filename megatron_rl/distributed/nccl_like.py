@@ -76,6 +76,20 @@ class _MarkDeviceTensors(TorchFunctionMode):
         return result
 
 
+def _marking(factory):
+    """A torch factory whose CUDA ``device=`` calls give marked tensors. Needed on top of the mode: the CPU
+    compatibility layer wraps the same factories and turns their CUDA device into the CPU before torch (and
+    so the mode) sees the call."""
+
+    def create(*args: Any, **kwargs: Any) -> torch.Tensor:
+        result = factory(*args, **kwargs)
+        if _is_cuda(kwargs.get("device")):
+            _mark(result)
+        return result
+
+    return create
+
+
 def _checked(name: str, collective):
     def wrapper(*args: Any, **kwargs: Any):
         for tensor in _tensors((args, kwargs)):
@@ -93,7 +107,10 @@ def _checked(name: str, collective):
 @contextlib.contextmanager
 def nccl_like() -> Iterator[None]:
     """See the module docstring. Not thread-safe; for tests."""
+    from megatron_rl.distributed.cpu_compat import FACTORIES
+
     saved = {name: getattr(dist, name) for name in TENSOR_COLLECTIVES if hasattr(dist, name)}
+    saved_factories = {name: getattr(torch, name) for name in FACTORIES}
     saved_backend = dist.get_backend
     saved_cuda = torch.Tensor.cuda
 
@@ -107,6 +124,8 @@ def nccl_like() -> Iterator[None]:
             setattr(dist, name, _checked(name, collective))
         dist.get_backend = lambda group=None: "nccl"
         torch.Tensor.cuda = cuda
+        for name, factory in saved_factories.items():
+            setattr(torch, name, _marking(factory))
         with mode:
             yield
     finally:
@@ -114,3 +133,5 @@ def nccl_like() -> Iterator[None]:
             setattr(dist, name, collective)
         dist.get_backend = saved_backend
         torch.Tensor.cuda = saved_cuda
+        for name, factory in saved_factories.items():
+            setattr(torch, name, factory)

@@ -107,3 +107,23 @@ def test_cpu_compat_is_reversible_and_nests():
     if not torch.cuda.is_available():
         with pytest.raises((AssertionError, RuntimeError)):  # "Torch not compiled with CUDA enabled"
             torch.zeros(1, device="cuda")
+
+
+def test_device_contexts_still_place_factory_calls_when_the_layer_comes_first():
+    """torch's ``with torch.device(...)`` finds the calls to place by identity in a set made on first use; a
+    process that installs the layer before any device context (a Megatron worker that then loads an HF model
+    under transformers' meta-device init) must still get meta tensors there. In a fresh process: this one's set
+    is already made. Failed before the fix with cpu tensors, and an HF model with uninitialised RoPE buffers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from megatron_rl.distributed.cpu_compat import install_cpu_compat\n"
+        "with install_cpu_compat():\n"
+        "    with torch.device('meta'):\n"
+        "        made = [torch.empty(2), torch.tensor([1.0]), torch.zeros(2), torch.arange(3)]\n"
+        "    print(sorted({t.device.type for t in made}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "['meta']", out.stdout + out.stderr
