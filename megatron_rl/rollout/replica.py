@@ -14,6 +14,7 @@ raises the same WeightSyncError, naming the engine.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -100,9 +101,9 @@ class _MemberSink:
 class RolloutReplica:
     """``config``: the rollout config (``weight_sync``, ``free_cache_engine``, ``mode``). ``build_engine`` is
     called on the replica's leader only. ``trainer_log_prob_fn`` (DataProto -> [B, R]) must be callable on
-    every rank; it is called on all ranks with the same batch, and so is ``trainer_routing_fn`` (MoE: the
-    trainer's routing of that batch, models/moe_routing.py, or None), whose result a leader whose engine reports
-    its own routing compares with it (``rollout/moe_routing_agreement``)."""
+    every rank; it is called on all ranks with the same batch. ``record_trainer_routing`` (MoE) opens a
+    ``models.moe_routing.RoutingRecorder`` around that call, so the same forward also gives the trainer's routing
+    of the probe, which a leader whose engine reports its own compares (``rollout/moe_routing_agreement``)."""
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class RolloutReplica:
         member_dtype: torch.dtype,
         probe_prompts: DataProto | None = None,
         trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
-        trainer_routing_fn: Callable[[DataProto], Any] | None = None,
+        record_trainer_routing: Callable[[], Any] | None = None,
     ) -> None:
         sync_cfg = config.weight_sync
         if sync_cfg.bucket_size_mb <= 0:
@@ -130,7 +131,7 @@ class RolloutReplica:
         self.replica = mesh.replica_of(rank)
         self.is_leader = self.replica.leader == rank
         self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
-        self.trainer_routing_fn = trainer_routing_fn
+        self.record_trainer_routing = record_trainer_routing
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         payloads = self._payload_group() if config.mode == "colocated" else None
@@ -221,7 +222,8 @@ class RolloutReplica:
         else:
             outputs = [mine]
         probe = DataProto.concat(outputs)
-        with torch.no_grad():
+        recording = self.record_trainer_routing() if self.record_trainer_routing else contextlib.nullcontext()
+        with torch.no_grad(), recording as recorder:
             trainer_lp = self.trainer_log_prob_fn(probe)
         per_replica, start = [], 0
         for output in outputs:
@@ -241,17 +243,15 @@ class RolloutReplica:
             return f"{where}; its leader, rank {replica.leader}, names the tensors"
 
         check_logprob_diff(metrics, self.config.weight_sync.verify_max_logprob_diff, f"weight sync v{version}", explain)
-        if self.trainer_routing_fn is not None:
-            return metrics | self._routing_agreement(probe)
+        if recorder is not None:
+            return metrics | self._routing_agreement(probe, recorder.gathered())
         return metrics
 
-    def _routing_agreement(self, probe: DataProto) -> dict[str, float]:
-        """MoE: the trainer's routing of the probe (every rank takes part) against this leader's engine's, when
-        the engine reports its own (the HF engine; SGLang does not)."""
+    def _routing_agreement(self, probe: DataProto, trainer: Any) -> dict[str, float]:
+        """MoE: ``trainer``'s routing of the probe (merged over every rank, or None) against this leader's
+        engine's, when the engine reports its own (the HF engine; SGLang does not)."""
         from megatron_rl.models.moe_routing import routing_agreement
 
-        with torch.no_grad():
-            trainer = self.trainer_routing_fn(probe)
         choices = getattr(self.engine, "expert_choices", None) if self.is_leader else None
         if trainer is None or choices is None:
             return {}

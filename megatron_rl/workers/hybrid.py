@@ -121,7 +121,7 @@ class ActorRolloutRefWorker(Worker):
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
                               member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda")),
                               probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
-                              trainer_routing_fn=self._trainer_routing if self.actor.engine.hf_config.moe else None)
+                              record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.ROLLOUT_COMPUTE_PROTO)
@@ -215,13 +215,11 @@ class ActorRolloutRefWorker(Worker):
         data.meta_info.setdefault("temperature", 1.0)
         return self.actor.compute_log_prob(data).batch["old_log_probs"]
 
-    def _trainer_routing(self, data: DataProto) -> Any:
-        """MoE: the actor's routing of ``data`` (a no-grad forward of the probe; a collective)."""
+    def _record_routing(self) -> Any:
+        """MoE: record the actor's routing in the forwards inside (the probe's log-prob pass)."""
         from megatron_rl.models.moe_routing import recording_routing
 
-        with recording_routing(self.actor.engine) as recorder:
-            self._trainer_log_probs(data)
-        return recorder.gathered()
+        return recording_routing(self.actor.engine)
 
 
 class CriticWorker(Worker):
