@@ -145,6 +145,9 @@ class MegatronParallelConfig:
     # Micro-batches as packed sequences (THD, Megatron's PackedSeqParams): the rows' real tokens end to end,
     # block-diagonal causal attention; false keeps the padded [rows, longest] rectangles (docs/workers.md).
     packed_sequences: bool = False
+    # Rows of a micro-batch with the same prompt as one sequence [prompt | response 1 | ... | response n]
+    # under a tree attention mask: each prompt computed once for its n responses (docs/workers.md)
+    share_prompts: bool = False
 
 
 @dataclass

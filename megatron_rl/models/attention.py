@@ -23,6 +23,10 @@ FLASH_VARLEN = "flash_varlen"
 SDPA_PER_SEQUENCE = "sdpa_per_sequence"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _ANNOUNCED_KERNELS: set[str] = set()
+# Column segments of a shared-prompt sequence (workers/shared_prompts.py): the prompt, a pad, or else the
+# response's row in its micro-batch.
+PROMPT_SEGMENT = -1
+PAD_SEGMENT = -2
 
 
 def packed_attention_kernel(query: torch.Tensor, dropout_p: float) -> tuple[str, str]:
@@ -55,6 +59,23 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     diagonal = torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
     allowed = causal & (valid_key | diagonal)
     return ~allowed
+
+
+def shared_prompt_mask(segment: torch.Tensor) -> torch.Tensor:
+    """[S, W] column segments of shared-prompt sequences -> [S, 1, W, W] bool mask, True = blocked.
+
+    The tree mask of ``[prompt | response 1 | ... | response n]``: a query sees earlier-or-same
+    columns of the prompt and of its own response. A pad sees only itself (never an empty softmax
+    row; its output is never read).
+    """
+    if segment.dim() != 2:
+        raise ValueError(f"segment must be [sequences, width], got shape {tuple(segment.shape)}")
+    width = segment.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment.device).tril()
+    query, key = segment[:, :, None], segment[:, None, :]
+    allowed = causal & (query != PAD_SEGMENT) & ((key == PROMPT_SEGMENT) | (key == query))
+    allowed |= torch.eye(width, dtype=torch.bool, device=segment.device)
+    return ~allowed[:, None]
 
 
 class SDPAttention(MegatronModule):

@@ -54,7 +54,10 @@ class RoutingRecorder:
     def expect(self, micro_batch: Any) -> None:
         """The next forward is of ``micro_batch`` (a ``workers.packing.PackedMicroBatch``)."""
         rows = micro_batch.rows.tolist()
-        if micro_batch.is_thd:
+        if micro_batch.is_shared:  # a row's prompt tokens are routed once for its whole group
+            self.unsupported = "the probe's prompts were shared (megatron.share_prompts)"
+            self._layout = None
+        elif micro_batch.is_thd:
             self._layout = (rows, micro_batch.cu_seqlens.cpu(), True)
         else:
             self._layout = (rows, micro_batch.attention_mask.cpu(), False)

@@ -83,6 +83,20 @@ def check_parallel_state(parallel: Any, prefix: str) -> None:
             )
 
 
+def check_share_prompts(chunks: Sequence[torch.nn.Module], packed_sequences: bool, prefix: str) -> None:
+    """``megatron.share_prompts`` needs padded micro-batches (its tree mask is a dense mask) and RoPE."""
+    from megatron_rl.models.rope_positions import check_rope_positions
+
+    if packed_sequences:
+        raise ValueError(f"{prefix}.share_prompts and {prefix}.packed_sequences cannot both be on: shared "
+                         "prompts need a tree attention mask, which the packed (THD) kernels do not take")
+    for chunk in chunks:
+        try:
+            check_rope_positions(chunk)
+        except ValueError as err:
+            raise ValueError(f"{prefix}.share_prompts: {err}") from None
+
+
 def _finalize_grads_unscaled(model, num_tokens, pg_collection=None, force_all_reduce=False):
     """Megatron's grad finalisation (DP reduction, tied embeddings) without dividing by a token count."""
     from megatron.core.distributed import finalize_model_grads
@@ -139,6 +153,10 @@ class MegatronEngine:
         self.config = chunks[0].config
         # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.
         self.packed_sequences = bool(getattr(parallel, "packed_sequences", False))
+        # megatron.share_prompts: rows with the same prompt as one [prompt | responses...] sequence (shared_prompts.py)
+        self.share_prompts = bool(getattr(parallel, "share_prompts", False))
+        if self.share_prompts:
+            check_share_prompts(chunks, self.packed_sequences, f"{name}.megatron")
         self.value_head = value_head
         # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
         self.router_metrics: dict[str, float] = {}
@@ -277,7 +295,7 @@ class MegatronEngine:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_rl.models import causal_padding_mask
+        from megatron_rl.models.rope_positions import rope_at_positions
 
         if not forward_only and not self.trainable:
             raise RuntimeError(f"{self.name}: a frozen engine (no optim config) cannot run a backward pass")
@@ -303,12 +321,11 @@ class MegatronEngine:
                     None,
                     packed_seq_params=micro_batch.packed_seq_params(),
                 )
+            elif micro_batch.is_shared:
+                with rope_at_positions(model, micro_batch.position_ids):
+                    output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
             else:
-                output = model(
-                    micro_batch.input_ids,
-                    micro_batch.position_ids,
-                    causal_padding_mask(micro_batch.attention_mask),
-                )
+                output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:

@@ -16,6 +16,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
 from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts, to_thd
+from megatron_rl.workers.shared_prompts import pack_shared_prompts
 
 # (model output, micro-batch) -> {name: [b, R] tensor}
 PerTokenFn = Callable[[torch.Tensor, PackedMicroBatch], dict[str, torch.Tensor]]
@@ -47,6 +48,13 @@ def pack_batch(
         pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
         for rows, shape in zip(row_groups, shapes)
     ]
+    if engine.share_prompts:
+        shared = _pack_shared(batch, row_groups, tuple(field_keys), engine)
+        # Micro-batches that cut prompt groups apart share little and are wider: keep the padded layout
+        # when it computes fewer positions (one layout for the whole batch, as the VPP schedule needs).
+        if sum(mb.computed_tokens for mb in shared) < sum(mb.computed_tokens for mb in packed):
+            return shared
+        return packed
     if engine.packed_sequences:  # THD: each micro-batch's real tokens end to end, no padding computed
         total = None
         if engine.uniform_micro_batch_shape:
@@ -54,6 +62,19 @@ def pack_batch(
             total = -(-max(longest, 1) // multiple) * multiple
         packed = [to_thd(micro_batch, multiple, total) for micro_batch in packed]
     return packed
+
+
+def _pack_shared(
+    batch: dict[str, torch.Tensor], row_groups: Sequence[Sequence[int]], field_keys: tuple[str, ...],
+    engine: MegatronEngine,
+) -> list[PackedMicroBatch]:
+    """One [prompt | responses...] sequence per prompt of each micro-batch (workers/shared_prompts.py)."""
+    row_tensors = [torch.as_tensor(rows, device=engine.device) for rows in row_groups]
+    packed = [pack_shared_prompts(batch, rows, field_keys, multiple=engine.sequence_multiple) for rows in row_tensors]
+    if not engine.uniform_micro_batch_shape:
+        return packed
+    uniform = (max(mb.input_ids.shape[0] for mb in packed), max(mb.input_ids.shape[1] for mb in packed))
+    return [pack_shared_prompts(batch, rows, field_keys, uniform) for rows in row_tensors]
 
 
 def response_log_probs(

@@ -33,10 +33,21 @@ class PackedMicroBatch:
     # response token. None for the padded [b, W] layout.
     cu_seqlens: torch.Tensor | None = None
     thd_index: torch.Tensor | None = None
+    # Shared prompts (workers/shared_prompts.py): one [prompt | responses...] sequence per prompt group in
+    # each of the S rows of input_ids. predictor_rows [N]: the sequence holding each response token's
+    # predictor; shared_positions [S, W]: RoPE positions; shared_segments [S, W]: what each column is
+    # (models.attention.shared_prompt_mask). None in the other layouts.
+    predictor_rows: torch.Tensor | None = None
+    shared_positions: torch.Tensor | None = None
+    shared_segments: torch.Tensor | None = None
 
     @property
     def is_thd(self) -> bool:
         return self.cu_seqlens is not None
+
+    @property
+    def is_shared(self) -> bool:
+        return self.shared_segments is not None
 
     @property
     def computed_tokens(self) -> int:
@@ -50,7 +61,9 @@ class PackedMicroBatch:
     @property
     def position_ids(self) -> torch.Tensor:
         """Positions of the packed tokens: 0.. per row (= cumsum(attention_mask) - 1 of the original);
-        0.. per sequence in the THD layout."""
+        0.. per sequence in the THD layout; each response continuing its prompt with shared prompts."""
+        if self.is_shared:
+            return self.shared_positions
         if self.is_thd:
             lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
             starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths)
@@ -76,7 +89,17 @@ class PackedMicroBatch:
         response tokens."""
         if self.is_thd:
             return output[0, self.thd_index]
+        if self.is_shared:
+            return output[self.predictor_rows, self.predictor_cols]
         return output[self.token_rows, self.predictor_cols]
+
+    def attention_blocked(self) -> torch.Tensor:
+        """The [b', 1, W, W] bool mask (True = blocked) of the padded and shared-prompt layouts."""
+        from megatron_rl.models.attention import causal_padding_mask, shared_prompt_mask
+
+        if self.is_shared:
+            return shared_prompt_mask(self.shared_segments)
+        return causal_padding_mask(self.attention_mask)
 
     def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
         """[N] per-token values -> [b, R], 0 where the response is padding (differentiable)."""

@@ -71,9 +71,10 @@ def make_critic(model_dir: str, config: CriticConfig):
     return CriticRole(engine, config, rollout_n=ROLLOUT_N)
 
 
-def training_batch(seed: int = 0, rows: int = BATCH_ROWS) -> DataProto:
-    """A batch whose old log-probs are perturbed so the PPO ratio (and its clipping) is exercised."""
-    data = make_rl_batch(rows, seed=seed, temperature=TEMPERATURE)
+def training_batch(seed: int = 0, rows: int = BATCH_ROWS, group: int = 1) -> DataProto:
+    """A batch whose old log-probs are perturbed so the PPO ratio (and its clipping) is exercised;
+    ``group`` consecutive rows share a prompt."""
+    data = make_rl_batch(rows, seed=seed, temperature=TEMPERATURE, group=group)
     gen = torch.Generator().manual_seed(seed + 1)
     data.batch["old_log_probs"] = -5.0 + 0.3 * torch.randn(data.batch["old_log_probs"].shape, generator=gen)
     return data

@@ -1,0 +1,50 @@
+"""RoPE at given positions for one forward of a Megatron GPTModel.
+
+Megatron's GPTModel rotates token s of every row by position s (or restarts at each packed sequence);
+``position_ids`` only feed learned absolute embeddings. Shared-prompt micro-batches
+(workers/shared_prompts.py) need each response to continue its prompt's positions although it sits
+further along the row, so for the length of one forward the model's ``RotaryEmbedding`` hands out its
+table gathered at ``position_ids`` ([W, S, 1, D]: per row, which the unfused bshd RoPE broadcasts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def _rotary(model: torch.nn.Module):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.utils import get_attr_wrapped_model
+
+    rotary = get_attr_wrapped_model(model, "rotary_pos_emb")
+    if type(rotary) is not RotaryEmbedding:  # YaRN / mRoPE tables are built differently
+        kind = type(rotary).__name__ if rotary is not None else "no RoPE"
+        raise ValueError(f"RoPE at given positions needs Megatron's RotaryEmbedding; this model has {kind}")
+    return rotary
+
+
+def check_rope_positions(model: torch.nn.Module) -> None:
+    """Raises ValueError naming what the model has when ``rope_at_positions`` cannot serve it."""
+    _rotary(model)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
+    """Inside: token s of row b of the next forward is rotated by position ``position_ids[b, s]``."""
+    rotary = _rotary(model)
+
+    def at_positions(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        if packed_seq or offset or max_seq_len != position_ids.shape[1]:
+            raise ValueError(f"rope_at_positions: positions {tuple(position_ids.shape)} were given for a "
+                             f"forward of {max_seq_len} positions (offset {offset}, packed {packed_seq})")
+        table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, D]
+        return table[:, 0, 0][position_ids.t()].unsqueeze(2)
+
+    rotary.forward = at_positions  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield
+    finally:
+        del rotary.forward
