@@ -47,14 +47,18 @@ SIZES = {
 # Our layouts. "tp2x2ranks": the demo's (Megatron TP 2 on 2 Ray ranks), default numerics. "1proc": what a
 # model this small wants (docs/trainer.md, "Speed"): one rank, TP 1, in the driver's process (the in-process
 # workers of the torchrun launcher, no Ray), and the rollout's log-probs as the old ones (verl's bypass mode:
-# exactly on-policy here, the engine serves the actor's weights of the same step). MRL_BENCH_LAYOUTS picks some.
+# exactly on-policy here, the engine serves the actor's weights of the same step); "+share": each prompt
+# computed once for its n responses in the update (megatron.share_prompts). MRL_BENCH_LAYOUTS picks some.
 ONE_RANK = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"]
 BYPASS = ["algorithm.rollout_correction.bypass_mode=true"]
+SHARE = ["actor_rollout_ref.actor.megatron.share_prompts=true"]
 LAYOUTS = {"tp2x2ranks": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
            "1rank": ONE_RANK, "1rank+bypass": ONE_RANK + BYPASS,
            "1proc": ONE_RANK + ["trainer.launcher=torchrun"],
-           "1proc+bypass": ONE_RANK + ["trainer.launcher=torchrun"] + BYPASS}
-OURS = {name: LAYOUTS[name] for name in os.environ.get("MRL_BENCH_LAYOUTS", "tp2x2ranks,1proc+bypass").split(",")}
+           "1proc+bypass": ONE_RANK + ["trainer.launcher=torchrun"] + BYPASS,
+           "1proc+bypass+share": ONE_RANK + ["trainer.launcher=torchrun"] + BYPASS + SHARE}
+OURS = {name: LAYOUTS[name]
+        for name in os.environ.get("MRL_BENCH_LAYOUTS", "tp2x2ranks,1proc+bypass+share").split(",")}
 TRL_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_TRL_THREADS", "1,2").split(",")]
 
 
