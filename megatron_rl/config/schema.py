@@ -272,6 +272,8 @@ class RolloutConfig:
     num_servers: int = 0
     server_threads: int = 1  # torch threads of each HF-engine server
     server_chunk_tokens: int = 8  # HF-engine server: tokens per decode call; a pause acts at a chunk boundary
+    # HF-engine servers the run started: how many may die over the run and be replaced (0: the first fails the run)
+    server_restarts: int = 0
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

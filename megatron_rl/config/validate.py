@@ -106,6 +106,19 @@ def _check_async(cfg: DictConfig) -> None:
              "algorithm.rollout_correction.bypass_mode=true or actor_rollout_ref.actor.policy_loss=decoupled_ppo")
 
 
+def _check_server_restarts(cfg: DictConfig) -> None:
+    """rollout.server_restarts > 0: only servers the run started itself (rollout.num_servers) can be restarted."""
+    rollout = cfg.actor_rollout_ref.rollout
+    key = f"actor_rollout_ref.rollout.server_restarts={rollout.server_restarts}"
+    _require(rollout.server_restarts >= 0, f"{key} must be >= 0 (0: a dead rollout server fails the run)")
+    if rollout.server_restarts == 0:
+        return
+    _require(rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls,
+             f"{key} replaces HF-engine servers the run starts itself: it needs rollout.mode=server, rollout.name=hf "
+             "and rollout.num_servers >= 1 without rollout.server_urls (servers started elsewhere are not ours to restart)")
+    _require(cfg.trainer.launcher == "ray", f"{key} needs trainer.launcher=ray (one driver watches the servers)")
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -260,6 +273,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(rollout.mode != "server" or bool(rollout.server_urls) or (rollout.name == "hf" and rollout.num_servers >= 1),
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers), "
              "or rollout.name=hf with rollout.num_servers >= 1 (HF-engine servers the run starts)")
+    _check_server_restarts(cfg)
     _check_async(cfg)
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")

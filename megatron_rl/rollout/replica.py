@@ -258,6 +258,11 @@ class RolloutReplica:
         engine = choices(probe)
         return {} if engine is None else routing_agreement(trainer, engine)
 
+    def replace_servers(self, server_urls: list[str]) -> None:
+        """Server mode: the leader's engine talks to these servers from now on (rollout/server_restarts.py)."""
+        if self.engine is not None:
+            self.engine.replace_servers(server_urls)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

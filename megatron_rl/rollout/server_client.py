@@ -12,7 +12,10 @@ those tokens for the tokens it has left (the server holds it until the continue)
 weight update. Each token keeps the version that sampled it (``non_tensor_batch["token_weight_versions"]``,
 one int array per row); the prefix keeps the old version's log-probs. This is the pattern slime and verl's
 fully-async recipe use with SGLang, so it works against real SGLang servers too.
-A server that cannot be reached is named, with the pool's exit code when the pool started it.
+A server that cannot be reached is named, with the pool's exit code when the pool started it. With
+``restarts`` (rollout/server_restarts.py) a server that died is replaced instead: the rows it had in flight go
+to a surviving server, which holds the same weights, with the tokens they already have (their groups stay
+whole, their tokens' versions exact), and its replacement gets work only after the next weight sync.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
 from megatron_rl.rollout.sampling import resolve_sampling_params
 from megatron_rl.rollout.server_pool import RolloutServerDied
+from megatron_rl.rollout.server_restarts import RESTARTS_KEY, ServerRestarts
 from megatron_rl.rollout.sglang.adapter import _parse_output, _sampling_dict
 from megatron_rl.rollout.sglang.contract import SGLangServerError, checked
 from megatron_rl.rollout.sglang.server_transport import _HTTPServer
@@ -35,16 +39,23 @@ from megatron_rl.rollout.sglang.server_transport import _HTTPServer
 __all__ = ["ServerRolloutClient"]
 
 
+class _Replaced(Exception):
+    """The request's server died and was replaced: its rows go to another server."""
+
+
 class ServerRolloutClient:
     """``config``: the rollout config; ``urls``: the servers; a batch is split across them in order.
-    ``pool``: the RolloutServerPool that started them (names a dead server's exit code), if any."""
+    ``pool``: the RolloutServerPool that started them (names a dead server's exit code), if any.
+    ``restarts``: replaces the pool's dead servers (its pool is then ``pool``)."""
 
     def __init__(self, config: Any, urls: Sequence[str], *, response_length: int, eos_token_id: Any,
-                 pad_token_id: int | None, timeout_s: float = 600.0, pool: Any = None) -> None:
+                 pad_token_id: int | None, timeout_s: float = 600.0, pool: Any = None,
+                 restarts: ServerRestarts | None = None) -> None:
         if not urls:
             raise ValueError("the async rollout client needs rollout servers (actor_rollout_ref.rollout.server_urls "
                              "or rollout.num_servers)")
-        self.config, self.pool = config, pool
+        self.config, self.restarts = config, restarts
+        self.pool = restarts.pool if restarts is not None else pool
         self.response_length = int(config.response_length or response_length)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self._servers = [_HTTPServer(url, timeout_s) for url in urls]
@@ -57,10 +68,11 @@ class ServerRolloutClient:
         start = time.perf_counter()
         input_ids = prompt_token_lists(prompts)
         sampling = [checked("sampling", None, _sampling_dict(params, row)) for row in range(len(input_ids))]
-        bounds = [len(input_ids) * i // len(self._servers) for i in range(len(self._servers) + 1)]
-        parts = [(server, lo, hi) for server, (lo, hi) in zip(self._servers, itertools.pairwise(bounds)) if hi > lo]
-        futures = [self._threads.submit(self._generate_on, server, input_ids[lo:hi], sampling[lo:hi])
-                   for server, lo, hi in parts]
+        serving = self._serving()
+        bounds = [len(input_ids) * i // len(serving) for i in range(len(serving) + 1)]
+        parts = [(index, lo, hi) for index, (lo, hi) in zip(serving, itertools.pairwise(bounds)) if hi > lo]
+        futures = [self._threads.submit(self._generate_on, index, input_ids[lo:hi], sampling[lo:hi])
+                   for index, lo, hi in parts]
         outputs = [out for f in futures for out in f.result()]
         responses, log_probs, token_versions = [], [], []
         for row, (output, versions) in enumerate(outputs):
@@ -80,23 +92,48 @@ class ServerRolloutClient:
 
     def pause_generation(self) -> None:
         """Every server: in-flight requests come back partial (their rows are sent again and wait there)."""
-        for server in self._servers:
-            self._call(server, "/pause_generation", {"mode": "abort"})
+        self._on_every_server("/pause_generation", {"mode": "abort"})
 
     def continue_generation(self) -> None:
-        for server in self._servers:
-            self._call(server, "/continue_generation", {})
+        self._on_every_server("/continue_generation", {})
 
-    def _generate_on(self, server: _HTTPServer, input_ids: list, sampling: list) -> list[tuple[dict, list[int]]]:
-        """Each row to its end, across pauses: (its output with all its tokens, each token's version)."""
+    def _on_every_server(self, route: str, body: dict) -> None:
+        for index in range(len(self._servers)):
+            try:
+                self._call(index, route, body)
+            except _Replaced:
+                pass  # its replacement generates nothing before the next sync
+
+    def _serving(self, instead_of: int | None = None) -> list[int]:
+        """The servers that hold the weights of the last sync (all, without restarts)."""
+        if self.restarts is None:
+            return list(range(len(self._servers)))
+        self.restarts.check()
+        serving = [i for i in range(len(self._servers)) if self.restarts.serving(i)]
+        if not serving:
+            replaced = "" if instead_of is None else f"server {instead_of} died and "
+            raise RolloutServerDied(
+                f"{replaced}no rollout server holds the weights of the last sync: a replacement receives them at "
+                f"the next sync, which waits for this generation ({RESTARTS_KEY} needs a surviving server in the "
+                "async loops: rollout.num_servers >= 2)")
+        return serving
+
+    def _generate_on(self, index: int, input_ids: list, sampling: list) -> list[tuple[dict, list[int]]]:
+        """Each row to its end, across pauses and server deaths: (its output with all its tokens, each token's
+        version). A death loses only the request in flight; its rows go on from their kept tokens elsewhere."""
         entries: list[list] = [[] for _ in input_ids]
         versions: list[list[int]] = [[] for _ in input_ids]
         finish: list[Any] = [None] * len(input_ids)
         todo = list(range(len(input_ids)))
         while todo:
             left = [sampling[i]["max_new_tokens"] - len(entries[i]) for i in todo]
-            outputs = self._request(server, [input_ids[i] + [int(e[1]) for e in entries[i]] for i in todo],
-                                    [dict(sampling[i], max_new_tokens=n) for i, n in zip(todo, left)])
+            try:
+                outputs = self._request(index, [input_ids[i] + [int(e[1]) for e in entries[i]] for i in todo],
+                                        [dict(sampling[i], max_new_tokens=n) for i, n in zip(todo, left)])
+            except _Replaced:
+                serving = self._serving(instead_of=index)
+                index = serving[index % len(serving)]
+                continue
             again = []
             for i, n, output in zip(todo, left, outputs):
                 meta = output["meta_info"]
@@ -110,16 +147,21 @@ class ServerRolloutClient:
         return [({"meta_info": {"output_token_logprobs": e, "finish_reason": f}}, v)
                 for e, f, v in zip(entries, finish, versions)]
 
-    def _call(self, server: _HTTPServer, route: str, body: dict) -> Any:
+    def _call(self, index: int, route: str, body: dict) -> Any:
+        server = self._servers[index]
         try:
             return server.request(route, body)
         except SGLangServerError as exc:
+            if self.restarts is not None and self.restarts.handle(server.url):
+                self._servers[index] = _HTTPServer(self.pool.urls[index], server.timeout_s)
+                raise _Replaced(index) from exc
             if self.pool is not None:
                 self.pool.check()  # names the server that exited and its code
             raise RolloutServerDied(f"rollout server {server.url} failed {route}: {exc}") from exc
 
-    def _request(self, server: _HTTPServer, input_ids: list, sampling: list) -> list[dict]:
-        outputs = self._call(server, "/generate", {"input_ids": input_ids, "sampling_params": sampling,
+    def _request(self, index: int, input_ids: list, sampling: list) -> list[dict]:
+        server = self._servers[index]
+        outputs = self._call(index, "/generate", {"input_ids": input_ids, "sampling_params": sampling,
                                                    "return_logprob": True})
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             raise RuntimeError(f"rollout server {server.url} returned {len(outputs) if isinstance(outputs, list) else outputs!r} "

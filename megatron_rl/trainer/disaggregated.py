@@ -4,7 +4,8 @@ them (the synchronous RLTrainer, or the async loop of ``async_training.mode``: o
 ``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
 HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers, and
 their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
-(gloo update group: the servers compute on CPU).
+(gloo update group: the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
+die over the run and be replaced (rollout/server_restarts.py); 0 fails the run at the first death.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from megatron_rl.rollout.server_pool import RolloutServerPool
+from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
 from megatron_rl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["build_trainer", "start_rollout_servers"]
@@ -34,17 +36,23 @@ def start_rollout_servers(cfg: DictConfig) -> RolloutServerPool | None:
     return pool
 
 
-def build_trainer(cfg: DictConfig, *args: Any, servers: RolloutServerPool | None, token_ids: dict[str, Any],
-                  **kwargs: Any) -> RLTrainer:
-    """``args``/``kwargs``: RLTrainer's. ``token_ids``: eos/pad ids for the driver's generation client."""
+def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: RolloutServerPool | None,
+                  token_ids: dict[str, Any], **kwargs: Any) -> RLTrainer:
+    """``sizes``, ``actor_rollout``, ``args``, ``kwargs``: RLTrainer's. ``token_ids``: eos/pad ids for the driver's
+    generation client."""
+    restarts = None
+    if servers is not None:
+        restarts = ServerRestarts(servers, int(cfg.actor_rollout_ref.rollout.server_restarts))
+        actor_rollout = RestartingWorkers(actor_rollout, restarts)
     if cfg.async_training.mode == "sync":
-        return RLTrainer(cfg, *args, **kwargs)
+        return RLTrainer(cfg, sizes, actor_rollout, *args, **kwargs)
     from megatron_rl.rollout.server_client import ServerRolloutClient
     from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 
     rollout = cfg.actor_rollout_ref.rollout
     client = ServerRolloutClient(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
-                                 timeout_s=rollout.sglang.request_timeout_s, pool=servers, **token_ids)
+                                 timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts,
+                                 **token_ids)
     loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer
-    return loop(cfg, *args, rollout_client=client, **kwargs)
+    return loop(cfg, sizes, actor_rollout, *args, rollout_client=client, **kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.controller import Dispatch, Worker, register
+from megatron_rl.controller import Dispatch, Execute, Worker, register
 from megatron_rl.protocol import DataProto
 
 # Megatron-Core warns on import, in every process, that Apex / Transformer Engine are absent and it uses
@@ -166,6 +166,12 @@ class ActorRolloutRefWorker(Worker):
         metrics = self.rollout.verify_pending()
         self._offload_for_generation()
         return metrics
+
+    @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def replace_rollout_servers(self, server_urls: list[str]) -> None:
+        """Server mode: dead rollout servers were replaced at these URLs (rollout/server_restarts.py); rank 0,
+        their only sender, joins them to a fresh update group at the next sync."""
+        self.rollout.replace_servers(list(server_urls))
 
     def _offload_for_generation(self) -> None:
         self.actor.engine.offload.enter("generate")

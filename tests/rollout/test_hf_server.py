@@ -40,23 +40,29 @@ def _post(url: str, route: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def _sync_twice_and_generate(url: str) -> dict:
+def server_replica(urls: list[str], source, *, eos_token_id=EOS, **rollout: object):
+    """This process as the trainer's rank 0 in server mode: the replica whose engine syncs the HF-engine
+    servers at ``urls`` over gloo (every sync verified against ``source``'s log-probs)."""
     from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
     from megatron_rl.rollout import RolloutReplica, build_rollout_engine
     from megatron_rl.rollout.mesh import server_mesh
 
     torch.set_num_threads(1)
     config = RolloutConfig(
-        name="hf", mode="server", server_urls=[url], dtype="auto", response_length=5,
+        name="hf", mode="server", server_urls=list(urls), dtype="auto",
         sglang=SGLangConfig(update_group_backend="gloo", master_address="127.0.0.1"),
-        weight_sync=WeightSyncConfig(bucket_size_mb=1, verify_freq=1, verify_max_logprob_diff=1e-5),
+        weight_sync=WeightSyncConfig(bucket_size_mb=1, verify_freq=1, verify_max_logprob_diff=1e-5), **rollout,
     )
-    source = source_model(41)
-    replica = RolloutReplica(
+    return RolloutReplica(
         config, server_mesh(dist.get_world_size()), dist.get_rank(),
-        lambda r: build_rollout_engine(config, "unused", eos_token_id=EOS, pad_token_id=PAD),
+        lambda r: build_rollout_engine(config, "unused", eos_token_id=eos_token_id, pad_token_id=PAD),
         member_dtype=torch.float32, probe_prompts=prompt_batch([3, 4]), trainer_log_prob_fn=trainer_log_probs(source),
     )
+
+
+def _sync_twice_and_generate(url: str) -> dict:
+    source = source_model(41)
+    replica = server_replica([url], source, response_length=5)
     report: dict = {"dtype": str(replica.engine.dtype)}
     try:
         for version in (1, 2):

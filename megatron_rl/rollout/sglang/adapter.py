@@ -184,6 +184,13 @@ class SGLangEngine(RolloutEngine):
         if self.uses_session:
             self.transport.session("end_weight_update")
 
+    def replace_servers(self, server_urls: list[str]) -> None:
+        """Server mode: dead servers were replaced at new URLs; nothing is generated before a complete sync."""
+        if not self.is_server:
+            raise RuntimeError("replace_servers is for rollout.mode=server; a colocated engine has no servers")
+        self.transport.replace_servers(server_urls)
+        self._needs_sync = f"rollout servers were replaced ({server_urls}) and have not received the weights yet"
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Release every tag still held (nothing is released twice); the weights are gone until the next sync."""

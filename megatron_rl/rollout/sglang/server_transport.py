@@ -12,6 +12,7 @@ batch is split across the servers. Weights travel over a process group joined th
 from __future__ import annotations
 
 import ipaddress
+import logging
 import itertools
 import json
 import socket
@@ -36,6 +37,8 @@ from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.update_group import init_weight_update_group
 
 __all__ = ["ServerTransport", "update_group_address"]
+
+logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_NAME = "megatron_rl_weight_update"
 
@@ -109,27 +112,52 @@ class ServerTransport:
             raise ValueError("rollout.mode=server needs rollout.server_urls (the SGLang servers' http://host:port)")
         if weight_transport not in ("distributed", "tensor"):
             raise ValueError(f"rollout.sglang.weight_transport must be distributed or tensor, got {weight_transport!r}")
+        self._timeout_s = timeout_s
         self._servers = [_HTTPServer(url, timeout_s) for url in server_urls]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._servers)), thread_name_prefix="sglang-http")
-        infos = [s.request("/server_info", method="GET") for s in self._servers]
-        versions = {info["version"] for info in infos}
-        if len(versions) != 1:
-            raise ValueError(f"SGLang servers run different versions {sorted(versions)}: {server_urls}")
-        self.version = versions.pop()
-        # The update group spans every server's TP ranks, as the servers themselves report them.
-        missing = [url for url, info in zip(server_urls, infos) if "tp_size" not in info]
-        if missing:
-            raise SGLangServerError(f"SGLang /server_info of {missing} does not report tp_size (sglang {self.version})")
-        self.server_tp = [int(info["tp_size"]) for info in infos]
-        self.tp_size = max(self.server_tp)
+        self._read_server_info()
         self.weight_transport = weight_transport
         self.update_group_backend = update_group_backend
         self.master_address = update_group_address(master_address, list(server_urls)) if weight_transport == "distributed" else None
         self._update_group: dist.ProcessGroup | None = None
         self._version = "0"
 
-    def _on_all(self, route: str, body: dict[str, Any] | None = None) -> list[Any]:
-        futures = [self._pool.submit(s.request, route, body) for s in self._servers]
+    def _read_server_info(self) -> None:
+        urls = [s.url for s in self._servers]
+        infos = [s.request("/server_info", method="GET") for s in self._servers]
+        versions = {info["version"] for info in infos}
+        if len(versions) != 1:
+            raise ValueError(f"SGLang servers run different versions {sorted(versions)}: {urls}")
+        self.version = versions.pop()
+        # The update group spans every server's TP ranks, as the servers themselves report them.
+        missing = [url for url, info in zip(urls, infos) if "tp_size" not in info]
+        if missing:
+            raise SGLangServerError(f"SGLang /server_info of {missing} does not report tp_size (sglang {self.version})")
+        self.server_tp = [int(info["tp_size"]) for info in infos]
+        self.tp_size = max(self.server_tp)
+
+    def replace_servers(self, server_urls: list[str]) -> None:
+        """Servers that died were replaced at new URLs (rollout/server_restarts.py): the survivors leave the
+        update group (it has a dead member) and the next sync builds a fresh one with every server."""
+        if len(server_urls) != len(self._servers):
+            raise ValueError(f"{len(server_urls)} server URLs to replace {len(self._servers)} servers")
+        survivors = [s for s, url in zip(self._servers, server_urls) if s.url == url.rstrip("/")]
+        self._leave_update_group(survivors)
+        self._servers = [_HTTPServer(url, self._timeout_s) for url in server_urls]
+        self._read_server_info()
+
+    def _leave_update_group(self, servers: list[_HTTPServer]) -> None:
+        if self._update_group is None:
+            return
+        try:
+            self._on_all("/destroy_weights_update_group", {"group_name": UPDATE_GROUP_NAME}, servers)
+        finally:
+            dist.destroy_process_group(self._update_group)
+            self._update_group = None
+
+    def _on_all(self, route: str, body: dict[str, Any] | None = None,
+                servers: list[_HTTPServer] | None = None) -> list[Any]:
+        futures = [self._pool.submit(s.request, route, body) for s in (self._servers if servers is None else servers)]
         return [f.result() for f in futures]
 
     # ------------------------------------------------------------------ the transport interface
@@ -225,11 +253,12 @@ class ServerTransport:
         self._on_all(f"/{what}", {"tags": tags})
 
     def shutdown(self) -> None:
-        if self._update_group is not None:
-            self._on_all("/destroy_weights_update_group", {"group_name": UPDATE_GROUP_NAME})
-            dist.destroy_process_group(self._update_group)
-            self._update_group = None
-        self._pool.shutdown(wait=True)
+        try:
+            self._leave_update_group(self._servers)
+        except SGLangServerError as exc:  # a server that died has no group to leave; the group is gone here
+            logger.warning("leaving the weight-update group at shutdown: %s", exc)
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def _require_packed(bucket: WeightBucket) -> None:

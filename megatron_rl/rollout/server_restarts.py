@@ -1,0 +1,127 @@
+"""Replacing rollout servers that die during a run (``actor_rollout_ref.rollout.server_restarts``).
+
+A request that fails on a server the pool (rollout/server_pool.py) sees exited is a death: it is named
+(warning + ``rollout/server_restarts``) and the pool starts a fresh server at a new URL. The fresh server holds
+no weights of the run (it refuses to generate), so it serves nothing until it has the current version:
+
+- synchronous loop (``RestartingWorkers.generate_sequences``): the workers rebuild their weight-update group
+  with the new server, the current version is synced again at once (the trainer still holds exactly those
+  weights: nothing updated since the last sync), and the batch is generated again (same seeds);
+- async loops (rollout/server_client.py): the trainer's weights have moved on during the update, so only the
+  surviving servers hold the version the batch in flight was sampled with; the dead server's rows go to a
+  survivor with the tokens they already have, and the replacement joins at the next weight sync.
+
+Once ``server_restarts`` deaths were replaced, the next one fails the run naming the server, its exit code
+and the key. A death during a weight sync itself fails the run (the sync is a collective of every trainer rank).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+
+__all__ = ["RESTARTS_KEY", "RestartingWorkers", "ServerRestarts"]
+
+logger = logging.getLogger(__name__)
+
+RESTARTS_KEY = "actor_rollout_ref.rollout.server_restarts"
+
+
+class ServerRestarts:
+    """The pool's dead servers replaced, ``budget`` of them over the run (0: the first death fails the run).
+    ``exit_wait_s``: how long a failed request waits for its server's exit to show (a SIGKILLed process is
+    reaped a moment after its sockets close). Thread-safe: the rollout thread and the trainer both call it."""
+
+    def __init__(self, pool: RolloutServerPool, budget: int, *, exit_wait_s: float = 2.0) -> None:
+        if budget < 0:
+            raise ValueError(f"{RESTARTS_KEY} must be >= 0 (0: a dead server fails the run), got {budget}")
+        self.pool, self.budget, self.exit_wait_s = pool, budget, exit_wait_s
+        self.count = 0
+        self._unsynced: set[int] = set()  # replaced servers that have not received the current weights
+        self._lock = threading.Lock()
+
+    def handle(self, failed_url: str | None = None) -> bool:
+        """After a failed request (to ``failed_url``, or anywhere): replace every server that exited. True when
+        a server was replaced (the failed one now, or by another thread before); False when none exited (the
+        failure is not a death: the caller raises it)."""
+        with self._lock:
+            if failed_url is not None and failed_url not in self.pool.urls:
+                return True
+            deadline = time.monotonic() + self.exit_wait_s
+            while not self.pool.dead() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return self._replace_exited()
+
+    def check(self) -> None:
+        """Replace the servers that exited by now (a death noticed between requests)."""
+        with self._lock:
+            self._replace_exited()
+
+    def _replace_exited(self) -> bool:
+        gone = self.pool.dead()
+        for server in gone:
+            if self.count >= self.budget:
+                raise RolloutServerDied(
+                    f"{server.describe()} exited with code {server.proc.returncode}, and {self.count} of "
+                    f"{RESTARTS_KEY}={self.budget} replacements are used: raise it to replace more")
+            logger.warning("%s exited with code %s: starting a replacement (%d of %s=%d)", server.describe(),
+                           server.proc.returncode, self.count + 1, RESTARTS_KEY, self.budget)
+            self.pool.replace(server.index)
+            self.count += 1
+            self._unsynced.add(server.index)
+        return bool(gone)
+
+    def serving(self, index: int) -> bool:
+        """Server ``index`` is alive and holds the weights of the last sync."""
+        with self._lock:
+            return index not in self._unsynced and self.pool.servers[index].proc.poll() is None
+
+    def unsynced(self) -> set[int]:
+        with self._lock:
+            return set(self._unsynced)
+
+    def synced(self, indices: set[int]) -> None:
+        """``indices`` (from ``unsynced()`` before the sync) received the weights of a complete sync."""
+        with self._lock:
+            self._unsynced -= indices
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/server_restarts": float(self.count)}
+
+
+class RestartingWorkers:
+    """The actor/rollout workers of a server-mode run with a ``ServerRestarts``: each sync first points the
+    workers at the replaced servers (a fresh update group) and reports ``rollout/server_restarts``; a generation
+    on the workers (synchronous loop) that loses a server is repeated on the replacement, synced first."""
+
+    def __init__(self, workers: Any, restarts: ServerRestarts) -> None:
+        self._workers, self.restarts = workers, restarts
+        self.version = 0  # the workers' init_model synced version 0
+
+    def sync_weights(self, version: int, *args: Any) -> dict[str, float]:
+        self.restarts.check()  # a server found dead now joins this sync instead of failing it
+        replaced = self.restarts.unsynced()
+        if replaced:
+            self._workers.replace_rollout_servers(self.restarts.pool.urls)
+        metrics = self._workers.sync_weights(version, *args)
+        self.version = version
+        self.restarts.synced(replaced)
+        return {**metrics, **self.restarts.metrics()}
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """The whole batch again after a death (the workers' result is all or nothing; per-row seeds make the
+        repeat sample what the first try would have)."""
+        while True:
+            try:
+                return self._workers.generate_sequences(prompts)
+            except Exception:
+                if not self.restarts.handle():
+                    raise
+            self.sync_weights(self.version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._workers, name)

@@ -1,0 +1,72 @@
+"""A rollout server SIGKILLed during a disaggregated run on the real stack (CPU, embedded Ray, Megatron actor at
+TP=2, HF-engine server processes): with ``rollout.server_restarts=1`` the run replaces it, syncs the
+replacement and finishes; the rollouts' weight versions are checked by the run itself (a sample from other
+weights fails it) and every sync is verified against the trainer's log-probs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e_support import assert_finite, tiny_config, train_steps
+from megatron_rl.train import run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _rollout_servers() -> list[int]:
+    """The pids of this process's HF-engine rollout servers (the run's pool starts them as children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"megatron_rl.rollout.hf_server" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _logged(metrics: Path, step: int) -> bool:
+    try:
+        return any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())
+    except (ValueError, KeyError):  # a line being written
+        return False
+
+
+def _kill_a_server_after_step(metrics: Path, step: int, killed: list[int]) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.is_file() and _logged(metrics, step):
+            pid = _rollout_servers()[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.05)
+
+
+def test_a_killed_server_is_replaced_and_the_run_finishes(tiny_assets, tmp_path):
+    """Synchronous loop: the kill lands in step 2's generation, which runs again on the replacement."""
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_a_server_after_step, args=(tmp_path / "metrics.jsonl", 1, killed),
+                              daemon=True)
+    killer.start()
+    result = run(tiny_config(
+        tiny_assets, tmp_path, "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1",
+        "actor_rollout_ref.rollout.server_restarts=1",
+    ))
+    killer.join(timeout=5)
+    assert len(killed) == 1
+    steps = train_steps(result.metrics_path)
+    assert sorted(steps) == [1, 2, 3]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["rollout/logprob_diff_max"] < 1e-4  # the replacement serves exactly the synced weights
+    assert [steps[s]["rollout/server_restarts"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
