@@ -117,6 +117,10 @@ def _check_server_restarts(cfg: DictConfig) -> None:
              f"{key} replaces HF-engine servers the run starts itself: it needs rollout.mode=server, rollout.name=hf "
              "and rollout.num_servers >= 1 without rollout.server_urls (servers started elsewhere are not ours to restart)")
     _require(cfg.trainer.launcher == "ray", f"{key} needs trainer.launcher=ray (one driver watches the servers)")
+    _require(cfg.async_training.mode == "sync" or rollout.num_servers >= 2,
+             f"{key} with async_training.mode={cfg.async_training.mode} needs rollout.num_servers >= 2: a dead "
+             "server's rows in flight are finished by a survivor (only the servers hold the weights they were "
+             f"sampled with), got num_servers={rollout.num_servers}")
 
 
 def _require(cond: bool, message: str) -> None:

@@ -158,6 +158,9 @@ def test_killed_servers_are_replaced_synced_and_their_rows_reissued(tmp_path):
       "actor_rollout_ref.rollout.server_urls=[http://a:1]"], "servers started elsewhere are not ours to restart"),
     (["actor_rollout_ref.rollout.server_restarts=1", "actor_rollout_ref.rollout.mode=server",
       "actor_rollout_ref.rollout.num_servers=2", "trainer.launcher=torchrun"], "needs trainer.launcher=ray"),
+    (["actor_rollout_ref.rollout.server_restarts=1", "actor_rollout_ref.rollout.mode=server",
+      "actor_rollout_ref.rollout.num_servers=1", "trainer.launcher=ray", "async_training.mode=one_step_off"],
+     "one_step_off needs rollout.num_servers >= 2"),
 ])
 def test_server_restarts_refusals_name_the_key(overrides, message):
     from megatron_rl.config import load_config, validate
