@@ -271,6 +271,9 @@ class RolloutConfig:
     # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (rollout/hf_server.py)
     num_servers: int = 0
     server_threads: int = 1  # torch threads of each HF-engine server
+    # trainer.launcher=ray: CPUs each started server's bundle reserves on the servers' own Ray resource pool
+    # (rollout_servers, apart from the trainer's global_pool); null: server_threads
+    server_cpus: Optional[float] = None
     server_chunk_tokens: int = 8  # HF-engine server: tokens per decode call; a pause acts at a chunk boundary
     # HF-engine servers the run started: how many may die over the run and be replaced (0: the first fails the run)
     server_restarts: int = 0

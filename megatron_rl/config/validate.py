@@ -123,6 +123,26 @@ def _check_server_restarts(cfg: DictConfig) -> None:
              f"sampled with), got num_servers={rollout.num_servers}")
 
 
+def _check_server_pool(cfg: DictConfig) -> None:
+    """Under Ray the servers the run starts get their own pool (rollout/ray_server_pool.py): it must fit in an
+    embedded Ray next to the trainer's ranks (one CPU each), or the trainer's pool would wait ray_init.timeout_s."""
+    rollout = cfg.actor_rollout_ref.rollout
+    started = rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls
+    if not started or cfg.trainer.launcher != "ray":
+        return
+    cpus = rollout.server_threads if rollout.server_cpus is None else rollout.server_cpus
+    _require(cpus > 0, f"actor_rollout_ref.rollout.server_cpus must be > 0 (CPUs each server's bundle reserves on "
+             f"the servers' Ray pool; null: server_threads), got {cpus}")
+    total = cfg.ray_init.num_cpus
+    if total is None or cfg.ray_init.address is not None:
+        return  # Ray's own count: the pools check what the nodes hold when they reserve
+    need = rollout.num_servers * cpus + cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    _require(need <= total, f"actor_rollout_ref.rollout.num_servers={rollout.num_servers} servers of "
+             f"server_cpus={cpus:g} CPUs and the trainer's {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes} ranks "
+             f"(trainer.n_gpus_per_node x nnodes, one CPU each) need {need:g} CPUs, but ray_init.num_cpus={total}: "
+             "raise ray_init.num_cpus or lower rollout.num_servers / rollout.server_cpus")
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -278,6 +298,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers), "
              "or rollout.name=hf with rollout.num_servers >= 1 (HF-engine servers the run starts)")
     _check_server_restarts(cfg)
+    _check_server_pool(cfg)
     _check_async(cfg)
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")

@@ -14,7 +14,7 @@ _LAZY = {
     "create_colocated_worker_cls": "colocation", "spawn_role_groups": "colocation",
     "WorkerError": "errors", "WorkerRaisedError": "errors", "WorkerDiedError": "errors",
     "WorkerTimeoutError": "errors",
-    "init_ray": "ray_init", "shutdown_ray": "ray_init",
+    "init_ray": "ray_init", "init_ray_from_config": "ray_init", "shutdown_ray": "ray_init",
     "RayResourcePool": "resource_pool", "ResourcePoolManager": "resource_pool",
     "GroupMethod": "worker_group", "PendingCall": "worker_group", "RayWorkerGroup": "worker_group",
     "RoleGroup": "worker_group",
@@ -27,7 +27,7 @@ __all__ = [
     "RayWorkerGroup", "RoleGroup", "GroupMethod", "PendingCall",
     "create_colocated_worker_cls", "spawn_role_groups",
     "WorkerError", "WorkerRaisedError", "WorkerDiedError", "WorkerTimeoutError",
-    "init_ray", "shutdown_ray",
+    "init_ray", "init_ray_from_config", "shutdown_ray",
 ]
 
 

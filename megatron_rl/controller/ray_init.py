@@ -9,7 +9,7 @@ import ray
 
 import megatron_rl
 
-__all__ = ["NOSET_CUDA_VISIBLE_DEVICES", "init_ray", "shutdown_ray"]
+__all__ = ["NOSET_CUDA_VISIBLE_DEVICES", "init_ray", "init_ray_from_config", "shutdown_ray"]
 
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
@@ -66,6 +66,12 @@ def init_ray(
         ray.init(address="local", num_cpus=num_cpus, **options)
     else:
         ray.init(address=address, **options)
+
+
+def init_ray_from_config(ray_init: Any) -> None:
+    """``init_ray`` with the run's ``ray_init`` section (address, num_cpus, num_gpus); nothing when Ray is up."""
+    gpus = {} if ray_init.num_gpus is None else {"num_gpus": ray_init.num_gpus}
+    init_ray(ray_init.address, ray_init.num_cpus, **gpus)
 
 
 def shutdown_ray() -> None:

@@ -395,6 +395,16 @@ def build_engine(model_path: str, dtype: str, seed: int, threads: int):
     return HFEngine(RolloutConfig(name="hf", dtype=dtype, seed=seed, response_length=1), model_path, device="cpu")
 
 
+def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32", seed: int = 0,
+           threads: int = 1, chunk_tokens: int = 8) -> ThreadingHTTPServer:
+    """The server bound to ``host:port`` (0: a free port this process picks), not yet serving: the caller runs
+    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of rollout/ray_server_pool.py)."""
+    app = HFServerApp(build_engine(model_path, dtype, seed, threads), chunk_tokens)
+    server = ThreadingHTTPServer((host, port), _handler(app))
+    server.daemon_threads = True
+    return server
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", required=True, help="the actor's HF directory (config.json)")
@@ -406,9 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=8,
                         help="tokens decoded per engine call: a pause takes effect at the next chunk boundary")
     args = parser.parse_args(argv)
-    app = HFServerApp(build_engine(args.model_path, args.dtype, args.seed, args.threads), args.chunk_tokens)
-    server = ThreadingHTTPServer((args.host, args.port), _handler(app))
-    server.daemon_threads = True
+    server = listen(args.model_path, host=args.host, port=args.port, dtype=args.dtype, seed=args.seed,
+                    threads=args.threads, chunk_tokens=args.chunk_tokens)
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

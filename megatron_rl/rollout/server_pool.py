@@ -5,6 +5,10 @@ Disaggregated placement on CPU: the trainer's ranks and the rollout servers are 
 generation runs on other cores than training and the two can overlap (trainer/off_policy.py). A server that
 exits is found by ``check()`` (its exit code and URL named in the error); ``replace(i)`` starts a fresh one
 at a new URL, which serves nothing until the next weight sync.
+
+``ServerPool`` is what the trainer, rollout/server_restarts.py and rollout/server_client.py use;
+``RolloutServerPool`` starts the servers as child processes (torchrun, or no Ray), and
+rollout/ray_server_pool.py as Ray actors on a resource pool of their own.
 """
 
 from __future__ import annotations
@@ -15,12 +19,28 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
 
-__all__ = ["RolloutServerDied", "RolloutServerPool", "start_hf_server"]
+__all__ = ["RolloutServer", "RolloutServerDied", "RolloutServerPool", "ServerPool", "require_servers", "start_hf_server"]
 
 
 class RolloutServerDied(RuntimeError):
     """A rollout server exited or stopped answering; the message names it."""
+
+
+class RolloutServer(Protocol):
+    """One running server as its pool watches it."""
+
+    index: int
+    url: str
+
+    def describe(self) -> str: ...
+
+    def exit_status(self) -> str | None:
+        """None while it runs; once it died, how (``exited with code -9``), for the error that names it."""
+
+    def stop(self) -> None:
+        """End it (if still running) and wait until it is gone."""
 
 
 @dataclass
@@ -31,6 +51,21 @@ class ServerProcess:
 
     def describe(self) -> str:
         return f"rollout server {self.index} ({self.url}, pid {self.proc.pid})"
+
+    def exit_status(self) -> str | None:
+        code = self.proc.poll()
+        return None if code is None else f"exited with code {code}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
@@ -57,59 +92,63 @@ def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, t
     raise RolloutServerDied(f"the HF rollout server for {model_path} did not listen within {timeout_s:.0f} s")
 
 
-class RolloutServerPool:
-    """``num_servers`` HF-engine servers of the actor's architecture (``model_path``)."""
+def require_servers(num_servers: int) -> None:
+    if num_servers < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.num_servers must be >= 1, got {num_servers}")
 
-    def __init__(self, model_path: str, num_servers: int, *, dtype: str = "float32", seed: int = 0,
-                 threads: int = 1, chunk_tokens: int = 8) -> None:
-        if num_servers < 1:
-            raise ValueError(f"actor_rollout_ref.rollout.num_servers must be >= 1, got {num_servers}")
-        self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
-        self.chunk_tokens = chunk_tokens
-        self.servers: list[ServerProcess] = []
+
+class ServerPool:
+    """``num_servers`` servers started by ``_start_many`` (a subclass's), watched and replaced by index."""
+
+    def __init__(self, num_servers: int) -> None:
+        require_servers(num_servers)
+        self.servers: list[RolloutServer] = []
         try:
-            for i in range(num_servers):
-                self.servers.append(self._start(i))
+            self.servers = list(self._start_many(range(num_servers)))
         except BaseException:
             self.close()
             raise
 
-    def _start(self, index: int) -> ServerProcess:
-        proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index, threads=self.threads,
-                                    chunk_tokens=self.chunk_tokens)
-        return ServerProcess(index, proc, url)
+    def _start_many(self, indices: Iterable[int]) -> Sequence[RolloutServer]:
+        raise NotImplementedError
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def dead(self) -> list[ServerProcess]:
-        return [s for s in self.servers if s.proc.poll() is not None]
+    def dead(self) -> list[RolloutServer]:
+        return [s for s in self.servers if s.exit_status() is not None]
 
     def check(self) -> None:
-        """Raise RolloutServerDied naming every server that exited (and its exit code)."""
+        """Raise RolloutServerDied naming every server that died (and how)."""
         gone = self.dead()
         if gone:
-            raise RolloutServerDied("; ".join(f"{s.describe()} exited with code {s.proc.returncode}" for s in gone))
+            raise RolloutServerDied("; ".join(f"{s.describe()} {s.exit_status()}" for s in gone))
 
     def replace(self, index: int) -> str:
-        """Start a fresh server in place of server ``index`` (killed first if still running); its new URL."""
-        old = self.servers[index]
-        if old.proc.poll() is None:
-            old.proc.kill()
-        old.proc.wait()
-        self.servers[index] = self._start(index)
+        """Start a fresh server in place of server ``index`` (stopped first if still running); its new URL."""
+        self.servers[index].stop()
+        [self.servers[index]] = self._start_many([index])
         return self.servers[index].url
 
     def close(self) -> None:
         for server in self.servers:
-            if server.proc.poll() is None:
-                server.proc.terminate()
-        for server in self.servers:
-            try:
-                server.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait()
-            if server.proc.stdout is not None:
-                server.proc.stdout.close()
+            server.stop()
+
+
+class RolloutServerPool(ServerPool):
+    """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), child processes of this one."""
+
+    def __init__(self, model_path: str, num_servers: int, *, dtype: str = "float32", seed: int = 0,
+                 threads: int = 1, chunk_tokens: int = 8) -> None:
+        self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
+        self.chunk_tokens = chunk_tokens
+        super().__init__(num_servers)
+
+    def _start_many(self, indices: Iterable[int]) -> list[ServerProcess]:
+        started = []
+        for index in indices:
+            proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index,
+                                        threads=self.threads, chunk_tokens=self.chunk_tokens)
+            started.append(ServerProcess(index, proc, url))
+        return started

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.rollout.server_pool import RolloutServerDied, ServerPool
 
 __all__ = ["RESTARTS_KEY", "RestartingWorkers", "ServerRestarts"]
 
@@ -36,7 +36,7 @@ class ServerRestarts:
     ``exit_wait_s``: how long a failed request waits for its server's exit to show (a SIGKILLed process is
     reaped a moment after its sockets close). Thread-safe: the rollout thread and the trainer both call it."""
 
-    def __init__(self, pool: RolloutServerPool, budget: int, *, exit_wait_s: float = 2.0) -> None:
+    def __init__(self, pool: ServerPool, budget: int, *, exit_wait_s: float = 2.0) -> None:
         if budget < 0:
             raise ValueError(f"{RESTARTS_KEY} must be >= 0 (0: a dead server fails the run), got {budget}")
         self.pool, self.budget, self.exit_wait_s = pool, budget, exit_wait_s
@@ -66,10 +66,10 @@ class ServerRestarts:
         for server in gone:
             if self.count >= self.budget:
                 raise RolloutServerDied(
-                    f"{server.describe()} exited with code {server.proc.returncode}, and {self.count} of "
+                    f"{server.describe()} {server.exit_status()}, and {self.count} of "
                     f"{RESTARTS_KEY}={self.budget} replacements are used: raise it to replace more")
-            logger.warning("%s exited with code %s: starting a replacement (%d of %s=%d)", server.describe(),
-                           server.proc.returncode, self.count + 1, RESTARTS_KEY, self.budget)
+            logger.warning("%s %s: starting a replacement (%d of %s=%d)", server.describe(),
+                           server.exit_status(), self.count + 1, RESTARTS_KEY, self.budget)
             self.pool.replace(server.index)
             self.count += 1
             self._unsynced.add(server.index)
@@ -78,7 +78,7 @@ class ServerRestarts:
     def serving(self, index: int) -> bool:
         """Server ``index`` is alive and holds the weights of the last sync."""
         with self._lock:
-            return index not in self._unsynced and self.pool.servers[index].proc.poll() is None
+            return index not in self._unsynced and self.pool.servers[index].exit_status() is None
 
     def unsynced(self) -> set[int]:
         with self._lock:

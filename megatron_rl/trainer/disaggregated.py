@@ -2,8 +2,9 @@
 them (the synchronous RLTrainer, or the async loop of ``async_training.mode``: one_step_off, fully_async).
 
 ``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
-HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers, and
-their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
+HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers (under
+Ray: actors on their own resource pool, rollout/ray_server_pool.py; under torchrun: child processes of rank 0's
+launcher, rollout/server_pool.py), and their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
 (gloo update group: the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
 die over the run and be replaced (rollout/server_restarts.py); 0 fails the run at the first death.
 """
@@ -13,30 +14,44 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from megatron_rl.rollout.server_pool import RolloutServerPool
+from megatron_rl.rollout.server_pool import RolloutServerPool, ServerPool
 from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
 from megatron_rl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["build_trainer", "start_rollout_servers"]
 
 
-def start_rollout_servers(cfg: DictConfig) -> RolloutServerPool | None:
+def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
     """Start the HF-engine servers the config asks for and point ``rollout.server_urls`` at them."""
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode != "server" or rollout.name != "hf" or rollout.server_urls or rollout.num_servers < 1:
         return None
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
-    pool = RolloutServerPool(str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers), dtype=dtype,
-                             seed=int(rollout.seed), threads=int(rollout.server_threads),
-                             chunk_tokens=int(rollout.server_chunk_tokens))
+    server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
+              "chunk_tokens": int(rollout.server_chunk_tokens)}
+    model_path, num_servers = str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers)
+    if cfg.trainer.launcher == "torchrun":  # under torchrun nothing imports Ray
+        pool: ServerPool = RolloutServerPool(model_path, num_servers, **server)
+        master = "127.0.0.1"  # the servers listen on this host's loopback
+    else:
+        import ray
+
+        from megatron_rl.controller import init_ray_from_config
+        from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
+
+        init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
+        cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
+        pool = RayRolloutServerPool(model_path, num_servers, cpus_per_server=float(cpus),
+                                    start_timeout_s=float(cfg.ray_init.timeout_s), **server)
+        master = ray.util.get_node_ip_address()  # the servers listen on their node's IP; trainer rank 0 on this node
     with open_dict(cfg):
         rollout.server_urls = pool.urls
         rollout.sglang.update_group_backend = "gloo"
-        rollout.sglang.master_address = rollout.sglang.master_address or "127.0.0.1"
+        rollout.sglang.master_address = rollout.sglang.master_address or master
     return pool
 
 
-def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: RolloutServerPool | None,
+def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: ServerPool | None,
                   token_ids: dict[str, Any], **kwargs: Any) -> RLTrainer:
     """``sizes``, ``actor_rollout``, ``args``, ``kwargs``: RLTrainer's. ``token_ids``: eos/pad ids for the driver's
     generation client."""

@@ -67,14 +67,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
         RayResourcePool,
         RayWorkerGroup,
         create_colocated_worker_cls,
-        init_ray,
+        init_ray_from_config,
         shutdown_ray,
     )
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
     from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
 
-    gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
-    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)
+    init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up (rollout servers, judge)
     plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # workers see plain strings
     # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
     # an embedded Ray, which is how the CPU tests give each rank its own GPU id).

@@ -1,5 +1,5 @@
 """A rollout server SIGKILLed during a disaggregated run on the real stack (CPU, embedded Ray, Megatron actor at
-TP=2, HF-engine server processes), synchronous and one step off-policy: with ``rollout.server_restarts=1`` the
+TP=2, HF-engine servers as Ray actors), synchronous and one step off-policy: with ``rollout.server_restarts=1`` the
 run replaces it, syncs the replacement and finishes; the rollouts' weight versions are checked by the run
 itself (a sample from other weights fails it) and every sync is verified against the trainer's log-probs."""
 from __future__ import annotations
@@ -20,15 +20,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _rollout_servers() -> list[int]:
-    """The pids of this process's HF-engine rollout servers (the run's pool starts them as children)."""
+    """The pids of the run's HF-engine rollout servers: under Ray, actor processes of the servers' own pool
+    (rollout/ray_server_pool.py), titled ``ray::HFServerActor``."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if ppid == os.getpid() and b"megatron_rl.rollout.hf_server" in cmdline:
+        if cmdline.startswith(b"ray::HFServerActor"):
             pids.append(int(entry.name))
     return pids
 

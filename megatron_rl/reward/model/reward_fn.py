@@ -155,10 +155,9 @@ def build_judge(cfg: Any) -> tuple[Any, Callable[[], None]]:
 
     judge_cfg, device = cfg.reward_model.judge, cfg.trainer.device
     if cfg.reward_model.enable_resource_pool:
-        from megatron_rl.controller import init_ray
+        from megatron_rl.controller import init_ray_from_config
 
-        gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
-        init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)  # does nothing when Ray is already up
+        init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up
         engine = RayJudgeEngine(judge_cfg, device, cfg.ray_init.timeout_s)
         close = engine.close
     else:
