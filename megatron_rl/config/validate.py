@@ -136,11 +136,24 @@ def _check_server_pool(cfg: DictConfig) -> None:
     total = cfg.ray_init.num_cpus
     if total is None or cfg.ray_init.address is not None:
         return  # Ray's own count: the pools check what the nodes hold when they reserve
-    need = rollout.num_servers * cpus + cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    trainer = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    reward_cpus, reward_what = _reward_pool_cpus(cfg)
+    need = rollout.num_servers * cpus + trainer + reward_cpus
     _require(need <= total, f"actor_rollout_ref.rollout.num_servers={rollout.num_servers} servers of "
-             f"server_cpus={cpus:g} CPUs and the trainer's {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes} ranks "
-             f"(trainer.n_gpus_per_node x nnodes, one CPU each) need {need:g} CPUs, but ray_init.num_cpus={total}: "
-             "raise ray_init.num_cpus or lower rollout.num_servers / rollout.server_cpus")
+             f"server_cpus={cpus:g} CPUs and the trainer's {trainer} ranks (trainer.n_gpus_per_node x nnodes, one "
+             f"CPU each){reward_what} need {need:g} CPUs, but ray_init.num_cpus={total}: raise ray_init.num_cpus or "
+             "lower rollout.num_servers / rollout.server_cpus")
+
+
+def _reward_pool_cpus(cfg: DictConfig) -> tuple[int, str]:
+    """The CPUs the reward model's own Ray pool takes (reward_model.enable_resource_pool), and how to say so."""
+    rm = cfg.reward_model
+    if not (rm.enable and rm.enable_resource_pool):
+        return 0, ""
+    if rm.judge.enable:
+        return 1, " and the judge's actor (1 CPU)"
+    ranks = (rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node) * (rm.nnodes or cfg.trainer.nnodes)
+    return ranks, f" and the reward model's {ranks} ranks (reward_model_pool, one CPU each)"
 
 
 def _require(cond: bool, message: str) -> None:

@@ -129,6 +129,10 @@ def test_a_pool_with_too_few_cpus_names_the_keys(pool, model_dir):
      r"num_servers=3 servers of server_cpus=1 CPUs and the trainer's 1 ranks .* need 4 CPUs, but ray_init.num_cpus=3"),
     (["actor_rollout_ref.rollout.server_cpus=2"], r"server_cpus=2 CPUs .* need 5 CPUs"),
     (["actor_rollout_ref.rollout.server_cpus=0"], r"actor_rollout_ref.rollout.server_cpus must be > 0"),
+    (["reward_model.enable=true", "reward_model.enable_resource_pool=true", "reward_model.judge.enable=true"],
+     r"trainer's 1 ranks .* and the judge's actor \(1 CPU\) need 4 CPUs"),
+    (["reward_model.enable=true", "reward_model.enable_resource_pool=true", "reward_model.model.path=/rm"],
+     r"and the reward model's 1 ranks \(reward_model_pool, one CPU each\) need 4 CPUs"),
 ])
 def test_config_refuses_servers_that_do_not_fit(model_dir, overrides, message):
     with pytest.raises(ConfigError, match=message):
