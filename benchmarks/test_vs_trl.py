@@ -13,6 +13,8 @@ inflates far less than wall time.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import importlib.util
 import json
 import os
@@ -60,6 +62,11 @@ LAYOUTS = {"tp2x2ranks": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.
 OURS = {name: LAYOUTS[name]
         for name in os.environ.get("MRL_BENCH_LAYOUTS", "tp2x2ranks,1proc+bypass+share").split(",")}
 TRL_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_TRL_THREADS", "1,2").split(",")]
+# torch threads of our one-process layouts (a Ray rank has one); "1,2" runs each at both, as TRL is
+OUR_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_OUR_THREADS", "1").split(",")]
+# MRL_BENCH_SAME_TIME=1: start every trainer at once instead of one after the other (on a machine shared with
+# other jobs, trainers run minutes apart see different loads; run at once, their CPU seconds compare)
+SAME_TIME = os.environ.get("MRL_BENCH_SAME_TIME", "0") == "1"
 
 
 def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
@@ -94,7 +101,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) -> dict:
+def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path, threads: int = 1) -> dict:
     prompts, n = size["prompts"], size["n"]
     overrides = [
         "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
@@ -109,7 +116,7 @@ def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path) ->
     env = dict(os.environ)
     if "trainer.launcher=torchrun" in layout:  # one process, as `torchrun --nproc-per-node 1` would start it
         env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}  # one thread, as a Ray rank has
+                "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads)}
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "stderr.log", "w")  # a file, not a pipe: a full pipe would stall the run
     start = time.perf_counter()
@@ -171,8 +178,23 @@ def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_nam
     size = SIZES[size_name]
     train, _val, assets_model = prepare_assets(tmp_path / "assets")
     model = _model_dir(assets_model, size["model"], tmp_path / "model")
-    ours = {name: _ours(train, model, size, layout, tmp_path / f"ours-{name}") for name, layout in OURS.items()}
-    trl = {threads: _trl(train, model, size, threads, tmp_path / f"trl-{threads}") for threads in TRL_THREADS}
+    runs = {}  # label -> a call that runs one trainer and returns its result
+    for name, layout in OURS.items():
+        # thread counts apply to the one-process layouts (Ray ranks set their own)
+        for threads in OUR_THREADS if "trainer.launcher=torchrun" in layout else [1]:
+            label = name if threads == 1 else f"{name}@{threads}threads"
+            runs[f"ours/{label}"] = functools.partial(_ours, train, model, size, layout, tmp_path / f"ours-{label}",
+                                                      threads)
+    for threads in TRL_THREADS:
+        runs[f"trl/{threads}"] = functools.partial(_trl, train, model, size, threads, tmp_path / f"trl-{threads}")
+    if SAME_TIME:  # every trainer at once: each sees the same load, so their CPU seconds compare
+        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+            futures = {label: pool.submit(call) for label, call in runs.items()}
+            results = {label: future.result() for label, future in futures.items()}
+    else:
+        results = {label: call() for label, call in runs.items()}
+    ours = {label.split("/", 1)[1]: r for label, r in results.items() if label.startswith("ours/")}
+    trl = {int(label.split("/", 1)[1]): r for label, r in results.items() if label.startswith("trl/")}
     best_ours = min(ours, key=lambda k: _median_step(ours[k]))
     best_trl = min(trl, key=lambda k: _median_step(trl[k]))
     ratio = _median_step(trl[best_trl]) / _median_step(ours[best_ours])

@@ -77,11 +77,10 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
 
         return StartedOnFirstCall(start), lambda: None
 
-    from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray
+    from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray_from_config
     from megatron_rl.trainer.deadlines import call_deadlines
 
-    gpus = {} if cfg.ray_init.num_gpus is None else {"num_gpus": cfg.ray_init.num_gpus}
-    init_ray(cfg.ray_init.address, cfg.ray_init.num_cpus, **gpus)  # does nothing when Ray is already up
+    init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up
     rm = cfg.reward_model
     per_node, nodes = rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node, rm.nnodes or cfg.trainer.nnodes
     # As the trainer's pool: a GPU per rank on a CUDA run, else GPUs only where the cluster has them.
