@@ -33,13 +33,14 @@ def test_the_recorder_maps_padded_and_packed_micro_batches_back_to_their_rows():
     for j, (n, choice) in enumerate(zip(lengths, choices)):
         mask[j, :n] = True
         by_position[:n, j] = choice
-    padded = SimpleNamespace(rows=torch.tensor(rows), attention_mask=mask, is_thd=False, cu_seqlens=None)
+    padded = SimpleNamespace(rows=torch.tensor(rows), attention_mask=mask, is_thd=False, is_shared=False,
+                             cu_seqlens=None)
     recorder = RoutingRecorder([])
     _record(recorder, padded, by_position.reshape(width * count, EXPERTS))
     assert all(torch.equal(recorder.choices[0][row], c) for row, c in zip(rows, choices))
 
     cu = torch.tensor([0, 3, 4, 6, 8], dtype=torch.int32)  # the rows end to end, then a padding sequence
-    packed = SimpleNamespace(rows=torch.tensor(rows), attention_mask=None, is_thd=True, cu_seqlens=cu)
+    packed = SimpleNamespace(rows=torch.tensor(rows), attention_mask=None, is_thd=True, is_shared=False, cu_seqlens=cu)
     recorder = RoutingRecorder([])
     _record(recorder, packed, torch.cat([*choices, torch.zeros(2, EXPERTS, dtype=torch.bool)]))
     assert all(torch.equal(recorder.choices[0][row], c) for row, c in zip(rows, choices))
@@ -47,6 +48,10 @@ def test_the_recorder_maps_padded_and_packed_micro_batches_back_to_their_rows():
     recorder = RoutingRecorder([])  # sequence parallel: the router sees a slice of the tokens
     _record(recorder, padded, by_position.reshape(width * count, EXPERTS)[: width * count // 2])
     assert "saw 6 of 12 tokens" in recorder.unsupported and recorder.gathered() is None
+
+    recorder = RoutingRecorder([])  # shared prompts: a prompt's tokens are routed once for its whole group
+    _record(recorder, SimpleNamespace(rows=torch.tensor(rows), is_thd=False, is_shared=True), by_position[0])
+    assert "megatron.share_prompts" in recorder.unsupported and recorder.gathered() is None
 
 
 def test_agreement_counts_equal_sets_and_overlap_and_names_a_row_it_cannot_compare():
