@@ -321,11 +321,12 @@ class MegatronEngine:
                     None,
                     packed_seq_params=micro_batch.packed_seq_params(),
                 )
-            elif micro_batch.is_shared:
-                with rope_at_positions(model, micro_batch.position_ids):
-                    output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
             else:
-                output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
+                # shared prompts: responses continue their prompt's RoPE positions (models/rope_positions.py)
+                positions = (rope_at_positions(model, micro_batch.position_ids) if micro_batch.is_shared
+                             else contextlib.nullcontext())
+                with positions:
+                    output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:

@@ -44,17 +44,17 @@ def pack_batch(
         uniform if engine.uniform_micro_batch_shape else (None if multiple == 1 else (len(rows), width(rows)))
         for rows in row_groups
     ]
+    if engine.share_prompts:
+        shared = _pack_shared(batch, row_groups, tuple(field_keys), engine)
+        # Micro-batches that cut prompt groups apart share little and are wider: keep the padded layout
+        # when its rectangles compute fewer positions (one layout for the whole batch, as VPP needs).
+        rectangles = [shape or (len(rows), width(rows)) for rows, shape in zip(row_groups, shapes)]
+        if sum(mb.computed_tokens for mb in shared) < sum(count * cols for count, cols in rectangles):
+            return shared
     packed = [
         pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
         for rows, shape in zip(row_groups, shapes)
     ]
-    if engine.share_prompts:
-        shared = _pack_shared(batch, row_groups, tuple(field_keys), engine)
-        # Micro-batches that cut prompt groups apart share little and are wider: keep the padded layout
-        # when it computes fewer positions (one layout for the whole batch, as the VPP schedule needs).
-        if sum(mb.computed_tokens for mb in shared) < sum(mb.computed_tokens for mb in packed):
-            return shared
-        return packed
     if engine.packed_sequences:  # THD: each micro-batch's real tokens end to end, no padding computed
         total = None
         if engine.uniform_micro_batch_shape:
