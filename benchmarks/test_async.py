@@ -8,6 +8,7 @@ async with partial rollouts cannot run it: the probe would wait behind the pause
     pytest benchmarks/test_async.py -s
     MRL_ASYNC_LAYOUTS=sync_colocated,one_step_off,fully_async_b1 pytest benchmarks/test_async.py -s
     MRL_ASYNC_STEPS=40 MRL_ASYNC_OVERRIDES="data.train_batch_size=16" pytest benchmarks/test_async.py -s
+    MRL_ASYNC_SIZE=30M pytest benchmarks/test_async.py -s   # the ~30M model of test_vs_trl.py, its batch sizes
 
 Timings on a shared machine are noisy; the ratios are paired (same run of this file).
 """
@@ -19,6 +20,7 @@ import time
 
 import numpy as np
 
+from bench_sizes import SIZES, model_dir, size_overrides
 from megatron_rl.config import load_config
 from megatron_rl.demo import DEMO_TASK, prepare_assets
 from megatron_rl.train import run
@@ -42,15 +44,17 @@ LAYOUTS = {
                        "async_training.buffer_batches=1"],
 }
 CHOSEN = os.environ.get("MRL_ASYNC_LAYOUTS", ",".join(LAYOUTS)).split(",")
+# the demo runs at its preset's sizes; another size brings its model and its batch sizes (bench_sizes.py)
+SIZE = os.environ.get("MRL_ASYNC_SIZE", "demo")
 
 
-def _run(name: str, overrides: list[str], assets, out) -> dict[str, float]:
-    train, _val, model = assets
+def _run(name: str, overrides: list[str], train, model, out) -> dict[str, float]:
     cfg = load_config(overrides=[
         "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
         f"trainer.default_local_dir={out / name}", f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=-1", "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false", "trainer.save_freq=-1",
-        *overrides, *os.environ.get("MRL_ASYNC_OVERRIDES", "").split(),
+        *([] if SIZE == "demo" else size_overrides(SIZES[SIZE])), *overrides,
+        *os.environ.get("MRL_ASYNC_OVERRIDES", "").split(),
     ])
     start = time.perf_counter()
     result = run(cfg)
@@ -73,16 +77,17 @@ def _run(name: str, overrides: list[str], assets, out) -> dict[str, float]:
 
 
 def test_sync_vs_one_step_off_vs_fully_async(benchmark, tmp_path):
-    assets = prepare_assets(tmp_path / "assets")
+    train, _val, assets_model = prepare_assets(tmp_path / "assets")
+    model = model_dir(assets_model, SIZES[SIZE]["model"], tmp_path / "model")
     results = {}
 
     def all_layouts():
         for name in CHOSEN:
-            results[name] = _run(name, LAYOUTS[name], assets, tmp_path)
+            results[name] = _run(name, LAYOUTS[name], train, model, tmp_path)
 
     benchmark.pedantic(all_layouts, rounds=1, iterations=1)
     base = results[CHOSEN[0]]["samples_per_s"]
-    print(f"\ntask {DEMO_TASK}, {STEPS} steps, steady state from step {WARMUP + 1}:")
+    print(f"\ntask {DEMO_TASK}, size {SIZE}, {STEPS} steps, steady state from step {WARMUP + 1}:")
     for name, r in results.items():
         print(f"  {name:20s} {r['steps_per_s']:.3f} steps/s  {r['samples_per_s']:7.1f} samples/s "
               f"({r['samples_per_s'] / base:.2f}x)  step {r['step_s']:.3f} s (gen wait {r['gen_s']:.3f}, "

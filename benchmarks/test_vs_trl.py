@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench_sizes import SIZES, model_dir, size_overrides
 from megatron_rl.demo import prepare_assets
 from megatron_rl.trainer.tracking import read_metrics
 
@@ -40,12 +41,6 @@ STEPS = int(os.environ.get("MRL_BENCH_STEPS", 23))
 # The suite's 20-minute hang guard (pyproject) is far below one 30M run on a loaded 2-core machine (~30
 # CPU-s a step per trainer, 23 steps each, one trainer after the other): it killed the TRL half of such runs.
 RUN_TIMEOUT_S = 4 * 3600
-SIZES = {
-    "demo": {"prompts": 32, "n": 8, "response_length": 6, "lr": 5e-3, "model": None},
-    "30M": {"prompts": 16, "n": 8, "response_length": 32, "lr": 1e-4,
-            "model": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 10,  # 29.5M parameters
-                      "num_attention_heads": 8, "num_key_value_heads": 4}},
-}
 # Our layouts. "tp2x2ranks": the demo's (Megatron TP 2 on 2 Ray ranks), default numerics. "1proc": what a
 # model this small wants (docs/trainer.md, "Speed"): one rank, TP 1, in the driver's process (the in-process
 # workers of the torchrun launcher, no Ray), and the rollout's log-probs as the old ones (verl's bypass mode:
@@ -69,26 +64,6 @@ OUR_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_OUR_THREADS", "1").spli
 SAME_TIME = os.environ.get("MRL_BENCH_SAME_TIME", "0") == "1"
 
 
-def _model_dir(assets_model: Path, shape: dict | None, out: Path) -> Path:
-    if shape is None:
-        return assets_model
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(assets_model)
-    for key, value in shape.items():
-        setattr(config, key, value)
-    if getattr(config, "layer_types", None):  # one entry per layer
-        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
-    config.max_position_embeddings = 128
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (assets_model / name).exists():
-            (out / name).write_bytes((assets_model / name).read_bytes())
-    return out
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -102,16 +77,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _ours(train: Path, model: Path, size: dict, layout: list[str], out: Path, threads: int = 1) -> dict:
-    prompts, n = size["prompts"], size["n"]
     overrides = [
         "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
         f"trainer.default_local_dir={out}", f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false", "trainer.overwrite=true",
-        f"data.train_batch_size={prompts}", f"actor_rollout_ref.rollout.n={n}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // 2}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts // 2 * n}",
-        f"data.max_response_length={size['response_length']}", f"actor_rollout_ref.actor.optim.lr={size['lr']}",
-        *layout,
+        *size_overrides(size), *layout,
     ]
     env = dict(os.environ)
     if "trainer.launcher=torchrun" in layout:  # one process, as `torchrun --nproc-per-node 1` would start it
@@ -177,7 +147,7 @@ def _median_cpu_step(result: dict) -> float | None:
 def test_seconds_per_step_and_start_up_against_trl(benchmark, tmp_path, size_name):
     size = SIZES[size_name]
     train, _val, assets_model = prepare_assets(tmp_path / "assets")
-    model = _model_dir(assets_model, size["model"], tmp_path / "model")
+    model = model_dir(assets_model, size["model"], tmp_path / "model")
     runs = {}  # label -> a call that runs one trainer and returns its result
     for name, layout in OURS.items():
         # thread counts apply to the one-process layouts (Ray ranks set their own)

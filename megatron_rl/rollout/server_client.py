@@ -12,6 +12,12 @@ those tokens for the tokens it has left (the server holds it until the continue)
 weight update. Each token keeps the version that sampled it (``non_tensor_batch["token_weight_versions"]``,
 one int array per row); the prefix keeps the old version's log-probs. This is the pattern slime and verl's
 fully-async recipe use with SGLang, so it works against real SGLang servers too.
+
+Each server has a lane of its own (one request at a time from this client, first come first served): when the
+async loop has several batches generating at once (fully async, ``buffer_batches`` > 1), a server that finished
+its part of one batch goes straight on with its part of the next while slower servers finish theirs, and a
+batch's part never waits behind a later batch's on the same server. A batch's split is fixed (rows in order,
+one part per serving server), so its samples do not depend on what else is generating.
 A server that cannot be reached is named, with the pool's exit code when the pool started it. With
 ``restarts`` (rollout/server_restarts.py) a server that died is replaced instead: the rows it had in flight go
 to a surviving server, which holds the same weights, with the tokens they already have (their groups stay
@@ -59,7 +65,8 @@ class ServerRolloutClient:
         self.response_length = int(config.response_length or response_length)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self._servers = [_HTTPServer(url, timeout_s) for url in urls]
-        self._threads = ThreadPoolExecutor(max_workers=len(self._servers), thread_name_prefix="rollout-client")
+        self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-client-{i}")
+                       for i in range(len(self._servers))]
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
@@ -71,7 +78,7 @@ class ServerRolloutClient:
         serving = self._serving()
         bounds = [len(input_ids) * i // len(serving) for i in range(len(serving) + 1)]
         parts = [(index, lo, hi) for index, (lo, hi) in zip(serving, itertools.pairwise(bounds)) if hi > lo]
-        futures = [self._threads.submit(self._generate_on, index, input_ids[lo:hi], sampling[lo:hi])
+        futures = [self._lanes[index].submit(self._generate_on, index, input_ids[lo:hi], sampling[lo:hi])
                    for index, lo, hi in parts]
         outputs = [out for f in futures for out in f.result()]
         responses, log_probs, token_versions = [], [], []
@@ -169,7 +176,8 @@ class ServerRolloutClient:
         return outputs
 
     def close(self) -> None:
-        self._threads.shutdown(wait=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
 
 
 def _object_array(rows: list[np.ndarray]) -> np.ndarray:

@@ -3,11 +3,14 @@ recipe/fully_async_policy, AReaL's asynchronous RL).
 
 A rollout thread (the *rollouter*, verl's name) keeps generating loader batches on the rollout servers into a
 bounded buffer: at most ``async_training.buffer_batches`` batches are generated or generating and not yet
-trained. The trainer takes the oldest finished batch each step. A weight sync first pauses the servers
-(``/pause_generation``, mode ``abort``): the batch in flight comes back partial and its rows are sent again
+trained, and a batch starts as soon as that bound allows, while earlier ones still generate (streaming: each
+server goes on with its part of the next batch once done with its part of the earlier ones, so none idles at
+a batch boundary waiting for the slowest). The trainer takes the oldest batch each step, once generated. A
+weight sync first pauses the servers (``/pause_generation``, mode ``abort``): the batches in flight come back
+partial and their rows are sent again
 (rollout/server_client.py), so after the sync and ``/continue_generation`` their responses go on with the new
 weights; every token keeps the version that sampled it (the prefix keeps the old version's log-probs).
-``async_training.partial_rollout=false`` instead waits for the batch in flight to finish before the sync.
+``async_training.partial_rollout=false`` instead waits for the batches in flight to finish before the sync.
 
 A batch is one loader batch with its n responses per prompt, generated as one request per server, so groups
 always stay complete. Staleness of a sample = the policy version that trains it minus the version of its
@@ -23,7 +26,7 @@ Samples within the bound are reweighted by the off-policy correction (algorithm.
 ``old_log_probs``. ``max_staleness=0`` is the on-policy limit: a batch is generated only when the trainer asks
 for it, nothing overlaps an update, and the run equals the synchronous trainer's.
 
-Checkpoints: a save waits for the batch in flight (no new one starts), then keeps the finished batches
+Checkpoints: a save waits for the batches in flight (no new one starts), then keeps the finished batches
 (``rollout_buffer_<i>.pkl``) next to the loader position after them, so a resumed run trains every produced
 batch once. Only batches dropped for staleness are never trained (counted in ``async/dropped_samples_total``).
 """
@@ -34,8 +37,9 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -51,18 +55,27 @@ STATE_FILE = "rollout_buffer.json"
 
 
 class Rollouter:
-    """The thread that generates batches ahead. ``produce(index)``: one batch's rollouts, or None when the
-    data ran out; ``capacity`` batches may wait untrained (0: one only when ``request()`` asks)."""
+    """The thread that generates batches ahead. ``claim()``: the next batch to generate (its index set), or None
+    when the data ran out; ``roll(claimed)``: its rollouts. ``capacity`` batches may be generating or waiting
+    untrained (0: one only when ``request()`` asks).
 
-    def __init__(self, produce: Any, capacity: int, ready: list[DataProto]) -> None:
-        self._produce, self.capacity = produce, capacity
-        self.ready: queue.Queue = queue.Queue()
+    Streaming: a batch starts as soon as a permit frees, even while earlier ones still generate (each server
+    takes its part of it once done with its part of the earlier ones: rollout/server_client.py), so no server
+    idles at a batch boundary waiting for the slowest. Batches are claimed in loader order and handed over in
+    that order."""
+
+    def __init__(self, claim: Callable[[], Any], roll: Callable[[Any], DataProto], capacity: int,
+                 ready: list[DataProto]) -> None:
+        self._claim, self._roll, self.capacity = claim, roll, capacity
+        self.ready: queue.Queue = queue.Queue()  # Futures in claim order; None after the last
         for batch in ready:
-            self.ready.put(batch)
+            self.ready.put(_done(batch))
         self._permits = threading.Semaphore(max(capacity - len(ready), 0))
         self._state = threading.Condition()
-        self._holding = self._busy = self._stopping = False
+        self._holding = self._stopping = False
+        self._generating = 0
         self.error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(capacity, 1), thread_name_prefix="rollouter-batch")
         self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
 
     def start(self) -> None:
@@ -76,40 +89,48 @@ class Rollouter:
                     self._state.wait_for(lambda: not self._holding or self._stopping)
                     if self._stopping:
                         return
-                    self._busy = True
-                try:
-                    rolled = self._produce()
-                finally:
-                    with self._state:
-                        self._busy = False
-                        self._state.notify_all()
-                self.ready.put(rolled)
-                if rolled is None:
-                    return
+                    claimed = self._claim()
+                    if claimed is None:
+                        self.ready.put(None)
+                        return
+                    self._generating += 1
+                    self.ready.put(self._pool.submit(self._roll_one, claimed))
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
             self.error = exc
             self.ready.put(None)
+
+    def _roll_one(self, claimed: Any) -> DataProto:
+        try:
+            return self._roll(claimed)
+        finally:
+            with self._state:
+                self._generating -= 1
+                self._state.notify_all()
 
     def request(self) -> None:
         """The on-policy limit (capacity 0): generate one batch now."""
         self._permits.release()
 
     def take(self) -> DataProto | None:
-        """The oldest finished batch; None when the data ran out. A generation error is raised here."""
-        rolled = self.ready.get()
-        if rolled is None:
+        """The oldest batch, once generated; None when the data ran out. A generation error is raised here."""
+        pending = self.ready.get()
+        if pending is None:
             if self.error is not None:
                 raise RuntimeError(f"the rollout thread failed: {self.error}") from self.error
             return None
+        try:
+            rolled = pending.result()
+        except BaseException as exc:
+            raise RuntimeError(f"the rollout thread failed: {exc}") from exc
         if self.capacity > 0:
             self._permits.release()
         return rolled
 
     def hold(self) -> None:
-        """Wait for the batch in flight; none starts until ``release()``."""
+        """Wait for the batches generating; none starts until ``release()``."""
         with self._state:
             self._holding = True
-            self._state.wait_for(lambda: not self._busy)
+            self._state.wait_for(lambda: self._generating == 0)
 
     def release(self) -> None:
         with self._state:
@@ -117,17 +138,24 @@ class Rollouter:
             self._state.notify_all()
 
     def buffered(self) -> list[DataProto]:
-        """The finished, untrained batches (call while held)."""
-        return [b for b in list(self.ready.queue) if b is not None]
+        """The generated, untrained batches (call while held: every one has finished)."""
+        return [pending.result() for pending in list(self.ready.queue) if pending is not None]
 
     def stop(self) -> None:
-        """No batch starts any more; the one in flight finishes (its rollouts are not trained)."""
+        """No batch starts any more; the ones generating finish (their rollouts are not trained)."""
         with self._state:
             self._stopping = True
             self._state.notify_all()
         self._permits.release()
         if self._thread.is_alive():
             self._thread.join()
+        self._pool.shutdown(wait=True)
+
+
+def _done(batch: DataProto) -> Future:
+    future: Future = Future()
+    future.set_result(batch)
+    return future
 
 
 class _PausedSync:
@@ -194,18 +222,23 @@ class FullyAsyncTrainer(RLTrainer):
                                f"version {self.served_version}: a server was updated behind the trainer's back")
         return out
 
-    def _produce(self) -> DataProto | None:
+    def _claim(self) -> tuple[DataProto, int] | None:
+        """The next loader batch and its index (the rollouter's lock keeps them in order)."""
         batch = next(self._batch_iter, None)
         if batch is None:
             return None
         self.produced += 1
         batch.meta_info.update(self.step_meta(self.produced))
-        return self.rollout(batch, self.produced, StageTimer())
+        return batch, self.produced
+
+    def _roll(self, claimed: tuple[DataProto, int]) -> DataProto:
+        batch, index = claimed
+        return self.rollout(batch, index, StageTimer())
 
     # ------------------------------------------------------------------ the trainer's side
     def _train_batches(self) -> Iterator[DataProto]:
         self._batch_iter = self._endless_batches()
-        self.rollouter = Rollouter(self._produce, self.capacity, self._restored)
+        self.rollouter = Rollouter(self._claim, self._roll, self.capacity, self._restored)
         self._restored = []
         self.rollouter.start()
         while self.state.global_steps < self.total_steps:
