@@ -1,7 +1,8 @@
 """A rollout server SIGKILLed during a disaggregated run on the real stack (CPU, embedded Ray, Megatron actor at
-TP=2, HF-engine servers as Ray actors), one step off-policy: with ``rollout.server_restarts=1`` the
-run replaces it, syncs the replacement and finishes; the rollouts' weight versions are checked by the run
-itself (a sample from other weights fails it) and every sync is verified against the trainer's log-probs."""
+TP=2, HF-engine servers as Ray actors), one step off-policy and fully async with partial rollouts: with
+``rollout.server_restarts=1`` the run replaces it, syncs the replacement and finishes; the rollouts' weight
+versions are checked by the run itself (a sample from other weights fails it) and every sync is verified
+against the trainer's log-probs."""
 from __future__ import annotations
 
 import json
@@ -53,7 +54,15 @@ def _kill_a_server_after_step(metrics: Path, step: int, killed: list[int]) -> No
 
 # The synchronous loop's replacement (re-sync, same samples) is tested at the rollout level
 # (tests/rollout/test_server_restarts.py); its e2e twin cost ~90 s of the suite for no path of its own.
-def test_a_killed_server_is_replaced_and_the_run_finishes(tiny_assets, tmp_path):
+# Fully async with one batch ahead: batch k + 1 starts when step k takes batch k, as one step off's does, so the
+# versions are the same; on top, each sync pauses and continues both servers, the dead one included.
+ASYNC_MODES = {"one_step_off": ["async_training.mode=one_step_off"],
+               "fully_async": ["async_training.mode=fully_async", "async_training.buffer_batches=1",
+                               "async_training.max_staleness=1"]}
+
+
+@pytest.mark.parametrize("mode", list(ASYNC_MODES))
+def test_a_killed_server_is_replaced_and_the_run_finishes(tiny_assets, tmp_path, mode):
     """The kill lands in step 3's generation, started ahead on two servers: the survivor finishes the dead
     server's rows on the same weights (versions exact) and the replacement joins at the next sync."""
     killed: list[int] = []
@@ -61,7 +70,7 @@ def test_a_killed_server_is_replaced_and_the_run_finishes(tiny_assets, tmp_path)
                               daemon=True)
     killer.start()
     result = run(tiny_config(
-        tiny_assets, tmp_path, "trainer.total_training_steps=3", "async_training.mode=one_step_off",
+        tiny_assets, tmp_path, "trainer.total_training_steps=3", *ASYNC_MODES[mode],
         "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=2",
         "actor_rollout_ref.rollout.server_restarts=1", "algorithm.rollout_correction.rollout_is=token",
     ))
