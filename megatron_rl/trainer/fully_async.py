@@ -137,6 +137,14 @@ class Rollouter:
             self._holding = False
             self._state.notify_all()
 
+    def generated(self) -> int:
+        """Batches generated and waiting for the trainer."""
+        return sum(pending is not None and pending.done() for pending in list(self.ready.queue))
+
+    def generating(self) -> int:
+        with self._state:
+            return self._generating
+
     def buffered(self) -> list[DataProto]:
         """The generated, untrained batches (call while held: every one has finished)."""
         return [pending.result() for pending in list(self.ready.queue) if pending is not None]
@@ -281,7 +289,8 @@ class FullyAsyncTrainer(RLTrainer):
         metrics["async/partial_samples"] = float(sum(len(set(v.tolist())) > 1 for v in token_versions))
         metrics["async/dropped_samples"] = float(self._dropped_now)
         metrics["async/dropped_samples_total"] = float(self.dropped_total)
-        metrics["async/buffer_batches"] = float(self.rollouter.ready.qsize())
+        metrics["async/buffer_batches"] = float(self.rollouter.generated())
+        metrics["async/generating_batches"] = float(self.rollouter.generating())
         if self.stale_samples == "mask":
             metrics["async/masked_tokens"] = self._mask_stale_tokens(batch, token_versions)
         elif metrics["async/staleness_max"] > self.max_staleness:
