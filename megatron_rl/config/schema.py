@@ -274,6 +274,9 @@ class RolloutConfig:
     # trainer.launcher=ray: CPUs each started server's bundle reserves on the servers' own Ray resource pool
     # (rollout_servers, apart from the trainer's global_pool); null: server_threads
     server_cpus: Optional[float] = None
+    # trainer.launcher=ray: started servers per Ray node, spread over ceil(num_servers / servers_per_node) different
+    # nodes (the last takes the rest); null: all on one node
+    servers_per_node: Optional[int] = None
     server_chunk_tokens: int = 8  # HF-engine server: tokens per decode call; a pause acts at a chunk boundary
     # HF-engine servers the run started: how many may die over the run and be replaced (0: the first fails the run)
     server_restarts: int = 0

@@ -133,6 +133,14 @@ def _check_server_pool(cfg: DictConfig) -> None:
     cpus = rollout.server_threads if rollout.server_cpus is None else rollout.server_cpus
     _require(cpus > 0, f"actor_rollout_ref.rollout.server_cpus must be > 0 (CPUs each server's bundle reserves on "
              f"the servers' Ray pool; null: server_threads), got {cpus}")
+    per_node = rollout.servers_per_node
+    _require(per_node is None or per_node >= 1, "actor_rollout_ref.rollout.servers_per_node must be >= 1 or null "
+             f"(all servers on one node), got {per_node}")
+    nodes = 1 if per_node is None else -(-rollout.num_servers // per_node)
+    _require(nodes == 1 or cfg.ray_init.address is not None,
+             f"actor_rollout_ref.rollout.num_servers={rollout.num_servers} at servers_per_node={per_node} spread over "
+             f"{nodes} Ray nodes, but without ray_init.address the run starts a one-node Ray: set ray_init.address "
+             "to the cluster's head or raise rollout.servers_per_node")
     total = cfg.ray_init.num_cpus
     if total is None or cfg.ray_init.address is not None:
         return  # Ray's own count: the pools check what the nodes hold when they reserve

@@ -1,5 +1,9 @@
 """Where the ranks of a worker group run: one placement group per node, one bundle per process.
 
+A pool with ``distinct_nodes=True`` (the rollout servers spread over nodes) is instead one ``STRICT_SPREAD``
+placement group with one bundle per node holding that node's processes, so Ray guarantees each node's share
+lands on a node of its own (separate STRICT_PACK groups may share a node).
+
 On a GPU cluster a bundle is one GPU (plus CPUs); on CPU machines it is ``cpus_per_process`` logical
 CPUs, so ``ray_init.num_cpus`` decides how many ranks fit on a laptop. Several worker groups may
 share a pool (``max_colocate_count``): each actor then asks for that share of its bundle.
@@ -44,8 +48,10 @@ class RayResourcePool:
         cpus_per_process: float = 1.0,
         max_colocate_count: int = 1,
         name: str = "pool",
+        distinct_nodes: bool = False,
     ) -> None:
-        """``process_on_nodes[i]`` ranks on node i; ``use_gpu=None`` uses GPUs when the cluster has any."""
+        """``process_on_nodes[i]`` ranks on node i; ``use_gpu=None`` uses GPUs when the cluster has any;
+        ``distinct_nodes``: every node's share on a different Ray node."""
         counts = list(process_on_nodes)
         if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
             raise ValueError(f"resource pool {name!r}: process_on_nodes must be positive ints, got {counts}")
@@ -57,6 +63,7 @@ class RayResourcePool:
         self.name = name
         self.cpus_per_process = cpus_per_process
         self.max_colocate_count = max_colocate_count
+        self.distinct_nodes = distinct_nodes
         self._use_gpu = use_gpu
         self._placement_groups: list[PlacementGroup] | None = None
 
@@ -82,9 +89,11 @@ class RayResourcePool:
         """One slot per rank, ranks numbered node by node; placement groups are created on first use."""
         groups = self._reserve(timeout_s)
         slots = []
-        for node_rank, (pg, count) in enumerate(zip(groups, self.process_on_nodes)):
+        for node_rank, count in enumerate(self.process_on_nodes):
+            pg = groups[0] if self.distinct_nodes else groups[node_rank]
             for local_rank in range(count):
-                slots.append(RankSlot(len(slots), local_rank, count, node_rank, pg, local_rank))
+                bundle_index = node_rank if self.distinct_nodes else local_rank
+                slots.append(RankSlot(len(slots), local_rank, count, node_rank, pg, bundle_index))
         return slots
 
     def node_id_of(self, slot: RankSlot) -> str:
@@ -101,7 +110,11 @@ class RayResourcePool:
             return self._placement_groups
         bundle = self.bundle()
         self._check_feasible(bundle)
-        groups = [placement_group([bundle] * count, strategy="STRICT_PACK") for count in self.process_on_nodes]
+        if self.distinct_nodes:  # one bundle per node of all its processes' CPUs, each on a node of its own
+            node_bundles = [{k: v * count for k, v in bundle.items()} for count in self.process_on_nodes]
+            groups = [placement_group(node_bundles, strategy="STRICT_SPREAD")]
+        else:
+            groups = [placement_group([bundle] * count, strategy="STRICT_PACK") for count in self.process_on_nodes]
         try:
             ray.get([pg.ready() for pg in groups], timeout=timeout_s)
         except GetTimeoutError:
@@ -115,16 +128,25 @@ class RayResourcePool:
         return groups
 
     def _check_feasible(self, bundle: Mapping[str, float]) -> None:
-        """Fail now, not after a timeout, when no node could ever hold a node's share of the pool."""
+        """Fail now, not after a timeout, when no node could ever hold a node's share of the pool (or, for
+        ``distinct_nodes``, too few nodes could hold the shares each on its own)."""
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-        for count in self.process_on_nodes:
+        shares = sorted(self.process_on_nodes, reverse=True) if self.distinct_nodes else self.process_on_nodes
+        for nth, count in enumerate(shares, start=1):
             need = {k: v * count for k, v in bundle.items()}
-            if not any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes):
+            holding = sum(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes)
+            if holding == 0:
                 biggest = max(nodes, key=lambda r: r.get("CPU", 0), default={})
                 raise RuntimeError(
                     f"resource pool {self.name!r}: no node can hold {count} processes of {bundle} (needs {need}); "
                     f"largest node has CPU={biggest.get('CPU', 0)} GPU={biggest.get('GPU', 0)}. "
                     "Lower the processes per node or raise ray_init.num_cpus"
+                )
+            if self.distinct_nodes and holding < nth:  # the nth largest share needs an nth node of its own
+                raise RuntimeError(
+                    f"resource pool {self.name!r}: {nth} different nodes must each hold {count} or more processes "
+                    f"of {bundle} (shares {self.process_on_nodes}), but only {holding} of the {len(nodes)} alive "
+                    "nodes can. Lower the nodes the pool spans or add nodes"
                 )
 
 

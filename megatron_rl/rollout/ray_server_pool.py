@@ -7,10 +7,17 @@ the servers' pool ``rollout_servers`` reserves ``num_servers`` bundles of ``roll
 from the trainer's ``global_pool``. A server binds a free port in its own process and reports its URL, so
 servers starting at once never collide. A dead actor (``ray.kill``, its process SIGKILLed, its node lost) is
 found by ``check()``/``dead()`` and ``replace(i)`` starts a fresh actor on the same bundle.
+
+``rollout.servers_per_node`` spreads the servers over ``ceil(num_servers / servers_per_node)`` Ray nodes: the
+pool is then one STRICT_SPREAD placement group of one bundle per node (its servers' CPUs), so each node's
+servers are on a node of their own; a replacement goes back on its node's bundle. Each server reports its
+node's IP and id (``address()``) and the pool logs where every server runs.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import threading
 from typing import Any, Iterable
@@ -25,6 +32,9 @@ from megatron_rl.rollout.server_pool import RolloutServerDied, ServerPool, requi
 __all__ = ["HFServerActor", "RayRolloutServerPool", "ServerActor"]
 
 CPUS_KEY = "actor_rollout_ref.rollout.server_cpus"
+PER_NODE_KEY = "actor_rollout_ref.rollout.servers_per_node"
+
+log = logging.getLogger(__name__)
 
 
 class HFServerActor:
@@ -40,10 +50,11 @@ class HFServerActor:
         threading.Thread(target=self.server.serve_forever, name="hf-server", daemon=True).start()
 
     def address(self) -> dict[str, Any]:
-        """Its URL, process and where Ray put it (the placement group and CPUs of its bundle)."""
+        """Its URL, process and where Ray put it (node, placement group and CPUs of its bundle)."""
         context = ray.get_runtime_context()
         return {"url": self.url, "pid": os.getpid(), "placement_group": context.get_placement_group_id(),
-                "resources": context.get_assigned_resources()}
+                "resources": context.get_assigned_resources(), "node_id": context.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
 
     def ping(self) -> bool:
         return True
@@ -64,6 +75,9 @@ class ServerActor:
     def describe(self) -> str:
         return f"rollout server {self.index} ({self.url}, Ray actor pid {self.pid})"
 
+    def placement(self) -> str:
+        return f"rollout server {self.index}: {self.url} on node {self.where['node_id']} ({self.where['node_ip']})"
+
     def exit_status(self) -> str | None:
         if self._death is None:
             try:
@@ -79,6 +93,17 @@ class ServerActor:
         self._death = self._death or "stopped"
 
 
+def servers_on_nodes(num_servers: int, servers_per_node: int | None) -> list[int]:
+    """How many servers each node runs: all on one node (``None``) or ``servers_per_node`` a node, the last
+    node taking the rest."""
+    if servers_per_node is None:
+        return [num_servers]
+    if servers_per_node < 1:
+        raise ValueError(f"{PER_NODE_KEY} must be >= 1 or null (all servers on one node), got {servers_per_node}")
+    nodes = math.ceil(num_servers / servers_per_node)
+    return [servers_per_node] * (nodes - 1) + [num_servers - servers_per_node * (nodes - 1)]
+
+
 def _death_cause(exc: RayActorError) -> str:
     """Ray's reason without the actor's ids or its troubleshooting advice: "The actor is dead because it was
     killed by `ray.kill`." or "... its worker process has died. Worker exit type: ... Worker exit detail: ..."."""
@@ -89,23 +114,26 @@ def _death_cause(exc: RayActorError) -> str:
 
 class RayRolloutServerPool(ServerPool):
     """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), one Ray actor each on
-    a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (one node). Ray must be up."""
+    a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (one node), or with
+    ``servers_per_node`` on that many servers per node over several nodes. Ray must be up."""
 
-    def __init__(self, model_path: str, num_servers: int, *, cpus_per_server: float, dtype: str = "float32",
-                 seed: int = 0, threads: int = 1, chunk_tokens: int = 8, start_timeout_s: float = 600.0,
-                 ping_timeout_s: float = 10.0) -> None:
+    def __init__(self, model_path: str, num_servers: int, *, cpus_per_server: float,
+                 servers_per_node: int | None = None, dtype: str = "float32", seed: int = 0, threads: int = 1,
+                 chunk_tokens: int = 8, start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0) -> None:
         require_servers(num_servers)
         if cpus_per_server <= 0:
             raise ValueError(f"{CPUS_KEY} must be > 0 (CPUs each server's bundle reserves), got {cpus_per_server}")
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
         self.chunk_tokens, self.start_timeout_s, self.ping_timeout_s = chunk_tokens, start_timeout_s, ping_timeout_s
-        self.resource_pool = RayResourcePool([num_servers], use_gpu=False, cpus_per_process=cpus_per_server,
-                                             name="rollout_servers")
+        self.resource_pool = RayResourcePool(servers_on_nodes(num_servers, servers_per_node), use_gpu=False,
+                                             cpus_per_process=cpus_per_server, name="rollout_servers",
+                                             distinct_nodes=servers_per_node is not None)
+        spread = "" if servers_per_node is None else f" at {PER_NODE_KEY}={servers_per_node}"
         try:
             self.slots = self.resource_pool.rank_slots(start_timeout_s)
         except RuntimeError as exc:
             raise RolloutServerDied(f"actor_rollout_ref.rollout.num_servers={num_servers} servers of "
-                                    f"{CPUS_KEY}={cpus_per_server:g} CPUs do not fit: {exc}") from None
+                                    f"{CPUS_KEY}={cpus_per_server:g} CPUs{spread} do not fit: {exc}") from None
         super().__init__(num_servers)  # a server that fails to start closes the pool (and gives back its bundles)
 
     def _start_many(self, indices: Iterable[int]) -> list[ServerActor]:
@@ -136,7 +164,9 @@ class RayRolloutServerPool(ServerPool):
         except RayActorError as exc:
             raise RolloutServerDied(f"rollout server {index} for {self.model_path} died before it listened: "
                                     f"{exc}") from None
-        return ServerActor(index, actor, where, self.ping_timeout_s)
+        server = ServerActor(index, actor, where, self.ping_timeout_s)
+        log.info("%s", server.placement())  # where each server (and each replacement) runs, for the operator
+        return server
 
     def close(self) -> None:
         if ray.is_initialized():  # else ray.shutdown (the trainer's close) already ended the actors and their pool

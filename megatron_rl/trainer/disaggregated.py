@@ -34,16 +34,17 @@ def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
         pool: ServerPool = RolloutServerPool(model_path, num_servers, **server)
         master = "127.0.0.1"  # the servers listen on this host's loopback
     else:
-        import ray
-
         from megatron_rl.controller import init_ray_from_config
         from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
 
         init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
         cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
         pool = RayRolloutServerPool(model_path, num_servers, cpus_per_server=float(cpus),
+                                    servers_per_node=rollout.servers_per_node,
                                     start_timeout_s=float(cfg.ray_init.timeout_s), **server)
-        master = ray.util.get_node_ip_address()  # the servers listen on their node's IP; trainer rank 0 on this node
+        # null: the sender (trainer rank 0, a Ray actor maybe on another node than this driver) names its own
+        # node's IP (rollout/sglang/server_transport.py update_group_address)
+        master = None
     with open_dict(cfg):
         rollout.server_urls = pool.urls
         rollout.sglang.update_group_backend = "gloo"

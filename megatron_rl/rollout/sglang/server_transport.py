@@ -80,10 +80,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _this_node_address() -> str:
+    """This process's routable address: under Ray its node's IP (what the servers on other nodes reach; the
+    hostname may resolve to loopback), else the hostname's."""
+    import sys
+
+    ray = sys.modules.get("ray")  # a torchrun run never imports Ray
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
+
+
 def update_group_address(master_address: str | None, server_urls: list[str]) -> str:
     """The address the servers reach this trainer at: ``rollout.sglang.master_address`` or this host's
     address; a loopback address is refused when any server is on another host."""
-    address = master_address or socket.gethostbyname(socket.gethostname())
+    address = master_address or _this_node_address()
     remote = [url for url in server_urls if not _is_loopback(urllib.parse.urlparse(url).hostname or "")]
     if remote and _is_loopback(address):
         raise ValueError(
