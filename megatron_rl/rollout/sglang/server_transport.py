@@ -16,6 +16,7 @@ import logging
 import itertools
 import json
 import socket
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -83,8 +84,6 @@ def _is_loopback(host: str) -> bool:
 def _this_node_address() -> str:
     """This process's routable address: under Ray its node's IP (what the servers on other nodes reach; the
     hostname may resolve to loopback), else the hostname's."""
-    import sys
-
     ray = sys.modules.get("ray")  # a torchrun run never imports Ray
     if ray is not None and ray.is_initialized():
         return ray.util.get_node_ip_address()
