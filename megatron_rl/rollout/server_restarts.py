@@ -12,7 +12,8 @@ no weights of the run (it refuses to generate), so it serves nothing until it ha
   survivor with the tokens they already have, and the replacement joins at the next weight sync.
 
 Once ``server_restarts`` deaths were replaced, the next one fails the run naming the server, its exit code
-and the key. A death during a weight sync itself fails the run (the sync is a collective of every trainer rank).
+and the key. A death during a weight sync itself is not handled: the sync is one collective of the trainer and
+every server, so the run fails with the collective's error or waits for the update group's timeout.
 """
 from __future__ import annotations
 
