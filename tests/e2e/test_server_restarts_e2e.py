@@ -54,8 +54,9 @@ def _kill_a_server_after_step(metrics: Path, step: int, killed: list[int]) -> No
 
 # The synchronous loop's replacement (re-sync, same samples) is tested at the rollout level
 # (tests/rollout/test_server_restarts.py); its e2e twin cost ~90 s of the suite for no path of its own.
-# Fully async with one batch ahead: batch k + 1 starts when step k takes batch k, as one step off's does, so the
-# versions are the same; on top, each sync pauses and continues both servers, the dead one included.
+# Fully async with one batch ahead: batch k + 1 starts when step k takes batch k, as one step off's does; on top,
+# each sync pauses and continues both servers, the dead one included, and a batch's first tokens may come after
+# a sync (the rows sent again after the pause or the death), so its oldest version is bounded, not fixed.
 ASYNC_MODES = {"one_step_off": ["async_training.mode=one_step_off"],
                "fully_async": ["async_training.mode=fully_async", "async_training.buffer_batches=1",
                                "async_training.max_staleness=1"]}
@@ -83,4 +84,9 @@ def test_a_killed_server_is_replaced_and_the_run_finishes(tiny_assets, tmp_path,
         assert record["rollout/logprob_diff_max"] < 1e-4  # every server serves exactly the synced weights
     assert steps[1]["rollout/server_restarts"] == 0.0 and steps[3]["rollout/server_restarts"] == 1.0
     # the loop checks every sample's version against the servers' last sync
-    assert [steps[s]["async/weight_version_min"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
+    versions = [steps[s]["async/weight_version_min"] for s in (1, 2, 3)]
+    if mode == "one_step_off":
+        assert versions == [0.0, 0.0, 1.0]
+    else:  # step s trains with policy version s - 1; max_staleness=1
+        assert all(max(s - 2, 0) <= v <= s - 1 for s, v in zip((1, 2, 3), versions)), versions
+        assert all(steps[s]["async/staleness_max"] <= 1.0 for s in (1, 2, 3))
