@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import make_engine
+from rollout_models import make_engine, tiny_qwen2_config
 
 from megatron_rl.rollout.hf_engine import HFEngine
 
@@ -15,6 +15,14 @@ from megatron_rl.rollout.hf_engine import HFEngine
 @pytest.fixture
 def engine() -> HFEngine:
     return make_engine()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 checkpoint directory (config only: servers start unsynced) for a module's servers."""
+    path = tmp_path_factory.mktemp("tiny_qwen2_model")
+    tiny_qwen2_config().save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from rollout_models import tiny_qwen2_config
 from test_hf_server import server_replica, source_model
 
 from megatron_rl.config import load_config, validate
@@ -30,13 +29,6 @@ def _run_config(model_dir: str, address: str | None, *overrides: str):
         "actor_rollout_ref.rollout.num_servers=4", "actor_rollout_ref.rollout.servers_per_node=2",
         "trainer.n_gpus_per_node=1", *([f"ray_init.address={address}"] if address else ["ray_init.num_cpus=8"]),
         *overrides])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("ray_nodes_model")
-    tiny_qwen2_config().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

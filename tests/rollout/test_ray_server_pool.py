@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from rollout_models import EOS, tiny_qwen2_config
+from rollout_models import EOS
 from test_hf_server import _post, _sync_twice_and_generate
 
 from megatron_rl.config import load_config, validate
@@ -29,13 +29,6 @@ def _run_config(model_dir: str, *overrides: str):
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.mode=server",
         "actor_rollout_ref.rollout.num_servers=2", "trainer.n_gpus_per_node=1", f"ray_init.num_cpus={CPUS}",
         *overrides])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("ray_server_model")
-    tiny_qwen2_config().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
