@@ -226,6 +226,9 @@ class SGLangConfig:
     update_group_backend: str = "nccl"
     master_address: Optional[str] = None  # this trainer's address as the servers see it
     request_timeout_s: float = 600.0
+    # After a weight broadcast failed: how long a server may take to answer it before it counts as stuck in
+    # the broken collective (replaced with the dead one, or named in the error).
+    broken_group_wait_s: float = 30.0
     # Colocated engines: engine i uses port_base + 2i (and +1); a taken port moves on by port_stride.
     port_base: int = 23000
     port_stride: int = 1000

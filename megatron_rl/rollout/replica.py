@@ -26,6 +26,7 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
 from megatron_rl.rollout.weight_sync import (
+    WeightSyncError,
     check_logprob_diff,
     explain_mismatch,
     logprob_diff,
@@ -38,6 +39,20 @@ __all__ = ["RolloutReplica"]
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_on_failure(failure: Exception | None, version: int) -> None:
+    """Server mode: only the sender (rank 0) can fail a sync. Every rank raises its failure, so they all stop
+    (or retry, rollout/server_restarts.py) together instead of the others going on alone into the next
+    collective."""
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            raise WeightSyncError(f"rank {rank}, the rollout servers' sender, failed the weight sync to version "
+                                  f"{version}: {reason}")
 
 
 class _PayloadGroup:
@@ -185,22 +200,34 @@ class RolloutReplica:
         bucket_bytes = int(sync_cfg.bucket_size_mb) << 20
         # Colocated: every rank feeds its engine, so every rank materialises full tensors. Server mode: only
         # the sender (the leader) does; the other ranks send their shards towards it and skip the rest.
-        feeding = None if self.config.mode == "colocated" else self.mesh.leaders
+        server_mode = self.config.mode != "colocated"
+        feeding = self.mesh.leaders if server_mode else None
+        stream = iter(named_tensors)
+        failure: Exception | None = None
+        metrics: dict[str, float] = {}
+        checksums = None
         with export_consumers(feeding, bucket_bytes):
             if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
-                for _ in named_tensors:
+                for _ in stream:
                     pass
-                metrics: dict[str, float] = {}
-                checksums = None
             else:
-                stats = sync_weights(
-                    named_tensors,
-                    self.sink,
-                    version=version,
-                    bucket_bytes=bucket_bytes,
-                    compute_checksums=verify and self.is_leader,
-                )
-                metrics, checksums = stats.metrics(), stats.checksums
+                try:
+                    stats = sync_weights(
+                        stream,
+                        self.sink,
+                        version=version,
+                        bucket_bytes=bucket_bytes,
+                        compute_checksums=verify and self.is_leader,
+                    )
+                    metrics, checksums = stats.metrics(), stats.checksums
+                except Exception as exc:
+                    if not (server_mode and _distributed()):
+                        raise
+                    failure = exc
+                    for _ in stream:  # the other ranks' export collectives need this rank to the end
+                        pass
+        if server_mode and _distributed():
+            _agree_on_failure(failure, version)
         self.version = version
         if verify and defer_verify:
             self._pending_verify = (version, checksums)
@@ -258,10 +285,10 @@ class RolloutReplica:
         engine = choices(probe)
         return {} if engine is None else routing_agreement(trainer, engine)
 
-    def replace_servers(self, server_urls: list[str]) -> None:
-        """Server mode: the leader's engine talks to these servers from now on (rollout/server_restarts.py)."""
-        if self.engine is not None:
-            self.engine.replace_servers(server_urls)
+    def replace_servers(self, server_urls: list[str]) -> list[str]:
+        """Server mode: the leader's engine talks to these servers from now on (rollout/server_restarts.py);
+        the URLs of servers stuck in a broken broadcast, which must be replaced too."""
+        return self.engine.replace_servers(server_urls) if self.engine is not None else []
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -11,9 +11,17 @@ no weights of the run (it refuses to generate), so it serves nothing until it ha
   surviving servers hold the version the batch in flight was sampled with; the dead server's rows go to a
   survivor with the tokens they already have, and the replacement joins at the next weight sync.
 
-Once ``server_restarts`` deaths were replaced, the next one fails the run naming the server, its exit code
-and the key. A death during a weight sync itself is not handled: the sync is one collective of the trainer and
-every server, so the run fails with the collective's error or waits for the update group's timeout.
+A death during a weight sync (every loop syncs through ``RestartingWorkers.sync_weights``) breaks that
+bucket's broadcast: the transport stops at the first failed request and names what each server did
+(rollout/sglang/server_transport.py). The dead server is replaced, so is a survivor left stuck in the broken
+broadcast (it answers nothing until the group's timeout; not counted against the budget, which counts
+deaths), and the same version is synced again from the start
+to every server on a fresh update group: a survivor holding a half-applied update (it refused to serve it when
+its session ended) ends with the trainer's weights too. Every trainer rank takes part in the retry
+(rollout/replica.py makes them agree on the failure).
+
+Once ``server_restarts`` servers were replaced, the next death fails the run naming the server, its exit code,
+what it died during and the key.
 """
 from __future__ import annotations
 
@@ -41,40 +49,52 @@ class ServerRestarts:
         if budget < 0:
             raise ValueError(f"{RESTARTS_KEY} must be >= 0 (0: a dead server fails the run), got {budget}")
         self.pool, self.budget, self.exit_wait_s = pool, budget, exit_wait_s
-        self.count = 0
+        self.count = 0  # deaths replaced
+        self.stuck_count = 0  # live servers replaced because a death left them stuck in a weight broadcast
         self._unsynced: set[int] = set()  # replaced servers that have not received the current weights
         self._lock = threading.Lock()
 
-    def handle(self, failed_url: str | None = None) -> bool:
-        """After a failed request (to ``failed_url``, or anywhere): replace every server that exited. True when
-        a server was replaced (the failed one now, or by another thread before); False when none exited (the
-        failure is not a death: the caller raises it)."""
+    def handle(self, failed_url: str | None = None, *, during: str = "a request") -> bool:
+        """After a failed request (to ``failed_url``, or anywhere) made during ``during`` (for the error):
+        replace every server that exited. True when a server was replaced (the failed one now, or by another
+        thread before); False when none exited (the failure is not a death: the caller raises it)."""
         with self._lock:
             if failed_url is not None and failed_url not in self.pool.urls:
                 return True
             deadline = time.monotonic() + self.exit_wait_s
             while not self.pool.dead() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            return self._replace_exited()
+            return self._replace([(server, server.exit_status()) for server in self.pool.dead()], during)
 
     def check(self) -> None:
         """Replace the servers that exited by now (a death noticed between requests)."""
         with self._lock:
-            self._replace_exited()
+            self._replace([(server, server.exit_status()) for server in self.pool.dead()], "the run")
 
-    def _replace_exited(self) -> bool:
-        gone = self.pool.dead()
-        for server in gone:
+    def replace_stuck(self, urls: list[str], during: str) -> None:
+        """Replace the live servers at ``urls``, stuck in a broadcast a death broke: they would answer nothing
+        before the update group's timeout. Outside the budget, which counts deaths (the one that broke the
+        broadcast was counted): one death must not cost more than one restart because of where it struck."""
+        with self._lock:
+            for server in [server for server in self.pool.servers if server.url in urls]:
+                logger.warning("%s is stuck in the weight-update group broken during %s: starting a replacement",
+                               server.describe(), during)
+                self.pool.replace(server.index)
+                self.stuck_count += 1
+                self._unsynced.add(server.index)
+
+    def _replace(self, lost: list[tuple[Any, str]], during: str) -> bool:
+        for server, status in lost:
             if self.count >= self.budget:
                 raise RolloutServerDied(
-                    f"{server.describe()} {server.exit_status()}, and {self.count} of "
+                    f"{server.describe()} {status} during {during}, and {self.count} of "
                     f"{RESTARTS_KEY}={self.budget} replacements are used: raise it to replace more")
-            logger.warning("%s %s: starting a replacement (%d of %s=%d)", server.describe(),
-                           server.exit_status(), self.count + 1, RESTARTS_KEY, self.budget)
+            logger.warning("%s %s during %s: starting a replacement (%d of %s=%d)", server.describe(), status,
+                           during, self.count + 1, RESTARTS_KEY, self.budget)
             self.pool.replace(server.index)
             self.count += 1
             self._unsynced.add(server.index)
-        return bool(gone)
+        return bool(lost)
 
     def serving(self, index: int) -> bool:
         """Server ``index`` is alive and holds the weights of the last sync."""
@@ -91,7 +111,7 @@ class ServerRestarts:
             self._unsynced -= indices
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/server_restarts": float(self.count)}
+        return {"rollout/server_restarts": float(self.count), "rollout/stuck_servers_replaced": float(self.stuck_count)}
 
 
 class RestartingWorkers:
@@ -104,14 +124,32 @@ class RestartingWorkers:
         self.version = 0  # the workers' init_model synced version 0
 
     def sync_weights(self, version: int, *args: Any) -> dict[str, float]:
+        """Sync ``version``; a server lost during it is replaced and the same version synced again from the
+        start (the trainer's weights have not moved), to every server."""
+        during = f"the weight sync to version {version}"
         self.restarts.check()  # a server found dead now joins this sync instead of failing it
-        replaced = self.restarts.unsynced()
-        if replaced:
-            self._workers.replace_rollout_servers(self.restarts.pool.urls)
-        metrics = self._workers.sync_weights(version, *args)
+        while True:
+            replaced = self._rejoin_replaced(during)
+            try:
+                metrics = self._workers.sync_weights(version, *args)
+                break
+            except Exception as exc:
+                if not self.restarts.handle(during=during):
+                    raise
+                logger.warning("%s lost a server (%s): syncing it again", during, exc)
         self.version = version
         self.restarts.synced(replaced)
         return {**metrics, **self.restarts.metrics()}
+
+    def _rejoin_replaced(self, during: str) -> set[int]:
+        """Point the workers at the replaced servers (the survivors leave the old update group); survivors
+        stuck in a broken broadcast are replaced as well. The replaced servers' indices."""
+        while self.restarts.unsynced():
+            stuck = self._workers.replace_rollout_servers(self.restarts.pool.urls)
+            if not stuck:
+                break
+            self.restarts.replace_stuck(stuck, during)
+        return self.restarts.unsynced()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """The whole batch again after a death (the workers' result is all or nothing; per-row seeds make the

@@ -21,9 +21,10 @@ checks the path samples actually take and works for every engine, SGLang include
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -229,7 +230,9 @@ def sync_weights(
     adopting: WeightBucket | None = None
     taken = 0
     try:
-        for name, tensor in _chain(first, stream):
+        # itertools.chain, not a generator with ``yield from``: closing that would close the caller's stream,
+        # which must stay open after a failure (replica.py drains it so the other ranks' export completes).
+        for name, tensor in itertools.chain([first], stream):
             _check_item((name, tensor))
             if name in seen:
                 raise WeightSyncError(f"tensor {name!r} was exported twice in one sync")
@@ -305,11 +308,6 @@ def _is_entry(bucket: WeightBucket, index: int, name: str, tensor: torch.Tensor)
         and tensor.is_contiguous()
         and tensor.data_ptr() == bucket.buffer.data_ptr() + entry.start
     )
-
-
-def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]):
-    yield first
-    yield from rest
 
 
 def _check_item(item: object) -> None:

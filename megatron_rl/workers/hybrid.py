@@ -168,10 +168,11 @@ class ActorRolloutRefWorker(Worker):
         return metrics
 
     @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
-    def replace_rollout_servers(self, server_urls: list[str]) -> None:
+    def replace_rollout_servers(self, server_urls: list[str]) -> list[str]:
         """Server mode: dead rollout servers were replaced at these URLs (rollout/server_restarts.py); rank 0,
-        their only sender, joins them to a fresh update group at the next sync."""
-        self.rollout.replace_servers(list(server_urls))
+        their only sender, joins them to a fresh update group at the next sync. Returns the URLs of servers
+        stuck in a broken broadcast (to be replaced too)."""
+        return self.rollout.replace_servers(list(server_urls))
 
     def _offload_for_generation(self) -> None:
         self.actor.engine.offload.enter("generate")

@@ -40,7 +40,8 @@ def _post(url: str, route: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address: str = "127.0.0.1", **rollout: object):
+def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address: str = "127.0.0.1",
+                   broken_group_wait_s: float = 30.0, **rollout: object):
     """This process as the trainer's rank 0 in server mode: the replica whose engine syncs the HF-engine
     servers at ``urls`` over gloo (every sync verified against ``source``'s log-probs)."""
     from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
@@ -50,7 +51,8 @@ def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address:
     torch.set_num_threads(1)
     config = RolloutConfig(
         name="hf", mode="server", server_urls=list(urls), dtype="auto",
-        sglang=SGLangConfig(update_group_backend="gloo", master_address=master_address),
+        sglang=SGLangConfig(update_group_backend="gloo", master_address=master_address,
+                            broken_group_wait_s=broken_group_wait_s),
         weight_sync=WeightSyncConfig(bucket_size_mb=1, verify_freq=1, verify_max_logprob_diff=1e-5), **rollout,
     )
     return RolloutReplica(

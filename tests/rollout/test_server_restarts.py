@@ -42,8 +42,8 @@ class _ReplicaWorkers:
     def generate_sequences(self, prompts):
         return self.replica.generate(prompts)
 
-    def replace_rollout_servers(self, urls: list[str]) -> None:
-        self.replica.replace_servers(urls)
+    def replace_rollout_servers(self, urls: list[str]) -> list[str]:
+        return self.replica.replace_servers(urls)
 
 
 def _kill(pool: RolloutServerPool, index: int) -> None:

@@ -62,6 +62,7 @@ def build_sglang_engine(
             weight_transport=sgl.weight_transport,
             update_group_backend=sgl.update_group_backend,
             master_address=sgl.master_address,
+            broken_group_wait_s=sgl.broken_group_wait_s,
         )
         needs_sync = "the servers have not received the trainer's weights yet"
     else:

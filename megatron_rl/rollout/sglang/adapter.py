@@ -184,12 +184,14 @@ class SGLangEngine(RolloutEngine):
         if self.uses_session:
             self.transport.session("end_weight_update")
 
-    def replace_servers(self, server_urls: list[str]) -> None:
-        """Server mode: dead servers were replaced at new URLs; nothing is generated before a complete sync."""
+    def replace_servers(self, server_urls: list[str]) -> list[str]:
+        """Server mode: dead servers were replaced at new URLs; nothing is generated before a complete sync.
+        Returns the URLs of servers stuck in a broken broadcast, to be replaced too (ServerTransport)."""
         if not self.is_server:
             raise RuntimeError("replace_servers is for rollout.mode=server; a colocated engine has no servers")
-        self.transport.replace_servers(server_urls)
+        stuck = self.transport.replace_servers(server_urls)
         self._needs_sync = f"rollout servers were replaced ({server_urls}) and have not received the weights yet"
+        return stuck
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:

@@ -7,6 +7,14 @@ batch is split across the servers. Weights travel over a process group joined th
 ``/server_info`` (never the local config), and broadcast per bucket with ``/update_weights_from_distributed``
 (``weight_transport="distributed"``, any node), or as base64 ``flattened_bucket`` payloads to
 ``/update_weights_from_tensor`` (``"tensor"``: the payload holds shared-memory / CUDA IPC handles, same node).
+
+A broadcast is one collective of the trainer and every server: when a member dies or refuses a bucket, the
+others can wait in it until the group's timeout (NCCL never tells a receiver that a peer is gone). So the
+trainer watches every server's request while it broadcasts: the first failure breaks the group, each other
+server gets ``rollout.sglang.broken_group_wait_s`` to answer its request, and one that does not is *stuck*
+(blocked in the broken collective, its weight routes behind it): no later request waits for it, and
+``replace_servers`` hands it back to be replaced like a dead one. The broken group is abandoned, not
+destroyed: tearing down a group with a collective still pending blocks in its destructor.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch.distributed as dist
@@ -37,11 +45,16 @@ from megatron_rl.rollout.sglang.payload import serialize_bucket
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.update_group import init_weight_update_group
 
-__all__ = ["ServerTransport", "update_group_address"]
+__all__ = ["ServerTransport", "UpdateGroupBroken", "update_group_address"]
 
 logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_NAME = "megatron_rl_weight_update"
+WAIT_KEY = "actor_rollout_ref.rollout.sglang.broken_group_wait_s"
+
+
+class UpdateGroupBroken(WeightUpdateError):
+    """A bucket's broadcast failed: names what each server did (answered, failed, stuck) and the cause."""
 
 
 class _HTTPServer:
@@ -117,12 +130,17 @@ class ServerTransport:
         weight_transport: str,
         update_group_backend: str,
         master_address: str | None,
+        broken_group_wait_s: float = 30.0,
     ) -> None:
         if not server_urls:
             raise ValueError("rollout.mode=server needs rollout.server_urls (the SGLang servers' http://host:port)")
         if weight_transport not in ("distributed", "tensor"):
             raise ValueError(f"rollout.sglang.weight_transport must be distributed or tensor, got {weight_transport!r}")
-        self._timeout_s = timeout_s
+        if broken_group_wait_s <= 0:
+            raise ValueError(f"{WAIT_KEY} must be > 0 seconds, got {broken_group_wait_s}")
+        self._timeout_s, self._broken_wait_s = timeout_s, float(broken_group_wait_s)
+        self._stuck: set[str] = set()  # URLs of servers blocked in a broken broadcast: no request waits on them
+        self._abandoned: list[dist.ProcessGroup] = []  # broken groups, kept alive (see the module docstring)
         self._servers = [_HTTPServer(url, timeout_s) for url in server_urls]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._servers)), thread_name_prefix="sglang-http")
         self._read_server_info()
@@ -130,6 +148,8 @@ class ServerTransport:
         self.update_group_backend = update_group_backend
         self.master_address = update_group_address(master_address, list(server_urls)) if weight_transport == "distributed" else None
         self._update_group: dist.ProcessGroup | None = None
+        self._in_broken_group = False  # servers still hold the group a broadcast broke
+        self._joins, self._group_name = 0, UPDATE_GROUP_NAME
         self._version = "0"
 
     def _read_server_info(self) -> None:
@@ -146,28 +166,48 @@ class ServerTransport:
         self.server_tp = [int(info["tp_size"]) for info in infos]
         self.tp_size = max(self.server_tp)
 
-    def replace_servers(self, server_urls: list[str]) -> None:
+    def replace_servers(self, server_urls: list[str]) -> list[str]:
         """Servers that died were replaced at new URLs (rollout/server_restarts.py): the survivors leave the
-        update group (it has a dead member) and the next sync builds a fresh one with every server."""
+        update group (it has a dead member) and the next sync builds a fresh one with every server. Returns the
+        URLs among ``server_urls`` of servers stuck in a broken broadcast: they can leave nothing and serve
+        nothing, so the caller replaces them too (then calls this again)."""
         if len(server_urls) != len(self._servers):
             raise ValueError(f"{len(server_urls)} server URLs to replace {len(self._servers)} servers")
-        survivors = [s for s, url in zip(self._servers, server_urls) if s.url == url.rstrip("/")]
+        urls = [url.rstrip("/") for url in server_urls]
+        survivors = [s for s, url in zip(self._servers, urls) if s.url == url]
         self._leave_update_group(survivors)
-        self._servers = [_HTTPServer(url, self._timeout_s) for url in server_urls]
-        self._read_server_info()
+        self._stuck &= set(urls)
+        stuck = [url for url in urls if url in self._stuck]
+        self._servers = [_HTTPServer(url, self._timeout_s) for url in urls]
+        if not stuck:
+            self._read_server_info()
+        return stuck
 
     def _leave_update_group(self, servers: list[_HTTPServer]) -> None:
-        if self._update_group is None:
-            return
-        try:
-            self._on_all("/destroy_weights_update_group", {"group_name": UPDATE_GROUP_NAME}, servers)
-        finally:
-            dist.destroy_process_group(self._update_group)
-            self._update_group = None
+        """The servers drop the group (SGLang's ``/destroy_weights_update_group``), then the trainer does. After
+        a broken broadcast the servers that answered it drop their end (a server left holding a group of that
+        name could not join the next one); a dead server has none left."""
+        if self._update_group is not None:
+            try:
+                self._on_all("/destroy_weights_update_group", {"group_name": self._group_name}, servers)
+            finally:
+                dist.destroy_process_group(self._update_group)
+                self._update_group = None
+        elif self._in_broken_group:
+            self._in_broken_group = False
+            for server in self._live(servers):
+                try:
+                    server.request("/destroy_weights_update_group", {"group_name": self._group_name})
+                except SGLangServerError as exc:  # it may never have joined (the group broke while joining)
+                    logger.warning("a server leaving the broken weight-update group: %s", exc)
+
+    def _live(self, servers: list[_HTTPServer] | None = None) -> list[_HTTPServer]:
+        return [s for s in (self._servers if servers is None else servers) if s.url not in self._stuck]
 
     def _on_all(self, route: str, body: dict[str, Any] | None = None,
                 servers: list[_HTTPServer] | None = None) -> list[Any]:
-        futures = [self._pool.submit(s.request, route, body) for s in (self._servers if servers is None else servers)]
+        """``route`` on every server not stuck in a broken broadcast (a stuck one would never answer)."""
+        futures = [self._pool.submit(s.request, route, body) for s in self._live(servers)]
         return [f.result() for f in futures]
 
     # ------------------------------------------------------------------ the transport interface
@@ -217,20 +257,53 @@ class ServerTransport:
             "names": [e.name for e in bucket.entries],
             "dtypes": [str(e.dtype).replace("torch.", "") for e in bucket.entries],
             "shapes": [list(e.shape) for e in bucket.entries],
-            "group_name": UPDATE_GROUP_NAME,
+            "group_name": self._group_name,
             "flush_cache": False,
             "load_format": BUCKET_FORMAT["load_format"],
             "weight_version": self._version,
         }
-        futures = [self._pool.submit(s.request, "/update_weights_from_distributed", body) for s in self._servers]
-        dist.broadcast(bucket.flat(), src=0, group=self._update_group)
-        for f in futures:
-            check_result(f.result(), "/update_weights_from_distributed")
+        futures = {s.url: self._pool.submit(s.request, "/update_weights_from_distributed", body) for s in self._servers}
+        work = dist.broadcast(bucket.flat(), src=0, group=self._update_group, async_op=True)
+        try:
+            # A server that fails its request (dead, or refusing the bucket) never takes its part: stop at once
+            # instead of waiting in the collective for it.
+            pending = set(futures.values())
+            while not work.is_completed() and pending:
+                done, pending = wait(pending, timeout=0.05, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    check_result(f.result(), "/update_weights_from_distributed")
+            work.wait()
+            for f in futures.values():
+                check_result(f.result(), "/update_weights_from_distributed")
+        except Exception as exc:
+            raise self._group_broke(futures, exc) from exc
+
+    def _group_broke(self, futures: dict[str, Future], cause: Exception) -> UpdateGroupBroken:
+        """Wait (bounded) for every server's answer to the failed broadcast; name what each did."""
+        self._abandoned.append(self._update_group)
+        self._update_group, self._in_broken_group = None, True
+        wait(futures.values(), timeout=self._broken_wait_s)
+        outcomes = []
+        for index, (url, f) in enumerate(futures.items()):
+            if not f.done():
+                self._stuck.add(url)
+                outcomes.append(f"server {index} ({url}) did not answer within {WAIT_KEY}={self._broken_wait_s:g} s: "
+                                "stuck in the broken broadcast")
+            elif f.exception() is not None:
+                outcomes.append(f"server {index} ({url}) failed: {f.exception()}")
+            else:
+                outcomes.append(f"server {index} ({url}) received it")
+        return UpdateGroupBroken(f"the broadcast of weight version {self._version} to the SGLang servers failed "
+                                 f"({cause}); " + "; ".join(outcomes))
 
     def _join_update_group(self) -> dist.ProcessGroup:
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
+        # A fresh name per group: a broken group stays registered (abandoned, on the trainer; on a server that
+        # could not be told to drop it), and torch and the servers refuse a second group of the same name.
+        self._joins += 1
+        self._group_name = f"{UPDATE_GROUP_NAME}_{self._joins}"
         world_size = 1 + sum(self.server_tp)
         offsets = list(itertools.accumulate([1, *self.server_tp]))
         futures = [
@@ -242,14 +315,14 @@ class ServerTransport:
                     "master_port": port,
                     "rank_offset": offset,
                     "world_size": world_size,
-                    "group_name": UPDATE_GROUP_NAME,
+                    "group_name": self._group_name,
                     "backend": self.update_group_backend,
                 },
             )
             for server, offset in zip(self._servers, offsets)
         ]
         group = init_weight_update_group(
-            self.master_address, port, rank=0, world_size=world_size, group_name=UPDATE_GROUP_NAME,
+            self.master_address, port, rank=0, world_size=world_size, group_name=self._group_name,
             backend=self.update_group_backend,
         )
         for f in futures:
@@ -268,7 +341,8 @@ class ServerTransport:
         except SGLangServerError as exc:  # a server that died has no group to leave; the group is gone here
             logger.warning("leaving the weight-update group at shutdown: %s", exc)
         finally:
-            self._pool.shutdown(wait=True)
+            # A request to a stuck server returns only when that server is stopped: do not wait for it.
+            self._pool.shutdown(wait=not self._stuck)
 
 
 def _require_packed(bucket: WeightBucket) -> None:
