@@ -185,8 +185,8 @@ class ServerTransport:
 
     def _leave_update_group(self, servers: list[_HTTPServer]) -> None:
         """The servers drop the group (SGLang's ``/destroy_weights_update_group``), then the trainer does. After
-        a broken broadcast the servers that answered it drop their end (a server left holding a group of that
-        name could not join the next one); a dead server has none left."""
+        a broken broadcast the trainer's end is abandoned (see the module docstring) and the servers that
+        answered drop theirs, which frees its sockets; a dead server has none left."""
         if self._update_group is not None:
             try:
                 self._on_all("/destroy_weights_update_group", {"group_name": self._group_name}, servers)
