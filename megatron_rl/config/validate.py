@@ -111,6 +111,9 @@ def _check_server_restarts(cfg: DictConfig) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     key = f"actor_rollout_ref.rollout.server_restarts={rollout.server_restarts}"
     _require(rollout.server_restarts >= 0, f"{key} must be >= 0 (0: a dead rollout server fails the run)")
+    wait_s = rollout.sglang.broken_group_wait_s
+    _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
+                         "long a server may take to answer a weight broadcast that failed)")
     if rollout.server_restarts == 0:
         return
     _require(rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls,

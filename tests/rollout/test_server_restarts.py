@@ -153,6 +153,7 @@ def test_killed_servers_are_replaced_synced_and_their_rows_reissued(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.rollout.server_restarts=-1"], "server_restarts=-1 must be >= 0"),
+    (["actor_rollout_ref.rollout.sglang.broken_group_wait_s=0"], "broken_group_wait_s=0.0 must be > 0 seconds"),
     (["actor_rollout_ref.rollout.server_restarts=1"], "needs rollout.mode=server, rollout.name=hf"),
     (["actor_rollout_ref.rollout.server_restarts=1", "actor_rollout_ref.rollout.mode=server",
       "actor_rollout_ref.rollout.server_urls=[http://a:1]"], "servers started elsewhere are not ours to restart"),
