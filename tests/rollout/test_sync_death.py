@@ -49,6 +49,41 @@ def _kill_after_first_bucket(replica, pool: RolloutServerPool, report: dict) -> 
     return loads
 
 
+def _kill_while_joining(replica, pool: RolloutServerPool, report: dict) -> None:
+    """The next update group's join: SIGKILL server 1 just before the trainer asks the servers to join, so the
+    survivor is left waiting in the rendezvous for a member that never comes (deterministically stuck)."""
+    transport = replica.engine.transport
+    join = transport._join_update_group
+
+    def kill_then_join():
+        if "killed_pid" not in report:
+            report["killed_pid"] = pool.servers[1].proc.pid
+            _kill(pool, 1)
+        return join()
+
+    transport._join_update_group = kill_then_join
+
+
+def _kill_joining_first_sync(model_dir: str) -> dict:
+    from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
+
+    report: dict = {}
+    pool = RolloutServerPool(model_dir, 2)
+    source = source_model(41, _config())
+    replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=4, broken_group_wait_s=WAIT_S)
+    workers = RestartingWorkers(_ReplicaWorkers(replica, source), ServerRestarts(pool, 1))
+    try:
+        _kill_while_joining(replica, pool, report)
+        start = time.monotonic()
+        report["metrics"] = workers.sync_weights(1)
+        report["seconds"] = time.monotonic() - start
+        report["served"] = [_post_info(url) for url in pool.urls]
+        return report
+    finally:
+        replica.shutdown()
+        pool.close()
+
+
 def _kill_during_sync(model_dir: str, budget: int) -> dict:
     from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
 
@@ -71,7 +106,7 @@ def _kill_during_sync(model_dir: str, budget: int) -> dict:
         report["loads"] = len(loads)
         report["trainer_version"] = replica.version
         if "metrics" not in report:
-            if "stuck in the broken broadcast" not in report["cause"]:  # a stuck one answers nothing (SGLang too)
+            if "stuck in the broken collective" not in report["cause"]:  # a stuck one answers nothing (SGLang too)
                 report["survivor"] = _post(pool.urls[0], "/generate", {
                     "input_ids": [[5, 6]], "return_logprob": True,
                     "sampling_params": [{"max_new_tokens": 2, "stop_token_ids": NEVER_EOS}]})[0]
@@ -171,3 +206,13 @@ def test_two_trainer_ranks_fail_the_sync_together_and_retry_it(model_dir):
     for report in (sender, exporter):
         assert report["seconds"] < WAIT_S + 15, report["seconds"]
         assert report["retry"]["rollout/logprob_diff_max"] < 1e-5 and report["version"] == 2
+
+
+def test_death_while_joining_the_update_group_replaces_the_stuck_survivor_too(model_dir):
+    [report] = run_multiprocess(_kill_joining_first_sync, 1, model_dir, timeout_s=180)
+    metrics = report["metrics"]
+    # server 1 dead, server 0 left in the rendezvous: both replaced, one of them against the budget
+    assert metrics["rollout/server_restarts"] == 1.0 and metrics["rollout/stuck_servers_replaced"] == 1.0, metrics
+    assert metrics["weight_sync/version"] == 1.0 and metrics["rollout/logprob_diff_max"] < 1e-5
+    assert report["served"] == ["1", "1"]
+    assert report["seconds"] < WAIT_S + 60, report["seconds"]  # not the group's 10-minute timeout

@@ -8,9 +8,10 @@ batch is split across the servers. Weights travel over a process group joined th
 (``weight_transport="distributed"``, any node), or as base64 ``flattened_bucket`` payloads to
 ``/update_weights_from_tensor`` (``"tensor"``: the payload holds shared-memory / CUDA IPC handles, same node).
 
-A broadcast is one collective of the trainer and every server: when a member dies or refuses a bucket, the
-others can wait in it until the group's timeout (NCCL never tells a receiver that a peer is gone). So the
-trainer watches every server's request while it broadcasts: the first failure breaks the group, each other
+A broadcast (and the group's join) is one collective of the trainer and every server: when a member dies or
+refuses a bucket, the others can wait in it until the group's timeout (NCCL never tells a receiver that a peer
+is gone). So the trainer watches every server's request while it broadcasts or joins: the first failure
+breaks the group, each other
 server gets ``rollout.sglang.broken_group_wait_s`` to answer its request, and one that does not is *stuck*
 (blocked in the broken collective, its weight routes behind it): no later request waits for it, and
 ``replace_servers`` hands it back to be replaced like a dead one. The broken group is abandoned, not
@@ -29,6 +30,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -264,23 +266,31 @@ class ServerTransport:
         }
         futures = {s.url: self._pool.submit(s.request, "/update_weights_from_distributed", body) for s in self._servers}
         work = dist.broadcast(bucket.flat(), src=0, group=self._update_group, async_op=True)
-        try:
-            # A server that fails its request (dead, or refusing the bucket) never takes its part: stop at once
-            # instead of waiting in the collective for it.
-            pending = set(futures.values())
-            while not work.is_completed() and pending:
-                done, pending = wait(pending, timeout=0.05, return_when=FIRST_EXCEPTION)
-                for f in done:
-                    check_result(f.result(), "/update_weights_from_distributed")
-            work.wait()
-            for f in futures.values():
-                check_result(f.result(), "/update_weights_from_distributed")
-        except Exception as exc:
-            raise self._group_broke(futures, exc) from exc
+        self._watched("/update_weights_from_distributed", futures, work.is_completed, work.wait,
+                      f"the broadcast of weight version {self._version}")
 
-    def _group_broke(self, futures: dict[str, Future], cause: Exception) -> UpdateGroupBroken:
-        """Wait (bounded) for every server's answer to the failed broadcast; name what each did."""
-        self._abandoned.append(self._update_group)
+    def _watched(self, route: str, futures: dict[str, Future], trainer_done: Callable[[], bool],
+                 trainer_result: Callable[[], Any], what: str) -> Any:
+        """The trainer's side of a collective with the servers (``trainer_done``/``trainer_result``) and every
+        server's ``route`` request for it. A request that fails (a dead server, a refusal) means that server
+        never takes its part: the group breaks at once instead of waiting in the collective for it."""
+        try:
+            pending = set(futures.values())
+            while not trainer_done() and pending:
+                finished, pending = wait(pending, timeout=0.05, return_when=FIRST_EXCEPTION)
+                for f in finished:
+                    check_result(f.result(), route)
+            result = trainer_result()
+            for f in futures.values():
+                check_result(f.result(), route)
+            return result
+        except Exception as exc:
+            raise self._group_broke(futures, exc, what) from exc
+
+    def _group_broke(self, futures: dict[str, Future], cause: Exception, what: str) -> UpdateGroupBroken:
+        """Wait (bounded) for every server's answer to the failed collective ``what``; name what each did."""
+        if self._update_group is not None:
+            self._abandoned.append(self._update_group)
         self._update_group, self._in_broken_group = None, True
         wait(futures.values(), timeout=self._broken_wait_s)
         outcomes = []
@@ -288,13 +298,12 @@ class ServerTransport:
             if not f.done():
                 self._stuck.add(url)
                 outcomes.append(f"server {index} ({url}) did not answer within {WAIT_KEY}={self._broken_wait_s:g} s: "
-                                "stuck in the broken broadcast")
+                                "stuck in the broken collective")
             elif f.exception() is not None:
                 outcomes.append(f"server {index} ({url}) failed: {f.exception()}")
             else:
-                outcomes.append(f"server {index} ({url}) received it")
-        return UpdateGroupBroken(f"the broadcast of weight version {self._version} to the SGLang servers failed "
-                                 f"({cause}); " + "; ".join(outcomes))
+                outcomes.append(f"server {index} ({url}) took its part")
+        return UpdateGroupBroken(f"{what} to the SGLang servers failed ({cause}); " + "; ".join(outcomes))
 
     def _join_update_group(self) -> dist.ProcessGroup:
         with socket.socket() as sock:
@@ -306,8 +315,8 @@ class ServerTransport:
         self._group_name = f"{UPDATE_GROUP_NAME}_{self._joins}"
         world_size = 1 + sum(self.server_tp)
         offsets = list(itertools.accumulate([1, *self.server_tp]))
-        futures = [
-            self._pool.submit(
+        futures = {
+            server.url: self._pool.submit(
                 server.request,
                 "/init_weights_update_group",
                 {
@@ -320,14 +329,17 @@ class ServerTransport:
                 },
             )
             for server, offset in zip(self._servers, offsets)
-        ]
-        group = init_weight_update_group(
-            self.master_address, port, rank=0, world_size=world_size, group_name=self._group_name,
-            backend=self.update_group_backend,
+        }
+        # The trainer's rendezvous on a thread of its own: it waits for every member, so a server that died
+        # before joining would hold it until the group's timeout (then the thread ends; nothing waits for it).
+        joiner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-group-join")
+        joined = joiner.submit(
+            init_weight_update_group, self.master_address, port, rank=0, world_size=world_size,
+            group_name=self._group_name, backend=self.update_group_backend,
         )
-        for f in futures:
-            check_result(f.result(), "/init_weights_update_group")
-        return group
+        joiner.shutdown(wait=False)
+        return self._watched("/init_weights_update_group", futures, joined.done, joined.result,
+                             "joining the weight-update group")
 
     def flush_cache(self) -> None:
         self._on_all("/flush_cache")
