@@ -111,9 +111,6 @@ def _check_server_restarts(cfg: DictConfig) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     key = f"actor_rollout_ref.rollout.server_restarts={rollout.server_restarts}"
     _require(rollout.server_restarts >= 0, f"{key} must be >= 0 (0: a dead rollout server fails the run)")
-    wait_s = rollout.sglang.broken_group_wait_s
-    _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
-                         "long a server may take to answer a weight broadcast that failed)")
     if rollout.server_restarts == 0:
         return
     _require(rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls,
@@ -321,6 +318,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(rollout.mode != "server" or bool(rollout.server_urls) or (rollout.name == "hf" and rollout.num_servers >= 1),
              "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers), "
              "or rollout.name=hf with rollout.num_servers >= 1 (HF-engine servers the run starts)")
+    wait_s = rollout.sglang.broken_group_wait_s
+    _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
+                         "long a server may take to answer a weight broadcast that failed)")
     _check_server_restarts(cfg)
     _check_server_pool(cfg)
     _check_async(cfg)

@@ -15,9 +15,9 @@ A death during a weight sync (every loop syncs through ``RestartingWorkers.sync_
 bucket's broadcast: the transport stops at the first failed request and names what each server did
 (rollout/sglang/server_transport.py). The dead server is replaced, so is a survivor left stuck in the broken
 broadcast (it answers nothing until the group's timeout; not counted against the budget, which counts
-deaths), and the same version is synced again from the start
-to every server on a fresh update group: a survivor holding a half-applied update (it refused to serve it when
-its session ended) ends with the trainer's weights too. Every trainer rank takes part in the retry
+deaths), and the same version is synced again from the start to every server on a fresh update group: a
+survivor holding a half-applied update (it refused to serve it when its session ended) ends with the
+trainer's weights too. Every trainer rank takes part in the retry
 (rollout/replica.py makes them agree on the failure).
 
 Once ``server_restarts`` servers were replaced, the next death fails the run naming the server, its exit code,
@@ -64,12 +64,12 @@ class ServerRestarts:
             deadline = time.monotonic() + self.exit_wait_s
             while not self.pool.dead() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            return self._replace([(server, server.exit_status()) for server in self.pool.dead()], during)
+            return self._replace_exited(during)
 
     def check(self) -> None:
         """Replace the servers that exited by now (a death noticed between requests)."""
         with self._lock:
-            self._replace([(server, server.exit_status()) for server in self.pool.dead()], "the run")
+            self._replace_exited("the run")
 
     def replace_stuck(self, urls: list[str], during: str) -> None:
         """Replace the live servers at ``urls``, stuck in a broadcast a death broke: they would answer nothing
@@ -83,8 +83,11 @@ class ServerRestarts:
                 self.stuck_count += 1
                 self._unsynced.add(server.index)
 
-    def _replace(self, lost: list[tuple[Any, str]], during: str) -> bool:
-        for server, status in lost:
+    def _replace_exited(self, during: str) -> bool:
+        """Replace every server that exited (each against the budget); whether there was one."""
+        gone = self.pool.dead()
+        for server in gone:
+            status = server.exit_status()
             if self.count >= self.budget:
                 raise RolloutServerDied(
                     f"{server.describe()} {status} during {during}, and {self.count} of "
@@ -94,7 +97,7 @@ class ServerRestarts:
             self.pool.replace(server.index)
             self.count += 1
             self._unsynced.add(server.index)
-        return bool(lost)
+        return bool(gone)
 
     def serving(self, index: int) -> bool:
         """Server ``index`` is alive and holds the weights of the last sync."""
