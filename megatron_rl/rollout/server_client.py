@@ -21,12 +21,16 @@ one part per serving server), so its samples do not depend on what else is gener
 A server that cannot be reached is named, with the pool's exit code when the pool started it. With
 ``restarts`` (rollout/server_restarts.py) a server that died is replaced instead: the rows it had in flight go
 to a surviving server, which holds the same weights, with the tokens they already have (their groups stay
-whole, their tokens' versions exact), and its replacement gets work only after the next weight sync.
+whole, their tokens' versions exact), and its replacement gets work only after the next weight sync. While
+the servers are paused for a sync no server may hold the last weights (a death during the sync can get every
+server replaced, a survivor stuck in the broken broadcast too): rows then wait for the continue, which comes
+once the retried sync gave every server the new version, and go on with it.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -67,6 +71,8 @@ class ServerRolloutClient:
         self._servers = [_HTTPServer(url, timeout_s) for url in urls]
         self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-client-{i}")
                        for i in range(len(self._servers))]
+        self._continued = threading.Event()  # clear between pause_generation and continue_generation
+        self._continued.set()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
@@ -99,10 +105,18 @@ class ServerRolloutClient:
 
     def pause_generation(self) -> None:
         """Every server: in-flight requests come back partial (their rows are sent again and wait there)."""
-        self._on_every_server("/pause_generation", {"mode": "abort"})
+        self._continued.clear()
+        try:
+            self._on_every_server("/pause_generation", {"mode": "abort"})
+        except BaseException:
+            self._continued.set()  # no continue follows a failed pause: nothing may wait for one
+            raise
 
     def continue_generation(self) -> None:
-        self._on_every_server("/continue_generation", {})
+        try:
+            self._on_every_server("/continue_generation", {})
+        finally:
+            self._continued.set()
 
     def _on_every_server(self, route: str, body: dict) -> None:
         for index in range(len(self._servers)):
@@ -112,17 +126,23 @@ class ServerRolloutClient:
                 pass  # its replacement generates nothing before the next sync
 
     def _serving(self, instead_of: int | None = None) -> list[int]:
-        """The servers that hold the weights of the last sync (all, without restarts)."""
+        """The servers that hold the weights of the last sync (all, without restarts). While paused for a
+        sync, none may: a death during the sync can leave every server replaced until its retry ends, and a
+        paused server would hold the rows until the continue anyway, so they wait for it."""
         if self.restarts is None:
             return list(range(len(self._servers)))
-        self.restarts.check()
-        serving = [i for i in range(len(self._servers)) if self.restarts.serving(i)]
+        while True:
+            self.restarts.check()
+            serving = [i for i in range(len(self._servers)) if self.restarts.serving(i)]
+            if serving or self._continued.is_set():
+                break
+            self._continued.wait()
         if not serving:
             replaced = "" if instead_of is None else f"server {instead_of} died and "
             raise RolloutServerDied(
                 f"{replaced}no rollout server holds the weights of the last sync: a replacement receives them at "
-                f"the next sync, which waits for this generation ({RESTARTS_KEY} needs a surviving server in the "
-                "async loops: rollout.num_servers >= 2)")
+                f"the next sync, which waits for this generation outside a pause for one ({RESTARTS_KEY} needs a "
+                "surviving server in the async loops: rollout.num_servers >= 2)")
         return serving
 
     def _generate_on(self, index: int, input_ids: list, sampling: list) -> list[tuple[dict, list[int]]]:

@@ -8,18 +8,22 @@ receive (as with NCCL, nothing tells it the peer is gone); both must end the sam
 sync fails within seconds naming the server, its exit code, the version and the key; with a restart the dead
 server is replaced (a stuck survivor too), the update group rebuilt, and version 2 synced again from the
 start: both servers verified against the trainer's log-probs. With two trainer ranks (TP=2: rank 1 exports
-its shards towards the sender) both ranks fail the sync together and retry it together."""
+its shards towards the sender) both ranks fail the sync together and retry it together. With fully async's
+partial rollouts the servers are paused holding a batch's rows through the whole failed and retried sync: a
+death while the group is joined leaves the survivor stuck in the rendezvous, every server is replaced, and the
+held rows wait for the retried sync instead of failing for want of a server with the last weights."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
+from rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 from test_hf_server import _post, server_replica
-from test_server_restarts import NEVER_EOS, _kill, _post_info, _ReplicaWorkers
+from test_server_restarts import LENGTH, NEVER_EOS, _kill, _post_info, _ReplicaWorkers, _wait_until
 
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
@@ -64,22 +68,47 @@ def _kill_while_joining(replica, pool: RolloutServerPool, report: dict) -> None:
     transport._join_update_group = kill_then_join
 
 
-def _kill_joining_first_sync(model_dir: str) -> dict:
+def _kill_joining_while_paused(model_dir: str) -> dict:
+    """Fully async's partial rollouts: the servers paused with a batch's rows held on them, server 1 dies, and
+    its replacement dies as the sync rebuilds the update group, leaving server 0 (holding every row by then)
+    stuck in the rendezvous: replaced too. No server holds the last weights until the retried sync ends, so
+    the held rows must wait for it and finish on the new version, whole."""
+    from megatron_rl.rollout.server_client import ServerRolloutClient
     from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
 
     report: dict = {}
-    pool = RolloutServerPool(model_dir, 2)
+    pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
     source = source_model(41, _config())
-    replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=4, broken_group_wait_s=WAIT_S)
-    workers = RestartingWorkers(_ReplicaWorkers(replica, source), ServerRestarts(pool, 1))
+    replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=LENGTH, temperature=1.0,
+                             broken_group_wait_s=WAIT_S)
+    restarts = ServerRestarts(pool, 2)
+    workers = RestartingWorkers(_ReplicaWorkers(replica, source), restarts)
+    client = ServerRolloutClient(replica.config, pool.urls, response_length=LENGTH, eos_token_id=NEVER_EOS,
+                                 pad_token_id=PAD, timeout_s=120, restarts=restarts)
+    background = ThreadPoolExecutor(max_workers=1)
     try:
-        _kill_while_joining(replica, pool, report)
+        workers.sync_weights(1)
+        client.pause_generation()  # as fully async before a sync: every request is held until the continue
+        rolled = background.submit(client.generate_sequences, prompt_batch([3, 4, 5, 3], do_sample=True, seed=3))
+        time.sleep(0.5)
+        _kill(pool, 1)  # its held rows move to server 0
+        _wait_until(lambda: restarts.count == 1, "the replacement of server 1")
+        _kill_while_joining(replica, pool, report)  # the sync's fresh group: its replacement dies as it is joined
+        source = source_model(42, _config())
+        workers._workers.source, replica.trainer_log_prob_fn = source, trainer_log_probs(source)
         start = time.monotonic()
-        report["metrics"] = workers.sync_weights(1)
+        report["metrics"] = workers.sync_weights(2, True)
         report["seconds"] = time.monotonic() - start
+        client.continue_generation()
+        report["metrics"] |= workers.verify_weights()
+        out = rolled.result(timeout=120)
+        report["rows"] = len(out)
+        report["token_versions"] = [v.tolist() for v in out.non_tensor_batch["token_weight_versions"]]
         report["served"] = [_post_info(url) for url in pool.urls]
         return report
     finally:
+        background.shutdown(wait=False)
+        client.close()
         replica.shutdown()
         pool.close()
 
@@ -208,11 +237,13 @@ def test_two_trainer_ranks_fail_the_sync_together_and_retry_it(model_dir):
         assert report["retry"]["rollout/logprob_diff_max"] < 1e-5 and report["version"] == 2
 
 
-def test_death_while_joining_the_update_group_replaces_the_stuck_survivor_too(model_dir):
-    [report] = run_multiprocess(_kill_joining_first_sync, 1, model_dir, timeout_s=180)
+def test_death_while_joining_with_paused_rows_replaces_the_stuck_survivor_and_finishes_them(model_dir):
+    [report] = run_multiprocess(_kill_joining_while_paused, 1, model_dir, timeout_s=240)
     metrics = report["metrics"]
-    # server 1 dead, server 0 left in the rendezvous: both replaced, one of them against the budget
-    assert metrics["rollout/server_restarts"] == 1.0 and metrics["rollout/stuck_servers_replaced"] == 1.0, metrics
-    assert metrics["weight_sync/version"] == 1.0 and metrics["rollout/logprob_diff_max"] < 1e-5
-    assert report["served"] == ["1", "1"]
+    # server 1 and its replacement dead, server 0 left in the rendezvous: all replaced, two against the budget
+    assert metrics["rollout/server_restarts"] == 2.0 and metrics["rollout/stuck_servers_replaced"] == 1.0, metrics
+    assert metrics["weight_sync/version"] == 2.0 and metrics["rollout/logprob_diff_max"] < 1e-5
+    assert report["served"] == ["2", "2"]
     assert report["seconds"] < WAIT_S + 60, report["seconds"]  # not the group's 10-minute timeout
+    # the rows held through it all: none lost or doubled, whole, every token sampled after the sync
+    assert report["rows"] == 4 and report["token_versions"] == [[2] * LENGTH] * 4, report
