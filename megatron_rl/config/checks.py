@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,6 +44,46 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
+# Keys of verl's async recipes (recipe/one_step_off_policy, recipe/fully_async_policy) that are not verl's core
+# config, and what says the same here: a recipe user's overrides fail on them, so the error says where to go.
+_STEP_IS_A_SYNC = ("a step here trains data.train_batch_size prompts (in its ppo_mini_batch_size mini-batches) and "
+                   "then syncs the weights: verl's trigger_parameter_sync_step x require_batches x "
+                   "ppo_mini_batch_size = data.train_batch_size, the recipe's setting for a fair comparison, is what "
+                   "runs; set data.train_batch_size")
+VERL_RECIPE_KEYS = {
+    "async_training.staleness_threshold": "verl bounds stale samples as a fraction of a sync's samples; here the "
+    "bound is in weight versions: async_training.max_staleness (how many versions a sample's oldest token may lag "
+    "the policy that trains it) with async_training.buffer_batches batches generated ahead",
+    "async_training.trigger_parameter_sync_step": _STEP_IS_A_SYNC,
+    "async_training.require_batches": _STEP_IS_A_SYNC,
+    "async_training.use_rollout_log_probs": "old log-probs taken from the rollout: "
+    "algorithm.rollout_correction.bypass_mode=true (verl's core key)",
+    "async_training.compute_prox_log_prob": "log-probs of a proximal policy recomputed by the trainer: "
+    "actor_rollout_ref.actor.policy_loss=decoupled_ppo (AReaL's decoupled PPO), or algorithm.rollout_correction."
+    "rollout_is with bypass_mode=false",
+    "async_training.checkpoint_engine": "weight-sync buckets: actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
+    "rollout": "the rollout's own resources are its servers: actor_rollout_ref.rollout.mode=server with "
+    "actor_rollout_ref.rollout.num_servers (actor_rollout_ref.rollout.servers_per_node per Ray node); verl's rollout.test_freq is "
+    "trainer.test_freq, rollout.total_rollout_steps is trainer.total_training_steps x data.train_batch_size",
+    "data.gen_batch_size": "the rollouter generates whole loader batches (data.train_batch_size prompts), which keeps "
+    "every group of rollout.n responses whole",
+}
+
+
+def verl_recipe_hints(paths: Iterable[str]) -> list[str]:
+    """Where the keys of verl's async recipes among ``paths`` (or sections above them) live here, one message
+    per table entry naming every path it answers."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        entry = next((".".join(parts[:end]) for end in range(len(parts), 0, -1)
+                      if ".".join(parts[:end]) in VERL_RECIPE_KEYS), None)
+        if entry is not None and path not in found.setdefault(entry, []):
+            found[entry].append(path)
+    return [f"{', '.join(named)} {'is a key' if len(named) == 1 else 'are keys'} of verl's async recipes, not of "
+            f"its core config: {VERL_RECIPE_KEYS[entry]}" for entry, named in found.items()]
+
+
 def unknown_keys(cfg: DictConfig, cls: type = PPOTrainerConfig, prefix: str = "") -> list[str]:
     """Messages for every key of ``cfg`` that its schema node does not have, with the nearest known names."""
     fields = _schema_fields(cls)
@@ -61,6 +101,7 @@ def unknown_keys(cfg: DictConfig, cls: type = PPOTrainerConfig, prefix: str = ""
                 hints.append(f"did you mean {', '.join(prefix + n for n in near)}?")
             if elsewhere:
                 hints.append(f"a key of that name lives at {', '.join(elsewhere)}")
+            hints[:0] = verl_recipe_hints([path])
             node = prefix.rstrip(".") or "the top level"
             known = ", ".join(sorted(fields))
             messages.append(f"{path} is not a known key ({'; '.join(hints) + '; ' if hints else ''}"

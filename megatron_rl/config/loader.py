@@ -26,11 +26,19 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
     except (ConfigCompositionException, OmegaConfBaseException) as err:
         # Hydra wraps the useful part (the bad key) in a cause; surface it.
         cause = err.__cause__ or err
-        from megatron_rl.config.checks import describe_choice_error
+        from megatron_rl.config.checks import describe_choice_error, verl_recipe_hints
 
         choice = describe_choice_error(str(getattr(cause, "msg", cause)), getattr(cause, "full_key", ""),
                                        getattr(cause, "object_type", None), getattr(cause, "key", None))
         if choice is not None:
             raise ConfigError(choice) from err
+        recipe = verl_recipe_hints(_override_keys(overrides))
+        if recipe:
+            raise ConfigError("; ".join(recipe) + f" (composing {config_name!r} failed: {cause})") from err
         raise ConfigError(f"cannot compose config {config_name!r} with overrides {list(overrides)}: {cause}") from err
     return cfg
+
+
+def _override_keys(overrides: Sequence[str]) -> list[str]:
+    """``key`` of each ``key=value`` / ``+key=value`` / ``~key`` override (not the ``+experiment=`` groups')."""
+    return [o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o or o.startswith("~")]

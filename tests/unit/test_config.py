@@ -81,3 +81,26 @@ def test_typo_in_key_is_rejected_at_compose_time():
         load_config(overrides=["actor_rollout_ref.rollout.nn=3"])
     with pytest.raises(ConfigError, match="train_batch_size"):
         load_config(overrides=["data.train_batch_size=lots"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async_training.staleness_threshold=0.5"],
+     r"^async_training.staleness_threshold is a key of verl's async recipes.*async_training.max_staleness"),
+    (["async_training.trigger_parameter_sync_step=4", "async_training.require_batches=1"],
+     r"^async_training.trigger_parameter_sync_step is a key.*= data.train_batch_size.*; "
+     r"async_training.require_batches is a key"),
+    (["async_training.use_rollout_log_probs=true"], r"algorithm.rollout_correction.bypass_mode=true"),
+    (["async_training.compute_prox_log_prob=true"], r"policy_loss=decoupled_ppo"),
+    (["async_training.checkpoint_engine.enable=true"], r"weight_sync.bucket_size_mb"),
+    (["rollout.nnodes=1", "rollout.n_gpus_per_node=8"],
+     r"^rollout.nnodes, rollout.n_gpus_per_node are keys of verl's async recipes.*rollout.num_servers"),
+    (["data.gen_batch_size=1"], r"whole loader batches"),
+])
+def test_verl_async_recipe_keys_say_where_they_live_here(overrides, message):
+    """A user of verl's one_step_off / fully_async recipes passes their keys: each error says what says the same
+    here, at compose time (key=value) and at validation (+key=value, which slips past OmegaConf)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+    first = overrides[0].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{first.split('.')[0]}.* is not a known key \(.*verl's async recipes"):
+        validate(load_config(overrides=["+" + o for o in overrides]))
