@@ -40,5 +40,6 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
 
 
 def _override_keys(overrides: Sequence[str]) -> list[str]:
-    """``key`` of each ``key=value`` / ``+key=value`` / ``~key`` override (not the ``+experiment=`` groups')."""
+    """``key`` of each ``key=value`` / ``+key=value`` / ``~key`` override (a group's, e.g. ``experiment``, too:
+    no recipe key is named like one)."""
     return [o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o or o.startswith("~")]
