@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from megatron_rl_testing import export_support_path
+
+export_support_path()  # the processes benchmarks start import the test tools too
 
 PROC_STATUS = "/proc/self/status"
-
 
 def _synchronize(device: str) -> None:
     if device == "cuda":

@@ -23,7 +23,7 @@ from bench_sizes import SIZES, model_dir
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.demo import prepare_assets
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.server_client import ServerRolloutClient
+from megatron_rl.servers.client import ServerRolloutClient
 from megatron_rl.trainer.fully_async import Rollouter
 
 BATCHES = int(os.environ.get("MRL_STREAM_BATCHES", "16"))
@@ -36,7 +36,7 @@ def _serve(model: str, ports: multiprocessing.Queue) -> None:
     """A server process holding the model's checkpoint weights (the pool's servers start unsynced, and a sync
     needs a trainer's update group: not what this measures)."""
     from megatron_rl.rollout.hf_engine import HFEngine
-    from megatron_rl.rollout.hf_server import HFServerApp, _handler, ThreadingHTTPServer
+    from megatron_rl.servers.hf_server import HFServerApp, _handler, ThreadingHTTPServer
 
     torch.set_num_threads(1)
     engine = HFEngine(RolloutConfig(name="hf", response_length=1), model, weights_path=model, device="cpu")

@@ -22,7 +22,8 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout import HFEngine, sync_weights
+from megatron_rl.rollout import HFEngine
+from megatron_rl.weights import sync_weights
 
 SHAPE = {
     "vocab_size": 32000,
@@ -36,7 +37,7 @@ BUCKET_BYTES = 64 << 20
 
 
 def _config():
-    from megatron_rl.models.testing import tiny_hf_config
+    from megatron_rl_testing.tiny_models import tiny_hf_config
 
     return tiny_hf_config("qwen2", **SHAPE)
 
@@ -97,8 +98,9 @@ def megatron_sync(config_dir: str, tp: int, pp: int) -> dict | None:
     """Both export paths, same run: rank 0 syncs into its HF engine, the other ranks drain the export in step
     (they materialise full tensors too, as colocated ranks do). Timed on rank 0, best of 2 per path."""
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.distributed.traffic_counter import count_traffic
-    from megatron_rl.models import build_gpt_model, export_hf_weights, export_hf_weights_tensorwise, load_hf_config
+    from megatron_rl_testing.traffic_counter import count_traffic
+    from megatron_rl.models import build_gpt_model, load_hf_config
+    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise
 
     init_model_parallel(tp=tp, pp=pp)
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ import traceback
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs, validate
+from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs
+from megatron_rl.plan.validate import validate
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR, EXIT_FINISHED, EXIT_STOPPED_RESUMABLE
 
 logger = logging.getLogger("megatron_rl.train")

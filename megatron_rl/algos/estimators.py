@@ -38,7 +38,7 @@ class AdvantageEstimator(str, Enum):
 
 @dataclass(frozen=True)
 class EstimatorTraits:
-    """What an estimator needs from the run, declared when it is registered (read by config/validate.py
+    """What an estimator needs from the run, declared when it is registered (read by plan/validate.py
     and the trainer instead of lists of names).
 
     needs_critic: reads ``values`` (a critic must be enabled).

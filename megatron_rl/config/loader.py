@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_rl.config.schema import register_configs
-from megatron_rl.config.validate import ConfigError
+from megatron_rl.config.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 

@@ -271,7 +271,7 @@ class RolloutConfig:
     seed: int = 0
     dtype: str = "auto"
     server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
-    # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (rollout/hf_server.py)
+    # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (servers/hf_server.py)
     num_servers: int = 0
     server_threads: int = 1  # torch threads of each HF-engine server
     # trainer.launcher=ray: CPUs each started server's bundle reserves on the servers' own Ray resource pool
@@ -479,7 +479,7 @@ class RayInitConfig:
     num_cpus: Optional[int] = None
     num_gpus: Optional[int] = None  # GPUs an embedded Ray declares (None: what it detects)
     timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
-    # Per call kind (trainer/deadlines.py); null: timeout_s. A 70B init_model loads 140 GB and builds the engines.
+    # Per call kind (controller/deadlines.py); null: timeout_s. A 70B init_model loads 140 GB and builds the engines.
     init_timeout_s: Optional[float] = 3600.0  # init_model, load_checkpoint
     generate_timeout_s: Optional[float] = None  # generate_sequences
     update_timeout_s: Optional[float] = None  # update_actor, update_critic

@@ -2,7 +2,7 @@
 
 NCCL moves only CUDA tensors and gloo only CPU ones; code that builds a tensor just to all-reduce a
 number (a max difference, a flag) asks ``backend_device(group)`` instead of assuming CPU, so the same
-line runs under gloo on a CPU machine and under NCCL on a cluster. ``megatron_rl.distributed.nccl_like``
+line runs under gloo on a CPU machine and under NCCL on a cluster. ``megatron_rl_testing.nccl_like``
 checks it on CPU.
 """
 

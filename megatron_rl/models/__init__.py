@@ -1,18 +1,15 @@
-"""Megatron-Core GPT models from HF checkpoints (Llama, Qwen2, Qwen3, Mistral), value head, HF export.
+"""Megatron-Core GPT models from HF checkpoints (Llama, Qwen2, Qwen3, Mistral), value head, loading.
 
 Public API (docs/models.md has the details):
     load_hf_config(dir) -> HFModelConfig
     build_gpt_model(hf_config, *, value_head=False, ...) -> list of model chunks (one per VPP stage)
     load_hf_weights(chunks, dir)
     build_from_hf(dir, **build_kwargs) -> chunks (build + load)
-    export_hf_weights(chunks, dtype=None) -> iterator of (hf_name, full tensor), on every rank (shard-first,
-        bucketed; export_hf_buckets yields the sealed buckets, export_consumers limits who materialises)
-    save_hf_checkpoint(chunks, out_dir, tokenizer_dir=None, dtype=None)
     causal_padding_mask(attention_mask [B, T]) -> [B, 1, T, T] bool mask for GPTModel.forward
     compute_full_logits(chunks, input_ids, attention_mask) -> [B, T, vocab] on the last stage
 
-Names are resolved lazily so that the light modules (hf_config, sizes) load without importing
-Megatron-Core (which takes seconds).
+The export back to HF names lives in ``megatron_rl.weights``. Names are resolved lazily so that the light
+modules (hf_config, sizes) load without importing Megatron-Core (which takes seconds).
 """
 
 from importlib import import_module
@@ -26,11 +23,6 @@ _EXPORTS = {
     "causal_padding_mask": "attention",
     "build_gpt_model": "builder",
     "make_transformer_config": "builder",
-    "export_hf_weights": "export",
-    "export_hf_buckets": "export",
-    "export_hf_weights_tensorwise": "export",
-    "export_consumers": "export_options",
-    "save_hf_checkpoint": "export",
     "CheckpointMismatchError": "hf_checkpoint",
     "HFCheckpointReader": "hf_checkpoint",
     "SUPPORTED_ARCHITECTURES": "hf_config",

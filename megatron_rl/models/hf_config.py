@@ -187,7 +187,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     )
 
 
-def _plain_overrides(override_config: Any) -> dict[str, Any]:
+def plain_overrides(override_config: Any) -> dict[str, Any]:
     if not override_config:
         return {}
     try:
@@ -204,7 +204,7 @@ def apply_override_config(raw: dict[str, Any], override_config: Any) -> dict[str
     """config.json fields with ``actor_rollout_ref.model.override_config`` on top (verl's key): a
     shallow update, as transformers' ``PretrainedConfig.update`` does. The planner, the Megatron
     builder and the rollout engines all read the model through this."""
-    return {**raw, **_plain_overrides(override_config)}
+    return {**raw, **plain_overrides(override_config)}
 
 
 def load_hf_config_dict(model_dir: str | Path, override_config: Any = None) -> tuple[dict[str, Any], str]:
@@ -214,7 +214,7 @@ def load_hf_config_dict(model_dir: str | Path, override_config: Any = None) -> t
         raise FileNotFoundError(f"no config.json in HF model directory {model_dir}")
     with open(path) as f:
         raw = json.load(f)
-    overrides = _plain_overrides(override_config)
+    overrides = plain_overrides(override_config)
     source = str(path) + (f" + override_config {sorted(overrides)}" if overrides else "")
     return apply_override_config(raw, overrides), source
 
@@ -231,7 +231,7 @@ def load_pretrained_config(model_dir: str | Path, override_config: Any = None):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    overrides = _plain_overrides(override_config)
+    overrides = plain_overrides(override_config)
     if overrides:
         config.update(overrides)
     return config

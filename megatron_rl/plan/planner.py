@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config import ConfigError, DerivedSizes, RoleSizes, validate
+from megatron_rl.config import ConfigError
+from megatron_rl.plan.validate import DerivedSizes, RoleSizes, validate
 from megatron_rl.models.sizes import check_parallel_fit, padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory

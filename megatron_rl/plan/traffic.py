@@ -158,7 +158,7 @@ def moe_export_buckets(hf: HFModelConfig, tp: int, pp: int, ep: int, etp: int, d
                        bucket_bytes: int, value_head: bool = False):
     """The export's buckets of an MoE model at this layout (``plan_export_buckets`` on the HF groups, experts
     split over ETP and owned by EP rank ``expert // (num_experts / EP)``), as every rank plans them."""
-    from megatron_rl.models.export import plan_export_buckets
+    from megatron_rl.weights.export import plan_export_buckets
 
     if hf.num_layers % pp:
         raise ValueError(f"num_hidden_layers={hf.num_layers} is not divisible by PP={pp}")

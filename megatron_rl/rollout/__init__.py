@@ -1,28 +1,10 @@
-"""Rollout engines (HF everywhere, SGLang on CUDA) and the trainer -> engine weight sync (docs/rollout.md).
-
-SGLangEngine is imported from ``megatron_rl.rollout.sglang`` (it never imports sglang itself
-until an engine is built).
+"""Rollout: generation only (docs/rollout.md). The engine interface (``base``), the HF engine (``hf_engine``),
+SGLang's contract, adapter and transports (``sglang``; it never imports sglang itself until an engine is built),
+sampling, batch I/O and the rollout mesh (which ranks form which engine). Weights reach engines through
+``megatron_rl.weights``; the server fleet is ``megatron_rl.servers``; the multi-turn loop ``megatron_rl.agent``.
 """
-
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.factory import build_rollout_engine
 from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.replica import RolloutReplica
-from megatron_rl.rollout.weight_sync import (
-    WeightSyncError,
-    WeightSyncStats,
-    sync_weights,
-    verify_sync,
-)
 
-__all__ = [
-    "HFEngine",
-    "RolloutEngine",
-    "RolloutReplica",
-    "WeightSyncError",
-    "WeightSyncStats",
-    "WeightUpdateError",
-    "build_rollout_engine",
-    "sync_weights",
-    "verify_sync",
-]
+__all__ = ["HFEngine", "RolloutEngine", "WeightUpdateError", "build_rollout_engine"]

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum
 
 __all__ = ["RolloutEngine", "WeightUpdateError"]

@@ -30,7 +30,7 @@ def build_rollout_engine(
     (its json_model_override_args); servers started elsewhere must be started with it."""
     common = {"response_length": response_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     if config.name == "hf" and config.mode == "server":
-        # HF-engine servers (rollout/hf_server.py) speak SGLang's routes and weight protocol: same client.
+        # HF-engine servers (servers/hf_server.py) speak SGLang's routes and weight protocol: same client.
         from megatron_rl.rollout.sglang import build_sglang_engine
 
         if override_config:
@@ -45,10 +45,10 @@ def build_rollout_engine(
         model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
         return HFEngine(config, model_config, **common, **engine_kwargs)
     if config.name == "sglang":
-        from megatron_rl.models.hf_config import _plain_overrides
+        from megatron_rl.models.hf_config import plain_overrides
         from megatron_rl.rollout.sglang import build_sglang_engine
 
-        overrides = _plain_overrides(override_config)
+        overrides = plain_overrides(override_config)
         if overrides and config.mode == "server":
             raise ValueError(
                 f"actor_rollout_ref.model.override_config={overrides} cannot reach SGLang servers started "

@@ -37,7 +37,7 @@ from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, repeated_prompt_rows
-from megatron_rl.rollout.bucket import WeightBucket, adopt
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params, sample_next_token
 
@@ -284,7 +284,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        if self._session_loaded is None or not adopt(bucket):
+        if self._session_loaded is None or not bucket.adopt():
             self.load_named_tensors(bucket.named_tensors())
             return
         copied = []

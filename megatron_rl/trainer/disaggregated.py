@@ -2,11 +2,11 @@
 them (the synchronous RLTrainer, or the async loop of ``async_training.mode``: one_step_off, fully_async).
 
 ``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
-HF-engine servers (rollout/hf_server.py) start as processes of their own before the trainer's workers (under
-Ray: actors on their own resource pool, rollout/ray_server_pool.py; under torchrun: child processes of rank 0's
-launcher, rollout/server_pool.py), and their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
+HF-engine servers (servers/hf_server.py) start as processes of their own before the trainer's workers (under
+Ray: actors on their own resource pool, servers/ray_pool.py; under torchrun: child processes of rank 0's
+launcher, servers/pool.py), and their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
 (gloo update group: the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
-die over the run and be replaced (rollout/server_restarts.py); 0 fails the run at the first death.
+die over the run and be replaced (servers/restarts.py); 0 fails the run at the first death.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from megatron_rl.rollout.server_pool import RolloutServerPool, ServerPool
-from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
+from megatron_rl.servers.pool import RolloutServerPool, ServerPool
+from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
 from megatron_rl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["build_trainer", "start_rollout_servers"]
@@ -35,7 +35,7 @@ def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
         master = "127.0.0.1"  # the servers listen on this host's loopback
     else:
         from megatron_rl.controller import init_ray_from_config
-        from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
+        from megatron_rl.servers.ray_pool import RayRolloutServerPool
 
         init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
         cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
@@ -62,7 +62,7 @@ def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, s
         actor_rollout = RestartingWorkers(actor_rollout, restarts)
     if cfg.async_training.mode == "sync":
         return RLTrainer(cfg, sizes, actor_rollout, *args, **kwargs)
-    from megatron_rl.rollout.server_client import ServerRolloutClient
+    from megatron_rl.servers.client import ServerRolloutClient
     from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 

@@ -8,7 +8,7 @@ server goes on with its part of the next batch once done with its part of the ea
 a batch boundary waiting for the slowest). The trainer takes the oldest batch each step, once generated. A
 weight sync first pauses the servers (``/pause_generation``, mode ``abort``): the batches in flight come back
 partial and their rows are sent again
-(rollout/server_client.py), so after the sync and ``/continue_generation`` their responses go on with the new
+(servers/client.py), so after the sync and ``/continue_generation`` their responses go on with the new
 weights; every token keeps the version that sampled it (the prefix keeps the old version's log-probs).
 ``async_training.partial_rollout=false`` instead waits for the batches in flight to finish before the sync.
 
@@ -60,7 +60,7 @@ class Rollouter:
     untrained (0: one only when ``request()`` asks).
 
     Streaming: a batch starts as soon as a permit frees, even while earlier ones still generate (each server
-    takes its part of it once done with its part of the earlier ones: rollout/server_client.py), so no server
+    takes its part of it once done with its part of the earlier ones: servers/client.py), so no server
     idles at a batch boundary waiting for the slowest. Batches are claimed in loader order and handed over in
     that order."""
 
@@ -201,7 +201,7 @@ class _PausedSync:
 
 class FullyAsyncTrainer(RLTrainer):
     """``rollout_client``: generates on the rollout servers from the driver and pauses/continues them
-    (rollout/server_client.py); every sample carries ``non_tensor_batch["weight_version"]`` (its oldest token's)
+    (servers/client.py); every sample carries ``non_tensor_batch["weight_version"]`` (its oldest token's)
     and ``["token_weight_versions"]``."""
 
     def __init__(self, *args: Any, rollout_client: Any, **kwargs: Any) -> None:

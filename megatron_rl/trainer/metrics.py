@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -75,3 +75,30 @@ class StageTimer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def multi_turn_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
+    """verl's ``num_turns/{min,max,mean}`` and ``tool_call_counts/{min,max,mean}`` of a batch (empty when
+    the batch is not multi-turn)."""
+    nt = data.non_tensor_batch if isinstance(data, DataProto) else data
+    metrics: dict[str, float] = {}
+    for key, name in (("__num_turns__", "num_turns"), ("tool_call_counts", "tool_call_counts")):
+        if key in nt and len(nt[key]):
+            values = np.asarray(nt[key], dtype=np.float64)
+            metrics |= {f"{name}/min": float(values.min()), f"{name}/max": float(values.max()),
+                        f"{name}/mean": float(values.mean())}
+    return metrics
+
+
+def rollout_probs_diff(data: DataProto) -> dict[str, float]:
+    """verl's ``training/rollout_probs_diff_{max,mean,std}``: |p_rollout - p_trainer| on the trained tokens
+    (``response_mask``; observation tokens excluded), from ``rollout_log_probs`` and ``old_log_probs``."""
+    b = data.batch
+    if "rollout_log_probs" not in b or "old_log_probs" not in b:
+        return {}
+    mask = b["response_mask"].bool()
+    if not bool(mask.any()):
+        return {}
+    diff = (b["rollout_log_probs"].float().exp() - b["old_log_probs"].float().exp()).abs()[mask]
+    return {"training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}

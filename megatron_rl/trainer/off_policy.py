@@ -76,7 +76,7 @@ def staleness_metrics(versions: np.ndarray, policy_version: int) -> dict[str, fl
 
 
 class OneStepOffPolicyTrainer(RLTrainer):
-    """``rollout_client``: generates on the rollout servers from the driver (rollout/server_client.py);
+    """``rollout_client``: generates on the rollout servers from the driver (servers/client.py);
     every sample carries ``non_tensor_batch["weight_version"]``."""
 
     def __init__(self, *args: Any, rollout_client: Any, **kwargs: Any) -> None:

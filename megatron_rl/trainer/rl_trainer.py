@@ -23,12 +23,17 @@ from megatron_rl.algos import (
     rewards_from_scores,
 )
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
-from megatron_rl.config import DerivedSizes
+from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.protocol import DataProto, reduce_metrics
 from megatron_rl.reward.overlap import OverlappedScoring
-from megatron_rl.rollout.agent.loop import agent_metrics, rollout_probs_diff
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
-from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics, compute_throughput_metrics
+from megatron_rl.trainer.metrics import (
+    StageTimer,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    multi_turn_metrics,
+    rollout_probs_diff,
+)
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.validation import validation_metrics
 
@@ -263,7 +268,7 @@ class RLTrainer:
             batch = pending.wait()
         timer.seconds["reward"] += pending.scoring_s
         metrics |= pending.metrics
-        metrics |= agent_metrics(batch)
+        metrics |= multi_turn_metrics(batch)
         return batch
 
     def rollout(self, batch: DataProto, step: int, timer: StageTimer) -> DataProto:
@@ -281,7 +286,7 @@ class RLTrainer:
         with timer("reward"):
             scores = self.reward_fn(batch)
         metrics |= scores.meta_info.pop("reward_metrics", {})
-        metrics |= agent_metrics(batch)  # num_turns/*, tool_call_counts/* of multi-turn rollouts (verl's names)
+        metrics |= multi_turn_metrics(batch)  # num_turns/*, tool_call_counts/* of multi-turn rollouts (verl's names)
         return batch.union(scores)
 
     def _pop_for_generation(self, batch: DataProto) -> DataProto:

@@ -13,12 +13,12 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config import DerivedSizes
+from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
-from megatron_rl.reward.model.reward_fn import build_reward_fn
+from megatron_rl.trainer.reward_setup import build_reward_fn
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
-from megatron_rl.trainer.deadlines import call_deadlines
+from megatron_rl.controller.deadlines import call_deadlines
 from megatron_rl.trainer.disaggregated import build_trainer, start_rollout_servers
 from megatron_rl.trainer.rl_trainer import fill_optimizer_steps
 from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray

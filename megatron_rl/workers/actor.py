@@ -21,7 +21,9 @@ from megatron_rl.algos import (
     compute_kl_loss,
     get_policy_loss,
 )
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.protocol import DataProto
+from megatron_rl.weights.export import ExportPlan, export_hf_buckets
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
 from megatron_rl.workers.checkpoint import CheckpointedRole
 from megatron_rl.workers.engine import MegatronEngine
@@ -173,10 +175,8 @@ class ActorRole(CheckpointedRole):
         return DataProto(meta_info={"metrics": metrics})
 
     # ------------------------------------------------------------------ weights
-    def named_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of every weight, on every rank; a collective over the model-parallel
-        group that every rank must consume to the end (``models.export_hf_weights``)."""
-        from megatron_rl.models import export_hf_weights
-
+    def export_buckets(self, plan: ExportPlan = ExportPlan()) -> Iterator[WeightBucket]:
+        """Every weight under its HF name, in sealed buckets as ``plan`` says; a collective over the
+        model-parallel group that every rank must consume to the end (``weights.export_hf_buckets``)."""
         self.engine.offload.enter("compute")
-        yield from export_hf_weights(self.engine.model, dtype=dtype)
+        yield from export_hf_buckets(self.engine.model, plan)

@@ -4,7 +4,7 @@ hybrid engine), and the critic, which can share those processes.
 The ranks form rollout engine replicas (``megatron_rl.rollout.mesh``): one engine per rollout-TP group of
 consecutive GPUs, built and driven by the group's leader; generation goes to the leaders
 (ROLLOUT_COMPUTE_PROTO). After every update the actor's weights are exported under HF names (TP gathered,
-PP broadcast) and every rank feeds its replica (``megatron_rl.rollout.replica``). The engine gives its memory
+PP broadcast) and every rank feeds its replica (``megatron_rl.weights.replica``). The engine gives its memory
 back when a training phase starts and gets it back, with the current weights, at the next sync. The same
 classes run under Ray (``RayWorkerGroup``) and torchrun (``LocalWorkerGroup``).
 """
@@ -99,7 +99,7 @@ class ActorRolloutRefWorker(Worker):
         from megatron_rl.rollout import build_rollout_engine
         from megatron_rl.rollout.hf_engine import resolve_dtype
         from megatron_rl.rollout.mesh import build_rollout_mesh, server_mesh
-        from megatron_rl.rollout.replica import RolloutReplica
+        from megatron_rl.weights.replica import RolloutReplica
 
         cfg = self.config
         rollout = cfg.actor_rollout_ref.rollout
@@ -138,7 +138,7 @@ class ActorRolloutRefWorker(Worker):
         """The multi-turn agent loop over this replica's engine (built once; docs/rollout.md, "Agent loop")."""
         if getattr(self, "_agent", None) is None:
             from megatron_rl.data.tokenizer import load_tokenizer
-            from megatron_rl.rollout.agent import AgentLoop
+            from megatron_rl.agent import AgentLoop
 
             cfg = self.config
             rollout = cfg.actor_rollout_ref.rollout
@@ -156,7 +156,7 @@ class ActorRolloutRefWorker(Worker):
         its replica); the driver gets rank 0's metrics. ``version`` is the training step the weights come
         from; every sample generated with them carries it. ``defer_verify``: a due verification runs at
         ``verify_weights`` (fully async: after the paused servers continue)."""
-        metrics = self.rollout.sync(self.actor.named_hf_weights(), version=version, defer_verify=defer_verify)
+        metrics = self.rollout.sync(self.actor.export_buckets, version=version, defer_verify=defer_verify)
         self._offload_for_generation()  # generation comes next, on every rank of the engines' GPUs
         return metrics
 
@@ -169,7 +169,7 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def replace_rollout_servers(self, server_urls: list[str]) -> list[str]:
-        """Server mode: dead rollout servers were replaced at these URLs (rollout/server_restarts.py); rank 0,
+        """Server mode: dead rollout servers were replaced at these URLs (servers/restarts.py); rank 0,
         their only sender, joins them to a fresh update group at the next sync. Returns the URLs of servers
         stuck in a broken broadcast (to be replaced too)."""
         return self.rollout.replace_servers(list(server_urls))
@@ -210,7 +210,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.RANK_ZERO)
     def save_hf(self, path: str) -> None:
         """Collective export; global rank 0 writes the directory."""
-        from megatron_rl.models import save_hf_checkpoint
+        from megatron_rl.weights import save_hf_checkpoint
 
         save_hf_checkpoint(self.actor.engine.model, path, tokenizer_dir=self._tokenizer_dir())
 

@@ -23,7 +23,7 @@ class RewardModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from megatron_rl.reward.model.role import RewardModelRole
+        from megatron_rl.workers.reward_model_role import RewardModelRole
         from megatron_rl.workers import MegatronEngine
 
         rm = self.config.reward_model
@@ -78,7 +78,7 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
         return StartedOnFirstCall(start), lambda: None
 
     from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray_from_config
-    from megatron_rl.trainer.deadlines import call_deadlines
+    from megatron_rl.controller.deadlines import call_deadlines
 
     init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up
     rm = cfg.reward_model

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_rl.algos import rollout_corr as rc
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 
 
 def _batch(seed=0, b=10, t=8):

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 import megatron_rl.algos as algos
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

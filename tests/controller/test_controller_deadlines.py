@@ -7,7 +7,7 @@ import pytest
 from controller_workers import FaultyWorker
 from megatron_rl.config import load_config
 from megatron_rl.controller import RayResourcePool, RayWorkerGroup, WorkerTimeoutError
-from megatron_rl.trainer.deadlines import call_deadlines
+from megatron_rl.controller.deadlines import call_deadlines
 
 
 def test_each_call_kind_has_its_key_and_null_falls_back_to_timeout_s():

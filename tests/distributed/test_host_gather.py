@@ -24,8 +24,9 @@ BUCKET_BYTES = 8 << 10  # many small buckets: every slot is reused many times
 
 def raced_exports(ckpt_dir: str) -> dict:
     from megatron_rl.distributed import host_gather, init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights, export_hf_weights_tensorwise
-    from megatron_rl.models import export
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise
+    from megatron_rl.weights import export
 
     init_model_parallel(tp=2)
     chunks = build_from_hf(ckpt_dir)
@@ -88,7 +89,8 @@ def raced_moe_export(ckpt_dir: str) -> list[str]:
     """TP=2, expert TP 1: expert buckets skip the TP step (each rank holds whole experts), so they publish no
     barrier; the fast non-consumer must still not write a row the slow consumer reads for an earlier bucket."""
     from megatron_rl.distributed import host_gather, init_model_parallel
-    from megatron_rl.models import build_from_hf, export, export_hf_weights
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export, export_hf_weights
 
     init_model_parallel(tp=2, etp=1)
     chunks = build_from_hf(ckpt_dir)
@@ -107,7 +109,7 @@ def raced_moe_export(ckpt_dir: str) -> list[str]:
 
 
 def test_expert_buckets_without_a_tp_step_never_overwrite_a_row_being_read(tmp_path):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
     assert run_multiprocess(raced_moe_export, 2, str(model), timeout_s=300)[0] == []
@@ -115,7 +117,7 @@ def test_expert_buckets_without_a_tp_step_never_overwrite_a_row_being_read(tmp_p
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("host_gather") / "qwen2", "qwen2", with_tokenizer=False)
     return run_multiprocess(raced_exports, 2, str(model), timeout_s=300)

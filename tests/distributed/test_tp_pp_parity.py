@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed import run_multiprocess
-from megatron_rl.models.testing import make_tiny_hf_checkpoint
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -73,7 +73,8 @@ def forward_backward(chunks: list, vpp, vocab: int) -> list:
 
 def run_layout(directory: str, tp: int, pp: int, vpp) -> dict:
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights
 
     init_model_parallel(tp=tp, pp=pp, vpp=vpp)
     chunks = build_from_hf(directory)
@@ -97,7 +98,8 @@ def optimizer_step(directory: str, tp: int, pp: int, distributed_optimizer: bool
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights
     from megatron_rl.workers.optimizer_device import optimizer_device_scope
 
     init_model_parallel(tp=tp, pp=pp)

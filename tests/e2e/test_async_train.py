@@ -1,5 +1,5 @@
 """Disaggregated, one-step off-policy training on the real stack (CPU, embedded Ray): the Megatron actor at
-TP=2 on two ranks, one HF-engine rollout server in its own process (rollout/hf_server.py) synced over a gloo
+TP=2 on two ranks, one HF-engine rollout server in its own process (servers/hf_server.py) synced over a gloo
 update group and verified every step, the next step's rollouts generated while the actor updates."""
 from __future__ import annotations
 

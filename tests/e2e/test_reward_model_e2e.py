@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from megatron_rl.reward.model.inputs import right_padded
-from megatron_rl.reward.model.testing import make_tiny_reward_model
+from megatron_rl_testing.reward_models import make_tiny_reward_model
 from megatron_rl.train import run
 from e2e_support import assert_finite, tiny_config, train_steps
 

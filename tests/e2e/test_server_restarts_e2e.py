@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _rollout_servers() -> list[int]:
     """The pids of the run's HF-engine rollout servers: under Ray, actor processes of the servers' own pool
-    (rollout/ray_server_pool.py), titled ``ray::HFServerActor``."""
+    (servers/ray_pool.py), titled ``ray::HFServerActor``."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:

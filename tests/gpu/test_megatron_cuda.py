@@ -17,7 +17,7 @@ def results(tmp_path_factory):
     from megatron_cuda_jobs import megatron_cuda_job
 
     from megatron_rl.distributed import run_multiprocess
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("cuda") / "qwen2", "qwen2", with_tokenizer=False)
     return str(model), run_multiprocess(megatron_cuda_job, 1, str(model), timeout_s=300)[0]

@@ -1,7 +1,7 @@
 """Rollout checks a lent GPU can run (skipped without CUDA). SGLang cannot be installed there, so these cover
 what our colocated SGLang path relies on and a CPU cannot show:
 
-- CUDA IPC with a fresh buffer per load (rollout/weight_sync.py, rollout/sglang/payload.py): a consumer
+- CUDA IPC with a fresh buffer per load (weights/sync.py, rollout/sglang/payload.py): a consumer
   process opens each bucket's IPC handle and copies from it asynchronously, as SGLang's schedulers do, while
   the producer drops the bucket and allocates the next one at once; torch's CUDA IPC reference counting
   must keep the memory from being reused until the consumer released it, so every copy is exact;

@@ -11,9 +11,9 @@ def verify_under_nccl_like_job(hf_dir: str) -> dict[str, Any]:
     import torch
 
     from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
-    from megatron_rl.distributed.nccl_like import NcclDeviceError, nccl_like
+    from megatron_rl_testing.nccl_like import NcclDeviceError, nccl_like
     from megatron_rl.models.api import build_from_hf
-    from megatron_rl.models.convert_cli import _parser, _verify
+    from megatron_rl.weights.convert_cli import _parser, _verify
 
     init_model_parallel(tp=1)
     chunks = build_from_hf(hf_dir, params_dtype=torch.float32)

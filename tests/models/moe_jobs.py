@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.models.testing import padded_batch as batch
+from megatron_rl_testing.tiny_models import padded_batch as batch
 
 # (TP, PP, EP, ETP); ETP None = TP
 GPUS_PER_NODE = 2  # for the traffic counter: 4 ranks are 2 simulated nodes
@@ -60,9 +60,10 @@ def moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | No
     from megatron.core import parallel_state
 
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, compute_full_logits, export_hf_weights
+    from megatron_rl.models import build_from_hf, compute_full_logits
+    from megatron_rl.weights import export_hf_weights
     from megatron_rl.models.hf_checkpoint import HFCheckpointReader
-    from megatron_rl.distributed.traffic_counter import count_traffic
+    from megatron_rl_testing.traffic_counter import count_traffic
     from megatron_rl.models.moe import local_experts
 
     input_ids, attention_mask = batch()
@@ -133,8 +134,10 @@ def moe_sync_job(model_dir: str) -> dict[str, float]:
 
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights
-    from megatron_rl.rollout import HFEngine, sync_weights, verify_sync
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.rollout import HFEngine
+    from megatron_rl.weights import sync_weights, verify_sync
 
     init_model_parallel(tp=1, pp=1, ep=2)
     chunks = build_from_hf(model_dir)

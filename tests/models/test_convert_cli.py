@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.models.convert_cli import main
-from megatron_rl.models.testing import make_tiny_hf_checkpoint
+from megatron_rl.weights.convert_cli import main
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
 
 def tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def test_sizes_that_do_not_fit_fail_before_any_process_starts(tmp_path):
 @pytest.mark.distributed
 def test_verify_puts_every_collective_tensor_on_the_backend_device(tmp_path):
     """--verify all-reduced a CPU tensor, which NCCL refuses on a GPU cluster. Under the CPU stand-in of
-    NCCL's device rule (megatron_rl.distributed.nccl_like) every collective of the verification gets
+    NCCL's device rule (megatron_rl_testing.nccl_like) every collective of the verification gets
     tensors on the backend's device, and the check itself catches a CPU tensor."""
     from convert_jobs import verify_under_nccl_like_job
 

@@ -135,7 +135,7 @@ def test_override_config_reaches_the_megatron_facts_and_the_hf_engine(tmp_path):
 
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.models.hf_config import load_hf_config, load_pretrained_config
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
     from megatron_rl.rollout import build_rollout_engine
 
     model = make_tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2", with_tokenizer=False)
@@ -186,7 +186,8 @@ def test_override_config_reaches_a_colocated_sglang_engine(tmp_path, monkeypatch
 
 
 def test_sglang_servers_with_override_config_are_refused_before_launch():
-    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.plan.validate import validate
 
     override = "+actor_rollout_ref.model.override_config.rope_theta=1e6"
     validate(load_config(overrides=["+experiment=grpo_70b", override]))  # colocated: the engine gets it

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.distributed import run_multiprocess
-from megatron_rl.models.testing import make_tiny_hf_checkpoint
-from megatron_rl.models.testing import padded_batch as batch
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+from megatron_rl_testing.tiny_models import padded_batch as batch
 
 pytestmark = pytest.mark.distributed
 
@@ -67,13 +67,8 @@ def _value_model_checks(directory: str, out_dir: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rl.models import (
-        build_from_hf,
-        causal_padding_mask,
-        compute_full_logits,
-        position_ids_from_mask,
-        save_hf_checkpoint,
-    )
+    from megatron_rl.models import build_from_hf, causal_padding_mask, compute_full_logits, position_ids_from_mask
+    from megatron_rl.weights import save_hf_checkpoint
 
     chunks = build_from_hf(directory, value_head=True)
     input_ids, attention_mask = batch()
@@ -131,13 +126,8 @@ def megatron_checks(dirs: dict[str, str], work: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import (
-        CheckpointMismatchError,
-        build_from_hf,
-        compute_full_logits,
-        export_hf_weights,
-        save_hf_checkpoint,
-    )
+    from megatron_rl.models import CheckpointMismatchError, build_from_hf, compute_full_logits
+    from megatron_rl.weights import export_hf_weights, save_hf_checkpoint
 
     input_ids, attention_mask = batch()
     out: dict = {"logits": {}, "export": {}, "vocab_rows": {}, "value": {}}

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.sizes import check_parallel_fit
-from megatron_rl.models.testing import make_tiny_hf_checkpoint, tiny_hf_config
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint, tiny_hf_config
 from moe_jobs import GPUS_PER_NODE, LAYOUTS_2, LAYOUTS_4, batch, moe_checks
 
 TOLERANCE = 1e-4
@@ -145,7 +145,7 @@ def _check_traffic(dirs, results, layout):
     """Counted bytes per link class and collectives of one export = plan/traffic.py's model, rank by rank."""
     import json
 
-    from megatron_rl.distributed.traffic_counter import KEYS
+    from megatron_rl_testing.traffic_counter import KEYS
     from megatron_rl.plan.traffic import model_sync_traffic
 
     tp, pp, ep, etp = layout
@@ -232,7 +232,7 @@ def test_freeze_router_on_a_dense_model_is_refused_by_name():
 @pytest.mark.distributed
 @pytest.mark.slow  # two CLI runs, each starting two ranks
 def test_convert_cli_round_trip_is_exact(tmp_path, capsys):
-    from megatron_rl.models.convert_cli import main
+    from megatron_rl.weights.convert_cli import main
 
     hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "mixtral")
     mcore_dir, back_dir = tmp_path / "mcore", tmp_path / "back"

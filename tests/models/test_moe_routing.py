@@ -69,7 +69,7 @@ def test_agreement_counts_equal_sets_and_overlap_and_names_a_row_it_cannot_compa
 
 def test_the_hf_engine_reports_the_experts_its_routers_pick_for_real_tokens_only(tmp_path):
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
     from megatron_rl.protocol import DataProto
     from megatron_rl.rollout.hf_engine import HFEngine
 

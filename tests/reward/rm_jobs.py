@@ -19,7 +19,7 @@ def score_sets(directory: str, sets: dict[str, list[list[int]]], tp: int, pp: in
     from omegaconf import OmegaConf
 
     from megatron_rl.config.schema import MegatronParallelConfig
-    from megatron_rl.reward.model.role import RewardModelRole
+    from megatron_rl.workers.reward_model_role import RewardModelRole
     from megatron_rl.workers import MegatronEngine
 
     left_pad = options.pop("left_pad", False)

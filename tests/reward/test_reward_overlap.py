@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.manager import RewardManager
 from megatron_rl.reward.overlap import chunk_bounds, merge_scores
@@ -240,7 +241,7 @@ def test_the_hf_engine_answers_greedy_chunks_as_one_call(tmp_path):
     from omegaconf import OmegaConf
 
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
     from megatron_rl.reward.overlap import OverlappedScoring
     from megatron_rl.rollout.hf_engine import HFEngine
 

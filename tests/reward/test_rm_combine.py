@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward import RewardManager
 from megatron_rl.reward.model.combine import CombinePlan, CombineRule, combine_scores
 from megatron_rl.reward.model.inputs import RewardModelInputs
 from megatron_rl.reward.model.reward_fn import ClassifierScorer, ModelRewardFn
-from megatron_rl.reward.model.role import check_rm_rows
+from megatron_rl.workers.reward_model_role import check_rm_rows
 from reward_batches import response_batch, reward_config
 
 

@@ -8,8 +8,8 @@ import re
 import pytest
 from safetensors.torch import load_file
 
-from megatron_rl.models.convert_cli import main
-from megatron_rl.reward.model.testing import make_tiny_reward_model
+from megatron_rl.weights.convert_cli import main
+from megatron_rl_testing.reward_models import make_tiny_reward_model
 
 pytestmark = pytest.mark.distributed
 

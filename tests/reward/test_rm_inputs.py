@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megatron_rl.models.testing import make_tiny_tokenizer
+from megatron_rl_testing.tiny_models import make_tiny_tokenizer
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.model.inputs import RewardModelInputs
 

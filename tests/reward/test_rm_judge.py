@@ -83,7 +83,8 @@ def test_judge_engine_sglang_serves_the_judge_checkpoint_and_bad_engines_are_ref
     path, no sync: SGLang loads model.path itself); on a machine without SGLang the builder says why; an engine
     name we do not have is refused at config time, naming the key."""
     import megatron_rl.rollout.sglang as sglang_package
-    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.plan.validate import validate
     from megatron_rl.config.schema import JudgeModelConfig, RewardJudgeConfig
     from megatron_rl.reward.model.judge_actor import build_judge_engine
     from megatron_rl.rollout.sglang import SGLangUnavailableError
@@ -110,7 +111,7 @@ def test_judge_served_by_the_hf_rollout_engine(tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
     from megatron_rl.rollout.hf_engine import HFEngine
 
     path = make_tiny_hf_checkpoint(tmp_path / "judge", "qwen2")
@@ -139,9 +140,10 @@ def test_judge_as_the_runs_reward_model_counts_its_failures_with_the_rule_errors
     with its failures in reward/errors, beside the rule scorer's score it is summed with."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import load_config, validate
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
-    from megatron_rl.reward.model.reward_fn import build_reward_fn
+    from megatron_rl.config import load_config
+    from megatron_rl.plan.validate import validate
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+    from megatron_rl.trainer.reward_setup import build_reward_fn
     from reward_batches import response_batch
 
     judge_dir = make_tiny_hf_checkpoint(tmp_path / "judge", "qwen2")
@@ -172,11 +174,12 @@ def test_judge_on_a_ray_actor_of_its_own_answers_as_in_the_driver(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.plan.validate import validate
     from megatron_rl.controller import shutdown_ray
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
     from megatron_rl.reward.model.judge_actor import build_judge_engine
-    from megatron_rl.reward.model.reward_fn import build_reward_fn
+    from megatron_rl.trainer.reward_setup import build_reward_fn
     from reward_batches import response_batch
 
     judge_dir = make_tiny_hf_checkpoint(tmp_path / "judge", "qwen2")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from megatron_rl.distributed import run_multiprocess
-from megatron_rl.models.testing import make_tiny_tokenizer
+from megatron_rl_testing.tiny_models import make_tiny_tokenizer
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.model.inputs import RewardModelInputs
-from megatron_rl.reward.model.testing import make_tiny_reward_model
+from megatron_rl_testing.reward_models import make_tiny_reward_model
 from rm_jobs import LAYOUTS, rm_checks
 
 pytestmark = pytest.mark.distributed

@@ -90,7 +90,7 @@ class ScriptedEngine:
 
 def run_scripted(tokenizer, questions, scripts, settings=None, response_length=256, tools=None,
                  non_tensors: dict | None = None) -> tuple[DataProto, ScriptedEngine]:
-    from megatron_rl.rollout.agent import AgentLoop
+    from megatron_rl.agent import AgentLoop
 
     prompts = chat_prompts(tokenizer, questions)
     for k, v in (non_tensors or {}).items():

@@ -9,11 +9,11 @@ import pytest
 import torch
 from agent_support import CALL, run_scripted, segments, tiny_tokenizer
 
-from megatron_rl.rollout.agent import (
+from megatron_rl.trainer.metrics import multi_turn_metrics
+from megatron_rl.agent import (
     AgentEnv,
     StepResult,
     Tool,
-    agent_metrics,
     observation_token_ids,
     register_env,
 )
@@ -50,7 +50,7 @@ def test_tool_turn_layout_masks_and_log_probs(tok):
     assert list(nt["tool_call_counts"]) == [1, 0]
     assert list(nt["stop_reason"]) == ["final", "final"]
     assert out.meta_info["weight_version"] == 3
-    assert agent_metrics(out) == {"num_turns/min": 2.0, "num_turns/max": 4.0, "num_turns/mean": 3.0,
+    assert multi_turn_metrics(out) == {"num_turns/min": 2.0, "num_turns/max": 4.0, "num_turns/mean": 3.0,
                                   "tool_call_counts/min": 0.0, "tool_call_counts/max": 1.0,
                                   "tool_call_counts/mean": 0.5}
     # input_ids = prompt ++ responses, position ids continue the prompt's
@@ -177,7 +177,7 @@ def test_environment_exception_is_an_observation(tok):
 
 def test_settings_from_the_schema_and_refused_formats(tok):
     from megatron_rl.config.schema import MultiTurnConfig
-    from megatron_rl.rollout.agent import AgentLoop, AgentLoopSettings
+    from megatron_rl.agent import AgentLoop, AgentLoopSettings
 
     s = AgentLoopSettings.from_config(MultiTurnConfig(max_assistant_turns=2, tools=["calculator", "python"]))
     assert s.max_assistant_turns == 2 and s.tools == ["calculator", "python"]

@@ -18,7 +18,7 @@ from megatron_rl.data.tasks.__main__ import main as write_main
 from megatron_rl.data.tasks.tool_multiply import tool_call_text
 from megatron_rl.data.tokenizer import build_tiny_tokenizer
 from megatron_rl.reward import get_scorer
-from megatron_rl.rollout.agent import AgentLoop
+from megatron_rl.agent import AgentLoop
 
 
 def test_rows_and_writer(tmp_path):

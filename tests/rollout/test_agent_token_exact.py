@@ -10,7 +10,7 @@ import torch
 from agent_support import chat_prompts, tiny_tokenizer
 from rollout_models import make_engine, source_model, tiny_qwen2_config, trainer_log_probs
 
-from megatron_rl.rollout.agent import AgentEnv, AgentLoop, StepResult, register_env
+from megatron_rl.agent import AgentEnv, AgentLoop, StepResult, register_env
 
 QUESTIONS = ["What is 12 * 34?", "Use the calculator: 5 + 6", "abc", "What is 123456 * 654321? Use the tool."]
 
@@ -75,7 +75,7 @@ def test_hf_engine_multi_turn_log_probs_match_the_trainer(tok):
 def test_sglang_engine_multi_turn_log_probs_match_the_trainer(sglang_stand_in, tok, tmp_path):
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.sglang import build_sglang_engine
-    from megatron_rl.rollout.weight_sync import sync_weights
+    from megatron_rl.weights.sync import sync_weights
 
     cfg = tiny_qwen2_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                             max_position_embeddings=512)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.agent import (
+from megatron_rl.agent import (
     CalculatorTool,
     PythonTool,
     ToolCall,
@@ -86,7 +86,7 @@ def test_verl_tool_config(tmp_path):
     path = tmp_path / "tools.yaml"
     path.write_text(
         "tools:\n"
-        "  - class_name: megatron_rl.rollout.agent.tools.CalculatorTool\n"
+        "  - class_name: megatron_rl.agent.tools.CalculatorTool\n"
         "    config: {}\n"
         "    tool_schema:\n"
         "      type: function\n"

@@ -15,8 +15,8 @@ from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_conf
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout.server_client import ServerRolloutClient
-from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.client import ServerRolloutClient
+from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
 
 pytestmark = [pytest.mark.distributed]
 
@@ -45,7 +45,8 @@ def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address:
     """This process as the trainer's rank 0 in server mode: the replica whose engine syncs the HF-engine
     servers at ``urls`` over gloo (every sync verified against ``source``'s log-probs)."""
     from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
-    from megatron_rl.rollout import RolloutReplica, build_rollout_engine
+    from megatron_rl.weights import RolloutReplica
+    from megatron_rl.rollout import build_rollout_engine
     from megatron_rl.rollout.mesh import server_mesh
 
     torch.set_num_threads(1)
@@ -68,7 +69,7 @@ def _sync_twice_and_generate(url: str, master_address: str = "127.0.0.1") -> dic
     report: dict = {"dtype": str(replica.engine.dtype)}
     try:
         for version in (1, 2):
-            metrics = replica.sync(source.state_dict().items(), version=version)
+            metrics = replica.sync(lambda _plan: source.state_dict().items(), version=version)
             report[f"diff_v{version}"] = metrics["rollout/logprob_diff_max"]
             source = source_model(42)
             replica.trainer_log_prob_fn = trainer_log_probs(source)

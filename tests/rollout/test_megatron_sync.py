@@ -105,8 +105,10 @@ def _training_step(chunks, batch) -> None:
 def sync_and_verify(ckpt_dir: str, tp: int, pp: int) -> dict:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights
-    from megatron_rl.rollout import HFEngine, WeightSyncError, sync_weights, verify_sync
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.rollout import HFEngine
+    from megatron_rl.weights import WeightSyncError, sync_weights, verify_sync
 
     init_model_parallel(tp=tp, pp=pp)
     chunks = build_from_hf(ckpt_dir)
@@ -156,7 +158,7 @@ def _with_meta(batch, **meta):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=3))
 

@@ -1,5 +1,5 @@
-"""Partial rollouts across a weight swap (rollout/hf_server.py's /pause_generation + /continue_generation, driven
-by rollout/server_client.py as SGLang servers are): the prefix's log-probs are the old weights', the suffix's
+"""Partial rollouts across a weight swap (servers/hf_server.py's /pause_generation + /continue_generation, driven
+by servers/client.py as SGLang servers are): the prefix's log-probs are the old weights', the suffix's
 the new weights', each token carries the version that sampled it. Real tiny HF model, one in-process server
 over real HTTP; an engine hook holds the generation after its first chunk until the pause is in place, so the
 swap lands mid-response every time."""
@@ -15,8 +15,8 @@ from rollout_models import EOS, PAD, make_engine, prompt_batch, source_model, tr
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.hf_server import HFServerApp, _handler
-from megatron_rl.rollout.server_client import ServerRolloutClient
+from megatron_rl.servers.hf_server import HFServerApp, _handler
+from megatron_rl.servers.client import ServerRolloutClient
 
 CHUNK, LENGTH = 2, 6
 

@@ -1,4 +1,4 @@
-"""Rollout servers over several Ray nodes (rollout.servers_per_node, rollout/ray_server_pool.py) on a real
+"""Rollout servers over several Ray nodes (rollout.servers_per_node, servers/ray_pool.py) on a real
 multi-node Ray cluster stand-in: ``ray.cluster_utils.Cluster`` with a CPU-less head (the driver's node, as on a
 cluster whose head runs no servers) and two 2-CPU worker nodes, each on an IP of its own (127.0.0.2/3), so a
 server that advertised the wrong node's address, or a sender that named the driver's node as the weight-update
@@ -13,10 +13,11 @@ import os
 import pytest
 from test_hf_server import server_replica, source_model
 
-from megatron_rl.config import load_config, validate
-from megatron_rl.config.validate import ConfigError
+from megatron_rl.config import load_config
+from megatron_rl.plan.validate import validate
+from megatron_rl.config import ConfigError
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout.server_pool import RolloutServerDied
+from megatron_rl.servers.pool import RolloutServerDied
 
 pytestmark = [pytest.mark.distributed]
 
@@ -84,7 +85,7 @@ def _sync_all(urls: list[str], master_address: str) -> float:
     source = source_model(41)
     replica = server_replica(urls, source, response_length=5, master_address=master_address)
     try:
-        return replica.sync(source.state_dict().items(), version=1)["rollout/logprob_diff_max"]
+        return replica.sync(lambda _plan: source.state_dict().items(), version=1)["rollout/logprob_diff_max"]
     finally:
         replica.shutdown()
 
@@ -124,7 +125,7 @@ def test_a_killed_server_is_replaced_on_its_node(pool):  # after the sync test: 
 
 
 def test_pools_that_cannot_fit_are_refused_naming_the_keys(pool, model_dir):
-    from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
+    from megatron_rl.servers.ray_pool import RayRolloutServerPool
 
     # refused from what the nodes hold (not what is free now), at once: start_timeout_s would be waited out
     with pytest.raises(RolloutServerDied, match=r"num_servers=3 servers of actor_rollout_ref.rollout.server_cpus=1 "

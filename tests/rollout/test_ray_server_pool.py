@@ -1,4 +1,4 @@
-"""HF-engine rollout servers as Ray actors on a resource pool of their own (rollout/ray_server_pool.py), started
+"""HF-engine rollout servers as Ray actors on a resource pool of their own (servers/ray_pool.py), started
 the way a Ray run starts them (trainer/disaggregated.py ``start_rollout_servers``): each actor's process is one
 server on its own bundle of the ``rollout_servers`` placement group, on a port it picked itself; the trainer syncs
 it over the gloo update group exactly as a subprocess server; an actor killed by ``ray.kill`` or SIGKILL is named
@@ -14,10 +14,11 @@ import pytest
 from rollout_models import EOS
 from test_hf_server import _post, _sync_twice_and_generate
 
-from megatron_rl.config import load_config, validate
-from megatron_rl.config.validate import ConfigError
+from megatron_rl.config import load_config
+from megatron_rl.plan.validate import validate
+from megatron_rl.config import ConfigError
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout.server_pool import RolloutServerDied
+from megatron_rl.servers.pool import RolloutServerDied
 
 pytestmark = [pytest.mark.distributed]
 
@@ -56,7 +57,7 @@ def _bundles(pool) -> tuple[list[dict], str]:
 
 
 def test_servers_are_ray_actors_on_their_own_pool(pool):
-    from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
+    from megatron_rl.servers.ray_pool import RayRolloutServerPool
 
     assert isinstance(pool, RayRolloutServerPool) and pool.resource_pool.name == "rollout_servers"
     bundles, group_id = _bundles(pool)
@@ -81,7 +82,7 @@ def test_ray_servers_take_weight_updates_and_generate(pool):
 def test_killed_actors_are_named_and_replaced_on_the_pool(pool):  # last of the pool's tests: it replaces both
     import ray
 
-    from megatron_rl.rollout.server_restarts import ServerRestarts
+    from megatron_rl.servers.restarts import ServerRestarts
 
     first, second = pool.servers
     ray.kill(first.actor)
@@ -108,7 +109,7 @@ def test_killed_actors_are_named_and_replaced_on_the_pool(pool):  # last of the 
 
 
 def test_a_pool_with_too_few_cpus_names_the_keys(pool, model_dir):
-    from megatron_rl.rollout.ray_server_pool import RayRolloutServerPool
+    from megatron_rl.servers.ray_pool import RayRolloutServerPool
 
     with pytest.raises(RolloutServerDied, match=r"num_servers=4 servers of actor_rollout_ref.rollout.server_cpus=1 "
                                                 r"CPUs do not fit: .*largest node has CPU=3"):

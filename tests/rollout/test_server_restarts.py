@@ -1,5 +1,5 @@
 """Rollout servers killed (SIGKILL) during a run and replaced (actor_rollout_ref.rollout.server_restarts;
-rollout/server_restarts.py): two real HF-engine server processes synced by the trainer's own server engine
+servers/restarts.py): two real HF-engine server processes synced by the trainer's own server engine
 over a gloo update group. The async loops' client re-issues a killed server's held rows to the survivor and
 every token keeps the version that sampled it; the replacement refuses to generate until the next sync joins it
 to a fresh update group; the synchronous loop's workers re-sync the current version and generate the batch
@@ -18,7 +18,7 @@ from rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config
 from test_hf_server import _post, server_replica
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
 
 pytestmark = [pytest.mark.distributed]
 
@@ -34,7 +34,8 @@ class _ReplicaWorkers:
         self.replica, self.source = replica, source
 
     def sync_weights(self, version: int, defer_verify: bool = False) -> dict:
-        return self.replica.sync(self.source.state_dict().items(), version=version, defer_verify=defer_verify)
+        return self.replica.sync(lambda _plan: self.source.state_dict().items(), version=version,
+                                 defer_verify=defer_verify)
 
     def verify_weights(self) -> dict:
         return self.replica.verify_pending()
@@ -60,8 +61,8 @@ def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
 
 
 def _kill_and_replace(model_dir: str) -> dict:
-    from megatron_rl.rollout.server_client import ServerRolloutClient
-    from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.client import ServerRolloutClient
+    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
@@ -164,8 +165,9 @@ def test_killed_servers_are_replaced_synced_and_their_rows_reissued(tmp_path):
      "one_step_off needs rollout.num_servers >= 2"),
 ])
 def test_server_restarts_refusals_name_the_key(overrides, message):
-    from megatron_rl.config import load_config, validate
-    from megatron_rl.config.validate import ConfigError
+    from megatron_rl.config import load_config
+    from megatron_rl.plan.validate import validate
+    from megatron_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(load_config(overrides=overrides))

@@ -15,7 +15,8 @@ from rollout_models import prompt_batch, source_model, tiny_qwen2_config, traine
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.sglang import build_sglang_engine
-from megatron_rl.rollout.weight_sync import WeightSyncError, sync_weights, verify_sync
+from megatron_rl.weights.sync import WeightSyncError, sync_weights
+from megatron_rl.weights.verify import verify_sync
 
 
 @pytest.fixture

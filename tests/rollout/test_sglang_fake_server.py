@@ -16,7 +16,7 @@ from megatron_rl.config.schema import RolloutConfig, SGLangConfig
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.sglang import SGLangEngine, SGLangServerError, build_sglang_engine
 from megatron_rl.rollout.sglang.contract import checked
-from megatron_rl.rollout.weight_sync import sync_weights
+from megatron_rl.weights.sync import sync_weights
 
 R = 8
 pytestmark = pytest.mark.distributed  # three server processes and a gloo group across them

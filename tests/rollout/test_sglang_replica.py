@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
 def _replica(model_dir: str, rollout_tp: int, **sync):
     from megatron_rl.config.schema import RolloutConfig, WeightSyncConfig
     from megatron_rl.distributed.device import rank_place
-    from megatron_rl.rollout import RolloutReplica
+    from megatron_rl.weights import RolloutReplica
     from megatron_rl.rollout.mesh import build_rollout_mesh
     from megatron_rl.rollout.sglang import build_sglang_engine
 
@@ -63,7 +63,7 @@ def _four_ranks_two_engines(model_dir: str) -> dict:
         for version, seed in ((0, 5), (1, 6)):
             source = source_model(seed)
             replica.trainer_log_prob_fn.model = source
-            metrics = replica.sync(source.state_dict().items(), version=version)
+            metrics = replica.sync(lambda _plan: source.state_dict().items(), version=version)
             if replica.is_leader:
                 report[f"bad_v{version}"] = _exact(replica.engine, source)
             report[f"diff_v{version}"] = metrics["rollout/logprob_diff_max"]
@@ -71,7 +71,7 @@ def _four_ranks_two_engines(model_dir: str) -> dict:
         if replica.is_leader:
             report["released"] = sorted(replica.engine.released)
         replica.trainer_log_prob_fn.model = source = source_model(7)
-        replica.sync(source.state_dict().items(), version=2)  # ... and the next sync brings it back, current
+        replica.sync(lambda _plan: source.state_dict().items(), version=2)  # ... and the next sync brings it back, current
         if replica.is_leader:
             stand_in = replica.engine.transport._engine
             report["bad_v2"] = _exact(replica.engine, source)
@@ -101,7 +101,7 @@ def _unbound_ranks(model_dir: str) -> str:
     replica = _replica(model_dir, 2, verify_freq=0)
     os.environ[DEVICE_INDEX_ENV] = "0"  # every rank on device 0, as when the bundle index picked the GPU
     try:
-        replica.sync(source_model(5).state_dict().items(), version=0)
+        replica.sync(lambda _plan: source_model(5).state_dict().items(), version=0)
         return "synced"
     except Exception as exc:  # noqa: BLE001 - the leader's error is the assertion
         return str(exc)

@@ -35,7 +35,7 @@ def server(sglang_stand_in_module, tmp_path_factory):
 
 def _ranks_sync_through_one_sender(url: str) -> dict:
     from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
-    from megatron_rl.rollout import RolloutReplica
+    from megatron_rl.weights import RolloutReplica
     from megatron_rl.rollout.mesh import server_mesh
     from megatron_rl.rollout.sglang import build_sglang_engine
 
@@ -56,7 +56,7 @@ def _ranks_sync_through_one_sender(url: str) -> dict:
     report = {"has_engine": replica.engine is not None}
     try:
         for version in (1, 2):
-            metrics = replica.sync(source.state_dict().items(), version=version)
+            metrics = replica.sync(lambda _plan: source.state_dict().items(), version=version)
             report[f"diff_v{version}"] = metrics["rollout/logprob_diff_max"]
             source = source_model(32)
             replica.trainer_log_prob_fn = trainer_log_probs(source)

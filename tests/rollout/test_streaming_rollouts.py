@@ -1,4 +1,4 @@
-"""Streaming in the fully async loop (trainer/fully_async.py ``Rollouter`` + rollout/server_client.py lanes): with
+"""Streaming in the fully async loop (trainer/fully_async.py ``Rollouter`` + servers/client.py lanes): with
 room for two batches, the next batch starts while the first still generates, and a server that finished its
 part of the first goes on with its part of the second instead of idling behind the slowest server. Two real
 in-process HF-engine servers over HTTP; server 0 is held inside its first decode call (a slow server) until the
@@ -15,8 +15,8 @@ import torch
 from rollout_models import PAD, make_engine, prompt_batch
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.hf_server import HFServerApp, _handler
-from megatron_rl.rollout.server_client import ServerRolloutClient
+from megatron_rl.servers.hf_server import HFServerApp, _handler
+from megatron_rl.servers.client import ServerRolloutClient
 from megatron_rl.trainer.fully_async import Rollouter
 
 LENGTH = 4

@@ -1,4 +1,4 @@
-"""A rollout server SIGKILLed in the middle of a weight sync (rollout/server_restarts.py, the broken broadcast in
+"""A rollout server SIGKILLed in the middle of a weight sync (servers/restarts.py, the broken broadcast in
 rollout/sglang/server_transport.py): two real HF-engine server processes synced over a gloo update group,
 server 1 killed right after the first bucket of version 2 went out (a model of several 1 MB buckets, so the
 survivor holds a half-applied update at the kill).
@@ -26,7 +26,7 @@ from test_hf_server import _post, server_replica
 from test_server_restarts import LENGTH, NEVER_EOS, _kill, _post_info, _ReplicaWorkers, _wait_until
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.rollout.server_pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
 
 pytestmark = [pytest.mark.distributed]
 
@@ -73,8 +73,8 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
     its replacement dies as the sync rebuilds the update group, leaving server 0 (holding every row by then)
     stuck in the rendezvous: replaced too. No server holds the last weights until the retried sync ends, so
     the held rows must wait for it and finish on the new version, whole."""
-    from megatron_rl.rollout.server_client import ServerRolloutClient
-    from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.client import ServerRolloutClient
+    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
@@ -114,7 +114,7 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
 
 
 def _kill_during_sync(model_dir: str, budget: int) -> dict:
-    from megatron_rl.rollout.server_restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2)
@@ -194,18 +194,18 @@ def _two_ranks_kill_during_sync(model_dir: str) -> dict:
     source = source_model(41, _config())
     replica = server_replica(urls[0], source, eos_token_id=NEVER_EOS, response_length=4, broken_group_wait_s=WAIT_S)
 
-    def export():  # a collective per tensor: a rank that stopped pulling would leave the other one waiting
+    def export(_plan=None):  # a collective per tensor: a rank that stopped pulling would leave the other one waiting
         for name, tensor in source.state_dict().items():
             dist.all_reduce(torch.zeros(1))
             yield name, tensor
 
     try:
-        replica.sync(export(), version=1)
+        replica.sync(export, version=1)
         if rank == 0:
             _kill_after_first_bucket(replica, pool, report)
         start = time.monotonic()
         try:
-            replica.sync(export(), version=2)
+            replica.sync(export, version=2)
         except Exception as exc:
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["seconds"] = time.monotonic() - start
@@ -218,7 +218,7 @@ def _two_ranks_kill_during_sync(model_dir: str) -> dict:
             if stuck:
                 replica.replace_servers(pool.urls)
             report["stuck"] = len(stuck)
-        report["retry"] = replica.sync(export(), version=2)
+        report["retry"] = replica.sync(export, version=2)
         report["version"] = replica.version
         return report
     finally:

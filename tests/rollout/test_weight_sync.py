@@ -8,11 +8,13 @@ import torch
 from rollout_models import make_engine, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig, WeightSyncConfig
-from megatron_rl.rollout import HFEngine, RolloutReplica, build_rollout_engine
+from megatron_rl.rollout import HFEngine, build_rollout_engine
+from megatron_rl.weights import RolloutReplica
 from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import tensor_checksum
-from megatron_rl.rollout.weight_sync import WeightSyncError, sync_weights, verify_sync
+from megatron_rl.weights.sync import WeightSyncError, sync_weights
+from megatron_rl.weights.verify import verify_sync
 
 
 def test_bucket_round_trips_and_aligns():
@@ -143,22 +145,22 @@ def test_replica_versions_and_verifies_every_nth_sync():
     engine, source = make_engine(), source_model(seed=7)
     cfg = WeightSyncConfig(bucket_size_mb=1, verify_freq=2, verify_max_logprob_diff=1e-4)
     replica = _replica(engine, cfg, probe_prompts=prompt_batch([3, 5]), trainer_log_prob_fn=trainer_log_probs(source))
-    first = replica.sync(source.state_dict().items(), version=1)
-    second = replica.sync(source.state_dict().items(), version=2)
+    first = replica.sync(lambda _plan: source.state_dict().items(), version=1)
+    second = replica.sync(lambda _plan: source.state_dict().items(), version=2)
     assert first["weight_sync/version"] == 1 and "rollout/logprob_diff_mean" not in first
     assert second["weight_sync/version"] == 2 and second["rollout/logprob_diff_max"] < 1e-5
     assert engine.weight_version == 2
     replica.trainer_log_prob_fn = trainer_log_probs(source_model(seed=8))  # now disagrees with what is sent
-    assert "rollout/logprob_diff_mean" not in replica.sync(source.state_dict().items(), version=3)  # not verified
+    assert "rollout/logprob_diff_mean" not in replica.sync(lambda _plan: source.state_dict().items(), version=3)  # not verified
     with pytest.raises(WeightSyncError, match="after weight sync v4: .*engine 0 \\(ranks \\[0\\]"):
-        replica.sync(source.state_dict().items(), version=4)
+        replica.sync(lambda _plan: source.state_dict().items(), version=4)
 
 
 def test_replica_needs_a_probe_when_verifying():
     with pytest.raises(ValueError, match="verify_freq > 0 needs probe_prompts"):
         _replica(make_engine(), WeightSyncConfig(verify_freq=1))
     replica = _replica(make_engine(), WeightSyncConfig(verify_freq=0))
-    assert replica.sync(source_model(seed=9).state_dict().items(), version=1)["weight_sync/version"] == 1
+    assert replica.sync(lambda _plan: source_model(seed=9).state_dict().items(), version=1)["weight_sync/version"] == 1
 
 
 def test_build_rollout_engine_picks_the_configured_engine():
@@ -173,41 +175,60 @@ def test_build_rollout_engine_picks_the_configured_engine():
         build_rollout_engine(RolloutConfig(name="vllm"), "/model", response_length=4)
 
 
-def _sealed_buckets(pairs, per_bucket):
-    from megatron_rl.rollout.bucket import seal
-
+def _sealed_buckets(pairs, per_bucket, seal=True):
     buckets = []
     for i in range(0, len(pairs), per_bucket):
         part = pairs[i : i + per_bucket]
         bucket = WeightBucket(WeightBucket.capacity_for([(tuple(t.shape), t.dtype) for _, t in part]), "cpu")
         for name, tensor in part:
             bucket.reserve(name, tuple(tensor.shape), tensor.dtype).copy_(tensor)
-        buckets.append(seal(bucket))
+        buckets.append(bucket.seal() if seal else bucket)
     return buckets
 
 
-def test_sealed_buckets_reach_the_engine_as_is_and_a_broken_run_is_copied():
-    """The Megatron export yields views of sealed (never rewritten) buckets: sync_weights hands each to the
-    engine without copying; when the stream leaves a bucket's run, or the bucket exceeds bucket_bytes, it copies."""
+def test_sealed_buckets_reach_the_engine_as_is_and_others_are_copied():
+    """The Megatron export yields sealed (never rewritten) buckets: sync_weights hands each to the engine without
+    copying. An unsealed bucket, one larger than bucket_bytes (unless it holds one tensor) and one in another
+    dtype than the engine's are copied; a bucket mixed with (name, tensor) pairs keeps the stream's order."""
     source = source_model(seed=2)
     pairs = list(source.state_dict().items())
-    for reorder, bucket_bytes, expected in (
-        (lambda s: s, 1 << 22, len),
-        (lambda s: [s[0]] + s[2:] + [s[1]], 1 << 22, lambda b: len(b) - 1),  # bucket 0's run is broken
-        (lambda s: s, 64, lambda b: sum(len(x) == 1 for x in b)),  # larger than the caller's bucket: copied (unless alone)
+    for make, bucket_bytes, expected in (
+        (lambda: _sealed_buckets(pairs, 3), 1 << 22, lambda b: len(b) - 1),  # all but b[1], sent as pairs
+        (lambda: _sealed_buckets(pairs, 3, seal=False), 1 << 22, lambda b: 0),
+        (lambda: _sealed_buckets(pairs, 3), 64, lambda b: sum(len(x) == 1 for x in b[2:]) + (len(b[0]) == 1)),
+        (lambda: [b.seal() for b in _cast_buckets(pairs, 3, torch.bfloat16)], 1 << 22, lambda b: 0),
     ):
-        buckets = _sealed_buckets(pairs, 3)  # fresh ones: an engine that loaded a sealed bucket owns it
-        order = reorder([pair for bucket in buckets for pair in bucket.named_tensors()])
+        buckets = make()  # fresh ones: an engine that loaded a sealed bucket owns it
         adopted = expected(buckets)
         engine = make_engine()
         loads = []
         load = engine.load_weight_bucket
         engine.load_weight_bucket = lambda bucket, load=load, loads=loads: (loads.append(bucket), load(bucket))[1]
-        sync_weights(order, engine, version=1, bucket_bytes=bucket_bytes)
+        stream = [buckets[0], *buckets[1].named_tensors(), *buckets[2:]]  # pairs in between: order kept
+        sync_weights(stream, engine, version=1, bucket_bytes=bucket_bytes)
         held = engine.model.state_dict()
         for name, tensor in pairs:
-            assert torch.equal(held[name], tensor), name
+            want = tensor if buckets[0].entries[0].dtype == torch.float32 else tensor.to(torch.bfloat16).float()
+            assert torch.equal(held[name], want), name
         assert sum(any(load is b for b in buckets) for load in loads) == adopted, (bucket_bytes, len(loads))
+
+
+def _cast_buckets(pairs, per_bucket, dtype):
+    buckets = []
+    for i in range(0, len(pairs), per_bucket):
+        bucket = WeightBucket(1 << 22, "cpu")
+        for name, tensor in pairs[i : i + per_bucket]:
+            bucket.add(name, tensor, dtype)
+        buckets.append(bucket)
+    return buckets
+
+
+def test_a_sealed_bucket_is_never_written_again():
+    (bucket,) = _sealed_buckets(list(source_model(seed=3).state_dict().items())[:2], 2)
+    for write in (lambda: bucket.clear(), lambda: bucket.add("x", torch.zeros(1), torch.float32),
+                  lambda: bucket.reserve("x", (1,), torch.float32)):
+        with pytest.raises(ValueError, match="sealed bucket is never written again"):
+            write()
 
 
 def _storage_within(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -222,7 +243,7 @@ def test_the_engine_adopts_a_sealed_bucket_once_and_copies_everything_else():
     pairs = list(source_model(seed=4).state_dict().items())
     buckets = _sealed_buckets(pairs, 4)
     first, second = make_engine(), make_engine()
-    sync_weights([p for b in buckets for p in b.named_tensors()], first, version=1, bucket_bytes=1 << 22)
+    sync_weights(buckets, first, version=1, bucket_bytes=1 << 22)
     params = dict(first.model.named_parameters())
     for bucket in buckets:
         for name, _ in bucket.named_tensors():
@@ -240,11 +261,9 @@ def test_the_engine_adopts_a_sealed_bucket_once_and_copies_everything_else():
     half = WeightBucket(1 << 22, "cpu")  # sealed, but in bf16 for an fp32 engine: cast by copying
     for name, tensor in pairs[:3]:
         half.add(name, tensor, torch.bfloat16)
-    from megatron_rl.rollout.bucket import seal
-
     third = make_engine()
     third.begin_weight_update(2)
-    third.load_weight_bucket(seal(half))
+    third.load_weight_bucket(half.seal())
     mine = dict(third.model.named_parameters())
     for name, tensor in pairs[:3]:
         assert mine[name].dtype == torch.float32 and not _storage_within(mine[name], half.buffer)

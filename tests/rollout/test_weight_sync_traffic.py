@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.distributed.traffic_counter import KEYS, count_traffic
+from megatron_rl_testing.traffic_counter import KEYS, count_traffic
 
 GPUS_PER_NODE = 4
 BUCKET_BYTES = 24 << 10
@@ -26,8 +26,10 @@ BUCKET_BYTES = 24 << 10
 def instrumented_sync(ckpt_dir: str) -> dict:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, export_hf_weights, export_hf_weights_tensorwise
-    from megatron_rl.rollout import HFEngine, sync_weights
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise
+    from megatron_rl.rollout import HFEngine
+    from megatron_rl.weights import sync_weights
 
     init_model_parallel(tp=2, pp=2)
     chunks = build_from_hf(ckpt_dir)
@@ -60,7 +62,7 @@ def instrumented_sync(ckpt_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     ckpt = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=5, num_layers=4)
     return str(ckpt), run_multiprocess(instrumented_sync, 8, str(ckpt), timeout_s=900)

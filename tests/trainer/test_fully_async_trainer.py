@@ -14,8 +14,8 @@ import torch
 from test_async_trainer import _cfg, assert_same_steps, synchronous_run
 from test_trainer_loop import Collect, FakeActorRollout, FakeLoader, length_reward
 
-from megatron_rl.config import validate
-from megatron_rl.config.validate import ConfigError
+from megatron_rl.plan.validate import validate
+from megatron_rl.config import ConfigError
 from megatron_rl.trainer.fully_async import FullyAsyncTrainer
 from megatron_rl.trainer.signals import StopRequest
 

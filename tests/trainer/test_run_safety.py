@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 from megatron_rl.protocol import DataProto
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import load_config, validate
+from megatron_rl.config import load_config
+from megatron_rl.plan.validate import validate
 from megatron_rl.protocol import DataProto
 from megatron_rl.trainer.checkpointing import LATEST_FILE, TrainerCheckpointer
 from megatron_rl.trainer.rl_trainer import RLTrainer

@@ -1,6 +1,7 @@
 import pytest
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 
 # A valid small set-up: 2 nodes x 4 ranks, actor TP=2 -> DP=4.
 BASE = [

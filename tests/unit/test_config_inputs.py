@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan.validate import validate
 
 BASE = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
@@ -77,7 +78,7 @@ def test_choice_fields_are_typed_and_errors_list_the_options():
     from megatron_rl.config import schema
     import importlib
 
-    validate_module = importlib.import_module("megatron_rl.config.validate")  # the package exports the function
+    validate_module = importlib.import_module("megatron_rl.plan.validate")  # the package exports the function
 
     for name in ("KNOWN_ROLLOUT_ENGINES", "KNOWN_LAUNCHERS", "KNOWN_LR_SCHEDULERS", "KNOWN_REWARD_MANAGERS",
                  "KNOWN_TRUNCATIONS", "KNOWN_MALFORMED_ROW_POLICIES"):

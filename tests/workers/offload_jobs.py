@@ -36,7 +36,7 @@ def _step(actor, seed: int) -> dict[str, Any]:
     out["log_probs"] = actor.compute_log_prob(data).batch["old_log_probs"]
     out["metrics"] = update(actor, data)
     out["host_bytes_after_update"] = engine.offload.host_bytes()
-    out["weights"] = weights(actor)  # the export to the engine (named_hf_weights)
+    out["weights"] = weights(actor)  # the export to the engine (export_buckets)
     return out
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("engine_config") / "qwen2", "qwen2",
                                     with_tokenizer=False)

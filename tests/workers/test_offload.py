@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def results(request, tmp_path_factory):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("offload") / "qwen2", "qwen2", with_tokenizer=False)
     return run_multiprocess(offload_job, request.param, str(model), request.param, timeout_s=500)[0]

@@ -19,7 +19,7 @@ LAYOUTS = ("tp2", "tp2_sp", "tp2_dynamic", "pp2", "vpp")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("packed")
     model = make_tiny_hf_checkpoint(root / "qwen2", "qwen2", with_tokenizer=False)

@@ -43,7 +43,7 @@ def make_tiny_critic_checkpoint(lm_dir: Path, out_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> tuple[str, str, str, str]:
     """(LM, 4-layer LM, critic, work directory)."""
-    from megatron_rl.models.testing import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("workers")
     model = make_tiny_hf_checkpoint(root / "qwen2", "qwen2", with_tokenizer=False)

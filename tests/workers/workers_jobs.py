@@ -81,7 +81,7 @@ def training_batch(seed: int = 0, rows: int = BATCH_ROWS, group: int = 1) -> Dat
 
 
 def weights(role) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in role.named_hf_weights()}
+    return {name: tensor.clone() for bucket in role.export_buckets() for name, tensor in bucket.named_tensors()}
 
 
 def dp_shard(data: DataProto) -> DataProto:

@@ -120,32 +120,6 @@ def _column(values: list[Any]) -> np.ndarray:
     return column
 
 
-def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
-    """``RewardManager`` (rule scorers) unless ``reward_model.enable``; then the RM worker group is started
-    (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
-    if not cfg.reward_model.enable:
-        return RewardManager(tokenizer, cfg.reward)
-    from megatron_rl.data import load_tokenizer
-    from megatron_rl.workers.reward_model import start_reward_model_group
-
-    rm = cfg.reward_model
-    plan = CombinePlan(rm.combine)
-    needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
-    rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
-    try:
-        if rm.judge.enable:
-            judge, close = build_judge(cfg)
-            return ModelRewardFn(JudgeScorer(judge, tokenizer), plan, rule, close)
-        input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
-        inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
-        group, close = start_reward_model_group(cfg)
-    except BaseException:
-        if rule is not None:
-            rule.close()
-        raise
-    return ModelRewardFn(ClassifierScorer(group, inputs), plan, rule, close)
-
-
 def build_judge(cfg: Any) -> tuple[Any, Callable[[], None]]:
     """``reward_model.judge`` (greedy answers) and what stops it: its engine in the driver, or in a Ray actor of
     its own with ``reward_model.enable_resource_pool`` (reward/model/judge_actor.py)."""

@@ -49,7 +49,7 @@ def build_sglang_engine(
     ``rollout.server_urls`` (global rank 0 builds it). ``model_override``: config.json fields
     (actor_rollout_ref.model.override_config) the colocated engine applies, as SGLang's
     json_model_override_args, so it serves the model the Megatron side built. ``compute_device``: cpu for the
-    HF-engine servers (rollout/hf_server.py), which speak the same protocol."""
+    HF-engine servers (servers/hf_server.py), which speak the same protocol."""
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     sgl = config.sglang

@@ -26,7 +26,7 @@ from packaging.version import Version
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.sglang.contract import MEMORY_TAGS, WEIGHT_UPDATE_SESSION_SINCE, checked
@@ -54,7 +54,7 @@ class SGLangEngine(RolloutEngine):
     ) -> None:
         """``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
         ``megatron_rl.rollout.sglang.build_sglang_engine``). ``compute_device``: where the engines compute,
-        which decides ``rollout.dtype=auto`` (cpu for the HF-engine servers, rollout/hf_server.py)."""
+        which decides ``rollout.dtype=auto`` (cpu for the HF-engine servers, servers/hf_server.py)."""
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
             raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
@@ -92,11 +92,11 @@ class SGLangEngine(RolloutEngine):
         )
         start = time.perf_counter()
         input_ids = prompt_token_lists(prompts)
-        sampling = [checked("sampling", None, _sampling_dict(params, row)) for row in range(len(input_ids))]
+        sampling = [checked("sampling", None, sampling_dict(params, row)) for row in range(len(input_ids))]
         outputs = self.transport.generate(input_ids, sampling)
         responses, log_probs = [], []
         for row, output in enumerate(outputs):
-            tokens, lps = _parse_output(output, row, params)
+            tokens, lps = parse_output(output, row, params)
             if self.is_server:
                 self._check_served_version(output, row)
             responses.append(tokens)
@@ -218,7 +218,7 @@ class SGLangEngine(RolloutEngine):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _sampling_dict(params: SamplingParams, row: int) -> dict[str, Any]:
+def sampling_dict(params: SamplingParams, row: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "max_new_tokens": params.max_response_length,
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -232,7 +232,7 @@ def _sampling_dict(params: SamplingParams, row: int) -> dict[str, Any]:
     return out
 
 
-def _parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[int], list[float]]:
+def parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[int], list[float]]:
     """Response tokens and log-probs from ``meta_info.output_token_logprobs`` ([logprob, token_id, text]),
     cut after the first finishing token."""
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, import_sglang
 
 __all__ = ["serialize_bucket"]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.bucket import WeightBucket
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.sglang.contract import (
     BUCKET_FORMAT,
     SGLANG_CONTRACT,
@@ -59,7 +59,7 @@ class UpdateGroupBroken(WeightUpdateError):
     """A bucket's broadcast failed: names what each server did (answered, failed, stuck) and the cause."""
 
 
-class _HTTPServer:
+class ServerHTTP:
     """One SGLang HTTP server; JSON in, JSON out; errors name the URL, route and SGLang's message."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
@@ -143,7 +143,7 @@ class ServerTransport:
         self._timeout_s, self._broken_wait_s = timeout_s, float(broken_group_wait_s)
         self._stuck: set[str] = set()  # URLs of servers blocked in a broken broadcast: no request waits on them
         self._abandoned: list[dist.ProcessGroup] = []  # broken groups, kept alive (see the module docstring)
-        self._servers = [_HTTPServer(url, timeout_s) for url in server_urls]
+        self._servers = [ServerHTTP(url, timeout_s) for url in server_urls]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._servers)), thread_name_prefix="sglang-http")
         self._read_server_info()
         self.weight_transport = weight_transport
@@ -169,7 +169,7 @@ class ServerTransport:
         self.tp_size = max(self.server_tp)
 
     def replace_servers(self, server_urls: list[str]) -> list[str]:
-        """Servers that died were replaced at new URLs (rollout/server_restarts.py): the survivors leave the
+        """Servers that died were replaced at new URLs (servers/restarts.py): the survivors leave the
         update group (it has a dead member) and the next sync builds a fresh one with every server. Returns the
         URLs among ``server_urls`` of servers stuck in a broken broadcast: they can leave nothing and serve
         nothing, so the caller replaces them too (then calls this again)."""
@@ -180,12 +180,12 @@ class ServerTransport:
         self._leave_update_group(survivors)
         self._stuck &= set(urls)
         stuck = [url for url in urls if url in self._stuck]
-        self._servers = [_HTTPServer(url, self._timeout_s) for url in urls]
+        self._servers = [ServerHTTP(url, self._timeout_s) for url in urls]
         if not stuck:
             self._read_server_info()
         return stuck
 
-    def _leave_update_group(self, servers: list[_HTTPServer]) -> None:
+    def _leave_update_group(self, servers: list[ServerHTTP]) -> None:
         """The servers drop the group (SGLang's ``/destroy_weights_update_group``), then the trainer does. After
         a broken broadcast the trainer's end is abandoned (see the module docstring) and the servers that
         answered drop theirs, which frees its sockets; a dead server has none left."""
@@ -203,11 +203,11 @@ class ServerTransport:
                 except SGLangServerError as exc:  # it may never have joined (the group broke while joining)
                     logger.warning("a server leaving the broken weight-update group: %s", exc)
 
-    def _live(self, servers: list[_HTTPServer] | None = None) -> list[_HTTPServer]:
+    def _live(self, servers: list[ServerHTTP] | None = None) -> list[ServerHTTP]:
         return [s for s in (self._servers if servers is None else servers) if s.url not in self._stuck]
 
     def _on_all(self, route: str, body: dict[str, Any] | None = None,
-                servers: list[_HTTPServer] | None = None) -> list[Any]:
+                servers: list[ServerHTTP] | None = None) -> list[Any]:
         """``route`` on every server not stuck in a broken broadcast (a stuck one would never answer)."""
         futures = [self._pool.submit(s.request, route, body) for s in self._live(servers)]
         return [f.result() for f in futures]

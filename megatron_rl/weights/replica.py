@@ -21,18 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
-from megatron_rl.rollout.bucket import WeightBucket
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
-from megatron_rl.rollout.weight_sync import (
-    WeightSyncError,
-    check_logprob_diff,
-    explain_mismatch,
-    logprob_diff,
-    probe_rollout,
-    sync_weights,
-)
+from megatron_rl.weights.export import ExportPlan
+from megatron_rl.weights.sync import WeightItem, WeightSyncError, sync_weights
+from megatron_rl.weights.verify import check_logprob_diff, explain_mismatch, logprob_diff, probe_rollout
 
 __all__ = ["RolloutReplica"]
 
@@ -43,7 +38,7 @@ def _distributed() -> bool:
 
 def _agree_on_failure(failure: Exception | None, version: int) -> None:
     """Server mode: only the sender (rank 0) can fail a sync. Every rank raises its failure, so they all stop
-    (or retry, rollout/server_restarts.py) together instead of the others going on alone into the next
+    (or retry, servers/restarts.py) together instead of the others going on alone into the next
     collective."""
     reasons: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, None if failure is None else f"{type(failure).__name__}: {failure}")
@@ -186,46 +181,51 @@ class RolloutReplica:
         if self.is_leader and self.config.free_cache_engine and self.config.mode == "colocated":
             self.engine.sleep()
 
+    def export_plan(self) -> ExportPlan:
+        """Colocated: every rank feeds its engine, so every rank materialises full tensors. Server mode: only the
+        senders (the leaders) do; the other ranks send their shards towards them and skip the rest."""
+        server_mode = self.config.mode != "colocated"
+        return ExportPlan(
+            consumers=frozenset(self.mesh.leaders) if server_mode else None,
+            bucket_bytes=int(self.config.weight_sync.bucket_size_mb) << 20,
+        )
+
     def sync(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, defer_verify: bool = False
+        self, export: Callable[[ExportPlan], Iterable[WeightItem]], version: int, *, defer_verify: bool = False
     ) -> dict[str, float]:
         """Push weight version ``version`` (the training step) into the replica's engine; every rank calls this
-        with the same export stream. Returns ``weight_sync/*`` (and ``rollout/logprob_diff_*``) metrics.
+        with the same ``export``, which streams the weights as the replica's ``export_plan()`` says (the actor's
+        ``export_buckets``; any (name, tensor) stream in tests). Returns ``weight_sync/*`` (and
+        ``rollout/logprob_diff_*``) metrics.
         ``defer_verify``: a due verification waits for ``verify_pending`` (servers paused around the sync hold
         the probe's generation until they continue, so the probe must come after)."""
-        from megatron_rl.models.export_options import export_consumers
-
         sync_cfg = self.config.weight_sync
         verify = sync_cfg.verify_freq > 0 and version % sync_cfg.verify_freq == 0
-        bucket_bytes = int(sync_cfg.bucket_size_mb) << 20
-        # Colocated: every rank feeds its engine, so every rank materialises full tensors. Server mode: only
-        # the sender (the leader) does; the other ranks send their shards towards it and skip the rest.
-        server_mode = self.config.mode != "colocated"
-        feeding = self.mesh.leaders if server_mode else None
-        stream = iter(named_tensors)
+        plan = self.export_plan()
+        server_mode = plan.consumers is not None
+        stream = iter(export(plan))
         failure: Exception | None = None
         metrics: dict[str, float] = {}
         checksums = None
-        with export_consumers(feeding, bucket_bytes):
-            if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
-                for _ in stream:
+        if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
+            for _ in stream:
+                pass
+        else:
+            try:
+                stats = sync_weights(
+                    stream,
+                    self.sink,
+                    version=version,
+                    bucket_bytes=plan.bucket_bytes,
+                    compute_checksums=verify and self.is_leader,
+                )
+                metrics, checksums = stats.metrics(), stats.checksums
+            except Exception as exc:
+                if not (server_mode and _distributed()):
+                    raise
+                failure = exc
+                for _ in stream:  # the other ranks' export collectives need this rank to the end
                     pass
-            else:
-                try:
-                    stats = sync_weights(
-                        stream,
-                        self.sink,
-                        version=version,
-                        bucket_bytes=bucket_bytes,
-                        compute_checksums=verify and self.is_leader,
-                    )
-                    metrics, checksums = stats.metrics(), stats.checksums
-                except Exception as exc:
-                    if not (server_mode and _distributed()):
-                        raise
-                    failure = exc
-                    for _ in stream:  # the other ranks' export collectives need this rank to the end
-                        pass
         if server_mode and _distributed():
             _agree_on_failure(failure, version)
         self.version = version
@@ -286,7 +286,7 @@ class RolloutReplica:
         return {} if engine is None else routing_agreement(trainer, engine)
 
     def replace_servers(self, server_urls: list[str]) -> list[str]:
-        """Server mode: the leader's engine talks to these servers from now on (rollout/server_restarts.py);
+        """Server mode: the leader's engine talks to these servers from now on (servers/restarts.py);
         the URLs of servers stuck in a broken broadcast, which must be replaced too."""
         return self.engine.replace_servers(server_urls) if self.engine is not None else []
 

@@ -71,7 +71,7 @@ def _mcore_dtype(mcore_dir: Path) -> torch.dtype:
 
 
 def _copy_hf_metadata(src: Path, dst: Path) -> None:
-    from megatron_rl.models.export import TOKENIZER_FILES
+    from megatron_rl.weights.export import TOKENIZER_FILES
 
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", *TOKENIZER_FILES):
@@ -157,7 +157,7 @@ def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.fl
 
 def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models.export import save_hf_checkpoint
+    from megatron_rl.weights.export import save_hf_checkpoint
 
     config_dir = _config_dir(args)
     dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(config_dir)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_rl.config.errors import ConfigError
+
 
 def _estimator_traits(name: str):
     """The traits an estimator declared when it was registered (algos/estimators.py): ours and a user's alike."""
@@ -34,10 +36,6 @@ def _check_rollout_correction(section) -> None:
                           f"(rollout_is={corr.rollout_is!r}, rollout_rs={corr.rollout_rs!r}): the trainer's bypass "
                           "does not compute them against the policy being trained, so they would do nothing; "
                           "unset them, or set bypass_mode=false to correct against recomputed old log-probs")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names the key(s) and the values seen."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ def _check_server_restarts(cfg: DictConfig) -> None:
 
 
 def _check_server_pool(cfg: DictConfig) -> None:
-    """Under Ray the servers the run starts get their own pool (rollout/ray_server_pool.py): it must fit in an
+    """Under Ray the servers the run starts get their own pool (servers/ray_pool.py): it must fit in an
     embedded Ray next to the trainer's ranks (one CPU each), or the trainer's pool would wait ray_init.timeout_s."""
     rollout = cfg.actor_rollout_ref.rollout
     started = rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls

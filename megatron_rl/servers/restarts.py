@@ -1,13 +1,13 @@
 """Replacing rollout servers that die during a run (``actor_rollout_ref.rollout.server_restarts``).
 
-A request that fails on a server the pool (rollout/server_pool.py) sees exited is a death: it is named
+A request that fails on a server the pool (servers/pool.py) sees exited is a death: it is named
 (warning + ``rollout/server_restarts``) and the pool starts a fresh server at a new URL. The fresh server holds
 no weights of the run (it refuses to generate), so it serves nothing until it has the current version:
 
 - synchronous loop (``RestartingWorkers.generate_sequences``): the workers rebuild their weight-update group
   with the new server, the current version is synced again at once (the trainer still holds exactly those
   weights: nothing updated since the last sync), and the batch is generated again (same seeds);
-- async loops (rollout/server_client.py): the trainer's weights have moved on during the update, so only the
+- async loops (servers/client.py): the trainer's weights have moved on during the update, so only the
   surviving servers hold the version the batch in flight was sampled with; the dead server's rows go to a
   survivor with the tokens they already have, and the replacement joins at the next weight sync.
 
@@ -18,7 +18,7 @@ broadcast (it answers nothing until the group's timeout; not counted against the
 deaths), and the same version is synced again from the start to every server on a fresh update group: a
 survivor holding a half-applied update (it refused to serve it when its session ended) ends with the
 trainer's weights too. Every trainer rank takes part in the retry
-(rollout/replica.py makes them agree on the failure).
+(weights/replica.py makes them agree on the failure).
 
 Once ``server_restarts`` servers were replaced, the next death fails the run naming the server, its exit code,
 what it died during and the key.
@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.server_pool import RolloutServerDied, ServerPool
+from megatron_rl.servers.pool import RolloutServerDied, ServerPool
 
 __all__ = ["RESTARTS_KEY", "RestartingWorkers", "ServerRestarts"]
 

@@ -1,6 +1,7 @@
 """A flat byte buffer holding many named tensors: the unit a weight sync pushes to an engine.
 
-The layout is SGLang's ``flattened_bucket`` (one 1-D uint8 tensor plus, per tensor, name, shape, dtype
+It is to a weight what ``DataProto`` is to a sample: the Megatron export fills it, weight sync hands it to
+engines, servers and checkpoints. The layout is SGLang's ``flattened_bucket`` (one 1-D uint8 tensor plus, per tensor, name, shape, dtype
 and the byte range ``[start, end)``), so the SGLang engine sends a bucket as is and the HF engine reads
 views of it. Each entry starts at the first offset aligned to its dtype's size, so a single-dtype bucket
 is packed back to back — the layout SGLang's distributed receiver allocates from (names, dtypes, shapes).
@@ -8,12 +9,11 @@ is packed back to back — the layout SGLang's distributed receiver allocates fr
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BucketEntry", "WeightBucket", "adopt", "seal", "sealed_bucket_of"]
+__all__ = ["BucketEntry", "WeightBucket"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class WeightBucket:
         self.buffer: torch.Tensor | None = None  # allocated on first use
         self.entries: list[BucketEntry] = []
         self.used = 0
+        # Sealed: filled once by its producer and never written again (the weight export makes a fresh one per
+        # bucket), so a consumer may hand it to an engine as is, even an asynchronous one, instead of copying.
+        self.sealed = False
 
     @classmethod
     def wrapping(cls, name: str, tensor: torch.Tensor) -> WeightBucket:
@@ -65,6 +68,7 @@ class WeightBucket:
 
     def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         """Copy ``tensor`` into the buffer as ``dtype`` (the cast and the copy are one kernel)."""
+        self._check_writable()
         nbytes = tensor.numel() * dtype.itemsize
         if not self.fits(nbytes, dtype):
             raise ValueError(
@@ -80,6 +84,7 @@ class WeightBucket:
 
     def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Append an entry and return its (uninitialised) view: the caller writes the tensor in place."""
+        self._check_writable()
         nbytes = _numel(shape) * dtype.itemsize
         if not self.fits(nbytes, dtype):
             raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit: {self.used}/{self.capacity} bytes used")
@@ -112,8 +117,27 @@ class WeightBucket:
         return [(entry.name, self.tensor(i)) for i, entry in enumerate(self.entries)]
 
     def clear(self) -> None:
+        self._check_writable()
         self.entries = []
         self.used = 0
+
+    def _check_writable(self) -> None:
+        if self.sealed:
+            raise ValueError("a sealed bucket is never written again: its producer has handed it on")
+
+    def seal(self) -> WeightBucket:
+        """Declare the bucket immutable from now on (its producer will never write it again)."""
+        self.sealed = True
+        return self
+
+    def adopt(self) -> bool:
+        """Take a sealed bucket's memory over instead of copying out of it (an in-process engine makes its
+        parameters views of it). True once: the bucket is unsealed, so it is nobody's shared immutable buffer
+        any more (its new owner may write it) and a second engine handed the same bucket copies."""
+        if not self.sealed or self.buffer is None:
+            return False
+        self.sealed = False
+        return True
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -121,40 +145,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-# Sealed buckets: filled once by their producer and never written again (the weight export makes a fresh one
-# per bucket). A consumer may hand such a bucket to an engine as is — even an asynchronous one — instead of
-# copying its tensors into a bucket of its own. Keyed by the buffer's address; the value is weak, so an entry
-# lives exactly as long as its bucket (and so its buffer, whose address no other live tensor can have).
-_SEALED: weakref.WeakValueDictionary[tuple[str, int], WeightBucket] = weakref.WeakValueDictionary()
-
-
-def seal(bucket: WeightBucket) -> WeightBucket:
-    """Declare ``bucket`` immutable from now on (its producer will never write it again)."""
-    if bucket.buffer is not None:
-        _SEALED[(str(bucket.device), bucket.buffer.data_ptr())] = bucket
-    return bucket
-
-
-def adopt(bucket: WeightBucket) -> bool:
-    """Take a sealed bucket's memory over instead of copying out of it (an in-process engine makes its
-    parameters views of it). True once: the bucket is unsealed, so it is nobody's shared immutable buffer
-    any more (its new owner may write it) and a second engine handed the same bucket copies."""
-    if bucket.buffer is None or sealed_bucket_of(bucket.buffer) is not bucket:
-        return False
-    del _SEALED[(str(bucket.device), bucket.buffer.data_ptr())]
-    return True
-
-
-def sealed_bucket_of(tensor: torch.Tensor) -> WeightBucket | None:
-    """The sealed bucket whose buffer ``tensor`` is a view of (its storage starts at the buffer), or None."""
-    if not _SEALED:
-        return None
-    bucket = _SEALED.get((str(tensor.device), tensor.untyped_storage().data_ptr()))
-    if bucket is None or bucket.buffer is None or bucket.buffer.untyped_storage().data_ptr() != bucket.buffer.data_ptr():
-        return None
-    return bucket
 
 
 def _aligned(offset: int, alignment: int) -> int:

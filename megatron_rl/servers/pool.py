@@ -6,9 +6,9 @@ generation runs on other cores than training and the two can overlap (trainer/of
 exits is found by ``check()`` (its exit code and URL named in the error); ``replace(i)`` starts a fresh one
 at a new URL, which serves nothing until the next weight sync.
 
-``ServerPool`` is what the trainer, rollout/server_restarts.py and rollout/server_client.py use;
+``ServerPool`` is what the trainer, servers/restarts.py and servers/client.py use;
 ``RolloutServerPool`` starts the servers as child processes (torchrun, or no Ray), and
-rollout/ray_server_pool.py as Ray actors on a resource pool of their own.
+servers/ray_pool.py as Ray actors on a resource pool of their own.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class ServerProcess:
 
 def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
                     chunk_tokens: int = 8, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m megatron_rl.rollout.hf_server``; returns the process and its URL once it listens."""
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.hf_server", "--model-path", str(model_path),
+    """Start ``python -m megatron_rl.servers.hf_server``; returns the process and its URL once it listens."""
+    cmd = [sys.executable, "-m", "megatron_rl.servers.hf_server", "--model-path", str(model_path),
            "--dtype", dtype, "--seed", str(seed), "--threads", str(threads), "--chunk-tokens", str(chunk_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""The driver's generation client to rollout servers (SGLang or rollout/hf_server.py), for the async loops.
+"""The driver's generation client to rollout servers (SGLang or servers/hf_server.py), for the async loops.
 
 In server mode the weight updates stay where they are (trainer rank 0's SGLangEngine opens the servers'
 sessions and broadcasts); generation for an async loop goes straight from the driver to the servers, so it can
@@ -19,7 +19,7 @@ its part of one batch goes straight on with its part of the next while slower se
 batch's part never waits behind a later batch's on the same server. A batch's split is fixed (rows in order,
 one part per serving server), so its samples do not depend on what else is generating.
 A server that cannot be reached is named, with the pool's exit code when the pool started it. With
-``restarts`` (rollout/server_restarts.py) a server that died is replaced instead: the rows it had in flight go
+``restarts`` (servers/restarts.py) a server that died is replaced instead: the rows it had in flight go
 to a surviving server, which holds the same weights, with the tokens they already have (their groups stay
 whole, their tokens' versions exact), and its replacement gets work only after the next weight sync. While
 the servers are paused for a sync no server may hold the last weights (a death during the sync can get every
@@ -40,11 +40,11 @@ import numpy as np
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
 from megatron_rl.rollout.sampling import resolve_sampling_params
-from megatron_rl.rollout.server_pool import RolloutServerDied
-from megatron_rl.rollout.server_restarts import RESTARTS_KEY, ServerRestarts
-from megatron_rl.rollout.sglang.adapter import _parse_output, _sampling_dict
+from megatron_rl.servers.pool import RolloutServerDied
+from megatron_rl.servers.restarts import RESTARTS_KEY, ServerRestarts
+from megatron_rl.rollout.sglang.adapter import parse_output, sampling_dict
 from megatron_rl.rollout.sglang.contract import SGLangServerError, checked
-from megatron_rl.rollout.sglang.server_transport import _HTTPServer
+from megatron_rl.rollout.sglang.server_transport import ServerHTTP
 
 __all__ = ["ServerRolloutClient"]
 
@@ -68,7 +68,7 @@ class ServerRolloutClient:
         self.pool = restarts.pool if restarts is not None else pool
         self.response_length = int(config.response_length or response_length)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
-        self._servers = [_HTTPServer(url, timeout_s) for url in urls]
+        self._servers = [ServerHTTP(url, timeout_s) for url in urls]
         self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-client-{i}")
                        for i in range(len(self._servers))]
         self._continued = threading.Event()  # clear between pause_generation and continue_generation
@@ -80,7 +80,7 @@ class ServerRolloutClient:
                                          eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
         start = time.perf_counter()
         input_ids = prompt_token_lists(prompts)
-        sampling = [checked("sampling", None, _sampling_dict(params, row)) for row in range(len(input_ids))]
+        sampling = [checked("sampling", None, sampling_dict(params, row)) for row in range(len(input_ids))]
         serving = self._serving()
         bounds = [len(input_ids) * i // len(serving) for i in range(len(serving) + 1)]
         parts = [(index, lo, hi) for index, (lo, hi) in zip(serving, itertools.pairwise(bounds)) if hi > lo]
@@ -89,7 +89,7 @@ class ServerRolloutClient:
         outputs = [out for f in futures for out in f.result()]
         responses, log_probs, token_versions = [], [], []
         for row, (output, versions) in enumerate(outputs):
-            tokens, lps = _parse_output(output, row, params)
+            tokens, lps = parse_output(output, row, params)
             responses.append(tokens)
             log_probs.append(lps)
             if not tokens:
@@ -180,7 +180,7 @@ class ServerRolloutClient:
             return server.request(route, body)
         except SGLangServerError as exc:
             if self.restarts is not None and self.restarts.handle(server.url):
-                self._servers[index] = _HTTPServer(self.pool.urls[index], server.timeout_s)
+                self._servers[index] = ServerHTTP(self.pool.urls[index], server.timeout_s)
                 raise _Replaced(index) from exc
             if self.pool is not None:
                 self.pool.check()  # names the server that exited and its code

@@ -4,7 +4,7 @@ It is the CPU production path of ``rollout.mode=server`` with ``rollout.name=hf`
 own processes (their own cores), the trainer drives them with the same client as SGLang servers
 (``rollout.sglang.server_transport``): control over HTTP, weights over an update group joined through
 ``/init_weights_update_group`` (gloo on CPU, where SGLang uses NCCL) and broadcast per bucket with
-``/update_weights_from_distributed``. ``python -m megatron_rl.rollout.hf_server --model-path DIR`` prints
+``/update_weights_from_distributed``. ``python -m megatron_rl.servers.hf_server --model-path DIR`` prints
 ``READY <port>`` once it listens.
 
 Routes (fields SGLANG_CONTRACT lists; any other field is a 400, stricter than SGLang, so a client that
@@ -398,7 +398,7 @@ def build_engine(model_path: str, dtype: str, seed: int, threads: int):
 def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32", seed: int = 0,
            threads: int = 1, chunk_tokens: int = 8) -> ThreadingHTTPServer:
     """The server bound to ``host:port`` (0: a free port this process picks), not yet serving: the caller runs
-    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of rollout/ray_server_pool.py)."""
+    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of servers/ray_pool.py)."""
     app = HFServerApp(build_engine(model_path, dtype, seed, threads), chunk_tokens)
     server = ThreadingHTTPServer((host, port), _handler(app))
     server.daemon_threads = True

@@ -1,8 +1,8 @@
 """HF-engine rollout servers as Ray actors on a resource pool of their own (a run under Ray that starts its
 servers: ``rollout.mode=server``, ``rollout.name=hf``, ``rollout.num_servers``).
 
-Each actor's process is one server (rollout/hf_server.py: the same routes and weight-update protocol as SGLang),
-so generation overlaps with training as with the subprocess pool (rollout/server_pool.py), but Ray places it:
+Each actor's process is one server (servers/hf_server.py: the same routes and weight-update protocol as SGLang),
+so generation overlaps with training as with the subprocess pool (servers/pool.py), but Ray places it:
 the servers' pool ``rollout_servers`` reserves ``num_servers`` bundles of ``rollout.server_cpus`` CPUs, apart
 from the trainer's ``global_pool``. A server binds a free port in its own process and reports its URL, so
 servers starting at once never collide. A dead actor (``ray.kill``, its process SIGKILLed, its node lost) is
@@ -27,7 +27,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from megatron_rl.controller.resource_pool import RankSlot, RayResourcePool
-from megatron_rl.rollout.server_pool import RolloutServerDied, ServerPool, require_servers
+from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
 
 __all__ = ["HFServerActor", "RayRolloutServerPool", "ServerActor"]
 
@@ -42,7 +42,7 @@ class HFServerActor:
     process (the actor's own thread stays free to answer ``ping``)."""
 
     def __init__(self, model_path: str, dtype: str, seed: int, threads: int, chunk_tokens: int) -> None:
-        from megatron_rl.rollout.hf_server import listen
+        from megatron_rl.servers.hf_server import listen
 
         host = ray.util.get_node_ip_address()  # reachable from the driver's node, too
         self.server = listen(model_path, host=host, dtype=dtype, seed=seed, threads=threads, chunk_tokens=chunk_tokens)
@@ -64,7 +64,7 @@ _ServerActorClass = ray.remote(max_restarts=0, max_concurrency=2)(HFServerActor)
 
 
 class ServerActor:
-    """One server's actor as its pool watches it (rollout/server_pool.py ``RolloutServer``)."""
+    """One server's actor as its pool watches it (servers/pool.py ``RolloutServer``)."""
 
     def __init__(self, index: int, actor: ActorHandle, where: dict[str, Any], ping_timeout_s: float) -> None:
         self.index, self.actor, self.where = index, actor, where

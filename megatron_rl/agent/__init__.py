@@ -1,6 +1,6 @@
 """Multi-turn, tool-using rollouts (docs/rollout.md, "Agent loop"): the loop, environments, tools."""
 
-from megatron_rl.rollout.agent.env import (
+from megatron_rl.agent.env import (
     ENV_REGISTRY,
     AgentEnv,
     SingleTurnEnv,
@@ -9,9 +9,9 @@ from megatron_rl.rollout.agent.env import (
     get_env,
     register_env,
 )
-from megatron_rl.rollout.agent.loop import AgentLoop, AgentLoopSettings, agent_metrics, observation_token_ids
-from megatron_rl.rollout.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from megatron_rl.rollout.agent.tools import (
+from megatron_rl.agent.loop import AgentLoop, AgentLoopSettings, observation_token_ids
+from megatron_rl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
+from megatron_rl.agent.tools import (
     TOOL_REGISTRY,
     CalculatorTool,
     PythonTool,
@@ -25,6 +25,6 @@ from megatron_rl.rollout.agent.tools import (
 __all__ = [
     "ENV_REGISTRY", "TOOL_REGISTRY", "AgentEnv", "AgentLoop", "AgentLoopSettings", "CalculatorTool",
     "PythonTool", "SingleTurnEnv", "StepResult", "Tool", "ToolCall", "ToolCallError", "ToolEnv",
-    "agent_metrics", "build_tools", "get_env", "load_tool_config", "observation_token_ids",
+    "build_tools", "get_env", "load_tool_config", "observation_token_ids",
     "parse_tool_calls", "register_env", "register_tool", "safe_arithmetic",
 ]

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.rollout.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from megatron_rl.rollout.agent.tools import Tool, truncate
+from megatron_rl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
+from megatron_rl.agent.tools import Tool, truncate
 
 __all__ = ["AgentEnv", "ENV_REGISTRY", "SingleTurnEnv", "StepResult", "ToolEnv", "get_env", "register_env"]
 
@@ -64,7 +64,7 @@ def get_env(name: str) -> type[AgentEnv]:
         return ENV_REGISTRY[name]
     except KeyError:
         raise ValueError(f"no agent environment {name!r}; registered: {sorted(ENV_REGISTRY)} "
-                         "(register one with megatron_rl.rollout.agent.register_env)") from None
+                         "(register one with megatron_rl.agent.register_env)") from None
 
 
 @register_env("single_turn_agent")

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +57,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_rl.distributed.host_gather import HostGather, host_gather_for
-from megatron_rl.models import export_options
-from megatron_rl.models.export_options import export_consumers  # noqa: F401  (re-exported)
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import (
@@ -85,8 +84,22 @@ TOKENIZER_FILES = (
 )
 
 
+DEFAULT_EXPORT_BUCKET_BYTES = 512 << 20  # full-tensor bytes per bucket (rollout.weight_sync.bucket_size_mb)
 
-DEFAULT_EXPORT_BUCKET_BYTES = export_options.DEFAULT_EXPORT_BUCKET_BYTES
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What one export materialises where. ``consumers``: the global ranks that need full tensors (None: every
+    rank; server mode: the sender alone). ``bucket_bytes``: full-tensor bytes per bucket. ``dtype``: what the
+    weights are cast to before communication (None: the parameters' dtype)."""
+
+    consumers: frozenset[int] | None = None
+    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"export bucket_bytes must be positive, got {self.bucket_bytes}")
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -373,9 +386,7 @@ class _ExportContext:
         return buffer[:nbytes]
 
 
-def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor):
-    from megatron_rl.rollout.bucket import WeightBucket, seal
-
+def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor) -> WeightBucket:
     specs = hf_bucket_specs(ctx.hf, bucket)
     out = WeightBucket(WeightBucket.capacity_for([(shape, dtype) for _, shape, dtype in specs]), ctx.device)
     split = ctx.split_of(bucket)
@@ -387,7 +398,7 @@ def _hf_bucket(ctx: _ExportContext, bucket: ExportBucket, gathered: torch.Tensor
         if slot.group.kind is Kind.REPLICATED:
             shards = shards[:1]
         _write_hf(ctx.hf, slot.group, shards, dests)
-    return seal(out)
+    return out.seal()
 
 
 def _export_context(chunks, dtype, consumers) -> tuple[_ExportContext, dict, bool]:
@@ -457,22 +468,13 @@ def _add_expert_parallel(ctx: _ExportContext, ep_owner: dict[str, int] | None) -
             )
 
 
-def export_hf_buckets(
-    model_chunks: list[torch.nn.Module],
-    dtype: torch.dtype | None = None,
-    *,
-    bucket_bytes: int | None = None,
-    consumers=None,
-):
-    """Yield sealed HF-layout ``WeightBucket``s (checkpoint order) on consumer ranks; a collective (module
-    docstring). ``consumers``: global ranks that materialise (default: ``export_consumers``' setting, else all)."""
+def export_hf_buckets(model_chunks: list[torch.nn.Module], plan: ExportPlan = ExportPlan()) -> Iterator[WeightBucket]:
+    """Yield sealed HF-layout ``WeightBucket``s (checkpoint order) on the plan's consumer ranks; a collective
+    (module docstring) that every rank of the model-parallel group must iterate to the end."""
     chunks = [unwrap(c) for c in model_chunks]
-    if consumers is None:
-        consumers = export_options.consumers
-    bucket_bytes = bucket_bytes or export_options.bucket_bytes or DEFAULT_EXPORT_BUCKET_BYTES
-    ctx, owner, value_model = _export_context(chunks, dtype, None if consumers is None else frozenset(consumers))
+    ctx, owner, value_model = _export_context(chunks, plan.dtype, plan.consumers)
     buckets = plan_export_buckets(
-        hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, bucket_bytes, ctx.ep_owner
+        hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, plan.bucket_bytes, ctx.ep_owner
     )
     if not buckets:
         return
@@ -498,8 +500,8 @@ def export_hf_weights(
     model_chunks: list[torch.nn.Module],
     dtype: torch.dtype | None = None,
     *,
-    bucket_bytes: int | None = None,
-    consumers=None,
+    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES,
+    consumers: Iterable[int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in HF checkpoint order on every consumer rank (default: every rank).
 
@@ -508,7 +510,8 @@ def export_hf_weights(
     yields no ``lm_head.weight``. Tensors are views of sealed buckets on the current CUDA device (CPU
     without CUDA), never written again. Non-consumer ranks take part in the collectives and yield nothing.
     """
-    for bucket in export_hf_buckets(model_chunks, dtype, bucket_bytes=bucket_bytes, consumers=consumers):
+    plan = ExportPlan(None if consumers is None else frozenset(consumers), bucket_bytes, dtype)
+    for bucket in export_hf_buckets(model_chunks, plan):
         yield from bucket.named_tensors()
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.models.testing import make_tiny_tokenizer, perturb_norms_and_biases, tiny_hf_config
+from megatron_rl_testing.tiny_models import make_tiny_tokenizer, perturb_norms_and_biases, tiny_hf_config
 
 
 def make_tiny_reward_model(

@@ -1,5 +1,5 @@
 """A CPU stand-in for NCCL's one rule that gloo does not enforce: a collective's tensors must be on the
-GPU. Test utility (like ``models.testing``).
+GPU. A test tool: the product never imports it.
 
 Inside ``with nccl_like():`` the process group answers ``get_backend() == "nccl"`` and every tensor
 that would be on CUDA on a GPU machine carries a mark: tensors created with a CUDA ``device=`` (which

@@ -8,7 +8,7 @@ are returned as text. The agent loop additionally bounds every tool call in time
 Tool config file (``multi_turn.tool_config_path``, verl's format)::
 
     tools:
-      - class_name: megatron_rl.rollout.agent.tools.CalculatorTool   # or a built-in name: calculator, python
+      - class_name: megatron_rl.agent.tools.CalculatorTool   # or a built-in name: calculator, python
         config: {}
         tool_schema: {type: function, function: {name: calculator, description: ..., parameters: {...}}}
 """

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.agent.env import AgentEnv, StepResult, get_env
-from megatron_rl.rollout.agent.tools import Tool, build_tools, load_tool_config
+from megatron_rl.agent.env import AgentEnv, StepResult, get_env
+from megatron_rl.agent.tools import Tool, build_tools, load_tool_config
 from megatron_rl.rollout.batch_io import check_prompt_batch, prompt_token_lists
 
-__all__ = ["AgentLoop", "AgentLoopSettings", "agent_metrics", "observation_token_ids", "rollout_probs_diff"]
+__all__ = ["AgentLoop", "AgentLoopSettings", "observation_token_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -310,29 +310,3 @@ class AgentLoop:
             meta["weight_version"] = version
         return DataProto(batch, non_tensor, meta)
 
-
-def agent_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
-    """verl's ``num_turns/{min,max,mean}`` and ``tool_call_counts/{min,max,mean}`` of a batch (empty when
-    the batch is not multi-turn)."""
-    nt = data.non_tensor_batch if isinstance(data, DataProto) else data
-    metrics: dict[str, float] = {}
-    for key, name in (("__num_turns__", "num_turns"), ("tool_call_counts", "tool_call_counts")):
-        if key in nt and len(nt[key]):
-            values = np.asarray(nt[key], dtype=np.float64)
-            metrics |= {f"{name}/min": float(values.min()), f"{name}/max": float(values.max()),
-                        f"{name}/mean": float(values.mean())}
-    return metrics
-
-
-def rollout_probs_diff(data: DataProto) -> dict[str, float]:
-    """verl's ``training/rollout_probs_diff_{max,mean,std}``: |p_rollout - p_trainer| on the trained tokens
-    (``response_mask``; observation tokens excluded), from ``rollout_log_probs`` and ``old_log_probs``."""
-    b = data.batch
-    if "rollout_log_probs" not in b or "old_log_probs" not in b:
-        return {}
-    mask = b["response_mask"].bool()
-    if not bool(mask.any()):
-        return {}
-    diff = (b["rollout_log_probs"].float().exp() - b["old_log_probs"].float().exp()).abs()[mask]
-    return {"training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
-            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}

@@ -1,0 +1,35 @@
+"""The run's reward function: the rule scorers alone, or with a reward model (its worker group started here,
+since it is a Megatron role) or a generative judge, combined as ``reward_model.combine`` says."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.data import load_tokenizer
+from megatron_rl.reward.manager import RewardManager
+from megatron_rl.reward.model.combine import CombinePlan
+from megatron_rl.reward.model.inputs import RewardModelInputs
+from megatron_rl.reward.model.reward_fn import ClassifierScorer, JudgeScorer, ModelRewardFn, build_judge
+from megatron_rl.workers.reward_model import start_reward_model_group
+
+
+def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
+    """``RewardManager`` (rule scorers) unless ``reward_model.enable``; then the RM worker group is started
+    (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
+    if not cfg.reward_model.enable:
+        return RewardManager(tokenizer, cfg.reward)
+    rm = cfg.reward_model
+    plan = CombinePlan(rm.combine)
+    needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
+    rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
+    try:
+        if rm.judge.enable:
+            judge, close = build_judge(cfg)
+            return ModelRewardFn(JudgeScorer(judge, tokenizer), plan, rule, close)
+        input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
+        inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
+        group, close = start_reward_model_group(cfg)
+    except BaseException:
+        if rule is not None:
+            rule.close()
+        raise
+    return ModelRewardFn(ClassifierScorer(group, inputs), plan, rule, close)
