@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -166,6 +167,61 @@ def _sync_device(bucket: WeightBucket) -> None:
         torch.cuda.current_stream(bucket.device).synchronize()  # the engine reads it from another stream
 
 
+class _Packer:
+    """One sync's bookkeeping: what was sent (names once each, bytes, checksums) and how each item reaches the
+    pusher: a sealed bucket as is when it can, everything else copied into the pusher's buckets."""
+
+    def __init__(self, pusher: Any, bucket_bytes: int, dtype: torch.dtype, compute_checksums: bool) -> None:
+        self.pusher, self.bucket_bytes, self.dtype = pusher, bucket_bytes, dtype
+        self.checksums: dict[str, TensorChecksum] | None = {} if compute_checksums else None
+        self.seen: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, item: WeightItem) -> None:
+        _check_item(item)
+        if not isinstance(item, WeightBucket):
+            self._copy_in(*item)
+        elif len(item) and not self._push_as_is(item):
+            for name, tensor in item.named_tensors():
+                self._copy_in(name, tensor)
+
+    def _cast_of(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if tensor.is_floating_point() else tensor.dtype
+
+    def _sent(self, name: str, nbytes: int, tensor: torch.Tensor) -> None:
+        if name in self.seen:
+            raise WeightSyncError(f"tensor {name!r} was exported twice in one sync")
+        self.seen.add(name)
+        self.total_bytes += nbytes
+        if self.checksums is not None:
+            self.checksums[name] = tensor_checksum(tensor)
+
+    def _copy_in(self, name: str, tensor: torch.Tensor) -> None:
+        cast = self._cast_of(tensor)
+        nbytes = tensor.numel() * cast.itemsize
+        if nbytes > self.bucket_bytes:
+            sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
+            self.pusher.push_alone(sent)
+        else:
+            if not self.pusher.current.fits(nbytes, cast):
+                self.pusher.push_current()
+            self.pusher.current.add(name, tensor, cast)
+            sent = self.pusher.current
+        self._sent(name, nbytes, sent.tensor(-1))
+
+    def _push_as_is(self, bucket: WeightBucket) -> bool:
+        """A sealed bucket in the cast dtype and within ``bucket_bytes`` (or holding one tensor) goes as is."""
+        if not bucket.sealed or (bucket.used > self.bucket_bytes and len(bucket) > 1):
+            return False  # larger than the caller's bucket: copied, keeping its memory bound
+        if any(self._cast_of(bucket.tensor(i)) != entry.dtype for i, entry in enumerate(bucket.entries)):
+            return False
+        for i, entry in enumerate(bucket.entries):
+            self._sent(entry.name, entry.end - entry.start, bucket.tensor(i))
+        self.pusher.push_current()  # keep the engine's load order
+        self.pusher.push_sealed(bucket)
+        return True
+
+
 def sync_weights(
     stream: Iterable[WeightItem],
     engine: RolloutEngine,
@@ -185,7 +241,6 @@ def sync_weights(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"rollout.weight_sync.bucket_size_mb must be positive, got {bucket_bytes} bytes")
-    target_dtype = dtype or engine.dtype
     start = time.perf_counter()
     stream = iter(stream)
     first = next(stream, None)
@@ -195,61 +250,13 @@ def sync_weights(
     device = first.device if isinstance(first, WeightBucket) else first[1].device
     pusher_cls = _FreshBucketPusher if engine.async_loads or engine.thread_affine else _DoubleBufferedPusher
     pusher = pusher_cls(engine, bucket_bytes, device)
-    checksums: dict[str, TensorChecksum] | None = {} if compute_checksums else None
-    seen: set[str] = set()
-    total_bytes = 0
+    packer = _Packer(pusher, bucket_bytes, dtype or engine.dtype, compute_checksums)
     engine.begin_weight_update(version)
-
-    def cast_of(tensor: torch.Tensor) -> torch.dtype:
-        return target_dtype if tensor.is_floating_point() else tensor.dtype
-
-    def account(name: str, nbytes: int) -> None:
-        nonlocal total_bytes
-        if name in seen:
-            raise WeightSyncError(f"tensor {name!r} was exported twice in one sync")
-        seen.add(name)
-        total_bytes += nbytes
-
-    def copy_in(name: str, tensor: torch.Tensor) -> None:
-        cast = cast_of(tensor)
-        nbytes = tensor.numel() * cast.itemsize
-        account(name, nbytes)
-        if nbytes > bucket_bytes:
-            sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
-            pusher.push_alone(sent)
-        else:
-            if not pusher.current.fits(nbytes, cast):
-                pusher.push_current()
-            pusher.current.add(name, tensor, cast)
-            sent = pusher.current
-        if checksums is not None:
-            checksums[name] = tensor_checksum(sent.tensor(-1))
-
-    def push_as_is(bucket: WeightBucket) -> bool:
-        """A sealed bucket in the cast dtype and within ``bucket_bytes`` (or holding one tensor) goes as is."""
-        if not bucket.sealed or (bucket.used > bucket_bytes and len(bucket) > 1):
-            return False  # larger than the caller's bucket: copied, keeping its memory bound
-        if any(cast_of(bucket.tensor(i)) != entry.dtype for i, entry in enumerate(bucket.entries)):
-            return False
-        for i, entry in enumerate(bucket.entries):
-            account(entry.name, entry.end - entry.start)
-            if checksums is not None:
-                checksums[entry.name] = tensor_checksum(bucket.tensor(i))
-        pusher.push_current()  # keep the engine's load order
-        pusher.push_sealed(bucket)
-        return True
-
     try:
         # itertools.chain, not a generator with ``yield from``: closing that would close the caller's stream,
         # which must stay open after a failure (replica.py drains it so the other ranks' export completes).
         for item in itertools.chain([first], stream):
-            _check_item(item)
-            if isinstance(item, WeightBucket):
-                if len(item) and not push_as_is(item):
-                    for name, tensor in item.named_tensors():
-                        copy_in(name, tensor)
-            else:
-                copy_in(*item)
+            packer.add(item)
         pusher.push_current()
         pusher.drain()
     except BaseException as exc:
@@ -262,14 +269,11 @@ def sync_weights(
     engine.end_weight_update()
     pusher.close()  # after the session ends: the last bucket stays referenced until the engine is done
     seconds = time.perf_counter() - start
-    stats = WeightSyncStats(version, seconds, total_bytes, len(seen), pusher.num_buckets, checksums)
+    stats = WeightSyncStats(version, seconds, packer.total_bytes, len(packer.seen), pusher.num_buckets,
+                            packer.checksums)
     logger.info(
         "weight sync v%d: %d tensors, %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
-        version,
-        len(seen),
-        total_bytes / 1e6,
-        pusher.num_buckets,
-        seconds,
+        version, len(packer.seen), packer.total_bytes / 1e6, pusher.num_buckets, seconds,
         stats.metrics()["weight_sync/GBps"],
     )
     return stats

@@ -25,8 +25,7 @@ BUCKET_BYTES = 8 << 10  # many small buckets: every slot is reused many times
 def raced_exports(ckpt_dir: str) -> dict:
     from megatron_rl.distributed import host_gather, init_model_parallel
     from megatron_rl.models import build_from_hf
-    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise
-    from megatron_rl.weights import export
+    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise, export
 
     init_model_parallel(tp=2)
     chunks = build_from_hf(ckpt_dir)

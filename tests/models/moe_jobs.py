@@ -135,9 +135,8 @@ def moe_sync_job(model_dir: str) -> dict[str, float]:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf
-    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.weights import export_hf_weights, sync_weights, verify_sync
     from megatron_rl.rollout import HFEngine
-    from megatron_rl.weights import sync_weights, verify_sync
 
     init_model_parallel(tp=1, pp=1, ep=2)
     chunks = build_from_hf(model_dir)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.distributed import run_multiprocess
-from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
-from megatron_rl_testing.tiny_models import padded_batch as batch
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint, padded_batch as batch
 
 pytestmark = pytest.mark.distributed
 

@@ -106,9 +106,8 @@ def sync_and_verify(ckpt_dir: str, tp: int, pp: int) -> dict:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf
-    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.weights import export_hf_weights, WeightSyncError, sync_weights, verify_sync
     from megatron_rl.rollout import HFEngine
-    from megatron_rl.weights import WeightSyncError, sync_weights, verify_sync
 
     init_model_parallel(tp=tp, pp=pp)
     chunks = build_from_hf(ckpt_dir)

@@ -13,9 +13,8 @@ import os
 import pytest
 from test_hf_server import server_replica, source_model
 
-from megatron_rl.config import load_config
+from megatron_rl.config import load_config, ConfigError
 from megatron_rl.plan.validate import validate
-from megatron_rl.config import ConfigError
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.pool import RolloutServerDied
 

@@ -165,9 +165,8 @@ def test_killed_servers_are_replaced_synced_and_their_rows_reissued(tmp_path):
      "one_step_off needs rollout.num_servers >= 2"),
 ])
 def test_server_restarts_refusals_name_the_key(overrides, message):
-    from megatron_rl.config import load_config
+    from megatron_rl.config import load_config, ConfigError
     from megatron_rl.plan.validate import validate
-    from megatron_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(load_config(overrides=overrides))

@@ -27,7 +27,7 @@ def instrumented_sync(ckpt_dir: str) -> dict:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf
-    from megatron_rl.weights import export_hf_weights, export_hf_weights_tensorwise
+    from megatron_rl.weights import ExportPlan, export_hf_buckets, export_hf_weights, export_hf_weights_tensorwise
     from megatron_rl.rollout import HFEngine
     from megatron_rl.weights import sync_weights
 
@@ -40,7 +40,7 @@ def instrumented_sync(ckpt_dir: str) -> dict:
     out: dict = {"rank": dist.get_rank()}
     dist.barrier()
     with count_traffic(GPUS_PER_NODE) as counts:
-        stats = sync_weights(export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES), engine, version=1,
+        stats = sync_weights(export_hf_buckets(chunks, ExportPlan(bucket_bytes=BUCKET_BYTES)), engine, version=1,
                              bucket_bytes=BUCKET_BYTES)
     out["shard_first"] = dict(counts)
     out["engine_buckets"] = stats.num_buckets

@@ -12,9 +12,8 @@ import pytest
 import torch
 from test_trainer_loop import Collect, FakeActorRollout, FakeLoader, length_reward
 
-from megatron_rl.config import load_config
+from megatron_rl.config import load_config, ConfigError
 from megatron_rl.plan.validate import validate
-from megatron_rl.config import ConfigError
 from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 from megatron_rl.trainer.rl_trainer import RLTrainer
 from megatron_rl.trainer.signals import StopRequest
