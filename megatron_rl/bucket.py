@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BucketEntry", "WeightBucket"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketEntry", "WeightBucket"]
+
+DEFAULT_BUCKET_BYTES = 512 << 20  # full-tensor bytes per bucket: rollout.weight_sync.bucket_size_mb's default
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "DEFAULT_EXPORT_BUCKET_BYTES": "export",
     "ExportPlan": "export",
     "export_hf_buckets": "export",
     "export_hf_weights": "export",

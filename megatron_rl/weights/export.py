@@ -57,7 +57,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_rl.distributed.host_gather import HostGather, host_gather_for
-from megatron_rl.bucket import WeightBucket
+from megatron_rl.bucket import DEFAULT_BUCKET_BYTES, WeightBucket
 from megatron_rl.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import (
@@ -84,9 +84,6 @@ TOKENIZER_FILES = (
 )
 
 
-DEFAULT_EXPORT_BUCKET_BYTES = 512 << 20  # full-tensor bytes per bucket (rollout.weight_sync.bucket_size_mb)
-
-
 @dataclass(frozen=True)
 class ExportPlan:
     """What one export materialises where. ``consumers``: the global ranks that need full tensors (None: every
@@ -94,7 +91,7 @@ class ExportPlan:
     weights are cast to before communication (None: the parameters' dtype)."""
 
     consumers: frozenset[int] | None = None
-    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -500,7 +497,7 @@ def export_hf_weights(
     model_chunks: list[torch.nn.Module],
     dtype: torch.dtype | None = None,
     *,
-    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     consumers: Iterable[int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in HF checkpoint order on every consumer rank (default: every rank).

@@ -2,8 +2,8 @@
 
 ``sync_weights`` consumes a stream of sealed ``WeightBucket``s (``weights.export_hf_buckets`` in training: each
 is handed to the engine as is, no copy) or of (HF name, full tensor) pairs (an HF ``state_dict().items()`` in
-tests), which it packs into fixed-size byte buckets, casting to the engine's dtype in the copy. For an engine whose loads finish before they return (HF), two
-buckets alternate: while the engine loads one (on a helper thread), the exporter fills the other, and a
+tests), which it packs into fixed-size byte buckets, casting to the engine's dtype in the copy. For an engine
+whose loads finish before they return (HF), two buckets alternate: while the engine loads one (on a helper thread), the exporter fills the other, and a
 bucket is refilled only after its load returned. An engine that may read a bucket after its load returned
 (``async_loads``: SGLang's CUDA IPC copies) or must be called from its own thread gets a fresh buffer per
 load, on the calling thread, and no buffer is ever rewritten. A tensor larger than a bucket travels alone
@@ -24,16 +24,13 @@ from typing import Any
 
 import torch
 
+from megatron_rl.bucket import DEFAULT_BUCKET_BYTES, WeightBucket
 from megatron_rl.rollout.base import RolloutEngine
-from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "WeightItem", "WeightSyncError", "WeightSyncStats", "sync_weights"]
+__all__ = ["WeightItem", "WeightSyncError", "WeightSyncStats", "sync_weights"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 512 << 20  # rollout.weight_sync.bucket_size_mb default
-
 
 WeightItem = WeightBucket | tuple[str, torch.Tensor]  # what a weight stream yields
 
