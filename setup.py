@@ -2,7 +2,9 @@
 
 The C++ CPU kernels are always built. The CUDA kernels (csrc/cuda/*.cu) are added when torch was built
 with CUDA and nvcc is found; MEGATRON_RL_BUILD_CUDA=1 requires them (error if impossible),
-MEGATRON_RL_BUILD_CUDA=0 leaves them out. TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual.
+MEGATRON_RL_BUILD_CUDA=0 leaves them out. TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual; unset
+with no GPU visible (a build node), the presets' Hopper/Blackwell list is used (setup_cuda.cuda_arch_list) and
+printed, where torch's builder would fail on the empty list of visible GPUs.
 """
 
 import os
@@ -16,7 +18,7 @@ from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
-from setup_cuda import CUDA_ENV, cuda_build_decision, nvcc_version  # noqa: E402
+from setup_cuda import CUDA_ENV, apply_cuda_arch_list, cuda_build_decision, nvcc_version  # noqa: E402
 
 
 def _rel(paths):
@@ -28,14 +30,17 @@ def _want_cuda() -> bool:
     MEGATRON_RL_BUILD_CUDA=1 and gives a CPU-only build with a warning otherwise (setup_cuda.py)."""
     import torch
 
+    toolkit = nvcc_version(cpp_extension.CUDA_HOME)
     build, warning = cuda_build_decision(
         torch.version.cuda,
-        nvcc_version(cpp_extension.CUDA_HOME),
+        toolkit,
         os.environ.get(CUDA_ENV),
         cuda_home=cpp_extension.CUDA_HOME,
     )
     if warning:
         print(warning, file=sys.stderr)
+    if build:  # torch's builder reads the list when it compiles the .cu files
+        print(apply_cuda_arch_list(os.environ, torch.cuda.device_count(), toolkit), file=sys.stderr)
     return build
 
 

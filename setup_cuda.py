@@ -59,3 +59,39 @@ def cuda_build_decision(
             raise RuntimeError(f"{CUDA_ENV}=1: {message}")
         return False, f"WARNING: building the CPU kernels only: {message}"
     return True, None
+
+
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
+# Hopper (H100/H200, what every GPU preset targets) and Blackwell (B200/GB200), with PTX of the newest so a
+# later GPU can JIT it. Names as torch's cpp_extension accepts them ("9.0", "10.0+PTX").
+DEFAULT_ARCH_LIST = "9.0;10.0+PTX"
+HOPPER_ONLY_ARCH_LIST = "9.0+PTX"  # a toolkit older than 12.8 cannot compile sm_100
+
+
+def cuda_arch_list(env_value: str | None, visible_gpus: int, toolkit: str | None) -> tuple[str | None, str]:
+    """(the TORCH_CUDA_ARCH_LIST to set, or None to leave torch's choice; why, to print at build time).
+
+    torch's extension builder (``cpp_extension._get_cuda_arch_flags``) takes the list from
+    $TORCH_CUDA_ARCH_LIST, else from the GPUs it sees; with none visible (a login or build node, a container
+    without ``--gpus``) it fails with an IndexError on the empty list. Then the presets' architectures are
+    set here instead.
+    """
+    if env_value:
+        return None, f"CUDA architectures: {ARCH_ENV}={env_value} (from the environment)"
+    if visible_gpus > 0:
+        return None, (f"CUDA architectures: those of the {visible_gpus} visible GPU(s) ({ARCH_ENV} is unset; "
+                      "set it to build for other GPUs)")
+    arch = DEFAULT_ARCH_LIST
+    if toolkit is not None and tuple(int(x) for x in toolkit.split(".")[:2]) < (12, 8):
+        arch = HOPPER_ONLY_ARCH_LIST
+    return arch, (f"CUDA architectures: {ARCH_ENV} is unset and no GPU is visible, so building for "
+                  f"{ARCH_ENV}={arch!r} (Hopper{'' if arch == HOPPER_ONLY_ARCH_LIST else ' and Blackwell'}; "
+                  f"CUDA {toolkit}); set {ARCH_ENV} to choose others")
+
+
+def apply_cuda_arch_list(environ: dict, visible_gpus: int, toolkit: str | None) -> str:
+    """Set ``environ[TORCH_CUDA_ARCH_LIST]`` when :func:`cuda_arch_list` says so; returns the message."""
+    arch, message = cuda_arch_list(environ.get(ARCH_ENV), visible_gpus, toolkit)
+    if arch is not None:
+        environ[ARCH_ENV] = arch
+    return message
