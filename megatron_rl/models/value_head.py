@@ -17,8 +17,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class ValueHead(MegatronModule):
-    """Replicated on every TP rank: the hidden states entering it are identical across TP ranks, so
-    every rank computes the same values and the same gradients without communication."""
+    """Replicated on every TP rank (the same weight everywhere).
+
+    Without sequence parallelism the hidden states entering it are identical across TP ranks, so every
+    rank computes the same values and the same gradients without communication.
+
+    Under sequence parallelism (as verl's ``LinearForLastLayer`` and slime do) each TP rank applies the
+    head to its own slice of the sequence and the [s/TP, b, 1] values are gathered with
+    ``tensor_parallel_output_grad=False``: every rank holds the full values and the full loss, so the
+    backward of the gather only keeps this rank's slice of the (identical) value gradient. Gathering the
+    hidden states with the default ``tensor_parallel_output_grad=True`` instead reduce-scatters that
+    identical gradient, i.e. multiplies every trunk gradient by TP while the head's stays x1 (wrong grad
+    norm and clipping). The head's weight and bias gradients are then partial sums over this rank's
+    tokens, so they are marked ``sequence_parallel`` and Megatron's ``finalize_model_grads`` sums them
+    over TP (``_allreduce_non_tensor_model_parallel_grads``), exactly like the norms' weights.
+    """
 
     def __init__(self, config: TransformerConfig, init: str = "normal", bias: bool = True):
         super().__init__(config=config)
@@ -36,6 +49,8 @@ class ValueHead(MegatronModule):
                 self.weight.zero_()
             else:
                 self.weight.normal_(mean=0.0, std=config.init_method_std)
+        for param in self.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(
         self,
@@ -44,9 +59,10 @@ class ValueHead(MegatronModule):
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Same call signature as ColumnParallelLinear, which GPTModel._postprocess uses."""
+        values = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
         if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
 
 
 def attach_value_head(model: torch.nn.Module, init: str = "normal", bias: bool = True) -> None:

@@ -195,3 +195,98 @@ def test_optimizer_step_with_ddp_matches_single_rank(per_rank, layout):
             torch.testing.assert_close(
                 step["weights"][name], weight, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
             )
+
+
+# --- Critic (value head) gradients under sequence parallelism (issue 32, item 10) --------------------------
+# The head is initialised NON-ZERO (a zero head gives the trunk no gradient at all, which hid a doubled trunk
+# gradient under SP). Each layout runs Megatron's training path (DDP, finalize_model_grads, clipped Adam) and
+# returns the finalised gradients under HF names, the grad norm the optimizer clips with, and the values.
+CRITIC_LAYOUTS = [(1, False), (2, False), (2, True)]  # (TP, sequence parallel)
+
+
+def value_loss(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    target = torch.linspace(-1.0, 1.0, mask.shape[-1])
+    valid = mask.float()
+    return (((values.squeeze(-1).float() - target) ** 2) * valid).sum() / valid.sum()
+
+
+def critic_step(directory: str, tp: int, sequence_parallel: bool) -> dict:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, causal_padding_mask, position_ids_from_mask
+    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.workers.optimizer_device import optimizer_device_scope
+
+    init_model_parallel(tp=tp)
+    chunks = build_from_hf(directory, value_head=True, sequence_parallel=sequence_parallel)
+    head = chunks[-1].output_layer
+    with torch.no_grad():  # the same non-zero head in every layout, whatever each rank's RNG consumed
+        gen = torch.Generator().manual_seed(7)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * 0.5)
+        head.bias.fill_(0.25)
+    config = chunks[0].config
+    model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    with optimizer_device_scope():
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=0.1, adam_eps=1.0, clip_grad=1e9), model
+        )
+
+    def forward_step(data_iterator, model_chunk):
+        ids, mask = next(data_iterator)
+        values = model_chunk(ids, position_ids_from_mask(mask), causal_padding_mask(mask))
+
+        def loss_fn(output):
+            loss = value_loss(mask, output)
+            return loss, {"loss": loss.detach(), "values": output.detach()}
+
+        return values, loss_fn
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches()), model=model,
+        num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH_SIZE, forward_only=False,
+    )
+    params = [p for m in model for p in m.parameters()]
+    kept = [p.data for p in params]
+    for param in params:  # export the finalised gradients under HF names
+        param.data = param.main_grad.view_as(param)
+    grads = {name: tensor.clone() for name, tensor in export_hf_weights(model)}
+    for param, data in zip(params, kept):
+        param.data = data
+    with optimizer_device_scope():
+        _, grad_norm, _ = optimizer.step()
+    return {"outputs": outputs, "grads": grads, "grad_norm": grad_norm}
+
+
+def critic_checks(directory: str) -> dict:
+    return {layout: critic_step(directory, *layout) for layout in CRITIC_LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def critic_per_rank(tmp_path_factory):
+    directory = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("critic") / "qwen2", "qwen2", num_layers=2)
+    return run_multiprocess(critic_checks, WORLD, str(directory), timeout_s=600)
+
+
+@pytest.mark.parametrize("layout", CRITIC_LAYOUTS[1:], ids=["tp2", "tp2_sp"])
+def test_critic_values_and_gradients_match_single_rank(critic_per_rank, layout):
+    reference = critic_per_rank[0][CRITIC_LAYOUTS[0]]
+    assert reference["grads"]["score.weight"].abs().sum() > 0
+    for rank, result in enumerate(critic_per_rank):
+        step = result[layout]
+        for ref, out in zip(reference["outputs"], step["outputs"], strict=True):
+            torch.testing.assert_close(out["values"], ref["values"], atol=1e-5, rtol=1e-5)
+        assert step["grads"].keys() == reference["grads"].keys()
+        for name, ref in reference["grads"].items():
+            assert ref.abs().sum() > 0, f"{name} has no gradient in the reference"
+            torch.testing.assert_close(
+                step["grads"][name], ref, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"rank {rank} {name}: {m}"
+            )
+        assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), f"rank {rank} grad norm"
