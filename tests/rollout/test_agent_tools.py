@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import time
+import uuid
 
 import pytest
 
@@ -73,8 +77,9 @@ def test_python_tool_time_and_memory_limits():
 def test_python_tool_environment_and_network():
     py = PythonTool({"timeout_s": 5})
     # no inherited secrets / proxies; runs in an empty temporary directory
-    assert py.execute({"code": "import os; print(sorted(os.environ))"}).strip() in (
-        "['PATH', 'PYTHONIOENCODING']", "['LC_CTYPE', 'PATH', 'PYTHONIOENCODING']")
+    names = set(eval(py.execute({"code": "import os; print(sorted(os.environ))"}).strip()))
+    assert names - {"LC_CTYPE"} == {"PATH", "PYTHONIOENCODING", "HOME", "TMPDIR", "OMP_NUM_THREADS",
+                                    "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
     assert py.execute({"code": "import os; print(os.listdir('.'))"}).strip() == "['main.py']"
     if not py.network_isolated:
         pytest.skip("no unprivileged network namespace here (unshare -rn): network isolation not enforced")
@@ -102,3 +107,108 @@ def test_verl_tool_config(tmp_path):
     assert tools["calc"].execute({"expression": "2*3"}) == "6"
     assert tools["python"].timeout_s == 2.0
     assert tools["calc"].schema["function"]["parameters"]["required"] == ["expression"]
+
+
+# ---------------------------------------------------------------------------------------------- containment
+def _marked_processes(marker: str) -> list[int]:
+    """Pids of live (not zombie) processes whose command line holds ``marker`` (the whole machine's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def _kill_marked(marker: str) -> None:
+    for pid in _marked_processes(marker):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# A daemon: double fork + setsid, the grandchild keeps stdout open and sleeps, named by a marker in its argv.
+_DAEMON = """
+import os, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(20)  # {marker}"])
+    os._exit(0)
+print("parent done", flush=True)
+"""
+
+
+def test_python_tool_daemon_cannot_outlive_the_call():
+    marker = f"mrl-daemon-{uuid.uuid4().hex}"
+    py = PythonTool({"timeout_s": 2})
+    try:
+        start = time.monotonic()
+        out = py.execute({"code": _DAEMON.format(marker=marker)})
+        elapsed = time.monotonic() - start
+        assert elapsed < 2 + 1.5, f"the call took {elapsed:.1f}s (limit 2s): a grandchild held the output pipe"
+        assert "parent done" in out
+        if not py.sandbox.pid_namespace:
+            pytest.skip(f"no PID namespace here ({py.sandbox}): a daemon that left the session is not reaped")
+        assert _marked_processes(marker) == [], "a daemonised grandchild survived the call"
+        # the same when the program itself outlives the limit
+        start = time.monotonic()
+        out = py.execute({"code": _DAEMON.format(marker=marker) + "import time; time.sleep(60)"})
+        assert time.monotonic() - start < 2 + 1.5 and "longer than" in out
+        assert _marked_processes(marker) == []
+    finally:
+        _kill_marked(marker)
+
+
+def test_python_tool_bounds_processes():
+    marker = f"mrl-forks-{uuid.uuid4().hex}"
+    py = PythonTool({"timeout_s": 3, "max_processes": 8})
+    # bounded by the test itself (200 forks at most), so it cannot run away on a tool without the limit
+    code = (f"import os, time  # {marker}\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+            "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as exc:\n"
+            "    print('forks', n, type(exc).__name__)\nelse:\n    print('forks', n, 'unbounded')\n")
+    try:
+        start = time.monotonic()
+        out = py.execute({"code": code})
+        assert time.monotonic() - start < 3 + 1.5
+        assert "unbounded" not in out and "forks" in out, out
+        assert int(out.split()[1]) < 8, out
+        if py.sandbox.pid_namespace:
+            assert _marked_processes(marker) == []
+        # a real fork bomb: bounded, killed at the limit, nothing left
+        start = time.monotonic()
+        out = PythonTool({"timeout_s": 2, "max_processes": 8}).execute(
+            {"code": f"import os  # {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"})
+        assert time.monotonic() - start < 2 + 1.5 and "longer than" in out
+        if py.sandbox.pid_namespace:
+            assert _marked_processes(marker) == []
+    finally:
+        _kill_marked(marker)
+
+
+def test_python_tool_is_unprivileged(tmp_path):
+    py = PythonTool({"timeout_s": 5})
+    out = py.execute({"code": "print(open('/etc/shadow').read()[:4])"})
+    assert "Error" in out and ("Permission" in out or "No such file" in out), out
+    outside = tmp_path / "planted.txt"
+    tmp_path.chmod(0o777)  # even a world-writable directory of the trainer's is out of reach
+    out = py.execute({"code": f"open({str(outside)!r}, 'w').write('x')"})
+    assert not outside.exists() and "Error" in out, out
+    out = py.execute({"code": "open('here.txt', 'w').write('fine'); import os, tempfile\n"
+                              "print(open('here.txt').read(), os.environ['HOME'] == os.getcwd() == tempfile.gettempdir())"})
+    assert out.strip() == "fine True", out
+    # no view of the trainer: it cannot be signalled (not even probed with signal 0), nor the tool's parent
+    code = (f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached the trainer')\n"
+            "except OSError as exc:\n    print('trainer:', type(exc).__name__)\n"
+            "ppid = os.getppid()\nif ppid:\n    try:\n        os.kill(ppid, 0)\n        print('reached the parent')\n"
+            "    except OSError as exc:\n        print('parent:', type(exc).__name__)\n")
+    out = py.execute({"code": code})
+    assert "reached" not in out and "trainer: " in out, out
+    assert py.execute({"code": "print(sum(range(10)))"}).strip() == "45"
