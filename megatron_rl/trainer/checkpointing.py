@@ -1,13 +1,15 @@
 """Step checkpoints on disk: `<dir>/global_step_<k>/{actor,critic,trainer_state.json,manifest.json}`.
 
 A step is written into `global_step_<k>.tmp`; when every role has saved, `manifest.json` (every file of the
-checkpoint with its size) is written LAST and the directory renamed, so a crash mid-save leaves the previous
-checkpoint intact and a checkpoint without a matching manifest is never trusted. On load the manifest is
-checked against the files; auto-resume takes the newest checkpoint that passes and says which newer ones it
-skipped and why. `latest_checkpointed_iteration.txt` (verl's name) points at the newest one.
+checkpoint with its size, and its sha256 unless a tensor shard) is written LAST and the directory renamed, so a
+crash mid-save leaves the previous checkpoint intact and a checkpoint without a matching manifest is never
+trusted. On load the manifest is checked against the files; auto-resume takes the newest checkpoint that passes
+and says which newer ones it skipped and why. `latest_checkpointed_iteration.txt` (verl's name) points at the
+newest one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
+HASH_EXEMPT = (".distcp",)  # tensor shards: sizes only in the manifest
 TRAINER_STATE_FILE = "trainer_state.json"
 HF_FINAL_DIR = "hf_final"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -40,11 +43,22 @@ def _io_error(err: OSError, what: str, path: Path) -> OSError:
         f"{what} {path} failed: {err}")
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_manifest(directory: Path, step: int) -> None:
     files = {str(p.relative_to(directory)): p.stat().st_size
              for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    # sha256 of every file but the tensor shards (*.distcp: the bulk, sizes only): what the driver reads back
+    # (trainer state, the rollouts of an async run) and the checkpoint's metadata (issue 33)
+    hashes = {name: _sha256(directory / name) for name in files if not name.endswith(HASH_EXEMPT)}
     tmp = directory / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1))
+    tmp.write_text(json.dumps({"global_step": step, "files": files, "sha256": hashes}, indent=1))
     os.replace(tmp, directory / MANIFEST_FILE)
 
 
@@ -57,7 +71,8 @@ def checkpoint_problem(directory: Path) -> str | None:
                     f"resumed with trainer.resume_mode=resume_path trainer.resume_from_path={directory})")
         return f"no {MANIFEST_FILE} and no {TRAINER_STATE_FILE}: the save never finished"
     try:
-        files = json.loads(manifest.read_text())["files"]
+        recorded = json.loads(manifest.read_text())
+        files, hashes = recorded["files"], recorded.get("sha256", {})  # manifests before issue 33: sizes only
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{manifest} cannot be read ({err})"
     if TRAINER_STATE_FILE not in files:
@@ -68,6 +83,8 @@ def checkpoint_problem(directory: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if name in hashes and _sha256(path) != hashes[name]:
+            return f"{name} does not match the sha256 in its manifest: it changed after the save"
     return None
 
 

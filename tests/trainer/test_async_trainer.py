@@ -142,3 +142,67 @@ def test_resume_trains_the_saved_rollouts_once(tmp_path):
 def test_refusals_name_the_key(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         validate(_cfg(tmp_path, *ASYNC, *extra))
+
+
+def _cut_after_step_2(tmp_path):
+    """A one-step-off run stopped after step 2: its checkpoint holds the rollouts generated ahead."""
+    class StopAfterStep2(FakeServers):
+        def update_actor(self, data):
+            if len(self.trained) == 1:
+                stop.request("SIGTERM")
+            return super().update_actor(data)
+
+    stop = StopRequest()
+    first, _ = async_trainer(tmp_path, servers=StopAfterStep2(), stop=stop)
+    first.fit()
+    return tmp_path / "global_step_2"
+
+
+def test_resume_runs_no_code_planted_in_the_run_directory(tmp_path):
+    """Issue 33, item 1. Someone who can write the run directory replaces the rollouts saved ahead with a pickle
+    payload (in the format load_from_disk read before: torch.save of the three parts) and rewrites the manifest to
+    match. Before: resuming ran the payload (the marker was written) and training went on. Now: the file is read
+    with torch.load(weights_only=True) and refused, naming it, and nothing runs."""
+    import json
+    import pickle
+
+    from megatron_rl.protocol import DataProto
+
+    step_dir = _cut_after_step_2(tmp_path / "run")
+    ahead = step_dir / "rollout_ahead.pkl"
+    saved, marker = DataProto.load_from_disk(ahead), tmp_path / "marker"
+
+    class RunsCode:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    torch.save({"batch": dict(saved.batch.items()), "batch_size": list(saved.batch.batch_size),
+                "non_tensor_batch": saved.non_tensor_batch,
+                "meta_info": {**saved.meta_info, "x": RunsCode()}}, ahead, pickle_module=pickle)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"]["rollout_ahead.pkl"] = ahead.stat().st_size
+    manifest.pop("sha256", None)  # an attacker who can write the directory rewrites the manifest as well
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    second, _ = async_trainer(tmp_path / "run")
+    with pytest.raises(ValueError, match="rollout_ahead.pkl"):
+        second.resume()
+    assert not marker.exists(), "resuming ran the code planted in the run directory"
+
+
+def test_a_changed_checkpoint_file_fails_its_content_hash_naming_it(tmp_path):
+    """The manifest records each file's sha256 besides its size: a file changed after the save (same size) is
+    named, auto-resume skips the checkpoint and trainer.resume_from_path refuses it."""
+    from megatron_rl.trainer.checkpointing import checkpoint_problem
+
+    step_dir = _cut_after_step_2(tmp_path / "run")
+    assert checkpoint_problem(step_dir) is None
+    ahead = step_dir / "rollout_ahead.pkl"
+    raw = bytearray(ahead.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    ahead.write_bytes(bytes(raw))
+    problem = checkpoint_problem(step_dir)
+    assert problem is not None and "rollout_ahead.pkl" in problem and "sha256" in problem
+    explicit, _ = async_trainer(tmp_path / "run", "trainer.resume_mode=resume_path",
+                                f"trainer.resume_from_path={step_dir}")
+    with pytest.raises(FileNotFoundError, match="rollout_ahead.pkl"):
+        explicit.resume()
