@@ -251,6 +251,7 @@ class MultiTurnConfig:
     default_agent: str = "tool_agent"  # environment of rows without agent_name
     tool_timeout_s: float = 10.0  # every environment step (tool call) is bounded by this
     num_tool_workers: int = 8  # threads running tool calls while the engine decodes other samples
+    python_tool_unsandboxed_ok: bool = False  # run the python tool as root where it cannot drop privileges (docs/rollout.md, Agent loop)
 
 
 @dataclass

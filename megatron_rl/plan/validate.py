@@ -322,6 +322,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _check_server_restarts(cfg)
     _check_server_pool(cfg)
     _check_async(cfg)
+    _check_python_tool(cfg)
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
     _require(rollout.name != "sglang" or rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
@@ -400,3 +401,26 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
     return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
+
+
+def _check_python_tool(cfg: DictConfig) -> None:
+    """The python tool as root only where its sandbox drops privileges, or where the user said they accept it."""
+    import os
+
+    multi_turn = OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn")
+    if multi_turn is None or not multi_turn.enable or os.geteuid() != 0 or multi_turn.python_tool_unsandboxed_ok:
+        return
+    names = [str(t) for t in multi_turn.tools or ()]
+    if multi_turn.tool_config_path:
+        tools = OmegaConf.select(OmegaConf.load(multi_turn.tool_config_path), "tools", default=None) or ()
+        names = [str(t.get("class_name", "")) if hasattr(t, "get") else str(t) for t in tools]
+    if not any(name == "python" or name.endswith("PythonTool") for name in names):
+        return
+    from megatron_rl.agent.tools import sandbox_report
+
+    report = sandbox_report()
+    _require(report.unprivileged,
+             f"the python tool would run as root: this machine allows no sandbox that drops privileges (it has: "
+             f"{report}), so model-written code could read any file, write outside its directory and signal the "
+             "trainer. Run the trainer as another user, allow namespaces (unshare --pid --mount) or setuid to "
+             "nobody, or set actor_rollout_ref.rollout.multi_turn.python_tool_unsandboxed_ok=true to accept it")

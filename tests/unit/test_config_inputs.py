@@ -198,3 +198,20 @@ def test_dry_run_reports_the_same_errors_as_the_real_start(tmp_path, monkeypatch
             train.run(cfg, dry_run=dry_run)
         errors.append(str(err.value))
     assert errors[0] == errors[1] and "nope.parquet does not exist" in errors[0] and not started
+
+
+# ---------------------------------------------------------------------------- the python tool as root (issue 33)
+def test_python_tool_as_root_without_a_sandbox_is_refused_unless_accepted(monkeypatch):
+    from megatron_rl.agent import tools
+
+    python_tool = ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.tools=[python]")
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr(tools, "sandbox_report",
+                        lambda isolate_network=True: tools.SandboxReport("session", False, False, False, False))
+    with pytest.raises(ConfigError, match=r"python tool would run as root.*multi_turn.python_tool_unsandboxed_ok=true"):
+        validate(cfg_with(*python_tool))
+    validate(cfg_with(*python_tool, "actor_rollout_ref.rollout.multi_turn.python_tool_unsandboxed_ok=true"))
+    validate(cfg_with("actor_rollout_ref.rollout.multi_turn.enable=true"))  # calculator only: nothing to refuse
+    monkeypatch.setattr(tools, "sandbox_report",
+                        lambda isolate_network=True: tools.SandboxReport("namespaces", True, True, True, True))
+    validate(cfg_with(*python_tool))  # contained: runs as nobody
