@@ -2,9 +2,10 @@
 what our colocated SGLang path relies on and a CPU cannot show:
 
 - CUDA IPC with a fresh buffer per load (weights/sync.py, rollout/sglang/payload.py): a consumer
-  process opens each bucket's IPC handle and copies from it asynchronously, as SGLang's schedulers do, while
-  the producer drops the bucket and allocates the next one at once; torch's CUDA IPC reference counting
-  must keep the memory from being reused until the consumer released it, so every copy is exact;
+  process opens each bucket's IPC handle and copies from it asynchronously on a side stream, while the
+  producer drops the bucket and allocates the next one at once; torch's CUDA IPC reference counting
+  must keep the memory from being reused until the consumer released it (after its stream finished the
+  copy, as torch's rules ask of the consumer), so every copy is exact;
 - the HF engine colocated on the GPU: ``sleep()`` really gives device memory back and the next weight
   update brings the engine back with the new weights.
 """
@@ -35,7 +36,12 @@ def _consumer(inbox, outbox) -> None:
             torch.cuda._sleep(20_000_000)  # the copy runs well after the producer moved on
             dst.copy_(src)
             sums.append(dst.double().sum())
-        del src  # released as SGLang releases its handle after loading; torch syncs the stream first
+        # torch's CUDA IPC rule: the consumer keeps the shared tensor until it is done with it. Releasing it
+        # syncs only the *current* stream (StorageSharing.cpp, then the producer's ref counter drops and
+        # ipc_collect may free the block); the copy was queued on `stream`, so that stream is synchronised
+        # first, as a loader on a side stream must (before, the release raced the queued copy by construction).
+        stream.synchronize()
+        del src
     torch.cuda.synchronize()
     outbox.put([float(s) for s in sums])
 
