@@ -14,6 +14,10 @@
 #   PYTHON            interpreter with megatron_rl installed (default: the checkout's .venv/bin/python, else
 #                     python3 on PATH); checked to import megatron_rl before anything starts
 #   REQUEUE_GRACE_S   seconds the driver gets to checkpoint after SIGUSR1 before SIGTERM (default 240)
+#   MRL_HEAD_IFACE    network interface whose IPv4 address is the head's (Ray head, torchrun rendezvous), e.g.
+#                     ib0; default: the address SLURM has for the job's first node (its NodeAddr, resolved)
+#   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME
+#                     when set, passed explicitly to every node's Ray / torchrun process (so to every rank)
 #   DRY_RUN=1         check the plan, print what would start, start nothing
 
 # shellcheck disable=SC2034 # RUN, GPU_FLAGS and overrides are read by the scripts that source this file
@@ -22,7 +26,45 @@ LAUNCH_NAME=$(basename "$0" .sh)
 die() { echo "$LAUNCH_NAME: error: $*" >&2; exit 1; }
 log() { echo "$LAUNCH_NAME: [$(date +%T)] $*"; }
 quoted() { printf '%q ' "$@"; }
-first_ip() { hostname -I | awk '{print $1}'; }
+
+# head_address: the IPv4 address the other nodes reach the job's first node at. `hostname -I` lists the
+# addresses in no useful order and on a multi-NIC node its first may be one the other nodes cannot reach.
+# MRL_HEAD_IFACE names the interface (its address on this node, the batch script's: the job's first);
+# otherwise SLURM's own address for the first node of SLURM_JOB_NODELIST (NodeAddr, resolved when a name).
+head_address() {
+    local addr node node_addr
+    if [[ -n ${MRL_HEAD_IFACE:-} ]]; then
+        addr=$(ip -4 -o addr show dev "$MRL_HEAD_IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+        [[ -n $addr ]] || die "MRL_HEAD_IFACE=$MRL_HEAD_IFACE: no IPv4 address on that interface here ($(hostname -s)); see \`ip -4 -o addr\`"
+        echo "$addr"
+        return
+    fi
+    [[ -n ${SLURM_JOB_NODELIST:-} ]] || die "no head address: set MRL_HEAD_IFACE (an interface) or the address itself"
+    node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1)
+    [[ -n $node ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' gave no node; set MRL_HEAD_IFACE or the address"
+    node_addr=$(scontrol show node "$node" -o 2>/dev/null | tr ' ' '\n' | awk -F= '$1 == "NodeAddr" {print $2; exit}')
+    node_addr=${node_addr:-$node}
+    if [[ $node_addr =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+        addr=$node_addr
+    else
+        addr=$(getent ahostsv4 "$node_addr" 2>/dev/null | awk '{print $1; exit}')
+    fi
+    [[ -n $addr ]] || die "cannot resolve the head node $node (NodeAddr $node_addr) to an IPv4 address; set MRL_HEAD_IFACE or the address"
+    if [[ $addr == 127.* ]] && ((NNODES > 1)); then
+        die "the head node $node resolves to the loopback address $addr, which the other nodes cannot reach; set MRL_HEAD_IFACE (e.g. the interface of \`ip -4 -o addr\`) or the address"
+    fi
+    echo "$addr"
+}
+
+# socket_env: `env NAME=VALUE ...` for the NCCL/Gloo socket-interface settings that are set, to put in front
+# of each node's command (every rank inherits them whatever srun's --export says); nothing when none is set.
+socket_env() {
+    local name pairs=()
+    for name in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
+        [[ -n ${!name:-} ]] && pairs+=("$name=${!name}")
+    done
+    ((${#pairs[@]} == 0)) || printf '%s\n' env "${pairs[@]}"
+}
 
 OWNED_PIDS=()  # background steps this script started; ended by pid on exit
 DRIVER_PID="" WATCHDOG_PID="" DRIVER_RC=0 REQUEUE=0

@@ -13,7 +13,8 @@
 # Environment: see launch/lib.sh (MODEL_PATH, DATA_DIR, OUTPUT_DIR, EXTRA_OVERRIDES, NNODES, GPUS_PER_NODE,
 # PYTHON, DRY_RUN, ...), and for Ray: RAY (the ray CLI, default: ray on PATH), RAY_PORT (6379),
 # RAY_JOIN_TIMEOUT_S (600), RAY_START_ARGS (extra `ray start` arguments for every node), HEAD_IP (default:
-# this node's first address), RAY_AUTH_MODE (default: token, with a fresh RAY_AUTH_TOKEN per job),
+# the address of MRL_HEAD_IFACE, else SLURM's address of the job's first node; see head_address in lib.sh;
+# NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME reach every node's Ray and so every rank), RAY_AUTH_MODE (default: token, with a fresh RAY_AUTH_TOKEN per job),
 # MEGATRON_RL_DIR (the checkout; default: this script's, or the submit directory under sbatch).
 set -euo pipefail
 
@@ -31,7 +32,8 @@ RAY=${RAY:-ray}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_JOIN_TIMEOUT_S=${RAY_JOIN_TIMEOUT_S:-600}
 HEAD_NODE=${SLURMD_NODENAME:-$(hostname -s)}  # the batch script runs on the job's first node
-HEAD_IP=${HEAD_IP:-$(first_ip)}
+HEAD_IP=${HEAD_IP:-$(head_address)}
+mapfile -t socket_vars < <(socket_env)  # `env NCCL_SOCKET_IFNAME=... ...` or nothing
 LOG_DIR=$OUTPUT_DIR/logs
 read -ra ray_args <<<"${RAY_START_ARGS:-}"
 # On CPU (GPUS_PER_NODE=0) the preset's trainer.n_gpus_per_node (processes per node) stays.
@@ -52,6 +54,7 @@ fi
 log "job $SLURM_JOB_ID run $RUN: $NNODES node(s) x $GPUS_PER_NODE GPU(s), Ray head $HEAD_NODE ($HEAD_IP:$RAY_PORT), output $OUTPUT_DIR"
 check_plan
 exit_if_dry_run "Ray head on $HEAD_NODE at $HEAD_IP:$RAY_PORT, Ray workers on the $((NNODES - 1)) other node(s)" \
+    "ray start: $(quoted "${socket_vars[@]}" "$RAY" start --block --num-gpus="$GPUS_PER_NODE" "${ray_args[@]}")" \
     "driver: $(quoted "${driver[@]}")"
 mkdir -p "$LOG_DIR"
 
@@ -62,7 +65,7 @@ ray_step() {  # ray_step LOG_FILE SRUN_OPTION... -- RAY_START_OPTION...
     shift
     # --overlap: the steps share the allocation with each other and with this batch script.
     srun --overlap --ntasks-per-node=1 "${GPU_FLAGS[@]}" "${srun_opts[@]}" --output="$log_file" \
-        "$RAY" start --block --num-gpus="$GPUS_PER_NODE" "${ray_args[@]}" "$@" &
+        "${socket_vars[@]}" "$RAY" start --block --num-gpus="$GPUS_PER_NODE" "${ray_args[@]}" "$@" &
     own_pid $!
 }
 

@@ -13,7 +13,8 @@
 #
 # Environment: see launch/lib.sh (MODEL_PATH, DATA_DIR, OUTPUT_DIR, EXTRA_OVERRIDES, NNODES, GPUS_PER_NODE,
 # PYTHON, DRY_RUN, ...), and NPROC_PER_NODE (default GPUS_PER_NODE; required on CPU), MASTER_ADDR (default
-# in a SLURM job: this node's first address), MASTER_PORT (29500), MEGATRON_RL_DIR (the checkout).
+# in a SLURM job: the address of MRL_HEAD_IFACE, else SLURM's address of the job's first node; see head_address
+# in lib.sh), MASTER_PORT (29500), MEGATRON_RL_DIR (the checkout).
 set -euo pipefail
 
 # sbatch runs a copy of the submitted script from its spool directory: find the checkout from there too.
@@ -31,10 +32,11 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # The launcher owns these: the config must agree with the processes torchrun starts.
 overrides+=("trainer.launcher=torchrun" "trainer.n_gpus_per_node=$NPROC_PER_NODE")
 
-torchrun=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE"
+mapfile -t socket_vars < <(socket_env)  # NCCL_/GLOO_SOCKET_IFNAME when set: every agent, so every rank
+torchrun=("${socket_vars[@]}" "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE"
           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --shutdown-timeout="$REQUEUE_GRACE_S")
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
-    MASTER_ADDR=${MASTER_ADDR:-$(first_ip)}  # the batch script runs on the job's first node
+    MASTER_ADDR=${MASTER_ADDR:-$(head_address)}  # the job's first node, where the batch script runs
     torchrun=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 "${GPU_FLAGS[@]}" "${torchrun[@]}"
               --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID")
 elif ((NNODES == 1)); then

@@ -145,3 +145,66 @@ def test_data_dir_takes_the_task_writers_val_file(tiny_model, tmp_path):
     argv = driver_argv(run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", GPUS_PER_NODE="0",
                                   NPROC_PER_NODE="2", DATA_DIR=str(tmp_path)))
     assert f"data.val_files=[{tmp_path}/val.parquet]" in argv and f"data.train_files=[{tmp_path}/train.parquet]" in argv
+
+
+# ---------------------------------------------------------------------------- issue 32, item 18
+def stand_ins(tmp_path: Path) -> Path:
+    """scontrol, getent, ip and hostname as a multi-NIC SLURM node shows them: `hostname -I` lists the docker
+    bridge first; SLURM knows the first node as node001 with NodeAddr node001-ib, which resolves to
+    10.1.0.1; the interface ib0 holds 10.2.0.1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": """case "$1 $2" in
+  "show hostnames") [ -n "$3" ] && printf 'node001\\nnode002\\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=$3-ib NodeHostName=$3 State=ALLOCATED" ;;
+  *) exit 1 ;;
+esac""",
+        "getent": """[ "$1 $2" = "ahostsv4 node001-ib" ] || exit 2
+printf '10.1.0.1       STREAM node001-ib\\n10.1.0.1       DGRAM\\n'""",
+        "ip": """[ "$*" = "-4 -o addr show dev ib0" ] || exit 1
+echo '3: ib0    inet 10.2.0.1/16 brd 10.2.255.255 scope global ib0\\       valid_lft forever preferred_lft forever'""",
+        "hostname": """case "$1" in -I) echo '172.17.0.1 10.1.0.1 10.2.0.1' ;; *) echo node001 ;; esac""",
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_the_head_address_is_slurms_or_the_named_interfaces_not_hostname_I(tiny_model, tmp_path):
+    path = f"{stand_ins(tmp_path)}:{os.environ['PATH']}"
+    job = slurm_job("46", 2, tmp_path, SLURM_GPUS_PER_NODE="8", PATH=path, NCCL_SOCKET_IFNAME="ib0",
+                    GLOO_SOCKET_IFNAME="ib0")
+    model = f"actor_rollout_ref.model.path={tiny_model}"
+    # torchrun: the rendezvous (so the ranks' MASTER_ADDR) is SLURM's address of node001, not 172.17.0.1
+    argv = driver_argv(run_script("torchrun.sh", model, **job))
+    assert "--rdzv-endpoint=10.1.0.1:29500" in argv
+    # every agent (so every rank it starts) gets the socket interfaces, whatever srun's --export is
+    python = argv.index(sys.executable)
+    assert argv[python - 3:python] == ["env", "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0"]
+    assert argv[:2] == ["srun", "--nodes=2"]
+    # MRL_HEAD_IFACE names the interface
+    argv = driver_argv(run_script("torchrun.sh", model, MRL_HEAD_IFACE="ib0", **job))
+    assert "--rdzv-endpoint=10.2.0.1:29500" in argv
+    bad = run_script("torchrun.sh", model, MRL_HEAD_IFACE="eth9", **job)
+    assert bad.returncode == 1 and "MRL_HEAD_IFACE=eth9: no IPv4 address on that interface" in bad.stderr
+
+    # Ray on SLURM: head address, the driver's ray_init.address and every node's `ray start`
+    result = run_script("grpo_70b.sh", **{**job, **slurm_job("46", 8, tmp_path, SLURM_GPUS_PER_NODE="8")})
+    lines = dry_run_lines(result)
+    assert "Ray head on node001 at 10.1.0.1:6379, Ray workers on the 7 other node(s)" in lines, result.stdout
+    (ray_start,) = [line for line in lines if line.startswith("ray start: ")]
+    assert shlex.split(ray_start.removeprefix("ray start: "))[:4] == ["env", "NCCL_SOCKET_IFNAME=ib0",
+                                                                      "GLOO_SOCKET_IFNAME=ib0", "ray"]
+    assert "ray_init.address=10.1.0.1:6379" in driver_argv(result)
+
+
+def test_a_head_that_resolves_to_loopback_is_refused_on_several_nodes(tiny_model, tmp_path):
+    bin_dir = stand_ins(tmp_path)
+    (bin_dir / "getent").write_text("#!/bin/sh\necho '127.0.1.1       STREAM node001-ib'\n")
+    env = slurm_job("47", 2, tmp_path, SLURM_GPUS_PER_NODE="8", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = run_script("torchrun.sh", f"actor_rollout_ref.model.path={tiny_model}", **env)
+    assert result.returncode == 1
+    assert "the head node node001 resolves to the loopback address 127.0.1.1" in result.stderr
+    assert "set MRL_HEAD_IFACE" in result.stderr
