@@ -34,6 +34,36 @@ struct RowState {
   acc_t wsum;
 };
 
+// NaN handling: a NaN logit (or a +inf one, whose x - max is inf - inf) makes the row's log-prob, entropy
+// and every gradient NaN, as torch's log_softmax (ops/reference.py) does. fmax / std::max / a clamp with
+// fmax DROP a NaN operand, so the kernels use these instead. (Plain comparisons: no -ffast-math here.)
+template <typename acc_t>
+MRL_HD bool is_nan(acc_t x) {
+  return x != x;
+}
+
+// max(a, b) that returns NaN when either is NaN.
+template <typename acc_t>
+MRL_HD acc_t nan_max(acc_t a, acc_t b) {
+  return (a > b || is_nan(a)) ? a : b;
+}
+
+// max(gap, kMinLogitGap) that lets a NaN gap through (fmax(NaN, floor) would give the floor, exp -> 0).
+template <typename acc_t>
+MRL_HD acc_t clamp_gap(acc_t gap) {
+  return gap < static_cast<acc_t>(kMinLogitGap) ? static_cast<acc_t>(kMinLogitGap) : gap;
+}
+
+template <typename acc_t>
+MRL_HD RowState<acc_t> nan_row_state() {
+  return {static_cast<acc_t>(NAN), static_cast<acc_t>(NAN), static_cast<acc_t>(NAN)};
+}
+
+template <typename acc_t>
+MRL_HD bool has_nan(const RowState<acc_t>& s) {
+  return is_nan(s.max) || is_nan(s.sum) || is_nan(s.wsum);
+}
+
 template <typename acc_t>
 MRL_HD RowState<acc_t> empty_row_state() {
   return {-static_cast<acc_t>(INFINITY), acc_t(0), acc_t(0)};
@@ -49,9 +79,11 @@ MRL_HD void add_rescaled(RowState<acc_t>& into, const RowState<acc_t>& part) {
   into.wsum += scale * (part.wsum + gap * part.sum);
 }
 
-// Associative merge of two partial states.
+// Associative merge of two partial states; a NaN in either poisons the result (add_rescaled's
+// `sum > 0` test would otherwise skip a NaN partial, and the max would pick the other side's).
 template <typename acc_t>
 MRL_HD RowState<acc_t> merge_row_states(const RowState<acc_t>& a, const RowState<acc_t>& b) {
+  if (has_nan(a) || has_nan(b)) return nan_row_state<acc_t>();
   RowState<acc_t> out{a.max > b.max ? a.max : b.max, acc_t(0), acc_t(0)};
   add_rescaled(out, a);
   add_rescaled(out, b);

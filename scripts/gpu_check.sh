@@ -193,6 +193,13 @@ else
 fi
 # New stages go here (one block each; see the header).
 
+# ---------------------------------------------------------------------------- issue 32 items 11 and 2 (kernels, attention)
+# log_prob_nan: NaN / +inf logits propagate through the CUDA log-prob kernel, forward and backward (item 11;
+# also part of the kernels stage, named here so summary.json says it on its own).
+stage log_prob_nan 60 "ext_build" -- "$PY" -m pytest tests/gpu/test_kernels_cuda.py -q -p no:cacheprovider -rfEs \
+  -k nan_and_inf --junitxml="$OUT/log_prob_nan.xml"
+# ---------------------------------------------------------------------------- end of issue 32 items 11 and 2
+
 # ---------------------------------------------------------------------------- summary
 python_for_summary=$PY
 command -v "$python_for_summary" >/dev/null 2>&1 || python_for_summary=python3

@@ -37,7 +37,7 @@ void merge_rows(const LogProbMerge& m) {
         for (int64_t w = 0; w < m.world; ++w) {
           const acc_t* s = stats + (w * m.rows + r) * kRowStats;
           merged = merge_row_states(merged, RowState<acc_t>{s[0], s[1], s[2]});
-          target = std::max(target, s[3]);  // only the shard owning the label has it finite
+          target = nan_max(target, s[3]);  // only the owning shard has it finite; NaN is kept
         }
         o = finish_row(merged, target);
       }

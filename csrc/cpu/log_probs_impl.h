@@ -46,8 +46,16 @@ struct OnlineRow {
   Vec wsum = Vec(acc_t(0));
 
   void add_chunk(const acc_t* raw, int64_t n, acc_t scale) {
+    if (is_nan(max)) return;  // poisoned by an earlier NaN: the row stays NaN
+    // at::vec::maximum propagates NaN (unlike std::max), so a NaN logit makes chunk_max NaN.
     const acc_t chunk_max =
         at::vec::reduce_all<acc_t>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, raw, n) * scale;
+    if (is_nan(chunk_max)) {
+      max = chunk_max;
+      sum = Vec(chunk_max);
+      wsum = Vec(chunk_max);
+      return;
+    }
     if (chunk_max == -std::numeric_limits<acc_t>::infinity()) return;
     if (chunk_max > max) {
       if (max != -std::numeric_limits<acc_t>::infinity()) {

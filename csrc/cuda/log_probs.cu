@@ -31,6 +31,11 @@ struct ThreadState {
   // Adds n values (already scaled by 1/T) whose maximum is `local_max`.
   template <int n>
   __device__ __forceinline__ void add(const acc_t (&x)[n], acc_t local_max) {
+    if (is_nan(s.max)) return;  // poisoned by an earlier NaN: the row stays NaN
+    if (is_nan(local_max)) {    // a NaN logit: the row's outputs and gradients are NaN (reference.py)
+      s = nan_row_state<acc_t>();
+      return;
+    }
     if (local_max == -static_cast<acc_t>(INFINITY)) return;  // all -inf: contributes nothing
     if (local_max > s.max) {
       RowState<acc_t> rescaled{local_max, acc_t(0), acc_t(0)};
@@ -39,7 +44,7 @@ struct ThreadState {
     }
 #pragma unroll
     for (int k = 0; k < n; ++k) {
-      const acc_t gap = fmax(x[k] - s.max, static_cast<acc_t>(kMinLogitGap));
+      const acc_t gap = clamp_gap(x[k] - s.max);  // +inf - +inf = NaN passes: a +inf logit gives NaN
       const acc_t e = fast_exp(gap);
       s.sum += e;
       s.wsum += e * gap;
@@ -53,7 +58,7 @@ struct ThreadState {
 #pragma unroll
     for (int k = 0; k < n; ++k) {
       x[k] = to_acc(v[k]) * scale;
-      local_max = fmax(local_max, x[k]);
+      local_max = nan_max(local_max, x[k]);  // fmax would drop a NaN
     }
     add(x, local_max);
   }
@@ -120,7 +125,7 @@ __global__ void merge_kernel(LogProbMerge m) {
     for (int64_t w = 0; w < m.world; ++w) {
       const acc* s = stats + (w * m.rows + r) * kRowStats;
       merged = merge_row_states(merged, RowState<acc>{s[0], s[1], s[2]});
-      target = fmax(target, s[3]);  // only the shard owning the label has it finite
+      target = nan_max(target, s[3]);  // only the owning shard has it finite; NaN is kept
     }
     o = finish_row(merged, target);
   }
@@ -141,7 +146,7 @@ struct RowGrad {
 
   __device__ __forceinline__ acc operator()(acc logit, int64_t col) const {
     if (col >= valid_width) return acc(0);  // padded vocabulary: outside the softmax
-    const acc gap = fmax(logit * scale - row_max - log_sum, static_cast<acc>(kMinLogitGap));
+    const acc gap = clamp_gap(logit * scale - row_max - log_sum);  // NaN logit / NaN row stats: NaN
     acc g = scale * fast_exp(gap) * (base - gh * gap);
     if (col == target_col) g += target_term;
     return g;

@@ -84,6 +84,33 @@ def test_log_prob_adversarial_rows(gen):
     assert_log_prob_parity(logits[keep], labels[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [8, 4099, 32000])  # one pack; unaligned rows; many packs per thread
+def test_log_prob_nan_and_inf_propagate(gen, dtype, vocab):
+    """fmax drops NaN: before issue 32 the CUDA kernel returned finite log-probs and gradients for a row
+    with a NaN logit. Rows: NaN off / at the target, +inf off / at the target, all -inf, an ordinary row;
+    the NaN placed first, in the middle and last of the row (pack order and the block merge both matter)."""
+    rows = 12
+    logits = (torch.randn(rows, vocab, device=CUDA, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), device=CUDA, generator=gen)
+    for r, col in enumerate((0, vocab // 2, vocab - 1)):
+        labels[r] = (col + 1) % vocab
+        logits[r, col] = float("nan")
+    logits[3, labels[3]] = float("nan")
+    logits[4, (int(labels[4]) + 1) % vocab] = float("inf")
+    logits[5, labels[5]] = float("inf")
+    logits[6] = float("-inf")
+    upstream = (torch.randn(rows, device=CUDA), torch.randn(rows, device=CUDA))
+    lp, h, g = log_prob_results(ops.log_probs_from_logits, logits, labels, upstream)
+    lp_ref, h_ref, g_ref = log_prob_results(reference.log_probs_from_logits, logits, labels, upstream)
+    assert lp[:7].isnan().all() and h[:7].isnan().all(), (lp, h)
+    assert g[:7].isnan().all(), "every gradient of a NaN row is NaN"
+    assert torch.isfinite(lp[7:]).all() and torch.isfinite(g[7:]).all()
+    torch.testing.assert_close(lp, lp_ref, equal_nan=True, **FP32_TOL)
+    torch.testing.assert_close(h, h_ref, equal_nan=True, **FP32_TOL)
+    torch.testing.assert_close(g, g_ref, equal_nan=True, **GRAD_TOL[dtype])
+
+
 def test_log_prob_large_vocab(gen):
     logits = torch.randn(64, 152064, device=CUDA, generator=gen).bfloat16()
     labels = torch.randint(0, 151936, (64,), device=CUDA, generator=gen)

@@ -107,6 +107,36 @@ def test_negative_infinity_logits(gen):
     torch.testing.assert_close(g, g_ref, **FP32_TOL)
 
 
+def nan_and_inf_problem(gen, vocab, dtype):
+    """Rows: NaN off the target, NaN at the target, +inf off the target, +inf at the target, a row all
+    -inf, an ordinary row (stays finite)."""
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (6,), generator=gen)
+    labels[0] = (labels[0] + 1) % vocab  # keep the NaN of row 0 off the target
+    logits[0, (int(labels[0]) + vocab - 1) % vocab] = float("nan")
+    logits[1, labels[1]] = float("nan")
+    logits[2, (int(labels[2]) + 1) % vocab] = float("inf")
+    logits[3, labels[3]] = float("inf")
+    logits[4] = float("-inf")
+    upstream = (torch.randn(6, generator=gen), torch.randn(6, generator=gen))
+    return logits, labels, upstream
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 1000, 4099])
+def test_nan_and_inf_logits_propagate_like_the_reference(gen, dtype, vocab):
+    """A NaN (or +inf) logit is a broken model: it must show as NaN in the log-prob, the entropy and the
+    whole row's gradient (as torch's log_softmax gives), never be dropped by a max."""
+    logits, labels, upstream = nan_and_inf_problem(gen, vocab, dtype)
+    (lp, h, g), (lp_ref, h_ref, g_ref) = run_both(logits, labels, upstream)
+    assert lp[:5].isnan().all() and h[:5].isnan().all(), (lp, h)
+    assert g[:5].isnan().all(), "every gradient of a NaN row is NaN"
+    assert torch.isfinite(lp[5]) and torch.isfinite(h[5]) and torch.isfinite(g[5]).all()
+    torch.testing.assert_close(lp, lp_ref, equal_nan=True, **FP32_TOL)
+    torch.testing.assert_close(h, h_ref, equal_nan=True, **FP32_TOL)
+    torch.testing.assert_close(g, g_ref, equal_nan=True, **GRAD_TOL[dtype])
+
+
 def test_huge_logits(gen):
     logits = torch.randn(8, 500, generator=gen) * 1e4
     logits[0] = 1e4  # a uniform row of huge values: entropy log(500)

@@ -70,7 +70,37 @@ def shard_results():
             fused = forward_backward(ops.log_probs_from_logits, shard, labels, upstream, **kw)
         ref = forward_backward(reference.log_probs_from_logits, shard, labels, upstream, **kw)
         out.append((fused, ref, counter.calls))
+    logits, labels, upstream = nan_problem()
+    shard = logits[:, rank * width : (rank + 1) * width]
+    out.append(forward_backward(ops.log_probs_from_logits, shard, labels, upstream, tp_group=dist.group.WORLD))
     return out
+
+
+def nan_problem():
+    """NaN / +inf logits on ONE shard: the merge must carry them to every rank (a max must not drop them)."""
+    logits, labels, upstream = full_problem(None)
+    width = VOCAB // TP
+    labels[:4] = torch.tensor([width + 3, 5, width + 6, 9])  # rows 0, 2 labelled on shard 1; rows 1, 3 on 0
+    logits[0, 1] = float("nan")  # on shard 0, label on shard 1
+    logits[1, width + 2] = float("nan")  # on shard 1, label on shard 0
+    logits[2, width + 6] = float("nan")  # the target itself
+    logits[3, width + 1] = float("inf")
+    return logits, labels, upstream
+
+
+@pytest.mark.distributed
+def test_tp2_propagates_nan_from_any_shard():
+    per_rank = run_multiprocess(shard_results, TP, timeout_s=120)
+    logits, labels, upstream = nan_problem()
+    lp, h, grad = forward_backward(reference.log_probs_from_logits, logits, labels, upstream)
+    assert lp[:4].isnan().all() and torch.isfinite(lp[4:][labels[4:] != -100]).all()
+    for rank, results in enumerate(per_rank):
+        tp_lp, tp_h, tp_grad = results[-1]
+        torch.testing.assert_close(tp_lp, lp, rtol=1e-5, atol=1e-5, equal_nan=True, msg=f"rank {rank} log-probs")
+        torch.testing.assert_close(tp_h, h, rtol=1e-5, atol=1e-5, equal_nan=True, msg=f"rank {rank} entropy")
+        columns = slice(rank * VOCAB // TP, (rank + 1) * VOCAB // TP)
+        assert tp_grad[:4].isnan().all(), f"rank {rank}: every gradient of a NaN row is NaN"
+        torch.testing.assert_close(tp_grad, grad[:, columns], rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.distributed
