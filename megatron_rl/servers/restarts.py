@@ -4,14 +4,15 @@ A request that fails on a server the pool (servers/pool.py) sees exited is a dea
 (warning + ``rollout/server_restarts``) and the pool starts a fresh server at a new URL. The fresh server holds
 no weights of the run (it refuses to generate), so it serves nothing until it has the current version:
 
-- synchronous loop (``RestartingWorkers.generate_sequences``): the workers rebuild their weight-update group
-  with the new server, the current version is synced again at once (the trainer still holds exactly those
-  weights: nothing updated since the last sync), and the batch is generated again (same seeds);
+- synchronous loop (``RestartingSync.generate_sequences``, its ``generate``): the workers rebuild their
+  weight-update group with the new server, the current version is synced again at once (the trainer still
+  holds exactly those weights: nothing updated since the last sync), and the batch is generated again (same
+  seeds);
 - async loops (servers/client.py): the trainer's weights have moved on during the update, so only the
   surviving servers hold the version the batch in flight was sampled with; the dead server's rows go to a
   survivor with the tokens they already have, and the replacement joins at the next weight sync.
 
-A death during a weight sync (every loop syncs through ``RestartingWorkers.sync_weights``) breaks that
+A death during a weight sync (every loop is given ``RestartingSync.sync_weights`` as its sync) breaks that
 bucket's broadcast: the transport stops at the first failed request and names what each server did
 (rollout/sglang/server_transport.py). The dead server is replaced, so is a survivor left stuck in the broken
 broadcast (it answers nothing until the group's timeout; not counted against the budget, which counts
@@ -33,7 +34,7 @@ from typing import Any
 from megatron_rl.protocol import DataProto
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool
 
-__all__ = ["RESTARTS_KEY", "RestartingWorkers", "ServerRestarts"]
+__all__ = ["RESTARTS_KEY", "RestartingSync", "ServerRestarts"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +118,15 @@ class ServerRestarts:
         return {"rollout/server_restarts": float(self.count), "rollout/stuck_servers_replaced": float(self.stuck_count)}
 
 
-class RestartingWorkers:
-    """The actor/rollout workers of a server-mode run with a ``ServerRestarts``: each sync first points the
-    workers at the replaced servers (a fresh update group) and reports ``rollout/server_restarts``; a generation
-    on the workers (synchronous loop) that loses a server is repeated on the replacement, synced first."""
+class RestartingSync:
+    """How a server-mode run with a ``ServerRestarts`` syncs weights and (synchronous loop) generates on its
+    actor/rollout ``workers``; the trainer passes ``sync_weights`` and ``generate_sequences`` to its loop as
+    functions (every other call goes to the workers directly). Each sync first points the workers at the
+    replaced servers (a fresh update group) and reports ``rollout/server_restarts``; a generation on the workers
+    that loses a server is repeated on the replacement, synced first."""
 
     def __init__(self, workers: Any, restarts: ServerRestarts) -> None:
-        self._workers, self.restarts = workers, restarts
+        self.workers, self.restarts = workers, restarts
         self.version = 0  # the workers' init_model synced version 0
 
     def sync_weights(self, version: int, *args: Any) -> dict[str, float]:
@@ -134,7 +137,7 @@ class RestartingWorkers:
         while True:
             replaced = self._rejoin_replaced(during)
             try:
-                metrics = self._workers.sync_weights(version, *args)
+                metrics = self.workers.sync_weights(version, *args)
                 break
             except Exception as exc:
                 if not self.restarts.handle(during=during):
@@ -148,7 +151,7 @@ class RestartingWorkers:
         """Point the workers at the replaced servers (the survivors leave the old update group); survivors
         stuck in a broken broadcast are replaced as well. The replaced servers' indices."""
         while self.restarts.unsynced():
-            stuck = self._workers.replace_rollout_servers(self.restarts.pool.urls)
+            stuck = self.workers.replace_rollout_servers(self.restarts.pool.urls)
             if not stuck:
                 break
             self.restarts.replace_stuck(stuck, during)
@@ -159,11 +162,8 @@ class RestartingWorkers:
         repeat sample what the first try would have)."""
         while True:
             try:
-                return self._workers.generate_sequences(prompts)
+                return self.workers.generate_sequences(prompts)
             except Exception:
                 if not self.restarts.handle():
                     raise
             self.sync_weights(self.version)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._workers, name)

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from megatron_rl.servers.pool import RolloutServerPool, ServerPool
-from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
+from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 from megatron_rl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["build_trainer", "start_rollout_servers"]
@@ -53,15 +53,19 @@ def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
 
 
 def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: ServerPool | None,
-                  token_ids: dict[str, Any], **kwargs: Any) -> RLTrainer:
-    """``sizes``, ``actor_rollout``, ``args``, ``kwargs``: RLTrainer's. ``token_ids``: eos/pad ids for the driver's
-    generation client."""
+                  token_ids: dict[str, Any], **kwargs: Any) -> Any:
+    """The loop of ``async_training.mode`` (RLTrainer, OneStepOffPolicyTrainer, FullyAsyncTrainer). ``sizes``,
+    ``actor_rollout``, ``args``, ``kwargs``: the loops' own. ``token_ids``: eos/pad ids for the driver's
+    generation client. With servers the run started, the loop syncs (and the synchronous loop generates)
+    through a ``RestartingSync``, which replaces dead servers and retries."""
     restarts = None
     if servers is not None:
         restarts = ServerRestarts(servers, int(cfg.actor_rollout_ref.rollout.server_restarts))
-        actor_rollout = RestartingWorkers(actor_rollout, restarts)
+        restarting = RestartingSync(actor_rollout, restarts)
+        kwargs["sync"] = restarting.sync_weights
     if cfg.async_training.mode == "sync":
-        return RLTrainer(cfg, sizes, actor_rollout, *args, **kwargs)
+        generate = restarting.generate_sequences if restarts is not None else None
+        return RLTrainer(cfg, sizes, actor_rollout, *args, generate=generate, **kwargs)
     from megatron_rl.servers.client import ServerRolloutClient
     from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer

@@ -38,15 +38,16 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.trainer.metrics import StageTimer
+from megatron_rl.trainer import loop, steps
+from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics
 from megatron_rl.trainer.off_policy import staleness_metrics
-from megatron_rl.trainer.rl_trainer import RLTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -166,60 +167,79 @@ def _done(batch: DataProto) -> Future:
     return future
 
 
-class _PausedSync:
-    """The actor/rollout workers, whose weight sync pauses the servers around it (partial rollouts) or waits
-    for the batch in flight (``partial_rollout=false``)."""
-
-    def __init__(self, workers: Any, trainer: "FullyAsyncTrainer") -> None:
-        self._workers, self._trainer = workers, trainer
-
-    def sync_weights(self, version: int) -> dict[str, float]:
-        trainer, client = self._trainer, self._trainer.rollout_client
-        rollouter = trainer.rollouter
-        started = time.perf_counter()
-        if trainer.partial_rollout:
-            client.pause_generation()
-        elif rollouter is not None:
-            rollouter.hold()
-        try:
-            # paused servers hold every /generate until they continue, the verification probe's too
-            metrics = self._workers.sync_weights(version, trainer.partial_rollout)
-            trainer.served_version = version
-        finally:
-            if trainer.partial_rollout:
-                client.continue_generation()
-            elif rollouter is not None:
-                rollouter.release()
-        paused_s = time.perf_counter() - started
-        if trainer.partial_rollout:
-            metrics = {**metrics, **self._workers.verify_weights()}
-        return {**metrics, "async/sync_pause_s": paused_s}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._workers, name)
-
-
-class FullyAsyncTrainer(RLTrainer):
+class FullyAsyncTrainer:
     """``rollout_client``: generates on the rollout servers from the driver and pauses/continues them
     (servers/client.py); every sample carries ``non_tensor_batch["weight_version"]`` (its oldest token's)
-    and ``["token_weight_versions"]``."""
+    and ``["token_weight_versions"]``. ``sync``: the workers' weight sync (default
+    ``actor_rollout.sync_weights``; a run with server restarts passes servers/restarts.py's)."""
 
-    def __init__(self, *args: Any, rollout_client: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        run = self.cfg.async_training
+    def __init__(self, cfg, sizes, actor_rollout, critic, reward_fn, train_loader,
+                 val_batches: Callable[[], Iterator[DataProto]] | None, tracking=None, stop=None, checkpointer=None,
+                 *, rollout_client: Any, sync: Callable[..., dict[str, float]] | None = None) -> None:
+        self.run = loop.build_run(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, val_batches, stop,
+                                  checkpointer)
+        self.tracking = tracking
+        self.rollout_client = rollout_client
+        self.sync_workers = sync or actor_rollout.sync_weights
+        run = cfg.async_training
         self.max_staleness = int(run.max_staleness)
         self.stale_samples = str(run.stale_samples)
         self.partial_rollout = bool(run.partial_rollout)
         self.capacity = int(run.buffer_batches) if self.max_staleness > 0 else 0
-        self.rollout_client = rollout_client
-        self.actor_rollout = _PausedSync(self.actor_rollout, self)
-        self.served_version = 0
-        self.rollouter: Rollouter | None = None
+        self.served_version = 0  # the weights on the servers: the last sync's version
         self.produced = 0  # batches the rollouter started: their index names their uids and seeds
         self.dropped_total = 0
-        self._restored: list[DataProto] = []
-        self._dropped_now = 0
-        self._wait_s = 0.0
+        self.resumed: list[DataProto] = []  # the generated batches a restored checkpoint held
+        self.stopped: str | None = None
+        self.last_batch: DataProto | None = None
+
+    @property
+    def state(self) -> loop.TrainerState:
+        return self.run.state
+
+    def fit(self) -> dict[str, float]:
+        run, last, rollouter = self.run, {}, None
+        try:
+            loop.start(run, self.tracking, self.generate)
+            batches = loop.loader_batches(run)
+            rollouter = Rollouter(partial(self.claim, batches), self.roll, self.capacity, self.resumed)
+            self.resumed = []
+            rollouter.start()
+            while run.state.global_steps < run.total_steps:
+                rolled, wait_s, dropped = self.take(rollouter)  # the wait is the step's gen time, below
+                if rolled is None:
+                    break
+                step, timer = run.state.global_steps + 1, StageTimer()
+                with timer("step"):
+                    self.last_batch, metrics = self.train_step(rolled, step, timer, rollouter, wait_s, dropped)
+                last = loop.end_step(run, self.tracking, step, self.last_batch, metrics, timer, self.generate,
+                                     partial(self.save_checkpoint, rollouter))
+                if run.stop.requested:
+                    break
+            self.stopped = loop.finish(run)
+            return last
+        finally:
+            if rollouter is not None:
+                rollouter.stop()  # the batch in flight finishes; what is left in the buffer is not trained
+            close = getattr(self.rollout_client, "close", None)
+            if close is not None:
+                close()
+
+    def train_step(self, batch: DataProto, step: int, timer: StageTimer, rollouter: Rollouter, wait_s: float,
+                   dropped: int) -> tuple[DataProto, dict[str, float]]:
+        """Step ``step`` on ``batch``, rollouts the rollouter made (``wait_s``: the wait for them; ``dropped``:
+        samples of stale batches skipped before it): the trained batch and its metrics."""
+        run, metrics = self.run, {}
+        batch.meta_info.update(steps.step_meta(run.cfg, step))
+        timer.seconds["gen"] += wait_s
+        metrics |= self.buffer_metrics(batch, step, rollouter, wait_s, dropped)  # mask: stale tokens leave
+        batch = steps.score(run, batch, metrics, timer)
+        run.reward_failures.check(metrics, len(batch), step)
+        batch = steps.log_probs(run, batch, metrics, timer)
+        batch = steps.advantage(run, batch, metrics, timer)
+        steps.update(run, batch, metrics, timer)
+        steps.sync(partial(self.paused_sync, rollouter), step, metrics, timer)
+        return batch, metrics | compute_data_metrics(batch, run.use_critic)
 
     # ------------------------------------------------------------------ generation (rollouter thread)
     def generate(self, prompts: DataProto) -> DataProto:
@@ -230,118 +250,124 @@ class FullyAsyncTrainer(RLTrainer):
                                f"version {self.served_version}: a server was updated behind the trainer's back")
         return out
 
-    def _claim(self) -> tuple[DataProto, int] | None:
+    def claim(self, batches: Iterator[DataProto]) -> tuple[DataProto, int] | None:
         """The next loader batch and its index (the rollouter's lock keeps them in order)."""
-        batch = next(self._batch_iter, None)
+        batch = next(batches, None)
         if batch is None:
             return None
         self.produced += 1
-        batch.meta_info.update(self.step_meta(self.produced))
+        batch.meta_info.update(steps.step_meta(self.run.cfg, self.produced))
         return batch, self.produced
 
-    def _roll(self, claimed: tuple[DataProto, int]) -> DataProto:
+    def roll(self, claimed: tuple[DataProto, int]) -> DataProto:
         batch, index = claimed
-        return self.rollout(batch, index, StageTimer())
+        return steps.rollout(self.run, batch, index, self.generate, StageTimer())
 
     # ------------------------------------------------------------------ the trainer's side
-    def _train_batches(self) -> Iterator[DataProto]:
-        self._batch_iter = self._endless_batches()
-        self.rollouter = Rollouter(self._claim, self._roll, self.capacity, self._restored)
-        self._restored = []
-        self.rollouter.start()
-        while self.state.global_steps < self.total_steps:
-            rolled = self._take()
-            if rolled is None:
-                return
-            yield rolled
-
-    def _take(self) -> DataProto | None:
-        """The next batch within the staleness bound; the ones above it (drop) are counted and skipped."""
-        started, self._dropped_now = time.perf_counter(), 0
+    def take(self, rollouter: Rollouter) -> tuple[DataProto | None, float, int]:
+        """The next batch within the staleness bound (None: the data ran out), the seconds waited for it and the
+        samples of the batches above the bound (drop), counted and skipped."""
+        started, dropped = time.perf_counter(), 0
         while True:
-            if self.capacity == 0 and self.rollouter.ready.empty():
-                self.rollouter.request()
-            rolled = self.rollouter.take()
-            if rolled is None or self._trainable(rolled):
-                self._wait_s = time.perf_counter() - started
-                return rolled
-            self._dropped_now += len(rolled)
+            if self.capacity == 0 and rollouter.ready.empty():
+                rollouter.request()
+            rolled = rollouter.take()
+            if rolled is None or self.trainable(rolled):
+                return rolled, time.perf_counter() - started, dropped
+            dropped += len(rolled)
             self.dropped_total += len(rolled)
             logger.warning("dropped a batch of %d samples above async_training.max_staleness=%d",
                            len(rolled), self.max_staleness)
 
-    def _lag(self, versions: np.ndarray) -> np.ndarray:
-        return self.state.global_steps - versions.astype(np.int64)
+    def lag(self, versions: np.ndarray) -> np.ndarray:
+        return self.run.state.global_steps - versions.astype(np.int64)
 
-    def _trainable(self, rolled: DataProto) -> bool:
+    def trainable(self, rolled: DataProto) -> bool:
         if self.stale_samples == "drop":
-            return bool((self._lag(rolled.non_tensor_batch["weight_version"]) <= self.max_staleness).all())
+            return bool((self.lag(rolled.non_tensor_batch["weight_version"]) <= self.max_staleness).all())
         newest = np.asarray([v.max() for v in rolled.non_tensor_batch["token_weight_versions"]])
-        return bool((self._lag(newest) <= self.max_staleness).any())
+        return bool((self.lag(newest) <= self.max_staleness).any())
 
-    def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
-                           timer: StageTimer) -> DataProto:
-        """``batch``: rollouts the rollouter made; only the wait for them is this step's ``gen`` time."""
-        timer.seconds["gen"] += self._wait_s
-        metrics["async/gen_wait_s"] = self._wait_s
-        metrics |= staleness_metrics(batch.non_tensor_batch["weight_version"], policy_version=self.state.global_steps)
+    def buffer_metrics(self, batch: DataProto, step: int, rollouter: Rollouter, wait_s: float,
+                       dropped: int) -> dict[str, float]:
+        """Staleness, partial and dropped samples, the buffer; with ``stale_samples=mask`` the tokens above the
+        bound leave ``response_mask``."""
+        metrics = {"async/gen_wait_s": wait_s}
+        versions = batch.non_tensor_batch["weight_version"]
+        metrics |= staleness_metrics(versions, policy_version=self.run.state.global_steps)
         token_versions = batch.non_tensor_batch["token_weight_versions"]
         metrics["async/partial_samples"] = float(sum(len(set(v.tolist())) > 1 for v in token_versions))
-        metrics["async/dropped_samples"] = float(self._dropped_now)
+        metrics["async/dropped_samples"] = float(dropped)
         metrics["async/dropped_samples_total"] = float(self.dropped_total)
-        metrics["async/buffer_batches"] = float(self.rollouter.generated())
-        metrics["async/generating_batches"] = float(self.rollouter.generating())
+        metrics["async/buffer_batches"] = float(rollouter.generated())
+        metrics["async/generating_batches"] = float(rollouter.generating())
         if self.stale_samples == "mask":
-            metrics["async/masked_tokens"] = self._mask_stale_tokens(batch, token_versions)
+            metrics["async/masked_tokens"] = self.mask_stale_tokens(batch, token_versions)
         elif metrics["async/staleness_max"] > self.max_staleness:
             raise RuntimeError(f"step {step} got samples {metrics['async/staleness_max']:.0f} versions old past the "
                                f"drop check (async_training.max_staleness={self.max_staleness})")
-        return self.score(batch, metrics, timer)
+        return metrics
 
-    def _mask_stale_tokens(self, batch: DataProto, token_versions: np.ndarray) -> float:
+    def mask_stale_tokens(self, batch: DataProto, token_versions: np.ndarray) -> float:
         mask = batch.batch["response_mask"]
         masked = 0
         for row, versions in enumerate(token_versions):
-            stale = np.flatnonzero(self._lag(versions) > self.max_staleness)
+            stale = np.flatnonzero(self.lag(versions) > self.max_staleness)
             if stale.size:
                 mask[row, stale] = 0
                 masked += stale.size
         return float(masked)
 
-    def fit(self) -> dict[str, float]:
+    def paused_sync(self, rollouter: Rollouter | None, version: int) -> dict[str, float]:
+        """The weight sync with the servers paused around it (partial rollouts: the rows in flight go on with the
+        new weights), or once the batches in flight finished (``partial_rollout=false``)."""
+        client, started = self.rollout_client, time.perf_counter()
+        if self.partial_rollout:
+            client.pause_generation()
+        elif rollouter is not None:
+            rollouter.hold()
         try:
-            return super().fit()
+            # paused servers hold every /generate until they continue, the verification probe's too
+            metrics = self.sync_workers(version, self.partial_rollout)
+            self.served_version = version
         finally:
-            if self.rollouter is not None:
-                self.rollouter.stop()  # the batch in flight finishes; what is left in the buffer is not trained
-            close = getattr(self.rollout_client, "close", None)
-            if close is not None:
-                close()
+            if self.partial_rollout:
+                client.continue_generation()
+            elif rollouter is not None:
+                rollouter.release()
+        paused_s = time.perf_counter() - started
+        if self.partial_rollout:
+            metrics = {**metrics, **self.run.actor_rollout.verify_weights()}
+        return {**metrics, "async/sync_pause_s": paused_s}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, rollouter: Rollouter) -> Path:
         """With the rollouter held: the loader's position is then right after the last batch it produced."""
-        if self.rollouter is None:
-            return super().save_checkpoint()
-        self.rollouter.hold()
+        rollouter.hold()
         try:
-            return super().save_checkpoint()
+            return loop.save_checkpoint(self.run, partial(self.save_buffer, rollouter))
         finally:
-            if not self.stop.requested:  # a stopping run starts no batch its checkpoint would not hold
-                self.rollouter.release()
+            if not self.run.stop.requested:  # a stopping run starts no batch its checkpoint would not hold
+                rollouter.release()
 
-    def save_driver_extras(self, directory: Path) -> None:
-        buffered = self.rollouter.buffered() if self.rollouter is not None else self._restored
+    def save_buffer(self, rollouter: Rollouter, directory: Path) -> None:
+        buffered = rollouter.buffered()
         for i, rolled in enumerate(buffered):
             rolled.save_to_disk(directory / BUFFER_FILE.format(i))
         (directory / STATE_FILE).write_text(json.dumps({"produced": self.produced, "buffered": len(buffered),
                                                         "dropped_total": self.dropped_total}))
 
-    def load_driver_extras(self, directory: Path) -> None:
-        path = directory / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: {directory} was not saved by async_training.mode=fully_async")
-        state = json.loads(path.read_text())
+    def resume(self) -> int:
+        """Restore the newest checkpoint (with its generated batches); the step training continues from."""
+        path = loop.resume(self.run)
+        if path is None:
+            return 0
+        state_file = path / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{state_file} is missing: {path} was not saved by async_training.mode=fully_async")
+        state = json.loads(state_file.read_text())
         self.produced, self.dropped_total = int(state["produced"]), int(state["dropped_total"])
-        self._restored = [DataProto.load_from_disk(directory / BUFFER_FILE.format(i)) for i in range(state["buffered"])]
-        logger.info("resumed with %d rollout batches generated before the checkpoint", len(self._restored))
+        self.resumed = [DataProto.load_from_disk(path / BUFFER_FILE.format(i)) for i in range(state["buffered"])]
+        logger.info("resumed with %d rollout batches generated before the checkpoint", len(self.resumed))
+        self.paused_sync(None, self.run.state.global_steps)  # the servers generate with the restored weights
+        return self.run.state.global_steps

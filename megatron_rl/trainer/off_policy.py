@@ -23,14 +23,15 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from megatron_rl.protocol import DataProto
-from megatron_rl.trainer.metrics import StageTimer
-from megatron_rl.trainer.rl_trainer import RLTrainer
+from megatron_rl.trainer import loop, steps
+from megatron_rl.trainer.metrics import StageTimer, compute_data_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -38,34 +39,15 @@ AHEAD_FILE = "rollout_ahead.pkl"
 
 
 @dataclass
-class _Ahead:
+class Ahead:
     """The rollouts of ``step``, generated (or being generated) before that step began."""
 
     step: int
-    batch: DataProto  # what the loop yields for the step (the prompt rows; the rollouts once restored)
+    batch: DataProto  # what the loop trains at the step (the prompt rows; the rollouts once restored)
     result: Future
 
     def wait(self) -> DataProto:
         return self.result.result()
-
-
-class _SyncAfterRollout:
-    """The actor/rollout workers, whose weight sync first waits for the generation in flight: the servers
-    never swap weights under a running generation."""
-
-    def __init__(self, workers: Any, trainer: "OneStepOffPolicyTrainer") -> None:
-        self._workers, self._trainer = workers, trainer
-
-    def sync_weights(self, version: int) -> dict[str, float]:
-        ahead = self._trainer.ahead
-        if ahead is not None:
-            ahead.wait()  # raises the generation's error here, before weights move
-        metrics = self._workers.sync_weights(version)
-        self._trainer.served_version = version
-        return metrics
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._workers, name)
 
 
 def staleness_metrics(versions: np.ndarray, policy_version: int) -> dict[str, float]:
@@ -75,18 +57,77 @@ def staleness_metrics(versions: np.ndarray, policy_version: int) -> dict[str, fl
             "async/weight_version_min": float(versions.min())}
 
 
-class OneStepOffPolicyTrainer(RLTrainer):
-    """``rollout_client``: generates on the rollout servers from the driver (servers/client.py);
-    every sample carries ``non_tensor_batch["weight_version"]``."""
+class OneStepOffPolicyTrainer:
+    """``rollout_client``: generates on the rollout servers from the driver (servers/client.py); every sample
+    carries ``non_tensor_batch["weight_version"]``. ``sync``: the workers' weight sync (default
+    ``actor_rollout.sync_weights``; a run with server restarts passes servers/restarts.py's)."""
 
-    def __init__(self, *args: Any, rollout_client: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.max_staleness = int(self.cfg.async_training.max_staleness)
+    def __init__(self, cfg, sizes, actor_rollout, critic, reward_fn, train_loader,
+                 val_batches: Callable[[], Iterator[DataProto]] | None, tracking=None, stop=None, checkpointer=None,
+                 *, rollout_client: Any, sync: steps.Sync | None = None) -> None:
+        self.run = loop.build_run(cfg, sizes, actor_rollout, critic, reward_fn, train_loader, val_batches, stop,
+                                  checkpointer)
+        self.tracking = tracking
         self.rollout_client = rollout_client
-        self.actor_rollout = _SyncAfterRollout(self.actor_rollout, self)
+        self.sync_workers = sync or actor_rollout.sync_weights
+        self.max_staleness = int(cfg.async_training.max_staleness)
         self.served_version = 0  # the weights on the servers: the last sync's version
-        self.ahead: _Ahead | None = None
-        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
+        self.resumed: Ahead | None = None  # the rollouts a restored checkpoint had generated ahead
+        self.stopped: str | None = None
+        self.last_batch: DataProto | None = None
+
+    @property
+    def state(self) -> loop.TrainerState:
+        return self.run.state
+
+    def fit(self) -> dict[str, float]:
+        run, last = self.run, {}
+        threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
+        try:
+            loop.start(run, self.tracking, self.generate)
+            batches, ahead, self.resumed = loop.loader_batches(run), self.resumed, None
+            while run.state.global_steps < run.total_steps:
+                # a step whose rollouts were started ahead trains those
+                if (batch := ahead.batch if ahead is not None else next(batches, None)) is None:
+                    break
+                step, timer = run.state.global_steps + 1, StageTimer()
+                with timer("step"):
+                    self.last_batch, metrics, ahead = self.train_step(batch, ahead, step, timer, batches, threads)
+                last = loop.end_step(run, self.tracking, step, self.last_batch, metrics, timer, self.generate,
+                                     partial(self.save_checkpoint, ahead))
+                if run.stop.requested:
+                    break
+            self.stopped = loop.finish(run)
+            return last
+        finally:
+            threads.shutdown(wait=True)  # a generation in flight at an error finishes; its result is dropped
+            close = getattr(self.rollout_client, "close", None)
+            if close is not None:
+                close()
+
+    def train_step(self, batch: DataProto, ahead: Ahead | None, step: int, timer: StageTimer,
+                   batches: Iterator[DataProto], threads: ThreadPoolExecutor
+                   ) -> tuple[DataProto, dict[str, float], Ahead | None]:
+        """Step ``step`` on its rollouts generated ahead (the first step's: now), the next step's generating
+        meanwhile: the trained batch, its metrics and the next step's rollouts."""
+        run, metrics = self.run, {}
+        batch.meta_info.update(steps.step_meta(run.cfg, step))
+        started = time.perf_counter()
+        with timer("gen"):  # only the wait: the generation itself overlapped the previous update
+            if ahead is not None:
+                rolled = self.wait(ahead, step)
+            else:
+                rolled = steps.rollout(run, batch, step, self.generate, StageTimer())
+        metrics["async/gen_wait_s"] = time.perf_counter() - started
+        ahead = self.start_ahead(step + 1, batches, threads)
+        metrics |= self.staleness(rolled, step)
+        batch = steps.score(run, rolled, metrics, timer)
+        run.reward_failures.check(metrics, len(batch), step)
+        batch = steps.log_probs(run, batch, metrics, timer)
+        batch = steps.advantage(run, batch, metrics, timer)
+        steps.update(run, batch, metrics, timer)
+        steps.sync(partial(self.sync_after_rollout, ahead), step, metrics, timer)
+        return batch, metrics | compute_data_metrics(batch, run.use_critic), ahead
 
     # ------------------------------------------------------------------ the overlap
     def generate(self, prompts: DataProto) -> DataProto:
@@ -99,71 +140,67 @@ class OneStepOffPolicyTrainer(RLTrainer):
                                f"but the servers were synced to version {self.served_version}: a server missed a sync")
         return out
 
-    def generate_and_score(self, batch: DataProto, step: int, metrics: dict[str, float],
-                           timer: StageTimer) -> DataProto:
-        ahead, self.ahead = self.ahead, None
-        started = time.perf_counter()
-        with timer("gen"):  # only the wait: the generation itself overlapped the previous update
-            if ahead is not None:
-                if ahead.step != step:
-                    raise RuntimeError(f"the rollouts generated ahead are for step {ahead.step}, not step {step}")
-                rolled = ahead.wait()
-            else:
-                rolled = self.rollout(batch, step, StageTimer())
-        metrics["async/gen_wait_s"] = time.perf_counter() - started
-        self._start_ahead(step + 1)
-        versions = rolled.non_tensor_batch["weight_version"]
-        metrics |= staleness_metrics(versions, policy_version=self.state.global_steps)
+    def start_ahead(self, step: int, batches: Iterator[DataProto], threads: ThreadPoolExecutor) -> Ahead | None:
+        """Generate step ``step``'s rollouts now, on the weights the servers hold (max_staleness 0: never)."""
+        if self.max_staleness == 0 or step > self.run.total_steps:
+            return None
+        batch = next(batches, None)
+        if batch is None:
+            return None
+        batch.meta_info.update(steps.step_meta(self.run.cfg, step))
+        return Ahead(step, batch, threads.submit(steps.rollout, self.run, batch, step, self.generate, StageTimer()))
+
+    @staticmethod
+    def wait(ahead: Ahead, step: int) -> DataProto:
+        if ahead.step != step:
+            raise RuntimeError(f"the rollouts generated ahead are for step {ahead.step}, not step {step}")
+        return ahead.wait()
+
+    def staleness(self, rolled: DataProto, step: int) -> dict[str, float]:
+        metrics = staleness_metrics(rolled.non_tensor_batch["weight_version"],
+                                    policy_version=self.run.state.global_steps)
         if metrics["async/staleness_max"] > self.max_staleness:
             raise RuntimeError(f"step {step} would train on samples {metrics['async/staleness_max']:.0f} versions old, "
                                f"above async_training.max_staleness={self.max_staleness}")
-        return self.score(rolled, metrics, timer)
+        return metrics
 
-    def _start_ahead(self, step: int) -> None:
-        """Generate the next step's rollouts now, on the weights the servers hold (max_staleness 0: never)."""
-        if self.max_staleness == 0 or step > self.total_steps:
-            return
-        batch = next(self._batch_iter, None)
-        if batch is None:
-            return
-        batch.meta_info.update(self.step_meta(step))
-        self.ahead = _Ahead(step, batch, self._threads.submit(self.rollout, batch, step, StageTimer()))
-
-    def _train_batches(self) -> Iterator[DataProto]:
-        """The loader's batches, except that a step whose rollouts were started ahead trains those."""
-        self._batch_iter = self._endless_batches()
-        while self.state.global_steps < self.total_steps:
-            batch = self.ahead.batch if self.ahead is not None else next(self._batch_iter, None)
-            if batch is None:
-                return
-            yield batch
-
-    def fit(self) -> dict[str, float]:
-        try:
-            return super().fit()
-        finally:
-            self._threads.shutdown(wait=True)  # a generation in flight at an error finishes; its result is dropped
-            close = getattr(self.rollout_client, "close", None)
-            if close is not None:
-                close()
+    def sync_after_rollout(self, ahead: Ahead | None, version: int) -> dict[str, float]:
+        """The weight sync, once the generation in flight is done: the servers never swap weights under it."""
+        if ahead is not None:
+            ahead.wait()  # raises the generation's error here, before weights move
+        metrics = self.sync_workers(version)
+        self.served_version = version
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def save_driver_extras(self, directory: Path) -> None:
-        """The rollouts generated ahead (done: the sync before a save waited for them) and their step;
-        the data loader's position is already past their prompts."""
-        if self.ahead is None:
-            return
-        rolled = self.ahead.wait()
-        rolled.meta_info["ahead_step"] = self.ahead.step
-        rolled.save_to_disk(directory / AHEAD_FILE)
+    def save_checkpoint(self, ahead: Ahead | None) -> Path:
+        return loop.save_checkpoint(self.run, partial(save_ahead, ahead) if ahead is not None else None)
 
-    def load_driver_extras(self, directory: Path) -> None:
-        path = directory / AHEAD_FILE
-        if not path.is_file():
-            return
-        rolled = DataProto.load_from_disk(path)
-        done: Future = Future()
-        done.set_result(rolled)
-        step = int(rolled.meta_info.pop("ahead_step"))
-        self.ahead = _Ahead(step, rolled, done)
-        logger.info("resumed with the %d rollouts of step %d generated before the checkpoint", len(rolled), step)
+    def resume(self) -> int:
+        """Restore the newest checkpoint (with the rollouts it generated ahead); the step training continues from."""
+        path = loop.resume(self.run)
+        if path is None:
+            return 0
+        self.resumed = load_ahead(path)
+        self.sync_after_rollout(self.resumed, self.run.state.global_steps)
+        return self.run.state.global_steps
+
+
+def save_ahead(ahead: Ahead, directory: Path) -> None:
+    """The rollouts generated ahead (done: the sync before a save waited for them) and their step; the data
+    loader's position is already past their prompts."""
+    rolled = ahead.wait()
+    rolled.meta_info["ahead_step"] = ahead.step
+    rolled.save_to_disk(directory / AHEAD_FILE)
+
+
+def load_ahead(directory: Path) -> Ahead | None:
+    path = directory / AHEAD_FILE
+    if not path.is_file():
+        return None
+    rolled = DataProto.load_from_disk(path)
+    done: Future = Future()
+    done.set_result(rolled)
+    step = int(rolled.meta_info.pop("ahead_step"))
+    logger.info("resumed with the %d rollouts of step %d generated before the checkpoint", len(rolled), step)
+    return Ahead(step, rolled, done)

@@ -20,7 +20,7 @@ from megatron_rl.trainer.reward_setup import build_reward_fn
 from megatron_rl.trainer.checkpointing import TrainerCheckpointer
 from megatron_rl.controller.deadlines import call_deadlines
 from megatron_rl.trainer.disaggregated import build_trainer, start_rollout_servers
-from megatron_rl.trainer.rl_trainer import fill_optimizer_steps
+from megatron_rl.trainer.loop import config_dict, fill_optimizer_steps, hf_final_dir
 from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
 from megatron_rl.trainer.tracking import Tracking, plot_curves
 
@@ -187,7 +187,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         start_step = trainer.resume()
         if is_logger:
             tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                                total_steps=trainer.total_steps, initial_step=start_step, config=trainer.config_dict())
+                                total_steps=trainer.run.total_steps, initial_step=start_step, config=config_dict(cfg))
             trainer.tracking = tracking
         last = trainer.fit()
     finally:
@@ -201,6 +201,6 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     plot = None
     if is_logger and tracking.metrics_path.exists():
         plot = plot_curves(tracking.metrics_path, output_dir / "curves.png")
-    hf_dir = trainer.hf_output_dir if cfg.trainer.save_hf_at_end and trainer.stopped is None else None
+    hf_dir = hf_final_dir(cfg) if cfg.trainer.save_hf_at_end and trainer.stopped is None else None
     return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last,
                      stopped=trainer.stopped, last_step=trainer.state.global_steps, rollout_engines=meshes[0])

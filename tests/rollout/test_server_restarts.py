@@ -62,7 +62,7 @@ def _wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
 
 def _kill_and_replace(model_dir: str) -> dict:
     from megatron_rl.servers.client import ServerRolloutClient
-    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
@@ -70,7 +70,7 @@ def _kill_and_replace(model_dir: str) -> dict:
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=LENGTH, temperature=1.0)
     config = replica.config
     restarts = ServerRestarts(pool, 2)
-    workers = RestartingWorkers(_ReplicaWorkers(replica, source), restarts)
+    workers = RestartingSync(_ReplicaWorkers(replica, source), restarts)
     client = ServerRolloutClient(config, pool.urls, response_length=LENGTH, eos_token_id=NEVER_EOS,
                                  pad_token_id=PAD, timeout_s=60, restarts=restarts)
     background = ThreadPoolExecutor(max_workers=1)
@@ -89,7 +89,7 @@ def _kill_and_replace(model_dir: str) -> dict:
         # inside the pause, as fully async syncs (verified after the continue: the paused servers hold the probe)
         report["sync_metrics"] = workers.sync_weights(2, True)
         client.continue_generation()
-        report["sync_metrics"] |= workers.verify_weights()
+        report["sync_metrics"] |= workers.workers.verify_weights()
         out = rolled.result(timeout=120)
         report["rows"] = len(out)
         report["lengths"] = [len(v) for v in out.non_tensor_batch["token_weight_versions"]]

@@ -74,7 +74,7 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
     stuck in the rendezvous: replaced too. No server holds the last weights until the retried sync ends, so
     the held rows must wait for it and finish on the new version, whole."""
     from megatron_rl.servers.client import ServerRolloutClient
-    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
@@ -82,7 +82,7 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=LENGTH, temperature=1.0,
                              broken_group_wait_s=WAIT_S)
     restarts = ServerRestarts(pool, 2)
-    workers = RestartingWorkers(_ReplicaWorkers(replica, source), restarts)
+    workers = RestartingSync(_ReplicaWorkers(replica, source), restarts)
     client = ServerRolloutClient(replica.config, pool.urls, response_length=LENGTH, eos_token_id=NEVER_EOS,
                                  pad_token_id=PAD, timeout_s=120, restarts=restarts)
     background = ThreadPoolExecutor(max_workers=1)
@@ -95,12 +95,12 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
         _wait_until(lambda: restarts.count == 1, "the replacement of server 1")
         _kill_while_joining(replica, pool, report)  # the sync's fresh group: its replacement dies as it is joined
         source = source_model(42, _config())
-        workers._workers.source, replica.trainer_log_prob_fn = source, trainer_log_probs(source)
+        workers.workers.source, replica.trainer_log_prob_fn = source, trainer_log_probs(source)
         start = time.monotonic()
         report["metrics"] = workers.sync_weights(2, True)
         report["seconds"] = time.monotonic() - start
         client.continue_generation()
-        report["metrics"] |= workers.verify_weights()
+        report["metrics"] |= workers.workers.verify_weights()
         out = rolled.result(timeout=120)
         report["rows"] = len(out)
         report["token_versions"] = [v.tolist() for v in out.non_tensor_batch["token_weight_versions"]]
@@ -114,17 +114,17 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
 
 
 def _kill_during_sync(model_dir: str, budget: int) -> dict:
-    from megatron_rl.servers.restarts import RestartingWorkers, ServerRestarts
+    from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
     pool = RolloutServerPool(model_dir, 2)
     source = source_model(41, _config())
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=4, broken_group_wait_s=WAIT_S)
-    workers = RestartingWorkers(_ReplicaWorkers(replica, source), ServerRestarts(pool, budget))
+    workers = RestartingSync(_ReplicaWorkers(replica, source), ServerRestarts(pool, budget))
     try:
         workers.sync_weights(1)
         source = source_model(42, _config())  # a training step: the next version differs
-        workers._workers.source, replica.trainer_log_prob_fn = source, trainer_log_probs(source)
+        workers.workers.source, replica.trainer_log_prob_fn = source, trainer_log_probs(source)
         loads = _kill_after_first_bucket(replica, pool, report)
         start = time.monotonic()
         try:
@@ -210,7 +210,7 @@ def _two_ranks_kill_during_sync(model_dir: str) -> dict:
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["seconds"] = time.monotonic() - start
         urls = [None]
-        if rank == 0:  # what RestartingWorkers does: the dead server (and a stuck survivor) replaced
+        if rank == 0:  # what RestartingSync does: the dead server (and a stuck survivor) replaced
             pool.replace(1)
             stuck = replica.replace_servers(pool.urls)
             for url in stuck:

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from megatron_rl.config import load_config
-from megatron_rl.trainer.rl_trainer import fill_optimizer_steps, planned_steps
+from megatron_rl.trainer.loop import fill_optimizer_steps, planned_steps
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
 
 

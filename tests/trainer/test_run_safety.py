@@ -65,7 +65,7 @@ def test_default_config_checkpoints_periodically_and_at_the_end(tmp_path):
                                   "trainer.max_ckpt_to_keep=2", "trainer.save_hf_at_end=false")
     trainer.fit()
     # steps 2 and 4 by the frequency, 5 because it is the last; at most max_ckpt_to_keep kept
-    assert trainer.checkpointer.completed_steps() == [4, 5]
+    assert trainer.run.checkpointer.completed_steps() == [4, 5]
 
 
 class FailingExportActor(FakeActorRollout):
@@ -188,13 +188,13 @@ def failing_reward(batch: DataProto) -> DataProto:
 def test_reward_failing_every_sample_for_k_steps_stops_the_run(tmp_path):
     trainer, _ = make_trainer(tmp_path, "trainer.total_training_steps=5", "reward.max_failed_steps=2",
                               "trainer.save_hf_at_end=false")
-    trainer.reward_fn = failing_reward
+    trainer.run.reward_fn = failing_reward
     with pytest.raises(RuntimeError, match=r"every sample.*2 steps in a row.*reward.max_failed_steps"):
         trainer.fit()
     assert trainer.state.global_steps == 1
     trainer, _ = make_trainer(tmp_path / "b", "trainer.total_training_steps=3", "reward.max_failed_steps=0",
                               "trainer.save_hf_at_end=false")
-    trainer.reward_fn = failing_reward
+    trainer.run.reward_fn = failing_reward
     trainer.fit()  # 0 turns the check off
     assert trainer.state.global_steps == 3
 

@@ -158,7 +158,7 @@ def test_remax_uses_a_greedy_rollout_as_baseline(tmp_path):
     trainer.fit()
     assert actor.calls.count("generate_sequences") == 2  # samples + one greedy response per prompt
     # greedy responses are full length (score 1.0), so every advantage is score - 1 <= 0
-    assert trainer._last_batch.batch["advantages"].max() <= 0
+    assert trainer.last_batch.batch["advantages"].max() <= 0
 
 
 def test_dynamic_sampling_drops_uninformative_groups_and_refills(tmp_path):
@@ -168,9 +168,9 @@ def test_dynamic_sampling_drops_uninformative_groups_and_refills(tmp_path):
     assert "dynamic_sampling/num_dropped_groups" in record
     assert record["dynamic_sampling/num_dropped_groups"] == 2  # prompts 0 and 2
     assert record["dynamic_sampling/num_gen_batches"] == 2
-    uids = trainer._last_batch.non_tensor_batch["uid"]
-    assert len(trainer._last_batch) == 4 and len(set(uids)) == 2  # two whole groups of n=2
-    scores = trainer._last_batch.batch["token_level_scores"].sum(-1).view(2, 2)
+    uids = trainer.last_batch.non_tensor_batch["uid"]
+    assert len(trainer.last_batch) == 4 and len(set(uids)) == 2  # two whole groups of n=2
+    scores = trainer.last_batch.batch["token_level_scores"].sum(-1).view(2, 2)
     assert bool((scores[:, 0] != scores[:, 1]).all()), "every kept group has score variance"
 
 
@@ -247,7 +247,7 @@ def test_jsonl_sink_drops_records_past_the_restart_step(tmp_path):
 
 
 def test_uids_are_deterministic_per_step():
-    from megatron_rl.trainer.rl_trainer import new_uids
+    from megatron_rl.trainer.steps import new_uids
 
     assert list(new_uids(3, 2)) == ["3-0", "3-1"]
     assert np.array_equal(new_uids(3, 2), new_uids(3, 2))
