@@ -70,18 +70,46 @@ VERL_RECIPE_KEYS = {
 }
 
 
-def verl_recipe_hints(paths: Iterable[str]) -> list[str]:
-    """Where the keys of verl's async recipes among ``paths`` (or sections above them) live here, one message
-    per table entry naming every path it answers."""
+# Keys of verl's core config that megatron-rl does not have, and why: refused the same way (compose time and
+# +key at validation), never silently dropped.
+VERL_CORE_KEYS = {
+    "actor_rollout_ref.actor.checkpoint": "a checkpoint here always holds the model, the optimizer and the rest "
+    "of the run's state (verl's save_contents model, optimizer, extra), so that a resume continues exactly; the HF "
+    "export is trainer.save_hf_at_end (docs/trainer.md)",
+}
+
+
+def _hints(paths: Iterable[str], table: dict[str, str]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for path in paths:
         parts = path.split(".")
         entry = next((".".join(parts[:end]) for end in range(len(parts), 0, -1)
-                      if ".".join(parts[:end]) in VERL_RECIPE_KEYS), None)
+                      if ".".join(parts[:end]) in table), None)
         if entry is not None and path not in found.setdefault(entry, []):
             found[entry].append(path)
-    return [f"{', '.join(named)} {'is a key' if len(named) == 1 else 'are keys'} of verl's async recipes, not of "
-            f"its core config: {VERL_RECIPE_KEYS[entry]}" for entry, named in found.items()]
+    return found
+
+
+def verl_recipe_hints(paths: Iterable[str]) -> list[str]:
+    """Where the keys of verl (its async recipes, and its core keys megatron-rl does not have) among ``paths``
+    (or sections above them) stand here, one message per table entry naming every path it answers."""
+    paths = list(paths)
+    recipe = _hints(paths, VERL_RECIPE_KEYS)
+    core = _hints(paths, VERL_CORE_KEYS)
+    return ([f"{', '.join(named)} {'is a key' if len(named) == 1 else 'are keys'} of verl's async recipes, not of "
+             f"its core config: {VERL_RECIPE_KEYS[entry]}" for entry, named in recipe.items()] +
+            [f"{', '.join(named)} {'is a key' if len(named) == 1 else 'are keys'} of verl's config that megatron-rl "
+             f"does not have: {VERL_CORE_KEYS[entry]}" for entry, named in core.items()])
+
+
+def check_verl_values(cfg: DictConfig) -> None:
+    """verl's keys kept for its configs whose other values megatron-rl does not run (the options of a choice
+    field are refused by the schema itself, e.g. actor.strategy=fsdp)."""
+    for key in ("actor_rollout_ref.model.trust_remote_code", "critic.model.trust_remote_code"):
+        if OmegaConf.select(cfg, key, default=False):
+            raise CheckError(f"{key}=true: megatron-rl builds models with its own Megatron builders from config.json "
+                             "and loads tokenizers without remote code, so code shipped in a checkpoint never runs; "
+                             "set it false (a model family the builders do not know is refused by name: docs/models.md)")
 
 
 def unknown_keys(cfg: DictConfig, cls: type = PPOTrainerConfig, prefix: str = "") -> list[str]:

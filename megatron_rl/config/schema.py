@@ -81,17 +81,79 @@ class Device(enum.StrEnum):
     cuda = "cuda"
 
 
+class ActorStrategy(enum.StrEnum):
+    megatron = "megatron"  # verl's actor.strategy; its fsdp strategies are not run here
+
+
 class ResumeMode(enum.StrEnum):
     auto = "auto"
     disable = "disable"
     resume_path = "resume_path"
 
 
+def _spelled(name: str, values: tuple[str, ...]) -> type[enum.StrEnum]:
+    """A StrEnum whose members are named as their values: OmegaConf takes an enum field's value by member name,
+    and verl's spellings (``token-mean``, ``low_var_kl+``) are no Python identifiers."""
+    return enum.StrEnum(name, [(v, v) for v in values], module=__name__, qualname=name)
+
+
+# megatron.params_dtype (workers/engine.py PARAMS_DTYPES): auto = bf16 on CUDA, fp32 on CPU
+ParamsDType = _spelled("ParamsDType", ("auto", "fp32", "float32", "bf16", "bfloat16"))
+# rollout.dtype and reward_model.judge.dtype (rollout/hf_engine.py resolve_dtype): auto = bf16 on CUDA, fp32 on CPU
+EngineDType = _spelled("EngineDType", ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
+# actor/critic.loss_agg_mode (algos/loss_agg.py LOSS_AGG_MODES)
+LossAggMode = _spelled("LossAggMode", ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                       "seq-mean-token-sum-norm"))
+# algorithm.kl_penalty and actor.kl_loss_type (algos/kl.py KL_PENALTIES): "<name>+" takes the gradient of k2
+_KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KLPenalty = _spelled("KLPenalty", _KL_BASE + tuple(f"{name}+" for name in _KL_BASE))
+
+
+class WeightTransport(enum.StrEnum):
+    distributed = "distributed"  # an NCCL update group with the servers
+    tensor = "tensor"  # HTTP payloads
+
+
+class UpdateGroupBackend(enum.StrEnum):
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class TruncateSide(enum.StrEnum):
+    left = "left"
+    right = "right"
+    middle = "middle"
+
+
+class ToolCallFormat(enum.StrEnum):
+    hermes = "hermes"  # <tool_call>{json}</tool_call> (Qwen's), the only format parsed
+
+
+class RolloutIS(enum.StrEnum):
+    token = "token"
+    sequence = "sequence"
+
+
+class RolloutCorrectionLoss(enum.StrEnum):
+    ppo_clip = "ppo_clip"
+    reinforce = "reinforce"
+
+
+class CombineMode(enum.StrEnum):
+    rm = "rm"
+    sum = "sum"
+    gate = "gate"
+
+
 def choices_of(cls: type, name: str) -> list[str] | None:
-    """The options of the choice field ``cls.name`` (None when it is not a choice field)."""
+    """The options of the choice field ``cls.name`` (None when it is not a choice field); an Optional choice
+    field's options are its enum's (null stays allowed)."""
     import typing
 
     hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) is typing.Union:  # Optional[SomeEnum]
+        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = inner[0] if len(inner) == 1 else hint
     return [m.value for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else None
 
 
@@ -116,6 +178,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = "???"
+    # verl's key. Models are built by megatron-rl's own Megatron builders from config.json and tokenizers load
+    # without remote code, so code shipped in a checkpoint never runs: true is refused (config/checks.py).
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
 
@@ -137,7 +201,7 @@ class MegatronParallelConfig:
     use_distributed_optimizer: bool = False
     param_offload: bool = False
     optimizer_offload: bool = False
-    params_dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    params_dtype: ParamsDType = ParamsDType.auto  # auto: bf16 on CUDA, fp32 on CPU
     seed: int = 42
     # Megatron-Core TransformerConfig fields, as verl (recompute_granularity/method/num_layers, ...);
     # unknown fields and those set from the HF config or the keys above are refused (docs/models.md).
@@ -163,13 +227,8 @@ class OptimConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
-
-
-@dataclass
 class ActorConfig:
-    strategy: str = "megatron"
+    strategy: ActorStrategy = ActorStrategy.megatron  # verl's key; megatron is the only one
     ppo_mini_batch_size: int = 256  # in prompts; multiplied by rollout.n like verl
     ppo_micro_batch_size_per_gpu: int = 4  # in responses
     use_dynamic_bsz: bool = False
@@ -183,14 +242,13 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     tis_imp_ratio_cap: Optional[float] = None  # truncated IS vs rollout_log_probs; None = off
     behav_imp_weight_cap: Optional[float] = None  # decoupled_ppo: tokens above this behaviour weight get 0
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode["token-mean"]
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KLPenalty = KLPenalty.low_var_kl
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass
@@ -222,8 +280,8 @@ class ValKwargsConfig:
 class SGLangConfig:
     """SGLang-only settings (rollout.name=sglang); see docs/rollout.md."""
 
-    weight_transport: str = "distributed"  # server mode: distributed (NCCL group) | tensor (HTTP payloads)
-    update_group_backend: str = "nccl"
+    weight_transport: WeightTransport = WeightTransport.distributed  # server mode: distributed (NCCL group) | tensor (HTTP payloads)
+    update_group_backend: UpdateGroupBackend = UpdateGroupBackend.nccl
     master_address: Optional[str] = None  # this trainer's address as the servers see it
     request_timeout_s: float = 600.0
     # After a weight broadcast failed: how long a server may take to answer it before it counts as stuck in
@@ -244,9 +302,9 @@ class MultiTurnConfig:
     max_user_turns: Optional[int] = None  # observation turns per sample (None: no limit of its own)
     max_parallel_calls: int = 1  # tool calls run per model turn
     max_tool_response_length: int = 256  # characters of one tool result
-    tool_response_truncate_side: str = "middle"  # left | right | middle
+    tool_response_truncate_side: TruncateSide = TruncateSide.middle
     tool_config_path: Optional[str] = None  # verl's tool YAML; None: the built-in tools named in `tools`
-    format: str = "hermes"  # tool-call format: <tool_call>{json}</tool_call> (the only one parsed)
+    format: ToolCallFormat = ToolCallFormat.hermes  # tool-call format: <tool_call>{json}</tool_call>
     tools: list[str] = field(default_factory=lambda: ["calculator"])
     default_agent: str = "tool_agent"  # environment of rows without agent_name
     tool_timeout_s: float = 10.0  # every environment step (tool call) is bounded by this
@@ -270,7 +328,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
     free_cache_engine: bool = True
     seed: int = 0
-    dtype: str = "auto"
+    dtype: EngineDType = EngineDType.auto
     server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
     # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (servers/hf_server.py)
     num_servers: int = 0
@@ -308,7 +366,7 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = 32768
     ppo_epochs: Optional[int] = None  # None: the actor's
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode["token-mean"]
     value_head_init: ValueHeadInit = ValueHeadInit.zero
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
@@ -354,7 +412,7 @@ class RewardModelModelConfig:
 class RewardCombineConfig:
     """How the RM score and the rule score of a sample make its score (reward/model/combine.py)."""
 
-    mode: str = "rm"  # rm: the RM score alone (verl) | sum: rule + weight * rm | gate: weight * rm where rule > gate_threshold, else rule
+    mode: CombineMode = CombineMode.rm  # rm: the RM score alone (verl) | sum: rule + weight * rm | gate: weight * rm where rule > gate_threshold, else rule
     weight: float = 1.0
     gate_threshold: float = 0.0
     per_data_source: dict[str, Any] = field(default_factory=dict)  # data_source -> {mode, weight, gate_threshold}
@@ -372,13 +430,13 @@ class RewardJudgeConfig:
     judge_actor.py)."""
 
     enable: bool = False
-    engine: str = "hf"  # hf | sglang: the rollout engine that serves the judge, loaded from model.path
+    engine: RolloutEngineName = RolloutEngineName.hf  # the rollout engine that serves the judge, loaded from model.path
     model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
     template: str = "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nRate the answer 0-10. Score:"
     verdict_pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # group 1: the number
     verdict_scale: float = 0.1  # score = verdict * scale
     response_length: int = 16  # tokens of the judge's answer
-    dtype: str = "float32"
+    dtype: EngineDType = EngineDType.float32
     timeout_s: float = 60.0  # per engine call; a call past it scores its samples 0 (reward/timeouts)
     retries: int = 1  # failed samples (parse failure, timeout, engine error) are asked again this many times
 
@@ -426,13 +484,13 @@ class RolloutCorrectionConfig:
     """verl's algorithm.rollout_correction (algos/rollout_corr.py): IS weights and rejection against the
     rollout engine's log-probs; all off by default. Thresholds take a number or a "lower_upper" string."""
 
-    rollout_is: Optional[str] = None  # null | token | sequence
+    rollout_is: Optional[RolloutIS] = None  # null | token | sequence
     rollout_is_threshold: Any = 2.0
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None  # comma-separated: token_k1, seq_mean_k3, ...
     rollout_rs_threshold: Any = None
     bypass_mode: bool = False  # old_log_probs := rollout_log_probs (no old-log-prob pass)
-    loss_type: str = "ppo_clip"  # bypass mode's loss; only ppo_clip runs in the trainer
+    loss_type: RolloutCorrectionLoss = RolloutCorrectionLoss.ppo_clip  # bypass mode's loss; only ppo_clip runs in the trainer
 
 
 @dataclass
@@ -442,7 +500,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: KLPenalty = KLPenalty.kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -471,7 +529,6 @@ class TrainerConfig:
     # Starting from step 0 in a directory that holds a run's results (metrics.jsonl, hf_final/, events)
     # is refused unless this is true; resuming from an intact checkpoint keeps them.
     overwrite: bool = False
-    seed: int = 1
 
 
 @dataclass

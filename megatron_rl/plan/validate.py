@@ -27,13 +27,13 @@ def _check_rollout_correction(section) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if corr.bypass_mode and corr.loss_type != "ppo_clip":
-        raise ConfigError(f"algorithm.rollout_correction.loss_type={corr.loss_type!r} with bypass_mode=true is not "
+        raise ConfigError(f"algorithm.rollout_correction.loss_type={str(corr.loss_type)!r} with bypass_mode=true is not "
                           "run by the trainer (only ppo_clip); compute_policy_loss_bypass_mode has it for custom loops")
     if corr.bypass_mode and (corr.rollout_is is not None or corr.rollout_rs is not None):
         # verl computes them inside its bypass loss from the policy being trained; the trainer's bypass sets
         # old := rollout log-probs before the update, where they would be no-ops (weights 1, nothing rejected)
         raise ConfigError("algorithm.rollout_correction.bypass_mode=true with rollout_is/rollout_rs set "
-                          f"(rollout_is={corr.rollout_is!r}, rollout_rs={corr.rollout_rs!r}): the trainer's bypass "
+                          f"(rollout_is={corr.rollout_is and str(corr.rollout_is)!r}, rollout_rs={corr.rollout_rs!r}): the trainer's bypass "
                           "does not compute them against the policy being trained, so they would do nothing; "
                           "unset them, or set bypass_mode=false to correct against recomputed old log-probs")
 
@@ -215,17 +215,16 @@ def _role_sizes(cfg: DictConfig, prefix: str, mini_batch_prompts: int, micro: in
 
 def _known_algorithm_names() -> dict[str, list[str]]:
     # Read from algos/ at call time: users can register their own estimators and losses before validating.
-    from megatron_rl.algos import KL_PENALTIES, LOSS_AGG_MODES, list_adv_estimators, list_policy_losses
+    # (loss_agg_mode and the KL types are closed choices: enums of the schema, checked by check_choices.)
+    from megatron_rl.algos import list_adv_estimators, list_policy_losses
 
-    return {"estimators": list_adv_estimators(), "policy_losses": list_policy_losses(),
-            "loss_agg_modes": list(LOSS_AGG_MODES), "kl_penalties": list(KL_PENALTIES)}
+    return {"estimators": list_adv_estimators(), "policy_losses": list_policy_losses()}
 
 
 def _check_judge(judge: DictConfig) -> None:
     from megatron_rl.reward.model.judge import GenerativeJudge, VerdictParser
 
     _require(bool(judge.model.path), "reward_model.judge.enable=true needs reward_model.judge.model.path (a causal LM)")
-    _require(judge.engine in ("hf", "sglang"), f"reward_model.judge.engine must be hf or sglang, got {judge.engine!r}")
     _require(judge.response_length >= 1, f"reward_model.judge.response_length must be >= 1, got {judge.response_length}")
     try:
         GenerativeJudge(lambda prompts: prompts, judge.template, VerdictParser(judge.verdict_pattern),
@@ -309,8 +308,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(actor.policy_loss != "decoupled_ppo" or algo.rollout_correction.rollout_is is None,
              "actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
              "algorithm.rollout_correction.rollout_is (the weights would count twice)")
-    try:  # every choice field (an enum in config/schema.py), its options from the schema
+    try:  # every choice field (an enum in config/schema.py: loss_agg_mode, kl types, dtypes, ...), its options from the schema
         checks.check_choices(cfg)
+        checks.check_verl_values(cfg)
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
     _require(rollout.mode != "server" or bool(rollout.server_urls) or (rollout.name == "hf" and rollout.num_servers >= 1),
@@ -329,12 +329,6 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
              "to the Megatron model and to colocated engines, but SGLang servers started elsewhere never see it: start "
              "them with --json-model-override-args, bake the fields into config.json, or use rollout.mode=colocated")
-    for key, value in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
-                       ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
-        _require(value in known["loss_agg_modes"], f"{key}={value!r} is unknown; known: {known['loss_agg_modes']}")
-    for key, value in (("algorithm.kl_penalty", algo.kl_penalty),
-                       ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)):
-        _require(value in known["kl_penalties"], f"{key}={value!r} is unknown; known: {known['kl_penalties']}")
     _require(cfg.reward.reward_manager != "batch" or bool(cfg.reward.custom_reward_function.path),
              "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
     _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")

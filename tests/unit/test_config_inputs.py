@@ -108,6 +108,88 @@ def test_component_configs_are_typed_as_their_schema_classes():
     assert typing.get_type_hints(schema.TrainerConfig)["resume_mode"] is schema.ResumeMode
 
 
+# Every closed-choice string of the schema is an enum with verl's spellings; registries stay strings (issue 31).
+CHOICE_FIELDS = [
+    ("actor_rollout_ref.actor.megatron.params_dtype", "fp16", ["auto", "fp32", "float32", "bf16", "bfloat16"]),
+    ("critic.megatron.params_dtype", "half", None),
+    ("actor_rollout_ref.actor.loss_agg_mode", "mean", None),
+    ("critic.loss_agg_mode", "token_mean", None),
+    ("algorithm.kl_penalty", "k4", None),
+    ("actor_rollout_ref.actor.kl_loss_type", "low-var-kl", None),
+    ("actor_rollout_ref.actor.strategy", "fsdp", ["megatron"]),
+    ("actor_rollout_ref.rollout.dtype", "int8", None),
+    ("reward_model.judge.dtype", "int8", None),
+    ("reward_model.judge.engine", "vllm", ["hf", "sglang"]),
+    ("actor_rollout_ref.rollout.sglang.weight_transport", "http", ["distributed", "tensor"]),
+    ("actor_rollout_ref.rollout.sglang.update_group_backend", "mpi", ["nccl", "gloo"]),
+    ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", "center", ["left", "right", "middle"]),
+    ("actor_rollout_ref.rollout.multi_turn.format", "gpt-oss", ["hermes"]),
+    ("algorithm.rollout_correction.rollout_is", "seq", ["token", "sequence"]),
+    ("algorithm.rollout_correction.loss_type", "ppo", ["ppo_clip", "reinforce"]),
+    ("reward_model.combine.mode", "max", ["rm", "sum", "gate"]),
+]
+
+
+@pytest.mark.parametrize("key, bad, options", CHOICE_FIELDS)
+def test_closed_choices_refuse_a_bad_value_naming_key_and_options(key, bad, options):
+    import re
+
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={bad!r} is unknown; known: ") +
+                       (re.escape(str(options)) if options else "")):
+        cfg_with(f"{key}={bad}")
+
+
+def test_choice_enums_keep_the_spellings_the_code_accepts():
+    """The schema's options are exactly what the algorithms, the engines and the agent loop take."""
+    import torch
+
+    from megatron_rl.algos import KL_PENALTIES, LOSS_AGG_MODES
+    from megatron_rl.algos.rollout_corr import IS_LEVELS, LOSS_TYPES
+    from megatron_rl.config import schema
+    from megatron_rl.reward.model.combine import MODES
+    from megatron_rl.rollout.hf_engine import resolve_dtype
+    from megatron_rl.workers.engine import PARAMS_DTYPES
+
+    assert [m.value for m in schema.LossAggMode] == list(LOSS_AGG_MODES)
+    assert [m.value for m in schema.KLPenalty] == list(KL_PENALTIES)
+    assert [m.value for m in schema.ParamsDType] == list(PARAMS_DTYPES)
+    assert [m.value for m in schema.RolloutIS] == list(IS_LEVELS)
+    assert [m.value for m in schema.RolloutCorrectionLoss] == list(LOSS_TYPES)
+    assert [m.value for m in schema.CombineMode] == list(MODES)
+    for dtype in schema.EngineDType:
+        resolve_dtype(dtype, torch.device("cpu"))  # every option resolves
+    # verl's spellings compose (OmegaConf takes an enum by member name: the names are the values)
+    cfg = cfg_with("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.kl_penalty=low_var_kl+",
+                   "actor_rollout_ref.actor.kl_loss_type=k3+", "actor_rollout_ref.rollout.dtype=bfloat16",
+                   "algorithm.rollout_correction.rollout_is=null")
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert cfg.algorithm.kl_penalty == "low_var_kl+" and f"{cfg.actor_rollout_ref.actor.kl_loss_type}" == "k3+"
+    assert cfg.algorithm.rollout_correction.rollout_is is None
+    # open registries stay strings: users register their own
+    for cls, name in ((schema.AlgorithmConfig, "adv_estimator"), (schema.ActorConfig, "policy_loss"),
+                      (schema.MultiTurnConfig, "default_agent")):
+        assert schema.choices_of(cls, name) is None
+
+
+def test_verl_keys_without_an_effect_here_are_refused_or_gone():
+    from megatron_rl.config import schema
+
+    validate(cfg_with("actor_rollout_ref.model.trust_remote_code=false", "actor_rollout_ref.actor.strategy=megatron"))
+    for key in ("actor_rollout_ref.model.trust_remote_code", "critic.model.trust_remote_code"):
+        with pytest.raises(ConfigError, match=rf"{key}=true: megatron-rl builds models with its own Megatron builders"):
+            validate(cfg_with(f"{key}=true"))
+    save = r"actor_rollout_ref.actor.checkpoint(.save_contents)? is a key of verl's config that megatron-rl does not have"
+    with pytest.raises(ConfigError, match=save):  # at compose time
+        cfg_with("actor_rollout_ref.actor.checkpoint.save_contents=[model]")
+    with pytest.raises(ConfigError, match=save):  # added with +, at validation
+        validate(cfg_with("+actor_rollout_ref.actor.checkpoint.save_contents=[model]"))
+    # trainer.seed was read by nothing: gone, and the error points at the seeds that are
+    with pytest.raises(ConfigError, match=r"trainer.seed is not a known key.*a key of that name lives at data.seed"):
+        validate(cfg_with("+trainer.seed=3"))
+    assert "seed" not in schema.TrainerConfig.__dataclass_fields__
+    assert "checkpoint" not in schema.ActorConfig.__dataclass_fields__
+
+
 # ---------------------------------------------------------------------------- 5, 7, 8. preflight (files, model)
 def _write_jsonl(path: Path, sources: list[str]) -> Path:
     rows = [{"prompt": [{"role": "user", "content": "hi"}], "data_source": s, "reward_model": {"ground_truth": "1"}}
