@@ -38,15 +38,15 @@ class StepCalls:
         self.steps = 0
 
     def wrap(self, train_step):
-        def recorded(trainer, batch, step, timer):
+        def recorded(trainer, batch, step, *args):
             if step <= WARMUP:
-                return train_step(trainer, batch, step, timer)
+                return train_step(trainer, batch, step, *args)
             self.steps += 1
             with call_stats.recording() as totals:
-                metrics = train_step(trainer, batch, step, timer)
+                trained = train_step(trainer, batch, step, *args)  # (batch, metrics)
             for method, t in totals.items():
                 self.totals.setdefault(method, call_stats.CallTotals()).add(t)
-            return metrics
+            return trained
 
         return recorded
 

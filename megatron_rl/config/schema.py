@@ -283,7 +283,9 @@ class SGLangConfig:
     weight_transport: WeightTransport = WeightTransport.distributed  # server mode: distributed (NCCL group) | tensor (HTTP payloads)
     update_group_backend: UpdateGroupBackend = UpdateGroupBackend.nccl
     master_address: Optional[str] = None  # this trainer's address as the servers see it
-    request_timeout_s: float = 600.0
+    # One HTTP request to a server (a generate call holds a whole share of the batch; a weight update a bucket).
+    # null: wait (a server that dies still fails its request at once); set it to bound a server that hangs.
+    request_timeout_s: Optional[float] = None
     # After a weight broadcast failed: how long a server may take to answer it before it counts as stuck in
     # the broken collective (replaced with the dead one, or named in the error).
     broken_group_wait_s: float = 30.0
@@ -536,11 +538,13 @@ class RayInitConfig:
     address: Optional[str] = None  # None: start an embedded local Ray
     num_cpus: Optional[int] = None
     num_gpus: Optional[int] = None  # GPUs an embedded Ray declares (None: what it detects)
-    timeout_s: float = 600.0  # a remote call taking longer fails with the role and rank named
-    # Per call kind (controller/deadlines.py); null: timeout_s. A 70B init_model loads 140 GB and builds the engines.
-    init_timeout_s: Optional[float] = 3600.0  # init_model, load_checkpoint
-    generate_timeout_s: Optional[float] = None  # generate_sequences
-    update_timeout_s: Optional[float] = None  # update_actor, update_critic
+    # A remote call taking longer fails with the role, rank and key named. Log-prob, value and weight-sync calls
+    # get at least what controller/deadlines.py derives from the response length, batch and model size.
+    timeout_s: float = 600.0
+    # Per call kind (controller/deadlines.py). A 70B init_model loads 140 GB and builds the engines.
+    init_timeout_s: Optional[float] = 3600.0  # init_model, load_checkpoint; null: timeout_s
+    generate_timeout_s: Optional[float] = None  # generate_sequences; null: derived (response length, model size)
+    update_timeout_s: Optional[float] = None  # update_actor, update_critic; null: derived (batch, model size)
     save_timeout_s: Optional[float] = 1800.0  # save_checkpoint, save_hf
 
 

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_NAME = "megatron_rl_weight_update"
 WAIT_KEY = "actor_rollout_ref.rollout.sglang.broken_group_wait_s"
+REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"  # bounds one HTTP request
 
 
 class UpdateGroupBroken(WeightUpdateError):
@@ -80,6 +81,10 @@ class ServerHTTP:
             detail = exc.read().decode(errors="replace")[:500]
             raise SGLangServerError(f"SGLang {self.url}{route} answered {exc.code}: {detail}") from exc
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+                raise SGLangServerError(
+                    f"SGLang server {self.url}{route} gave no answer within {self.timeout_s:g} s: raise "
+                    f"{REQUEST_TIMEOUT_KEY} (null waits)") from exc
             raise SGLangServerError(f"SGLang server {self.url}{route} unreachable: {exc}") from exc
         if not raw:
             return None
