@@ -9,11 +9,20 @@ ranks, building the engines) share the bound of a 10 s log-prob pass. Each kind 
     ray_init.save_timeout_s      save_checkpoint, save_hf (the final HF export)
     ray_init.timeout_s           everything else (log-probs, values, weight sync, small calls)
 
-A key left at null takes ``ray_init.timeout_s``. A call past its deadline fails with the key named.
+A fixed 600 s failed long-CoT rollouts and a 70B step (issue 32). So the calls whose work grows with the run
+are bounded by what the run asks for, derived from the response length, the batch and the model's size
+(:func:`derived_deadlines`): generate and update when their key is null (the default), and the log-prob,
+value, reward-model and weight-sync calls at least as long as their derived bound (``ray_init.timeout_s``
+when that is larger). The bounds are generous floors of speed (a decode step of a whole batch in 0.25 s per
+7 B active parameters, 10 TFLOP/s per GPU for forward and backward, 1 GB/s for a weight sync), so a deadline
+catches a hang, not a slow step. A call past its deadline fails naming the key to raise.
 """
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 CALL_KINDS: dict[str, tuple[str, ...]] = {
@@ -22,16 +31,135 @@ CALL_KINDS: dict[str, tuple[str, ...]] = {
     "update_timeout_s": ("update_actor", "update_critic"),
     "save_timeout_s": ("save_checkpoint", "save_hf"),
 }
+#: calls bounded by ``ray_init.timeout_s`` but never below their derived bound
+SCALED_BY_TIMEOUT_S: dict[str, tuple[str, ...]] = {
+    "forward": ("compute_log_prob", "compute_ref_log_prob", "compute_values", "compute_rm_score"),
+    "sync": ("sync_weights", "verify_weights"),
+}
+
+BASE_S = 600.0  # start-up, scheduling, the first call's compilation: the old flat deadline, kept as a floor
+DECODE_S_PER_TOKEN = 0.25  # one decode step of the whole batch, per 7 B active parameters (at least 0.25 s)
+FLOPS_PER_GPU = 10e12  # forward/backward throughput floor per GPU (~1% of an H100's bf16 peak)
+SYNC_BYTES_PER_S = 1e9  # bf16 weights into the engines
+#: when the config says nothing usable: no deadline in practice (a week), as verl waits by default
+NO_DEADLINE_S = 7 * 24 * 3600.0
 
 
-def call_deadlines(ray_init: Any) -> dict[str, tuple[float, str]]:
-    """method -> (seconds, config key) for ``RayWorkerGroup(method_timeouts=...)``."""
+def call_deadlines(ray_init: Any, cfg: Any = None) -> dict[str, tuple[float, str]]:
+    """method -> (seconds, config key) for ``RayWorkerGroup(method_timeouts=...)``.
+
+    ``cfg``: the whole run config (the work the deadlines are derived from); by default the config that
+    ``ray_init`` belongs to when it is an OmegaConf node (``call_deadlines(cfg.ray_init)``).
+    """
+    work = derived_deadlines(cfg if cfg is not None else _root_of(ray_init))
     out: dict[str, tuple[float, str]] = {}
     for field, methods in CALL_KINDS.items():
         value = getattr(ray_init, field, None)
-        key = f"ray_init.{field}" if value is not None else "ray_init.timeout_s"
-        seconds = float(value if value is not None else ray_init.timeout_s)
+        if value is None and field in ("generate_timeout_s", "update_timeout_s"):
+            kind = field.removesuffix("_timeout_s")
+            seconds, why = work.get(kind, (NO_DEADLINE_S, "no run config to derive it from: one week"))
+            key = f"ray_init.{field} (null: {why})"
+        else:
+            key = f"ray_init.{field}" if value is not None else "ray_init.timeout_s"
+            seconds = float(value if value is not None else ray_init.timeout_s)
         if seconds <= 0:
             raise ValueError(f"{key} must be > 0, got {seconds}")
         out.update({method: (seconds, key) for method in methods})
+    timeout_s = float(ray_init.timeout_s)
+    for kind, methods in SCALED_BY_TIMEOUT_S.items():
+        if kind in work and work[kind][0] > timeout_s:
+            seconds, key = work[kind][0], f"ray_init.timeout_s (at least {work[kind][1]})"
+        else:
+            seconds, key = timeout_s, "ray_init.timeout_s"
+        out.update({method: (seconds, key) for method in methods})
     return out
+
+
+def derived_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
+    """kind (generate, forward, update, sync) -> (seconds, how it was derived) from the run's work; empty
+    when ``cfg`` is None or lacks what is needed."""
+    if cfg is None:
+        return {}
+    try:
+        params, source = model_params(cfg)
+        rollout, data, trainer = cfg.actor_rollout_ref.rollout, cfg.data, cfg.trainer
+        response = int(rollout.response_length or data.max_response_length)
+        tokens = int(data.max_prompt_length) + response  # per sequence
+        multi_turn = rollout.multi_turn
+        turns = int(multi_turn.max_assistant_turns or 1) if multi_turn.enable else 1
+        sequences = int(data.train_batch_size) * int(rollout.n)
+        gpus = max(1, int(trainer.nnodes) * int(trainer.n_gpus_per_node))
+        epochs = max(int(cfg.actor_rollout_ref.actor.ppo_epochs), int(_select(cfg, "critic.ppo_epochs") or 1))
+    except Exception:  # noqa: BLE001 - no model or batch facts (a missing path, a test config): no derivation
+        return {}
+    billions = params / 1e9
+    per_token = DECODE_S_PER_TOKEN * max(1.0, billions / 7)
+    forward = 2 * params * sequences * tokens / (gpus * FLOPS_PER_GPU)
+    size = f"{billions:.1f} B active params ({source})"
+    return {
+        "generate": (_round(BASE_S + turns * response * per_token),
+                     f"{BASE_S:g} s + {turns} turn(s) x {response} response tokens x {per_token:.2f} s for {size}"),
+        "forward": (_round(BASE_S + forward),
+                    f"{BASE_S:g} s + a forward over {sequences} x {tokens} tokens of {size} on {gpus} GPU(s) "
+                    f"at {FLOPS_PER_GPU / 1e12:g} TFLOP/s each"),
+        "update": (_round(BASE_S + 3 * epochs * forward),
+                   f"{BASE_S:g} s + {epochs} epoch(s) of forward and backward over {sequences} x {tokens} tokens "
+                   f"of {size} on {gpus} GPU(s) at {FLOPS_PER_GPU / 1e12:g} TFLOP/s each"),
+        "sync": (_round(BASE_S + 2 * params / SYNC_BYTES_PER_S),
+                 f"{BASE_S:g} s + {2 * params / 1e9:.0f} GB of bf16 weights at {SYNC_BYTES_PER_S / 1e9:g} GB/s"),
+    }
+
+
+def model_params(cfg: Any) -> tuple[float, str]:
+    """(parameters one token passes through, where the architecture came from): the actor's config.json,
+    else ``plan.architecture`` (as the planner reads them). An MoE model counts its top-k experts."""
+    from megatron_rl.models.hf_config import apply_override_config, parse_hf_config
+
+    model = cfg.actor_rollout_ref.model
+    path = Path(str(_select(cfg, "actor_rollout_ref.model.path") or "")).expanduser() / "config.json"
+    if path.is_file():
+        raw, source = json.loads(path.read_text()), "config.json"
+    else:
+        raw, source = _plain(_select(cfg, "plan.architecture")), "plan.architecture"
+        if not raw:
+            raise ValueError("no architecture")
+    hf = parse_hf_config(apply_override_config(raw, _plain(getattr(model, "override_config", None)) or {}),
+                         source=source)
+    h, ffn = hf.hidden_size, hf.intermediate_size
+    if hf.moe is not None:
+        ffn = hf.moe.topk * hf.moe.ffn_hidden_size
+    layer = h * (hf.q_size + 2 * hf.kv_size) + hf.q_size * h + 3 * h * ffn
+    vocab = (1 if hf.tie_word_embeddings else 2) * hf.vocab_size * h
+    return float(hf.num_layers * layer + vocab), source
+
+
+def _round(seconds: float) -> float:
+    return float(math.ceil(seconds / 60) * 60)  # whole minutes: a deadline, not a prediction
+
+
+def _root_of(node: Any) -> Any:
+    try:
+        from omegaconf import DictConfig
+
+        return node._get_root() if isinstance(node, DictConfig) else None
+    except Exception:
+        return None
+
+
+def _select(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part, None) if cfg is not None else None
+    return cfg
+
+
+def _plain(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return dict(value) if isinstance(value, dict) else value
