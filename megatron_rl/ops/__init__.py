@@ -7,11 +7,12 @@ plain-torch semantics in `megatron_rl.ops.reference` when they are not built (on
 from megatron_rl.ops._extension import backend_summary
 from megatron_rl.ops.gae import masked_gae
 from megatron_rl.ops.group_norm import group_normalize
-from megatron_rl.ops.log_probs import log_probs_from_logits
+from megatron_rl.ops.log_probs import check_token_ids, log_probs_from_logits
 from megatron_rl.ops.masked import masked_mean, masked_whiten
 
 __all__ = [
     "backend_summary",
+    "check_token_ids",
     "group_normalize",
     "log_probs_from_logits",
     "masked_gae",

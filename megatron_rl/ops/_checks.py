@@ -44,8 +44,13 @@ def check_log_prob_args(
     vocab_size: int | None,
     vocab_total: int,
     ignore_index: int,
+    check_values: bool = True,
 ) -> None:
-    """Shapes, dtypes, temperature, vocab_size; vocab_total = global (all TP shards) vocabulary width."""
+    """Shapes, dtypes, temperature, vocab_size; vocab_total = global (all TP shards) vocabulary width.
+
+    ``check_values`` also checks the label values (one host sync on a GPU); a caller
+    that validated the whole batch's labels once before cutting it into micro-batches passes False.
+    """
     check_tensor("logits", logits)
     check_tensor("labels", labels)
     check_float("logits", logits)
@@ -67,7 +72,7 @@ def check_log_prob_args(
         raise ValueError(
             f"vocab_size must be in [1, {vocab_total}] (the logits' global vocabulary width), got {vocab_size}"
         )
-    if not has_values(labels):
+    if not check_values or not has_values(labels):
         return
     real_vocab = vocab_total if vocab_size is None else vocab_size
     valid = labels != ignore_index
@@ -77,6 +82,39 @@ def check_log_prob_args(
         raise ValueError(
             f"labels must be in [0, {real_vocab}) or equal ignore_index={ignore_index}; "
             f"labels.flatten()[{first}] = {int(labels.flatten()[first])}"
+        )
+
+
+def check_label_values(
+    name: str,
+    labels: torch.Tensor,
+    vocab_size: int,
+    *,
+    ignore_index: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> None:
+    """A batch's labels, checked once (by the workers, before the micro-batch split): every label (where
+    ``mask`` is true, if given) is a token id in [0, vocab_size) or ignore_index.
+
+    ONE host sync on a GPU (the ``any``), two more only to word the error: call it once per batch, not per
+    micro-batch. The error names the tensor, its shape, the first offending position and its value.
+    """
+    check_tensor(name, labels)
+    if not has_values(labels) or labels.numel() == 0:
+        return
+    bad = (labels < 0) | (labels >= vocab_size)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if mask is not None:
+        if mask.shape != labels.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} must equal {name} shape {tuple(labels.shape)}")
+        bad &= mask.bool()
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        allowed = f" or equal ignore_index={ignore_index}" if ignore_index is not None else ""
+        raise ValueError(
+            f"{name} must be in [0, {vocab_size}){allowed}; {name}[{', '.join(map(str, where))}] = "
+            f"{int(labels[tuple(where)])} (shape {tuple(labels.shape)})"
         )
 
 

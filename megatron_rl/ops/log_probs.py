@@ -88,6 +88,7 @@ def log_probs_from_logits(
     with_entropy: bool = False,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[labels], and the softmax entropy when with_entropy.
 
@@ -96,6 +97,9 @@ def log_probs_from_logits(
     vocab_size: real vocabulary size; padded columns >= vocab_size are outside the softmax.
     Returns fp32 tensors shaped like labels (fp64 for fp64 logits); rows with label == ignore_index give 0
     and pass no gradient. Differentiable w.r.t. logits through both outputs.
+    check_labels=False skips the label VALUE check (a host sync on a GPU) for a caller that checked the
+    whole batch once with ``check_token_ids`` before cutting it into micro-batches; shapes and dtypes are
+    always checked. An out-of-range label is never read out of bounds: its log-prob is then -inf or NaN.
     """
     if kernels_for(logits) is None:
         return reference.log_probs_from_logits(
@@ -106,10 +110,13 @@ def log_probs_from_logits(
             with_entropy=with_entropy,
             ignore_index=ignore_index,
             vocab_size=vocab_size,
+            check_labels=check_labels,
         )
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
     width = logits.shape[-1] if logits.dim() else 0
-    _checks.check_log_prob_args(logits, labels, temperature, vocab_size, width * world, ignore_index)
+    _checks.check_log_prob_args(
+        logits, labels, temperature, vocab_size, width * world, ignore_index, check_values=check_labels
+    )
     rank = 0 if tp_group is None else dist.get_rank(tp_group)
     vocab_start = rank * width
     real_vocab = width * world if vocab_size is None else vocab_size
@@ -124,3 +131,16 @@ def log_probs_from_logits(
     )
     log_probs = log_probs.view(labels.shape)
     return (log_probs, entropy.view(labels.shape)) if with_entropy else log_probs
+
+
+def check_token_ids(
+    name: str, ids: torch.Tensor, vocab_size: int, *, mask: torch.Tensor | None = None
+) -> None:
+    """Refuse token ids outside [0, vocab_size) where ``mask`` is true (every position without a mask).
+
+    For the workers: once per batch, before it is cut into micro-batches, so that the per-micro-batch
+    ``log_probs_from_logits(..., check_labels=False)`` does no host sync. The error names ``name``, the
+    tensor's shape, the first offending position and its value, e.g.
+    ``batch['responses'] must be in [0, 50); batch['responses'][3, 2] = 57 (shape (6, 5))``.
+    """
+    _checks.check_label_values(name, ids, vocab_size, mask=mask)

@@ -45,6 +45,7 @@ def log_probs_from_logits(
     with_entropy: bool = False,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[label] (and the softmax entropy), shaped like labels.
 
@@ -56,7 +57,8 @@ def log_probs_from_logits(
     """
     tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
     _checks.check_log_prob_args(
-        logits, labels, temperature, vocab_size, logits.shape[-1] * tp_world, ignore_index
+        logits, labels, temperature, vocab_size, logits.shape[-1] * tp_world, ignore_index,
+        check_values=check_labels,
     )
     x = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     if tp_group is not None and tp_world > 1:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_rl.ops import log_probs_from_logits
+from megatron_rl.ops import check_token_ids, log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
@@ -25,9 +25,18 @@ PerTokenFn = Callable[[torch.Tensor, PackedMicroBatch], dict[str, torch.Tensor]]
 def pack_batch(
     engine: MegatronEngine, data: DataProto, spec: MicroBatchSpec, field_keys: Sequence[str], budget_name: str
 ) -> list[PackedMicroBatch]:
-    """``data`` cut into packed micro-batches on the engine's device."""
+    """``data`` cut into packed micro-batches on the engine's device.
+
+    The real response tokens (the log-probs' labels) are checked against the vocabulary here, once per
+    batch (one host sync), so that no micro-batch's loss syncs to check them (``response_log_probs``).
+    """
     keys = ("input_ids", "attention_mask", "responses", *field_keys)
     batch = {key: data.batch[key].to(engine.device) for key in dict.fromkeys(keys)}
+    responses = batch["responses"]
+    check_token_ids(
+        "batch['responses']", responses, engine.hf_config.vocab_size,
+        mask=batch["attention_mask"][:, batch["input_ids"].shape[1] - responses.shape[1] :],
+    )
     lengths = real_token_counts(batch)
     row_groups = split_micro_batches(lengths, spec, budget_name, packed=engine.packed_sequences)
     # One rectangle for all micro-batches where the schedule needs it (see MegatronEngine).
@@ -84,7 +93,9 @@ def response_log_probs(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, R] log-probs of the response tokens (and entropies) from [b, W, V/tp] logits."""
+    """[b, R] log-probs of the response tokens (and entropies) from [b, W, V/tp] logits.
+
+    No host sync: the labels were checked once for the whole batch by ``pack_batch``."""
     result = log_probs_from_logits(
         micro_batch.select_predictors(logits),
         micro_batch.labels,
@@ -92,6 +103,7 @@ def response_log_probs(
         temperature=temperature,
         with_entropy=with_entropy,
         vocab_size=engine.hf_config.vocab_size,
+        check_labels=False,
     )
     if with_entropy:
         log_probs, entropy = result
