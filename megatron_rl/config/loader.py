@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_rl.config.schema import register_configs
+from megatron_rl.config.schema import PPOTrainerConfig, register_configs
 from megatron_rl.config.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -37,6 +37,18 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
             raise ConfigError("; ".join(recipe) + f" (composing {config_name!r} failed: {cause})") from err
         raise ConfigError(f"cannot compose config {config_name!r} with overrides {list(overrides)}: {cause}") from err
     return cfg
+
+
+def typed_config(cfg: DictConfig | PPOTrainerConfig) -> PPOTrainerConfig:
+    """The config as its dataclass tree, interpolations resolved: what the workers receive (under Ray pickled as
+    an init argument, under torchrun as is). Attribute access reads as on the DictConfig; choice fields stay
+    their StrEnums, the free-form fields (``override_config``, ``plan.architecture``, ...) are plain dicts. A
+    config not composed on the schema (built by hand) is merged onto it first, so it is checked the same."""
+    if isinstance(cfg, PPOTrainerConfig):
+        return cfg
+    if OmegaConf.get_type(cfg) is not PPOTrainerConfig:
+        cfg = OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), cfg)
+    return OmegaConf.to_object(cfg)
 
 
 def _override_keys(overrides: Sequence[str]) -> list[str]:

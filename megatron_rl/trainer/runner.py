@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from megatron_rl.config import typed_config
 from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
@@ -74,7 +75,7 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
     from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
 
     init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up (rollout servers, judge)
-    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # workers see plain strings
+    typed = typed_config(cfg)  # the workers get the validated config as its dataclass tree (pickled by Ray)
     # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
     # an embedded Ray, which is how the CPU tests give each rank its own GPU id).
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
@@ -88,13 +89,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
         workers["reward_model"] = RewardModelWorker
     if len(workers) > 1:
         cls = create_colocated_worker_cls(workers)
-        group = RayWorkerGroup(pool, cls, init_args={role: {"config": plain_cfg} for role in workers},
+        group = RayWorkerGroup(pool, cls, init_args={role: {"config": typed} for role in workers},
                                name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg.ray_init))
         roles = group.spawn()
         actor_rollout, critic, reward_model = (roles.get(r) for r in ("actor_rollout", "critic", "reward_model"))
     else:
-        group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": plain_cfg},
+        group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": typed},
                                name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg.ray_init))
         actor_rollout, critic, reward_model = group, None, None
@@ -116,9 +117,9 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, An
     if launch.world_size != sizes.world_size:
         raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                          f"trainer.n_gpus_per_node = {sizes.world_size}")
-    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=plain_cfg), "actor_rollout")
-    critic = LocalWorkerGroup(CriticWorker(config=plain_cfg), "critic") if sizes.uses_critic else None
+    typed = typed_config(cfg)  # the same PPOTrainerConfig the Ray workers get
+    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=typed), "actor_rollout")
+    critic = LocalWorkerGroup(CriticWorker(config=typed), "critic") if sizes.uses_critic else None
     return actor_rollout, critic, None, lambda: None  # the reward model joins these processes itself
 
 

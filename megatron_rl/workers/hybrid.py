@@ -6,7 +6,8 @@ consecutive GPUs, built and driven by the group's leader; generation goes to the
 (ROLLOUT_COMPUTE_PROTO). After every update the actor's weights are exported under HF names (TP gathered,
 PP broadcast) and every rank feeds its replica (``megatron_rl.weights.replica``). The engine gives its memory
 back when a training phase starts and gets it back, with the current weights, at the next sync. The same
-classes run under Ray (``RayWorkerGroup``) and torchrun (``LocalWorkerGroup``).
+classes run under Ray (``RayWorkerGroup``) and torchrun (``LocalWorkerGroup``); both give them the validated
+config as its dataclass tree (``PPOTrainerConfig``, ``megatron_rl.config.typed_config``).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import warnings
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
 from megatron_rl.protocol import DataProto
 
@@ -25,8 +26,13 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not in
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
 
 
-def _as_config(config: dict[str, Any] | DictConfig) -> DictConfig:
-    return config if isinstance(config, DictConfig) else OmegaConf.create(config)
+def trainer_config(config: PPOTrainerConfig, role: str) -> PPOTrainerConfig:
+    """A worker's config: the whole trainer config as ``PPOTrainerConfig`` (``typed_config(cfg)``), the same
+    object under Ray (pickled) and torchrun; anything else is refused, naming the worker."""
+    if not isinstance(config, PPOTrainerConfig):
+        raise TypeError(f"{role} takes the trainer config as a PPOTrainerConfig (megatron_rl.config.typed_config(cfg)), "
+                        f"got {type(config).__name__}")
+    return config
 
 
 def setup_parallel_state(megatron_cfg: Any) -> None:
@@ -54,11 +60,11 @@ def setup_parallel_state(megatron_cfg: Any) -> None:
 
 
 class ActorRolloutRefWorker(Worker):
-    """One rank of the hybrid engine. ``config`` is the whole trainer config (a plain dict under Ray)."""
+    """One rank of the hybrid engine. ``config`` is the whole trainer config (``PPOTrainerConfig``)."""
 
-    def __init__(self, config: dict[str, Any] | DictConfig) -> None:
+    def __init__(self, config: PPOTrainerConfig) -> None:
         super().__init__()
-        self.config = _as_config(config)
+        self.config = trainer_config(config, type(self).__name__)
         self.actor = self.ref = self.rollout = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -130,7 +136,7 @@ class ActorRolloutRefWorker(Worker):
         generations (validation, ReMax's greedy baseline, DAPO's refills) all run on the weights of the last
         sync: the engine releases its memory only when a training phase starts. With
         ``rollout.multi_turn.enable`` every sample runs through the agent loop, one engine call per turn."""
-        if OmegaConf.select(self.config, "actor_rollout_ref.rollout.multi_turn.enable", default=False):
+        if self.config.actor_rollout_ref.rollout.multi_turn.enable:
             return self._agent_loop().generate_sequences(prompts)
         return self.rollout.generate(prompts)
 
@@ -232,9 +238,9 @@ class ActorRolloutRefWorker(Worker):
 class CriticWorker(Worker):
     """One rank of the critic (value model); colocated with the hybrid engine under the same layout."""
 
-    def __init__(self, config: dict[str, Any] | DictConfig) -> None:
+    def __init__(self, config: PPOTrainerConfig) -> None:
         super().__init__()
-        self.config = _as_config(config)
+        self.config = trainer_config(config, type(self).__name__)
         self.critic = None
 
     @register(Dispatch.ONE_TO_ALL)

@@ -6,19 +6,20 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from megatron_rl.config import PPOTrainerConfig, typed_config
 from megatron_rl.controller import Dispatch, Worker, register
 from megatron_rl.protocol import DataProto
-from megatron_rl.workers.hybrid import _as_config, setup_parallel_state
+from megatron_rl.workers.hybrid import setup_parallel_state, trainer_config
 
 
 class RewardModelWorker(Worker):
-    """``config`` is the whole trainer config (a plain dict under Ray); the RM is ``reward_model``."""
+    """``config`` is the whole trainer config (``PPOTrainerConfig``); the RM is ``reward_model``."""
 
-    def __init__(self, config: dict[str, Any] | DictConfig) -> None:
+    def __init__(self, config: PPOTrainerConfig) -> None:
         super().__init__()
-        self.config = _as_config(config)
+        self.config = trainer_config(config, type(self).__name__)
         self.role = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -66,12 +67,12 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
     scoring (the actor's parallel state exists by then)."""
     if cfg.trainer.launcher != "torchrun" and colocated_with_actor(cfg):
         return None, lambda: None
-    plain_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    typed = typed_config(cfg)  # what the workers receive: the dataclass tree (pickled under Ray)
     if cfg.trainer.launcher == "torchrun":
         from megatron_rl.controller.local_group import LocalWorkerGroup
 
         def start() -> LocalWorkerGroup:
-            group = LocalWorkerGroup(RewardModelWorker(config=plain_cfg), "reward_model")
+            group = LocalWorkerGroup(RewardModelWorker(config=typed), "reward_model")
             group.init_model()
             return group
 
@@ -86,7 +87,7 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
     # As the trainer's pool: a GPU per rank on a CUDA run, else GPUs only where the cluster has them.
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     pool = RayResourcePool([per_node] * nodes, use_gpu=True if cuda else None, name="reward_model_pool")
-    group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": plain_cfg}, name_prefix="reward_model",
+    group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": typed}, name_prefix="reward_model",
                            timeout_s=cfg.ray_init.timeout_s, method_timeouts=call_deadlines(cfg.ray_init))
     try:
         group.init_model()

@@ -164,3 +164,20 @@ class FaultyWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def hang(self) -> None:
         time.sleep(300)
+
+
+class ConfigReceiver(Worker):
+    """Reports what the trainer config became after travelling as an init argument (pickled by Ray)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(Dispatch.ONE_TO_ALL)
+    def config_facts(self) -> dict:
+        cfg = self.config
+        return {"type": f"{type(cfg).__module__}.{type(cfg).__qualname__}",
+                "kl_penalty": (type(cfg.algorithm.kl_penalty).__name__, str(cfg.algorithm.kl_penalty)),
+                "loss_agg_mode": cfg.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-sum",
+                "override_config": type(cfg.actor_rollout_ref.model.override_config).__name__,
+                "default_local_dir": cfg.trainer.default_local_dir}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller_workers import ActorRole, CriticRole, ProbeWorker
+from controller_workers import ActorRole, ConfigReceiver, CriticRole, ProbeWorker
 from megatron_rl.controller import (
     PendingCall,
     RayResourcePool,
@@ -14,6 +14,7 @@ from megatron_rl.controller import (
     init_ray,
     spawn_role_groups,
 )
+from megatron_rl.config import load_config, typed_config
 from megatron_rl.controller.resource_pool import master_endpoint
 from megatron_rl.protocol import DataProto
 
@@ -159,3 +160,20 @@ def test_calls_are_timed_and_results_nobody_reads_stay_on_the_workers(probes):
     with call_stats.recording() as later:
         pass
     assert not later  # nothing recorded outside a block
+
+
+def test_the_typed_trainer_config_reaches_ray_workers(ray_cluster):
+    """Workers are given PPOTrainerConfig (typed_config), pickled as an init argument: it arrives as the same
+    dataclass tree, choice fields as their StrEnums, interpolations resolved (issue 31)."""
+    cfg = load_config(overrides=["algorithm.kl_penalty=low_var_kl+", "actor_rollout_ref.model.path=/m",
+                                 "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+                                 "trainer.experiment_name=typed"])
+    pool = RayResourcePool([1], cpus_per_process=0.5, name="config_receiver")
+    group = RayWorkerGroup(pool, ConfigReceiver, {"config": typed_config(cfg)}, timeout_s=120)
+    try:
+        facts, = group.config_facts()
+    finally:
+        group.kill()
+        pool.release()
+    assert facts == {"type": "megatron_rl.config.schema.PPOTrainerConfig", "kl_penalty": ("KLPenalty", "low_var_kl+"),
+                     "loss_agg_mode": True, "override_config": "dict", "default_local_dir": "outputs/megatron_rl/typed"}

@@ -35,10 +35,9 @@ def build_judge_engine(judge_cfg: Any, device: str) -> Any:
 class JudgeEngineWorker:
     """The Ray actor's body: the judge's engine, built in the actor's process."""
 
-    def __init__(self, judge_cfg: dict[str, Any], device: str) -> None:
-        from omegaconf import OmegaConf
-
-        self.engine = build_judge_engine(OmegaConf.create(judge_cfg), device)
+    def __init__(self, judge_cfg: Any, device: str) -> None:
+        """``judge_cfg``: ``RewardJudgeConfig`` (pickled by Ray)."""
+        self.engine = build_judge_engine(judge_cfg, device)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.engine.generate_sequences(prompts)
@@ -58,8 +57,8 @@ class RayJudgeEngine:
         gpu = (device == "cuda" or judge_cfg.engine == "sglang"
                or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0))
         actor_class = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(JudgeEngineWorker)
-        plain = OmegaConf.to_container(judge_cfg, resolve=True) if OmegaConf.is_config(judge_cfg) else dict(judge_cfg)
-        self.actor = actor_class.remote(plain, "cuda" if gpu else "cpu")
+        typed = OmegaConf.to_object(judge_cfg) if OmegaConf.is_config(judge_cfg) else judge_cfg  # RewardJudgeConfig
+        self.actor = actor_class.remote(typed, "cuda" if gpu else "cpu")
         try:  # waits for the engine: a judge that cannot load fails here, not at the first scoring
             self.pid = ray.get(self.actor.pid.remote(), timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
