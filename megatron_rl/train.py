@@ -29,16 +29,31 @@ def _is_rank0() -> bool:
 
 def run(cfg: DictConfig, dry_run: bool = False):
     """Validate and check the files (the same checks for a dry run and a real start), then plan (dry run) or
-    train. Returns the RunResult of a training run."""
-    sizes = validate(cfg)
-    from megatron_rl.trainer.preflight import preflight
+    train. Returns the RunResult of a training run.
 
-    preflight(cfg)
+    A real start holds the output directory's run lock (trainer/run_lock.py) from before preflight reads the
+    directory to the end of the run; a dry run takes nothing and writes nothing there."""
+    sizes = validate(cfg)
     if dry_run:
+        from megatron_rl.trainer.preflight import preflight
+
+        preflight(cfg)
         from megatron_rl.plan import print_plan
 
         print_plan(cfg)
         return None
+    if not _is_rank0():  # under torchrun rank 0 holds the lock for every rank
+        return _start(cfg, sizes)
+    from megatron_rl.trainer.run_lock import holding
+
+    with holding(cfg.trainer.default_local_dir):
+        return _start(cfg, sizes)
+
+
+def _start(cfg: DictConfig, sizes):
+    from megatron_rl.trainer.preflight import preflight
+
+    preflight(cfg)
     from megatron_rl.plan import check_launch
 
     check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
@@ -72,11 +87,53 @@ def _to_log_file(message: str) -> None:
             handler.handle(record)
 
 
+def _output_dir_of(args: list[str]) -> str | None:
+    """trainer.default_local_dir as Hydra will compose it from ``args``; None when that cannot be told here (Hydra's
+    own flags, a config that does not compose: Hydra reports those itself)."""
+    if any(a.startswith("-") for a in args):
+        return None
+    from megatron_rl.config import load_config
+
+    try:
+        cfg = load_config(overrides=[a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra"))])
+        return str(cfg.trainer.default_local_dir)
+    except Exception:  # noqa: BLE001 - the real composition below says what is wrong
+        return None
+
+
+def _before_hydra(dry_run: bool) -> None:
+    """Hydra writes ``.hydra/`` and ``train.log`` into the run directory (hydra.run.dir) before the run starts.
+    A dry run sends them to a temporary directory (nothing of it lands in trainer.default_local_dir); a real start
+    takes the directory's run lock first, so a second run is refused before it writes anything there."""
+    if dry_run:
+        import atexit
+        import shutil
+        import tempfile
+
+        scratch = tempfile.mkdtemp(prefix="megatron_rl_dry_run_")
+        atexit.register(shutil.rmtree, scratch, True)
+        sys.argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
+        return
+    if not _is_rank0():
+        return
+    directory = _output_dir_of(sys.argv[1:])
+    if directory is None:
+        return  # run() takes the lock, still before preflight reads the directory
+    from megatron_rl.trainer.run_lock import acquire
+
+    try:
+        acquire(directory)  # held to the end of the process (released at exit)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
 def main() -> None:
     dry_run = DRY_RUN_FLAG in sys.argv
     if dry_run:
         sys.argv.remove(DRY_RUN_FLAG)
     register_configs()
+    _before_hydra(dry_run)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base="1.3")
     def _main(cfg: DictConfig) -> None:

@@ -384,3 +384,97 @@ def test_a_size_limited_disk_names_the_paths_and_keeps_the_last_checkpoint(tmp_p
     assert not (tmp_path / "global_step_2.tmp").exists()
     records = read_metrics(tmp_path / "metrics.jsonl", tolerate_torn_tail=True)  # a torn last line at most
     assert records[0]["step"] == 1
+
+
+# ---------------------------------------------------------------------------- issue 33 item 5: one run per directory
+HOLD_LOCK = ("import sys, time\nfrom megatron_rl.trainer.run_lock import acquire\nacquire(sys.argv[1])\n"
+             "print('held', flush=True)\ntime.sleep(600)\n")
+
+
+def _in_flight_run(root: Path) -> dict[str, bytes]:
+    """What a run in progress has in its directory: an intact checkpoint, the next one being saved, metrics and
+    TensorBoard events; returned as {relative path: bytes} to compare after the second start."""
+    ckpt = TrainerCheckpointer(root, keep_last=2)
+    _save(ckpt, 1)
+    (root / "global_step_2.tmp" / "actor").mkdir(parents=True)
+    (root / "global_step_2.tmp" / "actor" / "shard_0.pt").write_bytes(b"being written")
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": 1.0}) + "\n" for s in (1, 2)))
+    (root / "tensorboard").mkdir()
+    (root / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"e" * 200)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".run.lock"}
+
+
+def test_a_second_run_in_the_same_directory_is_refused_naming_the_first(tmp_path):
+    """Two real processes: the first holds the directory (as a run does from its start to its end); a real
+    `python -m megatron_rl.train` into the same directory exits 2 naming the first's pid and host, and touches
+    nothing there (not even Hydra's .hydra/ and train.log). Before issue 33 the second start went ahead: it removed
+    global_step_2.tmp "left by an interrupted save", cut metrics.jsonl back and deleted the events."""
+    import socket
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    before = _in_flight_run(root)
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-m", "megatron_rl.train", f"trainer.default_local_dir={root}",
+                                 "trainer.logger=[jsonl,tensorboard]"], capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"trainer.default_local_dir={root} is in use by another run: pid {first.pid} on host " \
+               f"{socket.gethostname()} since " in second.stderr
+        assert "choose another trainer.default_local_dir" in second.stderr
+        after = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                 if p.is_file() and p.name != ".run.lock"}
+        assert after == before  # no .hydra/, no train.log, the in-flight save and the metrics untouched
+
+        # the same refusal for the Python entry point (train.run), before preflight reads the directory
+        from megatron_rl.train import run
+        from megatron_rl.trainer.run_lock import RunDirLocked
+
+        cfg = load_config(overrides=[f"trainer.default_local_dir={root}"])
+        with pytest.raises(RunDirLocked, match=f"pid {first.pid}"):
+            run(cfg)
+    finally:
+        first.kill()
+        first.wait()
+    # The first run was killed: the kernel released its flock, its record is left. The next start takes over.
+    third = subprocess.run([sys.executable, "-c", HOLD_LOCK.replace("time.sleep(600)", "pass"), str(root)],
+                           capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0 and third.stdout.strip() == "held", third.stderr
+    assert f"taking over the run lock {root / '.run.lock'} of pid {first.pid} on host {socket.gethostname()}" \
+        in third.stderr and "that process is gone" in third.stderr
+    # it ended cleanly: nothing left to take over
+    fourth = subprocess.run([sys.executable, "-c", HOLD_LOCK.replace("time.sleep(600)", "pass"), str(root)],
+                            capture_output=True, text=True, timeout=120)
+    assert fourth.returncode == 0 and "taking over" not in fourth.stderr, fourth.stderr
+
+
+def test_the_run_lock_is_reentrant_in_one_process_and_released_at_the_end(tmp_path):
+    from megatron_rl.trainer import run_lock
+
+    with run_lock.holding(tmp_path):
+        with run_lock.holding(tmp_path):  # main() before Hydra, then run()
+            pass
+        assert str(tmp_path.resolve()) in run_lock._held
+    assert str(tmp_path.resolve()) not in run_lock._held
+    assert (tmp_path / ".run.lock").read_text() == ""
+
+
+def test_dry_run_writes_nothing_into_the_output_directory(tmp_path):
+    """Before issue 33 `--dry-run` left Hydra's .hydra/ and train.log in trainer.default_local_dir (and created it)."""
+    import subprocess
+    import sys
+
+    from megatron_rl.demo import prepare_assets
+
+    train, val, model = prepare_assets(tmp_path / "assets")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--dry-run", "+experiment=grpo_tiny_cpu",
+                           f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                           f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={out}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak:" in proc.stdout
+    assert not out.exists()
