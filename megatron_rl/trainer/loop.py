@@ -19,6 +19,7 @@ from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.overlap import OverlappedScoring
 from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
+from megatron_rl.trainer.run_identity import write_identity
 from megatron_rl.trainer.metrics import StageTimer, compute_throughput_metrics
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.steps import Generate, RewardFailures
@@ -227,6 +228,8 @@ def save_checkpoint(run: Run, loop_state: Callable[[Path], None] | None = None) 
             if run.critic is not None:
                 run.critic.save_checkpoint(str(tmp_dir / "critic"))
             run.checkpointer.write_trainer_state(tmp_dir, state.__dict__)
+            if run.checkpointer.is_writer:  # the model and tokenizer it was trained with (run_identity.py)
+                write_identity(tmp_dir, run.cfg)
             if loop_state is not None:
                 loop_state(tmp_dir)
         except OSError:

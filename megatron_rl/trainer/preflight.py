@@ -29,6 +29,9 @@ def preflight(cfg: DictConfig) -> None:
     rows = check_data(cfg)
     check_model(cfg)
     check_schedule(cfg, rows)
+    from megatron_rl.trainer.run_identity import check_resume
+
+    check_resume(cfg)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
 
 
 # ---------------------------------------------------------------------------- the output directory

@@ -462,14 +462,19 @@ def test_the_run_lock_is_reentrant_in_one_process_and_released_at_the_end(tmp_pa
     assert (tmp_path / ".run.lock").read_text() == ""
 
 
-def test_dry_run_writes_nothing_into_the_output_directory(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from megatron_rl.demo import prepare_assets
+
+    return prepare_assets(tmp_path_factory.mktemp("assets"))
+
+
+def test_dry_run_writes_nothing_into_the_output_directory(tmp_path, tiny_assets):
     """Before issue 33 `--dry-run` left Hydra's .hydra/ and train.log in trainer.default_local_dir (and created it)."""
     import subprocess
     import sys
 
-    from megatron_rl.demo import prepare_assets
-
-    train, val, model = prepare_assets(tmp_path / "assets")
+    train, val, model = tiny_assets
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--dry-run", "+experiment=grpo_tiny_cpu",
                            f"data.train_files=[{train}]", f"data.val_files=[{val}]",
@@ -478,3 +483,74 @@ def test_dry_run_writes_nothing_into_the_output_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "peak:" in proc.stdout
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------- issue 33 item 6: resume with what it was
+class LoaderWithOrder(FakeLoader):
+    """FakeLoader with the real loader's order settings in its state (data/loader.py)."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "batch_size": self.batch_size, "shuffle": True, "seed": 1}
+
+
+def _model_copy(source: Path, target: Path, **config_changes) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    if config_changes:
+        config = json.loads((target / "config.json").read_text())
+        config.update(config_changes)
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def test_resuming_with_another_model_or_loader_order_is_refused_before_start_up(tmp_path, tiny_assets):
+    """A checkpoint records its model (config.json and tokenizer hashes, path); preflight (dry run and real start)
+    refuses a resume with another one naming both paths and what differs, and a data loader whose saved position
+    cannot be continued naming the key. Before issue 33 preflight passed all of these: the other model (same
+    shapes) trained on silently, the batch size was refused by the loader only after Ray and the model were up."""
+    from megatron_rl.trainer.preflight import preflight
+
+    train, val, model = tiny_assets
+    out = tmp_path / "run"
+    data = [f"data.train_files=[{train}]", f"data.val_files=[{val}]", "trainer.save_freq=1",
+            "trainer.save_hf_at_end=false"]
+    trainer, _ = make_trainer(out, f"actor_rollout_ref.model.path={model}", *data, "trainer.total_training_steps=1",
+                              loader=LoaderWithOrder(16, 2))
+    trainer.fit()
+    saved = json.loads((out / "global_step_1" / "run_identity.json").read_text())
+    assert saved["model_path"] == str(model.resolve()) and saved["config_sha256"] and saved["tokenizer_sha256"]
+    assert "run_identity.json" in json.loads((out / "global_step_1" / MANIFEST_FILE).read_text())["sha256"]
+
+    def start(*overrides):
+        preflight(load_config(overrides=[f"trainer.default_local_dir={out}", "trainer.nnodes=1",
+                                         "trainer.n_gpus_per_node=1", "data.train_batch_size=2",
+                                         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.seed=1",
+                                         *data, *overrides]))
+
+    start(f"actor_rollout_ref.model.path={model}")  # the same model: resumes
+    start(f"actor_rollout_ref.model.path={_model_copy(model, tmp_path / 'moved')}")  # moved, same files: resumes
+
+    other = _model_copy(model, tmp_path / "other", rope_theta=12345.0)  # same shapes, another model
+    with pytest.raises(ConfigError) as err:
+        start(f"actor_rollout_ref.model.path={other}")
+    message = str(err.value)
+    assert f"actor_rollout_ref.model.path={model.resolve()}" in message and str(other.resolve()) in message
+    assert "config.json differs (rope_theta:" in message and "12345.0" in message
+    assert "trainer.resume_mode=disable" in message and "another trainer.default_local_dir" in message
+
+    retokenized = _model_copy(model, tmp_path / "retokenized")
+    tokenizer_config = json.loads((retokenized / "tokenizer_config.json").read_text())
+    tokenizer_config["model_max_length"] = 77
+    (retokenized / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ConfigError, match="the tokenizer differs"):
+        start(f"actor_rollout_ref.model.path={retokenized}")
+
+    with pytest.raises(ConfigError) as err:
+        start(f"actor_rollout_ref.model.path={model}", "data.train_batch_size=4",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    message = str(err.value)
+    assert "data.train_batch_size=4 (the checkpoint's data loader ran with 2)" in message
+    assert "trainer.resume_mode=disable" in message
+    start(f"actor_rollout_ref.model.path={other}", "trainer.resume_mode=disable", "trainer.overwrite=true")

@@ -1,0 +1,166 @@
+"""What a checkpoint was trained with, so that a resume with something else is refused before start-up (issue 33).
+
+Every checkpoint holds ``run_identity.json`` (hashed in its manifest): the model directory, the sha256 of its
+``config.json`` (and the fields), ``model.override_config``, and the sha256 of the tokenizer's files. Before Ray or
+any worker starts (``preflight``, the dry run too), the checkpoint a resume would take is compared with this start:
+
+- another model (its ``config.json`` or tokenizer differs, whatever its path) is refused naming both paths and
+  what differs. Same shapes would otherwise train the checkpoint's weights under the new config and tokenizer
+  without a word; other shapes would fail late inside Megatron's checkpoint load.
+- data-loader state that cannot resume (``data.train_batch_size``, ``data.shuffle``, ``data.seed`` changed: the
+  saved position would point at other prompts) is refused naming the key, where the loader would refuse it
+  only after start-up.
+
+A model moved to another path with the same files resumes (with a note). The way out is always named: resume
+with what the checkpoint was trained with, or start anew in another directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config import ConfigError
+from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE, TrainerCheckpointer
+
+logger = logging.getLogger(__name__)
+
+IDENTITY_FILE = "run_identity.json"
+# The files that make a tokenizer (what load_tokenizer / AutoTokenizer read), hashed together in this order.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
+# The data loader's state that fixes which prompts its saved position points at, and the key that sets each.
+LOADER_KEYS = {"batch_size": "data.train_batch_size", "shuffle": "data.shuffle", "seed": "data.seed"}
+
+
+def _sha256_bytes(chunks: list[bytes]) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _model_path(cfg: DictConfig) -> Path | None:
+    model = cfg.actor_rollout_ref.model
+    if OmegaConf.is_missing(model, "path") or not model.path:
+        return None
+    return Path(model.path).expanduser()
+
+
+def model_identity(cfg: DictConfig) -> dict[str, Any]:
+    """The model and tokenizer this config trains, as recorded in a checkpoint."""
+    path = _model_path(cfg)
+    identity: dict[str, Any] = {"model_path": str(path.resolve()) if path is not None else None}
+    config_json = path / "config.json" if path is not None else None
+    if config_json is not None and config_json.is_file():
+        raw = config_json.read_bytes()
+        identity["config_sha256"] = _sha256_bytes([raw])
+        try:
+            identity["config"] = json.loads(raw)
+        except ValueError:
+            identity["config"] = None
+    identity["override_config"] = OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config, resolve=True)
+    tokenizer = cfg.data.get("tokenizer") or (str(path) if path is not None else None)
+    tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        files = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+        identity["tokenizer_path"] = str(tokenizer_dir.resolve())
+        identity["tokenizer_files"] = files
+        identity["tokenizer_sha256"] = _sha256_bytes(
+            [part for name in files for part in (name.encode(), b"\0", (tokenizer_dir / name).read_bytes())])
+    elif tokenizer:
+        identity["tokenizer_path"] = str(tokenizer)  # a hub name: the name is all there is to compare
+    return identity
+
+
+def write_identity(directory: Path, cfg: DictConfig) -> None:
+    """Into a checkpoint being saved (before its manifest, which then holds its hash)."""
+    (Path(directory) / IDENTITY_FILE).write_text(json.dumps(model_identity(cfg), indent=1, sort_keys=True))
+
+
+def _config_differences(saved: dict | None, now: dict | None) -> list[str]:
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return []
+    keys = sorted(set(saved) | set(now))
+    return [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}" for k in keys
+            if saved.get(k) != now.get(k)]
+
+
+def model_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What differs between the checkpoint's model and this start's, or None."""
+    problems = []
+    if saved.get("config_sha256") and now.get("config_sha256") and saved["config_sha256"] != now["config_sha256"]:
+        fields = _config_differences(saved.get("config"), now.get("config"))
+        problems.append("config.json differs" + (f" ({'; '.join(fields[:8])}"
+                                                  f"{'; ...' if len(fields) > 8 else ''})" if fields else
+                                                  " (same fields, other bytes)"))
+    if (saved.get("override_config") or {}) != (now.get("override_config") or {}):
+        problems.append(f"actor_rollout_ref.model.override_config differs ({saved.get('override_config')} -> "
+                        f"{now.get('override_config')})")
+    if saved.get("tokenizer_sha256") and now.get("tokenizer_sha256"):
+        if saved["tokenizer_sha256"] != now["tokenizer_sha256"]:
+            problems.append(f"the tokenizer differs ({saved.get('tokenizer_path')}: {saved.get('tokenizer_files')} "
+                            f"vs {now.get('tokenizer_path')}: {now.get('tokenizer_files')}, other contents)")
+    elif saved.get("tokenizer_path") != now.get("tokenizer_path") and not saved.get("tokenizer_sha256"):
+        problems.append(f"the tokenizer differs ({saved.get('tokenizer_path')} -> {now.get('tokenizer_path')})")
+    return "; ".join(problems) or None
+
+
+def resume_checkpoint(cfg: DictConfig) -> Path | None:
+    """The checkpoint this start would resume from (as ``loop.resume`` picks it), without logging or changing
+    anything; None for a start from step 0 (the loop itself refuses a bad resume_from_path)."""
+    trainer = cfg.trainer
+    if trainer.resume_mode == "resume_path":
+        path = Path(trainer.resume_from_path) if trainer.resume_from_path else None
+        return path if path is not None and path.is_dir() else None
+    if trainer.resume_mode != "auto":
+        return None
+    return TrainerCheckpointer(Path(trainer.default_local_dir), max(1, trainer.max_ckpt_to_keep)).newest_intact()[0]
+
+
+def check_resume(cfg: DictConfig, usable_rows: int | None = None) -> None:
+    """Refuse (ConfigError) a resume whose checkpoint was trained with another model or tokenizer, or whose data
+    loader position cannot be continued with this config; ``usable_rows``: the training prompts this start has."""
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return
+    way_out = (f"or start anew: another trainer.default_local_dir (or trainer.resume_mode=disable with "
+               f"trainer.overwrite=true to replace {cfg.trainer.default_local_dir})")
+    identity_file = path / IDENTITY_FILE
+    if identity_file.is_file():
+        try:
+            saved = json.loads(identity_file.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"checkpoint {path}: {identity_file} cannot be read ({err})") from err
+        now = model_identity(cfg)
+        problem = model_problem(saved, now)
+        if problem is not None:
+            raise ConfigError(
+                f"resuming {path} with another model: the checkpoint was trained from actor_rollout_ref.model.path="
+                f"{saved.get('model_path')}, this start names {now.get('model_path')}; {problem}. The checkpoint's "
+                f"weights would be trained under the new config and tokenizer. Resume with actor_rollout_ref.model."
+                f"path={saved.get('model_path')} (and data.tokenizer as it was), {way_out}")
+        if saved.get("model_path") != now.get("model_path"):
+            logger.info("resuming %s: the model moved from %s to %s (same config.json and tokenizer)", path,
+                        saved.get("model_path"), now.get("model_path"))
+    else:
+        logger.warning("checkpoint %s has no %s (saved before issue 33): its model cannot be compared with "
+                       "actor_rollout_ref.model.path=%s", path, IDENTITY_FILE, _model_path(cfg))
+    try:
+        loader = json.loads((path / TRAINER_STATE_FILE).read_text()).get("dataloader") or {}
+    except (OSError, ValueError):
+        return  # the loop names an unreadable trainer state
+    now_loader = {"batch_size": cfg.data.train_batch_size, "shuffle": cfg.data.shuffle, "seed": cfg.data.seed}
+    changed = [f"{LOADER_KEYS[k]}={now_loader[k]!r} (the checkpoint's data loader ran with {loader[k]!r})"
+               for k in LOADER_KEYS if k in loader and loader[k] != now_loader[k]]
+    if usable_rows is not None and "dataset_size" in loader and loader["dataset_size"] != usable_rows:
+        changed.append(f"data.train_files give {usable_rows} usable prompts (the checkpoint's data loader had "
+                       f"{loader['dataset_size']})")
+    if changed:
+        raise ConfigError(
+            f"cannot resume the data loader of {path}: {'; '.join(changed)}. Its saved position would point at "
+            f"other prompts. Resume with the checkpoint's values, {way_out}")
