@@ -108,11 +108,8 @@ class RoleGroup:
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call any public worker method on every rank with the same arguments; results by rank."""
-        return self.execute_all_async(method, *args, **kwargs).get()
-
-    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
         plan = CallPlan(list(range(self.world_size)), [(args, kwargs)] * self.world_size, list)
-        return self.submit(method, plan)
+        return self.submit(method, plan).get()
 
     def mesh(self) -> list[RankMesh]:
         """Every rank's model-parallel coordinates, asked once from the workers and then cached."""
@@ -121,11 +118,6 @@ class RoleGroup:
             check_mesh(reports, self.role)
             self._mesh = reports
         return self._mesh
-
-    def refresh_mesh(self) -> list[RankMesh]:
-        """Ask the workers again (after they changed their parallel layout)."""
-        self._mesh = None
-        return self.mesh()
 
     def submit(self, method: str, plan: CallPlan, started: float | None = None) -> PendingCall:
         remote_name = self._prefix + method
