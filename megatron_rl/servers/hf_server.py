@@ -29,7 +29,9 @@ Generation is token-chunked (``--chunk-tokens``): the engine decodes at most tha
 the request's prefix is fed back for the next chunk, so a pause takes effect at the next chunk boundary and a
 request can stop mid-response. Weight and memory routes run one at a time (a lock) and, as in SGLang, wait for
 running generations unless the server is paused (then parked/aborted requests do not hold them up).
-``/health`` and ``/server_info`` always answer, so a slow server is told apart from a dead one. Rows of one
+``/health`` and ``/server_info`` always answer, so a slow server is told apart from a dead one.
+Every route needs the run's secret (``Authorization: Bearer``, ``$MEGATRON_RL_SERVER_API_KEY``; docs/rollout.md,
+"Security"): without it the answer is 401 and nothing else. Rows of one
 ``/generate`` share one sampling generator seeded with the first row's ``sampling_seed`` (chunk c uses
 seed + c): the same request gives the same samples.
 """
@@ -37,7 +39,9 @@ seed + c): the same request gives the same samples.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,6 +53,7 @@ import torch.distributed as dist
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, MEMORY_TAGS, SGLANG_CONTRACT, SGLANG_PIN
+from megatron_rl.rollout.sglang.server_transport import API_KEY_ENV, ensure_server_api_key
 
 __all__ = ["HFServerApp", "main"]
 
@@ -349,12 +354,27 @@ def _left_padded(rows: list[list[int]], pad: int) -> DataProto:
     return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
 
 
-def _handler(app: HFServerApp) -> type[BaseHTTPRequestHandler]:
+def _handler(app: HFServerApp, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """Every route requires ``Authorization: Bearer <api_key>`` (default: the run's, ``ensure_server_api_key``);
+    anything else gets 401 and no detail, before the route or the body is looked at."""
+    expected = f"Bearer {api_key or ensure_server_api_key()}".encode()
+
     class Handler(BaseHTTPRequestHandler):
+        def _authorized(self) -> bool:
+            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
+            if hmac.compare_digest(given, expected):
+                return True
+            self.close_connection = True  # the body, if any, is not read
+            self._send(HTTPStatus.UNAUTHORIZED, {"detail": "Unauthorized"})
+            return False
+
         def do_GET(self) -> None:
-            self._serve("GET", None)
+            if self._authorized():
+                self._serve("GET", None)
 
         def do_POST(self) -> None:
+            if not self._authorized():
+                return
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length)) if length else None
@@ -375,6 +395,8 @@ def _handler(app: HFServerApp) -> type[BaseHTTPRequestHandler]:
         def _send(self, status: HTTPStatus, answer: Any) -> None:
             data = json.dumps(answer).encode()
             self.send_response(status)
+            if status == HTTPStatus.UNAUTHORIZED:
+                self.send_header("WWW-Authenticate", "Bearer")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -396,11 +418,12 @@ def build_engine(model_path: str, dtype: str, seed: int, threads: int):
 
 
 def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32", seed: int = 0,
-           threads: int = 1, chunk_tokens: int = 8) -> ThreadingHTTPServer:
+           threads: int = 1, chunk_tokens: int = 8, api_key: str | None = None) -> ThreadingHTTPServer:
     """The server bound to ``host:port`` (0: a free port this process picks), not yet serving: the caller runs
-    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of servers/ray_pool.py)."""
+    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of servers/ray_pool.py). Every
+    route requires ``api_key`` (default: ``$MEGATRON_RL_SERVER_API_KEY``, generated when unset)."""
     app = HFServerApp(build_engine(model_path, dtype, seed, threads), chunk_tokens)
-    server = ThreadingHTTPServer((host, port), _handler(app))
+    server = ThreadingHTTPServer((host, port), _handler(app, api_key))
     server.daemon_threads = True
     return server
 
@@ -416,8 +439,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=8,
                         help="tokens decoded per engine call: a pause takes effect at the next chunk boundary")
     args = parser.parse_args(argv)
+    api_key = os.environ.get(API_KEY_ENV)
+    if not api_key:  # never on the command line: other users of the host can read that (ps)
+        parser.error(f"set {API_KEY_ENV} (the secret every request must carry as 'Authorization: Bearer ...'); "
+                     "the run's pool sets it")
     server = listen(args.model_path, host=args.host, port=args.port, dtype=args.dtype, seed=args.seed,
-                    threads=args.threads, chunk_tokens=args.chunk_tokens)
+                    threads=args.threads, chunk_tokens=args.chunk_tokens, api_key=api_key)
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
+from megatron_rl.rollout.sglang.server_transport import API_KEY_ENV, ensure_server_api_key
+
 __all__ = ["RolloutServer", "RolloutServerDied", "RolloutServerPool", "ServerPool", "require_servers", "start_hf_server"]
 
 
@@ -69,11 +71,14 @@ class ServerProcess:
 
 
 def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
-                    chunk_tokens: int = 8, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m megatron_rl.servers.hf_server``; returns the process and its URL once it listens."""
+                    chunk_tokens: int = 8, timeout_s: float = 120.0,
+                    api_key: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m megatron_rl.servers.hf_server`` on this host's loopback; returns the process and its URL
+    once it listens. ``api_key``: the secret every request must carry (default: the run's), passed in the
+    child's environment, never on its command line."""
     cmd = [sys.executable, "-m", "megatron_rl.servers.hf_server", "--model-path", str(model_path),
            "--dtype", dtype, "--seed", str(seed), "--threads", str(threads), "--chunk-tokens", str(chunk_tokens)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), API_KEY_ENV: api_key or ensure_server_api_key()}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -102,6 +107,7 @@ class ServerPool:
 
     def __init__(self, num_servers: int) -> None:
         require_servers(num_servers)
+        self.api_key = ensure_server_api_key()  # the run's secret: its servers require it, its clients send it
         self.servers: list[RolloutServer] = []
         try:
             self.servers = list(self._start_many(range(num_servers)))
@@ -149,6 +155,6 @@ class RolloutServerPool(ServerPool):
         started = []
         for index in indices:
             proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index,
-                                        threads=self.threads, chunk_tokens=self.chunk_tokens)
+                                        threads=self.threads, chunk_tokens=self.chunk_tokens, api_key=self.api_key)
             started.append(ServerProcess(index, proc, url))
         return started

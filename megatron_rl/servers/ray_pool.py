@@ -12,6 +12,10 @@ found by ``check()``/``dead()`` and ``replace(i)`` starts a fresh actor on the s
 pool is then one STRICT_SPREAD placement group of one bundle per node (its servers' CPUs), so each node's
 servers are on a node of their own; a replacement goes back on its node's bundle. Each server reports its
 node's IP and id (``address()``) and the pool logs where every server runs.
+
+A server listens on loopback, or on its node's IP when the run spans nodes (``servers_per_node`` set or a Ray
+cluster of several nodes), and requires the run's secret on every route (docs/rollout.md, "Security"): the
+actor gets it as an argument; the trainer's Ray workers get it from the ``KeyHolder`` actor.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from megatron_rl.controller.resource_pool import RankSlot, RayResourcePool
+from megatron_rl.rollout.sglang.server_transport import KEY_HOLDER, ensure_server_api_key
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
 
 __all__ = ["HFServerActor", "RayRolloutServerPool", "ServerActor"]
@@ -41,11 +46,14 @@ class HFServerActor:
     """The Ray actor's body: the HF-engine server listening on this node, served by a thread of the actor's
     process (the actor's own thread stays free to answer ``ping``)."""
 
-    def __init__(self, model_path: str, dtype: str, seed: int, threads: int, chunk_tokens: int) -> None:
+    def __init__(self, model_path: str, dtype: str, seed: int, threads: int, chunk_tokens: int,
+                 api_key: str, node_ip: bool) -> None:
         from megatron_rl.servers.hf_server import listen
 
-        host = ray.util.get_node_ip_address()  # reachable from the driver's node, too
-        self.server = listen(model_path, host=host, dtype=dtype, seed=seed, threads=threads, chunk_tokens=chunk_tokens)
+        # loopback unless the run spans nodes (the trainer or the driver may be on another one): the node's IP
+        host = ray.util.get_node_ip_address() if node_ip else "127.0.0.1"
+        self.server = listen(model_path, host=host, dtype=dtype, seed=seed, threads=threads, chunk_tokens=chunk_tokens,
+                             api_key=api_key)
         self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, name="hf-server", daemon=True).start()
 
@@ -61,6 +69,21 @@ class HFServerActor:
 
 
 _ServerActorClass = ray.remote(max_restarts=0, max_concurrency=2)(HFServerActor)
+
+
+class KeyHolder:
+    """The run's server secret for its Ray workers (the trainer's sender), which cannot inherit the driver's
+    environment: they ask this named actor of the run's Ray job (server_transport.server_api_key). Only
+    processes that can already call the job's actors (that is, run code in the cluster) can ask."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+    def key(self) -> str:
+        return self._key
+
+
+_KeyHolderClass = ray.remote(num_cpus=0, max_restarts=0)(KeyHolder)
 
 
 class ServerActor:
@@ -125,6 +148,10 @@ class RayRolloutServerPool(ServerPool):
             raise ValueError(f"{CPUS_KEY} must be > 0 (CPUs each server's bundle reserves), got {cpus_per_server}")
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
         self.chunk_tokens, self.start_timeout_s, self.ping_timeout_s = chunk_tokens, start_timeout_s, ping_timeout_s
+        # the servers bind their node's IP only when the run spans nodes; loopback otherwise
+        self.node_ip = servers_per_node is not None or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+        self._key_holder = _KeyHolderClass.options(name=KEY_HOLDER, get_if_exists=True).remote(
+            ensure_server_api_key())
         self.resource_pool = RayResourcePool(servers_on_nodes(num_servers, servers_per_node), use_gpu=False,
                                              cpus_per_process=cpus_per_server, name="rollout_servers",
                                              distinct_nodes=servers_per_node is not None)
@@ -153,7 +180,7 @@ class RayRolloutServerPool(ServerPool):
         options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": 0,
                    "scheduling_strategy": slot.scheduling_strategy()}
         return _ServerActorClass.options(**options).remote(self.model_path, self.dtype, self.seed + index,
-                                                            self.threads, self.chunk_tokens)
+                                                            self.threads, self.chunk_tokens, self.api_key, self.node_ip)
 
     def _await(self, index: int, actor: ActorHandle) -> ServerActor:
         try:

@@ -5,6 +5,7 @@ trainer's log-probs after each sync, versions on every result, refusals by name,
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -30,11 +31,26 @@ def pool(tmp_path_factory):
     servers.close()
 
 
-def _post(url: str, route: str, body: dict) -> tuple[int, dict]:
+def _headers(auth: bool) -> dict:
+    """The run's own header (the secret the pool gave its servers, in this process's environment), or none."""
+    key = os.environ.get("MEGATRON_RL_SERVER_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if auth and key else {}
+
+
+def _post(url: str, route: str, body: dict, auth: bool = True) -> tuple[int, dict]:
     req = urllib.request.Request(url + route, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **_headers(auth)})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _get(url: str, route: str, auth: bool = True) -> tuple[int, dict]:
+    req = urllib.request.Request(url + route, headers=_headers(auth))
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -92,8 +108,8 @@ def test_trainer_syncs_and_verifies_through_the_gloo_update_group(pool):
     assert report["dtype"] == "torch.float32"  # rollout.dtype=auto on the CPU servers
     assert report["diff_v1"] < 1e-5 and report["diff_v2"] < 1e-5
     assert report["version"] == 2 and report["again"]  # same seed, same samples
-    info = json.loads(urllib.request.urlopen(url + "/server_info", timeout=30).read())
-    assert info["weight_version"] == "2" and info["tp_size"] == 1
+    status, info = _get(url, "/server_info")
+    assert status == 200 and info["weight_version"] == "2" and info["tp_size"] == 1
 
 
 def test_refusals_name_the_route_and_field(pool):
@@ -106,6 +122,43 @@ def test_refusals_name_the_route_and_field(pool):
     assert status == 400 and "group 'nope'" in answer["message"]
     status, answer = _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     assert status == 400 and "never released" in answer["message"]
+
+
+def _foreign_sync(url: str) -> str:
+    """Someone else on this host, without the run's secret: hosts a weight-update group, has the server join it
+    and broadcasts weights of their own as version 666 (SGLang's routes, through the project's own client)."""
+    os.environ.pop("MEGATRON_RL_SERVER_API_KEY", None)
+    try:
+        replica = server_replica([url], source_model(66), response_length=3)
+        try:
+            replica.sync(lambda _plan: source_model(66).state_dict().items(), version=666)
+        finally:
+            replica.shutdown()
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return f"refused: {exc}"
+    return "replaced"
+
+
+def test_a_client_without_the_run_secret_is_refused(pool):
+    """Issue 33, item 2. Before: any process that reached the port could pause generation, release memory and
+    replace the served weights (a foreign version 666 was served). Now every route needs the run's secret
+    (``Authorization: Bearer``); without it: 401 and no detail; the run's own client still works."""
+    url = pool.urls[0]
+    [outcome] = run_multiprocess(_foreign_sync, 1, url, timeout_s=300)
+    status, info = _get(url, "/server_info")
+    assert status == 200 and info["weight_version"] != "666", "a client without the secret replaced the weights"
+    assert outcome.startswith("refused") and "401" in outcome
+    for route, body in [("/pause_generation", {"mode": "abort"}), ("/release_memory_occupation", {"tags": None}),
+                        ("/begin_weight_update", {}), ("/generate", {"input_ids": [[5]], "sampling_params": [{}]}),
+                        ("/nope", {})]:
+        status, answer = _post(url, route, body, auth=False)
+        assert status == 401 and answer == {"detail": "Unauthorized"}, (route, status, answer)
+    for route in ("/server_info", "/health"):
+        assert _get(url, route, auth=False) == (401, {"detail": "Unauthorized"}), route
+    wrong = urllib.request.Request(url + "/health", headers={"Authorization": "Bearer not-the-secret"})
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(wrong, timeout=30)
+    assert _get(url, "/health")[0] == 200 and _post(url, "/continue_generation", {})[0] == 200  # the run's own
 
 
 def test_a_killed_server_is_named_and_replaced(pool):  # last: it replaces the module's server

@@ -66,13 +66,16 @@ def test_servers_are_ray_actors_on_their_own_pool(pool):
     pids = {server.pid for server in pool.servers}
     assert len(pids) == 2 and os.getpid() not in pids  # each server is a process of its own
     assert len(set(pool.urls)) == 2  # ports picked in each server's process: no collision
+    # one node: loopback only, and every route needs the run's secret (issue 33)
+    assert all(url.startswith("http://127.0.0.1:") for url in pool.urls), pool.urls
+    assert _post(pool.urls[0], "/pause_generation", {"mode": "abort"}, auth=False) == (401, {"detail": "Unauthorized"})
     pool.check()
 
 
 def test_ray_servers_take_weight_updates_and_generate(pool):
     import ray
 
-    url = pool.urls[1]  # on the node's IP: the update group's master must be too (the run's default)
+    url = pool.urls[1]  # on loopback; the update group's master on the node's IP (the run's default) is reachable
     [report] = run_multiprocess(_sync_twice_and_generate, 1, url, ray.util.get_node_ip_address(), timeout_s=300)
     assert report["diff_v1"] < 1e-5 and report["diff_v2"] < 1e-5  # synced over gloo, verified by log-probs
     assert report["version"] == 2 and report["again"]

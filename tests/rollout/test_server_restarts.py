@@ -124,10 +124,9 @@ def _kill_and_replace(model_dir: str) -> dict:
 
 
 def _post_info(url: str) -> str:
-    import json
-    import urllib.request
+    from megatron_rl.rollout.sglang.server_transport import ServerHTTP
 
-    return json.loads(urllib.request.urlopen(url + "/server_info", timeout=30).read())["weight_version"]
+    return ServerHTTP(url, 30).request("/server_info", method="GET")["weight_version"]  # with the run's secret
 
 
 def test_killed_servers_are_replaced_synced_and_their_rows_reissued(tmp_path):

@@ -148,3 +148,26 @@ def test_update_group_address_must_reach_remote_servers():
     assert update_group_address("127.0.0.1", ["http://127.0.0.1:30000"]) == "127.0.0.1"
     with pytest.raises(ValueError, match="master_address resolves to loopback .*other hosts"):
         update_group_address("127.0.0.1", ["http://10.1.2.3:30000"])
+
+
+def test_an_external_server_started_with_api_key_takes_the_runs_header(tmp_path, monkeypatch):
+    """SGLang's ``--api-key``: the server refuses requests without ``Authorization: Bearer <key>``; with
+    MEGATRON_RL_SERVER_API_KEY set to that key the trainer's transport sends it on every request (issue 33)."""
+    from megatron_rl.rollout.sglang.contract import SGLangServerError
+    from megatron_rl.rollout.sglang.server_transport import ServerHTTP
+
+    spec = importlib.util.spec_from_file_location("sglang_stand_in_server_key", SERVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tiny_qwen2_config().save_pretrained(tmp_path)
+    proc, url = module.start(str(tmp_path), tp_size=1, base_gpu_id=3, api_key="external-key")
+    try:
+        monkeypatch.setenv("MEGATRON_RL_SERVER_API_KEY", "another-key")
+        with pytest.raises(SGLangServerError, match="answered 401"):
+            ServerHTTP(url, 30).request("/server_info", method="GET")
+        monkeypatch.setenv("MEGATRON_RL_SERVER_API_KEY", "external-key")
+        engine = client([url], "distributed")  # reads /server_info, with the header
+        engine.shutdown()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import signal
@@ -220,14 +221,27 @@ class App:
         raise SystemExit(0)
 
 
-def _handler(app: App, server_state: dict) -> type[BaseHTTPRequestHandler]:
+def _handler(app: App, server_state: dict, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """``api_key``: as SGLang's ``--api-key``, every request must then carry ``Authorization: Bearer <key>``
+    (else 401); without it any request is served."""
     from sglang.srt.entrypoints.engine import EngineDead
 
     class Handler(BaseHTTPRequestHandler):
+        def _authorized(self) -> bool:
+            if api_key is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(),
+                                                      f"Bearer {api_key}".encode()):
+                return True
+            self.close_connection = True
+            self._send(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
+            return False
+
         def do_GET(self) -> None:
-            self._serve("GET", None)
+            if self._authorized():
+                self._serve("GET", None)
 
         def do_POST(self) -> None:
+            if not self._authorized():
+                return
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length)) if length else None
@@ -273,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nccl-port", type=int, default=None)
     parser.add_argument("--random-seed", type=int, default=1)
     parser.add_argument("--version", default="0.5.23", help="the sglang version to answer as (0.5.15: no session)")
+    parser.add_argument("--api-key", default=None, help="as SGLang's: requests need Authorization: Bearer <key>")
     args = parser.parse_args(argv)
 
     import torch
@@ -292,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     state: dict[str, bool] = {"stop": False, "dead": False}
-    server = HTTPServer(("127.0.0.1", 0), _handler(App(engine, args.version), state))
+    server = HTTPServer(("127.0.0.1", 0), _handler(App(engine, args.version), state, args.api_key))
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         while not state["stop"]:
@@ -314,7 +329,8 @@ def start(
 ) -> tuple[subprocess.Popen, str]:
     """Start a server process; returns it and its URL. ``env`` is merged into os.environ (it must give
     SGLANG_STAND_IN_ROOT, and usually SGLANG_STAND_IN_NODE / CUDA_VISIBLE_DEVICES). ``options``:
-    base_gpu_id, nccl_port, random_seed, version ("0.5.15": a pre-session server without begin/end routes)."""
+    base_gpu_id, nccl_port, random_seed, version ("0.5.15": a pre-session server without begin/end routes),
+    api_key (SGLang's --api-key)."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
     cmd = [
