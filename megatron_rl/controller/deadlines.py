@@ -45,13 +45,11 @@ SYNC_BYTES_PER_S = 1e9  # bf16 weights into the engines
 NO_DEADLINE_S = 7 * 24 * 3600.0
 
 
-def call_deadlines(ray_init: Any, cfg: Any = None) -> dict[str, tuple[float, str]]:
-    """method -> (seconds, config key) for ``RayWorkerGroup(method_timeouts=...)``.
-
-    ``cfg``: the whole run config (the work the deadlines are derived from); by default the config that
-    ``ray_init`` belongs to when it is an OmegaConf node (``call_deadlines(cfg.ray_init)``).
-    """
-    work = derived_deadlines(cfg if cfg is not None else _root_of(ray_init))
+def call_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
+    """method -> (seconds, config key) for ``RayWorkerGroup(method_timeouts=...)``, from the whole run config:
+    its ``ray_init`` keys, and the work (response length, batch, model size) the unset ones are derived from."""
+    ray_init = cfg.ray_init
+    work = derived_deadlines(cfg)
     out: dict[str, tuple[float, str]] = {}
     for field, methods in CALL_KINDS.items():
         value = getattr(ray_init, field, None)
@@ -135,15 +133,6 @@ def model_params(cfg: Any) -> tuple[float, str]:
 
 def _round(seconds: float) -> float:
     return float(math.ceil(seconds / 60) * 60)  # whole minutes: a deadline, not a prediction
-
-
-def _root_of(node: Any) -> Any:
-    try:
-        from omegaconf import DictConfig
-
-        return node._get_root() if isinstance(node, DictConfig) else None
-    except Exception:
-        return None
 
 
 def _select(cfg: Any, key: str) -> Any:

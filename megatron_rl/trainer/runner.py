@@ -91,13 +91,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
         cls = create_colocated_worker_cls(workers)
         group = RayWorkerGroup(pool, cls, init_args={role: {"config": typed} for role in workers},
                                name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s,
-                               method_timeouts=call_deadlines(cfg.ray_init))
+                               method_timeouts=call_deadlines(cfg))
         roles = group.spawn()
         actor_rollout, critic, reward_model = (roles.get(r) for r in ("actor_rollout", "critic", "reward_model"))
     else:
         group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": typed},
                                name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s,
-                               method_timeouts=call_deadlines(cfg.ray_init))
+                               method_timeouts=call_deadlines(cfg))
         actor_rollout, critic, reward_model = group, None, None
 
     def close() -> None:

@@ -88,7 +88,7 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     pool = RayResourcePool([per_node] * nodes, use_gpu=True if cuda else None, name="reward_model_pool")
     group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": typed}, name_prefix="reward_model",
-                           timeout_s=cfg.ray_init.timeout_s, method_timeouts=call_deadlines(cfg.ray_init))
+                           timeout_s=cfg.ray_init.timeout_s, method_timeouts=call_deadlines(cfg))
     try:
         group.init_model()
     except BaseException:

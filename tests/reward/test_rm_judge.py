@@ -103,7 +103,7 @@ def test_judge_engine_sglang_serves_the_judge_checkpoint_and_bad_engines_are_ref
         build_judge_engine(judge, "cpu")
     overrides = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", "reward_model.enable=true",
                  "reward_model.judge.enable=true", "reward_model.judge.model.path=/ckpt/judge"]
-    with pytest.raises(ConfigError, match="reward_model.judge.engine must be hf or sglang, got 'vllm'"):
+    with pytest.raises(ConfigError, match=r"reward_model.judge.engine='vllm' is unknown; known: \['hf', 'sglang'\]"):
         validate(load_config(overrides=[*overrides, "reward_model.judge.engine=vllm"]))
 
 
