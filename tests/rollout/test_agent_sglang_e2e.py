@@ -39,3 +39,28 @@ def test_multi_turn_grpo_on_two_sglang_engines(sglang_stand_in, tool_assets, tmp
             continue
         assert record["num_turns/max"] >= 5 and record["num_turns/mean"] > 3
         assert record["training/rollout_probs_diff_max"] < 1e-5
+
+
+def test_stand_in_retries_a_shm_manager_timeout(sglang_stand_in, monkeypatch):
+    """Torch's shm manager answers within a hard-coded 1 s or fails; on a loaded machine the stand-in retries
+    that (and only that) error instead of failing the run (issue 33)."""
+    import torch
+    from sglang.srt.utils import common
+
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return "ok"
+
+    assert common._retry_shm(flaky) == "ok" and len(calls) == 3
+    with pytest.raises(RuntimeError, match="something else"):
+        common._retry_shm(lambda: (_ for _ in ()).throw(RuntimeError("something else")))
+    monkeypatch.setattr(common, "SHM_RETRY_S", 0.0)
+    with pytest.raises(RuntimeError, match="timed out"):
+        common._retry_shm(lambda: (_ for _ in ()).throw(RuntimeError("Shared memory manager connection has timed out")))
+    t = torch.arange(4.0)
+    out = common.MultiprocessingSerializer.deserialize(common.MultiprocessingSerializer.serialize({"w": t}))
+    assert torch.equal(out["w"], t) and t.is_shared()

@@ -4,6 +4,13 @@
 CUDA IPC handle, which only means something on the producer's node and GPU. CPU tensors travel as named
 shared memory (sharing strategy ``file_system``): the consumer maps the producer's memory and reads it
 when it copies, not when the call was made.
+
+Torch's ``file_system`` sharing goes through its shm manager (``torch_shm_manager``), whose client waits a
+hard-coded 1 s for every answer ("Shared memory manager connection has timed out"): on a loaded machine that
+fails a test for nothing SGLang does (its tensors travel as CUDA IPC handles, no manager). Every manager round
+trip here (moving a tensor into shared memory, pickling, rebuilding it in the consumer) is therefore retried on
+that error for up to ``SHM_RETRY_S`` seconds (``SGLANG_STAND_IN_SHM_RETRY_S``, default 120); anything else fails
+at once, as before.
 """
 
 from __future__ import annotations
@@ -11,7 +18,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
+import sys
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -53,6 +63,24 @@ _CLASSES = {
 }
 
 
+SHM_RETRY_S = float(os.environ.get("SGLANG_STAND_IN_SHM_RETRY_S", "120"))
+
+
+def _retry_shm(fn: Any) -> Any:
+    """``fn()``, again while torch's shm manager times out (see the module docstring), up to SHM_RETRY_S."""
+    deadline = time.monotonic() + SHM_RETRY_S
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except RuntimeError as exc:
+            if "Shared memory manager" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            print(f"sglang stand-in (pid {os.getpid()}): {exc}; retrying", file=sys.stderr, flush=True)
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Allow-list unpickler: torch rebuild functions, torch.Size/dtypes, FlattenedTensorMetadata and the
     stand-in's ProducerTag; every other global is refused (pickle.UnpicklingError naming it).
@@ -75,7 +103,7 @@ def _share(obj: Any) -> None:
     """Move CPU tensors into shared memory in place (no copy when they already live there)."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu" and not obj.is_shared():
-            obj.share_memory_()
+            _retry_shm(obj.share_memory_)
     elif isinstance(obj, dict):
         for value in obj.values():
             _share(value)
@@ -107,9 +135,12 @@ class MultiprocessingSerializer:
         """ForkingPickler dump of ``(ProducerTag, obj)``; base64 text when ``output_str``."""
         torch.multiprocessing.set_sharing_strategy("file_system")
         _share(obj)
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump((producer_tag(), obj))
-        data = buf.getvalue()
+        def dump() -> bytes:
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump((producer_tag(), obj))
+            return buf.getvalue()
+
+        data = _retry_shm(dump)
         return base64.b64encode(data).decode("utf-8") if output_str else data
 
     @staticmethod
@@ -121,7 +152,7 @@ class MultiprocessingSerializer:
     def deserialize_tagged(data: Any) -> tuple[ProducerTag, Any]:
         """Stand-in only: ``(ProducerTag, obj)``; an untagged payload is refused."""
         raw = normalize_serialized_named_tensor_payload(data)
-        loaded = SafeUnpickler(io.BytesIO(raw)).load()
+        loaded = _retry_shm(lambda: SafeUnpickler(io.BytesIO(raw)).load())
         if not (isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[0], ProducerTag)):
             raise pickle.UnpicklingError(
                 "payload carries no producer tag: serialize it with the stand-in's "
