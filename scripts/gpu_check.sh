@@ -198,6 +198,9 @@ fi
 # also part of the kernels stage, named here so summary.json says it on its own).
 stage log_prob_nan 60 "ext_build" -- "$PY" -m pytest tests/gpu/test_kernels_cuda.py -q -p no:cacheprovider -rfEs \
   -k nan_and_inf --junitxml="$OUT/log_prob_nan.xml"
+# attention_dispatch: the padded path's SDPA calls run a fused kernel (never math) and the CPU tests' strict
+# model of torch's backend rules is no more generous than this torch; which varlen_attn path runs (items 2, 17).
+pytest_stage attention_dispatch 90 "ext_build" tests/gpu/test_attention_dispatch_cuda.py
 # ---------------------------------------------------------------------------- end of issue 32 items 11 and 2
 
 # ---------------------------------------------------------------------------- summary

@@ -8,8 +8,10 @@ to [B, 1, Tq, Tk] where True means "do not attend".
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,13 @@ FLASH_VARLEN = "flash_varlen"
 SDPA_PER_SEQUENCE = "sdpa_per_sequence"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _ANNOUNCED_KERNELS: set[str] = set()
+# The padded path's SDPA call on CUDA (padded_attention_plan): which backend torch can pick for it.
+SDPA_FLASH = "sdpa_flash"  # no mask (is_causal): flash takes GQA as is
+SDPA_EFFICIENT = "sdpa_mem_efficient"  # a mask and as many K/V heads as query heads
+SDPA_EFFICIENT_EXPANDED_KV = "sdpa_mem_efficient_expanded_kv"  # a mask + GQA: K/V repeated to the query heads
+SDPA_MATH = "sdpa_math"  # no fused kernel takes the call: fp32 s x s scores stored for backward
+SDPA_CPU = "sdpa_cpu"
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Column segments of a shared-prompt sequence (workers/shared_prompts.py): the prompt, a pad, or else the
 # response's row in its micro-batch.
 PROMPT_SEGMENT = -1
@@ -43,6 +52,116 @@ def packed_attention_kernel(query: torch.Tensor, dropout_p: float) -> tuple[str,
     if dropout_p > 0.0:
         return SDPA_PER_SEQUENCE, f"attention_dropout={dropout_p}, the fused varlen kernel has no dropout"
     return FLASH_VARLEN, "CUDA, half precision, no dropout"
+
+
+@dataclass(frozen=True)
+class PaddedAttentionPlan:
+    kernel: str
+    expand_kv: bool  # repeat K/V heads to the query heads before the call (no enable_gqa)
+    why: str
+
+
+def padded_attention_plan(
+    *, on_cuda: bool, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, masked: bool
+) -> PaddedAttentionPlan:
+    """How the padded path calls SDPA so that torch never falls back to its math kernel on CUDA.
+
+    torch's backend rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, ``can_use_*``), as
+    strictly as every torch we may meet applies them: flash takes no ``attn_mask`` at all (fp16/bf16,
+    head_dim <= 256, GQA allowed); mem-efficient takes a mask but, before torch made it GQA-aware, only as
+    many K/V heads as query heads, and a head_dim divisible by 8 (half) or 4 (fp32) on sm80+; cuDNN's
+    attention is preferred only with some cuDNN versions and GPUs, so it is not counted on. An RL batch
+    always needs a mask here (padding, a sliding window, shared prompts), so a GQA model's call
+    ``attn_mask + enable_gqa=True`` ran on the math kernel, storing fp32 [heads, s, s] probabilities per
+    layer (issue 32). With a mask the K/V heads are now repeated to the query heads first (their
+    [b, h, s, d] copies and the mask converted to the query's dtype are what mem-efficient keeps for
+    backward: plan.memory counts them); packed sequences (THD) avoid all of it with varlen flash.
+    """
+    if not on_cuda:
+        return PaddedAttentionPlan(SDPA_CPU, False, "not on CUDA: torch's CPU kernels take mask + GQA")
+    gqa = q_heads != kv_heads
+    if not masked:
+        if dtype in _HALF_DTYPES and head_dim <= 256:
+            return PaddedAttentionPlan(SDPA_FLASH, False, "no mask, half precision: flash (GQA native)")
+        masked_why = f"{dtype}: no flash"
+    else:
+        masked_why = "a mask: no flash"
+    alignment = 8 if dtype in _HALF_DTYPES else 4
+    if head_dim % alignment:
+        return PaddedAttentionPlan(SDPA_MATH, False, f"{masked_why}, head_dim {head_dim} not a multiple of "
+                                   f"{alignment} for mem-efficient")
+    if gqa:
+        return PaddedAttentionPlan(SDPA_EFFICIENT_EXPANDED_KV, True,
+                                   f"{masked_why}; mem-efficient with K/V repeated from {kv_heads} to {q_heads} heads")
+    return PaddedAttentionPlan(SDPA_EFFICIENT, False, f"{masked_why}; mem-efficient")
+
+
+# varlen_attn's keyword arguments differ between torch releases: detected, not assumed (issue 32, item 17).
+VARLEN_KWARGS = ("scale", "window_size", "enable_gqa", "is_causal")
+
+
+def varlen_keywords(fn) -> frozenset[str]:
+    """The keyword arguments of ``fn`` (torch's ``varlen_attn``) among VARLEN_KWARGS."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(name for name in VARLEN_KWARGS if name in params)
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    fused: bool  # False: the per-sequence SDPA twin runs instead
+    kwargs: tuple[str, ...]  # the keyword arguments passed
+    expand_kv: bool  # K/V repeated to the query heads (no enable_gqa)
+    prescale_query: bool  # softmax scale folded into the query (no scale)
+    why: str
+
+
+def varlen_plan(keywords: frozenset[str], *, gqa: bool, window: bool, default_scale: bool) -> VarlenPlan:
+    """How to call a ``varlen_attn`` that takes ``keywords``: its own keyword where it has one, an exact
+    substitute where it has not (repeat K/V for enable_gqa, fold a non-default scale into the query, is_causal
+    for a plain causal window), else the per-sequence SDPA twin."""
+    passed: list[str] = []
+    notes: list[str] = []
+    if "window_size" in keywords:
+        passed.append("window_size")
+    elif window:
+        return VarlenPlan(False, (), False, False, "varlen_attn has no window_size: a sliding window needs it")
+    elif "is_causal" in keywords:
+        passed.append("is_causal")
+        notes.append("causal through is_causal (no window_size)")
+    else:
+        return VarlenPlan(False, (), False, False, "varlen_attn has neither window_size nor is_causal")
+    expand = False
+    if gqa:
+        if "enable_gqa" in keywords:
+            passed.append("enable_gqa")
+        else:
+            expand = True
+            notes.append("K/V repeated to the query heads (no enable_gqa)")
+    prescale = False
+    if "scale" in keywords:
+        passed.append("scale")
+    elif not default_scale:
+        prescale = True
+        notes.append("softmax scale folded into the query (no scale)")
+    return VarlenPlan(True, tuple(passed), expand, prescale,
+                      "fused varlen_attn(" + ", ".join(passed) + ")" + ("; " + "; ".join(notes) if notes else ""))
+
+
+def _announce(kind: str, kernel: str, why: str) -> None:
+    """Said once per process and kernel, so a run's log shows which attention it got."""
+    key = f"{kind}:{kernel}:{why}"
+    if key not in _ANNOUNCED_KERNELS:
+        log.info("%s attention: %s (%s)", kind, kernel, why)
+        _ANNOUNCED_KERNELS.add(key)
+
+
+def _repeat_kv(t: torch.Tensor, heads: int, head_dim_axis: int) -> torch.Tensor:
+    """[.., kv_heads, ..] -> [.., heads, ..] along ``head_dim_axis`` (each K/V head serves its group)."""
+    groups = heads // t.shape[head_dim_axis]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=head_dim_axis)
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -81,9 +200,10 @@ def shared_prompt_mask(segment: torch.Tensor) -> torch.Tensor:
 class SDPAttention(MegatronModule):
     """Drop-in for Megatron's core attention: [s, b, heads, dim] q/k/v in, [s, b, heads*dim] out.
 
-    Grouped-query attention is handled by SDPA's ``enable_gqa`` (key/value heads are not copied).
-    With ``config.window_size = (left, 0)`` keys more than ``left`` positions back are masked, which
-    is Mistral's sliding window.
+    Grouped-query attention is handled by SDPA's ``enable_gqa`` (key/value heads are not copied), except
+    for a masked call on CUDA, where K/V are repeated so that mem-efficient rather than the math kernel
+    runs (``padded_attention_plan``). With ``config.window_size = (left, 0)`` keys more than ``left``
+    positions back are masked, which is Mistral's sliding window.
     """
 
     def __init__(
@@ -134,28 +254,23 @@ class SDPAttention(MegatronModule):
         if self.window_left is not None:
             window = self._window_mask(seq_q, seq_k, query.device)
             blocked = window if blocked is None else blocked | window
-        if blocked is None:
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                is_causal=True,
-                scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0,
-                enable_gqa=True,
-            )
-        else:
-            if blocked.dtype != torch.bool:
-                raise ValueError(f"attention_mask must be bool (True = blocked), got {blocked.dtype}")
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=~blocked,
-                scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0,
-                enable_gqa=True,
-            )
+        if blocked is not None and blocked.dtype != torch.bool:
+            raise ValueError(f"attention_mask must be bool (True = blocked), got {blocked.dtype}")
+        plan = padded_attention_plan(on_cuda=query.is_cuda, dtype=query.dtype, q_heads=heads,
+                                     kv_heads=key.shape[2], head_dim=dim, masked=blocked is not None)
+        _announce("padded", plan.kernel, plan.why)
+        if plan.expand_kv:
+            k, v = _repeat_kv(k, heads, 1), _repeat_kv(v, heads, 1)
+        mask_kwargs: dict = {"is_causal": True} if blocked is None else {"attn_mask": ~blocked}
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            enable_gqa=not plan.expand_kv,
+            **mask_kwargs,
+        )
         # [b, h, s, d] -> [s, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * dim)
 
@@ -170,27 +285,52 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
         dropout_p = self.dropout_p if self.training else 0.0
         kernel, why = packed_attention_kernel(query, dropout_p)
-        if kernel not in _ANNOUNCED_KERNELS:
-            # said once per process and kernel, so a run's log shows which attention its packs got
-            log.info("packed attention: %s (%s)", kernel, why)
-            _ANNOUNCED_KERNELS.add(kernel)
         heads, dim = query.shape[1], query.shape[2]
+        varlen = None
         if kernel == FLASH_VARLEN:
-            out = self._flash_varlen(query, key, value, cu_q, packed_seq_params.max_seqlen_q)
+            varlen = self._varlen_plan(query, key)
+            if not varlen.fused:
+                kernel, why = SDPA_PER_SEQUENCE, varlen.why
+            else:
+                why = f"{why}; {varlen.why}"
+        _announce("packed", kernel, why)
+        if kernel == FLASH_VARLEN:
+            out = self._flash_varlen(query, key, value, cu_q, packed_seq_params.max_seqlen_q, varlen)
         else:
             out = self._sdpa_per_sequence(query, key, value, cu_q.tolist(), dropout_p)
         return out.reshape(out.shape[0], heads * dim)
 
-    def _flash_varlen(self, query, key, value, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+    def _varlen_plan(self, query: torch.Tensor, key: torch.Tensor) -> VarlenPlan:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as error:
+            return VarlenPlan(False, (), False, False, f"torch has no varlen_attn ({error})")
+        return varlen_plan(varlen_keywords(varlen_attn), gqa=query.shape[1] != key.shape[1],
+                           window=self.window_left is not None,
+                           default_scale=math.isclose(self.softmax_scale, query.shape[2] ** -0.5, rel_tol=1e-12))
+
+    def _flash_varlen(self, query, key, value, cu_seqlens: torch.Tensor, max_seqlen: int | None,
+                      plan: VarlenPlan) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
         cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        # (left, 0): causal, keys at most `left` back (Mistral's window); (-1, 0): plain causal
-        window = (self.window_left if self.window_left is not None else -1, 0)
-        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                           scale=self.softmax_scale, window_size=window, enable_gqa=True)
+        kwargs: dict = {}
+        if "window_size" in plan.kwargs:
+            # (left, 0): causal, keys at most `left` back (Mistral's window); (-1, 0): plain causal
+            kwargs["window_size"] = (self.window_left if self.window_left is not None else -1, 0)
+        if "is_causal" in plan.kwargs:
+            kwargs["is_causal"] = True
+        if "enable_gqa" in plan.kwargs:
+            kwargs["enable_gqa"] = True
+        if "scale" in plan.kwargs:
+            kwargs["scale"] = self.softmax_scale
+        if plan.expand_kv:
+            key, value = _repeat_kv(key, query.shape[1], 1), _repeat_kv(value, query.shape[1], 1)
+        if plan.prescale_query:  # varlen_attn's default scale is 1/sqrt(head_dim)
+            query = query * (self.softmax_scale * math.sqrt(query.shape[2]))
+        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
     def _sdpa_per_sequence(self, query, key, value, bounds: list[int], dropout_p: float) -> torch.Tensor:
         """The varlen twin: one SDPA call per sequence without a mask, token for token the padded
@@ -205,8 +345,12 @@ class SDPAttention(MegatronModule):
             kwargs: dict = {"is_causal": True}
             if self.window_left is not None:
                 kwargs = {"attn_mask": ~self._window_mask(seq, seq, query.device)}
+            plan = padded_attention_plan(on_cuda=q.is_cuda, dtype=q.dtype, q_heads=q.shape[1], kv_heads=k.shape[1],
+                                         head_dim=q.shape[-1], masked="attn_mask" in kwargs)
+            if plan.expand_kv:
+                k, v = _repeat_kv(k, q.shape[1], 1), _repeat_kv(v, q.shape[1], 1)
             piece = F.scaled_dot_product_attention(
-                q, k, v, scale=self.softmax_scale, dropout_p=dropout_p, enable_gqa=True, **kwargs,
+                q, k, v, scale=self.softmax_scale, dropout_p=dropout_p, enable_gqa=not plan.expand_kv, **kwargs,
             )
             out[start:end] = piece.squeeze(0).permute(1, 0, 2)
         return out

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import torch
+
+from megatron_rl.models.attention import (
+    FLASH_VARLEN,
+    SDPA_EFFICIENT,
+    SDPA_EFFICIENT_EXPANDED_KV,
+    SDPA_MATH,
+    padded_attention_plan,
+)
 from megatron_rl.models.sizes import padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 
@@ -184,6 +193,60 @@ def activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batc
         else:  # uniform: a checkpoint per chunk of `chunk` layers
             stored = -(-layers // chunk) * checkpoint
         return stored * micro_batches_in_flight(layout, micro_batches, stage) + chunk * per_layer
+    return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage)
+
+
+def attention_kernel(*, packed: bool, shared_prompts: bool, dtype: str, dropout: float, q_heads: int,
+                     kv_heads: int, head_dim: int, tp: int, window: bool = False) -> str:
+    """The attention kernel a training micro-batch runs on a CUDA GPU, decided as models/attention.py does.
+
+    Packed sequences (THD) in half precision without dropout: torch's varlen flash. Otherwise SDPA with
+    ``padded_attention_plan``: padded rows (and shared prompts) always carry a mask, so flash is out and
+    mem-efficient runs, on K/V repeated to the query heads for a GQA model.
+    """
+    torch_dtype = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+                   "float16": torch.float16}.get(dtype, torch.bfloat16)
+    q_rank, kv_rank = q_heads // tp, max(1, kv_heads // tp)  # K/V heads replicate when TP > their number
+    masked = True
+    if packed and not shared_prompts:
+        if torch_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+            return FLASH_VARLEN
+        masked = window  # the per-sequence twin: is_causal, a mask only for a sliding window
+    return padded_attention_plan(on_cuda=True, dtype=torch_dtype, q_heads=q_rank, kv_heads=kv_rank,
+                                 head_dim=head_dim, masked=masked).kernel
+
+
+def attention_kernel_bytes(kernel: str, model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int,
+                           sequence_length: int, micro_batches: int, stage: Stage,
+                           recompute: Recompute = Recompute(), dtype_bytes: int = BF16) -> float:
+    """What the attention kernel keeps for backward beyond activation_bytes' q, k, v and output (which
+    assume flash: only a [heads, tokens] fp32 log-sum-exp, left out).
+
+    mem-efficient keeps the mask it was given, converted to the query's dtype with its key dim padded to a
+    multiple of 16, once per layer ([rows, s, s16] x 2 B); with GQA also the K/V copies repeated to the
+    query heads ((q - kv) heads x d x 2 tensors x 2 B per token). The math kernel keeps fp32 [heads, s, s]
+    softmax probabilities per layer (4 B), the K/V it repeats for enable_gqa and the mask too.
+    Selective recompute re-runs the core attention: nothing of it is kept. Full recompute keeps it only
+    for the chunk being recomputed.
+    """
+    if kernel not in (SDPA_EFFICIENT, SDPA_EFFICIENT_EXPANDED_KV, SDPA_MATH):
+        return 0.0
+    if recompute.granularity == "selective":
+        return 0.0
+    tokens = tokens_per_micro_batch / layout.cp
+    rows = max(tokens / sequence_length, 1.0)
+    q_rank = model.num_attention_heads // layout.tp
+    kv_rank = max(1, model.num_key_value_heads // layout.tp)
+    mask = rows * sequence_length * (-(-sequence_length // 16) * 16) * dtype_bytes
+    copies = (q_rank - kv_rank) * model.head_dim * 2 * dtype_bytes * tokens
+    per_layer = mask
+    if kernel == SDPA_EFFICIENT_EXPANDED_KV:
+        per_layer += copies
+    elif kernel == SDPA_MATH:
+        per_layer += copies + q_rank * rows * sequence_length * sequence_length * FP32
+    layers = model.num_layers // layout.pp
+    if recompute.granularity == "full":
+        return min(recompute.num_layers, layers) * per_layer
     return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage)
 
 

@@ -265,6 +265,15 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,))
+    # the attention kernel that runs (models/attention.py), if it keeps more than flash does (issue 32)
+    kernel = memory.attention_kernel(
+        packed=bool(mcfg.packed_sequences), shared_prompts=bool(mcfg.share_prompts), dtype=dtype,
+        dropout=float(tcfg.attention_dropout), q_heads=model.num_attention_heads,
+        kv_heads=model.num_key_value_heads, head_dim=model.head_dim, tp=layout.tp, window=bool(model.sliding_window))
+    kernel_bytes = memory.attention_kernel_bytes(kernel, model, layout, tokens, _sequence_length(cfg),
+                                                 role_sizes.grad_accumulation_steps, stage, _recompute(tcfg))
+    if kernel_bytes:
+        table.add(f"{role} attention kernel ({kernel})", kernel_bytes, (update_phase,))
 
 
 def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,

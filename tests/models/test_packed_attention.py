@@ -8,6 +8,7 @@ The real kernel is run by tests/gpu/test_megatron_cuda.py on a lent GPU."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +91,7 @@ def test_fused_varlen_call_and_per_sequence_twin_equal_the_padded_path(monkeypat
 
     calls = []
 
+    @functools.wraps(strict_varlen_attn)  # the stand-in's signature is what SDPAttention detects (item 17)
     def recording(*args, **kwargs):
         calls.append(kwargs)
         return strict_varlen_attn(*args, **kwargs)
