@@ -33,27 +33,27 @@ def run(cfg: DictConfig, dry_run: bool = False):
 
     A real start holds the output directory's run lock (trainer/run_lock.py) from before preflight reads the
     directory to the end of the run; a dry run takes nothing and writes nothing there."""
-    sizes = validate(cfg)
-    if dry_run:
-        from megatron_rl.trainer.preflight import preflight
+    from megatron_rl.trainer.preflight import check_start
 
-        preflight(cfg)
+    if dry_run:
+        check_start(cfg)
         from megatron_rl.plan import print_plan
 
         print_plan(cfg)
         return None
+    validate(cfg)  # a config that cannot run is refused before the lock creates the directory
     if not _is_rank0():  # under torchrun rank 0 holds the lock for every rank
-        return _start(cfg, sizes)
+        return _start(cfg)
     from megatron_rl.trainer.run_lock import holding
 
     with holding(cfg.trainer.default_local_dir):
-        return _start(cfg, sizes)
+        return _start(cfg)
 
 
-def _start(cfg: DictConfig, sizes):
-    from megatron_rl.trainer.preflight import preflight
+def _start(cfg: DictConfig):
+    from megatron_rl.trainer.preflight import check_start
 
-    preflight(cfg)
+    sizes = check_start(cfg)  # the same check as --dry-run's
     from megatron_rl.plan import check_launch
 
     check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason

@@ -394,6 +394,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         checks.check_run_settings(cfg, uses_critic)
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
+    check_refused_at_run_time(cfg, uses_critic)
     return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
 
 
@@ -418,3 +419,37 @@ def _check_python_tool(cfg: DictConfig) -> None:
              f"{report}), so model-written code could read any file, write outside its directory and signal the "
              "trainer. Run the trainer as another user, allow namespaces (unshare --pid --mount) or setuid to "
              "nobody, or set actor_rollout_ref.rollout.multi_turn.python_tool_unsandboxed_ok=true to accept it")
+
+
+def check_refused_at_run_time(cfg: DictConfig, uses_critic: bool) -> None:
+    """Settings the workers, the model build or the first step would refuse after Ray and the model are up
+    (issue 33 items 7 and 10), refused here instead, naming the key."""
+    # Context parallelism: every role's attention core is SDPAttention (models/builder.py), which runs whole
+    # sequences and refuses CP > 1 when the model is built.
+    roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if uses_critic else [])
+    if cfg.reward_model.enable and not cfg.reward_model.judge.enable:
+        roles.append("reward_model")
+    for role in roles:
+        cp = OmegaConf.select(cfg, f"{role}.megatron.context_parallel_size")
+        _require(cp == 1, f"{role}.megatron.context_parallel_size={cp}: context parallelism is not built in "
+                 "megatron-rl (the attention core, models/attention.py SDPAttention, runs whole sequences; the model "
+                 "build would refuse it after start-up); set it to 1 and split long sequences with tensor/sequence "
+                 "parallelism (megatron.sequence_parallel) or pipeline parallelism")
+    rollout, estimator = cfg.actor_rollout_ref.rollout, cfg.algorithm.adv_estimator
+    _require(rollout.temperature > 0,
+             f"actor_rollout_ref.rollout.temperature={rollout.temperature} makes the training rollout greedy, but "
+             f"algorithm.adv_estimator={estimator} learns from sampled responses and the trainer's log-probs are "
+             "those of the temperature-scaled policy (logits / temperature): set it > 0 (1.0: the policy itself). "
+             "Greedy decoding is for validation (actor_rollout_ref.rollout.val_kwargs) and ReMax's baseline, which "
+             "the trainer generates greedily by itself")
+    traits = _estimator_traits(estimator)
+    _require(rollout.do_sample or not (traits.needs_groups or traits.needs_greedy_baseline),
+             f"actor_rollout_ref.rollout.do_sample=false makes every response of a prompt the same, but "
+             f"algorithm.adv_estimator={estimator} compares sampled responses (with each other or with the greedy "
+             "baseline): the advantages would all be 0. Set do_sample=true")
+    _require(rollout.response_length is None or rollout.response_length >= 1,
+             f"actor_rollout_ref.rollout.response_length={rollout.response_length} must be >= 1 token, or null "
+             "(data.max_response_length)")
+    verify_freq = rollout.weight_sync.verify_freq
+    _require(verify_freq >= 0, f"actor_rollout_ref.rollout.weight_sync.verify_freq={verify_freq} must be >= 0 "
+             "(verify after every N-th weight sync; 0 disables)")

@@ -23,15 +23,36 @@ logger = logging.getLogger(__name__)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
+def check_start(cfg: DictConfig):
+    """THE check of a start, run alike by ``--dry-run`` and a real start before anything starts (train.py):
+    ``validate`` (the config) and ``preflight`` (the config against the world). Returns the derived sizes."""
+    from megatron_rl.plan.validate import validate
+
+    sizes = validate(cfg)
+    preflight(cfg)
+    return sizes
+
+
 def preflight(cfg: DictConfig) -> None:
     """Every file-system check of a start; raises ConfigError on the first problem."""
     check_output_dir(cfg)
+    check_loggers(cfg)
     rows = check_data(cfg)
     check_model(cfg)
-    check_schedule(cfg, rows)
+    usable = check_training_prompts(cfg)
+    check_schedule(cfg, rows if usable is None else usable)
     from megatron_rl.trainer.run_identity import check_resume
 
-    check_resume(cfg)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
+    check_resume(cfg, usable)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
+
+
+def check_loggers(cfg: DictConfig) -> None:
+    """trainer.logger: known backends whose packages import here (else refused only when logging starts)."""
+    from megatron_rl.trainer.tracking import backend_problem
+
+    problem = backend_problem(cfg.trainer.logger)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 # ---------------------------------------------------------------------------- the output directory
@@ -123,7 +144,7 @@ def check_data(cfg: DictConfig) -> int:
     reward.custom_reward_function.path scores them all). Returns the number of training rows."""
     custom = cfg.reward.custom_reward_function.path
     if custom:
-        _check_custom_reward(Path(custom))
+        _check_custom_reward(Path(custom), cfg.reward.custom_reward_function.name)
     from megatron_rl.reward.registry import missing_scorer_reason, registered_data_sources
 
     registered = registered_data_sources()
@@ -153,10 +174,16 @@ def check_data(cfg: DictConfig) -> int:
     return train_rows
 
 
-def _check_custom_reward(path: Path) -> None:
+def _check_custom_reward(path: Path, name: str | None = None) -> None:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"reward.custom_reward_function.path: {path} {what}, expected a Python file")
+    from megatron_rl.reward.custom import load_custom_scorer
+
+    try:  # the file imports and defines the function (what the reward manager does when the run starts)
+        load_custom_scorer(str(path), name or "compute_score")
+    except (ImportError, AttributeError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------- the model
@@ -187,6 +214,9 @@ def check_model(cfg: DictConfig) -> None:
     if raw is None:
         return
     source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
+    from megatron_rl.plan.model_facts import load_model_facts
+
+    load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(heads, int) or heads < 1:
@@ -201,6 +231,37 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "
                           f"model: num_attention_heads={heads} must split over it and num_key_value_heads="
                           f"{kv_heads} must split over it or be replicated ({source})")
+
+
+# ---------------------------------------------------------------------------- the prompts the run trains on
+def check_training_prompts(cfg: DictConfig) -> int | None:
+    """Build the training dataset as the run does (tokenizer, chat template, overlong and malformed rows) and
+    refuse data that gives no batch; returns the usable prompts (None when there is nothing to build it from)."""
+    data = cfg.data
+    model = cfg.actor_rollout_ref.model
+    if OmegaConf.is_missing(data, "train_files") or not data.train_files:
+        return None
+    tokenizer_path = data.get("tokenizer") or (None if OmegaConf.is_missing(model, "path") else model.path)
+    if not tokenizer_path:
+        return None
+    from megatron_rl.data import RLDataset, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError / ValueError / others
+        key = "data.tokenizer" if data.get("tokenizer") else "actor_rollout_ref.model.path"
+        raise ConfigError(f"{key}={tokenizer_path}: the tokenizer cannot be loaded ({type(err).__name__}: "
+                          f"{err})") from None
+    try:
+        dataset = RLDataset.from_config(list(data.train_files), tokenizer, data)
+    except ValueError as err:  # no usable prompts, a malformed row under on_malformed_row=error, an overlong one
+        raise ConfigError(f"data.train_files: {err}") from None
+    if len(dataset) < data.train_batch_size:
+        raise ConfigError(f"data.train_files give {len(dataset)} usable prompts (after data.max_prompt_length="
+                          f"{data.max_prompt_length} and data.on_malformed_row), fewer than data.train_batch_size="
+                          f"{data.train_batch_size}: not one training batch (the loader drops an incomplete one). "
+                          f"Lower data.train_batch_size or add prompts")
+    return len(dataset)
 
 
 # ---------------------------------------------------------------------------- the schedule

@@ -12,6 +12,30 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# The package each backend imports when the run starts logging (checked before start-up: backend_problem).
+BACKEND_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def backend_problem(backends: Sequence[str] | str) -> str | None:
+    """Why ``trainer.logger`` cannot log here (an unknown backend, a package that does not import), or None."""
+    backends = [backends] if isinstance(backends, str) else [str(b) for b in backends]
+    unknown = [b for b in backends if b not in KNOWN_BACKENDS]
+    if unknown:
+        return f"trainer.logger has unknown backends {unknown}; known: {list(KNOWN_BACKENDS)}"
+    import importlib
+
+    for backend in backends:
+        module = BACKEND_MODULES.get(backend)
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - ImportError, or a package that fails while importing
+            package = module.split(".")[0] if backend != "tensorboard" else "tensorboard"
+            return (f"trainer.logger={backends} names {backend!r}, but {module} does not import here "
+                    f"({type(err).__name__}: {err}); install {package} (pip install {package}) or remove "
+                    f"{backend!r} from trainer.logger")
+    return None
 # What the console line shows each step: the numbers a person watches.
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
 

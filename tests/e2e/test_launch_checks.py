@@ -38,3 +38,31 @@ def test_offload_run_matches_the_plain_run(tiny_assets, tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_refusals_that_came_after_start_up_come_before_it_with_exit_code_2(tiny_assets, tmp_path):
+    """Issue 33 items 7 and 9, through the real entry point: CP > 1 (accepted by --dry-run and the real start
+    before, refused by the model build after Ray started) and an architecture the builders do not know (refused by
+    --dry-run, but a real start failed in init_model) are refused by both before anything starts, rc 2."""
+    import json
+    import shutil
+
+    other = tmp_path / "other_model"
+    shutil.copytree(tiny_assets["model"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (other / "config.json").write_text(json.dumps(config))
+    cases = [
+        ("actor_rollout_ref.actor.megatron.context_parallel_size=2 actor_rollout_ref.ref.megatron.context_parallel_size=2 "
+         "trainer.n_gpus_per_node=4",
+         "actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not built"),
+        (f"actor_rollout_ref.model.path={other}", "FancyNewForCausalLM"),
+    ]
+    for override, message in cases:
+        for dry_run in (["--dry-run"], []):
+            out = tmp_path / f"run{len(dry_run)}"
+            proc = run_module(["megatron_rl.train", *dry_run, *tiny_overrides(tiny_assets, out, *override.split())],
+                              timeout=300)
+            assert proc.returncode == 2, (override, dry_run, proc.stderr[-3000:])
+            assert message in proc.stderr, (override, dry_run, proc.stderr[-3000:])
+            assert "Started a local Ray instance" not in proc.stdout + proc.stderr

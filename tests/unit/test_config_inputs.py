@@ -198,13 +198,25 @@ def _write_jsonl(path: Path, sources: list[str]) -> Path:
     return path
 
 
-def _model(tmp_path: Path, heads: int = 4, kv_heads: int = 2) -> Path:
+def _model(tmp_path: Path, heads: int = 4, kv_heads: int = 2, architecture: str = "Qwen2ForCausalLM") -> Path:
+    """A model directory as preflight reads it: config.json and a tokenizer (the run tokenizes its prompts)."""
+    from megatron_rl.data import build_tiny_tokenizer
+
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": heads,
+    (model / "config.json").write_text(json.dumps({"architectures": [architecture], "num_attention_heads": heads,
                                                    "num_key_value_heads": kv_heads, "hidden_size": 64,
-                                                   "vocab_size": 256, "num_hidden_layers": 2}))
+                                                   "intermediate_size": 128, "vocab_size": 256,
+                                                   "num_hidden_layers": 2}))
+    if not (model / "tokenizer.json").is_file():
+        build_tiny_tokenizer(model, ["hi there 1 2 3"])
     return model
+
+
+def _scorer(tmp_path: Path) -> Path:
+    path = tmp_path / "score.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    return path
 
 
 def preflight_cfg(tmp_path, *overrides):
@@ -214,7 +226,7 @@ def preflight_cfg(tmp_path, *overrides):
 def test_unknown_data_sources_are_rejected_before_ray(tmp_path):
     from megatron_rl.trainer.preflight import preflight
 
-    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"] * 3)
+    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"] * 8)
     val = _write_jsonl(tmp_path / "val.jsonl", ["synthetic/copy", "my/task", "my/task", "other"])
     cfg = preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
                         f"actor_rollout_ref.model.path={_model(tmp_path)}")
@@ -225,7 +237,7 @@ def test_unknown_data_sources_are_rejected_before_ray(tmp_path):
     assert "synthetic/copy" in message and "registered" in message
     preflight(preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
                             f"actor_rollout_ref.model.path={_model(tmp_path)}",
-                            f"reward.custom_reward_function.path={train}"))  # a custom function scores all
+                            f"reward.custom_reward_function.path={_scorer(tmp_path)}"))  # scores all
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "unreadable"])
@@ -297,3 +309,90 @@ def test_python_tool_as_root_without_a_sandbox_is_refused_unless_accepted(monkey
     monkeypatch.setattr(tools, "sandbox_report",
                         lambda isolate_network=True: tools.SandboxReport("namespaces", True, True, True, True))
     validate(cfg_with(*python_tool))  # contained: runs as nobody
+
+
+# ---------------------------------------------------------------------------- refused too late before (issue 33, 7-10)
+RM_OWN_POOL = ("algorithm.adv_estimator=grpo", "reward_model.enable=true", "reward_model.model.path=/rm",
+               "reward_model.enable_resource_pool=true", "reward_model.megatron.context_parallel_size=2")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # 7: the model build refused CP > 1 (SDPAttention) after Ray and the workers were up
+    (("actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2"),
+     r"actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not built"),
+    (("actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.ref.megatron.context_parallel_size=2",
+      "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo"),
+     r"actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not built"),
+    (RM_OWN_POOL, r"reward_model.megatron.context_parallel_size=2: context parallelism is not built"),
+    # 10: the worker refused meta_info['temperature']=0 at step 1
+    (("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.temperature=0"),
+     r"actor_rollout_ref.rollout.temperature=0.0 makes the training rollout greedy, but algorithm.adv_estimator=grpo"),
+    (("algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.do_sample=false"),
+     r"actor_rollout_ref.rollout.do_sample=false .* algorithm.adv_estimator=rloo"),
+    (("actor_rollout_ref.rollout.response_length=0",), r"actor_rollout_ref.rollout.response_length=0 must be >= 1"),
+    (("actor_rollout_ref.rollout.weight_sync.verify_freq=-1",),
+     r"actor_rollout_ref.rollout.weight_sync.verify_freq=-1 must be >= 0"),
+])
+def test_settings_refused_after_start_up_before_are_refused_by_validate(overrides, message):
+    """Before issue 33 validate() (and so --dry-run) accepted each of these; the start failed after Ray and the
+    model build (CP in SDPAttention, temperature in the worker's read_temperature, verify_freq in weights/replica)."""
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(*overrides))
+
+
+def test_greedy_rollout_without_groups_and_remax_baseline_settings_still_validate():
+    validate(cfg_with("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.temperature=0.7"))
+    validate(cfg_with("actor_rollout_ref.rollout.response_length=4", "actor_rollout_ref.rollout.weight_sync.verify_freq=0"))
+
+
+def _bad_start(tmp_path, kind: str) -> tuple[list[str], str]:
+    model, train = _model(tmp_path), tmp_path / "train.jsonl"
+    _write_jsonl(train, ["synthetic/copy"] * 8)
+    base = [f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}"]
+    if kind == "logger_unknown":
+        return base + ["trainer.logger=[console,swanlab]"], r"trainer.logger has unknown backends \['swanlab'\]"
+    if kind == "logger_missing":
+        return base + ["trainer.logger=[console,mlflow]"], \
+            r"trainer.logger=.* names 'mlflow', but mlflow does not import here \(ModuleNotFoundError.*pip install mlflow"
+    if kind == "architecture":
+        other = tmp_path / "other"
+        other.mkdir()
+        _model(other, architecture="FancyNewForCausalLM")
+        return [base[0], f"actor_rollout_ref.model.path={other / 'model'}"], r"FancyNewForCausalLM"
+    if kind == "few_rows":
+        _write_jsonl(train, ["synthetic/copy"] * 5)
+        return base, r"data.train_files give 5 usable prompts .* fewer than data.train_batch_size=8"
+    if kind == "no_usable_rows":
+        return base + ["data.max_prompt_length=1"], r"data.train_files: no usable prompts in .* 8 longer than " \
+                                                    r"data.max_prompt_length=1"
+    if kind == "reward_name":
+        return base + [f"reward.custom_reward_function.path={_scorer(tmp_path)}",
+                       "reward.custom_reward_function.name=score_it"], \
+            r"reward.custom_reward_function.name='score_it' is not a function in .*compute_score"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["logger_unknown", "logger_missing", "architecture", "few_rows", "no_usable_rows",
+                                  "reward_name"])
+def test_dry_run_and_real_start_refuse_alike_before_anything_starts(tmp_path, monkeypatch, kind):
+    """One check for both (preflight.check_start). Before issue 33: swanlab was refused by Tracking after the
+    workers were built, a missing package was a bare ModuleNotFoundError there; an unknown architecture failed the
+    real start in init_model; too few or no usable prompts and a wrong reward function name passed --dry-run and
+    failed the real start before Ray with a traceback (exit code 1)."""
+    from megatron_rl import train
+
+    if kind == "logger_missing":
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is not None:
+            pytest.skip("mlflow is installed here")
+    overrides, message = _bad_start(tmp_path, kind)
+    cfg = preflight_cfg(tmp_path, *overrides)
+    started = []
+    monkeypatch.setattr("megatron_rl.trainer.runner.run_training", lambda *a: started.append(a))
+    errors = []
+    for dry_run in (True, False):
+        with pytest.raises(ConfigError, match=message) as err:
+            train.run(cfg, dry_run=dry_run)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and not started
