@@ -26,8 +26,8 @@ def model_dir(tmp_path):
 
 
 def engine_for(model_dir: str, *, tp: int = 1, replica_index: int = 0, base_gpu_id: int = 0, **rollout):
-    config = RolloutConfig(name="sglang", tensor_model_parallel_size=tp, dtype="float32", response_length=5,
-                           **rollout)
+    config = RolloutConfig(name="sglang", tensor_model_parallel_size=tp, response_length=5,
+                           **{"dtype": "float32", **rollout})
     return build_sglang_engine(config, model_dir, replica_index=replica_index, base_gpu_id=base_gpu_id,
                                eos_token_id=2, pad_token_id=0)
 
@@ -147,5 +147,23 @@ def test_a_failed_sync_leaves_an_engine_that_refuses_to_generate(sglang_stand_in
             engine.generate_sequences(prompt_batch([3]))
         with pytest.raises(WeightSyncError, match="no tensors"):
             sync_weights([], engine, version=1)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("checkpoint_dtype", ["float32", "float16"])
+def test_rollout_dtype_auto_reaches_sglang_resolved(sglang_stand_in, tmp_path, checkpoint_dtype):
+    """rollout.dtype=auto is resolved once (bf16 on CUDA) and passed to SGLang as such: the engine serves the
+    dtype the trainer syncs in. Passed as "auto", SGLang serves the checkpoint's dtype (fp16 for fp32 and fp16
+    checkpoints) and the stand-in refuses the bf16 buckets (issue 32, item 12)."""
+    tiny_qwen2_config(torch_dtype=checkpoint_dtype).save_pretrained(tmp_path / "model")
+    engine = engine_for(str(tmp_path / "model"), dtype="auto")
+    try:
+        assert engine.dtype == torch.bfloat16
+        source = source_model(3)
+        sync_weights(source.state_dict().items(), engine, version=1)
+        got = held(engine)
+        bad = [n for n, t in source.state_dict().items() if not torch.equal(got[n], t.to(torch.bfloat16).float())]
+        assert not bad, f"the engine does not serve the bf16 weights the trainer sent: {bad[:4]}"
     finally:
         engine.shutdown()

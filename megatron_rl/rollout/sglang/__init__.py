@@ -12,6 +12,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sglang.adapter import SGLangEngine
 from megatron_rl.rollout.sglang.contract import (
     SGLANG_CONTRACT,
@@ -30,6 +33,9 @@ __all__ = [
     "SGLangUnavailableError",
     "build_sglang_engine",
 ]
+
+#: ServerArgs.dtype spellings (srt/arg_groups: --dtype choices) of the dtypes rollout.dtype resolves to
+SGLANG_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def build_sglang_engine(
@@ -53,6 +59,9 @@ def build_sglang_engine(
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     sgl = config.sglang
+    # rollout.dtype resolved here, once, for the engine and the trainer alike: SGLang's own "auto" would serve
+    # the checkpoint's dtype (fp16 for an fp32 one) while the trainer casts the synced buckets to bf16.
+    dtype = resolve_dtype(str(config.dtype), torch.device(compute_device))
     if config.mode == "server":
         from megatron_rl.rollout.sglang.server_transport import ServerTransport
 
@@ -78,7 +87,7 @@ def build_sglang_engine(
                 "skip_tokenizer_init": True,
                 "load_format": "dummy",
                 "random_seed": int(config.seed),
-                "dtype": str(config.dtype),
+                "dtype": SGLANG_DTYPE_NAMES[dtype],
                 "log_level": "error",
                 **({"json_model_override_args": json.dumps(model_override)} if model_override else {}),
             },

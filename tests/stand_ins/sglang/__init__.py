@@ -24,6 +24,10 @@ Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - release/resume need enable_memory_saver=True (SGLang silently frees nothing without it); releasing a tag
   twice is an error; a weight update while weights are released is refused; generation is refused while
   weights/kv_cache (or saver-managed cuda_graph memory) are released or any weight is NaN;
+- per-GPU memory: a trainer process marked by ``_stand_in.devices.hold_trainer_cache(n)`` holds n bytes reserved
+  (torch's caching allocator) on its GPU until it calls ``torch.cuda.empty_cache()``; resuming kv_cache or
+  cuda_graph on a GPU where any live trainer process holds some kills the engine with a CUDA OOM (on a GPU it
+  fails when the cache does not fit beside it: here any held byte fails);
 - generate is refused while a weight-update session is open (weights are finalized by end_weight_update);
 - all Engine methods must be called from the creating thread; skip_tokenizer_init=True and
   load_format="dummy" are required; ``selector`` must be "all"; a weight-update group needs rank_offset >= 1.
@@ -48,7 +52,9 @@ Faithful to 0.5.23 (and therefore unforgiving the same way):
   padded to a multiple of 64, norms replicated).
 
 Different from SGLang (by necessity):
-- CPU, fp32 always (``dtype`` is accepted and ignored); CPU shared memory (sharing strategy file_system)
+- CPU, computes in fp32; ``dtype`` decides the dtype the engine serves, by 0.5.23's rule (``auto``: the
+  checkpoint's torch_dtype, fp16 for an fp32 checkpoint), and a weight arriving in another dtype is refused
+  (SGLang casts it silently: stricter); CPU shared memory (sharing strategy file_system)
   stands in for CUDA IPC; gloo stands in for NCCL (backend "nccl" is accepted and run as gloo);
 - generation gathers the shards to scheduler 0 and runs the transformers model there (own decode loop, fp32;
   log-probs are temperature-scaled full-vocabulary log_softmax, greedy = log_softmax(logits) at

@@ -134,3 +134,50 @@ def release_gpu(path: Path, engine_id: str) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+# ---------------------------------------------------------------------------------------------- trainer cache
+# torch's caching allocator in the trainer processes that share a GPU with a scheduler: memory training freed
+# stays reserved by that process until it calls torch.cuda.empty_cache(). On a GPU the engine's resume of the
+# KV cache and CUDA graphs then runs out of memory; here a scheduler refuses the resume while any live process
+# holds cache on its GPU (stricter: no headroom at all). Records: <root>/<node>/trainer_cache/gpu<g>.<pid>.
+TRAINER_CACHE_DIR = "trainer_cache"
+
+
+def _trainer_cache_folder(root: Path, node: str) -> Path:
+    return root / node / TRAINER_CACHE_DIR
+
+
+def hold_trainer_cache(nbytes: int) -> None:
+    """Test hook, in a trainer process: its training left ``nbytes`` reserved but free on its current GPU. From
+    now on this process's ``torch.cuda.empty_cache()`` gives them back (and nothing else does)."""
+    import torch
+
+    folder = _trainer_cache_folder(stand_in_root(), node_name())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"gpu{current_physical_gpu()}.{os.getpid()}").write_text(str(int(nbytes)))
+    empty_cache = torch.cuda.empty_cache
+    if getattr(empty_cache, "stand_in_model", False):
+        return
+
+    def empty_cache_model() -> None:
+        empty_cache()
+        for path in _trainer_cache_folder(stand_in_root(), node_name()).glob(f"gpu*.{os.getpid()}"):
+            path.unlink(missing_ok=True)
+
+    empty_cache_model.stand_in_model = True
+    torch.cuda.empty_cache = empty_cache_model
+
+
+def trainer_cache_on(root: Path, node: str, gpu: int) -> dict[int, int]:
+    """pid -> bytes held reserved by live trainer processes on one GPU."""
+    held: dict[int, int] = {}
+    for path in _trainer_cache_folder(root, node).glob(f"gpu{gpu}.*"):
+        pid = int(path.suffix[1:])
+        try:
+            nbytes = int(path.read_text() or 0)
+        except (OSError, ValueError):
+            continue
+        if nbytes > 0 and _alive(pid):
+            held[pid] = nbytes
+    return held

@@ -56,6 +56,20 @@ class CopyStream:
             raise RuntimeError(self.error)
 
 
+def served_dtype(requested: str, config: Any, torch: Any) -> Any:
+    """The dtype SGLang 0.5.23 serves (srt/configs/model_config.py _get_and_verify_dtype): an explicit dtype as
+    asked; ``auto``: the checkpoint's ``torch_dtype``, except that an fp32 checkpoint is served in fp16 (bf16
+    for Gemma)."""
+    names = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+    if requested != "auto":
+        return getattr(torch, names[requested])
+    stored = getattr(config, "torch_dtype", None) or torch.float32
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    if stored == torch.float32:
+        return torch.bfloat16 if str(getattr(config, "model_type", "")).startswith("gemma") else torch.float16
+    return stored
+
+
 class Scheduler:
     def __init__(self, args: dict[str, Any]) -> None:
         if os.environ.get("SGLANG_STAND_IN_CRASH_RANK") == str(args["tp_rank"]):  # test hook: die at start
@@ -96,6 +110,7 @@ class Scheduler:
         from sglang._stand_in.sharding import ShardLayout
 
         self.config = AutoConfig.from_pretrained(args["model_path"])
+        self.served_dtype = None if args.get("dtype") is None else served_dtype(args["dtype"], self.config, torch)
         torch.manual_seed(int(args["random_seed"]))
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         full = {k: v.detach() for k, v in model.state_dict().items()}
@@ -217,6 +232,11 @@ class Scheduler:
                     raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
                 if not tensor.is_floating_point():
                     raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, not floating point")
+                if self.served_dtype is not None and tensor.dtype != self.served_dtype:  # SGLang casts silently: what was sent is not served
+                    raise ValueError(
+                        f"weight {name!r} arrives as {tensor.dtype} but the engine serves {self.served_dtype} "
+                        f"(dtype={self.args['dtype']!r}): the weights it serves are not the ones sent"
+                    )
                 plan = self.layout.plan(name, tensor.shape)
                 if plan is not None:
                     plans.append((plan, tensor))
@@ -365,6 +385,7 @@ class Scheduler:
         missing = [t for t in tags if t not in self.released]
         if missing:
             raise Fatal(f"KeyError: resume_memory_occupation of tag {missing[0]!r} that is not released")
+        self._check_trainer_cache([t for t in tags if t in ("kv_cache", "cuda_graph")])
         for tag in tags:
             self.released.discard(tag)
             if tag == "weights":
@@ -378,6 +399,26 @@ class Scheduler:
                 )
             elif tag == "cuda_graph" and self.cuda_graph is None:
                 self.cuda_graph = torch.zeros(CUDA_GRAPH_BYTES, dtype=torch.uint8)
+
+    def _check_trainer_cache(self, tags: list[str]) -> None:
+        """The KV cache and CUDA graphs are allocated into what the trainer processes on this GPU gave back: memory
+        a trainer still holds reserved (torch's cache, no empty_cache) makes the allocation fail, which kills
+        the scheduler as an OOM would."""
+        root = self.args.get("registry_root")
+        if not tags or not root:
+            return
+        from pathlib import Path
+
+        from sglang._stand_in.devices import trainer_cache_on
+
+        held = trainer_cache_on(Path(root), self.node, self.gpu)
+        if held:
+            raise Fatal(
+                f"torch.OutOfMemoryError: CUDA out of memory resuming {tags} on GPU {self.gpu} of node {self.node} "
+                f"(scheduler TP{self.rank}): trainer processes hold memory reserved by PyTorch but unallocated "
+                f"({', '.join(f'pid {p}: {n} bytes' for p, n in sorted(held.items()))}); every process on this "
+                "GPU must call torch.cuda.empty_cache() before the resume"
+            )
 
     def cmd_flush_cache(self) -> bool:
         return True

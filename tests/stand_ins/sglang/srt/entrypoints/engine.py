@@ -132,7 +132,7 @@ class Engine:
         try:
             for rank, gpu in enumerate(gpus):
                 self._claims.append(devices.claim_gpu(self._root, self._node, gpu, self._engine_id, rank))
-            self._start(args)
+            self._start(args, kwargs)
         except BaseException:
             self._teardown()
             raise
@@ -156,7 +156,7 @@ class Engine:
 
         signal.signal(signal.SIGQUIT, launch_phase_sigquit_handler)
 
-    def _start(self, args: dict[str, Any]) -> None:
+    def _start(self, args: dict[str, Any], kwargs: dict[str, Any]) -> None:
         from sglang._stand_in.scheduler import scheduler_main
 
         ctx = multiprocessing.get_context("spawn")
@@ -175,6 +175,9 @@ class Engine:
                 "model_path": str(args["model_path"]),
                 "random_seed": seed,
                 "mem_fraction_static": float(args["mem_fraction_static"]),
+                # an Engine built without dtype (the HTTP stand-in's launcher passes none) is not dtype-checked
+                "dtype": str(args["dtype"]) if "dtype" in kwargs else None,
+                "registry_root": str(self._root),
                 "cuda_graph_saver": os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
                 in ("1", "true"),
                 "collective_timeout_s": self._timeout,
