@@ -453,3 +453,10 @@ def check_refused_at_run_time(cfg: DictConfig, uses_critic: bool) -> None:
     verify_freq = rollout.weight_sync.verify_freq
     _require(verify_freq >= 0, f"actor_rollout_ref.rollout.weight_sync.verify_freq={verify_freq} must be >= 0 "
              "(verify after every N-th weight sync; 0 disables)")
+    # found by tests/unit/test_refusal_guard.py: refused only by weights/ when the first sync ran
+    bucket_mb = rollout.weight_sync.bucket_size_mb
+    _require(bucket_mb > 0, f"actor_rollout_ref.rollout.weight_sync.bucket_size_mb={bucket_mb} must be > 0 (MiB per "
+             "weight-sync bucket)")
+    max_diff = rollout.weight_sync.verify_max_logprob_diff
+    _require(max_diff is None or max_diff > 0, "actor_rollout_ref.rollout.weight_sync.verify_max_logprob_diff="
+             f"{max_diff} must be > 0, or null (a threshold by the trainer's and engine's dtypes)")

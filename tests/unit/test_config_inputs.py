@@ -332,6 +332,11 @@ RM_OWN_POOL = ("algorithm.adv_estimator=grpo", "reward_model.enable=true", "rewa
     (("actor_rollout_ref.rollout.response_length=0",), r"actor_rollout_ref.rollout.response_length=0 must be >= 1"),
     (("actor_rollout_ref.rollout.weight_sync.verify_freq=-1",),
      r"actor_rollout_ref.rollout.weight_sync.verify_freq=-1 must be >= 0"),
+    # 11: found by tests/unit/test_refusal_guard.py (refused in weights/ at the first sync before)
+    (("actor_rollout_ref.rollout.weight_sync.bucket_size_mb=0",),
+     r"actor_rollout_ref.rollout.weight_sync.bucket_size_mb=0 must be > 0"),
+    (("actor_rollout_ref.rollout.weight_sync.verify_max_logprob_diff=0",),
+     r"actor_rollout_ref.rollout.weight_sync.verify_max_logprob_diff=0.0 must be > 0, or null"),
 ])
 def test_settings_refused_after_start_up_before_are_refused_by_validate(overrides, message):
     """Before issue 33 validate() (and so --dry-run) accepted each of these; the start failed after Ray and the
