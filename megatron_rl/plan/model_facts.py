@@ -35,6 +35,14 @@ def load_model_facts(cfg: DictConfig, model_key: str = "actor_rollout_ref.model"
         source = str(config_json)
     else:
         architecture = OmegaConf.select(cfg, "plan.architecture")
+        if not architecture and OmegaConf.is_missing(model, "path"):
+            unset = [model_key + ".path"] + (["data.train_files"] if not OmegaConf.select(
+                cfg, "data.train_files", throw_on_missing=False, default=None) else [])
+            raise ConfigError(
+                f"{' and '.join(unset)} {'are' if len(unset) > 1 else 'is'} not set: name the model (an HF directory "
+                f"with config.json) and the data (the launchers: MODEL_PATH=... DATA_DIR=...; by hand: "
+                f"{model_key}.path=... data.train_files=[...]); to plan on a machine without the weights, set "
+                f"plan.architecture to the model's config.json fields instead")
         if not architecture:
             path = OmegaConf.select(model, "path", throw_on_missing=False)
             raise ConfigError(

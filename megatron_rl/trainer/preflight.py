@@ -65,9 +65,33 @@ def _results_in(root: Path) -> list[str]:
         found.append(f"metrics.jsonl ({lines} records)")
     if (root / HF_FINAL_DIR).is_dir():
         found.append(f"{HF_FINAL_DIR}/ (a final HF checkpoint)")
-    if any((root / "tensorboard").glob("events.out.tfevents.*")):
+    if any(_has_scalars(p) for p in (root / "tensorboard").glob("events.out.tfevents.*")):
         found.append("tensorboard/ events")
     return found
+
+
+def _has_scalars(path: Path) -> bool:
+    """An event file holding at least one logged value; a file with only TensorBoard's header (what a run that
+    failed before its first step leaves) is not a result. Records: u64 length, u32 crc, data, u32 crc."""
+    import struct
+
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    try:
+        with path.open("rb") as f:
+            while len(head := f.read(12)) == 12:
+                (length,) = struct.unpack("<Q", head[:8])
+                data = f.read(length)
+                f.read(4)
+                if len(data) < length:
+                    return True  # torn: a run wrote here; count it
+                event = Event()
+                event.ParseFromString(data)
+                if event.HasField("summary") and len(event.summary.value):
+                    return True
+    except Exception:  # noqa: BLE001 - unreadable or not TensorBoard's: count it, as before
+        return True
+    return False
 
 
 def check_output_dir(cfg: DictConfig) -> None:

@@ -554,3 +554,23 @@ def test_resuming_with_another_model_or_loader_order_is_refused_before_start_up(
     assert "data.train_batch_size=4 (the checkpoint's data loader ran with 2)" in message
     assert "trainer.resume_mode=disable" in message
     start(f"actor_rollout_ref.model.path={other}", "trainer.resume_mode=disable", "trainer.overwrite=true")
+
+
+# ---------------------------------------------------------------------------- issue 33 item 12: smaller ones
+def test_an_empty_tensorboard_file_is_not_the_results_of_a_run(tmp_path):
+    """A run that failed before its first step leaves an event file with TensorBoard's header only; before issue 33
+    it counted as "results of a run" and the fixed command was refused."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_rl.trainer.preflight import check_output_dir
+
+    writer = SummaryWriter(str(tmp_path / "tensorboard"))
+    writer.flush()
+    writer.close()
+    cfg = load_config(overrides=[f"trainer.default_local_dir={tmp_path}"])
+    check_output_dir(cfg)  # header only: nothing to overwrite
+    logged = Tracking(["tensorboard"], tmp_path, "p", "e", total_steps=2)
+    logged.log({"x": 1.0}, 1)
+    logged.close()
+    with pytest.raises(ConfigError, match="tensorboard/ events"):
+        check_output_dir(cfg)

@@ -401,3 +401,15 @@ def test_dry_run_and_real_start_refuse_alike_before_anything_starts(tmp_path, mo
             train.run(cfg, dry_run=dry_run)
         errors.append(str(err.value))
     assert errors[0] == errors[1] and not started
+
+
+def test_a_plan_without_model_and_data_says_they_are_unset():
+    """launch/torchrun.sh +experiment=grpo_tiny_cpu without MODEL_PATH / DATA_DIR: before issue 33 the planner asked
+    for plan.architecture ("the planner needs the model's architecture ... plan.architecture is empty")."""
+    from megatron_rl.plan import build_plan
+
+    with pytest.raises(ConfigError) as err:
+        build_plan(load_config(overrides=["+experiment=grpo_tiny_cpu"]))
+    message = str(err.value)
+    assert message.startswith("actor_rollout_ref.model.path and data.train_files are not set")
+    assert "MODEL_PATH=... DATA_DIR=..." in message
