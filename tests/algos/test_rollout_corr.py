@@ -79,8 +79,9 @@ def _cfg(*overrides):
 
 def test_validate_checks_the_rollout_correction_keys():
     validate(_cfg("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_3"))
-    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.rollout_is='seq' is unknown; known: \['token', 'sequence'\]"):
-        validate(_cfg("algorithm.rollout_correction.rollout_is=seq"))  # the enum refuses it as the config is composed
+    unknown = r"algorithm.rollout_correction.rollout_is='seq' is unknown; known: \['token', 'sequence'\]"
+    with pytest.raises(ConfigError, match=unknown):  # the enum refuses it as the config is composed
+        validate(_cfg("algorithm.rollout_correction.rollout_is=seq"))
     with pytest.raises(ConfigError, match="loss_type='reinforce' with bypass_mode=true"):
         validate(_cfg("algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"))
     for keys in (("rollout_is=token",), ("rollout_rs=token_k1", "rollout_rs_threshold=2.0")):
