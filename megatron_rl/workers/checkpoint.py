@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_rl.workers.disk_space import checked_save
 from megatron_rl.workers.engine import MegatronEngine
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, A
     state = _sharded_state(engine, with_optimizer=engine.trainable, is_loading=False)
     state["rng"] = _rng_sharded_object()
     state["extra"] = dict(extra or {})
-    dist_checkpointing.save(state, str(tmp))
+    checked_save(dist_checkpointing.save, state, tmp)  # a full disk named: device, path, ENOSPC (disk_space.py)
 
     def publish() -> None:
         metadata = {
