@@ -93,3 +93,18 @@ def test_rollout_corr_helper_returns_weights_in_a_data_proto_like_verl():
     batch = DataProto.from_dict({"old_log_probs": old, "rollout_log_probs": roll, "response_mask": mask})
     batch, metrics = helper.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "sequence"})
     assert "rollout_is_weights" in batch.batch.keys() and "rollout_corr/rollout_is_mean" in metrics
+
+
+def test_verl_top_level_custom_reward_function_and_middle_truncation():
+    """Issue 33: verl's top-level custom_reward_function.path/name were not translated (refused as unknown keys by
+    the schema) and data.truncation=middle was refused by the enum without saying what does the same here."""
+    import pytest
+
+    from megatron_rl.compat.verl.trainer.main_ppo import translate
+    from megatron_rl.config import ConfigError
+
+    assert translate(["custom_reward_function.path=/x/score.py", "custom_reward_function.name=my_score",
+                      "data.truncation=left"]) == ["reward.custom_reward_function.path=/x/score.py",
+                                                   "reward.custom_reward_function.name=my_score", "data.truncation=left"]
+    with pytest.raises(ConfigError, match=r"data.truncation=middle: .*data.truncation=left .*filter_overlong_prompts"):
+        translate(["data.truncation=middle"])
