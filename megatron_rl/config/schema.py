@@ -263,7 +263,7 @@ class RefConfig:
 class WeightSyncConfig:
     bucket_size_mb: int = 512
     verify_freq: int = 1  # verify after every N-th sync; 0 disables
-    verify_max_logprob_diff: float = 1e-2  # fail above this mean-abs difference
+    verify_max_logprob_diff: Optional[float] = None  # fail above this mean-abs difference; null: by dtype (docs/rollout.md)
     probe_batch_size: int = 2
 
 

@@ -8,8 +8,8 @@ rank 0 sends) consumes the export stream without sending.
 
 Verification runs the fixed probe once per replica (on its leader); the probe outputs are gathered to every
 rank, and every rank scores the same concatenated batch with the trainer, which makes that scoring a valid
-collective for any actor layout. Metrics are the worst replica's; above ``verify_max_logprob_diff`` every rank
-raises the same WeightSyncError, naming the engine.
+collective for any actor layout. Metrics are the worst replica's; above ``verify_max_logprob_diff`` (null: by the
+dtypes compared, ``weights.verify.default_threshold``) every rank raises the same WeightSyncError, naming the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
 from megatron_rl.weights.export import ExportPlan
 from megatron_rl.weights.sync import WeightItem, WeightSyncError, sync_weights
-from megatron_rl.weights.verify import check_logprob_diff, explain_mismatch, logprob_diff, probe_rollout
+from megatron_rl.weights.verify import (
+    check_logprob_diff,
+    explain_mismatch,
+    logprob_diff,
+    probe_rollout,
+    resolve_threshold,
+)
 
 __all__ = ["RolloutReplica"]
 
@@ -126,6 +132,7 @@ class RolloutReplica:
         probe_prompts: DataProto | None = None,
         trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
         record_trainer_routing: Callable[[], Any] | None = None,
+        trainer_dtype: torch.dtype | None = None,
     ) -> None:
         sync_cfg = config.weight_sync
         if sync_cfg.bucket_size_mb <= 0:
@@ -142,6 +149,7 @@ class RolloutReplica:
         self.is_leader = self.replica.leader == rank
         self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
         self.record_trainer_routing = record_trainer_routing
+        self.trainer_dtype = trainer_dtype  # the actor's params dtype: with the engines' it picks the null threshold
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         payloads = self._payload_group() if config.mode == "colocated" else None
@@ -241,13 +249,19 @@ class RolloutReplica:
         return {} if pending is None else self._verify(*pending)
 
     def _verify(self, version: int, checksums: Any) -> dict[str, float]:
-        mine = probe_rollout(self.engine, self.probe_prompts) if self.is_leader else None
+        # Each leader's probe output and its engine's dtype (the null threshold depends on every engine's).
+        mine = None
+        if self.is_leader:
+            mine = (probe_rollout(self.engine, self.probe_prompts), getattr(self.engine, "dtype", None))
         if _distributed():
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
-            outputs = [gathered[leader] for leader in self.mesh.leaders]
+            answers = [gathered[leader] for leader in self.mesh.leaders]
         else:
-            outputs = [mine]
+            answers = [mine]
+        outputs = [output for output, _ in answers]
+        threshold = resolve_threshold(self.config.weight_sync.verify_max_logprob_diff, self.trainer_dtype,
+                                      [dtype for _, dtype in answers])
         probe = DataProto.concat(outputs)
         recording = self.record_trainer_routing() if self.record_trainer_routing else contextlib.nullcontext()
         with torch.no_grad(), recording as recorder:
@@ -260,6 +274,7 @@ class RolloutReplica:
         metrics = {
             "rollout/logprob_diff_mean": per_replica[worst]["rollout/logprob_diff_mean"],
             "rollout/logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in per_replica),
+            "rollout/logprob_diff_threshold": threshold,
         }
 
         def explain() -> str:
@@ -269,7 +284,7 @@ class RolloutReplica:
                 return f"{where}: " + explain_mismatch(self.engine, checksums)
             return f"{where}; its leader, rank {replica.leader}, names the tensors"
 
-        check_logprob_diff(metrics, self.config.weight_sync.verify_max_logprob_diff, f"weight sync v{version}", explain)
+        check_logprob_diff(metrics, threshold, f"weight sync v{version}", explain)
         if recorder is not None:
             return metrics | self._routing_agreement(probe, recorder.gathered())
         return metrics

@@ -7,7 +7,7 @@ works for every engine, SGLang included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -16,7 +16,35 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.checksum import TensorChecksum, mismatched_tensors
 from megatron_rl.weights.sync import WeightSyncError
 
-__all__ = ["check_logprob_diff", "explain_mismatch", "logprob_diff", "probe_rollout", "verify_sync"]
+__all__ = [
+    "check_logprob_diff", "default_threshold", "explain_mismatch", "logprob_diff", "probe_rollout", "resolve_threshold",
+    "verify_sync",
+]
+
+# Default abort thresholds of the mean |engine - trainer| log-prob over the probe's tokens, by the dtypes compared
+# (docs/rollout.md, "Verification": measured on the tiny model, fp32 trainer vs fp32 engine ~1e-7, vs a bf16
+# engine ~1e-2; bf16 SGLang vs bf16 Megatron on GPUs is reported of the same order). A wrong or stale tensor
+# gives differences of order 0.1-1 and more.
+FP32_THRESHOLD = 1e-3  # both sides fp32: summation order only
+LOW_PRECISION_THRESHOLD = 0.1  # bf16 / fp16 on either side: rounding of every weight and activation
+
+
+def default_threshold(trainer_dtype: torch.dtype | None, engine_dtypes: Iterable[torch.dtype | None]) -> float:
+    """The abort threshold when ``rollout.weight_sync.verify_max_logprob_diff`` is null (auto): tight when trainer
+    and every engine compute in fp32 (or fp64), loose as soon as one side is 16-bit (or is unknown)."""
+    wide = (torch.float32, torch.float64)
+    dtypes = [trainer_dtype, *engine_dtypes]
+    return FP32_THRESHOLD if all(d in wide for d in dtypes) else LOW_PRECISION_THRESHOLD
+
+
+def resolve_threshold(configured: float | None, trainer_dtype: torch.dtype | None,
+                      engine_dtypes: Iterable[torch.dtype | None]) -> float:
+    """An explicit ``verify_max_logprob_diff`` is used as is; null picks ``default_threshold``."""
+    if configured is None or (isinstance(configured, str) and configured == "auto"):
+        return default_threshold(trainer_dtype, engine_dtypes)
+    if configured <= 0:
+        raise ValueError(f"rollout.weight_sync.verify_max_logprob_diff must be > 0 or null (auto), got {configured}")
+    return float(configured)
 
 
 def probe_rollout(engine: RolloutEngine, probe_prompts: DataProto) -> DataProto:
@@ -46,7 +74,9 @@ def check_logprob_diff(metrics: Mapping[str, float], threshold: float, what: str
     if metrics["rollout/logprob_diff_mean"] > threshold:
         raise WeightSyncError(
             f"rollout and trainer disagree after {what}: mean |logprob diff| "
-            f"{metrics['rollout/logprob_diff_mean']:.3g} > {threshold:g} (max {metrics['rollout/logprob_diff_max']:.3g}); "
+            f"{metrics['rollout/logprob_diff_mean']:.3g} > {threshold:g} "
+            f"(max {metrics['rollout/logprob_diff_max']:.3g}; "
+            "threshold: rollout.weight_sync.verify_max_logprob_diff, null picks it by dtype); "
             + explain()
         )
 
@@ -56,18 +86,22 @@ def verify_sync(
     engine: RolloutEngine,
     probe_prompts: DataProto,
     *,
-    threshold: float,
+    threshold: float | None,
     source_checksums: Mapping[str, TensorChecksum] | None = None,
+    trainer_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Generate greedily for ``probe_prompts`` (left-padded prompts, kept fixed across steps), score the
     result with ``trainer_log_prob_fn`` (DataProto -> [B, R], at meta_info temperature, here 1.0) and
     compare with the engine's ``rollout_log_probs``. Returns ``rollout/logprob_diff_mean|max`` over valid
-    response tokens; raises WeightSyncError when the mean exceeds ``threshold``. (One engine in this process;
+    response tokens (and ``rollout/logprob_diff_threshold``); raises WeightSyncError when the mean exceeds
+    ``threshold`` (None: ``default_threshold(trainer_dtype, [engine.dtype])``). (One engine in this process;
     ``weights.replica.RolloutReplica`` verifies every replica of a mesh.)
     """
     probe_batch = probe_rollout(engine, probe_prompts)
     with torch.no_grad():
         metrics = logprob_diff(probe_batch, trainer_log_prob_fn(probe_batch))
+    threshold = resolve_threshold(threshold, trainer_dtype, [getattr(engine, "dtype", None)])
+    metrics["rollout/logprob_diff_threshold"] = threshold
     check_logprob_diff(metrics, threshold, f"weight sync v{engine.weight_version}",
                        lambda: explain_mismatch(engine, source_checksums))
     return metrics

@@ -127,7 +127,8 @@ class ActorRolloutRefWorker(Worker):
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
                               member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda")),
                               probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
-                              record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None)
+                              record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None,
+                              trainer_dtype=self.actor.engine.params_dtype)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.ROLLOUT_COMPUTE_PROTO)

@@ -271,3 +271,58 @@ def test_the_engine_adopts_a_sealed_bucket_once_and_copies_everything_else():
     (wrong,) = _sealed_buckets([("model.not_a_weight", torch.zeros(3))], 1)
     with pytest.raises(Exception, match="'model.not_a_weight' is not a parameter"):
         third.load_weight_bucket(wrong)
+
+
+# ---------------------------------------------------------------------- the threshold by dtype (issue 32, item 7)
+PEAKED = {"initializer_range": 0.2}  # logits as peaked as a trained LM's (greedy log-prob ~ -2.2, not -log(96))
+
+
+def test_null_threshold_passes_a_bf16_engine_that_the_old_default_failed():
+    """fp32 trainer vs bf16 engine: the rounding alone gives a mean |diff| ~1.2e-2 on this model, above the old
+    default 1e-2 (which failed every SGLang config that did not copy a preset's 0.1). The default (null) picks by
+    dtype: 0.1 here, reported as a metric at every verified sync; an explicit value is still honoured."""
+    config = tiny_qwen2_config(**PEAKED)
+    source = source_model(seed=4, config=config)
+    assert WeightSyncConfig().verify_max_logprob_diff is None
+    replica = _replica(make_engine(config=config, dtype="bfloat16"), WeightSyncConfig(),
+                       probe_prompts=prompt_batch([4, 6, 5, 7]), trainer_log_prob_fn=trainer_log_probs(source),
+                       trainer_dtype=torch.float32)
+    metrics = replica.sync(lambda _plan: source.state_dict().items(), version=0)
+    assert 1e-2 < metrics["rollout/logprob_diff_mean"] < 0.05, metrics
+    assert metrics["rollout/logprob_diff_threshold"] == 0.1
+    explicit = _replica(make_engine(config=config, dtype="bfloat16"), WeightSyncConfig(verify_max_logprob_diff=1e-2),
+                        probe_prompts=prompt_batch([4, 6, 5, 7]), trainer_log_prob_fn=trainer_log_probs(source),
+                        trainer_dtype=torch.float32)
+    with pytest.raises(WeightSyncError, match="> 0.01 "):
+        explicit.sync(lambda _plan: source.state_dict().items(), version=0)
+
+
+def test_null_threshold_is_tight_for_fp32_on_both_sides():
+    config = tiny_qwen2_config(**PEAKED)
+    source = source_model(seed=4, config=config)
+    replica = _replica(make_engine(config=config), WeightSyncConfig(), probe_prompts=prompt_batch([4, 6, 5, 7]),
+                       trainer_log_prob_fn=trainer_log_probs(source), trainer_dtype=torch.float32)
+    metrics = replica.sync(lambda _plan: source.state_dict().items(), version=0)
+    assert metrics["rollout/logprob_diff_threshold"] == 1e-3 and metrics["rollout/logprob_diff_mean"] < 1e-5
+    # an unknown trainer dtype counts as low precision: never tighter than what is known
+    assert _replica(make_engine(config=config), WeightSyncConfig(), probe_prompts=prompt_batch([4]),
+                    trainer_log_prob_fn=trainer_log_probs(source)).sync(
+        lambda _plan: source.state_dict().items(), version=0)["rollout/logprob_diff_threshold"] == 0.1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_null_threshold_still_fails_a_real_weight_mismatch_naming_the_tensor(dtype):
+    config = tiny_qwen2_config(**PEAKED)
+    engine, source = make_engine(config=config, dtype=dtype), source_model(seed=4, config=config)
+    stats = sync_weights(source.state_dict().items(), engine, version=1, compute_checksums=True)
+    probe = prompt_batch([4, 6, 5, 7])
+    ok = verify_sync(trainer_log_probs(source), engine, probe, threshold=None, source_checksums=stats.checksums,
+                     trainer_dtype=torch.float32)
+    assert ok["rollout/logprob_diff_threshold"] == (1e-3 if dtype == "float32" else 0.1)
+    with torch.no_grad():  # one tensor the engine serves is not what was sent
+        weight = engine.model.model.layers[1].mlp.down_proj.weight
+        weight.copy_(torch.randn_like(weight) * 0.2)
+    with pytest.raises(WeightSyncError, match=r"checksums differ for 1 tensors, first: "
+                                              r"\['model.layers.1.mlp.down_proj.weight'\]"):
+        verify_sync(trainer_log_probs(source), engine, probe, threshold=None, source_checksums=stats.checksums,
+                    trainer_dtype=torch.float32)
