@@ -28,7 +28,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, results, args, kwargs):
+def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, results, args, kwargs,
+            pg_timeout_s: float = 120.0):
     import torch.distributed as dist
 
     from megatron_rl.distributed.process_group import init_distributed
@@ -44,7 +45,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, r
     # Own process group, so the parent can kill helpers this rank starts (e.g. checkpoint writers).
     os.setpgid(0, 0)
     try:
-        init_distributed(timeout=timedelta(seconds=120))
+        init_distributed(timeout=timedelta(seconds=pg_timeout_s))
         # Plain pickle (by value): torch's queue pickler would share tensor memory through file
         # descriptors that die with this process.
         results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
@@ -72,12 +73,14 @@ def run_multiprocess(
     *args: Any,
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
+    pg_timeout_s: float = 120.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank.
 
     ``fn`` must be importable (a module-level function) and its result picklable. The default
-    process group is initialised before ``fn`` runs and destroyed after.
+    process group is initialised before ``fn`` runs and destroyed after; its collectives time out after
+    ``pg_timeout_s`` (tests of waits longer than a collective's timeout make it short).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -85,7 +88,7 @@ def run_multiprocess(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, threads_per_rank, results, args, kwargs),
+            args=(fn, rank, world_size, port, threads_per_rank, results, args, kwargs, pg_timeout_s),
             daemon=False,
         )
         for rank in range(world_size)

@@ -47,3 +47,27 @@ def test_only_the_collecting_ranks_results_are_exchanged():
     assert all(r["rank"] == [4] * 32 + [6] * 32 for r in reports)
     senders = [rank for rank, r in enumerate(reports) if r["sent"] > 100]
     assert senders == [4, 6]  # 2 shards (= the batch once) travel, not 8
+
+
+def _slow_leader_call() -> str:
+    import time
+
+    from megatron_rl.controller import Dispatch, Execute, Worker, register
+    from megatron_rl.controller.local_group import LocalWorkerGroup
+
+    class SlowLeader(Worker):
+        @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)  # rank 0 alone runs it
+        def generate(self, seconds: float) -> str:
+            time.sleep(seconds)  # the leaders generate; the other ranks have no share of the call
+            return f"generated on rank {self.rank}"
+
+    group = LocalWorkerGroup(SlowLeader(), "slow")
+    return group.generate(8.0)
+
+
+def test_ranks_wait_for_a_long_generation_longer_than_the_collective_timeout():
+    """Issue 32, item 3: under torchrun every rank runs the driver; while rank 0 generates (8 s here, an hour on
+    a cluster) the others wait for the exchange. They must wait on a long-timeout gloo group, not in the
+    exchange's collective, whose timeout (3 s here, NCCL's 10 minutes on a cluster) would end the job."""
+    results = run_multiprocess(_slow_leader_call, 2, timeout_s=120, pg_timeout_s=3)
+    assert results == ["generated on rank 0"] * 2
