@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "RankPlace", "bind_device", "rank_place", "visible_gpus"]
+__all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "RankPlace", "bind_device", "rank_place",
+           "release_cached_memory", "visible_gpus"]
 
 GPU_ID_ENV = "MEGATRON_RL_GPU_ID"
 NODE_ID_ENV = "MEGATRON_RL_NODE_ID"
@@ -75,3 +76,13 @@ def bind_device(place: RankPlace) -> None:
     os.environ[DEVICE_INDEX_ENV] = str(place.device_index)
     if torch.cuda.is_available():
         torch.cuda.set_device(place.device_index)
+
+
+def release_cached_memory() -> None:
+    """Give the memory this process's caching allocator holds reserved but unused back to the device, once the
+    work queued on it is done (what training freed stays reserved until then). Every rank whose GPU a colocated
+    rollout engine spans calls this before the engine allocates its KV cache and CUDA graphs there. Without
+    CUDA there is nothing to synchronise and ``empty_cache`` does nothing (CPU stand-ins may model it)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    torch.cuda.empty_cache()

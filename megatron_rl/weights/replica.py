@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.distributed.device import release_cached_memory
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
@@ -68,6 +69,13 @@ class _PayloadGroup:
         dist.gather_object(payload, received, dst=self.replica.leader, group=self.group)
         return [received[i] for i in self._order] if is_leader else None
 
+    def memory_released(self) -> None:
+        """End of a sync, on every rank of the replica: this rank gives its cached training memory back to its
+        GPU, then waits for the others, so the leader resumes the engine's KV cache and CUDA graphs only once
+        every GPU the engine spans has room for them."""
+        release_cached_memory()
+        dist.barrier(group=self.group)
+
 
 class _LeaderSink:
     """The leader's side of a multi-rank engine: its own payload plus the members', then one engine load."""
@@ -85,6 +93,7 @@ class _LeaderSink:
         self.engine.load_payloads(self.payloads.gather(serialize_bucket(bucket), is_leader=True))
 
     def end_weight_update(self) -> None:
+        self.payloads.memory_released()
         self.engine.end_weight_update()
 
     def abort_weight_update(self, reason: str) -> None:
@@ -108,7 +117,7 @@ class _MemberSink:
         self.payloads.gather(serialize_bucket(bucket), is_leader=False)
 
     def end_weight_update(self) -> None:
-        pass
+        self.payloads.memory_released()  # before the leader resumes the KV cache on this rank's GPU too
 
     def abort_weight_update(self, reason: str) -> None:
         pass

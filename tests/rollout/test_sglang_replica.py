@@ -137,3 +137,42 @@ def test_engines_started_together_by_ranks_seeded_alike_get_distinct_ports(sglan
     tiny_qwen2_config().save_pretrained(tmp_path / "model")
     ports = run_multiprocess(_engine_port, 2, str(tmp_path / "model"), timeout_s=300)
     assert len(set(ports)) == 2
+
+
+def _training_cache_on_every_gpu(model_dir: str) -> dict:
+    from sglang._stand_in import devices
+
+    torch.set_num_threads(1)
+    replica = _replica(model_dir, 2, verify_freq=0)
+    report: dict = {"leader": replica.is_leader}
+    try:
+        replica.sync(lambda _plan: source_model(5).state_dict().items(), version=0)
+        replica.release()  # a training phase starts: the engine gives its memory back ...
+        devices.hold_trainer_cache(64 << 20)  # ... and training leaves memory cached on every rank's GPU
+        dist.barrier()
+        source = source_model(6)
+        try:
+            replica.sync(lambda _plan: source.state_dict().items(), version=1)
+            if replica.is_leader:
+                report["bad"] = _exact(replica.engine, source)
+                report["version"] = replica.generate(prompt_batch([3, 4])).meta_info["weight_version"]
+        except Exception as exc:  # noqa: BLE001 - the leader's error is the assertion
+            report["error"] = str(exc)
+        report["still_held"] = devices.trainer_cache_on(devices.stand_in_root(), devices.node_name(),
+                                                         devices.current_physical_gpu())
+        return report
+    finally:
+        dist.barrier()
+        replica.shutdown()
+
+
+def test_every_rank_gives_its_cached_memory_back_before_the_kv_cache_resumes(sglang_stand_in, tmp_path):
+    """Issue 32, item 1: training leaves memory reserved in every rank's caching allocator; the engine's KV
+    cache and CUDA graphs resume on every GPU it spans, so the member must empty its cache too, and before the
+    leader resumes (the stand-in's scheduler runs out of memory otherwise)."""
+    tiny_qwen2_config().save_pretrained(tmp_path / "model")
+    leader, member = run_multiprocess(_training_cache_on_every_gpu, 2, str(tmp_path / "model"), timeout_s=300)
+    assert "error" not in leader, leader["error"]
+    assert leader["bad"] == [] and leader["version"] == 1
+    assert leader["still_held"] == {} and member["still_held"] == {}
+

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from megatron_rl.distributed.device import release_cached_memory
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
@@ -170,8 +171,7 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = self._session_version
         self._needs_sync = None
         if self.released:  # KV cache and CUDA graphs last, into the memory the trainer just gave back
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_cached_memory()  # this rank's; the replica's other ranks gave theirs back before (replica.py)
             self._resume(sorted(self.released))
 
     def abort_weight_update(self, reason: str) -> None:
