@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.distributed.device import release_cached_memory
+from megatron_rl.distributed.host_group import new_host_group, wait_for_all
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
@@ -162,7 +163,11 @@ class RolloutReplica:
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         payloads = self._payload_group() if config.mode == "colocated" else None
+        host = new_host_group()
         self.engine = build_engine(self.replica) if self.is_leader else None
+        # A cold engine build (CUDA graphs, JIT) can take longer than a collective's timeout: the other ranks
+        # wait for it here, not in the first sync's export collectives.
+        wait_for_all(host, "the leaders build their rollout engines")
         if payloads is None:  # one rank per engine, or server mode: the leader sends everything itself
             self.sink = self.engine
         elif self.is_leader:

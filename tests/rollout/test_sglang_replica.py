@@ -176,3 +176,28 @@ def test_every_rank_gives_its_cached_memory_back_before_the_kv_cache_resumes(sgl
     assert leader["bad"] == [] and leader["version"] == 1
     assert leader["still_held"] == {} and member["still_held"] == {}
 
+
+def _slow_engine_build(model_dir: str) -> dict:
+    rank = dist.get_rank()
+    if rank == 0:
+        os.environ["SGLANG_STAND_IN_BUILD_DELAY_S"] = "8"  # the leader's cold build outlasts the 3 s timeout
+    replica = _replica(model_dir, 2, verify_freq=0)
+    os.environ.pop("SGLANG_STAND_IN_BUILD_DELAY_S", None)
+    try:
+        def export(_plan):
+            dist.all_reduce(torch.ones(1))  # the actor's export starts with collectives (Megatron's TP gathers)
+            return source_model(5).state_dict().items()
+
+        replica.sync(export, version=0)
+        return {"leader": replica.is_leader, "version": replica.version}
+    finally:
+        replica.shutdown()
+
+
+def test_members_wait_for_a_slow_engine_build_on_a_long_timeout_group(sglang_stand_in, tmp_path):
+    """Issue 32, item 5: the leader builds its engine (here 8 s) while the members would start the first sync's
+    collectives, whose timeout (here 3 s, 10 minutes on a cluster) ends the job; they wait on a gloo group with
+    a long timeout until every engine exists."""
+    tiny_qwen2_config().save_pretrained(tmp_path / "model")
+    reports = run_multiprocess(_slow_engine_build, 2, str(tmp_path / "model"), timeout_s=300, pg_timeout_s=3)
+    assert [r["version"] for r in reports] == [0, 0]

@@ -11,7 +11,8 @@ Environment: SGLANG_STAND_IN_ROOT (required: GPU registry + logs), SGLANG_STAND_
 SGLANG_STAND_IN_GPUS_PER_NODE (default 8), CUDA_VISIBLE_DEVICES, MEGATRON_RL_DEVICE_INDEX (current device
 index, default 0), SGLANG_MEMORY_SAVER_CUDA_GRAPH, SGLANG_STAND_IN_COPY_DELAY_S (default 0.075),
 SGLANG_STAND_IN_TIMEOUT_S (scheduler answers and collectives, default 60), SGLANG_STAND_IN_START_TIMEOUT_S
-(default 180), SGLANG_STAND_IN_CRASH_RANK (test hook).
+(default 180), SGLANG_STAND_IN_CRASH_RANK (test hook), SGLANG_STAND_IN_BUILD_DELAY_S (test hook: Engine() takes
+that long before its schedulers start, as a cold build does).
 
 Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - every serialized payload carries a ProducerTag (node, physical GPU, pid); a flattened_bucket payload is

@@ -118,6 +118,7 @@ class Engine:
             gpus.append(visible[index])
         self._gpus = gpus
         self._install_sigterm_handler()
+        time.sleep(_env_float("SGLANG_STAND_IN_BUILD_DELAY_S", 0.0))  # test hook: a cold build (CUDA graphs, JIT)
         if args["nccl_port"] is None:
             from sglang.srt.utils.network import get_free_port_below_ephemeral
 
