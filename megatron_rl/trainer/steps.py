@@ -171,9 +171,20 @@ def fill_with_informative_groups(run: Run, batch: DataProto, step: int, meta: di
 
 
 # ---------------------------------------------------------------------- learning
+def release_rollout(run: Run) -> None:
+    """Colocated engines give their memory back before any training-phase compute, whichever role computes first:
+    in bypass mode without a reference the critic's values come before any actor call (which also releases).
+    Servers keep theirs (their devices are not the trainer's); a worker group without the call (a test's fake)
+    has no engine to release."""
+    release = getattr(run.actor_rollout, "release_rollout", None)
+    if release is not None and run.cfg.actor_rollout_ref.rollout.mode == "colocated":
+        release()
+
+
 def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
     """The forward passes before the advantage: old log-probs (or the rollout's, in bypass mode) with the
     rollout correction's weights, the reference's log-probs when KL is used, the critic's values."""
+    release_rollout(run)
     correction = RolloutCorrection.from_config(run.cfg.algorithm.get("rollout_correction"))
     if correction.bypass_mode:  # verl's bypass mode: the rollout's log-probs are the old policy's
         batch.require("rollout_log_probs", where="algorithm.rollout_correction.bypass_mode")

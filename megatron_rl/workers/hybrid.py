@@ -205,6 +205,13 @@ class ActorRolloutRefWorker(Worker):
         self.rollout.release()
         return self.actor.update_actor(data)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def release_rollout(self) -> None:
+        """The step's training phase starts (trainer/steps.py ``log_probs``, before whichever role computes
+        first): the colocated engine gives its memory back. The compute calls above release too, but the critic
+        (another worker in these processes) can come first: bypass mode without a reference."""
+        self.rollout.release()
+
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
