@@ -272,3 +272,24 @@ def kv_cache_bytes_per_token(model: HFModelConfig, rollout_tp: int) -> float:
     """K and V of every layer for one token on one engine rank; KV heads replicate when TP > KV heads."""
     kv_heads_per_rank = -(-model.num_key_value_heads // rollout_tp)
     return 2 * model.num_layers * kv_heads_per_rank * model.head_dim * BF16
+
+
+def checkpoint_save_host_bytes(params: int, params_dtype: str, distributed_optimizer: bool, optimizer_shards: int,
+                               sharding_type: str) -> float:
+    """Host RAM one rank holds for the Adam state while a checkpoint is saved (workers/checkpoint.py).
+
+    ``params`` is the rank's model-parallel share (its TP x PP slice). The optimizer state is fp32 master
+    weights, m and v (12 bytes a parameter; 8 in fp32 training). With the distributed optimizer,
+    megatron-core 0.16.1's ``fully_reshardable`` all-gathers the whole DP group's state into every rank's
+    host RAM (``get_parameter_state_dp_zero(return_on_all_ranks=True)``); ``fully_sharded_model_space``
+    (what saves use now) holds only the rank's own shard, 1/``optimizer_shards`` of it. Without the
+    distributed optimizer every rank already holds the full state and nothing is gathered.
+    """
+    if params_dtype in ("fp32", "float32"):
+        per_param = 2 * FP32
+    else:
+        per_param = 3 * FP32
+    full = params * per_param
+    if distributed_optimizer and sharding_type != "fully_reshardable":
+        return full / optimizer_shards
+    return full

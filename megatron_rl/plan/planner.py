@@ -417,6 +417,33 @@ def check_launch(cfg: DictConfig) -> None:
         raise PlanError(problem)
 
 
+def checkpoint_host_ram(cfg: DictConfig) -> str:
+    """Host RAM per rank for the Adam state while a trained role's checkpoint is saved (issue 32): now
+    (``fully_sharded_model_space``) and what the ``fully_reshardable`` gather of older saves took."""
+    from megatron_rl.workers.checkpoint import LEGACY_OPTIMIZER_SHARDING_TYPE, OPTIMIZER_SHARDING_TYPE
+
+    sizes = validate(cfg)
+    model = load_model_facts(cfg)
+    lines = []
+    for role in ("actor",) + (("critic",) if sizes.uses_critic else ()):
+        prefix = ROLE_PREFIX[role]
+        mcfg = OmegaConf.select(cfg, prefix).megatron
+        critic_model = model
+        if role == "critic" and not OmegaConf.is_missing(cfg.critic.model, "path"):
+            critic_model = load_model_facts(cfg, "critic.model")
+        role_model = model if role == "actor" else critic_model
+        layout = _layout(cfg, prefix, sizes.world_size)
+        params = max(memory.stage_params(role_model, layout, s, lm_head=role == "actor") for s in ("first", "last"))
+        dtype = _params_dtype(cfg, mcfg)
+        dist_opt = bool(mcfg.use_distributed_optimizer)
+        now, old = (memory.checkpoint_save_host_bytes(params, dtype, dist_opt, layout.dp * layout.cp, kind)
+                    for kind in (OPTIMIZER_SHARDING_TYPE, LEGACY_OPTIMIZER_SHARDING_TYPE))
+        lines.append(f"checkpoint save, host RAM per rank for the {role}'s Adam state: {_gib(now)} GiB "
+                     f"({OPTIMIZER_SHARDING_TYPE if dist_opt else 'no distributed optimizer'}; the "
+                     f"{LEGACY_OPTIMIZER_SHARDING_TYPE} gather of older saves: {_gib(old)} GiB)")
+    return "\n".join(lines)
+
+
 def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
     """Print the plan (what ``--dry-run`` shows) and return it; raises PlanError when it cannot run.
 
@@ -429,6 +456,7 @@ def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
     from megatron_rl.plan.traffic import plan_sync_traffic  # issue 16: the weight-sync traffic model
 
     print(plan_sync_traffic(cfg, plan))
+    print(checkpoint_host_ram(cfg))
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         print(f"note: a start from this environment is refused: {problem}")

@@ -33,8 +33,14 @@ logger = logging.getLogger(__name__)
 
 METADATA_FILE = "megatron_rl_checkpoint.json"
 FORMAT_VERSION = 1
-# The reshardable layout of Megatron's distributed optimizer state (plain optimizers ignore it).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The layout of Megatron's distributed optimizer state in a checkpoint (plain optimizers ignore it).
+# ``fully_sharded_model_space`` (megatron-core's default) writes each rank's own shard of the Adam state
+# keyed by model-space offsets: no gather, and reshardable across TP/PP/DP. ``fully_reshardable``
+# (what checkpoints before it used) all-gathers the whole DP optimizer state into every rank's host
+# RAM at save (``get_parameter_state_dp_zero(return_on_all_ranks=True)``); such checkpoints record no
+# type and are loaded with it.
+OPTIMIZER_SHARDING_TYPE = "fully_sharded_model_space"
+LEGACY_OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
 
 
 def _layout() -> dict[str, int]:
@@ -83,7 +89,9 @@ def _rng_sharded_object() -> ShardedObject:
     )
 
 
-def _sharded_state(engine: MegatronEngine, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+def _sharded_state(
+    engine: MegatronEngine, with_optimizer: bool, is_loading: bool, sharding_type: str = OPTIMIZER_SHARDING_TYPE
+) -> dict[str, Any]:
     from megatron_rl.models.layout import unwrap
 
     state: dict[str, Any] = {
@@ -91,7 +99,7 @@ def _sharded_state(engine: MegatronEngine, with_optimizer: bool, is_loading: boo
     }
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
+            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type}
         )
         state["scheduler"] = engine.scheduler.state_dict()
     return state
@@ -129,6 +137,7 @@ def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, A
             "role": engine.name,
             "layout": _layout(),
             "has_optimizer": engine.trainable,
+            "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
             "value_head": engine.value_head,
             "params_dtype": str(engine.params_dtype).removeprefix("torch."),
         }
@@ -186,7 +195,8 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
             metadata["layout"],
             _layout(),
         )
-    state = _sharded_state(engine, with_optimizer, is_loading=True)
+    sharding_type = metadata.get("optimizer_sharding_type", LEGACY_OPTIMIZER_SHARDING_TYPE)
+    state = _sharded_state(engine, with_optimizer, is_loading=True, sharding_type=sharding_type)
     state["extra"] = {}
     if same_layout:
         state["rng"] = _rng_sharded_object()
