@@ -99,6 +99,8 @@ class _LeaderSink:
 
     def abort_weight_update(self, reason: str) -> None:
         self.engine.abort_weight_update(reason)
+        # members that sent every bucket wait at the end-of-sync meeting: join it, so they are not left there
+        self.payloads.memory_released()
 
 
 class _MemberSink:
