@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_rl.workers.checkpoint_safety import check_checkpoint_metadata
 from megatron_rl.workers.disk_space import checked_save
 from megatron_rl.workers.engine import MegatronEngine
 
@@ -200,6 +201,7 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     state["extra"] = {}
     if same_layout:
         state["rng"] = _rng_sharded_object()
+    check_checkpoint_metadata(path)  # torch unpickles .metadata with plain pickle: refuse one that runs code
     loaded = dist_checkpointing.load(state, str(path))
 
     for index, chunk in enumerate(engine.model):
