@@ -3,17 +3,13 @@ refused, naming the file and the global, before anything runs (issue 33)."""
 
 from __future__ import annotations
 
-import glob
 import os
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.workers.checkpoint_safety import UnsafeCheckpointError, check_checkpoint_metadata
-
-FIXTURE_GLOB = "/tmp/pytest-of-*/*/*/global_step_*/actor/.metadata"
 
 
 class _RunsCode:
@@ -68,15 +64,38 @@ def test_load_checkpoint_refuses_before_megatron_reads(tmp_path, monkeypatch):
     assert not read and not marker.exists()
 
 
-def test_real_metadata_passes(tmp_path):
-    real = sorted(glob.glob(FIXTURE_GLOB))
-    if not real:
-        pytest.skip("no saved checkpoint under /tmp/pytest-of-*; test_workers_roles -k checkpoint covers real loads")
-    for path in real[:5]:
-        copy = tmp_path / str(abs(hash(path)))
-        copy.mkdir()
-        shutil.copy(path, copy / ".metadata")
-        check_checkpoint_metadata(copy)
+def _dcp_checkpoint(path: Path, obj) -> None:
+    """A real torch_dist checkpoint as megatron-core writes one: tensors, and an object stored as bytes."""
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"weight": torch.arange(6.0).view(2, 3), "rng_state": obj,
+              "numpy": {"state": np.random.get_state()}}, checkpoint_id=str(path), no_dist=True)
+
+
+def test_a_real_checkpoint_passes(tmp_path):
+    import random
+
+    _dcp_checkpoint(tmp_path / "actor", {"python": random.getstate(), "torch": __import__("torch").get_rng_state()})
+    check_checkpoint_metadata(tmp_path / "actor")
+
+
+def test_a_planted_stored_object_runs_code_in_torch_but_is_refused_here(tmp_path):
+    """The objects a checkpoint stores (RNG states, _extra_state) are read by torch with weights_only=False."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint, marker = tmp_path / "actor", tmp_path / "marker"
+    _dcp_checkpoint(checkpoint, _RunsCode(marker))
+    state = {"weight": __import__("torch").zeros(2, 3), "rng_state": None, "numpy": {"state": None}}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)  # the hole: loading it runs the command
+    assert marker.exists()
+    marker.unlink()
+
+    with pytest.raises(UnsafeCheckpointError, match=r"__0_0\.distcp: the stored object 'rng_state' asks for "
+                                                    r"\['(posix|os)\.system'\]"):
+        check_checkpoint_metadata(checkpoint)
+    assert not marker.exists()
 
 
 def test_a_truncated_metadata_is_named(tmp_path):
