@@ -147,7 +147,7 @@ def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.fl
     hf = load_hf_config(config_dir)
     chunks = build_gpt_model(hf, params_dtype=dtype, init_weights=False, value_head=hf.sequence_classifier)
     weights = _weights_dir(mcore_dir)
-    from megatron_rl.workers.checkpoint_safety import check_checkpoint_metadata
+    from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
 
     check_checkpoint_metadata(weights)  # refuse a .metadata pickle that would run code (issue 33)
     if weights == mcore_dir:  # a trainer checkpoint: the model under "model0" beside optimizer and scheduler state

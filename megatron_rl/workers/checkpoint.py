@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_rl.workers.checkpoint_safety import check_checkpoint_metadata
+from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
 from megatron_rl.workers.disk_space import checked_save
 from megatron_rl.workers.engine import MegatronEngine
 

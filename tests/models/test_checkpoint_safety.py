@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.workers.checkpoint_safety import UnsafeCheckpointError, check_checkpoint_metadata
+from megatron_rl.models.checkpoint_safety import UnsafeCheckpointError, check_checkpoint_metadata
 
 
 class _RunsCode:
