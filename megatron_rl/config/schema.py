@@ -20,6 +20,7 @@ class Truncation(enum.StrEnum):
     error = "error"
     left = "left"
     right = "right"
+    middle = "middle"  # verl's: the first half and the last half of the budget
 
 
 class MalformedRowPolicy(enum.StrEnum):

@@ -27,7 +27,7 @@ __all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 MALFORMED_ROW_MODES = ("skip", "error")
 _MAX_REPORTED_PROBLEMS = 5
 
@@ -51,8 +51,8 @@ class RLDataset(Dataset):
     ``data_source``, ``reward_model``, ``extra_info``, ``index``.
 
     Overlong prompts are dropped when ``filter_overlong_prompts`` (the count is logged once); otherwise
-    ``truncation`` decides: ``error`` (raise, naming the row), ``left`` (keep the last tokens) or ``right``
-    (keep the first tokens). Malformed rows are skipped and reported together (``on_malformed_row="skip"``)
+    ``truncation`` decides: ``error`` (raise, naming the row), ``left`` (keep the last tokens), ``right``
+    (keep the first tokens) or ``middle`` (verl's: keep both ends). Malformed rows are skipped and reported together (``on_malformed_row="skip"``)
     or raise :class:`MalformedRowError` (``"error"``).
     """
 
@@ -146,10 +146,13 @@ class RLDataset(Dataset):
             return ids[-limit:]
         if self.truncation == "right":
             return ids[:limit]
+        if self.truncation == "middle":  # verl's: keep both ends (the instruction and the generation prompt)
+            head = limit // 2
+            return ids[:head] + ids[len(ids) - (limit - head):]
         raise ValueError(
             f"{location}: prompt is {len(ids)} tokens, longer than data.max_prompt_length={limit} "
             f"(data.truncation=error); set data.filter_overlong_prompts=true to drop such prompts "
-            f"or data.truncation=left|right to cut them"
+            f"or data.truncation=left|right|middle to cut them"
         )
 
     def _make_prompt(self, row: SourceRow, ids: list[int], index: int) -> _Prompt:

@@ -97,14 +97,12 @@ def test_rollout_corr_helper_returns_weights_in_a_data_proto_like_verl():
 
 def test_verl_top_level_custom_reward_function_and_middle_truncation():
     """Issue 33: verl's top-level custom_reward_function.path/name were not translated (refused as unknown keys by
-    the schema) and data.truncation=middle was refused by the enum without saying what does the same here."""
-    import pytest
-
+    the schema) and data.truncation=middle was refused; middle is verl's own mode now and passes as is."""
     from megatron_rl.compat.verl.trainer.main_ppo import translate
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config import load_config
 
     assert translate(["custom_reward_function.path=/x/score.py", "custom_reward_function.name=my_score",
-                      "data.truncation=left"]) == ["reward.custom_reward_function.path=/x/score.py",
-                                                   "reward.custom_reward_function.name=my_score", "data.truncation=left"]
-    with pytest.raises(ConfigError, match=r"data.truncation=middle: .*data.truncation=left .*filter_overlong_prompts"):
-        translate(["data.truncation=middle"])
+                      "data.truncation=middle"]) == ["reward.custom_reward_function.path=/x/score.py",
+                                                     "reward.custom_reward_function.name=my_score",
+                                                     "data.truncation=middle"]
+    assert load_config(overrides=["data.truncation=middle"]).data.truncation == "middle"

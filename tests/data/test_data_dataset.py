@@ -47,13 +47,14 @@ def test_overlong_prompts_are_filtered_and_counted(tokenizer, tmp_path, caplog):
     assert "dropped 2 of 4 prompts longer than data.max_prompt_length" in caplog.text
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
 def test_truncation_keeps_the_chosen_end(tokenizer, tmp_path, side):
     path = write_jsonl(tmp_path / "d.jsonl", [user_row("copy: " + "1234567890" * 3)])
     full = prompt_ids(tokenizer, "copy: " + "1234567890" * 3)
-    ds = RLDataset(path, tokenizer, max_prompt_length=10, filter_overlong_prompts=False, truncation=side)
+    ds = RLDataset(path, tokenizer, max_prompt_length=11, filter_overlong_prompts=False, truncation=side)
     kept = ds[0]["input_ids"].tolist()
-    assert kept == (full[-10:] if side == "left" else full[:10])
+    # verl's middle: the first max_prompt_length // 2 tokens and the last max_prompt_length - that
+    assert kept == {"left": full[-11:], "right": full[:11], "middle": full[:5] + full[-6:]}[side]
     assert ds[0]["attention_mask"].all() and ds.num_overlong == 1
 
 
@@ -125,7 +126,7 @@ def test_no_usable_rows_is_an_error_with_counts(tokenizer, tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"truncation": "middle"}, "data.truncation='middle' is unknown"),
+        ({"truncation": "center"}, "data.truncation='center' is unknown"),
         ({"on_malformed_row": "ignore"}, "data.on_malformed_row='ignore' is unknown"),
         ({"max_prompt_length": 0}, "data.max_prompt_length must be a positive integer"),
     ],

@@ -84,7 +84,7 @@ def test_choice_fields_are_typed_and_errors_list_the_options():
                  "KNOWN_TRUNCATIONS", "KNOWN_MALFORMED_ROW_POLICIES"):
         assert not hasattr(validate_module, name), f"{name} duplicates the schema"
     assert schema.choices_of(schema.TrainerConfig, "launcher") == ["ray", "torchrun"]
-    assert schema.choices_of(schema.DataConfig, "truncation") == ["error", "left", "right"]
+    assert schema.choices_of(schema.DataConfig, "truncation") == ["error", "left", "right", "middle"]
     with pytest.raises(ConfigError, match=r"trainer.launcher.*'slurm'.*\['ray', 'torchrun'\]"):
         validate(cfg_with("trainer.launcher=slurm"))
     with pytest.raises(ConfigError, match=r"actor.optim.lr_scheduler.*'linear'.*\['constant', 'cosine'\]"):

@@ -15,8 +15,7 @@ names):
   ``trainer.critic_warmup=0`` (no warm-up is what megatron-rl does);
   ``custom_reward_function.path|name`` (verl's top level) -> ``reward.custom_reward_function.path|name``.
 - refused with the reason: ``rollout.name=vllm`` (no vLLM adapter: sglang on GPUs, hf on CPU), the values of
-  the keys above that megatron-rl cannot honour (use_fused_kernels=False, critic_warmup>0), ``data.truncation=middle``
-  (one end only here: left, right, or filter_overlong_prompts), and any key
+  the keys above that megatron-rl cannot honour (use_fused_kernels=False, critic_warmup>0), and any key
   megatron-rl's schema does not have (Hydra's struct check names it).
 """
 
@@ -64,20 +63,10 @@ def _rollout_name(value: str) -> str | None:
     return f"actor_rollout_ref.rollout.name={v}"
 
 
-def _truncation(value: str) -> str | None:
-    v = value.strip().strip("'\"")
-    if v == "middle":
-        raise ConfigError("data.truncation=middle: megatron-rl cuts an overlong prompt at one end only; set "
-                          "data.truncation=left (keep the last data.max_prompt_length tokens) or right (the first), "
-                          "or data.filter_overlong_prompts=true to drop such prompts")
-    return f"data.truncation={v}"
-
-
 VERL_KEYS: dict[str, Callable[[str], str | None]] = {
     # verl keeps the custom scorer at the top level; megatron-rl under reward (with reward_manager and the rest)
     "custom_reward_function.path": lambda value: f"reward.custom_reward_function.path={value}",
     "custom_reward_function.name": lambda value: f"reward.custom_reward_function.name={value}",
-    "data.truncation": _truncation,
     "actor_rollout_ref.rollout.mode": _rollout_mode,
     "actor_rollout_ref.rollout.name": _rollout_name,
     "data.return_raw_chat": lambda value: None,
