@@ -35,6 +35,17 @@ def trainer_config(config: PPOTrainerConfig, role: str) -> PPOTrainerConfig:
     return config
 
 
+def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
+    """A colocated ``sglang.Engine`` sets NCCL variables in its leader's process only: every rank sets the
+    same ones first (``SGLANG_CONTRACT["agreed_env_vars"]``), before any communicator exists, so later
+    communicators are created alike on leaders and members (docs/rollout.md)."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name == "sglang" and rollout.mode == "colocated":
+        from megatron_rl.rollout.sglang.contract import set_agreed_process_env
+
+        set_agreed_process_env()
+
+
 def setup_parallel_state(megatron_cfg: Any) -> None:
     """Initialise torch.distributed (from the launcher's environment) and Megatron's parallel state once
     per process; colocated roles share it, so a second call must ask for the same layout."""
@@ -65,6 +76,7 @@ class ActorRolloutRefWorker(Worker):
     def __init__(self, config: PPOTrainerConfig) -> None:
         super().__init__()
         self.config = trainer_config(config, type(self).__name__)
+        agree_with_the_rollout_engine(self.config)  # before any communicator: torchrun's group is lazy
         self.actor = self.ref = self.rollout = None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -249,6 +261,7 @@ class CriticWorker(Worker):
     def __init__(self, config: PPOTrainerConfig) -> None:
         super().__init__()
         self.config = trainer_config(config, type(self).__name__)
+        agree_with_the_rollout_engine(self.config)  # before any communicator: torchrun's group is lazy
         self.critic = None
 
     @register(Dispatch.ONE_TO_ALL)

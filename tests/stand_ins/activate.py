@@ -8,6 +8,7 @@ test picks the stand-in up by accident).
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -42,6 +43,9 @@ def sglang_stand_in(root: Path, gpus_per_node: int = 4, **env: str) -> Iterator[
     """The stand-in as ``sglang``: its GPU registry under ``root``, ``gpus_per_node`` GPUs per node."""
     saved_env = {k: os.environ.get(k) for k in (*ENV_KEYS, *env)}
     saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+    # Engine() writes variables and the start method into its caller (as 0.5.23 does): none of it outlives the block
+    whole_env = dict(os.environ)
+    start_method = multiprocessing.get_start_method(allow_none=True)
     sharing = torch.multiprocessing.get_sharing_strategy()
     for key in ENV_KEYS:
         os.environ.pop(key, None)
@@ -67,3 +71,7 @@ def sglang_stand_in(root: Path, gpus_per_node: int = 4, **env: str) -> Iterator[
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        for key in [k for k in os.environ if k not in whole_env]:
+            del os.environ[key]
+        os.environ.update(whole_env)
+        multiprocessing.set_start_method(start_method, force=True)

@@ -27,6 +27,7 @@ __all__ = [
     "check_result",
     "checked",
     "import_sglang",
+    "set_agreed_process_env",
 ]
 
 SGLANG_PIN = "0.5.23"
@@ -68,6 +69,18 @@ SGLANG_CONTRACT: dict[str, Any] = {
         # without it, released CUDA-graph memory stays allocated (srt/model_executor/runner_backend/*)
         "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
     },
+    # sglang.Engine() rewrites its caller's process (srt/entrypoints/engine.py _set_envs_and_config). These it
+    # leaves alone when already set, and NCCL reads them when a communicator is created: every rank sets them
+    # (set_agreed_process_env) before any communicator exists, so leader and members create theirs alike.
+    "agreed_env_vars": {
+        "NCCL_CUMEM_ENABLE": "0",
+        "NCCL_NVLS_ENABLE": "0",
+    },
+    # ... everything else it writes (CUDA_DEVICE_MAX_CONNECTIONS=8, TRTLLM_ENABLE_PDL, CUTE_DSL_*,
+    # NCCL_GRAPH_MIXING_SUPPORT, ...; mp.set_start_method("spawn", force=True); a SIGQUIT handler that kills
+    # the process tree; its SIGTERM handler) is put back after the engine starts (engine_transport.py), except
+    # SGLANG_* variables (SGLANG_RUN_ID), which are the engine's own.
+    "kept_env_prefixes": ("SGLANG_",),
     # srt/arg_groups/choices.py LOAD_FORMAT_CHOICES: the engine starts with random weights; ours arrive by sync
     "load_formats": ("dummy",),
     # srt/entrypoints/http_server.py: route -> (request struct in srt/managers/io_struct.py, fields we send)
@@ -145,6 +158,14 @@ class SGLangUnavailableError(ImportError):
 
 class SGLangServerError(RuntimeError):
     """An SGLang server refused a request or could not be reached; names the URL, route and SGLang's message."""
+
+
+def set_agreed_process_env() -> dict[str, str]:
+    """Set, where the launcher did not, the variables every rank must agree on (``agreed_env_vars``); call on
+    every rank of a colocated SGLang run before its first communicator. Returns them as now set."""
+    import os
+
+    return {name: os.environ.setdefault(name, value) for name, value in SGLANG_CONTRACT["agreed_env_vars"].items()}
 
 
 def import_sglang(module: str, name: str) -> Any:

@@ -7,8 +7,12 @@ the leader's process must see (Ray: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES,
 What SGLang 0.5.23 demands of its host process, and how this class meets it:
 - the Engine drives its own event loop: every call must come from the thread that built it (checked here
   with a clear error instead of SGLang's);
-- it installs its own SIGTERM handler (log and ignore): the trainer's stop-and-checkpoint handler is put back
-  right after the Engine is built;
+- it installs its own SIGTERM handler (log and ignore) and a SIGQUIT handler that kills the process tree,
+  forces ``mp.set_start_method("spawn")`` and writes NCCL/CUDA variables into ``os.environ``
+  (``_set_envs_and_config``): the environment, start method and both handlers are snapshot before the Engine
+  is built and put back after (``_engine_leaves_no_trace``), except the variables every rank agrees on
+  (contract ``agreed_env_vars``, set on every rank before any communicator: ``set_agreed_process_env``) and
+  SGLang's own ``SGLANG_*``, so the leader creates later communicators with the members' settings;
 - without ``nccl_port`` it draws a port with the global ``random`` module, so ranks seeded alike collide:
   each engine gets an explicit port (``port_base + 2 * replica``, the next free one if taken), checked free;
 - released CUDA-graph memory is kept unless SGLANG_MEMORY_SAVER_CUDA_GRAPH=true when the engine starts;
@@ -20,6 +24,7 @@ What SGLang 0.5.23 demands of its host process, and how this class meets it:
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import socket
@@ -27,7 +32,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_rl.rollout.sglang.contract import SGLANG_CONTRACT, check_result, checked, import_sglang
+from megatron_rl.rollout.sglang.contract import (
+    SGLANG_CONTRACT,
+    check_result,
+    checked,
+    import_sglang,
+    set_agreed_process_env,
+)
 
 __all__ = ["InProcessTransport", "pick_free_port"]
 
@@ -68,6 +79,32 @@ def _without_launcher_store() -> Iterator[None]:
             os.environ[AGENT_STORE_ENV] = saved
 
 
+def _kept(name: str) -> bool:
+    return name in SGLANG_CONTRACT["agreed_env_vars"] or name.startswith(SGLANG_CONTRACT["kept_env_prefixes"])
+
+
+@contextlib.contextmanager
+def _engine_leaves_no_trace() -> Iterator[None]:
+    """Put back what ``sglang.Engine()`` changes in its caller (see the module docstring)."""
+    env = dict(os.environ)
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)} if main else {}
+    try:
+        yield
+    finally:
+        for name in [n for n in os.environ if n not in env and not _kept(n)]:
+            del os.environ[name]
+        for name, value in env.items():
+            if not _kept(name) and os.environ.get(name) != value:
+                os.environ[name] = value
+        if multiprocessing.get_start_method(allow_none=True) != start_method:
+            multiprocessing.set_start_method(start_method, force=True)
+        for sig, handler in handlers.items():
+            if handler is not None:  # None: installed outside Python, cannot be put back
+                signal.signal(sig, handler)
+
+
 class InProcessTransport:
     colocated = True
     #: the engine copies from our buffers after its calls return (CUDA IPC, asynchronous device copies)
@@ -83,13 +120,9 @@ class InProcessTransport:
         self.nccl_port = args["nccl_port"]
         self._owner = threading.current_thread()
         engine_cls = import_sglang("sglang", "Engine")
-        handler = signal.getsignal(signal.SIGTERM) if self._owner is threading.main_thread() else None
-        try:
-            with _without_launcher_store():
-                self._engine = engine_cls(**checked("server_args", None, args))
-        finally:
-            if handler is not None:  # SGLang replaced it with one that ignores SIGTERM
-                signal.signal(signal.SIGTERM, handler)
+        set_agreed_process_env()  # a no-op where the worker set them at init, as it must on every rank
+        with _engine_leaves_no_trace(), _without_launcher_store():
+            self._engine = engine_cls(**checked("server_args", None, args))
         self.version = str(import_sglang("sglang", "__version__"))
         self.tp_size = int(args["tp_size"])
 

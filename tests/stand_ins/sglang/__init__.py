@@ -45,6 +45,9 @@ Faithful to 0.5.23 (and therefore unforgiving the same way):
 - resume of a tag that is not released kills the engine (every later call: "engine is dead: ...");
   resumed weights are NaN until loaded; cuda_graph memory is freed only with
   SGLANG_MEMORY_SAVER_CUDA_GRAPH=true set at build time;
+- Engine() writes 0.5.23's ``_set_envs_and_config`` variables into the caller's environment (NCCL_CUMEM_ENABLE
+  and NCCL_NVLS_ENABLE = 0 unless set, CUDA_DEVICE_MAX_CONNECTIONS=8, TRTLLM_ENABLE_PDL, CUTE_DSL_*,
+  SGLANG_RUN_ID) and forces ``multiprocessing.set_start_method("spawn")`` in the caller;
 - Engine() (main thread) replaces the caller's SIGQUIT handler (kill the process tree, 0.5.23's launch
   phase handler) and SIGTERM handler (log and ignore; 0.5.23's source does this on non-zero node ranks, the
   stand-in always does it: stricter);
@@ -67,8 +70,7 @@ Different from SGLang (by necessity):
 - the GPU registry and port choice are simulated on one machine (nodes are names, GPUs are numbers);
 - extra inspection methods ``stand_in_*`` exist on Engine; test hook: SGLANG_STAND_IN_CRASH_RANK=<r> makes
   scheduler r exit (code 3) during start;
-- not emulated: 0.5.23's ``mp.set_start_method("spawn", force=True)`` in the caller (it would change the
-  start method of the whole test session), ZMQ/IPC ports, the tokenizer manager, streaming.
+- not emulated: ulimit, ZMQ/IPC ports, the tokenizer manager, streaming.
 """
 
 __version__ = "0.5.23"

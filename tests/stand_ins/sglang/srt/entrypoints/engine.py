@@ -58,6 +58,23 @@ def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+def _set_envs_and_config() -> None:
+    """What 0.5.23's ``_set_envs_and_config`` (srt/entrypoints/engine.py) does to the caller's process, with
+    the defaults we run it with (no symm-mem, no NVLS, one node, no DCP, no metrics, no gc threshold); the
+    handlers are installed by ``_install_sigterm_handler``."""
+    if "NCCL_CUMEM_ENABLE" not in os.environ:
+        os.environ["NCCL_CUMEM_ENABLE"] = "0"
+    if "NCCL_NVLS_ENABLE" not in os.environ:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+    if os.environ.get("TRTLLM_ENABLE_PDL", "1") != "0":
+        os.environ["TRTLLM_ENABLE_PDL"] = "1"
+    os.environ.setdefault("CUTE_DSL_LOG_LEVEL", "30")
+    os.environ.setdefault("CUTE_DSL_LOG_TO_CONSOLE", "1")
+    os.environ["SGLANG_RUN_ID"] = f"sglang-run-{time.time()}-{uuid.uuid4().int % 100000000}"
+    multiprocessing.set_start_method("spawn", force=True)
+
+
 class EngineDead(RuntimeError):
     pass
 
@@ -117,6 +134,7 @@ class Engine:
                 )
             gpus.append(visible[index])
         self._gpus = gpus
+        _set_envs_and_config()
         self._install_sigterm_handler()
         time.sleep(_env_float("SGLANG_STAND_IN_BUILD_DELAY_S", 0.0))  # test hook: a cold build (CUDA graphs, JIT)
         if args["nccl_port"] is None:
