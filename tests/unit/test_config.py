@@ -62,7 +62,7 @@ def test_gae_turns_the_critic_on():
         (["reward.reward_manager=prime"], r"reward.reward_manager='prime' is unknown"),
         (["reward.reward_manager=batch"], r"needs reward.custom_reward_function.path"),
         (["reward.timeout_s=0"], r"reward.timeout_s must be > 0"),
-        (["data.truncation=middle"], r"data.truncation='middle' is unknown"),
+        (["data.truncation=center"], r"data.truncation='center' is unknown"),
         (["actor_rollout_ref.rollout.mode=server"], r"needs actor_rollout_ref.rollout.server_urls"),
         (["actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu"], r"sglang needs CUDA"),
         (["ray_init.address=10.0.0.1:6379", "ray_init.num_cpus=4"], r"unset one"),
