@@ -31,6 +31,8 @@ SCORE_KEY = "critic/score/mean"
 VAL_ACC_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
 VAL_LENGTH_KEY = f"val-aux/{DATA_SOURCE}/response_length/mean@1"
 CURVE_KEYS = (SCORE_KEY, VAL_ACC_KEY, "response_length/mean", VAL_LENGTH_KEY)
+# The model's (query, key/value) attention heads with rollout.name=vllm: head size 32 instead of 16.
+VLLM_HEADS = (2, 1)
 # The demo's layout and schedule on top of the preset (see the module docstring for the layout).
 DEMO_OVERRIDES = (
     "trainer.n_gpus_per_node=1",
@@ -48,10 +50,13 @@ DEMO_OVERRIDES = (
 
 
 def prepare_assets(out: Path, seed: int = 0, *, task: str = "copy", n_train: int = 4096, n_val: int = 64,
-                   tokenizer_kwargs: dict | None = None, max_positions: int = 64) -> tuple[Path, Path, Path]:
+                   tokenizer_kwargs: dict | None = None, max_positions: int = 64,
+                   attention_heads: tuple[int, int] = (4, 2)) -> tuple[Path, Path, Path]:
     """Task data, tokenizer and a random tiny model under `out`; returns (train, val, model_dir). The preset's
     task (copy 3-5 digits) by default, which the tests train on; the demo builds DEMO_TASK and other tests
-    other tasks (e.g. tool_multiply, whose turns need longer positions) the same way."""
+    other tasks (e.g. tool_multiply, whose turns need longer positions) the same way. ``attention_heads``:
+    (query, key/value) heads of the 64-wide model; (2, 1) gives head size 32, which vLLM's CPU attention
+    runs (it refuses the default's 16)."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -65,7 +70,8 @@ def prepare_assets(out: Path, seed: int = 0, *, task: str = "copy", n_train: int
     tokenizer = build_tiny_tokenizer(model_dir, task_texts(rows), **(tokenizer_kwargs or {}))
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        num_attention_heads=attention_heads[0], num_key_value_heads=attention_heads[1],
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -131,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     print(f"preparing the {DEMO_TASK} task, a tiny tokenizer and a random Qwen2 model under {args.out}/assets ...")
-    train, val, model_dir = prepare_assets(args.out / "assets", seed=args.seed, task=DEMO_TASK)
+    # vLLM's CPU attention runs head size 32, not the default model's 16 (docs/rollout.md, "vLLM")
+    heads = VLLM_HEADS if "actor_rollout_ref.rollout.name=vllm" in args.overrides else (4, 2)
+    train, val, model_dir = prepare_assets(args.out / "assets", seed=args.seed, task=DEMO_TASK, attention_heads=heads)
     cfg = load_config(overrides=[
         "+experiment=grpo_tiny_cpu",
         f"data.train_files=[{train}]",

@@ -1,4 +1,4 @@
-"""Build the configured rollout engine (``rollout.name``: hf | sglang)."""
+"""Build the configured rollout engine (``rollout.name``: hf | sglang | vllm)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def build_rollout_engine(
     """``config``: ``actor_rollout_ref.rollout``; ``model_path``: the actor's HF directory (config, and for
     SGLang the tokenizer); ``response_length``: data.max_response_length, used when
     ``rollout.response_length`` is unset. ``engine_kwargs`` go to the engine class (HFEngine:
-    weights_path, device; SGLang: replica_index, base_gpu_id).
+    weights_path, device; SGLang: replica_index, base_gpu_id; vLLM: max_model_len, device).
     ``override_config``: actor_rollout_ref.model.override_config, applied to the HF engine's config as
     the Megatron builder applies it (models.load_pretrained_config), and to a colocated SGLang engine's
     (its json_model_override_args); servers started elsewhere must be started with it."""
@@ -57,4 +57,14 @@ def build_rollout_engine(
             )
         extra = {"model_override": overrides} if overrides else {}
         return build_sglang_engine(config, str(model_path), **common, **extra, **engine_kwargs)
-    raise ValueError(f"rollout.name must be hf or sglang, got {config.name!r}")
+    if config.name == "vllm":
+        from megatron_rl.models.hf_config import plain_overrides
+        from megatron_rl.rollout.vllm import VLLMEngine
+
+        if config.mode == "server":
+            from megatron_rl.rollout.vllm.server import build_vllm_server_engine
+
+            return build_vllm_server_engine(config, str(model_path), **common)
+        return VLLMEngine(config, model_path, **common, model_override=plain_overrides(override_config) or None,
+                          **engine_kwargs)
+    raise ValueError(f"rollout.name must be hf, sglang or vllm, got {config.name!r}")

