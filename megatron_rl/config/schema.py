@@ -36,6 +36,7 @@ class LRScheduler(enum.StrEnum):
 class RolloutEngineName(enum.StrEnum):
     hf = "hf"
     sglang = "sglang"
+    vllm = "vllm"
 
 
 class RolloutMode(enum.StrEnum):
@@ -296,6 +297,29 @@ class SGLangConfig:
 
 
 @dataclass
+class EngineKwargsConfig:
+    """``rollout.engine_kwargs``: extra arguments for one engine, passed through after a check against that
+    engine's own argument set (vLLM: its EngineArgs fields, rollout/vllm/contract.py)."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    sglang: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM-only settings of ours (rollout.name=vllm); see docs/rollout.md, "vLLM"."""
+
+    # CPU: vLLM reads gpu_memory_utilization as a fraction of the host's RAM, so on CPU the KV cache is sized
+    # by this instead (vLLM's kv_cache_memory_bytes); GPUs use rollout.gpu_memory_utilization.
+    cpu_kv_cache_mb: int = 256
+    # CPU: OpenMP threads of each vLLM worker ("auto": vLLM's own binding; "0|1": one CPU list per TP rank, which
+    # a TP > 1 engine on a one-NUMA-node host needs; vLLM's VLLM_CPU_OMP_THREADS_BIND)
+    cpu_threads_bind: str = "auto"
+    # server mode: seconds a started vLLM server may take to answer /health
+    server_start_timeout_s: float = 300.0
+
+
+@dataclass
 class MultiTurnConfig:
     """``rollout.multi_turn``: multi-turn, tool-using rollouts through the agent loop (verl's keys; ours below
     them). docs/rollout.md, "Agent loop"."""
@@ -332,6 +356,15 @@ class RolloutConfig:
     free_cache_engine: bool = True
     seed: int = 0
     dtype: EngineDType = EngineDType.auto
+    # vLLM engine settings under verl's keys (rollout.name=vllm; docs/rollout.md, "vLLM")
+    enforce_eager: bool = True
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    load_format: str = "dummy"  # dummy: random weights until the first sync (the trainer's, verified)
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server_urls: list[str] = field(default_factory=list)  # server mode: engines on other GPUs
     # server mode, rollout.name=hf, no server_urls: the run starts this many HF-engine servers (servers/hf_server.py)
     num_servers: int = 0
