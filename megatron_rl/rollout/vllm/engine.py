@@ -21,6 +21,7 @@ vLLM has no sleep mode on CPU (its CPU worker ignores it): there ``sleep()`` kee
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -105,8 +106,12 @@ class VLLMEngine(RolloutEngine):
         self.tp_size = int(config.tensor_model_parallel_size)
         self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
                                 on_cpu=self.on_cpu, model_override=model_override)
+        # vLLM logs every scheduler and loader step at INFO, in every process it starts; a user's own setting wins
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.on_cpu and config.vllm.cpu_threads_bind != "auto":
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(config.vllm.cpu_threads_bind)  # read by the workers vLLM spawns
+        # Token ids in and out (skip_tokenizer_init): vLLM's chat-template warm-up then logs a traceback per start
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
         from vllm import LLM
 
         start = time.perf_counter()

@@ -14,6 +14,7 @@ Method names carry the ``mrl_`` prefix: vLLM refuses an extension whose names cl
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ import torch
 from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout
 
 __all__ = ["WorkerExtension"]
+
+# Every reload warns "RotaryEmbedding: Failed to load weights": rotary tables are computed, never loaded.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 def _tp_rank() -> int:
