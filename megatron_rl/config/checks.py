@@ -76,6 +76,16 @@ VERL_CORE_KEYS = {
     "actor_rollout_ref.actor.checkpoint": "a checkpoint here always holds the model, the optimizer and the rest "
     "of the run's state (verl's save_contents model, optimizer, extra), so that a resume continues exactly; the HF "
     "export is trainer.save_hf_at_end (docs/trainer.md)",
+    # verl's rollout keys for vLLM that megatron-rl keeps elsewhere (rollout/vllm/contract.py OWNED_ENGINE_ARGS)
+    "actor_rollout_ref.rollout.max_model_len": "a rollout engine's context here is data.max_prompt_length + the "
+    "response length (actor_rollout_ref.rollout.response_length, null: data.max_response_length); set those",
+    "actor_rollout_ref.rollout.disable_log_stats": "it is a vLLM engine argument: "
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_log_stats=<value> (rollout.name=vllm)",
+    "actor_rollout_ref.rollout.cudagraph_capture_sizes": "it is a vLLM engine argument: "
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.cudagraph_capture_sizes=[...] (rollout.name=vllm, with "
+    "actor_rollout_ref.rollout.enforce_eager=false)",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "weight-sync buckets: "
+    "actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
 }
 
 

@@ -5,6 +5,7 @@ the arithmetic of batch sizes lives in one place.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -104,6 +105,17 @@ def _check_async(cfg: DictConfig) -> None:
              "algorithm.rollout_correction.bypass_mode=true or actor_rollout_ref.actor.policy_loss=decoupled_ppo")
 
 
+# Engines whose rollout servers the run starts itself (rollout.mode=server, rollout.num_servers, no server_urls):
+# HF-engine servers (servers/hf_server.py) and vLLM servers (rollout/vllm/).
+STARTED_SERVER_ENGINES = ("hf", "vllm")
+
+
+def starts_servers(rollout: DictConfig) -> bool:
+    """rollout.mode=server with servers the run starts itself (not rollout.server_urls started elsewhere)."""
+    return (rollout.mode == "server" and rollout.name in STARTED_SERVER_ENGINES and rollout.num_servers >= 1
+            and not rollout.server_urls)
+
+
 def _check_server_restarts(cfg: DictConfig) -> None:
     """rollout.server_restarts > 0: only servers the run started itself (rollout.num_servers) can be restarted."""
     rollout = cfg.actor_rollout_ref.rollout
@@ -111,9 +123,10 @@ def _check_server_restarts(cfg: DictConfig) -> None:
     _require(rollout.server_restarts >= 0, f"{key} must be >= 0 (0: a dead rollout server fails the run)")
     if rollout.server_restarts == 0:
         return
-    _require(rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls,
-             f"{key} replaces HF-engine servers the run starts itself: it needs rollout.mode=server, rollout.name=hf "
-             "and rollout.num_servers >= 1 without rollout.server_urls (servers started elsewhere are not ours to restart)")
+    _require(starts_servers(rollout),
+             f"{key} replaces rollout servers the run starts itself: it needs rollout.mode=server, rollout.name="
+             f"{'|'.join(STARTED_SERVER_ENGINES)} and rollout.num_servers >= 1 without rollout.server_urls (servers "
+             "started elsewhere are not ours to restart)")
     _require(cfg.trainer.launcher == "ray", f"{key} needs trainer.launcher=ray (one driver watches the servers)")
     _require(cfg.async_training.mode == "sync" or rollout.num_servers >= 2,
              f"{key} with async_training.mode={cfg.async_training.mode} needs rollout.num_servers >= 2: a dead "
@@ -125,8 +138,7 @@ def _check_server_pool(cfg: DictConfig) -> None:
     """Under Ray the servers the run starts get their own pool (servers/ray_pool.py): it must fit in an
     embedded Ray next to the trainer's ranks (one CPU each), or the trainer's pool would wait ray_init.timeout_s."""
     rollout = cfg.actor_rollout_ref.rollout
-    started = rollout.mode == "server" and rollout.name == "hf" and rollout.num_servers >= 1 and not rollout.server_urls
-    if not started or cfg.trainer.launcher != "ray":
+    if not starts_servers(rollout) or cfg.trainer.launcher != "ray":
         return
     cpus = rollout.server_threads if rollout.server_cpus is None else rollout.server_cpus
     _require(cpus > 0, f"actor_rollout_ref.rollout.server_cpus must be > 0 (CPUs each server's bundle reserves on "
@@ -313,9 +325,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         checks.check_verl_values(cfg)
     except checks.CheckError as err:
         raise ConfigError(str(err)) from None
-    _require(rollout.mode != "server" or bool(rollout.server_urls) or (rollout.name == "hf" and rollout.num_servers >= 1),
-             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (the SGLang servers), "
-             "or rollout.name=hf with rollout.num_servers >= 1 (HF-engine servers the run starts)")
+    _require(rollout.mode != "server" or bool(rollout.server_urls) or starts_servers(rollout),
+             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (servers started "
+             f"elsewhere: SGLang or vLLM), or rollout.name={'|'.join(STARTED_SERVER_ENGINES)} with "
+             f"rollout.num_servers >= 1 (servers the run starts), got rollout.name={rollout.name}, "
+             f"num_servers={rollout.num_servers}")
     wait_s = rollout.sglang.broken_group_wait_s
     _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
                          "long a server may take to answer a weight broadcast that failed)")
@@ -325,6 +339,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _check_python_tool(cfg)
     _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
              "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
+    _check_engine_kwargs(cfg)
+    _check_vllm(cfg)
     _require(rollout.name != "sglang" or rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
              f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
              "to the Megatron model and to colocated engines, but SGLang servers started elsewhere never see it: start "
@@ -366,7 +382,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: a colocated engine cannot span two nodes")
     _require(rollout.name != "hf" or rtp == 1,
              f"actor_rollout_ref.rollout.name=hf runs one model per process: it needs "
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name=sglang for TP)")
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name=sglang or vllm for TP)")
+    if rollout.name == "vllm" and str(cfg.trainer.device) == "cpu":
+        check_vllm_cpu_threads(cfg)
 
     needs_critic = _estimator_traits(algo.adv_estimator).needs_critic
     uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else needs_critic
@@ -396,6 +414,88 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         raise ConfigError(str(err)) from None
     check_refused_at_run_time(cfg, uses_critic)
     return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
+
+
+def _check_engine_kwargs(cfg: DictConfig) -> None:
+    """rollout.engine_kwargs.<engine>: only for the engine that runs, only where it reaches the engine, and (vLLM)
+    only vLLM's own engine arguments that megatron-rl does not set itself (rollout/vllm/contract.py)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    section = OmegaConf.select(cfg, "actor_rollout_ref.rollout.engine_kwargs", default=None)
+    if section is None:
+        return
+    given = {engine: OmegaConf.to_container(section[engine], resolve=True) or {}
+             for engine in ("vllm", "sglang") if section.get(engine) is not None}
+    for engine, kwargs in given.items():
+        key = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
+        _require(isinstance(kwargs, dict), f"{key} must be a mapping of engine arguments, got {kwargs!r}")
+        _require(not kwargs or rollout.name == engine,
+                 f"{key}={kwargs} are arguments of the {engine} engine, but actor_rollout_ref.rollout.name="
+                 f"{rollout.name}: they would do nothing; drop them or set rollout.name={engine}")
+    kwargs = given.get("vllm") or {}
+    if rollout.name != "vllm" or not kwargs:
+        return
+    _require(rollout.mode != "server" or not rollout.server_urls,
+             f"actor_rollout_ref.rollout.engine_kwargs.vllm={kwargs} cannot reach vLLM servers started elsewhere "
+             "(actor_rollout_ref.rollout.server_urls): start them with those arguments and drop the key, or let the "
+             "run start its servers (rollout.num_servers)")
+    from megatron_rl.rollout.vllm.contract import check_engine_kwargs
+
+    check_engine_kwargs(kwargs, key="actor_rollout_ref.rollout.engine_kwargs.vllm")
+
+
+def _check_vllm(cfg: DictConfig) -> None:
+    """rollout.name=vllm: the engine settings vLLM would refuse when it starts, refused here naming our keys."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "vllm":
+        return
+    vllm = rollout.vllm
+    _require(isinstance(vllm.cpu_kv_cache_mb, int) and vllm.cpu_kv_cache_mb >= 1,
+             f"actor_rollout_ref.rollout.vllm.cpu_kv_cache_mb={vllm.cpu_kv_cache_mb} must be an integer >= 1 (MiB of "
+             "KV cache of a vLLM engine on CPU)")
+    _require(vllm.server_start_timeout_s > 0, "actor_rollout_ref.rollout.vllm.server_start_timeout_s="
+             f"{vllm.server_start_timeout_s} must be > 0 seconds (how long a started vLLM server may take to answer "
+             "/health)")
+    util = rollout.gpu_memory_utilization
+    _require(0 < util <= 1, f"actor_rollout_ref.rollout.gpu_memory_utilization={util} must lie in (0, 1] with "
+             "rollout.name=vllm (the fraction of GPU memory vLLM may take; on CPU rollout.vllm.cpu_kv_cache_mb "
+             "sizes the KV cache)")
+    _positive(cfg, "actor_rollout_ref.rollout.max_num_seqs", "actor_rollout_ref.rollout.max_num_batched_tokens")
+    response = rollout.response_length or cfg.data.max_response_length
+    model_len = cfg.data.max_prompt_length + response
+    _require(rollout.enable_chunked_prefill or rollout.max_num_batched_tokens >= model_len,
+             f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than the "
+             f"engine's max_model_len={model_len} (data.max_prompt_length + the response length) with "
+             "actor_rollout_ref.rollout.enable_chunked_prefill=false: vLLM could not schedule a full-length prompt "
+             "and refuses to start; raise max_num_batched_tokens or set enable_chunked_prefill=true")
+    _require(rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
+             f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
+             "to the Megatron model and to colocated engines, but vLLM servers never see it: start them with "
+             "--hf-overrides, bake the fields into config.json, or use rollout.mode=colocated")
+    bind = str(vllm.cpu_threads_bind).strip()
+    _require(bind == "auto" or all(_CPU_LIST.fullmatch(part.strip()) for part in bind.split("|")),
+             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind={bind!r} must be 'auto' or one CPU list per rollout "
+             "TP rank separated by '|', e.g. '0|1' or '0-3|4-7' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
+
+
+_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_vllm_cpu_threads(cfg: DictConfig) -> None:
+    """A vLLM engine on CPU with rollout TP > 1 runs one worker process per TP rank, each pinned by
+    rollout.vllm.cpu_threads_bind: 'auto' gives rank i the i-th NUMA node's CPUs, which a host with fewer NUMA
+    nodes than ranks does not have (vLLM fails at start), so each rank's CPUs are named."""
+    rollout = cfg.actor_rollout_ref.rollout
+    rtp, bind = rollout.tensor_model_parallel_size, str(rollout.vllm.cpu_threads_bind).strip()
+    _require(bind != "auto" or rtp == 1,
+             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind=auto with actor_rollout_ref.rollout."
+             f"tensor_model_parallel_size={rtp} on CPU (trainer.device={cfg.trainer.device}): vLLM's automatic "
+             "binding gives each TP "
+             "rank a NUMA node of its own; set one CPU list per TP rank, e.g. "
+             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind='{'|'.join(str(i) for i in range(rtp))}'")
+    lists = bind.split("|")
+    _require(bind == "auto" or len(lists) == rtp,
+             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind={bind!r} names {len(lists)} CPU list(s), but "
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}: give one per TP rank, separated by '|'")
 
 
 def _check_python_tool(cfg: DictConfig) -> None:

@@ -2,7 +2,8 @@
 
 ``validate(cfg)`` checks the config on its own; ``preflight(cfg)`` checks it against the world: the output
 directory (no silent overwrite of a finished run), the data files (exist, are files, readable, and every
-``data_source`` has a scorer), the model's ``config.json`` (readable; its heads split over TP). Each error is a
+``data_source`` has a scorer), the model's ``config.json`` (readable; its heads split over TP), the rollout
+engine (rollout.name=vllm: vLLM installed, and on CPU a head size its attention runs). Each error is a
 ``ConfigError`` naming the key, the file and the values seen, so the real start and the dry run fail alike.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ def preflight(cfg: DictConfig) -> None:
     """Every file-system check of a start; raises ConfigError on the first problem."""
     check_output_dir(cfg)
     check_loggers(cfg)
+    check_rollout_engine(cfg)
     rows = check_data(cfg)
     check_model(cfg)
     usable = check_training_prompts(cfg)
@@ -255,6 +257,52 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "
                           f"model: num_attention_heads={heads} must split over it and num_key_value_heads="
                           f"{kv_heads} must split over it or be replicated ({source})")
+
+
+# ---------------------------------------------------------------------------- the rollout engine
+def _vllm_on_cpu(cfg: DictConfig) -> bool:
+    """Whether the vLLM engines run on CPU: trainer.device=cpu, or auto on a machine without CUDA that starts its
+    own Ray (with ray_init.address the cluster's nodes decide, which this one cannot see)."""
+    device = str(cfg.trainer.device)
+    if device != "auto":
+        return device == "cpu"
+    if OmegaConf.select(cfg, "ray_init.address", default=None):
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def check_rollout_engine(cfg: DictConfig) -> None:
+    """rollout.name=vllm: the pinned vLLM is installed here, and on CPU the model's head size is one vLLM's CPU
+    attention runs (else the engine fails when it is built, after Ray and the trainer's model are up)."""
+    if str(cfg.actor_rollout_ref.rollout.name) != "vllm":
+        return
+    from megatron_rl.rollout.vllm import contract
+
+    try:
+        contract.require_vllm()
+    except contract.VLLMUnavailableError as err:
+        raise ConfigError(str(err)) from None
+    if not _vllm_on_cpu(cfg):
+        return
+    if str(cfg.trainer.device) == "auto":  # validate() checked trainer.device=cpu; auto resolved to CPU here
+        from megatron_rl.plan.validate import check_vllm_cpu_threads
+
+        check_vllm_cpu_threads(cfg)
+    raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
+    if raw is None:
+        return
+    source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
+    head_dim, heads, hidden = raw.get("head_dim"), raw.get("num_attention_heads"), raw.get("hidden_size")
+    if isinstance(head_dim, int) and head_dim >= 1:
+        sizes = f"head_dim={head_dim}"
+    elif isinstance(heads, int) and heads >= 1 and isinstance(hidden, int):
+        head_dim, sizes = hidden // heads, f"hidden_size={hidden} / num_attention_heads={heads}"
+    else:
+        return  # check_model names the broken field
+    contract.check_head_size(head_dim, on_cpu=True,
+                             model_path=f"actor_rollout_ref.model.path={source.parent} ({source}: {sizes})")
 
 
 # ---------------------------------------------------------------------------- the prompts the run trains on

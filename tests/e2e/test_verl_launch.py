@@ -39,7 +39,7 @@ def verl_line(assets, out) -> list[str]:
         "actor_rollout_ref.actor.entropy_coeff=0",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.name=hf",  # verl's line: vllm (refused by name, see below)
+        "actor_rollout_ref.rollout.name=hf",  # verl's line: vllm (taken, see below; this CPU run uses the HF engine)
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         "actor_rollout_ref.rollout.n=5",
@@ -66,8 +66,11 @@ def test_translation_drops_verl_only_keys_and_maps_the_mode():
     args = translate(["--config-path", "config", "--config-name=ppo_megatron_trainer", "data.return_raw_chat=True",
                       "actor_rollout_ref.rollout.mode=async", "trainer.critic_warmup=0", "data.seed=3"])
     assert args == ["actor_rollout_ref.rollout.mode=colocated", "data.seed=3"]
-    with pytest.raises(ConfigError, match="rollout.name=vllm: megatron-rl has no vLLM adapter"):
-        translate(["actor_rollout_ref.rollout.name=vllm"])
+    # vLLM is a rollout engine here (issue 34; it was refused: "megatron-rl has no vLLM adapter"), with verl's keys
+    assert translate(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=False",
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16"]) == [
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=False",
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16"]
     with pytest.raises(ConfigError, match="trainer.critic_warmup=5"):
         translate(["trainer.critic_warmup=5"])
     with pytest.raises(ConfigError, match="--config-name=ppo_trainer_fsdp"):
@@ -83,7 +86,8 @@ def test_verl_launch_line_runs(tiny_assets, tmp_path):
 
 
 @pytest.mark.parametrize("replace, named, code", [
-    ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=vllm", EXIT_CONFIG_ERROR),
+    ("actor_rollout_ref.model.use_fused_kernels=False", "actor_rollout_ref.model.use_fused_kernels=False",
+     EXIT_CONFIG_ERROR),
     # a key the schema lacks: Hydra's own refusal (exit 1), naming the key, before anything starts
     ("actor_rollout_ref.actor.use_torch_compile_nonexistent=True", "use_torch_compile_nonexistent", 1),
 ])
@@ -94,4 +98,19 @@ def test_a_key_megatron_rl_cannot_honour_is_refused_before_launch(tiny_assets, t
     proc = run_module(["megatron_rl.compat.verl.trainer.main_ppo", *args], timeout=300)
     assert proc.returncode == code, proc.stderr[-3000:]
     assert named in proc.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_verls_vllm_line_reaches_preflight_and_the_tiny_models_head_size_is_refused(tiny_assets, tmp_path):
+    """rollout.name=vllm is taken (issue 34) and checked before launch: on CPU the tiny model's head size 16 is
+    one vLLM's CPU attention refuses, named before Ray or an engine starts."""
+    from megatron_rl.rollout.vllm.contract import vllm_missing
+
+    if vllm_missing() is not None:
+        pytest.skip(f"vLLM: {vllm_missing()}")
+    args = [a for a in verl_line(tiny_assets, tmp_path) if not a.startswith("actor_rollout_ref.rollout.name=")]
+    proc = run_module(["megatron_rl.compat.verl.trainer.main_ppo", *args, "actor_rollout_ref.rollout.name=vllm",
+                       "trainer.device=cpu"], timeout=300)
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
+    assert "rollout.name=vllm on CPU" in proc.stderr and "head size 16" in proc.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))

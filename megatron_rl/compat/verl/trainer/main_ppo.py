@@ -13,10 +13,18 @@ names):
   ``data.return_raw_chat`` (raw prompts always travel in non_tensor_batch["raw_prompt"]);
   ``actor_rollout_ref.model.use_fused_kernels=True`` (the fused log-prob kernel is always used);
   ``trainer.critic_warmup=0`` (no warm-up is what megatron-rl does);
-  ``custom_reward_function.path|name`` (verl's top level) -> ``reward.custom_reward_function.path|name``.
-- refused with the reason: ``rollout.name=vllm`` (no vLLM adapter: sglang on GPUs, hf on CPU), the values of
-  the keys above that megatron-rl cannot honour (use_fused_kernels=False, critic_warmup>0), and any key
-  megatron-rl's schema does not have (Hydra's struct check names it).
+  ``custom_reward_function.path|name`` (verl's top level) -> ``reward.custom_reward_function.path|name``;
+  ``actor_rollout_ref.rollout.load_format=dummy_dtensor|dummy_megatron|dummy_hf`` (verl's names for "random
+  weights until the first sync") -> ``dummy``, vLLM's name for it.
+- ``actor_rollout_ref.rollout.name=vllm|sglang|hf`` as is (vLLM: docs/rollout.md), and verl's vLLM keys, which
+  megatron-rl has under the same names: ``gpu_memory_utilization``, ``enforce_eager``, ``max_num_batched_tokens``,
+  ``max_num_seqs``, ``enable_chunked_prefill``, ``enable_prefix_caching``, ``free_cache_engine``, ``load_format``.
+  ``actor_rollout_ref.rollout.engine_kwargs.vllm.<arg>=`` / ``.sglang.<arg>=`` (with or without verl's ``+``)
+  become ``++...`` (set or add: the dicts start empty), checked by validation against vLLM's engine arguments.
+- refused with the reason: the values of the keys above that megatron-rl cannot honour (use_fused_kernels=False,
+  critic_warmup>0), and any key megatron-rl's schema does not have (Hydra's struct check names it; verl's
+  ``rollout.max_model_len``, ``disable_log_stats``, ``cudagraph_capture_sizes`` and
+  ``update_weights_bucket_megabytes`` say where the same setting lives here: config/checks.py VERL_CORE_KEYS).
 """
 
 from __future__ import annotations
@@ -55,12 +63,25 @@ def _critic_warmup(value: str) -> str | None:
                       "at step 1); set it to 0 or drop it")
 
 
-def _rollout_name(value: str) -> str | None:
+# verl's load_format names for "random weights until the first weight sync" (FSDP / Megatron / HF workers)
+_VERL_DUMMY_FORMATS = ("dummy_dtensor", "dummy_megatron", "dummy_hf")
+
+
+def _load_format(value: str) -> str | None:
     v = value.strip().strip("'\"")
-    if v == "vllm":
-        raise ConfigError("actor_rollout_ref.rollout.name=vllm: megatron-rl has no vLLM adapter; use "
-                          "actor_rollout_ref.rollout.name=sglang (GPUs) or hf (CPU)")
-    return f"actor_rollout_ref.rollout.name={v}"
+    return f"actor_rollout_ref.rollout.load_format={'dummy' if v in _VERL_DUMMY_FORMATS else v}"
+
+
+# engine_kwargs.<engine> start as empty dicts: verl's `+key=value` (and a plain `key=value`) become `++key=value`,
+# which adds the key or sets it, so both spellings compose here.
+_ENGINE_KWARGS = ("actor_rollout_ref.rollout.engine_kwargs.vllm", "actor_rollout_ref.rollout.engine_kwargs.sglang")
+
+
+def _engine_kwargs_key(key: str) -> str | None:
+    bare = key.lstrip("+")
+    if key.startswith("~") or not any(bare == k or bare.startswith(k + ".") for k in _ENGINE_KWARGS):
+        return None
+    return "++" + bare
 
 
 VERL_KEYS: dict[str, Callable[[str], str | None]] = {
@@ -68,7 +89,7 @@ VERL_KEYS: dict[str, Callable[[str], str | None]] = {
     "custom_reward_function.path": lambda value: f"reward.custom_reward_function.path={value}",
     "custom_reward_function.name": lambda value: f"reward.custom_reward_function.name={value}",
     "actor_rollout_ref.rollout.mode": _rollout_mode,
-    "actor_rollout_ref.rollout.name": _rollout_name,
+    "actor_rollout_ref.rollout.load_format": _load_format,
     "data.return_raw_chat": lambda value: None,
     "actor_rollout_ref.model.use_fused_kernels": _fused,
     "trainer.critic_warmup": _critic_warmup,
@@ -94,7 +115,9 @@ def translate(argv: list[str]) -> list[str]:
         else:
             key, sep, value = arg.partition("=")
             bare = key.lstrip("+~")
-            if sep and bare in VERL_KEYS:
+            if sep and _engine_kwargs_key(key) is not None:
+                out.append(f"{_engine_kwargs_key(key)}={value}")
+            elif sep and bare in VERL_KEYS:
                 try:
                     replaced = VERL_KEYS[bare](value)
                 except ValueError as err:
