@@ -94,6 +94,9 @@ def test_engine_kwargs_that_would_do_nothing_are_refused(overrides, message):
      r"actor_rollout_ref.rollout.vllm.cpu_kv_cache_mb=0 must be an integer >= 1"),
     (("actor_rollout_ref.rollout.enable_chunked_prefill=false", "actor_rollout_ref.rollout.max_num_batched_tokens=100"),
      r"max_num_batched_tokens=100 is smaller than the engine's max_model_len=1024 .*enable_chunked_prefill=false"),
+    (("actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=2", "trainer.launcher=ray",
+      "actor_rollout_ref.rollout.servers_per_node=1", "ray_init.address=10.0.0.1:6379"),
+     r"actor_rollout_ref.rollout.servers_per_node=1 with rollout.name=vllm: .* cannot spread over nodes"),
     (("actor_rollout_ref.rollout.vllm.cpu_threads_bind=all",),
      r"actor_rollout_ref.rollout.vllm.cpu_threads_bind='all' must be 'auto' or one CPU list per rollout TP rank"),
 ])
