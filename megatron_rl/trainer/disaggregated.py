@@ -7,6 +7,10 @@ Ray: actors on their own resource pool, servers/ray_pool.py; under torchrun: chi
 launcher, servers/pool.py), and their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
 (gloo update group: the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
 die over the run and be replaced (servers/restarts.py); 0 fails the run at the first death.
+
+``rollout.name=vllm`` the same way: N vLLM OpenAI-compatible servers (servers/vllm_server.py), Ray actors on
+the ``rollout_servers`` pool or child processes, on this host (weights reach them through /dev/shm: trainer rank
+0 must run on the same host); the async loops' client is the vLLM one.
 """
 from __future__ import annotations
 
@@ -24,8 +28,10 @@ __all__ = ["build_trainer", "start_rollout_servers"]
 def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
     """Start the HF-engine servers the config asks for and point ``rollout.server_urls`` at them."""
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.mode != "server" or rollout.name != "hf" or rollout.server_urls or rollout.num_servers < 1:
+    if rollout.mode != "server" or rollout.name not in ("hf", "vllm") or rollout.server_urls or rollout.num_servers < 1:
         return None
+    if rollout.name == "vllm":
+        return _start_vllm_servers(cfg)
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
     server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
               "chunk_tokens": int(rollout.server_chunk_tokens)}
@@ -52,6 +58,26 @@ def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
     return pool
 
 
+def _start_vllm_servers(cfg: DictConfig) -> ServerPool:
+    from megatron_rl.servers.vllm_server import VLLMServerPool, ray_vllm_server_pool, vllm_server_settings
+
+    rollout = cfg.actor_rollout_ref.rollout
+    settings, num_servers = vllm_server_settings(cfg), int(rollout.num_servers)
+    if cfg.trainer.launcher == "torchrun":
+        pool: ServerPool = VLLMServerPool(settings, num_servers)
+    else:
+        from megatron_rl.controller import init_ray_from_config
+
+        init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
+        cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
+        pool = ray_vllm_server_pool()(settings, num_servers, cpus_per_server=float(cpus),
+                                      servers_per_node=rollout.servers_per_node,
+                                      start_timeout_s=float(cfg.ray_init.timeout_s))
+    with open_dict(cfg):
+        rollout.server_urls = pool.urls
+    return pool
+
+
 def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: ServerPool | None,
                   token_ids: dict[str, Any], **kwargs: Any) -> Any:
     """The loop of ``async_training.mode`` (RLTrainer, OneStepOffPolicyTrainer, FullyAsyncTrainer). ``sizes``,
@@ -67,11 +93,13 @@ def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, s
         generate = restarting.generate_sequences if restarts is not None else None
         return RLTrainer(cfg, sizes, actor_rollout, *args, generate=generate, **kwargs)
     from megatron_rl.servers.client import ServerRolloutClient
+    from megatron_rl.servers.vllm_server import VLLMServerRolloutClient
     from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 
     rollout = cfg.actor_rollout_ref.rollout
-    client = ServerRolloutClient(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
+    client_class = VLLMServerRolloutClient if rollout.name == "vllm" else ServerRolloutClient
+    client = client_class(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
                                  timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts,
                                  **token_ids)
     loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer

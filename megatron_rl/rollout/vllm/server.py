@@ -1,0 +1,397 @@
+"""vLLM OpenAI-compatible servers as the rollout engine (``rollout.name=vllm``, ``rollout.mode=server``): the
+client side, driven by ONE trainer rank (global rank 0, the only replica's leader in server mode), as with
+SGLang servers.
+
+Servers: ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1`` (the ``/pause``,
+``/resume``, ``/collective_rpc`` and ``/reset_prefix_cache`` routes exist only then), ``--skip-tokenizer-init``,
+``--logprobs-mode processed_logprobs`` and ``--worker-extension-cls`` ``SERVER_EXTENSION`` (below), started by
+the run (servers/vllm_server.py) or by the user (``rollout.server_urls``, same flags; see ``server_command``
+there).
+
+Generation: one ``/v1/completions`` request per row (token-id prompt, the row's own seed: a multi-prompt
+request shares one seed, so the n samples of a prompt would all be the same), the rows split across the
+servers in order; vLLM batches the concurrent requests. Tokens from ``return_token_ids``, log-probs from
+``logprobs.token_logprobs`` (processed: the distribution the token was drawn from, our convention).
+
+Weights: a session stages every bucket in a /dev/shm segment (``shm.py``, as the colocated engine does); at
+its end, on every server: ``/pause?mode=wait`` (nothing in flight is cut; the driver's client pauses with
+``abort`` before a partial-rollout sync), ``/collective_rpc mrl_load_weights`` (the extension's in-place
+reload, all of one update in one call), ``/collective_rpc mrl_set_weight_version``, ``/reset_prefix_cache``
+(cached KV was computed with the old weights), ``/resume``; then the segments are unlinked. Shared memory
+reaches only servers on the sender's host: a server URL on another host is refused (servers elsewhere would
+need vLLM's NCCL weight transfer, ``/init_weight_transfer_engine``, on GPUs: not implemented).
+
+The served version lives in the servers' workers (``mrl_weight_version``; -1: never synced, random
+``load_format=dummy`` weights): a sample is refused unless every server it came from holds the engine's
+version, and a replaced server serves nothing before a sync gave it the weights.
+
+Security: vLLM checks ``--api-key`` / ``VLLM_API_KEY`` (the run's secret) on ``/v1`` routes only; its dev
+routes (``/pause``, ``/collective_rpc``, ...) take no key, so servers must listen where only the run reaches
+them (the run's own servers bind 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from megatron_rl.bucket import WeightBucket
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
+from megatron_rl.rollout.sglang.contract import SGLangServerError
+from megatron_rl.rollout.sglang.server_transport import server_api_key
+from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
+from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
+
+__all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLLMServerError", "VLLMServerHTTP",
+           "build_vllm_server_engine", "completion_request", "parse_choice", "require_local_servers"]
+
+SERVER_EXTENSION = "megatron_rl.rollout.vllm.server.ServerWorkerExtension"
+NEVER_SYNCED = -1
+TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"
+
+
+class ServerWorkerExtension(WorkerExtension):
+    """The weight loader plus the served weight version, kept in every worker of a vLLM server."""
+
+    def mrl_set_weight_version(self, version: int) -> int:
+        self._mrl_weight_version = int(version)
+        return self._mrl_weight_version
+
+    def mrl_weight_version(self) -> int:
+        return int(getattr(self, "_mrl_weight_version", NEVER_SYNCED))
+
+
+class VLLMServerError(SGLangServerError):
+    """A vLLM server refused a request or could not be reached (an SGLangServerError, so the server-restart
+    machinery, servers/restarts.py, treats it as any rollout server's failure); names the URL and route."""
+
+
+class VLLMServerHTTP:
+    """One vLLM server; JSON in, JSON out. ``/v1`` requests carry the run's secret (vLLM checks it there)."""
+
+    def __init__(self, url: str, timeout_s: float | None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._auth = {"Authorization": f"Bearer {key}"} if (key := server_api_key()) else {}
+
+    def request(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **self._auth})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise VLLMServerError(f"vLLM {self.url}{route} answered {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+                raise VLLMServerError(f"vLLM server {self.url}{route} gave no answer within {self.timeout_s:g} s: "
+                                      f"raise {TIMEOUT_KEY} (null waits)") from exc
+            raise VLLMServerError(f"vLLM server {self.url}{route} unreachable: {exc}") from exc
+        return json.loads(raw) if raw else None
+
+    def rpc(self, method: str, *args: Any) -> list[str]:
+        """``/collective_rpc``: one result per worker (vLLM returns them ``str()``-ed)."""
+        out = self.request("/collective_rpc", {"method": method, "args": list(args)})
+        if not isinstance(out, dict) or "results" not in out:
+            raise VLLMServerError(f"vLLM {self.url}/collective_rpc {method} answered {out!r}")
+        return list(out["results"])
+
+    def weight_version(self) -> int:
+        """The version every worker of the server holds (-1: never synced)."""
+        try:
+            results = self.rpc("mrl_weight_version")
+        except VLLMServerError as exc:
+            if "mrl_weight_version" in str(exc) or " 400" in str(exc) or " 500" in str(exc):
+                raise VLLMServerError(
+                    f"vLLM server {self.url} has no megatron-rl worker extension ({exc}): start it with "
+                    f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {SERVER_EXTENSION} "
+                    "(servers/vllm_server.py server_command)") from exc
+            raise
+        versions = {int(r) for r in results}
+        if len(versions) != 1:
+            raise VLLMServerError(f"vLLM server {self.url}'s workers hold different weight versions {sorted(versions)}")
+        return versions.pop()
+
+    def workers(self) -> int:
+        return len(self.rpc("mrl_weight_version"))
+
+    def model_name(self) -> str:
+        models = self.request("/v1/models", method="GET")
+        return str(models["data"][0]["id"])
+
+
+# ---------------------------------------------------------------------------------------------- locality
+def _local_addresses() -> set[str]:
+    addresses = set()
+    try:
+        addresses.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        addresses.add(ray.util.get_node_ip_address())
+    return addresses
+
+
+def require_local_servers(server_urls: Sequence[str]) -> None:
+    """Weights reach vLLM servers through /dev/shm segments of the sender's host: refuse servers elsewhere."""
+    local = None
+    remote = []
+    for url in server_urls:
+        host = urllib.parse.urlparse(url).hostname or ""
+        try:
+            address = socket.gethostbyname(host)
+        except OSError:
+            remote.append(url)
+            continue
+        if ipaddress.ip_address(address).is_loopback:
+            continue
+        local = _local_addresses() if local is None else local
+        if address not in local:
+            remote.append(url)
+    if remote:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.server_urls {remote}: vLLM rollout servers must run on the host of trainer "
+            "rank 0 (the weight sender): weights reach them through /dev/shm segments of this host. Servers on "
+            "other nodes would need vLLM's NCCL weight transfer on GPUs, which megatron-rl does not implement; "
+            "run them here, or use rollout.name=sglang (update group over the network) for remote servers")
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def completion_request(model: str, prompt: list[int], *, max_tokens: int, temperature: float, top_p: float,
+                       top_k: int, stop_token_ids: Sequence[int], seed: int | None) -> dict[str, Any]:
+    """One row's ``/v1/completions`` body: token ids in and out, the sampled token's processed log-prob."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": [list(prompt)], "max_tokens": int(max_tokens),
+        "temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k) if top_k > 0 else 0,
+        "stop_token_ids": [int(t) for t in stop_token_ids],
+        "ignore_eos": True,  # our finish ids, not the checkpoint's generation config, end a response
+        "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False, "detokenize": False,
+    }
+    if seed is not None:
+        body["seed"] = int(seed)
+    return body
+
+
+def params_request(model: str, prompt: list[int], params: SamplingParams, row: int, max_tokens: int) -> dict:
+    return completion_request(model, prompt, max_tokens=max_tokens, temperature=0.0 if params.greedy else params.temperature,
+                              top_p=params.top_p, top_k=params.top_k, stop_token_ids=params.finish_token_ids,
+                              seed=None if params.seed is None else params.seed + row)
+
+
+def parse_choice(choice: dict[str, Any], url: str) -> tuple[list[int], list[float], str | None]:
+    """(token ids, their log-probs, finish reason) of one completion choice."""
+    tokens = [int(t) for t in (choice.get("token_ids") or [])]
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) < len(tokens):
+        raise RuntimeError(f"vLLM server {url} returned {len(tokens)} tokens but {len(logprobs)} log-probs "
+                           "(the request asks logprobs=0)")
+    return tokens, [float(lp) for lp in logprobs[: len(tokens)]], choice.get("finish_reason")
+
+
+def cut_at_finish(tokens: list[int], log_probs: list[float], params: SamplingParams, row: int) -> tuple[list[int], list[float]]:
+    finish = set(params.finish_token_ids)
+    for i, token in enumerate(tokens):
+        if token in finish:
+            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
+            break
+    if len(tokens) > params.max_response_length:
+        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens, more than max_tokens {params.max_response_length}")
+    return tokens, log_probs
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class VLLMServerEngine(RolloutEngine):
+    """The rollout engine of trainer rank 0 over vLLM servers: generation (sync loop, verification probes),
+    weight-update sessions and server replacement (servers/restarts.py)."""
+
+    def __init__(self, config: Any, server_urls: Sequence[str], *, response_length: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 timeout_s: float | None = 600.0, compute_device: str = "cpu") -> None:
+        length = config.response_length if config.response_length is not None else response_length
+        if length is None or int(length) < 1:
+            raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
+        if not server_urls:
+            raise ValueError("rollout.mode=server needs rollout.server_urls (the vLLM servers' http://host:port) "
+                             "or rollout.num_servers >= 1")
+        self.config = config
+        self.response_length = int(length)
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.dtype = resolve_dtype(str(config.dtype), torch.device(compute_device))
+        self.timeout_s = timeout_s
+        self.tp_size = 1  # as the trainer sees it: rank 0 sends full tensors; each server shards them itself
+        self.is_server = True
+        self.weight_version = 0
+        self._in_session = False
+        self._session_version = 0
+        self._segments: list[ShmSegment] = []
+        self._needs_sync: str | None = "the servers have not received the trainer's weights yet"
+        self.last_update_ms: float | None = None
+        self._connect(server_urls)
+
+    def _connect(self, server_urls: Sequence[str]) -> None:
+        require_local_servers(server_urls)
+        self.servers = [VLLMServerHTTP(url, self.timeout_s) for url in server_urls]
+        self._pool = getattr(self, "_pool", None) or ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-http")
+        self.server_workers = list(self._pool.map(lambda s: s.workers(), self.servers))
+        for server in self.servers:
+            server.weight_version()  # names a server started without our worker extension
+        self.models = list(self._pool.map(lambda s: s.model_name(), self.servers))
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if self._in_session:
+            raise RuntimeError("VLLMServerEngine has an open weight-update session; call end_weight_update() first")
+        if self._needs_sync is not None:
+            raise RuntimeError(f"VLLMServerEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        check_prompt_batch(prompts)
+        params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
+                                         eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        start = time.perf_counter()
+        self._check_versions()
+        token_lists = prompt_token_lists(prompts)
+        n = len(self.servers)
+        owner = [row * n // len(token_lists) for row in range(len(token_lists))]  # rows in order, one part per server
+        futures = [self._pool.submit(self.servers[owner[row]].request, "/v1/completions",
+                                     params_request(self.models[owner[row]], ids, params, row, params.max_response_length))
+                   for row, ids in enumerate(token_lists)]
+        responses, log_probs = [], []
+        for row, future in enumerate(futures):
+            tokens, lps, _ = parse_choice(future.result()["choices"][0], self.servers[owner[row]].url)
+            tokens, lps = cut_at_finish(tokens, lps, params, row)
+            responses.append(tokens)
+            log_probs.append(lps)
+        self._check_versions()  # no server was updated behind this engine's back meanwhile
+        return build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
+                                   pad_token_id=params.pad_token_id, weight_version=self.weight_version,
+                                   seconds=time.perf_counter() - start)
+
+    def _check_versions(self) -> None:
+        served = list(self._pool.map(lambda s: s.weight_version(), self.servers))
+        wrong = [(s.url, v) for s, v in zip(self.servers, served) if v != self.weight_version]
+        if wrong:
+            raise RuntimeError(f"vLLM servers {wrong} serve other weight versions than the last sync's "
+                               f"({self.weight_version}): a server missed a weight sync")
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, version: int) -> None:
+        if self._in_session:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self._in_session = True
+        self._session_version = int(version)
+
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._require_session()
+        items = [(name, t.to(self.dtype) if t.is_floating_point() else t) for name, t in named_tensors]
+        if items:
+            self._segments.append(ShmSegment(new_segment_name(f"s{self._session_version}"), items))
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        self._require_session()
+        if len(bucket):
+            self._segments.append(ShmSegment(new_segment_name(f"s{self._session_version}"), bucket.named_tensors()))
+
+    def load_payloads(self, payloads: list[dict[str, Any]]) -> None:
+        raise WeightUpdateError("vLLM servers take every bucket from trainer rank 0 (load_weight_bucket); "
+                                "per-rank payloads are for colocated engines")
+
+    def _require_session(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
+
+    def end_weight_update(self) -> None:
+        if not self._in_session:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        version, layouts = self._session_version, [segment.layout for segment in self._segments]
+        start = time.perf_counter()
+        futures = [self._pool.submit(self._update_server, server, workers, layouts, version)
+                   for server, workers in zip(self.servers, self.server_workers)]
+        failures = []
+        for server, future in zip(self.servers, futures):
+            try:
+                future.result()
+            except Exception as exc:
+                failures.append(f"{server.url}: {exc}")
+        self._release_segments()
+        self._in_session = False
+        if failures:
+            self._needs_sync = f"the update to version {version} failed on {len(failures)} server(s)"
+            raise WeightUpdateError(f"vLLM servers failed to load the weights of version {version}: " + "; ".join(failures))
+        self.last_update_ms = (time.perf_counter() - start) * 1e3
+        self.weight_version = version
+        self._needs_sync = None
+
+    @staticmethod
+    def _update_server(server: VLLMServerHTTP, workers: int, layouts: list[dict[str, Any]], version: int) -> None:
+        """Paused (in-flight requests finish first), loaded, versioned, prefix cache dropped, resumed. A failed
+        load leaves the server paused at version -1: it serves nothing until a complete update."""
+        server.request("/pause?mode=wait")
+        try:
+            server.rpc("mrl_set_weight_version", NEVER_SYNCED)
+            server.rpc("mrl_load_weights", [layouts] * workers)  # every worker maps the full tensors, shards itself
+            server.rpc("mrl_set_weight_version", version)
+            server.request("/reset_prefix_cache")  # cached prefixes hold KV computed with the old weights
+        except VLLMServerError:
+            raise
+        server.request("/resume")
+
+    def abort_weight_update(self, reason: str) -> None:
+        self._needs_sync = reason
+        self._in_session = False
+        self._release_segments()
+
+    def _release_segments(self) -> None:
+        for segment in self._segments:
+            segment.unlink()
+        self._segments = []
+
+    def replace_servers(self, server_urls: list[str]) -> list[str]:
+        """Dead servers were replaced at new URLs (servers/restarts.py); nothing is generated before a complete
+        sync. No server is ever stuck (no collective spans the servers): returns []."""
+        if len(server_urls) != len(self.servers):
+            raise ValueError(f"{len(server_urls)} server URLs to replace {len(self.servers)} servers")
+        self._connect(server_urls)
+        self._needs_sync = f"rollout servers were replaced ({list(server_urls)}) and have not received the weights yet"
+        return []
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """The servers keep their memory: their devices are not the trainer's."""
+
+    def wake_up(self) -> None:
+        """Nothing was released."""
+
+    def shutdown(self) -> None:
+        self._release_segments()
+        self._pool.shutdown(wait=False)
+
+
+def build_vllm_server_engine(config: Any, model_path: str, *, response_length: int | None = None,
+                             eos_token_id: int | Sequence[int] | None = None,
+                             pad_token_id: int | None = None) -> VLLMServerEngine:
+    """Trainer rank 0's engine over ``rollout.server_urls`` (started by the run, or by the user with
+    servers/vllm_server.py's flags). ``model_path`` is where the servers were started from."""
+    if config.mode != "server":
+        raise ValueError(f"build_vllm_server_engine is for rollout.mode=server, got {config.mode!r}")
+    return VLLMServerEngine(config, list(config.server_urls), response_length=response_length,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            timeout_s=config.sglang.request_timeout_s,
+                            compute_device="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,424 @@
+"""vLLM OpenAI-compatible rollout servers the run starts itself (``rollout.name=vllm``, ``rollout.mode=server``,
+``rollout.num_servers=N``), and the driver's generation client to vLLM servers for the async loops.
+
+A server is ``python -m vllm.entrypoints.openai.api_server`` (``server_command``) in a process group of its own
+(vLLM's engine core is a child of it: ``stop`` ends both), listening on 127.0.0.1 (its dev routes take no API
+key; the run's secret guards ``/v1`` through ``VLLM_API_KEY``, never on the command line), ready once
+``/health`` answers 200. Started as child processes (``VLLMServerPool``: torchrun, no Ray) or one per Ray actor
+on the servers' own resource pool (``ray_vllm_server_pool``: the actor starts and watches its server process;
+Ray reserves the CPUs). Both are ``ServerPool``s: ``check``/``dead``/``replace`` and servers/restarts.py work
+unchanged; a replacement holds random weights (version -1) and serves nothing before the next sync.
+
+The client (``VLLMServerRolloutClient``) is servers/client.py's with vLLM's routes: one ``/v1/completions``
+per row, the samples tagged with the weight version of the server that made them (read from the servers'
+workers, rollout/vllm/server.py). Partial rollouts: ``pause_generation`` pauses every server with
+``/pause?mode=abort`` (in-flight rows come back with their tokens so far) and aborts what reaches a server
+after its pause, until none of this client's requests is left in flight; rows wait in the client (not in the
+server) for ``continue_generation``, which reads the servers' new version, so every token is tagged with the
+version that sampled it; the rows are sent again as prompt + their tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from megatron_rl.rollout.sglang.server_transport import ensure_server_api_key
+from megatron_rl.rollout.vllm.server import (
+    SERVER_EXTENSION,
+    VLLMServerError,
+    VLLMServerHTTP,
+    completion_request,
+    parse_choice,
+)
+from megatron_rl.servers.client import ServerRolloutClient, _Replaced
+from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
+
+__all__ = ["VLLMServerActor", "VLLMServerPool", "VLLMServerRolloutClient", "VLLMServerSettings",
+           "ray_vllm_server_pool", "server_command", "start_vllm_server", "vllm_server_settings"]
+
+SERVED_NAME = "megatron-rl-policy"
+
+
+@dataclass(frozen=True)
+class VLLMServerSettings:
+    model_path: str
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int = 512
+    kv_cache_mb: int = 256
+    enforce_eager: bool = True
+    threads: int = 1
+    cpu_threads_bind: str = "auto"
+    start_timeout_s: float = 300.0
+
+
+def vllm_server_settings(cfg: Any) -> VLLMServerSettings:
+    """The servers' flags from the run's config (the same keys the colocated engine reads)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    response = rollout.response_length or cfg.data.max_response_length
+    return VLLMServerSettings(
+        model_path=str(cfg.actor_rollout_ref.model.path),
+        dtype="float32" if str(rollout.dtype) == "auto" else str(rollout.dtype), seed=int(rollout.seed),
+        max_model_len=int(cfg.data.max_prompt_length) + int(response), kv_cache_mb=int(rollout.vllm.cpu_kv_cache_mb),
+        enforce_eager=bool(rollout.enforce_eager), threads=int(rollout.server_threads),
+        cpu_threads_bind=str(rollout.vllm.cpu_threads_bind), start_timeout_s=float(rollout.vllm.server_start_timeout_s))
+
+
+def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.0.0.1", seed: int | None = None) -> list[str]:
+    """The command line of one server (start servers for ``rollout.server_urls`` the same way, with
+    ``VLLM_SERVER_DEV_MODE=1`` in their environment)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", settings.model_path,
+           "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port), "--dtype", settings.dtype,
+           "--max-model-len", str(settings.max_model_len), "--logprobs-mode", "processed_logprobs",
+           "--worker-extension-cls", SERVER_EXTENSION, "--seed", str(settings.seed if seed is None else seed),
+           "--skip-tokenizer-init", "--load-format", "dummy", "--disable-log-stats"]
+    if settings.enforce_eager:
+        cmd.append("--enforce-eager")
+    try:
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    except ImportError:
+        on_cpu = True
+    if on_cpu:  # vLLM reads gpu_memory_utilization as a fraction of all RAM on CPU: size the KV cache
+        cmd += ["--kv-cache-memory-bytes", str(settings.kv_cache_mb << 20)]
+    return cmd
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, host: str = "127.0.0.1",
+                      api_key: str | None = None, log_dir: str | None = None) -> tuple[subprocess.Popen, str, str]:
+    """Start one vLLM server on this host; returns (its process, URL, log file) once ``/health`` answers."""
+    port = _free_port(host)
+    url = f"http://{host}:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ensure_server_api_key(),
+           "OMP_NUM_THREADS": str(settings.threads)}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if settings.cpu_threads_bind != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+    log_dir = log_dir or tempfile.mkdtemp(prefix="mrl_vllm_server_")
+    log_path = os.path.join(log_dir, f"vllm_server_{port}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_command(settings, port=port, host=host, seed=seed), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + settings.start_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RolloutServerDied(f"the vLLM rollout server for {settings.model_path} exited with code "
+                                    f"{proc.returncode} before it was ready; its log ({log_path}) ends:\n{_tail(log_path)}")
+        if _healthy(url):
+            return proc, url, log_path
+        time.sleep(0.5)
+    _kill_group(proc)
+    raise RolloutServerDied(f"the vLLM rollout server for {settings.model_path} was not ready within "
+                            f"{settings.start_timeout_s:g} s (actor_rollout_ref.rollout.vllm.server_start_timeout_s); "
+                            f"its log ({log_path}) ends:\n{_tail(log_path)}")
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """End the server and its engine core (its own process group), politely first."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the engine core may outlive a SIGKILLed server for a moment
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class VLLMServerProcess:
+    index: int
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def describe(self) -> str:
+        return f"rollout server {self.index} ({self.url}, vLLM pid {self.proc.pid})"
+
+    def exit_status(self) -> str | None:
+        code = self.proc.poll()
+        return None if code is None else f"exited with code {code}"
+
+    def stop(self) -> None:
+        _kill_group(self.proc)
+
+
+class VLLMServerPool(ServerPool):
+    """``num_servers`` vLLM servers, child processes of this one (torchrun, or no Ray)."""
+
+    def __init__(self, settings: VLLMServerSettings, num_servers: int) -> None:
+        self.settings = settings
+        self.log_dir = tempfile.mkdtemp(prefix="mrl_vllm_servers_")
+        super().__init__(num_servers)
+
+    def _start_many(self, indices: Iterable[int]) -> list[VLLMServerProcess]:
+        """All at once (they load in parallel), then each waited for."""
+        indices = list(indices)
+        with ThreadPoolExecutor(max_workers=max(1, len(indices))) as pool:
+            futures = [pool.submit(start_vllm_server, self.settings, seed=self.settings.seed + i,
+                                   api_key=self.api_key, log_dir=self.log_dir) for i in indices]
+            started, error = [], None
+            for index, future in zip(indices, futures):
+                try:
+                    proc, url, log = future.result()
+                    started.append(VLLMServerProcess(index, proc, url, log))
+                except BaseException as exc:
+                    error = error or exc
+        if error is not None:
+            for server in started:
+                server.stop()
+            raise error
+        return started
+
+
+# ---------------------------------------------------------------------------------------------- on Ray
+class VLLMServerActor:
+    """A Ray actor's body: one vLLM server process on this node, started and watched by the actor (the actor's
+    CPUs are the server's reservation on the pool ``rollout_servers``)."""
+
+    def __init__(self, settings: VLLMServerSettings, seed: int, api_key: str) -> None:
+        self.proc, self.url, self.log_path = start_vllm_server(settings, seed=seed, api_key=api_key)
+
+    def address(self) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"url": self.url, "pid": self.proc.pid, "placement_group": context.get_placement_group_id(),
+                "resources": context.get_assigned_resources(), "node_id": context.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
+
+    def ping(self) -> str | None:
+        """None while the server runs; how it ended otherwise."""
+        code = self.proc.poll()
+        return None if code is None else f"exited with code {code}"
+
+    def stop(self) -> None:
+        _kill_group(self.proc)
+
+
+@functools.cache
+def ray_vllm_server_pool() -> type:
+    """``RayVLLMServerPool``: servers/ray_pool.py's pool with a vLLM server per actor (built on first use, so
+    that torchrun runs never import Ray)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from megatron_rl.servers.ray_pool import RayRolloutServerPool, ServerActor
+
+    actor_class = ray.remote(max_restarts=0, max_concurrency=2)(VLLMServerActor)
+
+    class VLLMServerActorHandle(ServerActor):
+        def describe(self) -> str:
+            return f"rollout server {self.index} ({self.url}, vLLM pid {self.pid} in a Ray actor)"
+
+        def exit_status(self) -> str | None:
+            if self._death is None:
+                try:
+                    self._death = ray.get(self.actor.ping.remote(), timeout=self.ping_timeout_s)
+                except RayActorError as exc:
+                    self._death = f"died (its Ray actor is dead: {str(exc).splitlines()[0] if str(exc) else exc})"
+                except GetTimeoutError:
+                    pass
+            return self._death
+
+        def stop(self) -> None:
+            try:
+                ray.get(self.actor.stop.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - the actor is dead already, or stuck: kill it anyway
+                pass
+            super().stop()
+
+    class RayVLLMServerPool(RayRolloutServerPool):
+        def __init__(self, settings: VLLMServerSettings, num_servers: int, *, cpus_per_server: float,
+                     servers_per_node: int | None = None, start_timeout_s: float = 600.0) -> None:
+            if servers_per_node is not None:
+                raise ValueError("actor_rollout_ref.rollout.servers_per_node: vLLM rollout servers take their weights "
+                                 "through /dev/shm of trainer rank 0's host, so they cannot spread over nodes")
+            require_servers(num_servers)
+            self.settings = settings
+            super().__init__(settings.model_path, num_servers, cpus_per_server=cpus_per_server,
+                             start_timeout_s=max(start_timeout_s, settings.start_timeout_s + 30), seed=settings.seed)
+
+        def _launch(self, slot, index):
+            options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": 0,
+                       "scheduling_strategy": slot.scheduling_strategy()}
+            return actor_class.options(**options).remote(self.settings, self.settings.seed + index, self.api_key)
+
+        def _await(self, index, actor):
+            try:
+                where = ray.get(actor.address.remote(), timeout=self.start_timeout_s)
+            except GetTimeoutError:
+                raise RolloutServerDied(f"rollout server {index} (a Ray actor on pool 'rollout_servers') was not ready "
+                                        f"within {self.start_timeout_s:g} s") from None
+            except RayActorError as exc:
+                raise RolloutServerDied(f"vLLM rollout server {index} for {self.settings.model_path} failed to start: "
+                                        f"{exc}") from None
+            return VLLMServerActorHandle(index, actor, where, self.ping_timeout_s)
+
+    return RayVLLMServerPool
+
+
+# ---------------------------------------------------------------------------------------------- the client
+class VLLMServerRolloutClient(ServerRolloutClient):
+    """servers/client.py's client over vLLM servers (see the module docstring for pauses and versions)."""
+
+    def __init__(self, config: Any, urls: Sequence[str], *, request_threads: int = 64, **kwargs: Any) -> None:
+        super().__init__(config, urls, **kwargs)
+        self._servers = [VLLMServerHTTP(url, s.timeout_s) for url, s in zip(urls, self._servers)]
+        self._models: list[str | None] = [None] * len(self._servers)
+        self._versions: list[int | None] = [None] * len(self._servers)
+        self._rows = ThreadPoolExecutor(max_workers=request_threads, thread_name_prefix="vllm-rows")
+        self._in_flight, self._epoch = 0, 0  # requests at a server; pauses so far
+        self._flight = threading.Condition()
+
+    def generate_sequences(self, prompts):
+        if self._continued.is_set():
+            self._versions = [None] * len(self._servers)  # read again: a sync may have happened since
+        return super().generate_sequences(prompts)
+
+    def pause_generation(self) -> None:
+        """Every server paused with in-flight requests aborted; returns once none of this client's requests is
+        left at a server (a request that reached a server after its pause is aborted too)."""
+        with self._flight:
+            self._continued.clear()
+            self._epoch += 1
+        try:
+            self._on_every_server("/pause?mode=abort", None)
+            deadline = time.monotonic() + 60
+            while True:
+                with self._flight:
+                    if self._in_flight:
+                        self._flight.wait(timeout=0.1)
+                    left = self._in_flight
+                if not left:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{left} rollout requests were still running 60 s after the vLLM servers "
+                                       "were paused")
+                self._on_every_server("/abort_requests", {})  # requests that reached a server after its pause
+        except BaseException:
+            self._continued.set()
+            raise
+
+    def continue_generation(self) -> None:
+        try:
+            self._on_every_server("/resume", None)
+            self._versions = [None] * len(self._servers)
+        finally:
+            self._continued.set()
+
+    def _on_every_server(self, route: str, body: dict | None) -> None:
+        for index in range(len(self._servers)):
+            try:
+                self._call(index, route, body)
+            except _Replaced:
+                pass
+
+    def _call(self, index: int, route: str, body: dict | None) -> Any:
+        server = self._servers[index]
+        try:
+            return server.request(route, body)
+        except VLLMServerError as exc:
+            if self.restarts is not None and self.restarts.handle(server.url):
+                self._servers[index] = VLLMServerHTTP(self.pool.urls[index], server.timeout_s)
+                self._versions[index], self._models[index] = None, None
+                raise _Replaced(index) from exc
+            if self.pool is not None:
+                self.pool.check()
+            raise RolloutServerDied(f"rollout server {server.url} failed {route}: {exc}") from exc
+
+    def _server_state(self, index: int) -> tuple[str, int]:
+        if self._models[index] is None:
+            self._models[index] = self._checked(index, lambda s: s.model_name())
+        if self._versions[index] is None:
+            version = self._checked(index, lambda s: s.weight_version())
+            if version < 0:
+                raise RolloutServerDied(f"rollout server {self._servers[index].url} never received the run's weights "
+                                        "(weight version -1)")
+            self._versions[index] = version
+        return self._models[index], self._versions[index]
+
+    def _checked(self, index: int, what) -> Any:
+        server = self._servers[index]
+        try:
+            return what(server)
+        except VLLMServerError as exc:
+            if self.restarts is not None and self.restarts.handle(server.url):
+                self._servers[index] = VLLMServerHTTP(self.pool.urls[index], server.timeout_s)
+                self._versions[index], self._models[index] = None, None
+                raise _Replaced(index) from exc
+            raise
+
+    def _request(self, index: int, input_ids: list, sampling: list) -> list[dict]:
+        """Every row of the part as its own completion (its own seed); SGLang-shaped results for the base
+        class, each with the version of the server it ran on. Sent only outside a pause."""
+        while True:  # counted in flight before any pause can begin, with the version read since the last one
+            self._continued.wait()
+            epoch = self._epoch
+            model, version = self._server_state(index)
+            with self._flight:
+                if self._continued.is_set() and epoch == self._epoch:
+                    self._in_flight += 1
+                    break
+        try:
+            bodies = [completion_request(model, ids, max_tokens=s["max_new_tokens"], temperature=s["temperature"],
+                                         top_p=s["top_p"], top_k=s["top_k"], stop_token_ids=s["stop_token_ids"],
+                                         seed=s.get("sampling_seed")) for ids, s in zip(input_ids, sampling)]
+            futures = [self._rows.submit(self._call, index, "/v1/completions", body) for body in bodies]
+            results = [f.result() for f in futures]
+        finally:
+            with self._flight:
+                self._in_flight -= 1
+                self._flight.notify_all()
+        outputs = []
+        for result in results:
+            tokens, lps, finish = parse_choice(result["choices"][0], self._servers[index].url)
+            outputs.append({"meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, tokens)],
+                                          "weight_version": version,
+                                          "finish_reason": {"type": "abort" if finish == "abort" else str(finish)}}})
+        return outputs
+
+    def close(self) -> None:
+        super().close()
+        self._rows.shutdown(wait=True)
