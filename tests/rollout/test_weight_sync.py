@@ -171,8 +171,8 @@ def test_build_rollout_engine_picks_the_configured_engine():
     )
     with pytest.raises(SGLangUnavailableError, match=r"pip install megatron-rl\[sglang\].*no CPU build"):
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
-    with pytest.raises(ValueError, match="rollout.name must be hf or sglang, got 'vllm'"):
-        build_rollout_engine(RolloutConfig(name="vllm"), "/model", response_length=4)
+    with pytest.raises(ValueError, match="rollout.name must be hf, sglang or vllm, got 'trtllm'"):
+        build_rollout_engine(RolloutConfig(name="trtllm"), "/model", response_length=4)
 
 
 def _sealed_buckets(pairs, per_bucket, seal=True):

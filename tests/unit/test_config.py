@@ -47,7 +47,7 @@ def test_gae_turns_the_critic_on():
         (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"], r"TP\*PP\*CP = 2\*3\*1 = 6 does not divide the world size 8"),
         (["algorithm.adv_estimator=magic"], r"adv_estimator='magic' is unknown; known: \[.*'grpo'"),
         (["actor_rollout_ref.actor.policy_loss=magic"], r"policy_loss='magic' is unknown"),
-        (["actor_rollout_ref.rollout.name=vllm"], r"rollout.name='vllm' is unknown; known: \['hf', 'sglang'\]"),
+        (["actor_rollout_ref.rollout.name=trtllm"], r"rollout.name='trtllm' is unknown; known: \['hf', 'sglang', 'vllm'\]"),
         (["actor_rollout_ref.actor.loss_agg_mode=sum"], r"loss_agg_mode='sum' is unknown"),
         (["algorithm.kl_penalty=k9"], r"kl_penalty='k9' is unknown"),
         (["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=16"], r"needs actor_rollout_ref.rollout.n > 1"),

@@ -114,6 +114,7 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "logprobs_mode": "fixed to processed_logprobs: the log-prob the token was sampled with (docs/rollout.md)",
     "worker_extension_cls": "fixed: megatron-rl's weight loader (rollout/vllm/worker_extension.py)",
     "skip_tokenizer_init": "fixed: token ids in, token ids out",
+    "distributed_executor_backend": "fixed: mp (the replica's leader starts the TP workers)",
     "hf_overrides": "actor_rollout_ref.model.override_config",
 }
 

@@ -67,6 +67,9 @@ def engine_args(
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": EXTENSION,
         "skip_tokenizer_init": True,
+        # inside a Ray actor vLLM would pick its Ray executor for TP > 1 (not supported on CPU; on GPUs it asks
+        # Ray for GPUs the trainer's actors hold): the leader starts the replica's TP workers itself
+        "distributed_executor_backend": "mp",
     }
     if on_cpu:
         # vLLM reads gpu_memory_utilization as a fraction of the host's whole RAM on CPU: size the KV cache
@@ -110,9 +113,10 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.on_cpu and config.vllm.cpu_threads_bind != "auto":
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(config.vllm.cpu_threads_bind)  # read by the workers vLLM spawns
+        from vllm import LLM
+
         # Token ids in and out (skip_tokenizer_init): vLLM's chat-template warm-up then logs a traceback per start
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
-        from vllm import LLM
 
         start = time.perf_counter()
         self.llm = LLM(**self.args)
