@@ -296,6 +296,20 @@ def ray_vllm_server_pool() -> type:
                                         f"{exc}") from None
             return VLLMServerActorHandle(index, actor, where, self.ping_timeout_s)
 
+        def close(self) -> None:
+            """The actors end with Ray, but a server runs in a session of its own (with its engine core): end
+            each group here too, Ray up or not (the run shuts Ray down before it closes the pool)."""
+            try:
+                super().close()
+            finally:
+                for server in self.servers:
+                    for sig in (signal.SIGTERM, signal.SIGKILL):
+                        try:
+                            os.killpg(int(server.pid), sig)
+                        except (ProcessLookupError, PermissionError):
+                            break
+                        time.sleep(0.5)
+
     return RayVLLMServerPool
 
 
