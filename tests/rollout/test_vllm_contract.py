@@ -1,0 +1,47 @@
+"""rollout/vllm/contract.py against the installed vLLM: the engine-argument names we check
+``engine_kwargs.vllm`` with, the worker and LLM methods we call, the CPU attention's head sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_rl.rollout.vllm import contract
+
+if contract.vllm_missing() and not os.environ.get("CI"):
+    pytest.skip(f"vLLM is not installed here ({contract.vllm_missing()}); `make install-vllm` installs it",
+                allow_module_level=True)  # CI installs it (make test): there a missing vLLM fails these tests
+
+
+def test_the_pinned_version_is_installed():
+    assert contract.vllm_missing() is None
+
+
+def test_engine_argument_names_are_vllms():
+    from vllm.engine.arg_utils import EngineArgs
+
+    installed = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert contract.ENGINE_ARG_NAMES == installed, (
+        f"missing here: {sorted(installed - contract.ENGINE_ARG_NAMES)}, "
+        f"gone from vLLM: {sorted(contract.ENGINE_ARG_NAMES - installed)}")
+    assert set(contract.OWNED_ENGINE_ARGS) <= installed
+
+
+def test_methods_we_call_exist():
+    from vllm import LLM
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert [m for m in contract.WORKER_METHODS if not hasattr(CPUWorker, m)] == []
+    assert [m for m in contract.LLM_METHODS if not hasattr(LLM, m)] == []
+    from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
+
+    ours = [m for m in vars(WorkerExtension) if not m.startswith("_")]
+    assert ours and not [m for m in ours if hasattr(CPUWorker, m)], "an extension method shadows a worker's own"
+
+
+def test_cpu_head_sizes_are_the_cpu_attentions():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == contract.CPU_HEAD_SIZES
