@@ -91,3 +91,58 @@ def test_fully_async_with_partial_rollouts_on_a_vllm_rollout_server(vllm_assets,
     assert steps[1]["actor/behav_kl"] == pytest.approx(0.0, abs=1e-4)
     assert max(steps[s]["async/staleness_max"] for s in (2, 3)) >= 1.0
     _assert_no_server_left()
+
+
+def _server_processes() -> list[int]:
+    """This run's vLLM API server processes (not their engine cores)."""
+    return [pid for pid in _servers_left() if b"vllm.entrypoints.openai.api_server" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_killed_vllm_server_is_replaced_and_the_run_finishes(vllm_assets, tmp_path):
+    """One step off on two vLLM servers (Ray actors); one server process SIGKILLed once step 1 is logged: the
+    survivor finishes the dead server's rows on the same weights, the replacement (a fresh actor, version -1)
+    joins at the next sync, every sync verified."""
+    import json
+    import signal
+    import threading
+
+    metrics, killed = tmp_path / "metrics.jsonl", []
+
+    def kill_after_step_1() -> None:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            try:
+                done = any(json.loads(line)["step"] >= 1 for line in metrics.read_text().splitlines())
+            except (OSError, ValueError, KeyError):
+                done = False
+            if done and (pids := _server_processes()):
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_step_1, daemon=True)
+    killer.start()
+    result = run(tiny_config(
+        vllm_assets, tmp_path, "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=server",
+        "actor_rollout_ref.rollout.num_servers=2", "actor_rollout_ref.rollout.server_restarts=1",
+        "async_training.mode=one_step_off", "algorithm.rollout_correction.rollout_is=token",
+    ))
+    killer.join(timeout=5)
+    assert len(killed) == 1
+    steps = train_steps(result.metrics_path)
+    assert sorted(steps) == [1, 2, 3]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["rollout/logprob_diff_max"] < 1e-4, record
+    assert steps[1]["rollout/server_restarts"] == 0.0 and steps[3]["rollout/server_restarts"] == 1.0
+    assert [steps[s]["async/weight_version_min"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
+    _assert_no_server_left()

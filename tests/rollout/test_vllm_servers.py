@@ -178,3 +178,12 @@ def test_a_killed_server_is_replaced_and_serves_after_the_next_sync(engine, pool
     out = engine.generate_sequences(prompts([[3, 4, 5, 6], [7, 8, 9]], **GREEDY))
     assert out.meta_info["weight_version"] == 20
     assert out.batch["responses"][1][out.batch["response_mask"][1].bool()].tolist() == hf_greedy(models[1], [7, 8, 9], 12)
+
+
+def test_servers_on_another_host_are_refused_by_name():
+    """Weights reach vLLM servers through this host's /dev/shm: a server elsewhere could never load them."""
+    from megatron_rl.rollout.vllm.server import VLLMServerEngine, require_local_servers
+
+    require_local_servers(["http://127.0.0.1:1", "http://localhost:2"])
+    with pytest.raises(ValueError, match=r"server_urls \['http://192.0.2.7:8000'\].*/dev/shm.*NCCL"):
+        VLLMServerEngine(rollout_config(["http://192.0.2.7:8000"]), ["http://192.0.2.7:8000"], response_length=4)
