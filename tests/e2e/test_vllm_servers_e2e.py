@@ -146,3 +146,19 @@ def test_a_killed_vllm_server_is_replaced_and_the_run_finishes(vllm_assets, tmp_
     assert steps[1]["rollout/server_restarts"] == 0.0 and steps[3]["rollout/server_restarts"] == 1.0
     assert [steps[s]["async/weight_version_min"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
     _assert_no_server_left()
+
+
+def test_synchronous_grpo_on_vllm_rollout_servers(vllm_assets, tmp_path):
+    """The synchronous loop: trainer rank 0's engine generates on two vLLM servers (one request per row, the
+    rows split in order) and syncs them; on-policy, every sync verified."""
+    result = run(tiny_config(
+        vllm_assets, tmp_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=server",
+        "actor_rollout_ref.rollout.num_servers=2",
+    ))
+    steps = train_steps(result.metrics_path)
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["rollout/logprob_diff_max"] < 1e-4, record
+        assert record["training/rollout_probs_diff_max"] < 1e-3, record  # on-policy: the trainer's own weights
+    _assert_no_server_left()

@@ -187,3 +187,16 @@ def test_servers_on_another_host_are_refused_by_name():
     require_local_servers(["http://127.0.0.1:1", "http://localhost:2"])
     with pytest.raises(ValueError, match=r"server_urls \['http://192.0.2.7:8000'\].*/dev/shm.*NCCL"):
         VLLMServerEngine(rollout_config(["http://192.0.2.7:8000"]), ["http://192.0.2.7:8000"], response_length=4)
+
+
+def test_a_failed_update_is_refused_until_a_complete_one(engine, models):
+    from megatron_rl.rollout.base import WeightUpdateError
+
+    engine.begin_weight_update(30)
+    engine.load_named_tensors([("model.layers.0.no_such.weight", torch.zeros(3))])
+    with pytest.raises(WeightUpdateError, match="version 30"):
+        engine.end_weight_update()
+    with pytest.raises(RuntimeError, match="cannot generate"):
+        engine.generate_sequences(prompts([[3, 4]]))
+    engine.update_weights(hf_weights(models[0]), version=31)  # the servers were resumed: nothing hangs
+    assert engine.generate_sequences(prompts([[3, 4], [5, 6]])).meta_info["weight_version"] == 31

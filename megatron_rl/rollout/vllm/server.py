@@ -118,7 +118,7 @@ class VLLMServerHTTP:
         try:
             results = self.rpc("mrl_weight_version")
         except VLLMServerError as exc:
-            if "mrl_weight_version" in str(exc) or " 400" in str(exc) or " 500" in str(exc):
+            if "mrl_weight_version" in str(exc) or "answered 404" in str(exc):  # no extension / no dev routes
                 raise VLLMServerError(
                     f"vLLM server {self.url} has no megatron-rl worker extension ({exc}): start it with "
                     f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {SERVER_EXTENSION} "
@@ -342,14 +342,19 @@ class VLLMServerEngine(RolloutEngine):
     @staticmethod
     def _update_server(server: VLLMServerHTTP, workers: int, layouts: list[dict[str, Any]], version: int) -> None:
         """Paused (in-flight requests finish first), loaded, versioned, prefix cache dropped, resumed. A failed
-        load leaves the server paused at version -1: it serves nothing until a complete update."""
+        load leaves the server at version -1 (resumed, so that nothing waits on it): every client refuses its
+        samples until a complete update."""
         server.request("/pause?mode=wait")
         try:
             server.rpc("mrl_set_weight_version", NEVER_SYNCED)
             server.rpc("mrl_load_weights", [layouts] * workers)  # every worker maps the full tensors, shards itself
             server.rpc("mrl_set_weight_version", version)
             server.request("/reset_prefix_cache")  # cached prefixes hold KV computed with the old weights
-        except VLLMServerError:
+        except BaseException:
+            try:
+                server.request("/resume")
+            except VLLMServerError:
+                pass  # dead: the restart machinery names it
             raise
         server.request("/resume")
 
