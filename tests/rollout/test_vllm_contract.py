@@ -4,15 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-
-import pytest
 
 from megatron_rl.rollout.vllm import contract
+from vllm_support import skip_without_vllm
 
-if contract.vllm_missing() and not os.environ.get("CI"):
-    pytest.skip(f"vLLM is not installed here ({contract.vllm_missing()}); `make install-vllm` installs it",
-                allow_module_level=True)  # CI installs it (make test): there a missing vLLM fails these tests
+skip_without_vllm()
 
 
 def test_the_pinned_version_is_installed():

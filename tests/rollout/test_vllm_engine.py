@@ -9,43 +9,22 @@ import os
 import pytest
 import torch
 
-from megatron_rl.bucket import WeightBucket
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.vllm.contract import vllm_missing
-from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+from vllm_support import EOS, MAX_LEN, PAD, as_bucket, assert_served_equal, skip_without_vllm, tiny_model
 
-if vllm_missing() and not os.environ.get("CI"):
-    pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it",
-                allow_module_level=True)  # CI installs it (make test): there a missing vLLM fails these tests
-
+skip_without_vllm()
 pytestmark = pytest.mark.slow
-
-VOCAB, MAX_LEN, EOS, PAD = 96, 256, 95, 0
 
 
 def rollout_config(**overrides) -> RolloutConfig:
     return RolloutConfig(name="vllm", temperature=0.7, seed=0, **overrides)
 
 
-def tiny_model(path, seed: int):
-    """Head size 32 (vLLM's CPU attention refuses the usual tiny 16), non-trivial norms and biases."""
-    return make_tiny_hf_checkpoint(path, "qwen2", seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2,
-                                   num_kv_heads=1, intermediate_size=128, max_position_embeddings=MAX_LEN,
-                                   with_tokenizer=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
-
-
 def hf_weights(path) -> list[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     return [(n, p.detach().clone()) for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
-
-
-def as_bucket(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
-    bucket = WeightBucket(WeightBucket.capacity_for([(tuple(t.shape), t.dtype) for _, t in named]), "cpu")
-    for name, tensor in named:
-        bucket.add(name, tensor, tensor.dtype)
-    return bucket
 
 
 def prompts(rows: list[list[int]], **meta) -> DataProto:
@@ -95,22 +74,7 @@ def test_weights_read_back_bit_equal_to_the_buckets_sent(engine, models):
     engine.load_weight_bucket(as_bucket([(n, sent[n]) for n in names[len(names) // 2 + 1:]]))
     engine.end_weight_update()
     assert engine.weight_version == 7
-    served = engine.read_weights()[0]
-    expected = {}
-    for layer in range(2):
-        pre = f"model.layers.{layer}"
-        for kind in ("weight", "bias"):
-            expected[f"{pre}.self_attn.qkv_proj.{kind}"] = torch.cat(
-                [sent[f"{pre}.self_attn.{p}_proj.{kind}"] for p in "qkv"])
-        expected[f"{pre}.mlp.gate_up_proj.weight"] = torch.cat(
-            [sent[f"{pre}.mlp.gate_proj.weight"], sent[f"{pre}.mlp.up_proj.weight"]])
-    for name, tensor in sent.items():
-        if not any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            expected[name] = tensor
-    assert set(expected) == set(served), set(expected) ^ set(served)
-    for name, tensor in expected.items():
-        got = served[name][: tensor.shape[0]]  # vLLM pads vocabulary rows to a multiple of 64
-        assert torch.equal(got, tensor), f"{name}: max diff {(got - tensor).abs().max()}"
+    assert_served_equal(engine.read_weights()[0], sent)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"mrl_vllm_{os.getpid()}_")], "segments left"
 
 

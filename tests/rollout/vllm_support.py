@@ -1,0 +1,59 @@
+"""What the vLLM tests share: a tiny checkpoint vLLM's CPU attention runs, buckets of HF-named tensors, and the
+parameters vLLM must hold after loading them (its fused and padded layout)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_rl.bucket import WeightBucket
+from megatron_rl.rollout.vllm.contract import vllm_missing
+from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+
+VOCAB, MAX_LEN, EOS, PAD = 96, 256, 95, 0
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def skip_without_vllm() -> None:
+    """Skip the calling module where vLLM is absent, except in CI (make test installs it: there it fails)."""
+    if vllm_missing() and not os.environ.get("CI"):
+        pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it",
+                    allow_module_level=True)
+
+
+def tiny_model(path, seed: int, num_kv_heads: int = 1):
+    """Head size 32 (vLLM's CPU attention refuses the usual tiny 16), non-trivial norms and biases."""
+    return make_tiny_hf_checkpoint(path, "qwen2", seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2,
+                                   num_kv_heads=num_kv_heads, intermediate_size=128, max_position_embeddings=MAX_LEN,
+                                   with_tokenizer=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
+
+
+def as_bucket(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
+    bucket = WeightBucket(WeightBucket.capacity_for([(tuple(t.shape), t.dtype) for _, t in named]), "cpu")
+    for name, tensor in named:
+        bucket.add(name, tensor, tensor.dtype)
+    return bucket
+
+
+def vllm_layout(sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors as vLLM's TP-1 model holds them: q/k/v and gate/up concatenated."""
+    out = {}
+    for name, tensor in sent.items():
+        module, _, kind = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
+        if fused is None:
+            out[name] = tensor
+        elif leaf == FUSED[fused][0]:
+            out[f"{prefix}.{fused}.{kind}"] = torch.cat([sent[f"{prefix}.{p}.{kind}"] for p in FUSED[fused]])
+    return out
+
+
+def assert_served_equal(served: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+    expected = vllm_layout(sent)
+    assert set(expected) == set(served), set(expected) ^ set(served)
+    for name, tensor in expected.items():
+        got = served[name][: tensor.shape[0]]  # vLLM pads vocabulary rows to a multiple of 64
+        assert torch.equal(got, tensor), f"{name}: max diff {(got - tensor).abs().max()}"
