@@ -64,6 +64,10 @@ def build_rollout_engine(
         if config.mode == "server":
             from megatron_rl.rollout.vllm.server import build_vllm_server_engine
 
+            if override_config:
+                raise ValueError("actor_rollout_ref.model.override_config cannot reach vLLM servers: bake the fields "
+                                 "into config.json or use rollout.mode=colocated")
+
             return build_vllm_server_engine(config, str(model_path), **common)
         return VLLMEngine(config, model_path, **common, model_override=plain_overrides(override_config) or None,
                           **engine_kwargs)

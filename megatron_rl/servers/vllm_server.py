@@ -21,6 +21,7 @@ version that sampled it; the rows are sent again as prompt + their tokens.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import socket
@@ -53,48 +54,80 @@ SERVED_NAME = "megatron-rl-policy"
 
 @dataclass(frozen=True)
 class VLLMServerSettings:
-    model_path: str
-    dtype: str = "float32"
-    seed: int = 0
-    max_model_len: int = 512
-    kv_cache_mb: int = 256
-    enforce_eager: bool = True
+    """What every started server runs: ``engine_args`` are vLLM engine arguments built by the colocated engine's
+    own ``engine_args`` (rollout/vllm/engine.py), so each rollout key means the same in both modes."""
+
+    engine_args: tuple[tuple[str, Any], ...]
     threads: int = 1
     cpu_threads_bind: str = "auto"
     start_timeout_s: float = 300.0
 
+    @property
+    def model_path(self) -> str:
+        return str(dict(self.engine_args)["model"])
+
+    @property
+    def seed(self) -> int:
+        """The first server's seed; server i runs with seed + i."""
+        return int(dict(self.engine_args)["seed"])
+
+    @classmethod
+    def from_rollout(cls, rollout: Any, model_path: str, *, max_model_len: int, model_override: Any = None,
+                     start_timeout_s: float | None = None) -> "VLLMServerSettings":
+        """Servers of ``rollout`` (the rollout config) serving ``model_path``."""
+        import torch
+
+        from megatron_rl.rollout.hf_engine import resolve_dtype
+        from megatron_rl.rollout.vllm.engine import engine_args
+
+        on_cpu = not torch.cuda.is_available()
+        args = engine_args(rollout, model_path, max_model_len=max_model_len, on_cpu=on_cpu,
+                           dtype=resolve_dtype(str(rollout.dtype), torch.device("cpu" if on_cpu else "cuda")),
+                           model_override=model_override)
+        args.pop("enable_sleep_mode", None)  # a server keeps its memory: its devices are not the trainer's
+        args.update(worker_extension_cls=SERVER_EXTENSION, disable_log_stats=True)
+        return cls(engine_args=tuple(args.items()), threads=int(rollout.server_threads),
+                   cpu_threads_bind=str(rollout.vllm.cpu_threads_bind),
+                   start_timeout_s=float(rollout.vllm.server_start_timeout_s if start_timeout_s is None
+                                         else start_timeout_s))
+
 
 def vllm_server_settings(cfg: Any) -> VLLMServerSettings:
-    """The servers' flags from the run's config (the same keys the colocated engine reads)."""
+    """The servers' settings from the run's config (the same keys the colocated engine reads)."""
+    from megatron_rl.models.hf_config import plain_overrides
+
     rollout = cfg.actor_rollout_ref.rollout
     response = rollout.response_length or cfg.data.max_response_length
-    return VLLMServerSettings(
-        model_path=str(cfg.actor_rollout_ref.model.path),
-        dtype="float32" if str(rollout.dtype) == "auto" else str(rollout.dtype), seed=int(rollout.seed),
-        max_model_len=int(cfg.data.max_prompt_length) + int(response), kv_cache_mb=int(rollout.vllm.cpu_kv_cache_mb),
-        enforce_eager=bool(rollout.enforce_eager), threads=int(rollout.server_threads),
-        cpu_threads_bind=str(rollout.vllm.cpu_threads_bind), start_timeout_s=float(rollout.vllm.server_start_timeout_s))
+    return VLLMServerSettings.from_rollout(rollout, str(cfg.actor_rollout_ref.model.path),
+                                           max_model_len=int(cfg.data.max_prompt_length) + int(response),
+                                           model_override=plain_overrides(cfg.actor_rollout_ref.model.override_config) or None)
+
+
+def cli_flags(engine_args: dict[str, Any]) -> list[str]:
+    """Engine arguments as the server's command-line flags (vLLM derives its flags from the same fields:
+    booleans are ``--x`` / ``--no-x``, dicts JSON)."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.0.0.1", seed: int | None = None) -> list[str]:
     """The command line of one server (start servers for ``rollout.server_urls`` the same way, with
     ``VLLM_SERVER_DEV_MODE=1`` in their environment)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", settings.model_path,
-           "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port), "--dtype", settings.dtype,
-           "--max-model-len", str(settings.max_model_len), "--logprobs-mode", "processed_logprobs",
-           "--worker-extension-cls", SERVER_EXTENSION, "--seed", str(settings.seed if seed is None else seed),
-           "--skip-tokenizer-init", "--load-format", "dummy", "--disable-log-stats"]
-    if settings.enforce_eager:
-        cmd.append("--enforce-eager")
-    try:
-        import torch
-
-        on_cpu = not torch.cuda.is_available()
-    except ImportError:
-        on_cpu = True
-    if on_cpu:  # vLLM reads gpu_memory_utilization as a fraction of all RAM on CPU: size the KV cache
-        cmd += ["--kv-cache-memory-bytes", str(settings.kv_cache_mb << 20)]
-    return cmd
+    args = dict(settings.engine_args)
+    if seed is not None:
+        args["seed"] = seed
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", SERVED_NAME,
+            "--host", host, "--port", str(port), *cli_flags(args)]
 
 
 def _free_port(host: str) -> int:

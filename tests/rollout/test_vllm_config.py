@@ -175,3 +175,18 @@ def test_a_valid_vllm_config_is_accepted(tmp_path, vllm_installed):
     from megatron_rl.trainer.preflight import check_rollout_engine
 
     check_rollout_engine(start_cfg(tmp_path, _model(tmp_path, hidden=64, heads=2)))  # head size 32 runs on CPU
+
+
+def test_started_servers_get_the_engine_arguments_of_the_colocated_engine():
+    """rollout keys and engine_kwargs.vllm reach the servers the run starts, built by the colocated engine's own
+    engine_args (they were dropped before: servers ran TP 1 with vLLM's defaults)."""
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.servers.vllm_server import VLLMServerSettings, server_command
+
+    rollout = RolloutConfig(name="vllm", tensor_model_parallel_size=2, enable_prefix_caching=False, max_num_seqs=7)
+    rollout.engine_kwargs.vllm = {"max_logprobs": 5}
+    cmd = " ".join(server_command(VLLMServerSettings.from_rollout(rollout, "/m", max_model_len=64), port=9, seed=4))
+    for flag in ("--tensor-parallel-size 2", "--no-enable-prefix-caching", "--max-num-seqs 7", "--max-logprobs 5",
+                 "--seed 4", "--max-model-len 64", "--logprobs-mode processed_logprobs",
+                 "--worker-extension-cls megatron_rl.rollout.vllm.server.ServerWorkerExtension"):
+        assert flag in cmd, (flag, cmd)
