@@ -41,3 +41,18 @@ def test_cpu_head_sizes_are_the_cpu_attentions():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == contract.CPU_HEAD_SIZES
+
+
+def test_server_routes_and_completion_fields_exist():
+    import pathlib
+
+    import vllm
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from megatron_rl.rollout.vllm.server import completion_request
+
+    routers = "".join(p.read_text() for p in pathlib.Path(vllm.__file__).parent.joinpath("entrypoints").rglob("*.py"))
+    assert [r for r in contract.SERVER_ROUTES if f'"{r}"' not in routers] == []
+    assert [f for f in contract.COMPLETION_FIELDS if f not in CompletionRequest.model_fields] == []
+    sent = completion_request("m", [1, 2], max_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=[2], seed=0)
+    assert set(sent) == set(contract.COMPLETION_FIELDS), "the request sends a field the contract does not name"

@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "COMPLETION_FIELDS",
     "CPU_HEAD_SIZES",
     "ENGINE_ARG_NAMES",
     "OWNED_ENGINE_ARGS",
+    "SERVER_ROUTES",
     "VLLM_PIN",
     "WORKER_METHODS",
     "VLLMUnavailableError",
@@ -122,6 +124,15 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
 # engine methods the adapter calls (vllm/entrypoints/llm.py, class LLM).
 WORKER_METHODS = ("reload_weights",)
 LLM_METHODS = ("generate", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up")
+
+# HTTP routes of a vLLM 0.32 server the server mode uses (rollout/vllm/server.py, servers/vllm_server.py); all
+# but /v1/* and /health exist only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/**/api_router.py)
+SERVER_ROUTES = ("/v1/completions", "/v1/models", "/health", "/pause", "/resume", "/collective_rpc",
+                 "/reset_prefix_cache", "/abort_requests")
+# /v1/completions request fields we send (vllm/entrypoints/openai/completion/protocol.py CompletionRequest)
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+                     "ignore_eos", "logprobs", "return_token_ids", "return_tokens_as_token_ids",
+                     "skip_special_tokens", "seed")
 
 # vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes: the CPU attention backend refuses others
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

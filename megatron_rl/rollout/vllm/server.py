@@ -184,7 +184,7 @@ def completion_request(model: str, prompt: list[int], *, max_tokens: int, temper
         "stop_token_ids": [int(t) for t in stop_token_ids],
         "ignore_eos": True,  # our finish ids, not the checkpoint's generation config, end a response
         "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False, "detokenize": False,
+        "skip_special_tokens": False,
     }
     if seed is not None:
         body["seed"] = int(seed)
