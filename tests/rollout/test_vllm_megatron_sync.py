@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from vllm_support import EOS, MAX_LEN, PAD, assert_served_equal, skip_without_vllm, tiny_model
+from megatron_rl_testing.vllm_support import EOS, MAX_LEN, PAD, assert_served_equal, skip_without_vllm, tiny_model
 
 skip_without_vllm()
 

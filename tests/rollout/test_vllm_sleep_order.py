@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
-from vllm_support import skip_without_vllm
+from megatron_rl_testing.vllm_support import skip_without_vllm
 
 skip_without_vllm()
 

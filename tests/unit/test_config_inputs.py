@@ -119,7 +119,7 @@ CHOICE_FIELDS = [
     ("actor_rollout_ref.actor.strategy", "fsdp", ["megatron"]),
     ("actor_rollout_ref.rollout.dtype", "int8", None),
     ("reward_model.judge.dtype", "int8", None),
-    ("reward_model.judge.engine", "vllm", ["hf", "sglang"]),
+    ("reward_model.judge.engine", "trtllm", ["hf", "sglang", "vllm"]),
     ("actor_rollout_ref.rollout.sglang.weight_transport", "http", ["distributed", "tensor"]),
     ("actor_rollout_ref.rollout.sglang.update_group_backend", "mpi", ["nccl", "gloo"]),
     ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", "center", ["left", "right", "middle"]),

