@@ -24,19 +24,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from megatron_rl.bucket import WeightBucket
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.vllm.contract import check_engine_kwargs, require_vllm
-from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
+from megatron_rl.rollout.vllm.session import StagedWeightsEngine, cut_at_finish
+from megatron_rl.rollout.vllm.shm import map_layout, new_segment_name
 
 __all__ = ["VLLMEngine", "engine_args"]
 
@@ -83,7 +83,7 @@ def engine_args(
     return {**args, **extra}
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(StagedWeightsEngine):
     def __init__(
         self,
         config: Any,
@@ -129,21 +129,13 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(**self.args)
         self.start_seconds = time.perf_counter() - start
         self.weight_version = 0
-        self._staged: list[list[dict[str, Any]]] = []  # per load: one segment layout per engine TP rank
-        self._segments: list[ShmSegment] = []
-        self._in_session = False
-        self._session_version = 0
         self._asleep = False
-        self._needs_sync: str | None = (
-            "the engine starts with random weights (load_format=dummy)" if self.args["load_format"] == "dummy" else None
-        )
+        self._start_sessions("the engine starts with random weights (load_format=dummy)"
+                             if self.args["load_format"] == "dummy" else None)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        if self._in_session:
-            raise RuntimeError("VLLMEngine has an open weight-update session; call end_weight_update() first")
-        if self._needs_sync is not None:
-            raise RuntimeError(f"VLLMEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        self._check_servable()
         check_prompt_batch(prompts)
         params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
                                          eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
@@ -165,48 +157,15 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:
-        if self._in_session:
-            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
-        if self._asleep:
+        if self._asleep and not self._in_session:
             self.llm.wake_up(tags=["weights"])  # weights first: the load needs them; the KV cache after it
-        self._in_session = True
-        self._session_version = int(version)
-
-    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._require_session()
-        items = [(name, t.to(self.dtype) if t.is_floating_point() else t) for name, t in named_tensors]
-        if items:
-            self._stage([items] * self.tp_size)
-
-    def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        """A bucket of this process only (TP 1, or a TP > 1 engine one rank feeds): every TP rank reads it."""
-        self._require_session()
-        if len(bucket):
-            self._stage([bucket.named_tensors()] * self.tp_size)
-
-    def load_payloads(self, payloads: list[dict[str, Any]]) -> None:
-        """One segment layout per engine TP rank, written by that rank (``stage_payload``)."""
-        self._require_session()
-        if len(payloads) != self.tp_size:
-            raise WeightUpdateError(f"{len(payloads)} payloads for an engine of TP {self.tp_size}")
-        self._staged.append(list(payloads))
-        self._segments.extend(_Owned(p["path"]) for p in payloads)
-
-    def _stage(self, per_rank: list[list[tuple[str, torch.Tensor]]]) -> None:
-        segment = ShmSegment(new_segment_name(f"v{self._session_version}"), per_rank[0])
-        self._segments.append(segment)
-        self._staged.append([segment.layout] * len(per_rank))
-
-    def _require_session(self) -> None:
-        if not self._in_session:
-            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
+        super().begin_weight_update(version)
 
     def end_weight_update(self) -> None:
         if not self._in_session:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
         try:
-            by_rank = [[load[rank] for load in self._staged] for rank in range(self.tp_size)]
-            self.llm.collective_rpc("mrl_load_weights", args=(by_rank,))
+            self.llm.collective_rpc("mrl_load_weights", args=(self._layouts_by_rank(),))
         except BaseException as exc:
             self.abort_weight_update(f"loading the weights of version {self._session_version} failed: {exc}")
             raise WeightUpdateError(f"vLLM failed to load the weights of version {self._session_version}: {exc}") from exc
@@ -219,26 +178,13 @@ class VLLMEngine(RolloutEngine):
         self.weight_version = self._session_version
         self._needs_sync = None
 
-    def abort_weight_update(self, reason: str) -> None:
-        self._needs_sync = reason
-        self._in_session = False
-        self._release_segments()
-
-    def _release_segments(self) -> None:
-        for segment in self._segments:
-            segment.unlink()
-        self._segments, self._staged = [], []
-
     def read_weights(self) -> list[dict[str, torch.Tensor]]:
         """The served weights of every TP rank, under vLLM's parameter names (fused qkv / gate_up, vocab rows
         padded), as its kernels use them: what a test compares with the buckets it sent."""
-        layouts = self.llm.collective_rpc("mrl_read_weights", args=(new_segment_name("read"),))
-        from megatron_rl.rollout.vllm.shm import map_layout
-
         ranks = []
-        for layout in layouts:
+        for layout in self.llm.collective_rpc("mrl_read_weights", args=(new_segment_name("read"),)):
             ranks.append({name: t.clone() for name, t in map_layout(layout)})
-            _Owned(layout["path"]).unlink()
+            os.unlink(layout["path"])
         return ranks
 
     # ------------------------------------------------------------------ memory
@@ -265,25 +211,6 @@ class VLLMEngine(RolloutEngine):
             self.llm = None
 
 
-class _Owned:
-    """A segment another rank wrote and this engine unlinks once loaded (the leader owns the session's cleanup)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def stage_payload(bucket: WeightBucket) -> dict[str, Any]:
-    """A member rank's copy of a bucket for its engine TP rank: written to shared memory, its layout returned
-    (the leader's engine loads it and unlinks it)."""
-    return ShmSegment(new_segment_name("member"), bucket.named_tensors()).layout
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 def vllm_sampling_params(params: SamplingParams, row: int):
     from vllm import SamplingParams as VSamplingParams
@@ -308,12 +235,4 @@ def parse_completion(completion: Any, row: int, params: SamplingParams) -> tuple
     if completion.logprobs is None or len(completion.logprobs) < len(tokens):
         raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens but no log-prob for each "
                            "(the engine must run with logprobs=0 requests)")
-    log_probs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)]
-    finish = set(params.finish_token_ids)
-    for i, token in enumerate(tokens):
-        if token in finish:
-            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
-            break
-    if len(tokens) > params.max_response_length:
-        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens, more than max_tokens {params.max_response_length}")
-    return tokens, log_probs
+    return cut_at_finish(tokens, [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)], params, row)

@@ -40,21 +40,20 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from megatron_rl.bucket import WeightBucket
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
+from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.sglang.contract import SGLangServerError
 from megatron_rl.rollout.sglang.server_transport import server_api_key
-from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
+from megatron_rl.rollout.vllm.session import StagedWeightsEngine, cut_at_finish
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
 
 __all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLLMServerError", "VLLMServerHTTP",
@@ -207,19 +206,8 @@ def parse_choice(choice: dict[str, Any], url: str) -> tuple[list[int], list[floa
     return tokens, [float(lp) for lp in logprobs[: len(tokens)]], choice.get("finish_reason")
 
 
-def cut_at_finish(tokens: list[int], log_probs: list[float], params: SamplingParams, row: int) -> tuple[list[int], list[float]]:
-    finish = set(params.finish_token_ids)
-    for i, token in enumerate(tokens):
-        if token in finish:
-            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
-            break
-    if len(tokens) > params.max_response_length:
-        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens, more than max_tokens {params.max_response_length}")
-    return tokens, log_probs
-
-
 # ---------------------------------------------------------------------------------------------- the engine
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(StagedWeightsEngine):
     """The rollout engine of trainer rank 0 over vLLM servers: generation (sync loop, verification probes),
     weight-update sessions and server replacement (servers/restarts.py)."""
 
@@ -240,10 +228,7 @@ class VLLMServerEngine(RolloutEngine):
         self.tp_size = 1  # as the trainer sees it: rank 0 sends full tensors; each server shards them itself
         self.is_server = True
         self.weight_version = 0
-        self._in_session = False
-        self._session_version = 0
-        self._segments: list[ShmSegment] = []
-        self._needs_sync: str | None = "the servers have not received the trainer's weights yet"
+        self._start_sessions("the servers have not received the trainer's weights yet")
         self.last_update_ms: float | None = None
         self._connect(server_urls)
 
@@ -258,10 +243,7 @@ class VLLMServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        if self._in_session:
-            raise RuntimeError("VLLMServerEngine has an open weight-update session; call end_weight_update() first")
-        if self._needs_sync is not None:
-            raise RuntimeError(f"VLLMServerEngine cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        self._check_servable()
         check_prompt_batch(prompts)
         params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
                                          eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
@@ -292,35 +274,14 @@ class VLLMServerEngine(RolloutEngine):
                                f"({self.weight_version}): a server missed a weight sync")
 
     # ------------------------------------------------------------------ weights
-    def begin_weight_update(self, version: int) -> None:
-        if self._in_session:
-            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
-        self._in_session = True
-        self._session_version = int(version)
-
-    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._require_session()
-        items = [(name, t.to(self.dtype) if t.is_floating_point() else t) for name, t in named_tensors]
-        if items:
-            self._segments.append(ShmSegment(new_segment_name(f"s{self._session_version}"), items))
-
-    def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        self._require_session()
-        if len(bucket):
-            self._segments.append(ShmSegment(new_segment_name(f"s{self._session_version}"), bucket.named_tensors()))
-
     def load_payloads(self, payloads: list[dict[str, Any]]) -> None:
         raise WeightUpdateError("vLLM servers take every bucket from trainer rank 0 (load_weight_bucket); "
                                 "per-rank payloads are for colocated engines")
 
-    def _require_session(self) -> None:
-        if not self._in_session:
-            raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
-
     def end_weight_update(self) -> None:
         if not self._in_session:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
-        version, layouts = self._session_version, [segment.layout for segment in self._segments]
+        version, layouts = self._session_version, self._layouts_by_rank()[0]
         start = time.perf_counter()
         futures = [self._pool.submit(self._update_server, server, workers, layouts, version)
                    for server, workers in zip(self.servers, self.server_workers)]
@@ -357,16 +318,6 @@ class VLLMServerEngine(RolloutEngine):
                 pass  # dead: the restart machinery names it
             raise
         server.request("/resume")
-
-    def abort_weight_update(self, reason: str) -> None:
-        self._needs_sync = reason
-        self._in_session = False
-        self._release_segments()
-
-    def _release_segments(self) -> None:
-        for segment in self._segments:
-            segment.unlink()
-        self._segments = []
 
     def replace_servers(self, server_urls: list[str]) -> list[str]:
         """Dead servers were replaced at new URLs (servers/restarts.py); nothing is generated before a complete
