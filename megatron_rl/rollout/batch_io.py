@@ -16,6 +16,7 @@ import torch
 from megatron_rl.protocol import DataProto
 
 __all__ = [
+    "cut_at_finish",
     "PROMPT_KEYS", "build_rollout_batch", "check_prompt_batch", "prompt_token_lists", "repeated_prompt_rows",
 ]
 
@@ -61,6 +62,20 @@ def repeated_prompt_rows(
         return None
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ~same])
     return starts.nonzero().squeeze(-1), starts.cumsum(0) - 1
+
+
+def cut_at_finish(tokens: list[int], log_probs: list[float], finish_token_ids: Sequence[int], max_tokens: int,
+                  where: str) -> tuple[list[int], list[float]]:
+    """An engine's response up to and including its first finishing token; one longer than ``max_tokens`` is an
+    error naming ``where`` (the engine and row)."""
+    finish = set(finish_token_ids)
+    for i, token in enumerate(tokens):
+        if token in finish:
+            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
+            break
+    if len(tokens) > max_tokens:
+        raise RuntimeError(f"{where} has {len(tokens)} tokens, more than the {max_tokens} asked for")
+    return tokens, log_probs
 
 
 def build_rollout_batch(

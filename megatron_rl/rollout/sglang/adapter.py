@@ -26,7 +26,7 @@ from packaging.version import Version
 from megatron_rl.distributed.device import release_cached_memory
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
-from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
@@ -242,15 +242,5 @@ def parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[i
             f"SGLang result {row} has no meta_info.output_token_logprobs (keys: "
             f"{sorted(output) if isinstance(output, dict) else type(output).__name__})"
         ) from exc
-    tokens = [int(e[1]) for e in entries]
-    log_probs = [float(e[0]) for e in entries]
-    finish = set(params.finish_token_ids)
-    for i, token in enumerate(tokens):
-        if token in finish:
-            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
-            break
-    if len(tokens) > params.max_response_length:
-        raise RuntimeError(
-            f"SGLang result {row} has {len(tokens)} tokens, more than max_new_tokens {params.max_response_length}"
-        )
-    return tokens, log_probs
+    return cut_at_finish([int(e[1]) for e in entries], [float(e[0]) for e in entries], params.finish_token_ids,
+                         params.max_response_length, f"SGLang result {row}")

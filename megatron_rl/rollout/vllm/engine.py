@@ -31,11 +31,11 @@ import torch
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
-from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
+from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.vllm.contract import check_engine_kwargs, require_vllm
-from megatron_rl.rollout.vllm.session import StagedWeightsEngine, cut_at_finish
+from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.shm import map_layout, new_segment_name
 
 __all__ = ["VLLMEngine", "engine_args"]
@@ -135,10 +135,7 @@ class VLLMEngine(StagedWeightsEngine):
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self._check_servable()
-        check_prompt_batch(prompts)
-        params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
-                                         eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        params = self._call_params(prompts)
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
@@ -235,4 +232,5 @@ def parse_completion(completion: Any, row: int, params: SamplingParams) -> tuple
     if completion.logprobs is None or len(completion.logprobs) < len(tokens):
         raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens but no log-prob for each "
                            "(the engine must run with logprobs=0 requests)")
-    return cut_at_finish(tokens, [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)], params, row)
+    return cut_at_finish(tokens, [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)],
+                         params.finish_token_ids, params.max_response_length, f"vLLM result {row}")

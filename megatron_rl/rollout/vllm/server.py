@@ -48,12 +48,12 @@ import torch
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
-from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
+from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.sglang.contract import SGLangServerError
 from megatron_rl.rollout.sglang.server_transport import server_api_key
-from megatron_rl.rollout.vllm.session import StagedWeightsEngine, cut_at_finish
+from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
 
 __all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLLMServerError", "VLLMServerHTTP",
@@ -243,10 +243,7 @@ class VLLMServerEngine(StagedWeightsEngine):
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self._check_servable()
-        check_prompt_batch(prompts)
-        params = resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
-                                         eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        params = self._call_params(prompts)
         start = time.perf_counter()
         self._check_versions()
         token_lists = prompt_token_lists(prompts)
@@ -258,7 +255,8 @@ class VLLMServerEngine(StagedWeightsEngine):
         responses, log_probs = [], []
         for row, future in enumerate(futures):
             tokens, lps, _ = parse_choice(future.result()["choices"][0], self.servers[owner[row]].url)
-            tokens, lps = cut_at_finish(tokens, lps, params, row)
+            tokens, lps = cut_at_finish(tokens, lps, params.finish_token_ids, params.max_response_length,
+                                        f"vLLM result {row} of {self.servers[owner[row]].url}")
             responses.append(tokens)
             log_probs.append(lps)
         self._check_versions()  # no server was updated behind this engine's back meanwhile

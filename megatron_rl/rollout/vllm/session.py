@@ -2,7 +2,7 @@
 weight-update session whose buckets are staged in /dev/shm segments (``shm.py``: one copy each, so the trainer
 may reuse its bucket at once) and loaded all together when it ends (a fused layer whose parts were reloaded
 separately would be repacked half old), the refusal to generate while a session is open or the weights are not
-the trainer's, and the cut of a response at its first finishing token."""
+the trainer's, and the sampling parameters of a call."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import torch
 
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
-from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.batch_io import check_prompt_batch
+from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
 
-__all__ = ["StagedWeightsEngine", "cut_at_finish", "stage_payload"]
+__all__ = ["StagedWeightsEngine", "stage_payload"]
 
 
 class _Owned:
@@ -44,12 +46,17 @@ class StagedWeightsEngine(RolloutEngine):
         self._segments: list[ShmSegment | _Owned] = []
         self._needs_sync = needs_sync  # why the engine may not generate (None: it serves the trainer's weights)
 
-    def _check_servable(self) -> None:
+    def _call_params(self, prompts: DataProto) -> SamplingParams:
+        """A generate call's sampling parameters, once the engine may serve it (no open session, the trainer's
+        weights) and the prompts are well formed."""
         name = type(self).__name__
         if self._in_session:
             raise RuntimeError(f"{name} has an open weight-update session; call end_weight_update() first")
         if self._needs_sync is not None:
             raise RuntimeError(f"{name} cannot generate yet: {self._needs_sync}; run a complete weight sync")
+        check_prompt_batch(prompts)
+        return resolve_sampling_params(self.config, prompts.meta_info, response_length=self.response_length,
+                                       eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
 
     def begin_weight_update(self, version: int) -> None:
         if self._in_session:
@@ -105,16 +112,3 @@ def stage_payload(bucket: WeightBucket) -> dict[str, Any]:
     """A member rank's copy of a bucket for its engine TP rank: written to shared memory, its layout returned
     (the leader's engine loads it and unlinks it)."""
     return ShmSegment(new_segment_name("member"), bucket.named_tensors()).layout
-
-
-def cut_at_finish(tokens: list[int], log_probs: list[float], params: SamplingParams, row: int
-                  ) -> tuple[list[int], list[float]]:
-    """The response up to and including its first finishing token; longer than max tokens is an error."""
-    finish = set(params.finish_token_ids)
-    for i, token in enumerate(tokens):
-        if token in finish:
-            tokens, log_probs = tokens[: i + 1], log_probs[: i + 1]
-            break
-    if len(tokens) > params.max_response_length:
-        raise RuntimeError(f"vLLM result {row} has {len(tokens)} tokens, more than max_tokens {params.max_response_length}")
-    return tokens, log_probs
