@@ -435,6 +435,10 @@ def _check_engine_kwargs(cfg: DictConfig) -> None:
         _require(not kwargs or rollout.name == engine,
                  f"{key}={kwargs} are arguments of the {engine} engine, but actor_rollout_ref.rollout.name="
                  f"{rollout.name}: they would do nothing; drop them or set rollout.name={engine}")
+    _require(not given.get("sglang"),
+             f"actor_rollout_ref.rollout.engine_kwargs.sglang={given.get('sglang')}: the SGLang adapter passes only the "
+             "ServerArgs its contract names (rollout/sglang/contract.py) and would ignore these; set them through "
+             "the rollout keys, or drop them")
     kwargs = given.get("vllm") or {}
     if rollout.name != "vllm" or not kwargs:
         return
