@@ -219,3 +219,19 @@ def test_environment_variables_are_read_by_sglang(src):
     read = set().union(*(src.strings(p) for p in src.paths("srt")))
     missing = set(SGLANG_CONTRACT["env_vars"]) - read
     assert not missing, f"sglang {SGLANG_PIN} never reads {sorted(missing)}"
+
+
+def test_agreed_variables_are_the_ones_the_engine_leaves_alone_when_set(src):
+    """Every rank sets SGLANG_CONTRACT["agreed_env_vars"] before any communicator (set_agreed_process_env), so a
+    leader's engine and its members create communicators alike: that holds only if sglang.Engine rewrites each of
+    them only when unset, i.e. behind an ``"VAR" not in os.environ`` guard in _set_envs_and_config."""
+    function = next(node for node in ast.walk(src.tree("srt/entrypoints/engine.py"))
+                    if isinstance(node, ast.FunctionDef) and node.name == "_set_envs_and_config")
+    guarded = {
+        node.left.value for node in ast.walk(function)
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
+        and any(isinstance(op, ast.NotIn) for op in node.ops)
+        and any(ast.unparse(c) == "os.environ" for c in node.comparators)
+    }
+    agreed = set(SGLANG_CONTRACT["agreed_env_vars"])
+    assert agreed and agreed <= guarded, f"sglang {SGLANG_PIN} overwrites {sorted(agreed - guarded)} even when set"
