@@ -274,8 +274,9 @@ def _vllm_on_cpu(cfg: DictConfig) -> bool:
 
 
 def check_rollout_engine(cfg: DictConfig) -> None:
-    """rollout.name=vllm: the pinned vLLM is installed here, and on CPU the model's head size is one vLLM's CPU
-    attention runs (else the engine fails when it is built, after Ray and the trainer's model are up)."""
+    """rollout.name=vllm: the pinned vLLM is installed here, servers given by URL run on this host, and on CPU the
+    model's head size is one vLLM's CPU attention runs (else the engine fails when it is built, after Ray and the
+    trainer's model are up)."""
     if str(cfg.actor_rollout_ref.rollout.name) != "vllm":
         return
     from megatron_rl.rollout.vllm import contract
@@ -284,6 +285,14 @@ def check_rollout_engine(cfg: DictConfig) -> None:
         contract.require_vllm()
     except contract.VLLMUnavailableError as err:
         raise ConfigError(str(err)) from None
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode == "server" and rollout.server_urls:  # weights reach them through this host's /dev/shm
+        from megatron_rl.rollout.vllm.server import require_local_servers
+
+        try:
+            require_local_servers(list(rollout.server_urls))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if not _vllm_on_cpu(cfg):
         return
     if str(cfg.trainer.device) == "auto":  # validate() checked trainer.device=cpu; auto resolved to CPU here

@@ -192,3 +192,22 @@ def test_started_servers_get_the_engine_arguments_of_the_colocated_engine():
                  "--seed 4", "--max-model-len 64", "--logprobs-mode processed_logprobs",
                  "--worker-extension-cls megatron_rl.rollout.vllm.server.ServerWorkerExtension"):
         assert flag in cmd, (flag, cmd)
+
+
+def test_vllm_servers_on_another_host_are_refused_before_ray_starts(tmp_path, vllm_installed, monkeypatch):
+    """server_urls of vLLM servers elsewhere: weights could not reach them (/dev/shm of this host); refused by the
+    start's checks, not when trainer rank 0 builds its engine under Ray (as before)."""
+    import ray
+
+    from megatron_rl import train
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    server = ("actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.server_urls=[http://192.0.2.77:8000]")
+    model = _model(tmp_path, hidden=64, heads=2)
+    cfg = start_cfg(tmp_path, model, *server)
+    with pytest.raises(ConfigError, match=r"server_urls \['http://192.0.2.77:8000'\]: vLLM rollout servers must run on "
+                                          r"the host of trainer rank 0 .*/dev/shm"):
+        train.run(cfg, dry_run=True)
+    from megatron_rl.trainer.preflight import check_rollout_engine
+
+    check_rollout_engine(start_cfg(tmp_path, model, server[0], "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:8000]"))
