@@ -14,10 +14,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.distributed.context_parallel import chunk_positions, gather_over_cp
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ SDPA_EFFICIENT = "sdpa_mem_efficient"  # a mask and as many K/V heads as query h
 SDPA_EFFICIENT_EXPANDED_KV = "sdpa_mem_efficient_expanded_kv"  # a mask + GQA: K/V repeated to the query heads
 SDPA_MATH = "sdpa_math"  # no fused kernel takes the call: fp32 s x s scores stored for backward
 SDPA_CPU = "sdpa_cpu"
+CP_ALL_GATHER = "cp_all_gather"  # context parallel: K/V all-gathered over CP, per-chunk causal masks
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Column segments of a shared-prompt sequence (workers/shared_prompts.py): the prompt, a pad, or else the
 # response's row in its micro-batch.
@@ -218,8 +222,8 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism (CP > 1)")
+        # CP > 1 runs on packed sequences only (plan/validate.py refuses padded batches before launch)
+        self.cp_size = config.context_parallel_size
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.window_left = config.window_size[0] if config.window_size is not None else None
@@ -245,6 +249,9 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not support attention bias")
         if packed_seq_params is not None:
             return self._forward_thd(query, key, value, packed_seq_params)
+        if self.cp_size > 1:
+            raise ValueError(f"context_parallel_size={self.cp_size} needs packed sequences (THD): the padded "
+                             "[s, b] layout is not split over CP ranks")
         seq_q, batch, heads, dim = query.shape
         seq_k = key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
@@ -284,8 +291,12 @@ class SDPAttention(MegatronModule):
         if not torch.equal(cu_q, cu_k):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
         dropout_p = self.dropout_p if self.training else 0.0
-        kernel, why = packed_attention_kernel(query, dropout_p)
         heads, dim = query.shape[1], query.shape[2]
+        if self.cp_size > 1:
+            _announce("packed", CP_ALL_GATHER, f"context parallel {self.cp_size}: K/V all-gathered over the CP group")
+            out = self._context_parallel(query, key, value, cu_q, packed_seq_params.cp_group, dropout_p)
+            return out.reshape(out.shape[0], heads * dim)
+        kernel, why = packed_attention_kernel(query, dropout_p)
         varlen = None
         if kernel == FLASH_VARLEN:
             varlen = self._varlen_plan(query, key)
@@ -331,6 +342,42 @@ class SDPAttention(MegatronModule):
         if plan.prescale_query:  # varlen_attn's default scale is 1/sqrt(head_dim)
             query = query * (self.softmax_scale * math.sqrt(query.shape[2]))
         return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+    def _context_parallel(self, query, key, value, cu_seqlens: torch.Tensor, cp_group, dropout_p: float):
+        """Exact causal attention of this CP rank's queries over the whole sequences: K and V of every CP
+        rank are all-gathered (Megatron's cp_comm_type=all_gather; its gradient goes back to the rank that
+        computed them), and each of this rank's two chunks of a sequence attends to the keys at positions
+        up to its own (and within the sliding window). ``cu_seqlens`` are the global pack's."""
+        from megatron.core import parallel_state
+
+        group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        cp_rank = dist.get_rank(group)
+        keys, values = gather_over_cp(key, group), gather_over_cp(value, group)  # [CP, t, kv_heads, d]
+        bounds = cu_seqlens.tolist()
+        out = query.new_empty(query.shape)
+        local = 0
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            length = end - start
+            width = length // self.cp_size  # this sequence's tokens on every CP rank
+            q_pos = chunk_positions(length, self.cp_size, cp_rank, query.device)
+            k_pos = torch.cat([chunk_positions(length, self.cp_size, r, query.device) for r in range(self.cp_size)])
+            # [1, heads, tokens, d]
+            q = query[local:local + width].permute(1, 0, 2).unsqueeze(0)
+            k = keys[:, local:local + width].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)
+            v = values[:, local:local + width].flatten(0, 1).permute(1, 0, 2).unsqueeze(0)
+            distance = q_pos[:, None] - k_pos[None, :]
+            allowed = distance >= 0
+            if self.window_left is not None:
+                allowed &= distance <= self.window_left
+            plan = padded_attention_plan(on_cuda=q.is_cuda, dtype=q.dtype, q_heads=q.shape[1], kv_heads=k.shape[1],
+                                         head_dim=q.shape[-1], masked=True)
+            if plan.expand_kv:
+                k, v = _repeat_kv(k, q.shape[1], 1), _repeat_kv(v, q.shape[1], 1)
+            piece = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                                                   dropout_p=dropout_p, enable_gqa=not plan.expand_kv)
+            out[local:local + width] = piece.squeeze(0).permute(1, 0, 2)
+            local += width
+        return out
 
     def _sdpa_per_sequence(self, query, key, value, bounds: list[int], dropout_p: float) -> torch.Tensor:
         """The varlen twin: one SDPA call per sequence without a mask, token for token the padded

@@ -157,6 +157,10 @@ class MegatronEngine:
         self.share_prompts = bool(getattr(parallel, "share_prompts", False))
         if self.share_prompts:
             check_share_prompts(chunks, self.packed_sequences, f"{name}.megatron")
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1 and not self.packed_sequences:  # (plan/validate.py refuses it before launch)
+            raise ValueError(f"{name}.megatron.context_parallel_size={cp} needs {name}.megatron.packed_sequences=true: "
+                             "padded micro-batches are not split over CP ranks")
         self.value_head = value_head
         # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
         self.router_metrics: dict[str, float] = {}
@@ -258,6 +262,14 @@ class MegatronEngine:
         """Packed widths must be a multiple of this: TP under sequence parallelism (Megatron splits the
         sequence dimension over the TP ranks), else 1."""
         return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+
+    @property
+    def context_parallel(self) -> tuple[dist.ProcessGroup, int, int] | None:
+        """(CP group, CP size, CP rank) under context parallelism (packed sequences only), else None."""
+        size = parallel_state.get_context_parallel_world_size()
+        if size == 1:
+            return None
+        return parallel_state.get_context_parallel_group(), size, parallel_state.get_context_parallel_rank()
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

@@ -7,6 +7,7 @@ ever builds a full-vocabulary softmax. Padded vocabulary columns are excluded.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from megatron_rl.ops import check_token_ids, log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
-from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts, to_thd
+from megatron_rl.workers.packing import PackedMicroBatch, pack_micro_batch, real_token_counts, thd_size, to_thd
 from megatron_rl.workers.shared_prompts import pack_shared_prompts
 
 # (model output, micro-batch) -> {name: [b, R] tensor}
@@ -38,6 +39,11 @@ def pack_batch(
         mask=batch["attention_mask"][:, batch["input_ids"].shape[1] - responses.shape[1] :],
     )
     lengths = real_token_counts(batch)
+    cp = engine.context_parallel  # (group, size, rank) or None: each rank keeps its share of every sequence
+    cp_size = cp[1] if cp is not None else 1
+    if cp_size > 1:  # a token budget is per GPU, as in verl: a micro-batch spread over CP ranks holds CP x as many
+        spec = dataclasses.replace(spec, max_token_len=spec.max_token_len * cp_size)
+        budget_name = f"{budget_name} x context_parallel_size {cp_size}"
     row_groups = split_micro_batches(lengths, spec, budget_name, packed=engine.packed_sequences)
     # One rectangle for all micro-batches where the schedule needs it (see MegatronEngine).
     # Sequence parallelism splits the sequence over TP ranks: widths are rounded up to a multiple of TP.
@@ -67,9 +73,9 @@ def pack_batch(
     if engine.packed_sequences:  # THD: each micro-batch's real tokens end to end, no padding computed
         total = None
         if engine.uniform_micro_batch_shape:
-            longest = max(sum(lengths[r] for r in rows) for rows in row_groups)
-            total = -(-max(longest, 1) // multiple) * multiple
-        packed = [to_thd(micro_batch, multiple, total) for micro_batch in packed]
+            total = max(thd_size(torch.as_tensor([lengths[r] for r in rows]), multiple, cp_size)[1]
+                        for rows in row_groups)
+        packed = [to_thd(micro_batch, multiple, total, cp) for micro_batch in packed]
     return packed
 
 
@@ -98,7 +104,7 @@ def response_log_probs(
     No host sync: the labels were checked once for the whole batch by ``pack_batch``."""
     result = log_probs_from_logits(
         micro_batch.select_predictors(logits),
-        micro_batch.labels,
+        micro_batch.predicted_labels,
         tp_group=engine.tp_group,
         temperature=temperature,
         with_entropy=with_entropy,

@@ -13,8 +13,26 @@ real response tokens, and ``scatter`` writes per-token results back into the [b,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from megatron_rl.distributed.context_parallel import local_pack_positions, sum_over_cp
+
+
+@dataclass(frozen=True)
+class ContextParallelShard:
+    """This rank's share of a THD pack under context parallelism (distributed/context_parallel.py)."""
+
+    group: Any  # the CP process group
+    size: int
+    rank: int
+    local_of: torch.Tensor  # [T] local index of each global pack position on this rank, -1 on another rank's
+    positions: torch.Tensor  # [T / CP] the global pack positions this rank holds, in local order
+
+    def owned(self, positions: torch.Tensor) -> torch.Tensor:
+        """[n] bool: which of these global pack positions this rank holds."""
+        return self.local_of[positions] >= 0
 
 
 @dataclass
@@ -40,6 +58,11 @@ class PackedMicroBatch:
     predictor_rows: torch.Tensor | None = None
     shared_positions: torch.Tensor | None = None
     shared_segments: torch.Tensor | None = None
+    # THD only: the global pack position of each row's last real token (what a reward model scores), and
+    # under context parallelism this rank's share: input_ids holds its T / CP tokens, cu_seqlens and
+    # thd_index stay global (each sequence padded at its end to a multiple of 2 x CP).
+    last_index: torch.Tensor | None = None
+    cp: ContextParallelShard | None = None
 
     @property
     def is_thd(self) -> bool:
@@ -67,7 +90,8 @@ class PackedMicroBatch:
         if self.is_thd:
             lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
             starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), lengths)
-            return (torch.arange(self.input_ids.shape[1], device=self.input_ids.device) - starts)[None, :]
+            positions = torch.arange(int(self.cu_seqlens[-1]), device=self.input_ids.device) - starts
+            return (positions if self.cp is None else positions[self.cp.positions])[None, :]
         return torch.arange(self.input_ids.shape[1], device=self.input_ids.device).expand_as(self.input_ids)
 
     def packed_seq_params(self):
@@ -84,10 +108,23 @@ class PackedMicroBatch:
             max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=parallel_state.get_context_parallel_group(),
         )
 
+    @property
+    def owned_tokens(self) -> torch.Tensor | None:
+        """[N] bool: the response tokens predicted on this CP rank (None without context parallelism)."""
+        return None if self.cp is None else self.cp.owned(self.thd_index)
+
+    @property
+    def predicted_labels(self) -> torch.Tensor:
+        """The labels of the response tokens ``select_predictors`` returns outputs for."""
+        owned = self.owned_tokens
+        return self.labels if owned is None else self.labels[owned]
+
     def select_predictors(self, output: torch.Tensor) -> torch.Tensor:
         """[b', W, ...] model output ([1, T, ...] for THD) -> [N, ...] at the positions that predict the
-        response tokens."""
+        response tokens (under context parallelism: [n, ...], the n tokens predicted on this rank)."""
         if self.is_thd:
+            if self.cp is not None:
+                return output[0, self.cp.local_of[self.thd_index[self.owned_tokens]]]
             return output[0, self.thd_index]
         if self.is_shared:
             return output[self.predictor_rows, self.predictor_cols]
@@ -102,9 +139,23 @@ class PackedMicroBatch:
         return causal_padding_mask(self.attention_mask)
 
     def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[N] per-token values -> [b, R], 0 where the response is padding (differentiable)."""
+        """[N] per-token values (those of ``select_predictors``) -> [b, R], 0 where the response is padding
+        (differentiable). Under context parallelism every CP rank gets the whole [b, R]."""
         out = per_token.new_zeros(self.num_rows, self.response_len)
-        return out.index_put((self.token_rows, self.token_cols), per_token)
+        owned = self.owned_tokens
+        if owned is None:
+            return out.index_put((self.token_rows, self.token_cols), per_token)
+        out = out.index_put((self.token_rows[owned], self.token_cols[owned]), per_token)
+        return sum_over_cp(out, self.cp.group)
+
+    def take(self, output: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A THD pack's output at global pack ``positions``: [1, T, ...] -> [n, ...] (differentiable; under
+        context parallelism each rank reads the positions it holds and every rank gets all n)."""
+        if self.cp is None:
+            return output[0, positions]
+        local = self.cp.local_of[positions]
+        owned = (local >= 0).reshape(-1, *([1] * (output.dim() - 2)))
+        return sum_over_cp(torch.where(owned, output[0, local.clamp(min=0)], 0.0), self.cp.group)
 
 
 def pack_micro_batch(
@@ -161,31 +212,56 @@ def real_token_counts(batch: dict[str, torch.Tensor]) -> list[int]:
     return batch["attention_mask"].bool().sum(dim=1).tolist()
 
 
-def to_thd(micro_batch: PackedMicroBatch, multiple: int = 1, total: int | None = None) -> PackedMicroBatch:
+def thd_size(lengths: torch.Tensor, multiple: int = 1, cp_size: int = 1) -> tuple[torch.Tensor, int]:
+    """Each sequence's length in a THD pack and the pack's length before any ``total``: under context
+    parallelism every sequence is padded at its end to a multiple of 2 x CP x ``multiple`` (equal chunks,
+    each a multiple of TP under sequence parallelism); the pack is rounded up to that same unit."""
+    unit = multiple * (2 * cp_size if cp_size > 1 else 1)
+    padded = -(-lengths // unit) * unit if cp_size > 1 else lengths
+    return padded, -(-max(int(padded.sum()), 1) // unit) * unit
+
+
+def to_thd(
+    micro_batch: PackedMicroBatch, multiple: int = 1, total: int | None = None,
+    cp: tuple[Any, int, int] | None = None,
+) -> PackedMicroBatch:
     """The same micro-batch as packed sequences (THD): each row's real tokens one after the other in a
     single [1, T] row, ``cu_seqlens`` marking where each sequence starts. No position is padding except
     a trailing pad sequence when T is rounded up to ``multiple`` (sequence parallelism splits T over TP)
-    or to ``total`` (one shape for every micro-batch, as the interleaved schedule needs)."""
+    or to ``total`` (one shape for every micro-batch, as the interleaved schedule needs).
+
+    ``cp`` = (group, size, rank) with size > 1: context parallelism. Each sequence is padded at its end to
+    a multiple of 2 x CP x ``multiple`` and this rank keeps its two chunks of each (ContextParallelShard)."""
+    cp_group, cp_size, cp_rank = cp if cp is not None else (None, 1, 0)
     real = micro_batch.attention_mask.bool()
     lengths = real.sum(dim=1)
-    tokens = int(lengths.sum())
-    size = max(-(-max(tokens, 1) // multiple) * multiple, total or 0)
-    if total is not None and total < tokens:
-        raise ValueError(f"to_thd: a total of {total} positions cannot hold {tokens} real tokens")
+    padded, size = thd_size(lengths, multiple, cp_size)
+    if total is not None and total < int(padded.sum()):
+        raise ValueError(f"to_thd: a total of {total} positions cannot hold {int(padded.sum())} tokens")
+    size = max(size, total or 0)
     device = micro_batch.input_ids.device
+    starts = torch.cumsum(padded, 0) - padded
     ids = torch.zeros(1, size, dtype=micro_batch.input_ids.dtype, device=device)
-    ids[0, :tokens] = micro_batch.input_ids[real]  # row-major: row 0's tokens, then row 1's, ...
-    starts = torch.cumsum(lengths, 0) - lengths
-    bounds = [0] + torch.cumsum(lengths, 0).tolist()
-    if size > tokens:
+    row, col = real.nonzero(as_tuple=True)  # row-major: row 0's tokens, then row 1's, ...
+    ids[0, starts[row] + col] = micro_batch.input_ids[real]
+    bounds = [0] + torch.cumsum(padded, 0).tolist()
+    if size > bounds[-1]:
         bounds.append(size)  # the pad sequence: attends only to itself, predicts nothing
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     # Keep only non-empty sequences' boundaries (rows added as padding have no tokens).
     cu_seqlens = torch.unique_consecutive(cu_seqlens)
+    num_rows = micro_batch.num_rows
+    shard = None
+    if cp_size > 1:
+        positions = local_pack_positions(cu_seqlens, cp_size, cp_rank)
+        local_of = torch.full((size,), -1, dtype=torch.long, device=device)
+        local_of[positions] = torch.arange(len(positions), device=device)
+        shard = ContextParallelShard(cp_group, cp_size, cp_rank, local_of, positions)
+        ids = ids[:, positions]
     return PackedMicroBatch(
         rows=micro_batch.rows,
         input_ids=ids,
-        attention_mask=torch.ones(1, size, dtype=torch.bool, device=device),
+        attention_mask=torch.ones_like(ids, dtype=torch.bool),
         token_rows=micro_batch.token_rows,
         token_cols=micro_batch.token_cols,
         predictor_cols=micro_batch.predictor_cols,
@@ -194,4 +270,6 @@ def to_thd(micro_batch: PackedMicroBatch, multiple: int = 1, total: int | None =
         fields=micro_batch.fields,
         cu_seqlens=cu_seqlens,
         thd_index=starts[micro_batch.token_rows] + micro_batch.predictor_cols,
+        last_index=starts[:num_rows] + lengths[:num_rows] - 1,
+        cp=shard,
     )

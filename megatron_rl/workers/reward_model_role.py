@@ -24,10 +24,8 @@ PREFIX = "reward_model"
 
 def last_token_outputs(output: torch.Tensor, micro_batch: PackedMicroBatch) -> torch.Tensor:
     """[b] fp32: the head's output at each row's last real token ([b', W, 1], or [1, T, 1] for THD)."""
-    if micro_batch.is_thd:
-        # cu_seqlens holds one boundary per non-empty row (every RM row has tokens) and maybe a pad sequence.
-        ends = micro_batch.cu_seqlens[1 : micro_batch.num_rows + 1].long() - 1
-        return output[0, ends, 0].float()
+    if micro_batch.is_thd:  # (under context parallelism every CP rank gets all b scores)
+        return micro_batch.take(output[..., 0], micro_batch.last_index).float()
     lengths = micro_batch.attention_mask[: micro_batch.num_rows].long().sum(dim=1)
     rows = torch.arange(micro_batch.num_rows, device=output.device)
     return output[rows, lengths - 1, 0].float()

@@ -28,22 +28,10 @@ WEIGHT_ATOL = 1e-3
 METRIC_RTOL = 1e-4
 
 
-def make_tiny_critic_checkpoint(lm_dir: Path, out_dir: Path) -> Path:
-    """The LM's backbone with a random scalar head, saved as HF's Qwen2ForTokenClassification."""
-    from transformers import AutoModelForTokenClassification
-
-    torch.manual_seed(2)
-    critic = AutoModelForTokenClassification.from_pretrained(str(lm_dir), num_labels=1)
-    with torch.no_grad():
-        critic.score.bias.fill_(0.3)
-    critic.save_pretrained(str(out_dir))
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> tuple[str, str, str, str]:
     """(LM, 4-layer LM, critic, work directory)."""
-    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+    from megatron_rl_testing.tiny_models import make_tiny_critic_checkpoint, make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("workers")
     model = make_tiny_hf_checkpoint(root / "qwen2", "qwen2", with_tokenizer=False)

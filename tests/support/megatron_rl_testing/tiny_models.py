@@ -147,3 +147,15 @@ def make_tiny_hf_checkpoint(
     if with_tokenizer:
         make_tiny_tokenizer(path)
     return Path(path)
+
+
+def make_tiny_critic_checkpoint(lm_dir: Path, out_dir: Path) -> Path:
+    """The LM's backbone with a random scalar head, saved as HF's Qwen2ForTokenClassification."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(2)
+    critic = AutoModelForTokenClassification.from_pretrained(str(lm_dir), num_labels=1)
+    with torch.no_grad():
+        critic.score.bias.fill_(0.3)
+    critic.save_pretrained(str(out_dir))
+    return out_dir

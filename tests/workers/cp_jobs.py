@@ -1,0 +1,86 @@
+"""Rank jobs of test_context_parallel.py: one batch through the actor, critic and reward model at CP=1
+(the reference, one rank) and CP=2 (TP=1 x CP=2 on two ranks, TP=2 x CP=2 with and without sequence
+parallelism on four), packed sequences of uneven lengths, some shorter than the 2 x CP chunks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from workers_jobs import actor_config, critic_config, make_actor, make_critic, training_batch, update
+
+from megatron_rl.config.schema import LossAggMode
+from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
+
+# Loss aggregation modes whose normalisers must count each token once across CP ranks.
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def cp_batch():
+    """The worker tests' batch with rows 3 and 7 cut to 2 and 3 tokens: shorter than 2 x CP = 4 chunks."""
+    data = training_batch()
+    batch = data.batch
+    response_len = batch["responses"].shape[1]
+    prompt_len = batch["input_ids"].shape[1] - response_len
+    for row, response_tokens in ((3, 1), (7, 2)):
+        mask = torch.zeros_like(batch["attention_mask"][row])
+        mask[prompt_len - 1] = 1
+        mask[prompt_len : prompt_len + response_tokens] = 1
+        batch["attention_mask"][row] = mask
+        batch["input_ids"][row] *= mask
+        response_mask = mask[prompt_len:]
+        batch["response_mask"][row] = response_mask
+        batch["responses"][row] *= response_mask
+        for key in ("advantages", "values", "returns"):
+            batch[key][row] *= response_mask
+    batch["position_ids"] = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+    return data
+
+
+def _megatron(config, cp: int, **extra: Any):
+    return replace(config, megatron=replace(config.megatron, context_parallel_size=cp, packed_sequences=True, **extra))
+
+
+def _grads(role) -> dict[str, torch.Tensor]:
+    """The gradient each parameter received in the last optimizer step (Megatron's main_grad)."""
+    return {name: param.main_grad.detach().clone() for chunk in role.engine.model
+            for name, param in chunk.named_parameters() if param.requires_grad}
+
+
+def _reward_model_scores(model_dir: str, cp: int, tp: int, data) -> torch.Tensor:
+    from megatron_rl.config.schema import RewardModelConfig
+    from megatron_rl.workers import MegatronEngine
+    from megatron_rl.workers.reward_model_role import RewardModelRole
+
+    config = RewardModelConfig(enable=True, micro_batch_size_per_gpu=3)
+    megatron = replace(config.megatron, tensor_model_parallel_size=tp, context_parallel_size=cp, packed_sequences=True)
+    engine = MegatronEngine(model_dir, megatron, None, value_head=True, name="reward_model")
+    rows = data.select(["input_ids", "attention_mask"])
+    return RewardModelRole(engine, config).compute_rm_score(rows).batch["rm_scores"]
+
+
+def cp_job(model_dir: str, critic_dir: str, cp: int, tp: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """Everything the tests compare, at TP=``tp`` x CP=``cp`` (DP=1)."""
+    init_model_parallel(tp=tp, cp=cp)
+    data = cp_batch()
+    out: dict[str, Any] = {}
+    for mode in AGG_MODES:
+        config = _megatron(actor_config(tp=tp, loss_agg_mode=LossAggMode[mode]), cp, sequence_parallel=sequence_parallel)
+        actor = make_actor(model_dir, config)
+        if mode == AGG_MODES[0]:
+            result = actor.compute_log_prob(data)
+            out["log_probs"], out["entropys"] = result.batch["old_log_probs"], result.batch["entropys"]
+        out[f"{mode}/metrics"] = update(actor, data)
+        out[f"{mode}/grads"] = _grads(actor)
+        out[f"{mode}/log_probs_after"] = actor.compute_log_prob(data).batch["old_log_probs"]
+    dynamic = _megatron(actor_config(tp=tp, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24), cp,
+                        sequence_parallel=sequence_parallel)
+    out["dynamic/metrics"] = update(make_actor(model_dir, dynamic), data)
+    critic = make_critic(critic_dir, _megatron(critic_config(tp=tp), cp, sequence_parallel=sequence_parallel))
+    out["values"] = critic.compute_values(data).batch["values"]
+    out["critic/metrics"] = critic.update_critic(data).meta_info["metrics"]
+    out["critic/grads"] = _grads(critic)
+    out["rm_scores"] = _reward_model_scores(critic_dir, cp, tp, data)
+    destroy_model_parallel()
+    return out
