@@ -38,8 +38,8 @@ def cp_batch():
     return data
 
 
-def _megatron(config, cp: int, **extra: Any):
-    return replace(config, megatron=replace(config.megatron, context_parallel_size=cp, packed_sequences=True, **extra))
+def _megatron(config, layout: dict[str, Any]):
+    return replace(config, megatron=replace(config.megatron, packed_sequences=True, **layout))
 
 
 def _grads(role) -> dict[str, torch.Tensor]:
@@ -48,25 +48,28 @@ def _grads(role) -> dict[str, torch.Tensor]:
             for name, param in chunk.named_parameters() if param.requires_grad}
 
 
-def _reward_model_scores(model_dir: str, cp: int, tp: int, data) -> torch.Tensor:
+def _reward_model_scores(model_dir: str, layout: dict[str, Any], data) -> torch.Tensor:
     from megatron_rl.config.schema import RewardModelConfig
     from megatron_rl.workers import MegatronEngine
     from megatron_rl.workers.reward_model_role import RewardModelRole
 
-    config = RewardModelConfig(enable=True, micro_batch_size_per_gpu=3)
-    megatron = replace(config.megatron, tensor_model_parallel_size=tp, context_parallel_size=cp, packed_sequences=True)
+    config = RewardModelConfig(enable=True, micro_batch_size_per_gpu=4)
+    megatron = replace(config.megatron, packed_sequences=True, **layout)
     engine = MegatronEngine(model_dir, megatron, None, value_head=True, name="reward_model")
     rows = data.select(["input_ids", "attention_mask"])
     return RewardModelRole(engine, config).compute_rm_score(rows).batch["rm_scores"]
 
 
-def cp_job(model_dir: str, critic_dir: str, cp: int, tp: int, sequence_parallel: bool = False) -> dict[str, Any]:
-    """Everything the tests compare, at TP=``tp`` x CP=``cp`` (DP=1)."""
-    init_model_parallel(tp=tp, cp=cp)
+def cp_job(model_dir: str, critic_dir: str, cp: int, tp: int, sequence_parallel: bool = False, pp: int = 1,
+           vpp: int | None = None) -> dict[str, Any]:
+    """Everything the tests compare, at TP=``tp`` x CP=``cp`` x PP=``pp`` (VPP ``vpp``), DP=1."""
+    init_model_parallel(tp=tp, cp=cp, pp=pp, vpp=vpp)
+    layout = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "sequence_parallel": sequence_parallel,
+              "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vpp}
     data = cp_batch()
     out: dict[str, Any] = {}
     for mode in AGG_MODES:
-        config = _megatron(actor_config(tp=tp, loss_agg_mode=LossAggMode[mode]), cp, sequence_parallel=sequence_parallel)
+        config = _megatron(actor_config(loss_agg_mode=LossAggMode[mode]), layout)
         actor = make_actor(model_dir, config)
         if mode == AGG_MODES[0]:
             result = actor.compute_log_prob(data)
@@ -74,13 +77,13 @@ def cp_job(model_dir: str, critic_dir: str, cp: int, tp: int, sequence_parallel:
         out[f"{mode}/metrics"] = update(actor, data)
         out[f"{mode}/grads"] = _grads(actor)
         out[f"{mode}/log_probs_after"] = actor.compute_log_prob(data).batch["old_log_probs"]
-    dynamic = _megatron(actor_config(tp=tp, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24), cp,
-                        sequence_parallel=sequence_parallel)
-    out["dynamic/metrics"] = update(make_actor(model_dir, dynamic), data)
-    critic = make_critic(critic_dir, _megatron(critic_config(tp=tp), cp, sequence_parallel=sequence_parallel))
+    if vpp is None:  # (a token budget cuts micro-batch counts the interleaved schedule may not take)
+        dynamic = _megatron(actor_config(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24), layout)
+        out["dynamic/metrics"] = update(make_actor(model_dir, dynamic), data)
+    critic = make_critic(critic_dir, _megatron(critic_config(), layout))
     out["values"] = critic.compute_values(data).batch["values"]
     out["critic/metrics"] = critic.update_critic(data).meta_info["metrics"]
     out["critic/grads"] = _grads(critic)
-    out["rm_scores"] = _reward_model_scores(critic_dir, cp, tp, data)
+    out["rm_scores"] = _reward_model_scores(critic_dir, layout, data)
     destroy_model_parallel()
     return out
