@@ -6,6 +6,13 @@ caller's ``extra`` dict (step, data-loader position, counters). Tensors are stor
 offset, so a checkpoint saved at one TP/PP layout loads at another; the RNG states then do not apply
 (they belong to ranks that no longer exist) and are skipped with a warning.
 
+Context parallelism (CP) changes nothing in what is stored: the CP ranks of one TP x PP shard hold the same
+weights and optimizer state (their gradients are reduced over DP x CP), and Megatron marks the copies of
+CP ranks > 0 as replicas (``replica_id`` over the DP x CP group), so each tensor is written once and a
+checkpoint saved at CP=2 loads at CP=1 and back. Only the RNG states are per rank: they are keyed by
+(pp, tp, cp, dp) under CP > 1 (CP peers share their DP rank) and restored only at the layout, CP included,
+that saved them.
+
 Writes go to ``<path>.tmp`` and are renamed to ``<path>`` only when every rank has finished: a crash
 mid-save leaves the previous checkpoint at ``<path>`` (if any) intact. All ranks must see the same
 filesystem (as Megatron requires) and call these functions together.
@@ -48,9 +55,15 @@ def _layout() -> dict[str, int]:
     return {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),  # without CP: the CP ranks share a DP rank
         "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
+
+
+def _saved_layout(metadata: dict[str, Any]) -> dict[str, int]:
+    """The layout a checkpoint records; those written before CP was recorded were saved at CP=1."""
+    return {"cp": 1, **metadata["layout"]}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -75,19 +88,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_sharded_object() -> ShardedObject:
-    """One RNG state per (pp, tp, dp) rank."""
+    """One RNG state per (pp, tp, dp) rank, per (pp, tp, cp, dp) rank under CP > 1: the CP ranks of one
+    DP rank must not write the same key (dist_checkpointing refuses duplicate ShardedObjects). At CP=1 the
+    key keeps its three axes, so checkpoints saved before CP existed restore their RNG states."""
     layout = _layout()
-    return ShardedObject(
-        "rng_state",
-        _rng_state(),
-        (layout["pp"], layout["tp"], layout["dp"]),
-        (
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(),
-        ),
-        replica_id=0,
-    )
+    shape = [layout["pp"], layout["tp"], layout["dp"]]
+    offset = [
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    ]
+    if layout["cp"] > 1:
+        shape.insert(2, layout["cp"])
+        offset.insert(2, parallel_state.get_context_parallel_rank())
+    return ShardedObject("rng_state", _rng_state(), tuple(shape), tuple(offset), replica_id=0)
 
 
 def _sharded_state(
@@ -170,7 +184,7 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     """Restore ``engine`` from ``path`` (collective); returns the ``extra`` dict that was saved.
 
     ``load_optimizer=False`` (or a frozen engine) restores the weights only. RNG states are
-    restored when the TP/PP/DP layout is the one that saved.
+    restored when the TP/PP/CP/DP layout is the one that saved.
     """
     from megatron_rl.models.layout import unwrap
 
@@ -188,12 +202,12 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
             "pass load_optimizer=False"
         )
 
-    same_layout = metadata["layout"] == _layout()
+    same_layout = _saved_layout(metadata) == _layout()
     if not same_layout:
         logger.warning(
             "%s: loading a checkpoint saved at layout %s into layout %s; RNG states are not restored",
             engine.name,
-            metadata["layout"],
+            _saved_layout(metadata),
             _layout(),
         )
     sharding_type = metadata.get("optimizer_sharding_type", LEGACY_OPTIMIZER_SHARDING_TYPE)
