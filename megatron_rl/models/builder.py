@@ -164,6 +164,9 @@ def make_transformer_config(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        # TE's CP attention: the ring (p2p) overlaps each K/V chunk's transfer with attention on the previous
+        # one and holds 2 chunks of T / CP, not the whole sequence (override_transformer_config.cp_comm_type)
+        cp_comm_type="p2p" if cp > 1 else None,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -209,9 +212,11 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
+def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = False) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
-    always SDPAttention so the explicit causal+padding mask means the same thing on every backend.
+    SDPAttention so the explicit causal+padding mask means the same thing on every backend, except under
+    context parallelism with TE: TE's attention then runs the CP exchange (``cp_comm_type``, p2p by default)
+    on the packed sequences CP requires, where SDPAttention would all-gather K/V.
     The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too). An MoE model's
     MLP is Megatron's MoELayer with SequentialMLP experts (one MLP per local expert, no grouped GEMM), so
     each expert has its own linear_fc1/linear_fc2 on every backend."""
@@ -231,7 +236,8 @@ def gpt_layer_spec(hf: HFModelConfig, use_te: bool) -> ModuleSpec:
         if hf.qk_norm:
             spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
             spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if not (use_te and context_parallel):
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
 
@@ -292,7 +298,7 @@ def build_gpt_model(
     config = make_transformer_config(
         hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides
     )
-    spec = gpt_layer_spec(hf, use_te)
+    spec = gpt_layer_spec(hf, use_te, context_parallel=config.context_parallel_size > 1)
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     rope_kwargs: dict[str, Any] = {}
     if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
