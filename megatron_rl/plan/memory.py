@@ -20,6 +20,7 @@ from megatron_rl.models.attention import (
 )
 from megatron_rl.models.sizes import padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.plan.validate import CP_COMM_TYPES  # noqa: F401  (megatron.override_transformer_config.cp_comm_type)
 
 BF16 = 2
 FP32 = 4
@@ -149,16 +150,134 @@ def state_bytes_per_param(params_dtype: str, distributed_optimizer: bool, optimi
                               optimizer_at_start=master / shards)
 
 
-def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout) -> float:
+def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, dtype_bytes: int = BF16) -> float:
     """Bytes one layer saves for backward per token (bf16, flash attention, no dropout).
 
     Replicated over TP unless sequence parallel: the inputs and outputs of the two RMSNorms, 4 x h x 2 B.
     Split over TP: q, k, v and the attention output (2q + 2kv) x 2 B, and the SwiGLU gate, up and
-    product 3 x ffn x 2 B.
+    product 3 x ffn x 2 B. ``dtype_bytes`` = 4 for an fp32 (CPU) run: the same tensors, twice the bytes.
     """
-    replicated = 4 * model.hidden_size * BF16
-    split = (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) * BF16
+    replicated = 4 * model.hidden_size * dtype_bytes
+    split = (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) * dtype_bytes
     return replicated / (layout.tp if layout.sequence_parallel else 1) + split / layout.tp
+
+
+# ---------------------------------------------------------------------------- context parallelism (issue 35)
+# CP splits every sequence of a packed (THD) micro-batch into 2 x CP chunks; rank r holds chunks r and
+# 2CP-1-r (the load-balanced "dual chunk swap" Megatron and Transformer Engine expect). A sequence is padded
+# at its end to a multiple of 2 x CP (x TP under sequence parallelism, whose scatter splits each rank's
+# tokens over TP again), so every rank holds ceil(len / (2 CP m)) x 2m of its tokens.
+TE_CP_P2P = "te_cp_p2p"  # TE ring: K/V chunks passed round the CP ranks, partial outputs merged
+TE_CP_A2A = "te_cp_a2a"  # TE all-to-all (Ulysses): sequence-split -> head-split for the attention, and back
+TE_CP_ALL_GATHER = "te_cp_all_gather"  # TE all-gather of K/V (TE 2.11: not for THD, so not with packing)
+SDPA_CP_ALL_GATHER = "sdpa_cp_all_gather"  # our SDPAttention on CPU / without TE: K/V gathered over CP
+
+
+def cp_split_multiple(layout: Layout) -> int:
+    """What each sequence is padded to a multiple of at CP > 1: 2 x CP, times TP under sequence parallelism
+    (1 at CP = 1: nothing is padded)."""
+    if layout.cp == 1:
+        return 1
+    return 2 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
+
+
+def cp_padded_length(length: int, layout: Layout) -> int:
+    """One sequence's length after the CP split's padding (its own length at CP = 1)."""
+    multiple = cp_split_multiple(layout)
+    return -(-int(length) // multiple) * multiple
+
+
+def cp_rank_tokens(lengths, layout: Layout) -> int:
+    """Tokens one CP rank holds of a packed micro-batch of sequences of ``lengths``: each sequence padded
+    to a multiple of 2 CP m (m = TP under sequence parallelism, else 1), of which the rank holds 2 of the
+    2 CP chunks = sum(ceil(len / (2 CP m)) x 2m). At CP = 1 the sum of the lengths."""
+    return sum(cp_padded_length(n, layout) for n in lengths) // layout.cp
+
+
+def cp_attention_kernel(cp: int, cp_comm_type: Optional[str], transformer_engine: bool = True) -> Optional[str]:
+    """The context-parallel attention a CP > 1 micro-batch runs: Transformer Engine's, with the
+    ``cp_comm_type`` the TransformerConfig gets (null: p2p, what Megatron's TEDotProductAttention passes),
+    on a CUDA run with TE; SDPAttention's all-gather of K/V otherwise (CPU, or CUDA without TE). None at CP = 1."""
+    if cp == 1:
+        return None
+    if not transformer_engine:
+        return SDPA_CP_ALL_GATHER
+    return {"p2p": TE_CP_P2P, None: TE_CP_P2P, "a2a": TE_CP_A2A, "all_gather": TE_CP_ALL_GATHER}[cp_comm_type]
+
+
+def cp_attention_bytes(kernel: Optional[str], model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int,
+                       micro_batches: int, stage: Stage, recompute: Recompute = Recompute(),
+                       dtype_bytes: int = BF16) -> tuple[float, float]:
+    """(stored, transient) bytes the CP attention adds to activation_bytes' per-rank q, k, v and output,
+    for a micro-batch of ``tokens_per_micro_batch`` (padded, all CP ranks together: T).
+
+    Stored (kept for backward, per layer and micro-batch in flight):
+    - ``sdpa_cp_all_gather``: SDPA keeps the K and V it attended to, the whole micro-batch's (T tokens)
+      where the local share (T / CP) is already counted: (T - T / CP) x 2 kv / TP x 2 B per layer.
+    - ``te_cp_a2a``: TE saves the attention output in the head-split layout, a tensor apart from the
+      sequence-split output the output projection keeps: T / CP x q / TP x 2 B per layer.
+    - ``te_cp_p2p``, ``te_cp_all_gather``: q, k, v and the output of the rank's own tokens (and the
+      fp32 log-sum-exp, left out as for flash): nothing beyond activation_bytes.
+    Transient (one layer at a time, counted once):
+    - ``te_cp_p2p`` (TE 2.11 forward): every K/V chunk received round the ring stays referenced until the
+      layer's attention returns, i.e. the whole micro-batch's K and V (T x 2 kv / TP x 2 B), plus the
+      output of each of the CP steps (T x q / TP x 2 B) and the merged output (T / CP x q / TP x 2 B).
+    - ``te_cp_all_gather``, ``sdpa_cp_all_gather``: the gathered K and V, and in backward their
+      gradients: 2 x T x 2 kv / TP x 2 B.
+    - ``te_cp_a2a``: a second copy of the rank's q, k, v and output in the head-split layout:
+      T / CP x (2 q + 2 kv) / TP x 2 B.
+    Selective recompute re-runs the core attention: nothing of it is stored. Full recompute stores it only
+    for the chunk being recomputed.
+    """
+    if kernel is None or layout.cp == 1:
+        return 0.0, 0.0
+    tokens = float(tokens_per_micro_batch)
+    local = tokens / layout.cp
+    q_rank = model.q_size / layout.tp
+    kv_rank = max(1, model.num_key_value_heads // layout.tp) * model.head_dim
+    if kernel == SDPA_CP_ALL_GATHER:
+        per_layer = (tokens - local) * 2 * kv_rank * dtype_bytes
+        transient = 2 * tokens * 2 * kv_rank * dtype_bytes
+    elif kernel == TE_CP_A2A:
+        per_layer = local * q_rank * dtype_bytes
+        transient = local * (2 * q_rank + 2 * kv_rank) * dtype_bytes
+    elif kernel == TE_CP_P2P:
+        per_layer = 0.0
+        transient = (tokens * 2 * kv_rank + tokens * q_rank + local * q_rank) * dtype_bytes
+    elif kernel == TE_CP_ALL_GATHER:
+        per_layer = 0.0
+        transient = 2 * tokens * 2 * kv_rank * dtype_bytes
+    else:
+        raise ValueError(f"unknown context-parallel attention kernel {kernel!r}")
+    if recompute.granularity == "selective":
+        return 0.0, transient
+    layers = model.num_layers // layout.pp
+    if recompute.granularity == "full":
+        return min(recompute.num_layers, layers) * per_layer, transient
+    return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage), transient
+
+
+def micro_batch_activation_bytes(model: HFModelConfig, layout: Layout, lengths, *, micro_batches: int = 1,
+                                 stage: Stage = "first", recompute: Recompute = Recompute(),
+                                 cp_kernel: Optional[str] = None, dtype_bytes: int = BF16,
+                                 logits: bool = True) -> float:
+    """The planner's activation estimate for one rank of a packed micro-batch of sequences of ``lengths``
+    (tokens each, before the CP split): what ``_trained_role_rows`` adds up for the update phase.
+
+    Tokens per rank come from the real split (cp_rank_tokens: each sequence padded to 2 CP m); per layer
+    activation_bytes_per_token_layer of them; the logits of the rank's own tokens (``logits``: the actor,
+    at the last or only stage); and the CP attention's stored and transient bytes (cp_attention_bytes;
+    ``cp_kernel`` None: the kernel a CUDA run with TE picks for p2p at CP > 1, SDPA_CP_ALL_GATHER for
+    SDPAttention's). ``dtype_bytes`` = 4 scales the same formula to an fp32 (CPU) run.
+    """
+    tokens = cp_rank_tokens(lengths, layout) * layout.cp  # padded, all CP ranks together
+    total = activation_bytes(model, layout, tokens, micro_batches, stage, recompute, dtype_bytes=dtype_bytes)
+    if logits and (stage == "last" or layout.pp == 1):
+        total += logits_bytes(model, layout, tokens, dtype_bytes=dtype_bytes)
+    kernel = cp_kernel if cp_kernel is not None else cp_attention_kernel(layout.cp, None)
+    stored, transient = cp_attention_bytes(kernel, model, layout, tokens, micro_batches, stage, recompute,
+                                           dtype_bytes)
+    return total + stored + transient
 
 
 def micro_batches_in_flight(layout: Layout, micro_batches: int, stage: Stage) -> float:
@@ -174,19 +293,21 @@ def micro_batches_in_flight(layout: Layout, micro_batches: int, stage: Stage) ->
 
 
 def activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int, micro_batches: int,
-                     stage: Stage, recompute: Recompute = Recompute()) -> float:
+                     stage: Stage, recompute: Recompute = Recompute(), dtype_bytes: int = BF16) -> float:
     """Activations a GPU of ``stage`` holds at the peak of a training step.
 
     Without recompute each of the stage's L/PP layers keeps its full activations. Full recompute keeps
     only the checkpointed layer inputs (h x 2 B per token, split by TP under sequence parallel) plus one
     recompute chunk of full activations while it is recomputed. Selective recompute re-runs the core
     attention only, whose s x s scores flash attention never stores: it saves nothing here.
+    At CP > 1 ``tokens_per_micro_batch`` is the micro-batch after the CP split's padding (cp_padded_length
+    of each sequence): each rank holds 1 / CP of it.
     """
     tokens = tokens_per_micro_batch / layout.cp
-    per_layer = activation_bytes_per_token_layer(model, layout) * tokens
+    per_layer = activation_bytes_per_token_layer(model, layout, dtype_bytes) * tokens
     layers = model.num_layers // layout.pp
     if recompute.granularity == "full":
-        checkpoint = model.hidden_size * BF16 * tokens / (layout.tp if layout.sequence_parallel else 1)
+        checkpoint = model.hidden_size * dtype_bytes * tokens / (layout.tp if layout.sequence_parallel else 1)
         chunk = min(recompute.num_layers, layers)
         if recompute.method == "block":  # the first `chunk` layers recompute, the others keep everything
             stored = chunk * checkpoint + (layers - chunk) * per_layer
@@ -250,10 +371,11 @@ def attention_kernel_bytes(kernel: str, model: HFModelConfig, layout: Layout, to
     return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage)
 
 
-def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int) -> float:
-    """The last stage's output: bf16 logits plus an fp32 copy for the log-softmax, vocab split by TP."""
+def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int, dtype_bytes: int = BF16) -> float:
+    """The last stage's output: bf16 logits plus an fp32 copy for the log-softmax, vocab split by TP; at
+    CP > 1 only the rank's own T / CP tokens' logits (an fp32 run: fp32 logits, and the fp32 copy)."""
     vocab = padded_vocab_size(model.vocab_size, layout.tp) / layout.tp
-    return tokens_per_micro_batch / layout.cp * vocab * (BF16 + FP32)
+    return tokens_per_micro_batch / layout.cp * vocab * (dtype_bytes + FP32)
 
 
 def engine_static_bytes(mem_fraction_static: float, free_at_start: float) -> float:

@@ -14,7 +14,14 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
-from megatron_rl.plan.validate import DerivedSizes, RoleSizes, validate
+from megatron_rl.plan.validate import (
+    DerivedSizes,
+    RoleSizes,
+    check_context_parallel_model,
+    context_parallel_roles,
+    cp_comm_type,
+    validate,
+)
 from megatron_rl.models.sizes import check_parallel_fit, padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
@@ -66,6 +73,7 @@ class Plan:
     rows: tuple[MemoryRow, ...]
     rollout: RolloutShare
     sequence_length: int  # prompt + response tokens
+    notes: tuple[str, ...] = ()  # lines printed after the batch arithmetic (context parallelism's split)
 
     def total(self, phase: str) -> float:
         return sum(row.per_phase.get(phase, 0.0) for row in self.rows)
@@ -91,6 +99,7 @@ class Plan:
             f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
             f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
             self.sizes.summary(),
+            *self.notes,
             f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {rollout.fraction:g} x "
             f"{_gib(rollout.free_at_start)} GiB free at engine start = {_gib(rollout.reserved)} GiB: "
             f"weights {_gib(rollout.weights)} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
@@ -166,7 +175,10 @@ def _recompute(tcfg: Any) -> Recompute:
                      int(tcfg.recompute_num_layers or 1))
 
 
-def _check_factors(model: HFModelConfig, prefix: str, layout: Layout) -> None:
+def _check_factors(model: HFModelConfig, prefix: str, layout: Layout, cfg: DictConfig | None = None) -> None:
+    if cfg is not None:  # what CP > 1 needs from the model (MoE, a2a's heads, windows): refused naming the key
+        check_context_parallel_model(model, prefix, layout.cp, layout.tp,
+                                     cp_comm_type(OmegaConf.select(cfg, f"{prefix}.megatron")))
     try:
         check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp)
         if (layout.tp * layout.cp * layout.dp) % layout.expert_shards:
@@ -196,6 +208,7 @@ class _PhaseTable:
     def __init__(self, phases: tuple[str, ...]) -> None:
         self.phases = phases
         self.rows: list[MemoryRow] = []
+        self.notes: list[str] = []
         self.at_engine_start = 0.0  # bytes resident when the rollout engine starts (end of init_model)
 
     def add(self, label: str, nbytes: float, phases: tuple[str, ...], at_engine_start: float | None = None) -> None:
@@ -216,10 +229,27 @@ def _params_dtype(cfg: DictConfig, mcfg: DictConfig) -> str:
     return "fp32" if cfg.trainer.device == "cpu" else "bf16"  # what "auto" picks on each device
 
 
-def _tokens_per_micro_batch(role_cfg: DictConfig, micro: int, sequence_length: int) -> int:
+def _tokens_per_micro_batch(role_cfg: DictConfig, micro: int, sequence_length: int, layout: Layout) -> int:
+    """Tokens of a micro-batch at its longest, all CP ranks together, after the CP split's padding.
+
+    Fixed micro-batches: ``micro`` sequences of prompt + response tokens, each padded to a multiple of
+    2 CP m (memory.cp_padded_length; the padded length grows with the length, so full-length sequences are
+    the most). Dynamic batching: the ``ppo_max_token_len_per_gpu`` cap, plus the padding of the
+    ceil(cap / sequence length) full-length sequences it holds (shorter sequences pad more per token)."""
     if role_cfg.use_dynamic_bsz:
-        return role_cfg.ppo_max_token_len_per_gpu
-    return micro * sequence_length
+        cap = role_cfg.ppo_max_token_len_per_gpu
+        pad = memory.cp_padded_length(sequence_length, layout) - sequence_length
+        return cap + -(-cap // sequence_length) * pad
+    return micro * memory.cp_padded_length(sequence_length, layout)
+
+
+def _cp_note(role: str, layout: Layout, sequence_length: int, tokens: int, kernel: str | None,
+             comm: str | None) -> str:
+    multiple = memory.cp_split_multiple(layout)
+    return (f"{role}: CP {layout.cp}, {kernel} (cp_comm_type={comm or 'p2p'}): each sequence of a packed micro-batch "
+            f"padded to a multiple of 2 x CP{' x TP' if layout.sequence_parallel else ''} = {multiple} tokens "
+            f"({sequence_length} -> {memory.cp_padded_length(sequence_length, layout)}) and split into "
+            f"{2 * layout.cp} chunks, 2 per CP rank: {tokens:,} tokens per micro-batch, {tokens // layout.cp:,} per rank")
 
 
 def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_sizes: RoleSizes,
@@ -259,12 +289,21 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     table.add(f"{role} optimizer (Adam{shards})", optimizer, optim_phases,
               at_engine_start=at_start if "generate" in optim_phases else 0.0)
     # (m, v come at the first step, after the engine has sized itself)
-    tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg))
+    tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg), layout)
     act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,
                                   _recompute(tcfg))
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,))
+    if layout.cp > 1:
+        # CP attention (issue 35): Transformer Engine's with the TransformerConfig's cp_comm_type on CUDA
+        comm = tcfg.cp_comm_type
+        cp_kernel = memory.cp_attention_kernel(layout.cp, comm)
+        stored, transient = memory.cp_attention_bytes(cp_kernel, model, layout, tokens,
+                                                      role_sizes.grad_accumulation_steps, stage, _recompute(tcfg))
+        table.add(f"{role} CP attention ({cp_kernel})", stored + transient, (update_phase,))
+        table.notes.append(_cp_note(role, layout, _sequence_length(cfg), tokens, cp_kernel, comm))
+        return
     # the attention kernel that runs (models/attention.py), if it keeps more than flash does (issue 32)
     kernel = memory.attention_kernel(
         packed=bool(mcfg.packed_sequences), shared_prompts=bool(mcfg.share_prompts), dtype=dtype,
@@ -347,13 +386,14 @@ def build_plan(cfg: DictConfig) -> Plan:
     model = load_model_facts(cfg)
     world = sizes.world_size
     actor_layout = _layout(cfg, ACTOR, world)
-    _check_factors(model, ACTOR, actor_layout)
-    _check_factors(model, REF, _layout(cfg, REF, world))
+    roles = context_parallel_roles(cfg, sizes.uses_critic)
+    _check_factors(model, ACTOR, actor_layout, cfg)
+    _check_factors(model, REF, _layout(cfg, REF, world), cfg if REF in roles else None)
     critic_model = model
     if sizes.uses_critic:
         if not OmegaConf.is_missing(cfg.critic.model, "path"):  # else the critic starts from the actor's model
             critic_model = load_model_facts(cfg, "critic.model")
-        _check_factors(critic_model, "critic", _layout(cfg, "critic", world))
+        _check_factors(critic_model, "critic", _layout(cfg, "critic", world), cfg)
     gpu_memory = cfg.plan.gpu_memory_gib * GIB
     candidates = []
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
@@ -363,7 +403,7 @@ def build_plan(cfg: DictConfig) -> Plan:
         rollout = _rollout_share(cfg, model, world, free)
         _add_engine(table, cfg, rollout)
         candidates.append(Plan(sizes, model, gpu_memory, actor_layout, stage, table.phases, tuple(table.rows),
-                               rollout, _sequence_length(cfg)))
+                               rollout, _sequence_length(cfg), tuple(table.notes)))
     plan = max(candidates, key=lambda p: p.total(p.peak_phase()))
     if not plan.fits:
         raise PlanError(

@@ -234,6 +234,32 @@ def _config_json(key: str, model: DictConfig) -> dict[str, Any] | None:
     return {**raw, **OmegaConf.to_container(model.override_config, resolve=True)}
 
 
+def check_context_parallel_models(cfg: DictConfig, model) -> None:
+    """CP > 1 against the model (issue 35): an MoE model, a2a's head counts, a sliding window with p2p are
+    refused here as the dry run's plan refuses them (the model build would, after Ray started). ``model``:
+    the actor's facts, which the reference shares; the critic's own config.json when it has one."""
+    from megatron_rl.plan.model_facts import load_model_facts
+    from megatron_rl.plan.validate import (
+        check_context_parallel_model,
+        context_parallel_roles,
+        cp_comm_type,
+        uses_critic,
+    )
+
+    for role in context_parallel_roles(cfg, uses_critic(cfg)):
+        mcfg = OmegaConf.select(cfg, f"{role}.megatron")
+        if mcfg.context_parallel_size == 1 or role == "reward_model":
+            continue
+        facts = model
+        if role == "critic" and not OmegaConf.is_missing(cfg.critic.model, "path") and \
+                cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+            if _config_json("critic.model", cfg.critic.model) is None:
+                continue
+            facts = load_model_facts(cfg, "critic.model")
+        check_context_parallel_model(facts, role, mcfg.context_parallel_size, mcfg.tensor_model_parallel_size,
+                                     cp_comm_type(mcfg))
+
+
 def check_model(cfg: DictConfig) -> None:
     """config.json is readable, and the actor's and the rollout's TP split its heads and KV heads."""
     raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
@@ -242,7 +268,8 @@ def check_model(cfg: DictConfig) -> None:
     source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
     from megatron_rl.plan.model_facts import load_model_facts
 
-    load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
+    model = load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
+    check_context_parallel_models(cfg, model)
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(heads, int) or heads < 1:

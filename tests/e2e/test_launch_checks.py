@@ -41,8 +41,9 @@ def test_offload_run_matches_the_plain_run(tiny_assets, tmp_path):
 
 
 def test_refusals_that_came_after_start_up_come_before_it_with_exit_code_2(tiny_assets, tmp_path):
-    """Issue 33 items 7 and 9, through the real entry point: CP > 1 (accepted by --dry-run and the real start
-    before, refused by the model build after Ray started) and an architecture the builders do not know (refused by
+    """Issue 33 items 7 and 9, through the real entry point: CP > 1 on padded micro-batches (accepted by
+    --dry-run and the real start before, refused by the model build after Ray started; issue 35 builds CP on
+    packed sequences only) and an architecture the builders do not know (refused by
     --dry-run, but a real start failed in init_model) are refused by both before anything starts, rc 2."""
     import json
     import shutil
@@ -55,7 +56,7 @@ def test_refusals_that_came_after_start_up_come_before_it_with_exit_code_2(tiny_
     cases = [
         ("actor_rollout_ref.actor.megatron.context_parallel_size=2 actor_rollout_ref.ref.megatron.context_parallel_size=2 "
          "trainer.n_gpus_per_node=4",
-         "actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not built"),
+         "actor_rollout_ref.actor.megatron.context_parallel_size=2 needs actor_rollout_ref.actor.megatron.packed_sequences=true"),
         (f"actor_rollout_ref.model.path={other}", "FancyNewForCausalLM"),
     ]
     for override, message in cases:
