@@ -21,6 +21,7 @@
 #   megatron   210  tests/gpu/test_megatron_cuda.py: the actor on CUDA (TE spec when TE imports), packed vs
 #                   padded vs fp32 transformers, offload, peak memory
 #   attention  120  tests/gpu/test_attention_cuda.py when it exists (SDPA / varlen backend choice on the device)
+#   context_parallel 150  tests/gpu/test_context_parallel_cuda.py: TE CP attention at CP=2 (2 GPUs; skips on one)
 #   bench      150  benchmarks/test_kernels_gpu.py, only with GPU_CHECK_BENCH=1
 # With TE installed already the whole check takes about 5-7 minutes; a TE source build adds 5-10, so on a bare
 # machine run it twice (the second with GPU_CHECK_ONLY="imports megatron attention" while the machine is warm).
@@ -202,6 +203,11 @@ stage log_prob_nan 60 "ext_build" -- "$PY" -m pytest tests/gpu/test_kernels_cuda
 # model of torch's backend rules is no more generous than this torch; which varlen_attn path runs (items 2, 17).
 pytest_stage attention_dispatch 90 "ext_build" tests/gpu/test_attention_dispatch_cuda.py
 # ---------------------------------------------------------------------------- end of issue 32 items 11 and 2
+
+# ---------------------------------------------------------------------------- issue 35 (context parallelism)
+# context_parallel: TE's CP attention (p2p) at CP=2 against CP=1 in bf16; needs 2 GPUs (the test skips on one,
+# saying so: NCCL takes one rank per device). The CPU suite runs the same jobs at CP=2 through SDPAttention.
+pytest_stage context_parallel 150 "ext_build" tests/gpu/test_context_parallel_cuda.py
 
 # ---------------------------------------------------------------------------- summary
 python_for_summary=$PY
