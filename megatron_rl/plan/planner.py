@@ -178,7 +178,8 @@ def _recompute(tcfg: Any) -> Recompute:
 def _check_factors(model: HFModelConfig, prefix: str, layout: Layout, cfg: DictConfig | None = None) -> None:
     if cfg is not None:  # what CP > 1 needs from the model (MoE, a2a's heads, windows): refused naming the key
         check_context_parallel_model(model, prefix, layout.cp, layout.tp,
-                                     cp_comm_type(OmegaConf.select(cfg, f"{prefix}.megatron")))
+                                     cp_comm_type(OmegaConf.select(cfg, f"{prefix}.megatron")),
+                                     te_attention=str(cfg.trainer.device) != "cpu")
     try:
         check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp)
         if (layout.tp * layout.cp * layout.dp) % layout.expert_shards:
@@ -234,10 +235,11 @@ def _tokens_per_micro_batch(role_cfg: DictConfig, micro: int, sequence_length: i
 
     Fixed micro-batches: ``micro`` sequences of prompt + response tokens, each padded to a multiple of
     2 CP m (memory.cp_padded_length; the padded length grows with the length, so full-length sequences are
-    the most). Dynamic batching: the ``ppo_max_token_len_per_gpu`` cap, plus the padding of the
-    ceil(cap / sequence length) full-length sequences it holds (shorter sequences pad more per token)."""
+    the most). Dynamic batching: the ``ppo_max_token_len_per_gpu`` cap per GPU, so CP x cap real tokens per
+    micro-batch (workers/forward.pack_batch, as verl), plus the padding of the ceil(cap / sequence length)
+    full-length sequences it holds (shorter sequences pad more per token)."""
     if role_cfg.use_dynamic_bsz:
-        cap = role_cfg.ppo_max_token_len_per_gpu
+        cap = role_cfg.ppo_max_token_len_per_gpu * layout.cp
         pad = memory.cp_padded_length(sequence_length, layout) - sequence_length
         return cap + -(-cap // sequence_length) * pad
     return micro * memory.cp_padded_length(sequence_length, layout)

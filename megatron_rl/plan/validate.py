@@ -596,10 +596,11 @@ def check_context_parallel(cfg: DictConfig, uses_critic: bool) -> None:
                  "says, and all_gather is accepted)")
 
 
-def check_context_parallel_model(model, role: str, cp: int, tp: int = 1, comm=None) -> None:
+def check_context_parallel_model(model, role: str, cp: int, tp: int = 1, comm=None, te_attention: bool = True) -> None:
     """What a role's CP > 1 needs from the model itself (``model``: the HFModelConfig the planner and the
     preflight read from config.json or plan.architecture; ``comm``: its cp_comm_type); raises ConfigError
-    naming the key."""
+    naming the key. ``te_attention``: the run is on CUDA, where Transformer Engine's CP attention runs and
+    brings its own limits (windows, a2a's heads); on CPU SDPAttention's all-gather takes any of them."""
     if cp == 1:
         return
     key = f"{role}.megatron.context_parallel_size={cp}"
@@ -608,6 +609,8 @@ def check_context_parallel_model(model, role: str, cp: int, tp: int = 1, comm=No
              f"{model.moe.num_experts if model.moe is not None else 0} experts) is not built: the token routing, "
              "its load-balancing loss and the routing replay count a sequence's tokens on one rank; set CP to 1 "
              "and split the model with expert / tensor parallelism")
+    if not te_attention:
+        return
     window = getattr(model, "sliding_window", None)
     comm_key = f"{role}.megatron.override_transformer_config.cp_comm_type"
     _require(not window or comm == "a2a",

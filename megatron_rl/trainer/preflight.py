@@ -257,7 +257,7 @@ def check_context_parallel_models(cfg: DictConfig, model) -> None:
                 continue
             facts = load_model_facts(cfg, "critic.model")
         check_context_parallel_model(facts, role, mcfg.context_parallel_size, mcfg.tensor_model_parallel_size,
-                                     cp_comm_type(mcfg))
+                                     cp_comm_type(mcfg), te_attention=str(cfg.trainer.device) != "cpu")
 
 
 def check_model(cfg: DictConfig) -> None:

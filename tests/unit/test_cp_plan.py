@@ -112,6 +112,18 @@ def test_cp_against_the_model_is_refused_by_the_preflight_and_the_plan(tmp_path,
     check_context_parallel_models(fine, load_model_facts(fine))
 
 
+def test_a_sliding_window_at_cp_is_accepted_on_cpu(tmp_path):
+    """Only TE's p2p ring refuses windows: on CPU SDPAttention's all-gather masks them exactly
+    (tests/workers/test_context_parallel.py runs a windowed model at CP=2)."""
+    from megatron_rl.trainer.preflight import check_context_parallel_models
+
+    model_dir = _write_model(tmp_path / "model", architectures=["MistralForCausalLM"], model_type="mistral",
+                             sliding_window=32)
+    cfg = cfg_with(*CP2, "trainer.device=cpu", f"actor_rollout_ref.model.path={model_dir}")
+    check_context_parallel_models(cfg, load_model_facts(cfg))
+    build_plan(cfg)
+
+
 # ---------------------------------------------------------------------------- the planner's CP accounting
 def test_cp_split_pads_each_sequence_to_2cp_times_tp_under_sequence_parallelism():
     cp2 = Layout(tp=1, pp=1, cp=2, dp=1)
@@ -196,7 +208,9 @@ def test_dynamic_batching_counts_the_pad_of_the_sequences_under_the_cap():
         "+experiment=grpo_8b_long_context", "data.max_response_length=1001",
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=6100"]))
     layout = Layout(tp=2, pp=1, cp=4, dp=2, sequence_parallel=True)
-    tokens = 6100 + 3 * 7  # ceil(6100 / 3049) = 3 sequences under the cap, each padded 3049 -> 3056
+    # the cap is per GPU: CP 4 x 6100 real tokens per micro-batch (workers/forward.pack_batch, as verl), i.e.
+    # ceil(24400 / 3049) = 9 sequences, each padded 3049 -> 3056
+    tokens = 4 * 6100 + 9 * 7
     (act,) = [r for r in plan.rows if r.label == "actor activations"]
     assert act.per_phase["actor update"] == pytest.approx(
         memory.activation_bytes(plan.model, layout, tokens, 64, "first") + memory.logits_bytes(plan.model, layout, tokens))

@@ -87,3 +87,30 @@ def cp_job(model_dir: str, critic_dir: str, cp: int, tp: int, sequence_parallel:
     out["rm_scores"] = _reward_model_scores(critic_dir, layout, data)
     destroy_model_parallel()
     return out
+
+
+def window_job(model_dir: str, cp: int) -> torch.Tensor:
+    """Log-probs of a sliding-window model at CP=``cp`` (keys further back than the window masked on every
+    chunk, including the keys gathered from the other CP ranks)."""
+    init_model_parallel(cp=cp)
+    config = _megatron(actor_config(), {"context_parallel_size": cp})
+    log_probs = make_actor(model_dir, config).compute_log_prob(cp_batch()).batch["old_log_probs"]
+    destroy_model_parallel()
+    return log_probs
+
+
+def activation_job(model_dir: str, cp: int) -> dict[str, Any]:
+    """The activations one training step of one micro-batch keeps per rank at CP=``cp`` (measured: autograd's
+    saved tensors) and the real lengths of its sequences."""
+    from workers_batches import make_rl_batch
+
+    from megatron_rl_testing.saved_activations import SavedActivations
+
+    init_model_parallel(cp=cp)
+    data = make_rl_batch(4, prompt_len=32, response_len=480, seed=3)
+    config = _megatron(actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4), {"context_parallel_size": cp})
+    actor = make_actor(model_dir, config)  # rollout n 2: 4 responses, one mini-batch, one micro-batch
+    with SavedActivations([p for chunk in actor.engine.model for p in chunk.parameters()]) as saved:
+        update(actor, data)
+    destroy_model_parallel()
+    return {"bytes": saved.nbytes, "lengths": data.batch["attention_mask"].sum(dim=1).tolist()}

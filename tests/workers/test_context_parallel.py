@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_jobs import AGG_MODES, cp_job
+from cp_jobs import AGG_MODES, cp_job, window_job
 
 from megatron_rl.distributed import run_multiprocess
 
@@ -90,3 +90,14 @@ def test_token_budget_is_per_gpu(reference, layout):
         pytest.skip("the interleaved schedule takes only some micro-batch counts: no token budget at VPP")
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert ranks[-1]["dynamic/metrics"][key] == pytest.approx(reference["dynamic/metrics"][key], rel=ATOL, abs=ATOL)
+
+
+def test_sliding_window_equals_cp1(tmp_path):
+    """Mistral's window (3 tokens here, shorter than most sequences): each chunk's queries see only the keys
+    within it, whichever CP rank computed them."""
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+
+    model = str(make_tiny_hf_checkpoint(tmp_path / "mistral", "mistral", sliding_window=3, with_tokenizer=False))
+    reference = run_multiprocess(window_job, 1, model, 1, timeout_s=600)[0]
+    for rank in run_multiprocess(window_job, 2, model, 2, timeout_s=600):
+        _close(rank, reference, "sliding window at CP=2")
