@@ -8,13 +8,13 @@ excluded), measured, against the planner's formula for the same model (plan/memo
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl_testing.saved_activations import SavedActivations
+from megatron_rl_testing.timing import best_seconds
 
 SHAPE = {"vocab_size": 2048, "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
          "intermediate_size": 768}
@@ -38,15 +38,6 @@ def _batch():
     }, meta_info={"temperature": 1.0})
 
 
-def _best(rounds: int, fn) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def cp_bench_job(model_dir: str, cp: int) -> dict[str, float]:
     from megatron_rl.config.schema import ActorConfig, MegatronParallelConfig, OptimConfig
     from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
@@ -63,8 +54,8 @@ def cp_bench_job(model_dir: str, cp: int) -> dict[str, float]:
     parameters = [p for chunk in actor.engine.model for p in chunk.parameters()]
     with SavedActivations(parameters) as saved:
         actor.update_actor(data)
-    out = {"update_s": _best(3, lambda: actor.update_actor(data)),
-           "log_prob_s": _best(3, lambda: actor.compute_log_prob(data)),
+    out = {"update_s": best_seconds(3, lambda: actor.update_actor(data)),
+           "log_prob_s": best_seconds(3, lambda: actor.compute_log_prob(data)),
            "activation_bytes": saved.nbytes, "tokens": int(data.batch["attention_mask"].sum())}
     destroy_model_parallel()
     return out

@@ -13,13 +13,13 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_rl.protocol import DataProto
+from megatron_rl_testing.timing import best_seconds
 
 _spec = importlib.util.spec_from_file_location(
     "protocol_dict_baseline", pathlib.Path(__file__).with_name("protocol_dict_baseline.py"))
@@ -63,20 +63,11 @@ def _ops(cls):
     }
 
 
-def _best(fn) -> float:
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @pytest.mark.parametrize("op", ["repeat", "union", "concat", "split", "chunk"])
 def test_protocol_op_against_dict_baseline(benchmark, op):
     ours, theirs = _ops(DataProto)[op], _ops(baseline.DataProto)[op]
-    old = _best(theirs)
-    new = _best(ours)
+    old = best_seconds(ROUNDS, theirs)
+    new = best_seconds(ROUNDS, ours)
     benchmark.pedantic(ours, rounds=ROUNDS, iterations=1)
     benchmark.extra_info.update(old_ms=old * 1e3, new_ms=new * 1e3, ratio=new / old)
     print(f"\n{op:7s} 8192 rows: dict {old * 1e3:8.2f} ms  TensorDict {new * 1e3:8.2f} ms  ratio {new / old:.2f}")

@@ -15,7 +15,6 @@ fp32 throughout (the CPU engine's dtype). Run:
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.rollout import HFEngine
 from megatron_rl.weights import sync_weights
+from megatron_rl_testing.timing import best_seconds
 
 SHAPE = {
     "vocab_size": 32000,
@@ -42,18 +42,9 @@ def _config():
     return tiny_hf_config("qwen2", **SHAPE)
 
 
-def _best_of(rounds: int, fn) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _cat_copy_seconds(tensors: list[torch.Tensor], rounds: int) -> float:
     dst = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
-    return _best_of(rounds, lambda: dst.copy_(torch.cat([t.reshape(-1) for t in tensors])))
+    return best_seconds(rounds, lambda: dst.copy_(torch.cat([t.reshape(-1) for t in tensors])))
 
 
 def _report(label: str, nbytes: int, sync_s: float, plain_s: float) -> dict[str, float]:
@@ -133,7 +124,7 @@ def megatron_sync(config_dir: str, tp: int, pp: int) -> dict | None:
         with count_traffic(8) as counts:
             one_sync()
         out[f"{path}_collectives"] = counts["collectives"]
-        out[f"{path}_s"] = _best_of(2, one_sync)
+        out[f"{path}_s"] = best_seconds(2, one_sync)
         # check: the engine holds the trainer's weights (both paths must deliver the same bytes)
         exported = {name: t.clone() for name, t in export_hf_weights(chunks)}
         if rank0:
