@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.lora import LoRASpec, attach_lora
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
 from megatron_rl.models.moe_compat import bind_missing_te_names
 from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
@@ -212,7 +213,21 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = False) -> ModuleSpec:
+def _unfuse_te_norms(spec: ModuleSpec) -> None:
+    """TE's spec fuses the pre-attention and pre-MLP norms into linear_qkv / linear_fc1; a LoRA adapter joins
+    those linears through their input, which must be the normalised one: the norms become TENorm modules
+    of their own and the linears plain TEColumnParallelLinear."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+    spec.submodules.input_layernorm = TENorm
+    spec.submodules.self_attention.submodules.linear_qkv = TEColumnParallelLinear
+    mlp = spec.submodules.mlp.submodules
+    if hasattr(mlp, "linear_fc1"):
+        spec.submodules.pre_mlp_layernorm = TENorm
+        mlp.linear_fc1 = TEColumnParallelLinear
+
+
+def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = False, lora: bool = False) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
     SDPAttention so the explicit causal+padding mask means the same thing on every backend, except under
     context parallelism with TE: TE's attention then runs the CP exchange (``cp_comm_type``, p2p by default)
@@ -238,6 +253,8 @@ def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = Fal
             spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
     if not (use_te and context_parallel):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if use_te and lora:
+        _unfuse_te_norms(spec)
     return spec
 
 
@@ -284,6 +301,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     init_weights: bool = True,
     parallel_output: bool = True,
+    lora: LoRASpec | None = None,
     **config_overrides: Any,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage, else a list of one).
@@ -292,13 +310,14 @@ def build_gpt_model(
     carries ``chunk.hf_config`` (the HFModelConfig) for loading and export. ``value_head=True``
     builds the critic: untied embeddings and a ValueHead (hidden -> 1) on the last stage.
     ``init_weights=False`` skips random initialisation when weights are loaded right after.
+    ``lora``: LoRA adapters on the targeted linears (models/lora.py); the engine freezes the rest.
     """
     if use_te is None:
         use_te = te_available()
     config = make_transformer_config(
         hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides
     )
-    spec = gpt_layer_spec(hf, use_te, context_parallel=config.context_parallel_size > 1)
+    spec = gpt_layer_spec(hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None)
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     rope_kwargs: dict[str, Any] = {}
     if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
@@ -328,6 +347,8 @@ def build_gpt_model(
             mark_tensor_parallel_weights(model)
         if value_head and model.post_process:
             attach_value_head(model, init=value_head_init, bias=not hf.sequence_classifier)
+        if lora is not None:
+            attach_lora(model, lora)
         model.hf_config = hf
         chunks.append(model)
     return chunks

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.lora import LoRAAdapter, adapter_of
 from megatron_rl.models.moe import local_experts
 from megatron_rl.models.value_head import ValueHead
 
@@ -63,6 +64,11 @@ class ParamMapping:
     param: torch.nn.Parameter
     group: TensorGroup
     export: bool = True  # False for the tied output-layer copy on the last stage
+    adapter: LoRAAdapter | None = None  # a LoRA adapter on this (frozen) weight: exported merged
+
+    def value(self) -> torch.Tensor:
+        """What is exported: the weight, with its LoRA adapter merged in (W + alpha / r B A) when it has one."""
+        return self.param.detach() if self.adapter is None else self.adapter.merged(self.param)
 
 
 def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGroup]:
@@ -209,7 +215,10 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             params["post_norm"] = _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1)
             params["gate_up"] = mlp.linear_fc1.weight
             params["down"] = mlp.linear_fc2.weight
-        mappings += [ParamMapping(params[role], group) for role, group in groups.items()]
+        adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
+        if experts is None:
+            adapters |= {"gate_up": adapter_of(mlp, "linear_fc1"), "down": adapter_of(mlp, "linear_fc2")}
+        mappings += [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
     if model.post_process:
         mappings.append(
             ParamMapping(

@@ -239,7 +239,7 @@ class _Transfer:
         """This rank's shards of the bucket's parameters into its flat buffer."""
         for slot in self.bucket.slots:
             view = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            view.copy_(self.ctx.local[slot.group.key].param.detach())  # the cast to the export dtype is this copy
+            view.copy_(self.ctx.local[slot.group.key].value())  # the cast to the export dtype is this copy
 
     def _expert_parallel_step(self) -> torch.Tensor | None:
         """An expert bucket under EP > 1, on its stage: the owning EP rank's shards, broadcast over the EP group
@@ -526,7 +526,7 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _full_tensors(hf: HFModelConfig, mapping: ParamMapping, dtype: torch.dtype | None) -> list[torch.Tensor]:
-    local = mapping.param.detach()
+    local = mapping.value()
     if dtype is not None:
         local = local.to(dtype)
     shards = [local] if mapping.group.kind is Kind.REPLICATED else _gather_tp(local)

@@ -97,6 +97,19 @@ def check_share_prompts(chunks: Sequence[torch.nn.Module], packed_sequences: boo
             raise ValueError(f"{prefix}.share_prompts: {err}") from None
 
 
+def freeze_all_but_adapters(chunks: Sequence[torch.nn.Module]) -> None:
+    """LoRA: only the adapters (and a critic's value head) train; the base weights get no gradient buffer,
+    no optimizer state and no distributed-optimizer shard (DDP and the optimizer skip frozen parameters)."""
+    from megatron_rl.models.lora import LoRAAdapter
+    from megatron_rl.models.value_head import ValueHead
+
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        for module in chunk.modules():
+            if isinstance(module, (LoRAAdapter, ValueHead)):
+                module.requires_grad_(True)
+
+
 def _finalize_grads_unscaled(model, num_tokens, pg_collection=None, force_all_reduce=False):
     """Megatron's grad finalisation (DP reduction, tied embeddings) without dividing by a token count."""
     from megatron.core.distributed import finalize_model_grads
@@ -128,13 +141,17 @@ class MegatronEngine:
         value_head_init: str = "normal",
         name: str = "actor",
         override_config: Any = None,
+        lora: Any = None,
     ) -> None:
         from megatron_rl.models import build_gpt_model, load_hf_config, load_hf_weights
         from megatron_rl.models.builder import transformer_overrides
+        from megatron_rl.models.lora import LoRASpec
 
         self.name = name
         check_parallel_state(parallel, f"{name}.megatron")
         self.params_dtype = resolve_params_dtype(parallel.params_dtype, f"{name}.megatron")
+        # <role>.model.lora (rank > 0): adapters on the targeted linears, everything else frozen
+        self.lora = LoRASpec.from_config(lora, self.params_dtype, seed=int(getattr(parallel, "seed", 0)))
         # init_weights=True although the weights are loaded next: Megatron marks tensor-parallel
         # parameters (``tensor_model_parallel``, read by the grad-norm and clipping) only while it
         # initialises them; without it the gradient norm under TP>1 misses half the shards.
@@ -146,9 +163,12 @@ class MegatronEngine:
             value_head_init=value_head_init,
             params_dtype=self.params_dtype,
             init_weights=True,
+            lora=self.lora,
             **transformer_overrides(parallel, f"{name}.megatron"),
         )
         load_hf_weights(chunks, model_dir)
+        if self.lora is not None:
+            freeze_all_but_adapters(chunks)
         self.hf_config = chunks[0].hf_config
         self.config = chunks[0].config
         # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.

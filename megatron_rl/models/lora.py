@@ -1,0 +1,272 @@
+"""LoRA adapters on Megatron's tensor-parallel linears: ``y = W x + (alpha / r) B A dropout(x)``, W frozen.
+
+Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``; an adapter there is one (A, B)
+pair per HF part (q, k, v; gate, up), as PEFT has them on ``q_proj``/``k_proj``/... (so a PEFT adapter loads
+and saves exactly), and its output is laid out like the fused weight's rows. Each adapter is sharded the
+way its base linear is:
+
+- column-parallel base (linear_qkv, linear_fc1): A [r, in] replicated, B [out / TP, r] split like the output;
+  the input is the whole sequence (gathered from the TP ranks under sequence parallelism);
+- row-parallel base (linear_proj, linear_fc2): A [r, in / TP] split like the input, B [out, r] replicated;
+  A's partial products are summed over TP (reduce-scattered along the sequence under sequence parallelism).
+
+A replicated factor whose gradient each TP rank only sees a part of (A of a column-parallel adapter and B
+of a row-parallel one under sequence parallelism) is marked ``sequence_parallel`` so that Megatron's
+``finalize_model_grads`` sums it over TP, as it does for the norms. Initial values come from one generator
+per factor seeded by the layer and part, drawn at full size and then sliced, so every TP/PP layout starts
+from the same adapter.
+
+The adapter is a child of the attention / MLP module (``linear_qkv_lora`` next to ``linear_qkv``), not of
+the linear itself, whose checkpoint code would save it as replicated; it joins the linear's output through
+a forward hook. ``adapters_disabled`` switches every adapter off: the reference policy is the actor without
+them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+# HF module of each part of a target (PEFT's names)
+HF_PARTS = {
+    "linear_qkv": (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj")),
+    "linear_proj": (("", "self_attn.o_proj"),),
+    "linear_fc1": (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj")),
+    "linear_fc2": (("", "mlp.down_proj"),),
+}
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """The adapters to build (from ``<role>.model.lora``, whose aliases the config layer has folded)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = TARGETS  # Megatron names or fnmatch patterns of module names
+    exclude: tuple[str, ...] = ()
+    a_init: str = "xavier"
+    b_init: str = "zero"
+    dtype: torch.dtype | None = None  # None: the base weight's
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def selects(self, module_name: str) -> bool:
+        """Whether the linear at ``module_name`` (``decoder.layers.3.self_attention.linear_qkv``) gets an adapter."""
+        leaf = module_name.rsplit(".", 1)[-1]
+        chosen = any(leaf == t or fnmatch.fnmatchcase(module_name, t) for t in self.targets)
+        return chosen and not any(fnmatch.fnmatchcase(module_name, pattern) for pattern in self.exclude)
+
+    @classmethod
+    def from_config(cls, lora, params_dtype: torch.dtype, seed: int = 0) -> LoRASpec | None:
+        """The spec of a ``LoRAConfig`` (None when rank is 0: LoRA off)."""
+        if lora is None or not lora.rank:
+            return None
+        dtypes = {None: None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                  "bfloat16": torch.bfloat16}
+        alpha = 16.0 if lora.alpha is None else float(lora.alpha)
+        return cls(rank=int(lora.rank), alpha=alpha, dropout=float(lora.dropout),
+                   targets=tuple(lora.target_modules), exclude=tuple(lora.exclude_modules or ()),
+                   a_init=lora.lora_A_init_method, b_init=lora.lora_B_init_method,
+                   dtype=dtypes[lora.dtype] or params_dtype, seed=seed)
+
+
+def _init(method: str, shape: tuple[int, int], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A full-size factor drawn from its own generator (the same on every rank and layout)."""
+    out = torch.empty(shape, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    fan_out, fan_in = shape
+    if method == "zero":
+        out.zero_()
+    elif method == "xavier":
+        out.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
+    elif method == "kaiming":  # PEFT's default for A: kaiming_uniform(a=sqrt(5)), bound 1/sqrt(fan_in)
+        bound = 1.0 / math.sqrt(fan_in)
+        out.uniform_(-bound, bound, generator=generator)
+    elif method == "normal":  # PEFT's "gaussian": std 1 / r (r: the factor's short side)
+        out.normal_(0.0, 1.0 / min(shape), generator=generator)
+    else:
+        raise ValueError(f"unknown LoRA init method {method!r}; known: {', '.join(INIT_METHODS)}")
+    return out.to(dtype)
+
+
+def _seed(spec: LoRASpec, layer: int, target: str, part: str, factor: str) -> int:
+    return (spec.seed * 1_000_003 + zlib.crc32(f"{layer}.{target}.{part}.{factor}".encode())) % (2**63)
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The adapter of one base linear; ``forward(x)`` is what it adds to the linear's output."""
+
+    def __init__(self, spec: LoRASpec, target: str, layer: int, config, full_in: int, full_outs: Sequence[int],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.target, self.layer = target, layer
+        self.column = target in COLUMN_PARALLEL
+        self.parts = tuple(part for part, _ in HF_PARTS[target])
+        self.rank, self.scale, self.dropout = spec.rank, spec.scale, spec.dropout
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.enabled = True
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        dtype = spec.dtype
+        for part, full_out in zip(self.parts, full_outs):
+            a = _init(spec.a_init, (spec.rank, full_in), _seed(spec, layer, target, part, "A"), dtype)
+            b = _init(spec.b_init, (full_out, spec.rank), _seed(spec, layer, target, part, "B"), dtype)
+            if self.column:  # B split like the output rows
+                b = b.chunk(tp, dim=0)[tp_rank]
+            else:  # A split like the input columns
+                a = a.chunk(tp, dim=1)[tp_rank]
+            a_param = torch.nn.Parameter(a.contiguous().to(device))
+            b_param = torch.nn.Parameter(b.contiguous().to(device))
+            split, whole = (b_param, a_param) if self.column else (a_param, b_param)
+            set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if self.column else 1, stride=1)
+            # the factor each TP rank sees a part of the gradient of under SP: summed over TP by finalize_model_grads
+            whole.sequence_parallel = self.sequence_parallel
+            self.register_parameter(self._name("A", part), a_param)
+            self.register_parameter(self._name("B", part), b_param)
+        self.layout = None  # set by attach: how the parts' outputs interleave into the fused output
+
+    @staticmethod
+    def _name(factor: str, part: str) -> str:
+        return f"{factor}_{part}" if part else factor
+
+    def factors(self, part: str) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        return getattr(self, self._name("A", part)), getattr(self, self._name("B", part))
+
+    def _combine(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' outputs ([..., out_p] each) in the fused linear's output order (its weight's rows)."""
+        if self.target == "linear_qkv":  # per query group: [q heads of the group | k | v]
+            groups = self.layout
+            return torch.cat([p.reshape(*p.shape[:-1], groups, -1) for p in pieces], dim=-1).flatten(-2)
+        return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.column:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+            x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+            pieces = []
+            for part in self.parts:
+                a, b = self.factors(part)
+                hidden = F.linear(x, a)
+                if not self.sequence_parallel:  # each rank's B sees part of dL/dhidden: sum it over TP
+                    hidden = copy_to_tensor_model_parallel_region(hidden)
+                pieces.append(F.linear(hidden, b))
+            return self._combine(pieces) * self.scale
+        a, b = self.factors("")
+        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        hidden = F.linear(x, a)  # a partial sum over this rank's input columns
+        hidden = (reduce_scatter_to_sequence_parallel_region(hidden) if self.sequence_parallel
+                  else reduce_from_tensor_model_parallel_region(hidden))
+        return F.linear(hidden, b) * self.scale
+
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (this rank's shard of the base linear) + scale x B A, in the same layout."""
+        deltas = []
+        for part in self.parts:
+            a, b = self.factors(part)
+            deltas.append((b.float() @ a.float()).t())  # [in, out_p]: the combine works on the last dim
+        delta = self._combine(deltas).t()
+        return (weight.float() + self.scale * delta).to(weight.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron dist-checkpoint entries: the TP-split factor with its axis, the other replicated."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis = {self._name("B" if self.column else "A", part): 0 if self.column else 1 for part in self.parts}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
+
+
+def _target_sizes(target: str, config) -> tuple[int, list[int]]:
+    """(full input size, full output size of each part) of a target linear."""
+    h, d = config.hidden_size, config.kv_channels
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    ffn = config.ffn_hidden_size
+    return {
+        "linear_qkv": (h, [heads * d, groups * d, groups * d]),
+        "linear_proj": (heads * d, [h]),
+        "linear_fc1": (h, [ffn, ffn]),
+        "linear_fc2": (ffn, [h]),
+    }[target]
+
+
+def _hook(adapter: LoRAAdapter):
+    def add_adapter(module, args, output):
+        if not adapter.enabled:
+            return output
+        out, bias = output
+        return out + adapter(args[0]).to(out.dtype), bias
+
+    return add_adapter
+
+
+def attach_lora(model: torch.nn.Module, spec: LoRASpec) -> list[LoRAAdapter]:
+    """Add adapters to the targeted linears of ``model`` (one GPTModel chunk, before DDP); returns them."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    adapters = []
+    config = model.config
+    groups_local = (config.num_query_groups or config.num_attention_heads) \
+        // parallel_state.get_tensor_model_parallel_world_size()
+    for layer in model.decoder.layers:
+        for parent_name, parent in (("self_attention", layer.self_attention), ("mlp", layer.mlp)):
+            if isinstance(parent, MoELayer):
+                raise ValueError("LoRA on MoE experts is not built (plan/validate.py refuses it before launch)")
+            for target in TARGETS:
+                linear = getattr(parent, target, None)
+                name = f"decoder.layers.{layer.layer_number - 1}.{parent_name}.{target}"
+                if linear is None or not spec.selects(name):
+                    continue
+                full_in, full_outs = _target_sizes(target, config)
+                adapter = LoRAAdapter(spec, target, layer.layer_number - 1, config, full_in, full_outs,
+                                      linear.weight.device)
+                adapter.layout = groups_local
+                parent.add_module(f"{target}_lora", adapter)
+                linear.register_forward_hook(_hook(adapter))
+                adapters.append(adapter)
+    return adapters
+
+
+def adapters_of(chunks: Sequence[torch.nn.Module]) -> list[LoRAAdapter]:
+    return [module for chunk in chunks for module in chunk.modules() if isinstance(module, LoRAAdapter)]
+
+
+def adapter_of(parent: torch.nn.Module, target: str) -> LoRAAdapter | None:
+    """The adapter of ``parent.<target>`` (attention or MLP module), if it has one."""
+    return getattr(parent, f"{target}_lora", None)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Inside, the model computes with its base weights only (the reference policy of a LoRA actor)."""
+    adapters = adapters_of(chunks)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
