@@ -14,7 +14,7 @@ from megatron_rl.config.schema import LossAggMode
 from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
 
 # Loss aggregation modes whose normalisers must count each token once across CP ranks.
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def cp_batch():
