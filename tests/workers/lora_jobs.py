@@ -89,3 +89,18 @@ def base_job(model_dir: str) -> torch.Tensor:
     log_probs = actor.compute_log_prob(training_batch()).batch["old_log_probs"]
     destroy_model_parallel()
     return log_probs
+
+
+def merged_export_job(model_dir: str, tp: int, pp: int = 1) -> dict[str, Any]:
+    """After one LoRA update: the weights the engines get (export_hf_weights, merged) and the full adapters."""
+    from megatron_rl.weights import export_hf_weights
+
+    init_model_parallel(tp=tp, pp=pp)
+    actor = _actor(model_dir, tp, pp, False, lora_config())
+    update(actor, training_batch())
+    exported = {name: tensor.clone() for name, tensor in export_hf_weights(actor.engine.model)}
+    adapters = {k: v for k, v in adapter_tensors(actor.engine, grads=False).items()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, adapters)
+    destroy_model_parallel()
+    return {"exported": exported, "adapters": {k: v for part in gathered for k, v in part.items()}}

@@ -5,6 +5,8 @@ adapters off the actor is the base model (the reference policy)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from lora_jobs import base_job, lora_job
@@ -69,3 +71,39 @@ def test_layouts_equal_tp1(reference, layout):
         _close(grads[key], grad, f"{name} gradient of {key}")
         _close(after[key], reference["adapters_after"][key], f"{name} {key} after the step")
     _close(last["log_probs_after"], reference["log_probs_after"], f"{name} log-probs after the step")
+
+
+def _merged_in_hf_layout(model_dir: str, adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The base checkpoint with W + scale B A merged per HF module, computed in HF's layout (not the exporter's)."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.lora import HF_PARTS
+
+    weights = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    for key in {k.rsplit(".", 1)[0] for k in adapters}:
+        layer, target = key.split(".")
+        for part, module in HF_PARTS[target]:
+            suffix = f"_{part}" if part else ""
+            a, b = adapters[f"{key}.A{suffix}"], adapters[f"{key}.B{suffix}"]
+            name = f"model.layers.{layer}.{module}.weight"
+            weights[name] = weights[name] + scale * (b @ a)
+    return weights
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_engines_get_the_merged_weights(model_dir, tp, pp):
+    """What every engine receives (the exporter's HF buckets) is W + (alpha / r) B A of the trained adapters,
+    merged on the trainer in Megatron's layout: bit-equal to the same merge done in HF's layout."""
+    from lora_jobs import lora_config, merged_export_job
+
+    ranks = run_multiprocess(merged_export_job, tp * pp, model_dir, tp, pp, timeout_s=600)
+    config = lora_config()
+    expected = _merged_in_hf_layout(model_dir, ranks[0]["adapters"], config.alpha / config.rank)
+    exported = ranks[0]["exported"]
+    assert exported.keys() == expected.keys()
+    differing = [name for name in exported if not torch.equal(exported[name], expected[name])]
+    assert not differing, f"not bit-equal to the merge in HF's layout: {differing}"
+    base = _merged_in_hf_layout(model_dir, {}, 0.0)
+    assert not torch.equal(exported["model.layers.1.self_attn.k_proj.weight"], base["model.layers.1.self_attn.k_proj.weight"])
