@@ -44,21 +44,22 @@ def adapter_tensors(engine, grads: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _actor(model_dir: str, tp: int, pp: int, sp: bool, lora):
+def _actor(model_dir: str, tp: int, pp: int, sp: bool, lora, cp: int = 1):
     from megatron_rl.workers import ActorRole, MegatronEngine
 
     config = actor_config(tp=tp, pp=pp)
-    config = replace(config, megatron=replace(config.megatron, sequence_parallel=sp))
+    config = replace(config, megatron=replace(config.megatron, sequence_parallel=sp, context_parallel_size=cp,
+                                              packed_sequences=cp > 1))
     return ActorRole(MegatronEngine(model_dir, config.megatron, config.optim, lora=lora), config, rollout_n=ROLLOUT_N)
 
 
-def lora_job(model_dir: str, tp: int, pp: int, sp: bool = False) -> dict[str, Any]:
+def lora_job(model_dir: str, tp: int, pp: int, sp: bool = False, cp: int = 1) -> dict[str, Any]:
     from megatron_rl.models.lora import adapters_disabled
     from megatron_rl.workers.forward import compute_log_probs
 
-    init_model_parallel(tp=tp, pp=pp)
+    init_model_parallel(tp=tp, pp=pp, cp=cp)
     data = training_batch()
-    actor = _actor(model_dir, tp, pp, sp, lora_config())
+    actor = _actor(model_dir, tp, pp, sp, lora_config(), cp)
     engine = actor.engine
     out: dict[str, Any] = {
         "trainable": sorted(n for c in engine.model for n, p in c.named_parameters() if p.requires_grad),

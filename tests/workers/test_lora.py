@@ -1,5 +1,5 @@
 """LoRA on Megatron (fp32, non-zero B so every output depends on the adapters): TP=2, TP=2 with sequence
-parallelism and PP=2 equal TP=1 for log-probs, loss, grad norm, every adapter factor's gradient (gathered over
+parallelism, PP=2 and CP=2 on packed sequences equal TP=1 for log-probs, loss, grad norm, every adapter factor's gradient (gathered over
 TP) and the step; only the adapters train (no gradient buffer or optimizer state for the base); with the
 adapters off the actor is the base model (the reference policy)."""
 
@@ -14,7 +14,8 @@ from lora_jobs import base_job, lora_job
 from megatron_rl.distributed import run_multiprocess
 
 pytestmark = pytest.mark.distributed
-LAYOUTS = {"tp2": (2, 1, False), "tp2_sp": (2, 1, True), "pp2": (1, 2, False)}  # (TP, PP, SP)
+# (TP, PP, SP, CP); CP runs on packed sequences (THD)
+LAYOUTS = {"tp2": (2, 1, False, 1), "tp2_sp": (2, 1, True, 1), "pp2": (1, 2, False, 1), "cp2_packed": (1, 1, False, 2)}
 ATOL = 1e-5
 
 
@@ -32,8 +33,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request, model_dir):
-    tp, pp, sp = LAYOUTS[request.param]
-    return request.param, run_multiprocess(lora_job, tp * pp, model_dir, tp, pp, sp, timeout_s=600)
+    tp, pp, sp, cp = LAYOUTS[request.param]
+    return request.param, run_multiprocess(lora_job, tp * pp * cp, model_dir, tp, pp, sp, cp, timeout_s=600)
 
 
 def _close(actual, expected, what):
