@@ -23,6 +23,9 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))
         OmegaConf.resolve(cfg)
+        from megatron_rl.config.lora import fold_lora_aliases
+
+        fold_lora_aliases(cfg)  # verl's flat LoRA keys (model.lora_rank, ...) into model.lora
     except (ConfigCompositionException, OmegaConfBaseException) as err:
         # Hydra wraps the useful part (the bad key) in a cause; surface it.
         cause = err.__cause__ or err
@@ -48,6 +51,9 @@ def typed_config(cfg: DictConfig | PPOTrainerConfig) -> PPOTrainerConfig:
         return cfg
     if OmegaConf.get_type(cfg) is not PPOTrainerConfig:
         cfg = OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), cfg)
+    from megatron_rl.config.lora import fold_lora_aliases
+
+    fold_lora_aliases(cfg)  # a no-op after validate(); the workers read model.lora, never the flat keys
     return OmegaConf.to_object(cfg)
 
 

@@ -177,6 +177,48 @@ class DataConfig:
     dataloader_num_workers: int = 0
 
 
+# LoRA (issue 36): the Megatron linears an adapter can sit on, by Megatron's module names
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoRAConfig:
+    """``<actor_rollout_ref|critic>.model.lora``: LoRA adapters on the Megatron model (verl's Megatron block; its
+    older flat keys ``model.lora_rank`` ... are folded into it at load time, config/lora.py). rank 0: off.
+    Checked before launch by config/lora.py (via plan/validate.py) and trainer/preflight.py; docs/configuration.md."""
+
+    type: str = "lora"  # only lora is built (verl's canonical_lora and dora are refused)
+    rank: int = 0  # 0: LoRA off
+    alpha: Optional[float] = None  # null: 16 (verl's) when rank > 0; scaling = alpha / rank
+    dropout: float = 0.0  # on the adapter's input, 0 <= p < 1
+    dropout_position: str = "pre"  # only pre is built
+    # Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), or fnmatch patterns on the module's full
+    # name with the global layer number ("decoder.layers.0.*.linear_qkv") that contain one of them
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    exclude_modules: list[str] = field(default_factory=list)  # names or patterns as target_modules; these get none
+    lora_A_init_method: str = "xavier"  # xavier | kaiming | normal
+    lora_B_init_method: str = "zero"  # zero | xavier | kaiming | normal (not zero: step 0 is not the base model)
+    # true: engines get merged weights W + alpha/r B A (every engine, no LoRA support needed); false (adapters
+    # loaded through an engine's LoRA API) is not built and refused
+    merge: bool = True
+    adapter_path: Optional[str] = None  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from
+    dtype: Optional[str] = None  # the adapters' dtype (fp32 | bf16); null: the model's megatron.params_dtype
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def resolved_alpha(self) -> float:
+        """alpha, or verl's default 16 when unset."""
+        return float(self.alpha) if self.alpha is not None else 16.0
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: the factor of B A in W + (alpha / r) B A (0 when off)."""
+        return self.resolved_alpha / self.rank if self.rank > 0 else 0.0
+
+
 @dataclass
 class ModelConfig:
     path: str = "???"
@@ -184,6 +226,15 @@ class ModelConfig:
     # without remote code, so code shipped in a checkpoint never runs: true is refused (config/checks.py).
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # verl's older flat LoRA keys (its FSDP spelling), folded into ``lora`` at load time and then null
+    # (config/lora.py fold_lora_aliases): HF module names (q_proj, ..., all-linear) map to Megatron's. Setting a
+    # key in both spellings is refused. Read ``lora``, never these.
+    lora_rank: Optional[int] = None  # -> lora.rank
+    lora_alpha: Optional[float] = None  # -> lora.alpha
+    target_modules: Any = None  # -> lora.target_modules: "all-linear" or a list of HF names
+    exclude_modules: Any = None  # -> lora.exclude_modules
+    lora_adapter_path: Optional[str] = None  # -> lora.adapter_path
 
 
 @dataclass

@@ -415,3 +415,69 @@ def checkpoint_save_host_bytes(params: int, params_dtype: str, distributed_optim
     if distributed_optimizer and sharding_type != "fully_reshardable":
         return full / optimizer_shards
     return full
+
+
+# ---------------------------------------------------------------------------- LoRA (issue 36)
+def lora_linear_params(model: HFModelConfig, linear: str, rank: int, tp: int = 1) -> tuple[float, float]:
+    """(A, B) parameters of the adapters on one Megatron linear of one layer, on one TP rank.
+
+    linear_qkv: three adapters (q, k, v), each A [r, h] and B [part, r]; linear_fc1: two (gate, up), A [r, h],
+    B [ffn, r]; linear_proj: A [r, q], B [h, r]; linear_fc2: A [r, ffn], B [h, r]. Sharded as the base
+    linear: column-parallel (qkv, fc1) A replicated, B split over TP; row-parallel (proj, fc2) A split over TP,
+    B replicated."""
+    h, q, kv, ffn = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
+    if linear == "linear_qkv":
+        return 3 * rank * h, (q + 2 * kv) * rank / tp
+    if linear == "linear_fc1":
+        return 2 * rank * h, 2 * ffn * rank / tp
+    if linear == "linear_proj":
+        return rank * q / tp, h * rank
+    if linear == "linear_fc2":
+        return rank * ffn / tp, h * rank
+    raise ValueError(f"no LoRA adapter is built for {linear!r}")
+
+
+def lora_adapter_count(linear: str) -> int:
+    """Adapters on one linear: q, k, v on linear_qkv; gate, up on linear_fc1; one on the others."""
+    return {"linear_qkv": 3, "linear_fc1": 2}.get(linear, 1)
+
+
+def lora_input_size(model: HFModelConfig, linear: str, tp: int = 1) -> float:
+    """The input width an adapter's A reads on one TP rank: the whole h for column-parallel linears (the
+    sequence-parallel input is gathered), the rank's split of q or ffn for row-parallel ones."""
+    return {"linear_qkv": model.hidden_size, "linear_fc1": model.hidden_size,
+            "linear_proj": model.q_size / tp, "linear_fc2": model.intermediate_size / tp}[linear]
+
+
+def lora_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, rank: int, targets_of_layer) -> float:
+    """Adapter parameters on one GPU of the first or last pipeline stage; ``targets_of_layer(i)`` names the
+    linears of global layer i that get adapters (config/lora.py lora_targets)."""
+    per_stage = model.num_layers // layout.pp
+    first = 0 if (stage == "first" or layout.pp == 1) else (layout.pp - 1) * per_stage
+    return sum(sum(lora_linear_params(model, linear, rank, layout.tp))
+               for i in range(first, first + per_stage) for linear in targets_of_layer(i))
+
+
+def lora_activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, rank: int, dropout: float,
+                                          linears, dtype_bytes: int = BF16) -> float:
+    """What the LoRA path of one layer saves for backward per token, modelled simply: each adapter's A x
+    ([tokens, r], which B's weight gradient reads; not split over TP: a row-parallel A's output is all-reduced),
+    and with dropout > 0 each adapted linear's dropped-out input (its width on the rank, ``dtype_bytes``) and
+    the mask (1 B). A's own input is the base linear's input, already counted by activation_bytes."""
+    total = 0.0
+    for linear in linears:
+        total += lora_adapter_count(linear) * rank * dtype_bytes
+        if dropout > 0:
+            total += lora_input_size(model, linear, layout.tp) * (dtype_bytes + 1)
+    return total
+
+
+def lora_activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int, micro_batches: int,
+                          stage: Stage, per_token_layer: float, recompute: Recompute = Recompute()) -> float:
+    """The LoRA path's saved tensors at the peak of a step, held like activation_bytes holds a layer's: every
+    layer of the stage for each micro-batch in flight; under full recompute only the chunk being recomputed."""
+    tokens = tokens_per_micro_batch / layout.cp
+    layers = model.num_layers // layout.pp
+    if recompute.granularity == "full":
+        return min(recompute.num_layers, layers) * per_token_layer * tokens
+    return layers * per_token_layer * tokens * micro_batches_in_flight(layout, micro_batches, stage)

@@ -14,6 +14,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
+from megatron_rl.config.lora import check_lora_model, lora_enabled, lora_targets
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.plan.validate import (
     DerivedSizes,
     RoleSizes,
@@ -222,6 +224,26 @@ class _PhaseTable:
 
 
 ROLE_PREFIX = {"actor": ACTOR, "critic": "critic"}
+ROLE_MODEL = {"actor": "actor_rollout_ref.model", "critic": "critic.model"}
+
+
+def _lora_dtype(lora: Any, params_dtype: str) -> str:
+    """The adapters' dtype: lora.dtype, else the role's params dtype."""
+    return {"float32": "fp32", "bfloat16": "bf16"}.get(str(lora.dtype), str(lora.dtype)) if lora.dtype else params_dtype
+
+
+def _lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: Any, lm_head: bool) -> float:
+    """Trainable parameters on one GPU of the stage: the adapters, and the critic's value head (hidden -> 1,
+    trained in full, on the last stage)."""
+    adapters = memory.lora_stage_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    value_head = model.hidden_size if not lm_head and (stage == "last" or layout.pp == 1) else 0
+    return adapters + value_head
+
+
+def lora_trainable_params(model: HFModelConfig, lora: Any) -> int:
+    """Adapter parameters of the whole model (no TP split)."""
+    return int(sum(sum(memory.lora_linear_params(model, linear, lora.rank))
+                   for i in range(model.num_layers) for linear in lora_targets(lora, i)))
 
 
 def _params_dtype(cfg: DictConfig, mcfg: DictConfig) -> str:
@@ -277,9 +299,30 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
         weights_phases = tuple(p for p in table.phases if p != "generate")
     grads_phases = (update_phase,) if mcfg.param_offload else table.phases
     optim_phases = (update_phase,) if mcfg.optimizer_offload else table.phases
+    shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
+    lora = OmegaConf.select(cfg, f"{ROLE_MODEL[role]}.lora", default=None)
+    if lora_enabled(lora):  # issue 36: the base frozen in its dtype, adapters trained with their grads and Adam
+        table.add(f"{role} weights ({dtype}, frozen)", params * per_param.params, weights_phases)
+        trainable = _lora_trainable_stage_params(model, layout, stage, lora, lm_head)
+        adapter_dtype = _lora_dtype(lora, dtype)
+        per_adapter = memory.state_bytes_per_param(adapter_dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
+        what = "adapters" if lm_head else "adapters + value head"
+        table.add(f"{role} LoRA {what} (rank {lora.rank}, {adapter_dtype})", trainable * per_adapter.params,
+                  weights_phases)
+        table.add(f"{role} grads (fp32, {what})", trainable * per_adapter.grads, grads_phases)
+        table.add(f"{role} optimizer (Adam, {what}{shards})", trainable * per_adapter.optimizer, optim_phases,
+                  at_engine_start=trainable * per_adapter.optimizer_at_start if "generate" in optim_phases else 0.0)
+    else:
+        _full_state_rows(table, role, dtype, params, per_param, model, layout, mcfg, shards, weights_phases,
+                         grads_phases, optim_phases)
+    _activation_rows(table, cfg, role, role_cfg, role_sizes, model, layout, stage, tcfg, dtype, lm_head, lora)
+
+
+def _full_state_rows(table: _PhaseTable, role: str, dtype: str, params: int, per_param, model: HFModelConfig,
+                     layout: Layout, mcfg: DictConfig, shards: str, weights_phases, grads_phases, optim_phases) -> None:
+    """Full fine-tuning: weights, grads and Adam state of every parameter."""
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
     table.add(f"{role} grads (fp32)", params * per_param.grads, grads_phases)
-    shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
     # MoE: the experts' Adam state is sharded over the expert-DP group only
     experts = memory.stage_expert_params(model, layout)
     expert_dp = memory.expert_data_parallel(layout)
@@ -291,12 +334,29 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
     table.add(f"{role} optimizer (Adam{shards})", optimizer, optim_phases,
               at_engine_start=at_start if "generate" in optim_phases else 0.0)
     # (m, v come at the first step, after the engine has sized itself)
+
+
+def _activation_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_cfg: DictConfig, role_sizes: RoleSizes,
+                     model: HFModelConfig, layout: Layout, stage: Stage, tcfg: Any, dtype: str, lm_head: bool,
+                     lora: Any) -> None:
+    mcfg = role_cfg.megatron
+    update_phase = f"{role} update"
     tokens = _tokens_per_micro_batch(role_cfg, role_sizes.micro_batch_size, _sequence_length(cfg), layout)
     act = memory.activation_bytes(model, layout, tokens, role_sizes.grad_accumulation_steps, stage,
                                   _recompute(tcfg))
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,))
+    if lora_enabled(lora):
+        # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
+        per_stage = model.num_layers // layout.pp
+        first = 0 if (stage == "first" or layout.pp == 1) else (layout.pp - 1) * per_stage
+        per_token_layer = max(memory.lora_activation_bytes_per_token_layer(
+            model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
+            memory.FP32 if dtype in ("fp32", "float32") else memory.BF16) for i in range(first, first + per_stage))
+        table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
+            model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, _recompute(tcfg)),
+            (update_phase,))
     if layout.cp > 1:
         # CP attention (issue 35): Transformer Engine's with the TransformerConfig's cp_comm_type on CUDA
         comm = tcfg.cp_comm_type
@@ -326,7 +386,11 @@ def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, cri
     if sizes.uses_critic:
         # The critic's first stage is its busiest: the embedding and the most micro-batches in flight.
         _trained_role_rows(table, cfg, "critic", sizes.critic, critic_model, "first")
-    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    kl = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    if kl and lora_enabled(cfg.actor_rollout_ref.model.lora):
+        table.notes.append("reference: the actor with its LoRA adapters off (no reference model, no weights of its "
+                           "own; actor_rollout_ref.ref.megatron is not used)")
+    elif kl:
         ref_mcfg = cfg.actor_rollout_ref.ref.megatron
         ref_layout = _layout(cfg, REF, sizes.world_size)
         ref_params = max(memory.stage_params(model, ref_layout, s) for s in ("first", "last"))
@@ -382,20 +446,27 @@ def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, free_at_st
     return share
 
 
-def build_plan(cfg: DictConfig) -> Plan:
-    """Resolve sizes and memory per GPU; raise ConfigError/PlanError naming the key when it cannot run."""
+def _plan(cfg: DictConfig) -> Plan:
+    """The plan at the busiest actor stage, fitting or not."""
     sizes = validate(cfg)
     model = load_model_facts(cfg)
     world = sizes.world_size
     actor_layout = _layout(cfg, ACTOR, world)
     roles = context_parallel_roles(cfg, sizes.uses_critic)
     _check_factors(model, ACTOR, actor_layout, cfg)
-    _check_factors(model, REF, _layout(cfg, REF, world), cfg if REF in roles else None)
+    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora)
+    if REF in roles:
+        _check_factors(model, REF, _layout(cfg, REF, world), cfg)
+    elif lora_enabled(cfg.actor_rollout_ref.model.lora):
+        pass  # the reference is the actor with its adapters off: no layout of its own
+    else:
+        _check_factors(model, REF, _layout(cfg, REF, world), None)
     critic_model = model
     if sizes.uses_critic:
         if not OmegaConf.is_missing(cfg.critic.model, "path"):  # else the critic starts from the actor's model
             critic_model = load_model_facts(cfg, "critic.model")
         _check_factors(critic_model, "critic", _layout(cfg, "critic", world), cfg)
+        check_lora_model(critic_model, "critic.model", cfg.critic.model.lora)
     gpu_memory = cfg.plan.gpu_memory_gib * GIB
     candidates = []
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
@@ -406,7 +477,64 @@ def build_plan(cfg: DictConfig) -> Plan:
         _add_engine(table, cfg, rollout)
         candidates.append(Plan(sizes, model, gpu_memory, actor_layout, stage, table.phases, tuple(table.rows),
                                rollout, _sequence_length(cfg), tuple(table.notes)))
-    plan = max(candidates, key=lambda p: p.total(p.peak_phase()))
+    return max(candidates, key=lambda p: p.total(p.peak_phase()))
+
+
+def _without_lora(cfg: DictConfig) -> DictConfig:
+    """The same config with LoRA off for the actor and the critic: full fine-tuning."""
+    full = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(full, False)
+    for key in ("actor_rollout_ref.model.lora", "critic.model.lora"):
+        if OmegaConf.select(full, key, default=None) is not None:
+            OmegaConf.update(full, key, OmegaConf.structured(LoRAConfig()), merge=False)
+    return full
+
+
+def _lora_notes(cfg: DictConfig, plan: Plan) -> tuple[str, ...]:
+    """With LoRA: the trainable parameters, and the saving against full fine-tuning (the same config with rank 0)."""
+    notes = []
+    for role, key, label in (("actor", "actor_rollout_ref.model.lora", "actor"),
+                             ("critic", "critic.model.lora", "critic")):
+        lora = OmegaConf.select(cfg, key, default=None)
+        if not lora_enabled(lora) or (role == "critic" and not plan.sizes.uses_critic):
+            continue
+        model = plan.model if role == "actor" or OmegaConf.is_missing(cfg.critic.model, "path") else \
+            load_model_facts(cfg, "critic.model")
+        total = memory.total_params(model)
+        trainable = lora_trainable_params(model, lora) + (model.hidden_size if role == "critic" else 0)
+        targets = sorted({t for i in range(model.num_layers) for t in lora_targets(lora, i)},
+                         key=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index)
+        extra = "; the value head (hidden -> 1) is trained in full" if role == "critic" else ""
+        notes.append(f"{label} LoRA rank {lora.rank} (alpha {float(lora.alpha or 16):g}, scale "
+                     f"{float(lora.alpha or 16) / lora.rank:g}) on {', '.join(targets)}: trainable "
+                     f"{_count(trainable)} params ({100 * trainable / total:.2f}% of {_count(total)}); the base is "
+                     f"frozen: no grads, no Adam state{extra}")
+    if not notes:
+        return ()
+    try:
+        full = _plan(_without_lora(cfg))
+    except ConfigError as err:
+        return (*notes, f"vs full fine-tuning: it does not run ({str(err).splitlines()[0]})")
+    def state(p: Plan, role: str) -> float:
+        phase = f"{role} update"
+        return sum(r.per_phase.get(phase, 0.0) for r in p.rows if r.label.startswith(f"{role} ")
+                   and "activations" not in r.label and "attention" not in r.label)
+    update = "actor update"
+    peak, full_peak = plan.peak_phase(), full.peak_phase()
+    notes.append(
+        f"vs full fine-tuning, per GPU: actor weights + grads + Adam {_gib(state(full, 'actor'))} -> "
+        f"{_gib(state(plan, 'actor'))} GiB; update {_gib(full.total(update))} GiB -> {_gib(plan.total(update))} GiB; "
+        f"peak {_gib(full.total(full_peak))} GiB ({full_peak}) -> {_gib(plan.total(peak))} GiB ({peak}); "
+        f"KV cache per engine {full.rollout.kv_tokens:,} -> {plan.rollout.kv_tokens:,} tokens")
+    return tuple(notes)
+
+
+def build_plan(cfg: DictConfig) -> Plan:
+    """Resolve sizes and memory per GPU; raise ConfigError/PlanError naming the key when it cannot run."""
+    plan = _plan(cfg)
+    lora_notes = _lora_notes(cfg, plan)
+    if lora_notes:
+        plan = dataclasses.replace(plan, notes=plan.notes + lora_notes)
     if not plan.fits:
         raise PlanError(
             f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
@@ -477,6 +605,11 @@ def checkpoint_host_ram(cfg: DictConfig) -> str:
         layout = _layout(cfg, prefix, sizes.world_size)
         params = max(memory.stage_params(role_model, layout, s, lm_head=role == "actor") for s in ("first", "last"))
         dtype = _params_dtype(cfg, mcfg)
+        lora = OmegaConf.select(cfg, f"{ROLE_MODEL[role]}.lora", default=None)
+        if lora_enabled(lora):  # the Adam state of the adapters (and the critic's value head) only
+            params = max(_lora_trainable_stage_params(role_model, layout, s, lora, role == "actor")
+                         for s in ("first", "last"))
+            dtype = _lora_dtype(lora, dtype)
         dist_opt = bool(mcfg.use_distributed_optimizer)
         now, old = (memory.checkpoint_save_host_bytes(params, dtype, dist_opt, layout.dp * layout.cp, kind)
                     for kind in (OPTIMIZER_SHARDING_TYPE, LEGACY_OPTIMIZER_SHARDING_TYPE))

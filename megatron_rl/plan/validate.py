@@ -396,8 +396,13 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
     # The reference and the critic are colocated with the actor and share Megatron's (process-global)
     # parallel state, so their layout must be the actor's.
+    # With the actor's LoRA no reference model is built (the actor with its adapters off is the reference), so
+    # ref.megatron's layout is not used (config/lora.py).
+    from megatron_rl.config.lora import check_lora, lora_enabled
+
+    check_lora(cfg, uses_critic)
     colocated = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)] if (
-        algo.use_kl_in_reward or actor.use_kl_loss) else []
+        (algo.use_kl_in_reward or actor.use_kl_loss) and not lora_enabled(cfg.actor_rollout_ref.model.lora)) else []
     if uses_critic:
         colocated.append(("critic", cfg.critic.megatron))
     for prefix, megatron in colocated:
@@ -543,9 +548,13 @@ def uses_critic(cfg: DictConfig) -> bool:
 def context_parallel_roles(cfg: DictConfig, uses_critic: bool) -> list[str]:
     """The Megatron roles a run builds, by config prefix: the actor, the reference (KL), the critic, the
     reward model's trunk (not the judge, which is a rollout-style engine)."""
+    from megatron_rl.config.lora import lora_enabled
+
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     roles = ["actor_rollout_ref.actor"]
-    if algo.use_kl_in_reward or actor.use_kl_loss:
+    # with the actor's LoRA the reference is the actor with its adapters off: no model of its own
+    if (algo.use_kl_in_reward or actor.use_kl_loss) and not lora_enabled(
+            OmegaConf.select(cfg, "actor_rollout_ref.model.lora", default=None)):
         roles.append("actor_rollout_ref.ref")
     if uses_critic:
         roles.append("critic")

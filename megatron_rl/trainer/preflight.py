@@ -41,6 +41,7 @@ def preflight(cfg: DictConfig) -> None:
     check_rollout_engine(cfg)
     rows = check_data(cfg)
     check_model(cfg)
+    check_lora_files(cfg)
     usable = check_training_prompts(cfg)
     check_schedule(cfg, rows if usable is None else usable)
     from megatron_rl.trainer.run_identity import check_resume
@@ -260,6 +261,35 @@ def check_context_parallel_models(cfg: DictConfig, model) -> None:
                                      cp_comm_type(mcfg), te_attention=str(cfg.trainer.device) != "cpu")
 
 
+def check_lora_models(cfg: DictConfig, model) -> None:
+    """LoRA against the model (issue 36): an MoE model is refused, as the dry run's plan refuses it. ``model``: the
+    actor's facts; the critic's own config.json when it has one."""
+    from megatron_rl.config.lora import check_lora_model, lora_enabled
+    from megatron_rl.plan.model_facts import load_model_facts
+    from megatron_rl.plan.validate import uses_critic
+
+    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora)
+    if not uses_critic(cfg) or not lora_enabled(cfg.critic.model.lora):
+        return
+    facts = model
+    if not OmegaConf.is_missing(cfg.critic.model, "path") and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        if _config_json("critic.model", cfg.critic.model) is None:
+            return
+        facts = load_model_facts(cfg, "critic.model")
+    check_lora_model(facts, "critic.model", cfg.critic.model.lora)
+
+
+def check_lora_files(cfg: DictConfig) -> None:
+    """``<model>.lora.adapter_path``: a PEFT adapter directory whose adapter_config.json agrees with the LoRA block
+    (config/lora.py check_adapter_path), for the actor and a running critic."""
+    from megatron_rl.config.lora import check_adapter_path
+    from megatron_rl.plan.validate import uses_critic
+
+    check_adapter_path(cfg.actor_rollout_ref.model.lora, "actor_rollout_ref.model")
+    if uses_critic(cfg):
+        check_adapter_path(cfg.critic.model.lora, "critic.model")
+
+
 def check_model(cfg: DictConfig) -> None:
     """config.json is readable, and the actor's and the rollout's TP split its heads and KV heads."""
     raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
@@ -270,6 +300,7 @@ def check_model(cfg: DictConfig) -> None:
 
     model = load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
     check_context_parallel_models(cfg, model)
+    check_lora_models(cfg, model)
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(heads, int) or heads < 1:
