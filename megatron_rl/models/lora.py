@@ -25,7 +25,6 @@ them.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -42,7 +41,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from megatron_rl.config.lora import lora_targets
+from megatron_rl.config.schema import LORA_TARGET_MODULES
+
+TARGETS = LORA_TARGET_MODULES
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 # HF module of each part of a target (PEFT's names)
@@ -61,8 +63,9 @@ class LoRASpec:
     rank: int
     alpha: float
     dropout: float = 0.0
-    targets: tuple[str, ...] = TARGETS  # Megatron names or fnmatch patterns of module names
-    exclude: tuple[str, ...] = ()
+    # Megatron names or fnmatch patterns of module names, matched by config.lora.lora_targets (as the planner)
+    target_modules: tuple[str, ...] = TARGETS
+    exclude_modules: tuple[str, ...] = ()
     a_init: str = "xavier"
     b_init: str = "zero"
     dtype: torch.dtype | None = None  # None: the base weight's
@@ -71,12 +74,6 @@ class LoRASpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-    def selects(self, module_name: str) -> bool:
-        """Whether the linear at ``module_name`` (``decoder.layers.3.self_attention.linear_qkv``) gets an adapter."""
-        leaf = module_name.rsplit(".", 1)[-1]
-        chosen = any(leaf == t or fnmatch.fnmatchcase(module_name, t) for t in self.targets)
-        return chosen and not any(fnmatch.fnmatchcase(module_name, pattern) for pattern in self.exclude)
 
     @classmethod
     def from_config(cls, lora, params_dtype: torch.dtype, seed: int = 0) -> LoRASpec | None:
@@ -87,7 +84,7 @@ class LoRASpec:
                   "bfloat16": torch.bfloat16}
         alpha = 16.0 if lora.alpha is None else float(lora.alpha)
         return cls(rank=int(lora.rank), alpha=alpha, dropout=float(lora.dropout),
-                   targets=tuple(lora.target_modules), exclude=tuple(lora.exclude_modules or ()),
+                   target_modules=tuple(lora.target_modules), exclude_modules=tuple(lora.exclude_modules or ()),
                    a_init=lora.lora_A_init_method, b_init=lora.lora_B_init_method,
                    dtype=dtypes[lora.dtype] or params_dtype, seed=seed)
 
@@ -232,13 +229,13 @@ def attach_lora(model: torch.nn.Module, spec: LoRASpec) -> list[LoRAAdapter]:
     groups_local = (config.num_query_groups or config.num_attention_heads) \
         // parallel_state.get_tensor_model_parallel_world_size()
     for layer in model.decoder.layers:
-        for parent_name, parent in (("self_attention", layer.self_attention), ("mlp", layer.mlp)):
+        chosen = lora_targets(spec, layer.layer_number - 1)  # the global layer number, as the planner counts
+        for parent in (layer.self_attention, layer.mlp):
             if isinstance(parent, MoELayer):
-                raise ValueError("LoRA on MoE experts is not built (plan/validate.py refuses it before launch)")
+                raise ValueError("LoRA on MoE experts is not built (trainer/preflight.py refuses it before launch)")
             for target in TARGETS:
                 linear = getattr(parent, target, None)
-                name = f"decoder.layers.{layer.layer_number - 1}.{parent_name}.{target}"
-                if linear is None or not spec.selects(name):
+                if linear is None or target not in chosen:
                     continue
                 full_in, full_outs = _target_sizes(target, config)
                 adapter = LoRAAdapter(spec, target, layer.layer_number - 1, config, full_in, full_outs,

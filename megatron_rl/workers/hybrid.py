@@ -91,13 +91,16 @@ class ActorRolloutRefWorker(Worker):
         model_dir = arr.model.path
         setup_parallel_state(arr.actor.megatron)
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
-                                override_config=arr.model.override_config)
+                                override_config=arr.model.override_config, lora=arr.model.lora)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
                                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu)
         if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
-            ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
-                                        override_config=arr.model.override_config)
-            self.ref = ReferenceRole(ref_engine, arr.ref)
+            if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
+                self.ref = ReferenceRole(engine, arr.ref, adapters_off=True)
+            else:
+                ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
+                                            override_config=arr.model.override_config)
+                self.ref = ReferenceRole(ref_engine, arr.ref)
         # Offloaded state (megatron.param_offload / optimizer_offload) leaves before the engine sizes itself
         # on the memory then free (docs/workers.md, 'Offload').
         self._offload_for_generation()
@@ -200,7 +203,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _offload_for_generation(self) -> None:
         self.actor.engine.offload.enter("generate")
-        if self.ref is not None:
+        if self.ref is not None and self.ref.engine is not self.actor.engine:
             self.ref.engine.offload.enter("generate")
 
     # ------------------------------------------------------------------ actor / reference
@@ -278,7 +281,7 @@ class CriticWorker(Worker):
         setup_parallel_state(critic_cfg.megatron)
         engine = MegatronEngine(critic_cfg.model.path, critic_cfg.megatron, critic_cfg.optim, value_head=True,
                                 value_head_init=critic_cfg.value_head_init, name="critic",
-                                override_config=critic_cfg.model.override_config)
+                                override_config=critic_cfg.model.override_config, lora=critic_cfg.model.lora)
         self.critic = CriticRole(engine, critic_cfg, rollout_n=cfg.actor_rollout_ref.rollout.n,
                                  ppo_mini_batch_size=critic_cfg.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size,
                                  ppo_epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs)
