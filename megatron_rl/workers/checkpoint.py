@@ -13,6 +13,11 @@ checkpoint saved at CP=2 loads at CP=1 and back. Only the RNG states are per ran
 (pp, tp, cp, dp) under CP > 1 (CP peers share their DP rank) and restored only at the layout, CP included,
 that saved them.
 
+With LoRA (``engine.lora``) the model part holds only the parameters LoRA trains (the adapters, and a critic's
+value head): the frozen base is what ``model.path`` gives at start-up, and the optimizer holds state for the
+adapters only, so a LoRA checkpoint is a small fraction of a full one. The metadata records the adapters
+(rank, alpha, target_modules, exclude_modules); such a checkpoint loads into an engine with the same adapters, at any TP/PP layout.
+
 Writes go to ``<path>.tmp`` and are renamed to ``<path>`` only when every rank has finished: a crash
 mid-save leaves the previous checkpoint at ``<path>`` (if any) intact. All ranks must see the same
 filesystem (as Megatron requires) and call these functions together.
@@ -109,15 +114,55 @@ def _sharded_state(
 ) -> dict[str, Any]:
     from megatron_rl.models.layout import unwrap
 
-    state: dict[str, Any] = {
-        f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)
-    }
+    state: dict[str, Any] = {}
+    for i, chunk in enumerate(engine.model):
+        model = unwrap(chunk)
+        sharded = model.sharded_state_dict()
+        if getattr(engine, "lora", None) is not None:  # the base comes from model.path at start-up
+            kept = _trained_keys(model)
+            sharded = {key: value for key, value in sharded.items() if key in kept}
+            if sharded.keys() != kept:
+                raise RuntimeError(f"{engine.name}: the sharded state dict of model chunk {i} lacks the "
+                                   f"trained parameters {sorted(kept - sharded.keys())[:5]}")
+        state[f"model{i}"] = sharded
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type}
         )
         state["scheduler"] = engine.scheduler.state_dict()
     return state
+
+
+def _trained_keys(model: torch.nn.Module) -> set[str]:
+    """LoRA: the state-dict keys a checkpoint holds, those of the parameters LoRA trains (the adapters and a
+    critic's value head: workers/engine.py freeze_all_but_adapters); the frozen base is not saved."""
+    from megatron_rl.models.lora import LoRAAdapter
+    from megatron_rl.models.value_head import ValueHead
+
+    return {f"{module_name}.{name}".lstrip(".") for module_name, module in model.named_modules()
+            if isinstance(module, (LoRAAdapter, ValueHead)) for name, _ in module.named_parameters()}
+
+
+def _lora_metadata(engine: MegatronEngine) -> dict[str, Any] | None:
+    spec = getattr(engine, "lora", None)
+    if spec is None:
+        return None
+    return {"rank": spec.rank, "alpha": spec.alpha, "target_modules": list(spec.target_modules),
+            "exclude_modules": list(spec.exclude_modules)}
+
+
+def _check_lora(engine: MegatronEngine, path: str | Path, metadata: dict[str, Any]) -> None:
+    """A LoRA checkpoint holds adapters only: it loads into an engine with the same adapters, only there."""
+    saved, built = metadata.get("lora"), _lora_metadata(engine)
+    if saved is None and built is not None:
+        raise ValueError(f"{path} is a full-model checkpoint but the {engine.name} engine trains LoRA "
+                         f"adapters (rank {built['rank']}); a LoRA checkpoint holds the adapters only")
+    if saved is not None and built is None:
+        raise ValueError(f"{path} holds LoRA adapters only (rank {saved['rank']}, alpha {saved['alpha']}) "
+                         f"but the {engine.name} engine has no LoRA (<role>.model.lora.rank is 0)")
+    if saved is not None and saved != built:
+        raise ValueError(f"{path} holds LoRA adapters {saved} but the {engine.name} engine builds {built} "
+                         "(<role>.model.lora.rank / alpha / target_modules / exclude_modules)")
 
 
 def _on_rank_zero(fn, *args) -> None:
@@ -155,6 +200,7 @@ def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, A
             "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
             "value_head": engine.value_head,
             "params_dtype": str(engine.params_dtype).removeprefix("torch."),
+            "lora": _lora_metadata(engine),  # None: the whole model; else the adapters (and value head) only
         }
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         if final.exists():
@@ -195,6 +241,7 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
             f"{path} holds {kinds[metadata['value_head']]} but the {engine.name} engine is "
             f"{kinds[engine.value_head]}"
         )
+    _check_lora(engine, path, metadata)
     with_optimizer = load_optimizer and engine.trainable
     if with_optimizer and not metadata["has_optimizer"]:
         raise ValueError(
@@ -219,7 +266,15 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     loaded = dist_checkpointing.load(state, str(path))
 
     for index, chunk in enumerate(engine.model):
-        unwrap(chunk).load_state_dict(loaded[f"model{index}"], strict=True)
+        if metadata.get("lora") is None:
+            unwrap(chunk).load_state_dict(loaded[f"model{index}"], strict=True)
+            continue
+        # LoRA: the adapters (and a value head) only; the base stays as model.path gave it
+        result = unwrap(chunk).load_state_dict(loaded[f"model{index}"], strict=False)
+        missing = _trained_keys(unwrap(chunk)) & set(result.missing_keys)
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"{path}: model chunk {index}: adapters missing {sorted(missing)[:5]}, "
+                               f"unexpected {sorted(result.unexpected_keys)[:5]}")
     if with_optimizer:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.scheduler.load_state_dict(loaded["scheduler"])
