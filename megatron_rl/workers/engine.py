@@ -146,6 +146,7 @@ class MegatronEngine:
         from megatron_rl.models import build_gpt_model, load_hf_config, load_hf_weights
         from megatron_rl.models.builder import transformer_overrides
         from megatron_rl.models.lora import LoRASpec
+        from megatron_rl.models.peft_adapter import load_peft_adapter
 
         self.name = name
         check_parallel_state(parallel, f"{name}.megatron")
@@ -168,6 +169,8 @@ class MegatronEngine:
         )
         load_hf_weights(chunks, model_dir)
         if self.lora is not None:
+            if getattr(lora, "adapter_path", None):  # a PEFT adapter to start from (checked before launch: trainer/preflight.py)
+                load_peft_adapter(chunks, lora.adapter_path)
             freeze_all_but_adapters(chunks)
         self.hf_config = chunks[0].hf_config
         self.config = chunks[0].config

@@ -34,8 +34,8 @@ def _error(fn) -> str:
 def export_job(model_dir: str, workdir: str, tp: int, pp: int, peft_made: str | None) -> dict[str, Any]:
     """One LoRA update, then: the PEFT export, our log-probs and merged weights. At TP=2 also the checkpoint
     half of the resume test (save, then the uninterrupted second update), a full-model checkpoint of the
-    same model for size, and the adapter made with peft loaded through load_peft_adapter."""
-    from megatron_rl.models.peft_adapter import load_peft_adapter, save_peft_adapter
+    same model for size, and the adapter made with peft loaded through lora.adapter_path (the engine)."""
+    from megatron_rl.models.peft_adapter import save_peft_adapter
 
     init_model_parallel(tp=tp, pp=pp)
     name = f"tp{tp}_pp{pp}"
@@ -58,9 +58,7 @@ def export_job(model_dir: str, workdir: str, tp: int, pp: int, peft_made: str | 
     update(full, training_batch())
     full.save_checkpoint(f"{workdir}/full_ckpt")
 
-    loaded = _actor(model_dir, tp, pp, False, lora_config())
-    load_peft_adapter(loaded.engine.model, peft_made)
-    loaded.engine.optimizer.reload_model_params()  # fp32 master copies (if any) follow the loaded adapters
+    loaded = _actor(model_dir, tp, pp, False, lora_config(adapter_path=peft_made))  # lora.adapter_path
     out["peft_made/log_probs"] = _log_probs(loaded)
     destroy_model_parallel()
     return out

@@ -3,7 +3,7 @@
 - After one LoRA update at TP=2 and at PP=2, ``save_peft_adapter``'s directory loads with
   ``peft.PeftModel.from_pretrained`` onto the HF base and gives our log-probs (1e-5); ``merge_and_unload()``
   gives the weights our merged export (W + scale B A) gives (1e-6).
-- An adapter made with ``peft`` itself (random non-zero B) loads through ``load_peft_adapter`` at TP=2 and
+- An adapter made with ``peft`` itself (random non-zero B) loads through ``lora.adapter_path`` at TP=2 and
   gives the PEFT model's log-probs (1e-5).
 - Bad adapters (missing tensor, wrong r, wrong shape, a pickled .bin) are refused naming the file and the key.
 - A LoRA checkpoint saved after one update at TP=2 and resumed in fresh processes gives the uninterrupted
