@@ -105,3 +105,23 @@ def merged_export_job(model_dir: str, tp: int, pp: int = 1) -> dict[str, Any]:
     dist.all_gather_object(gathered, adapters)
     destroy_model_parallel()
     return {"exported": exported, "adapters": {k: v for part in gathered for k, v in part.items()}}
+
+
+def critic_lora_job(critic_dir: str, tp: int) -> dict[str, Any]:
+    """A critic with LoRA: its adapters and its value head train; values and the update at TP=``tp``."""
+    from workers_jobs import critic_config
+
+    from megatron_rl.workers import CriticRole, MegatronEngine
+
+    init_model_parallel(tp=tp)
+    config = critic_config(tp=tp)
+    engine = MegatronEngine(critic_dir, config.megatron, config.optim, value_head=True, name="critic",
+                            lora=lora_config())
+    critic = CriticRole(engine, config, rollout_n=ROLLOUT_N)
+    data = training_batch()
+    out = {"trainable": sorted(n for c in engine.model for n, p in c.named_parameters() if p.requires_grad),
+           "values": critic.compute_values(data).batch["values"],
+           "metrics": critic.update_critic(data).meta_info["metrics"]}
+    out["values_after"] = critic.compute_values(data).batch["values"]
+    destroy_model_parallel()
+    return out

@@ -108,3 +108,18 @@ def test_engines_get_the_merged_weights(model_dir, tp, pp):
     assert not differing, f"not bit-equal to the merge in HF's layout: {differing}"
     base = _merged_in_hf_layout(model_dir, {}, 0.0)
     assert not torch.equal(exported["model.layers.1.self_attn.k_proj.weight"], base["model.layers.1.self_attn.k_proj.weight"])
+
+
+def test_critic_lora_trains_adapters_and_value_head_equal_at_tp2(tmp_path, model_dir):
+    from lora_jobs import critic_lora_job
+    from megatron_rl_testing.tiny_models import make_tiny_critic_checkpoint
+
+    critic_dir = str(make_tiny_critic_checkpoint(Path(model_dir), tmp_path / "critic"))
+    one = run_multiprocess(critic_lora_job, 1, critic_dir, 1, timeout_s=600)[0]
+    two = run_multiprocess(critic_lora_job, 2, critic_dir, 2, timeout_s=600)[-1]
+    assert {n for n in one["trainable"] if "_lora." not in n} == {"module.output_layer.weight", "module.output_layer.bias"}
+    for key in ("values", "values_after"):
+        _close(two[key], one[key], f"critic {key}")
+    assert (one["values_after"] - one["values"]).abs().max() > 1e-4
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=ATOL, abs=ATOL), key
