@@ -163,13 +163,12 @@ class LoRAAdapter(torch.nn.Module):
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
             x = F.dropout(x, self.dropout, self.training) if self.dropout else x
-            pieces = []
-            for part in self.parts:
-                a, b = self.factors(part)
-                hidden = F.linear(x, a)
-                if not self.sequence_parallel:  # each rank's B sees part of dL/dhidden: sum it over TP
-                    hidden = copy_to_tensor_model_parallel_region(hidden)
-                pieces.append(F.linear(hidden, b))
+            factors = [self.factors(part) for part in self.parts]
+            # one pass over x for every part's A (x is the large operand at small r)
+            hidden = F.linear(x, torch.cat([a for a, _ in factors]) if len(factors) > 1 else factors[0][0])
+            if not self.sequence_parallel:  # each rank's B sees part of dL/dhidden: sum it over TP
+                hidden = copy_to_tensor_model_parallel_region(hidden)
+            pieces = [F.linear(h, b) for h, (_, b) in zip(hidden.split(self.rank, dim=-1), factors)]
             return self._combine(pieces) * self.scale
         a, b = self.factors("")
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
