@@ -15,14 +15,18 @@ names):
   ``trainer.critic_warmup=0`` (no warm-up is what megatron-rl does);
   ``custom_reward_function.path|name`` (verl's top level) -> ``reward.custom_reward_function.path|name``;
   ``actor_rollout_ref.rollout.load_format=dummy_dtensor|dummy_megatron|dummy_hf`` (verl's names for "random
-  weights until the first sync") -> ``dummy``, vLLM's name for it.
+  weights until the first sync") -> ``dummy``, vLLM's name for it;
+  ``actor_rollout_ref.model.use_remove_padding`` / ``critic.model.use_remove_padding`` (verl's packed layout) ->
+  ``<role>.megatron.packed_sequences`` of the actor and reference / the critic;
+  ``model_engine=megatron`` (the only engine here) and ``ray_kwargs.ray_init.runtime_env.py_executable=null`` (Ray
+  workers run the driver's Python) are accepted and dropped.
 - ``actor_rollout_ref.rollout.name=vllm|sglang|hf`` as is (vLLM: docs/rollout.md), and verl's vLLM keys, which
   megatron-rl has under the same names: ``gpu_memory_utilization``, ``enforce_eager``, ``max_num_batched_tokens``,
   ``max_num_seqs``, ``enable_chunked_prefill``, ``enable_prefix_caching``, ``free_cache_engine``, ``load_format``.
   ``actor_rollout_ref.rollout.engine_kwargs.vllm.<arg>=`` / ``.sglang.<arg>=`` (with or without verl's ``+``)
   become ``++...`` (set or add: the dicts start empty), checked by validation against vLLM's engine arguments.
 - refused with the reason: the values of the keys above that megatron-rl cannot honour (use_fused_kernels=False,
-  critic_warmup>0), and any key megatron-rl's schema does not have (Hydra's struct check names it; verl's
+  critic_warmup>0, model_engine other than megatron, a py_executable), and any key megatron-rl's schema does not have (Hydra's struct check names it; verl's
   ``rollout.max_model_len``, ``disable_log_stats``, ``cudagraph_capture_sizes`` and
   ``update_weights_bucket_megabytes`` say where the same setting lives here: config/checks.py VERL_CORE_KEYS).
 """
@@ -84,7 +88,34 @@ def _engine_kwargs_key(key: str) -> str | None:
     return "++" + bare
 
 
-VERL_KEYS: dict[str, Callable[[str], str | None]] = {
+def _remove_padding(*roles: str) -> Callable[[str], list[str]]:
+    """verl's ``use_remove_padding=True`` is its packed (THD) layout: megatron-rl's ``megatron.packed_sequences``
+    (docs/workers.md, 'Batching'); False is the padded layout, megatron-rl's default."""
+
+    def packed(value: str) -> list[str]:
+        return [f"{role}.megatron.packed_sequences={'true' if _truthy(value) else 'false'}" for role in roles]
+
+    return packed
+
+
+def _model_engine(value: str) -> None:
+    if value.strip().strip("'\"") != "megatron":
+        raise ConfigError(f"model_engine={value}: megatron-rl trains with Megatron-Core only; set model_engine=megatron "
+                          "or drop the key")
+    return None
+
+
+def _py_executable(value: str) -> None:
+    """verl's uv launchers pass the interpreter Ray workers should start with. Ray here starts the workers with the
+    driver's own Python (the one running this command), so only null fits."""
+    if value.strip().strip("'\"").lower() not in ("null", "none", ""):
+        raise ConfigError(f"ray_kwargs.ray_init.runtime_env.py_executable={value}: megatron-rl's Ray workers run the "
+                          "driver's Python; launch the command inside that environment (e.g. `uv run ... python3 -m "
+                          "megatron_rl.compat.verl.trainer.main_ppo ...`) and drop the key, or set it to null")
+    return None
+
+
+VERL_KEYS: dict[str, Callable[[str], str | list[str] | None]] = {
     # verl keeps the custom scorer at the top level; megatron-rl under reward (with reward_manager and the rest)
     "custom_reward_function.path": lambda value: f"reward.custom_reward_function.path={value}",
     "custom_reward_function.name": lambda value: f"reward.custom_reward_function.name={value}",
@@ -93,6 +124,10 @@ VERL_KEYS: dict[str, Callable[[str], str | None]] = {
     "data.return_raw_chat": lambda value: None,
     "actor_rollout_ref.model.use_fused_kernels": _fused,
     "trainer.critic_warmup": _critic_warmup,
+    "actor_rollout_ref.model.use_remove_padding": _remove_padding("actor_rollout_ref.actor", "actor_rollout_ref.ref"),
+    "critic.model.use_remove_padding": _remove_padding("critic"),
+    "model_engine": _model_engine,
+    "ray_kwargs.ray_init.runtime_env.py_executable": _py_executable,
 }
 
 
@@ -124,7 +159,9 @@ def translate(argv: list[str]) -> list[str]:
                     if isinstance(err, ConfigError):
                         raise
                     raise ConfigError(f"{bare}={value}: {err}") from None
-                if replaced is not None:
+                if isinstance(replaced, list):
+                    out.extend(replaced)
+                elif replaced is not None:
                     out.append(replaced)
             else:
                 out.append(arg)
