@@ -58,16 +58,9 @@ def hf_base(model_dir: str):
 
 def hf_log_probs(model, data) -> torch.Tensor:
     """Log-probs of the response tokens under an HF (or PEFT) model, logits divided by the batch's temperature."""
-    batch = data.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits
-    response_len = batch["responses"].shape[1]
-    log_softmax = torch.log_softmax(logits[:, -response_len - 1 : -1] / data.meta_info["temperature"], dim=-1)
-    return log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
+    from megatron_rl_testing.hf_reference import hf_response_log_probs
+
+    return hf_response_log_probs(model, data, data.meta_info["temperature"]) * data.batch["response_mask"]
 
 
 def masked(log_probs: torch.Tensor, data) -> torch.Tensor:

@@ -62,17 +62,11 @@ def hf_log_probs(model_dir: str, data) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under the HF model (full-vocab softmax)."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_rl_testing.hf_reference import hf_response_log_softmax
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch = data.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits
-    response_len = batch["responses"].shape[1]
-    log_softmax = torch.log_softmax(logits[:, -response_len - 1 : -1] / jobs.TEMPERATURE, dim=-1)
-    log_probs = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    log_softmax = hf_response_log_softmax(model, data, jobs.TEMPERATURE)
+    log_probs = log_softmax.gather(-1, data.batch["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     return log_probs, entropy
 
@@ -81,15 +75,10 @@ def hf_values(critic_dir: str, data) -> torch.Tensor:
     """Values of the states before each response token under HF's token-classification critic."""
     from transformers import AutoModelForTokenClassification
 
+    from megatron_rl_testing.hf_reference import hf_predictor_outputs
+
     model = AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32)
-    batch = data.batch
-    with torch.no_grad():
-        values = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits.squeeze(-1)
-    return values[:, -batch["responses"].shape[1] - 1 : -1]
+    return hf_predictor_outputs(model, data).squeeze(-1)
 
 
 def masked(x: torch.Tensor, data) -> torch.Tensor:
