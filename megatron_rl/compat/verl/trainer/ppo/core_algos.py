@@ -11,7 +11,9 @@ do, so code that rebinds it to a dict of its own (verl's tests do) gets verl's b
 Differences kept on purpose (docs/algorithms.md): a config of ``None`` means the defaults
 (verl asserts); an all-masked batch aggregates to 0, not NaN; estimators verl has and we do not
 (opo, grpo_passk, gpg, gdpo, optimal_token_baseline, *_vectorized) are absent, so
-``get_adv_estimator_fn`` names the known ones.
+``get_adv_estimator_fn`` names the known ones. Every policy loss verl 0.9.1 registers is here
+(``compute_policy_loss_<mode>``, megatron_rl.algos.policy_loss); geo_mean divides by the global batch
+size when one is given (verl: the micro-batch's rows).
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ from megatron_rl.algos import (
     kl_penalty,
 )
 from megatron_rl.algos.loss_agg import GlobalBatchInfo
+from megatron_rl.algos.policy_loss import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_sapo,
+)
 from megatron_rl.algos.registry import Registry, key_name
 from megatron_rl.algos.rollout_corr import compute_policy_loss_bypass_mode, compute_policy_loss_reinforce
 
@@ -59,7 +72,16 @@ __all__ = [
     "compute_grpo_vectorized_outcome_advantage",
     "compute_rloo_vectorized_outcome_advantage",
     "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
