@@ -616,6 +616,9 @@ class TrainerConfig:
     # Starting from step 0 in a directory that holds a run's results (metrics.jsonl, hf_final/, events)
     # is refused unless this is true; resuming from an intact checkpoint keeps them.
     overwrite: bool = False
+    # Reorder each step's batch so every actor DP rank gets a nearly equal sum of tokens (Karmarkar-Karp,
+    # verl's _balance_batch; metrics global_seqlen/*). verl's default is true; false here keeps the row order.
+    balance_batch: bool = False
 
 
 @dataclass

@@ -25,6 +25,7 @@ from megatron_rl.algos import (
     rewards_from_scores,
 )
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
+from megatron_rl.algos.seq_balance import balance_permutation, row_seqlens, seqlen_imbalance_metrics
 from megatron_rl.protocol import DataProto, reduce_metrics
 from megatron_rl.trainer.metrics import StageTimer, multi_turn_metrics, rollout_probs_diff
 
@@ -181,10 +182,26 @@ def release_rollout(run: Run) -> None:
         release()
 
 
+def balance_batch(batch: DataProto, dp_size: int, metrics: dict[str, float]) -> DataProto:
+    """trainer.balance_batch (verl's ``_balance_batch``): the rows permuted in place so that the data-parallel
+    dispatch's contiguous chunks carry nearly equal token sums (algos/seq_balance.py); verl's global_seqlen/*
+    metrics say the imbalance before and after. Rows keep all their fields, so uid-grouped advantages are
+    unchanged; which rows share a mini-batch changes, as in verl."""
+    seqlens = row_seqlens(batch.batch["attention_mask"])
+    order, groups = balance_permutation(seqlens, dp_size)
+    batch.reorder(order)
+    metrics |= seqlen_imbalance_metrics(seqlens, groups)
+    return batch
+
+
 def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
     """The forward passes before the advantage: old log-probs (or the rollout's, in bypass mode) with the
-    rollout correction's weights, the reference's log-probs when KL is used, the critic's values."""
+    rollout correction's weights, the reference's log-probs when KL is used, the critic's values. First, with
+    trainer.balance_batch, the batch is reordered for the actor's DP ranks (where verl does it: after the
+    rollout, before the first pass dispatched to the DP ranks)."""
     release_rollout(run)
+    if run.cfg.trainer.get("balance_batch", False):
+        batch = balance_batch(batch, run.sizes.actor.data_parallel_size, metrics)
     correction = RolloutCorrection.from_config(run.cfg.algorithm.get("rollout_correction"))
     if correction.bypass_mode:  # verl's bypass mode: the rollout's log-probs are the old policy's
         batch.require("rollout_log_probs", where="algorithm.rollout_correction.bypass_mode")
