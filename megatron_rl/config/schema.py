@@ -288,7 +288,18 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
-    policy_loss: str = "vanilla"  # registry name: vanilla | gspo | decoupled_ppo (AReaL, for async training)
+    # registry name (algos/policy_loss.py, docs/algorithms.md): vanilla | gspo | decoupled_ppo (AReaL, for async
+    # training) | verl 0.9.1's cispo | geo_mean (GMPO) | gpg | dro | clip_cov | kl_cov | sapo | dppo_tv | dppo_kl
+    policy_loss: str = "vanilla"
+    # parameters of some of those losses (null: verl's default; verl nests the last six under policy_loss.*)
+    tau_pos: Optional[float] = None  # sapo
+    tau_neg: Optional[float] = None  # sapo
+    clip_cov_ratio: Optional[float] = None  # clip_cov
+    clip_cov_lb: Optional[float] = None  # clip_cov
+    clip_cov_ub: Optional[float] = None  # clip_cov
+    kl_cov_ratio: Optional[float] = None  # kl_cov
+    ppo_kl_coef: Optional[float] = None  # kl_cov
+    dro_beta: Optional[float] = None  # dro (required there)
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # None: clip_ratio
     clip_ratio_high: Optional[float] = None  # None: clip_ratio
@@ -404,6 +415,9 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     log_prob_micro_batch_size_per_gpu: int = 8
+    # the old-log-prob pass's token budget (verl's keys; null: the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu)
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = None
     free_cache_engine: bool = True
     seed: int = 0
     dtype: EngineDType = EngineDType.auto

@@ -314,6 +314,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
               "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs")
     algo, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    if rollout.log_prob_max_token_len_per_gpu is not None:  # null: the actor's ppo_max_token_len_per_gpu
+        _positive(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
 
     known = _known_algorithm_names()
     estimators, policy_losses = known["estimators"], known["policy_losses"]

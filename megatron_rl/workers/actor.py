@@ -42,6 +42,9 @@ class ActorRole(CheckpointedRole):
         ``ppo_mini_batch_size * rollout_n`` responses globally.
     log_prob_micro_batch_size: rows per micro-batch of ``compute_log_prob`` without dynamic
         batching (``rollout.log_prob_micro_batch_size_per_gpu``); default: the training one.
+    log_prob_use_dynamic_bsz, log_prob_max_token_len: ``compute_log_prob``'s token budget
+        (``rollout.log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_gpu``, verl's keys); default: the
+        training one's.
     """
 
     prefix = "actor_rollout_ref.actor"
@@ -53,6 +56,8 @@ class ActorRole(CheckpointedRole):
         *,
         rollout_n: int,
         log_prob_micro_batch_size: int | None = None,
+        log_prob_use_dynamic_bsz: bool | None = None,
+        log_prob_max_token_len: int | None = None,
     ) -> None:
         if not engine.trainable:
             raise ValueError(
@@ -77,9 +82,12 @@ class ActorRole(CheckpointedRole):
         )
         self.log_prob_spec = MicroBatchSpec(
             log_prob_micro_batch_size or config.ppo_micro_batch_size_per_gpu,
-            config.use_dynamic_bsz,
-            config.ppo_max_token_len_per_gpu,
+            config.use_dynamic_bsz if log_prob_use_dynamic_bsz is None else log_prob_use_dynamic_bsz,
+            log_prob_max_token_len or config.ppo_max_token_len_per_gpu,
         )
+        # the key a too-long row is named by
+        self.log_prob_budget_key = ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu" if log_prob_max_token_len
+                                    else f"{self.prefix}.ppo_max_token_len_per_gpu")
         self.updates_done = 0
 
     # ------------------------------------------------------------------ forward only
@@ -94,7 +102,7 @@ class ActorRole(CheckpointedRole):
             self.log_prob_spec,
             temperature,
             True,
-            f"{self.prefix}.ppo_max_token_len_per_gpu",
+            self.log_prob_budget_key,
         )
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
 

@@ -93,7 +93,9 @@ class ActorRolloutRefWorker(Worker):
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
                                 override_config=arr.model.override_config, lora=arr.model.lora)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
-                               log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu)
+                               log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                               log_prob_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
+                               log_prob_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu)
         if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
             if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
                 self.ref = ReferenceRole(engine, arr.ref, adapters_off=True)

@@ -37,3 +37,41 @@ def test_model_engine_megatron_and_a_null_py_executable_are_taken():
 def test_what_cannot_be_honoured_is_refused_with_the_reason(arg, message):
     with pytest.raises(ConfigError, match=message):
         translate([arg])
+
+
+def test_policy_loss_loss_mode_and_its_parameters_sit_next_to_the_name():
+    args = translate(["actor_rollout_ref.actor.policy_loss.loss_mode=dro",
+                      "actor_rollout_ref.actor.policy_loss.dro_beta=0.05"])
+    assert args == ["actor_rollout_ref.actor.policy_loss=dro", "actor_rollout_ref.actor.dro_beta=0.05"]
+    cfg = load_config(overrides=[*SIZES, *args])
+    validate(cfg)
+    from megatron_rl.algos.policy_loss import PolicyLossConfig
+
+    assert PolicyLossConfig.from_actor_config(cfg.actor_rollout_ref.actor).dro_beta == 0.05
+
+
+def _log_prob_spec(model_dir: str, rollout: dict) -> tuple:
+    from megatron_rl.config.schema import ActorConfig
+    from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
+    from megatron_rl.workers import ActorRole, MegatronEngine
+
+    init_model_parallel()
+    config = ActorConfig(ppo_mini_batch_size=2, use_dynamic_bsz=False, ppo_max_token_len_per_gpu=999)
+    actor = ActorRole(MegatronEngine(model_dir, config.megatron, config.optim), config, rollout_n=2, **rollout)
+    destroy_model_parallel()
+    spec = actor.log_prob_spec
+    return spec.use_dynamic_bsz, spec.max_token_len, actor.log_prob_budget_key
+
+
+def test_rollout_log_prob_budget_drives_the_old_log_prob_pass(tmp_path):
+    """rollout.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu (verl's keys) set compute_log_prob's
+    micro-batching; unset, the actor's training budget does (verl's default interpolation)."""
+    from megatron_rl.distributed import run_multiprocess
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+
+    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", with_tokenizer=False))
+    given = run_multiprocess(_log_prob_spec, 1, model, {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len": 64},
+                             timeout_s=300)[0]
+    assert given == (True, 64, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+    default = run_multiprocess(_log_prob_spec, 1, model, {}, timeout_s=300)[0]
+    assert default == (False, 999, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")

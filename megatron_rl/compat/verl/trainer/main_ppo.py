@@ -19,7 +19,10 @@ names):
   ``actor_rollout_ref.model.use_remove_padding`` / ``critic.model.use_remove_padding`` (verl's packed layout) ->
   ``<role>.megatron.packed_sequences`` of the actor and reference / the critic;
   ``model_engine=megatron`` (the only engine here) and ``ray_kwargs.ray_init.runtime_env.py_executable=null`` (Ray
-  workers run the driver's Python) are accepted and dropped.
+  workers run the driver's Python) are accepted and dropped;
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>`` -> ``actor_rollout_ref.actor.policy_loss=<name>`` and
+  ``actor_rollout_ref.actor.policy_loss.<param>`` -> ``actor_rollout_ref.actor.<param>`` (the loss's parameters sit
+  next to its name here).
 - ``actor_rollout_ref.rollout.name=vllm|sglang|hf`` as is (vLLM: docs/rollout.md), and verl's vLLM keys, which
   megatron-rl has under the same names: ``gpu_memory_utilization``, ``enforce_eager``, ``max_num_batched_tokens``,
   ``max_num_seqs``, ``enable_chunked_prefill``, ``enable_prefix_caching``, ``free_cache_engine``, ``load_format``.
@@ -131,6 +134,19 @@ VERL_KEYS: dict[str, Callable[[str], str | list[str] | None]] = {
 }
 
 
+# verl nests the policy loss: actor.policy_loss.loss_mode picks it, actor.policy_loss.<param> configures it; here
+# actor.policy_loss names it and its parameters sit next to it (config/schema.py ActorConfig)
+_POLICY_LOSS = "actor_rollout_ref.actor.policy_loss."
+
+
+def _policy_loss_key(key: str, value: str) -> str | None:
+    bare = key.lstrip("+")
+    if not bare.startswith(_POLICY_LOSS):
+        return None
+    name = bare[len(_POLICY_LOSS):]
+    return f"actor_rollout_ref.actor.{'policy_loss' if name == 'loss_mode' else name}={value}"
+
+
 def translate(argv: list[str]) -> list[str]:
     """verl's main_ppo arguments -> megatron_rl.train arguments (ConfigError naming a refused key)."""
     out: list[str] = []
@@ -152,6 +168,8 @@ def translate(argv: list[str]) -> list[str]:
             bare = key.lstrip("+~")
             if sep and _engine_kwargs_key(key) is not None:
                 out.append(f"{_engine_kwargs_key(key)}={value}")
+            elif sep and _policy_loss_key(key, value) is not None:
+                out.append(_policy_loss_key(key, value))
             elif sep and bare in VERL_KEYS:
                 try:
                     replaced = VERL_KEYS[bare](value)
