@@ -83,7 +83,7 @@ class PolicyLossConfig:
         defaults (verl 0.9 has no ``tis_imp_ratio_cap``: its correction lives in
         ``algorithm.rollout_correction``). The loss-specific keys verl nests under ``policy_loss``
         (``clip_cov_ratio`` ... ``dro_beta``) are read from ``actor.<key>`` or ``actor.policy_loss.<key>``;
-        a ``None`` there keeps the default (verl's losses do the same)."""
+        a ``None`` there, or in ``tau_pos``/``tau_neg``, keeps the default (verl's losses do the same)."""
         if isinstance(actor, PolicyLossConfig):
             return actor
         nested = _read(actor, "policy_loss", None)
@@ -92,17 +92,18 @@ class PolicyLossConfig:
         values = {}
         for f in fields(cls):
             value = _read(actor, f.name, _ABSENT)
-            if f.name in _NESTED_KEYS:
-                if (value is _ABSENT or value is None) and nested is not None:
-                    value = _read(nested, f.name, _ABSENT)
-                if value is None:
-                    value = _ABSENT
+            if f.name in _NESTED_KEYS and (value is _ABSENT or value is None) and nested is not None:
+                value = _read(nested, f.name, _ABSENT)
+            if value is None and f.name in _NONE_KEEPS_DEFAULT:
+                value = _ABSENT
             if value is not _ABSENT:
                 values[f.name] = value
         return cls(**values)
 
 
 _NESTED_KEYS = frozenset({"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta"})
+# the losses' own parameters: null in a config (ours: ActorConfig's defaults) keeps verl's default
+_NONE_KEEPS_DEFAULT = _NESTED_KEYS | {"tau_pos", "tau_neg"}
 
 
 _ABSENT = object()
