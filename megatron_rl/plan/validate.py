@@ -323,6 +323,13 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
     _require(actor.policy_loss in policy_losses,
              f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
+    _require(actor.policy_loss != "dro" or (actor.dro_beta is not None and actor.dro_beta > 0),
+             f"actor_rollout_ref.actor.policy_loss=dro needs actor_rollout_ref.actor.dro_beta > 0 (its squared "
+             f"log-ratio penalty; verl's policy_loss.dro_beta), got {actor.dro_beta}")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        value = actor.get(key)
+        _require(value is None or 0 < value <= 1,
+                 f"actor_rollout_ref.actor.{key}={value} must be in (0, 1]: the share of tokens it selects")
     _require(actor.policy_loss != "decoupled_ppo" or algo.rollout_correction.rollout_is is None,
              "actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
              "algorithm.rollout_correction.rollout_is (the weights would count twice)")

@@ -75,3 +75,14 @@ def test_rollout_log_prob_budget_drives_the_old_log_prob_pass(tmp_path):
     assert given == (True, 64, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
     default = run_multiprocess(_log_prob_spec, 1, model, {}, timeout_s=300)[0]
     assert default == (False, 999, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.actor.policy_loss=dro"], r"policy_loss=dro needs actor_rollout_ref.actor.dro_beta > 0"),
+    (["actor_rollout_ref.actor.policy_loss=dro", "actor_rollout_ref.actor.dro_beta=0"], r"dro_beta > 0 .* got 0"),
+    (["actor_rollout_ref.actor.clip_cov_ratio=2"], r"clip_cov_ratio=2.0 must be in \(0, 1\]"),
+])
+def test_loss_parameters_are_checked_before_launch(overrides, message):
+    """Before, dro without dro_beta failed in the first update, after Ray and the workers had started."""
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(overrides=[*SIZES, *overrides]))
