@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +87,20 @@ def test_bad_config_is_rejected_before_ray_starts(tiny_assets, tmp_path):
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
+def _environ_has(pid: int, entry: str) -> bool:
+    """Whether process ``pid`` has ``entry`` (NAME=value) in its environment (Ray's workers inherit the driver's)."""
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+
+
 def test_killed_worker_fails_the_driver_with_role_and_rank(tiny_assets, tmp_path):
     overrides = tiny_overrides(tiny_assets, tmp_path, "trainer.total_training_steps=200")
+    tag = f"MRL_KILL_TEST={uuid.uuid4().hex}"  # marks this run's processes: others may run Ray on the machine
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *overrides], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "MRL_KILL_TEST": tag.split("=")[1]})
     try:
         metrics = tmp_path / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -98,7 +109,7 @@ def test_killed_worker_fails_the_driver_with_role_and_rank(tiny_assets, tmp_path
             assert time.monotonic() < deadline, "no training step within 240 s"
             time.sleep(1)
         victims = subprocess.run(["pgrep", "-f", "ray::ActorRolloutRefWorker"], capture_output=True, text=True)
-        pids = [int(p) for p in victims.stdout.split()]
+        pids = [int(p) for p in victims.stdout.split() if _environ_has(int(p), tag)]  # this run's workers only
         assert pids, "found no worker process to kill"
         os.kill(pids[-1], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)  # fails fast: well before ray_init.timeout_s (600 s)
