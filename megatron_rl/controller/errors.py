@@ -1,7 +1,9 @@
 """Waiting for the ranks of a call, and turning Ray's failures into errors that name role, method and rank.
 
 The driver never waits without a deadline, and it raises at the first rank that fails instead of
-waiting for the others (which may be stuck in a collective with the dead rank).
+waiting for the others (which may be stuck in a collective with the dead rank). A rank that raised is
+reported as the cause unless a peer died within a few seconds of it: then the death is (the others'
+collectives fail because of it).
 """
 from __future__ import annotations
 
@@ -81,5 +83,28 @@ def wait_for_results(
             except GetTimeoutError:
                 raise timed_out([rank_of[ref]]) from None
             except RayError as err:
-                raise _convert(err, role, method, rank_of[ref]) from err
+                failure = _convert(err, role, method, rank_of[ref])
+                if isinstance(failure, WorkerRaisedError):  # maybe a collective's error because a peer died
+                    failure = _died_among(pending, rank_of, role, method) or failure
+                raise failure from err
     return [results[ref] for ref in refs]
+
+
+# How long a rank's exception waits for news of a peer's death. When a rank dies in a collective, the others
+# raise (gloo: "Connection reset by peer") at about the moment Ray learns of the death; the death is the cause.
+PEER_DEATH_GRACE_S = 5.0
+
+
+def _died_among(pending: list, rank_of: dict, role: str, method: str) -> WorkerDiedError | None:
+    """The death of a rank still pending, if Ray reports one within PEER_DEATH_GRACE_S, else None."""
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=1.0)
+        except RayActorError as err:
+            return _convert(err, role, method, rank_of[ref])
+        except RayError:
+            continue
+    return None

@@ -162,6 +162,17 @@ class FaultyWorker(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def raise_then_peer_exits(self, raising: int, exiting: int) -> int:
+        """A collective with a rank that dies: ``raising`` fails at once (as gloo's "Connection reset by peer"
+        would), ``exiting``'s process vanishes a moment later."""
+        if self.rank == raising:
+            raise RuntimeError("Connection reset by peer (on purpose)")
+        if self.rank == exiting:
+            time.sleep(0.5)
+            os._exit(3)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
     def hang(self) -> None:
         time.sleep(300)
 

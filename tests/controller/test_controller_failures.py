@@ -58,6 +58,16 @@ def test_a_worker_process_that_exits_fails_the_call_without_waiting_for_the_othe
         wg.ping()
 
 
+def test_a_peers_death_is_reported_rather_than_the_error_it_caused(group):
+    """Rank 0 raises (a collective's error) half a second before rank 1's process vanishes: the driver names the
+    death, the cause. Before, it named rank 0's error (seen in a clean-clone run: the killed-worker e2e test
+    got "rank 0 raised in sync_weights(): ... Connection reset by peer" instead of the death)."""
+    wg = group(2)
+    with pytest.raises(WorkerDiedError) as info:
+        wg.raise_then_peer_exits(0, 1)
+    assert str(info.value).startswith("actor rank 1 died during raise_then_peer_exits():")
+
+
 def test_a_hanging_worker_times_out_naming_method_and_ranks(group):
     wg = group(1)
     with pytest.raises(WorkerTimeoutError, match=r"actor.hang\(\): ranks \[0\] gave no result within 2 s") as info:
