@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.rl_batches import grouped_rl_batch
 from megatron_rl_testing.timing import best_seconds
 
 PROMPTS, N, PROMPT_LEN, RESPONSE_LEN, DP = 16, 4, 16, 192, 2
@@ -20,22 +21,12 @@ PROMPTS, N, PROMPT_LEN, RESPONSE_LEN, DP = 16, 4, 16, 192, 2
 def skewed_batch():
     """16 prompts x n=4, interleaved as the rollout returns them; the first half of the prompts' responses run
     long (150-192 tokens), the rest short (8-24): contiguous halves are as unbalanced as a batch gets."""
-    from megatron_rl.protocol import DataProto
-
     gen = torch.Generator().manual_seed(0)
     rows = PROMPTS * N
     long_rows = rows // 2
     response_lens = torch.cat([torch.randint(150, RESPONSE_LEN + 1, (long_rows,), generator=gen),
                                torch.randint(8, 25, (rows - long_rows,), generator=gen)])
-    mask = (torch.arange(RESPONSE_LEN)[None, :] < response_lens[:, None]).long()
-    prompts = torch.randint(1, 500, (PROMPTS, PROMPT_LEN), generator=gen).repeat_interleave(N, dim=0)
-    responses = torch.randint(1, 500, (rows, RESPONSE_LEN), generator=gen) * mask
-    attention = torch.cat([torch.ones_like(prompts), mask], dim=1)
-    return DataProto.from_dict({
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
-        "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "responses": responses, "response_mask": mask,
-        "advantages": torch.randn(mask.shape, generator=gen) * mask,
-    }, meta_info={"temperature": 1.0})
+    return grouped_rl_batch(PROMPTS, N, PROMPT_LEN, response_lens, RESPONSE_LEN, gen)
 
 
 def balance_bench_job(model_dir: str, balanced: bool, packed: bool) -> dict[str, float]:

@@ -17,26 +17,17 @@ import torch
 from bench_sizes import SIZES
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.rl_batches import grouped_rl_batch
 from megatron_rl_testing.timing import best_seconds
 
 PROMPTS, N, PROMPT_LEN, RESPONSE_LEN = 16, 8, 16, 32
 
 
 def _batch():
-    from megatron_rl.protocol import DataProto
-
     gen = torch.Generator().manual_seed(0)
     rows = PROMPTS * N
     response_lens = torch.randint(8, RESPONSE_LEN + 1, (rows,), generator=gen)
-    mask = (torch.arange(RESPONSE_LEN)[None, :] < response_lens[:, None]).long()
-    prompts = torch.randint(1, 500, (PROMPTS, PROMPT_LEN), generator=gen).repeat_interleave(N, dim=0)
-    responses = torch.randint(1, 500, (rows, RESPONSE_LEN), generator=gen) * mask
-    attention = torch.cat([torch.ones_like(prompts), mask], dim=1)
-    return DataProto.from_dict({
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
-        "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "responses": responses, "response_mask": mask,
-        "advantages": torch.randn(mask.shape, generator=gen) * mask,
-    }, meta_info={"temperature": 1.0})
+    return grouped_rl_batch(PROMPTS, N, PROMPT_LEN, response_lens, RESPONSE_LEN, gen)
 
 
 def _vm_kib(field: str) -> int:
