@@ -65,6 +65,8 @@ class ValueHeadInit(enum.StrEnum):
 class RewardManagerName(enum.StrEnum):
     naive = "naive"
     batch = "batch"
+    dapo = "dapo"  # naive + DAPO's soft overlong penalty (reward.reward_kwargs.overlong_buffer_cfg)
+    prime = "prime"  # verl's PRIME: per-sample scoring in worker processes with a time limit each
 
 
 class KLControlType(enum.StrEnum):
@@ -488,6 +490,26 @@ class RewardOverlapConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (reward/overlong.py), read by reward_manager=dapo only: responses longer
+    than ``max_resp_len - len`` tokens lose ``penalty_factor`` per ``len`` tokens beyond (verl's keys)."""
+
+    enable: bool = False
+    len: int = 0  # the buffer: the last `len` tokens before max_resp_len
+    penalty_factor: float = 1.0  # the penalty at max_resp_len
+    log: bool = False  # per-sample extras overlong_reward, overlong (and their reward/<extra>/mean metrics)
+
+
+@dataclass
+class RewardKwargsConfig:
+    """verl's ``reward_model.reward_kwargs``: the dapo manager's arguments."""
+
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # null: the response budget (actor_rollout_ref.rollout.response_length, null: data.max_response_length)
+    max_resp_len: Optional[int] = None
+
+
+@dataclass
 class RewardConfig:
     reward_manager: RewardManagerName = RewardManagerName.naive
     num_workers: int = 4
@@ -497,6 +519,7 @@ class RewardConfig:
     max_failed_steps: int = 3
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     overlap: RewardOverlapConfig = field(default_factory=RewardOverlapConfig)
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
 
 
 @dataclass

@@ -362,6 +362,17 @@ def validate(cfg: DictConfig) -> DerivedSizes:
              "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
     _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")
     _require(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
+    _require(cfg.reward.reward_manager != "prime" or cfg.reward.num_workers >= 1,
+             "reward.reward_manager=prime scores each sample in a worker process with a time limit (verl's "
+             "PrimeRewardManager), but reward.num_workers=0 scores in the trainer without one: set reward.num_workers "
+             ">= 1, or use reward.reward_manager=naive")
+    from megatron_rl.reward.overlong import OverlongPenalty  # the manager's own checks of reward.reward_kwargs
+
+    try:
+        OverlongPenalty.from_config(cfg.reward, rollout.response_length if rollout.response_length is not None
+                                    else cfg.data.max_response_length)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.reward_model.enable:
         _check_reward_model(cfg)
     _check_reward_overlap(cfg)

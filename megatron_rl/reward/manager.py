@@ -9,6 +9,13 @@
 - ``meta_info["reward_metrics"]``: ``reward/score/mean``, ``reward/<extra>/mean`` for numeric extras,
   ``reward/errors`` (samples scored 0 because their scorer raised, timed out or returned a non-finite or
   non-numeric value), ``reward/timeouts`` (the subset that timed out), ``reward/empty_responses``.
+
+``reward.reward_manager`` (verl's names): ``naive`` scores per sample; ``batch`` hands the custom function whole
+lists; ``dapo`` is naive plus DAPO's overlong penalty (reward/overlong.py) added to the placed score, and ``acc``
+(the score) for samples whose scorer returned a bare number, as verl's DAPORewardManager reports; ``prime`` is
+verl's PrimeRewardManager: per-sample calls in the worker processes, each with its time limit (which ``reward.
+num_workers`` >= 1 gives), a failed or timed-out sample scoring 0, a scorer's tuple or list scoring its first
+item, and ``acc`` = the score for every sample.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from transformers import PreTrainedTokenizerBase
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.custom import load_custom_scorer
+from megatron_rl.reward.overlong import OverlongPenalty
 from megatron_rl.reward.placement import last_valid_positions, place_scores
-from megatron_rl.reward.pool import Call, InlineRunner, ScoringPool
+from megatron_rl.reward.pool import Call, InlineRunner, Outcome, ScoringPool
 from megatron_rl.reward.registry import Scorer, get_scorer
 from megatron_rl.reward.results import SampleResult, results_of
 
@@ -39,8 +47,9 @@ __all__ = ["REWARD_MANAGERS", "RewardManager", "decode_responses"]
 logger = logging.getLogger(__name__)
 
 # naive: every scorer is called per sample. batch: the custom function takes whole lists (verl's
-# BatchRewardManager convention); registered scorers keep their own kind either way.
-REWARD_MANAGERS = ("naive", "batch")
+# BatchRewardManager convention); registered scorers keep their own kind either way. dapo, prime: per sample
+# as naive, with verl's additions (module docstring).
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
 
 
 def decode_responses(
@@ -56,9 +65,14 @@ def decode_responses(
 class RewardManager:
     """Decode responses, score each with the scorer of its ``data_source`` (or the custom function), and
     place the scores. Scoring runs in ``reward.num_workers`` processes, each call limited to
-    ``reward.timeout_s`` (``num_workers=0``: in this process, without a time limit)."""
+    ``reward.timeout_s`` (``num_workers=0``: in this process, without a time limit).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: RewardConfig) -> None:
+    ``max_response_length``: the rollout's response length, which ``reward.reward_kwargs.max_resp_len: null``
+    stands for (needed by ``reward_manager=dapo`` with the overlong buffer enabled)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, cfg: RewardConfig, max_response_length: int | None = None
+    ) -> None:
         if cfg.reward_manager not in REWARD_MANAGERS:
             raise ValueError(
                 f"reward.reward_manager={cfg.reward_manager!r} is unknown; known: {list(REWARD_MANAGERS)}"
@@ -73,6 +87,14 @@ class RewardManager:
                 "reward.reward_manager=batch needs reward.custom_reward_function.path (a function that "
                 "scores whole lists)"
             )
+        if cfg.reward_manager == "prime" and cfg.num_workers == 0:
+            raise ValueError(
+                "reward.reward_manager=prime scores each sample in a worker process with a time limit (verl's "
+                "PrimeRewardManager), but reward.num_workers=0 scores in this process without one: set "
+                "reward.num_workers >= 1, or use reward.reward_manager=naive"
+            )
+        self.kind = str(cfg.reward_manager)
+        self.overlong = OverlongPenalty.from_config(cfg, max_response_length)
         self.tokenizer = tokenizer
         self.custom: Scorer | None = None
         if custom.path:
@@ -90,6 +112,7 @@ class RewardManager:
                 f"RewardManager: responses {tuple(responses.shape)} and response_mask "
                 f"{tuple(mask.shape)} must both be [B, R]"
             )
+        lengths = self._response_lengths(data) if self.overlong is not None else None
         solutions = self.decode(responses, mask)
         sources = [str(s) for s in data.non_tensor_batch["data_source"]]
         truths = [
@@ -99,16 +122,53 @@ class RewardManager:
         extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
         extra_infos = [info if info is not None else {} for info in extra_infos]
 
-        results = self._score(sources, solutions, truths, extra_infos)
+        results, plain = self._score(sources, solutions, truths, extra_infos)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        results, rewards = self._verl_additions(results, plain, scores, lengths)
         empty = int((last_valid_positions(mask) < 0).sum())
         extras = self._collect_extras(results)
         metrics = self._metrics(results, scores, extras, empty)
         self._log_errors(results, sources)
+        # "score" stays the scorer's (verl's reward_extra_info["score"]); the placed reward includes the penalty
         non_tensor = {"score": np.array(scores.tolist(), dtype=object), **extras}
         return DataProto.from_dict(
-            {"token_level_scores": place_scores(scores, mask.cpu())}, non_tensor, {"reward_metrics": metrics}
+            {"token_level_scores": place_scores(rewards, mask.cpu())}, non_tensor, {"reward_metrics": metrics}
         )
+
+    def _verl_additions(
+        self, results: list[SampleResult], plain: list[bool], scores: torch.Tensor, lengths: torch.Tensor | None
+    ) -> tuple[list[SampleResult], torch.Tensor]:
+        """What verl's dapo and prime managers add: their ``acc`` extras, and dapo's overlong penalty (the placed
+        rewards, and with ``log`` the extras ``overlong_reward``, ``overlong``)."""
+        if self.kind == "dapo":  # verl's DAPO reports a bare-number score as acc
+            results = [
+                with_extras(r, acc=r.score) if bare and r.error is None else r
+                for r, bare in zip(results, plain, strict=True)
+            ]
+        elif self.kind == "prime":  # verl's PRIME stores every sample's score (0 when failed) as acc
+            results = [with_extras(r, acc=r.score) for r in results]
+        if self.overlong is None or lengths is None:
+            return results, scores
+        penalties = self.overlong(lengths)
+        if self.overlong.log:
+            results = [
+                with_extras(r, overlong_reward=p, overlong=p < 0)
+                for r, p in zip(results, penalties.tolist(), strict=True)
+            ]
+        return results, scores + penalties  # float32, as verl adds them
+
+    @staticmethod
+    def _response_lengths(data: DataProto) -> torch.Tensor:
+        """[B] real tokens of each response, counted on ``attention_mask`` [B, P+R] as verl's DAPO counts them."""
+        data.require("attention_mask", where="RewardManager (reward.reward_kwargs.overlong_buffer_cfg.enable)")
+        responses, attention = data.batch["responses"], data.batch["attention_mask"]
+        width = responses.shape[1]
+        if attention.dim() != 2 or attention.shape[0] != responses.shape[0] or attention.shape[1] < width:
+            raise ValueError(
+                f"RewardManager: attention_mask {tuple(attention.shape)} must be [B, P+R] for responses "
+                f"{tuple(responses.shape)} [B, R] (the overlong penalty counts the response's tokens on it)"
+            )
+        return attention[:, attention.shape[1] - width :].long().sum(-1).cpu()
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         return decode_responses(self.tokenizer, responses, response_mask)
@@ -136,8 +196,10 @@ class RewardManager:
 
     def _score(
         self, sources: list[str], solutions: list[str], truths: list[Any], extra_infos: list[Any]
-    ) -> list[SampleResult]:
+    ) -> tuple[list[SampleResult], list[bool]]:
+        """Each sample's result, and whether its scorer returned a bare number (not a dict)."""
         results: list[SampleResult | None] = [None] * len(sources)
+        plain = [False] * len(sources)
         calls: list[Call] = []
         call_samples: list[list[int]] = []  # call -> the samples it scores
         batched_groups: dict[Scorer, list[int]] = defaultdict(list)
@@ -176,9 +238,14 @@ class RewardManager:
             call_samples.append(idx)
 
         for k, (outcome, idx) in enumerate(zip(self._runner.run(calls), call_samples, strict=True)):
-            for i, result in zip(idx, results_of(outcome, len(idx), batched=k >= num_single), strict=True):
+            batched = k >= num_single
+            if self.kind == "prime" and not batched:
+                outcome = _first_item(outcome)
+            for i, result in zip(idx, results_of(outcome, len(idx), batched=batched), strict=True):
                 results[i] = result
-        return results  # type: ignore[return-value]  # every sample got a result above
+            for i, bare in zip(idx, _bare_numbers(outcome, len(idx), batched), strict=True):
+                plain[i] = bare
+        return results, plain  # type: ignore[return-value]  # every sample got a result above
 
     # ------------------------------------------------------------------ reporting
     @staticmethod
@@ -231,3 +298,26 @@ class RewardManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def with_extras(result: SampleResult, **extras: Any) -> SampleResult:
+    """``result`` with ``extras`` set (replacing the scorer's own of the same name)."""
+    return SampleResult(result.score, {**result.extras, **extras}, result.error, result.timed_out)
+
+
+def _first_item(outcome: Outcome) -> Outcome:
+    """verl's PRIME scores a scorer's tuple or list by its first item."""
+    value = outcome.value
+    if outcome.ok and isinstance(value, (list, tuple)) and value:
+        return Outcome(value=value[0])
+    return outcome
+
+
+def _bare_numbers(outcome: Outcome, n: int, batched: bool) -> list[bool]:
+    """Per sample of one call: did its scorer succeed with something other than a dict?"""
+    if not outcome.ok:
+        return [False] * n
+    values = outcome.value if batched else [outcome.value]
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != n:
+        return [False] * n
+    return [not isinstance(v, dict) for v in values]

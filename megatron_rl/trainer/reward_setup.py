@@ -12,15 +12,22 @@ from megatron_rl.reward.model.reward_fn import ClassifierScorer, JudgeScorer, Mo
 from megatron_rl.workers.reward_model import start_reward_model_group
 
 
+def response_length(cfg: Any) -> int:
+    """The longest response the rollout generates: actor_rollout_ref.rollout.response_length, null:
+    data.max_response_length (what reward.reward_kwargs.max_resp_len: null stands for)."""
+    length = cfg.actor_rollout_ref.rollout.response_length
+    return int(length if length is not None else cfg.data.max_response_length)
+
+
 def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
-    """``RewardManager`` (rule scorers) unless ``reward_model.enable``; then the RM worker group is started
-    (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
+    """``RewardManager`` (rule scorers, as reward.reward_manager says) unless ``reward_model.enable``; then the RM
+    worker group is started (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
     if not cfg.reward_model.enable:
-        return RewardManager(tokenizer, cfg.reward)
+        return RewardManager(tokenizer, cfg.reward, response_length(cfg))
     rm = cfg.reward_model
     plan = CombinePlan(rm.combine)
     needs_rule = plan.default.needs_rule_score or any(r.needs_rule_score for r in plan.per_source.values())
-    rule = RewardManager(tokenizer, cfg.reward) if needs_rule else None
+    rule = RewardManager(tokenizer, cfg.reward, response_length(cfg)) if needs_rule else None
     try:
         if rm.judge.enable:
             judge, close = build_judge(cfg)

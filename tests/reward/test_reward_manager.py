@@ -127,7 +127,7 @@ def test_missing_fields_and_bad_shapes_are_named(tokenizer):
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        ({"manager": "prime"}, ValueError, "reward.reward_manager='prime' is unknown"),
+        ({"manager": "gdpo"}, ValueError, "reward.reward_manager='gdpo' is unknown"),
         ({"manager": "batch"}, ValueError, "reward_manager=batch needs reward.custom_reward_function.path"),
         ({"num_workers": -1}, ValueError, "reward.num_workers must be an integer >= 0"),
         ({"timeout_s": 0}, ValueError, "reward.timeout_s must be > 0"),

@@ -59,7 +59,7 @@ def test_gae_turns_the_critic_on():
           "trainer.nnodes=2", "trainer.n_gpus_per_node=4"], r"does not divide trainer.n_gpus_per_node=4: a colocated engine cannot span two nodes"),
         (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"], r"needs pipeline_model_parallel_size > 1"),
         (["algorithm.gamma=1.5"], r"gamma=1.5"),
-        (["reward.reward_manager=prime"], r"reward.reward_manager='prime' is unknown"),
+        (["reward.reward_manager=gdpo"], r"reward.reward_manager='gdpo' is unknown"),
         (["reward.reward_manager=batch"], r"needs reward.custom_reward_function.path"),
         (["reward.timeout_s=0"], r"reward.timeout_s must be > 0"),
         (["data.truncation=center"], r"data.truncation='center' is unknown"),
