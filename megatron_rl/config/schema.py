@@ -634,6 +634,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     project_name: str = "megatron_rl"
     experiment_name: str = "run"
+    # verl's values (file = jsonl); checked before start-up, the planner too (trainer/tracking.py, docs/trainer.md)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     launcher: Launcher = Launcher.ray
     device: Device = Device.auto
@@ -645,6 +646,8 @@ class TrainerConfig:
     save_freq: int = 20
     test_freq: int = -1
     val_before_train: bool = False
+    # Samples (input, output, score) each validation logs to the loggers (verl's key; 0: none).
+    log_val_generations: int = 0
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: ResumeMode = ResumeMode.auto  # resume_path: trainer.resume_from_path
     resume_from_path: Optional[str] = None

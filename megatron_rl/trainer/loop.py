@@ -148,7 +148,7 @@ def start(run: Run, tracking: Any, generate: Generate) -> None:
         logger.warning("the run in %s already finished its %d steps; nothing to train",
                        run.cfg.trainer.default_local_dir, run.total_steps)
     if run.cfg.trainer.val_before_train and run.val_batches is not None and run.state.global_steps == 0:
-        log(tracking, validate(run, generate), step=0)
+        log(tracking, validate(run, generate, tracking), step=0)
 
 
 def end_step(run: Run, tracking: Any, step: int, batch: DataProto, metrics: dict[str, float], timer: StageTimer,
@@ -160,7 +160,7 @@ def end_step(run: Run, tracking: Any, step: int, batch: DataProto, metrics: dict
     metrics |= timer.metrics()
     metrics |= compute_throughput_metrics(batch, timer.seconds["step"], run.sizes.world_size)
     if due(trainer.test_freq, step) and run.val_batches is not None:
-        metrics |= validate(run, generate)
+        metrics |= validate(run, generate, tracking)  # tracking: where trainer.log_val_generations go
     # The last step is saved too (when saving at all): a failed final export then costs no training.
     final = step >= run.total_steps and trainer.save_freq > 0
     if due(trainer.save_freq, step) or final or run.stop.requested:

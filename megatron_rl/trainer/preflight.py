@@ -49,13 +49,28 @@ def preflight(cfg: DictConfig) -> None:
     check_resume(cfg, usable)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
 
 
-def check_loggers(cfg: DictConfig) -> None:
-    """trainer.logger: known backends whose packages import here (else refused only when logging starts)."""
-    from megatron_rl.trainer.tracking import backend_problem
+def check_loggers(cfg: DictConfig, launch_machine: bool = True) -> str | None:
+    """trainer.logger: known backends (verl's values that do not run here are refused with what to use) whose
+    packages import here (else refused only when logging starts), and the validation settings. A planner that
+    cannot know the launch machine (``launch_machine=False``) gets a missing package back as a warning instead."""
+    import os
 
-    problem = backend_problem(cfg.trainer.logger)
+    from megatron_rl.trainer.tracking import config_problem, logger_backends, package_problem
+    from megatron_rl.trainer.validation import check_validation_settings
+
+    problem = config_problem(cfg.trainer.logger)
     if problem is not None:
         raise ConfigError(problem)
+    check_validation_settings(cfg)
+    if "file" in logger_backends(cfg.trainer.logger):
+        ignored = [v for v in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT") if os.environ.get(v)]
+        if ignored:
+            logger.warning("trainer.logger 'file' writes %s/metrics.jsonl here; %s is not read",
+                           cfg.trainer.default_local_dir, " and ".join(ignored))
+    missing = package_problem(cfg.trainer.logger)
+    if missing is not None and launch_machine:
+        raise ConfigError(missing)
+    return missing
 
 
 # ---------------------------------------------------------------------------- the output directory

@@ -1,4 +1,6 @@
-"""Metric sinks: console (tqdm), metrics.jsonl, TensorBoard, and W&B / MLflow when installed and chosen."""
+"""Metric sinks: console (tqdm), metrics.jsonl, TensorBoard, and W&B / MLflow / SwanLab / ClearML / Trackio when
+installed and chosen. ``trainer.logger`` takes verl's values; ``file`` is our jsonl, and the verl values that do
+not run here are refused before start-up with what to use instead (``backend_problem``)."""
 from __future__ import annotations
 
 import json
@@ -11,19 +13,64 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+KNOWN_BACKENDS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow", "swanlab", "clearml", "trackio")
+# verl's `file` writes one JSON line per step, as our jsonl does (into <default_local_dir>/metrics.jsonl here).
+ALIASES = {"file": "jsonl"}
+# verl values that do not run here, and what to use instead.
+REFUSED_BACKENDS = {
+    "vemlp_wandb": "Volcano Engine ML platform's W&B is not supported here; use wandb (WANDB_BASE_URL for a "
+                   "self-hosted server) or tensorboard",
+    "rl_insight": "rl-insight's monitoring is not supported here; use tensorboard or jsonl (metrics.jsonl)",
+    "tracking": "verl's deprecated name of wandb; write wandb",
+}
 # The package each backend imports when the run starts logging (checked before start-up: backend_problem).
-BACKEND_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+BACKEND_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow",
+                   "swanlab": "swanlab", "clearml": "clearml", "trackio": "trackio"}
 
 
-def backend_problem(backends: Sequence[str] | str) -> str | None:
-    """Why ``trainer.logger`` cannot log here (an unknown backend, a package that does not import), or None."""
-    backends = [backends] if isinstance(backends, str) else [str(b) for b in backends]
+def logger_backends(value: Any) -> list[str]:
+    """``trainer.logger`` as a list of names: a list, one name (``console``), or a list written as a string
+    (verl's ``'["console","wandb"]'`` when it reaches the config quoted)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import yaml
+
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise ValueError(f"trainer.logger={value!r} is not a list of names ({err})") from None
+        else:
+            value = [text]
+    try:
+        names = list(value)
+    except TypeError:
+        raise ValueError(f"trainer.logger={value!r} must be a list of names or one name") from None
+    if not all(isinstance(name, str) for name in names):
+        raise ValueError(f"trainer.logger={names!r} must hold names (strings)")
+    return names
+
+
+def config_problem(value: Any) -> str | None:
+    """What is wrong with ``trainer.logger`` on any machine: its shape, an unknown or refused backend."""
+    try:
+        backends = logger_backends(value)
+    except ValueError as err:
+        return str(err)
+    refused = [b for b in backends if b in REFUSED_BACKENDS]
+    if refused:
+        return "; ".join(f"trainer.logger names {b!r}: {REFUSED_BACKENDS[b]}" for b in refused)
     unknown = [b for b in backends if b not in KNOWN_BACKENDS]
     if unknown:
         return f"trainer.logger has unknown backends {unknown}; known: {list(KNOWN_BACKENDS)}"
+    return None
+
+
+def package_problem(value: Any) -> str | None:
+    """A chosen backend whose package does not import on this machine (call after ``config_problem``)."""
     import importlib
 
+    backends = logger_backends(value)
     for backend in backends:
         module = BACKEND_MODULES.get(backend)
         if module is None:
@@ -36,6 +83,14 @@ def backend_problem(backends: Sequence[str] | str) -> str | None:
                     f"({type(err).__name__}: {err}); install {package} (pip install {package}) or remove "
                     f"{backend!r} from trainer.logger")
     return None
+
+
+def backend_problem(value: Any) -> str | None:
+    """Why ``trainer.logger`` cannot log here (its shape, an unknown or refused backend, a package that does not
+    import), or None."""
+    return config_problem(value) or package_problem(value)
+
+
 # What the console line shows each step: the numbers a person watches.
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
 
@@ -43,6 +98,10 @@ CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_
 class Sink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
     def close(self) -> None: ...
+    # optional: log_generations(samples, step), samples as (input, output, score) (trainer.log_val_generations)
+
+
+Generation = tuple[str, str, float]  # (input, output, score) of one validation sample
 
 
 class ConsoleSink:
@@ -58,38 +117,77 @@ class ConsoleSink:
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(max(0, step - self.bar.n))
 
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        for i, (text_in, text_out, score) in enumerate(samples, start=1):
+            tqdm.write(f"step {step} validation sample {i}/{len(samples)} (score {score:.4f})\n"
+                       f"[input] {text_in}\n[output] {text_out}")
+
     def close(self) -> None:
         self.bar.close()
 
 
 class JsonlSink:
     """Appends one JSON record per step. Records after ``initial_step`` are dropped on open: they belong
-    to an earlier run (a fresh start) or to steps past the checkpoint a resumed run restarts from."""
+    to an earlier run (a fresh start) or to steps past the checkpoint a resumed run restarts from.
+    Validation samples go to ``val_generations.jsonl`` beside it, one record per sample, kept alike."""
 
     def __init__(self, path: Path, initial_step: int) -> None:
         self.path = path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # A fresh start keeps nothing, so an old (even damaged) file is not read at all. A resumed one
-            # tolerates a torn last record (what a full disk or a kill mid-write leaves): dropped, with a warning.
-            kept = [r for r in read_metrics(path, tolerate_torn_tail=True) if r["step"] <= initial_step] \
-                if initial_step > 0 and path.exists() else []
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            tmp.replace(path)
-            self.file = path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
-        except OSError as err:
-            raise OSError(err.errno, f"writing {path} failed: {err.strerror or err}") from err
+        self.file = _open_records(path, initial_step)
+        self.generations_path = path.with_name(GENERATIONS_FILE)
+        self.initial_step = initial_step
+        self.generations = None  # opened at the first samples
+        if initial_step == 0 and self.generations_path.exists():
+            self.generations_path.unlink()  # an earlier run's samples
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}}
-        try:
-            self.file.write(json.dumps(record) + "\n")
-        except OSError as err:
-            raise OSError(err.errno, f"writing step {step} to {self.path} failed: {err.strerror or err}") from err
+        _write(self.file, self.path, record, step)
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        if self.generations is None:
+            self.generations = _open_records(self.generations_path, self.initial_step)
+        for text_in, text_out, score in samples:
+            record = {"step": step, "input": text_in, "output": text_out, "score": float(score)}
+            _write(self.generations, self.generations_path, record, step)
 
     def close(self) -> None:
         self.file.close()
+        if self.generations is not None:
+            self.generations.close()
+
+
+GENERATIONS_FILE = "val_generations.jsonl"
+
+
+def _open_records(path: Path, initial_step: int):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A fresh start keeps nothing, so an old (even damaged) file is not read at all. A resumed one
+        # tolerates a torn last record (what a full disk or a kill mid-write leaves): dropped, with a warning.
+        kept = [r for r in read_metrics(path, tolerate_torn_tail=True) if r["step"] <= initial_step] \
+            if initial_step > 0 and path.exists() else []
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+        return path.open("a", buffering=1)  # line-buffered: a crash loses at most the current line
+    except OSError as err:
+        raise OSError(err.errno, f"writing {path} failed: {err.strerror or err}") from err
+
+
+def _write(file: Any, path: Path, record: dict[str, Any], step: int) -> None:
+    try:
+        file.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise OSError(err.errno, f"writing step {step} to {path} failed: {err.strerror or err}") from err
+
+
+def generations_markdown(samples: Sequence[Generation], step: int) -> str:
+    """The samples as one Markdown text (TensorBoard's text tab), as verl writes them."""
+    parts = [f"**Generation Results - Step {step}**\n"]
+    for i, (text_in, text_out, score) in enumerate(samples, start=1):
+        parts.append(f"### Sample {i}\n**Input:** {text_in}\n\n**Output:** {text_out}\n\n**Score:** {score}\n\n---\n")
+    return "\n".join(parts)
 
 
 class TensorBoardSink:
@@ -108,6 +206,10 @@ class TensorBoardSink:
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        self.writer.add_text("val/generations", generations_markdown(samples, step), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -116,10 +218,15 @@ class WandbSink:
     def __init__(self, project: str, name: str, config: dict[str, Any]) -> None:
         import wandb
 
+        self.wandb = wandb
         self.run = wandb.init(project=project, name=name, config=config)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        table = self.wandb.Table(columns=["step", "input", "output", "score"], data=[[step, *s] for s in samples])
+        self.run.log({"val/generations": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -136,22 +243,77 @@ class MlflowSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()}, step=step)
 
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        records = [{"input": i, "output": o, "score": s} for i, o, s in samples]
+        self.mlflow.log_dict(records, f"val_generations/step_{step}.json")
+
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+class SwanlabSink:
+    def __init__(self, project: str, experiment: str, config: dict[str, Any]) -> None:
+        import swanlab
+
+        self.swanlab = swanlab
+        swanlab.init(project=project, experiment_name=experiment, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.swanlab.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.swanlab.finish()
+
+
+class TrackioSink:
+    def __init__(self, project: str, name: str, config: dict[str, Any]) -> None:
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project=project, name=name, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+class ClearmlSink:
+    """A ClearML task (continued when the last one of this name did not finish, as verl does); a metric
+    ``a/b/c`` is plot ``a``, series ``b/c``."""
+
+    def __init__(self, project: str, task: str, config: dict[str, Any]) -> None:
+        import clearml
+
+        self.task = clearml.Task.init(project_name=project, task_name=task, continue_last_task=True,
+                                      output_uri=False)
+        self.task.connect_configuration(config, name="Hyperparameters")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        report = self.task.get_logger()
+        for key, value in metrics.items():
+            title, _, series = key.partition("/")
+            report.report_scalar(title=title, series=series or title, value=value, iteration=step)
+
+    def close(self) -> None:
+        self.task.close()
 
 
 class Tracking:
     """Fans each step's metrics out to the chosen sinks. Only the driver (or rank 0) builds one."""
 
-    def __init__(self, backends: Sequence[str], output_dir: Path, project: str, experiment: str,
+    def __init__(self, backends: Any, output_dir: Path, project: str, experiment: str,
                  total_steps: int, initial_step: int = 0, config: dict[str, Any] | None = None) -> None:
-        unknown = [b for b in backends if b not in KNOWN_BACKENDS]
-        if unknown:
-            raise ValueError(f"trainer.logger has unknown backends {unknown}; known: {list(KNOWN_BACKENDS)}")
+        problem = config_problem(backends)
+        if problem is not None:
+            raise ValueError(problem)
         self.metrics_path = output_dir / "metrics.jsonl"
         self.tensorboard_dir = output_dir / "tensorboard"
         self.sinks: list[Sink] = []
-        for backend in backends:
+        config = config or {}
+        chosen = dict.fromkeys(ALIASES.get(b, b) for b in logger_backends(backends))  # `file` and `jsonl`: one sink
+        for backend in chosen:
             if backend == "console":
                 self.sinks.append(ConsoleSink(total_steps, initial_step))
             elif backend == "jsonl":
@@ -159,13 +321,25 @@ class Tracking:
             elif backend == "tensorboard":
                 self.sinks.append(TensorBoardSink(self.tensorboard_dir, initial_step))
             elif backend == "wandb":
-                self.sinks.append(WandbSink(project, experiment, config or {}))
+                self.sinks.append(WandbSink(project, experiment, config))
             elif backend == "mlflow":
                 self.sinks.append(MlflowSink(project, experiment))
+            elif backend == "swanlab":
+                self.sinks.append(SwanlabSink(project, experiment, config))
+            elif backend == "trackio":
+                self.sinks.append(TrackioSink(project, experiment, config))
+            elif backend == "clearml":
+                self.sinks.append(ClearmlSink(project, experiment, config))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for sink in self.sinks:
             sink.log(metrics, step)
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        """Validation samples (trainer.log_val_generations) to every sink that shows text."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_generations"):
+                sink.log_generations(samples, step)
 
     def close(self) -> None:
         for sink in self.sinks:
