@@ -34,6 +34,7 @@ class AdvantageEstimator(str, Enum):
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
     REMAX = "remax"
     RLOO = "rloo"
+    GPG = "gpg"
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,27 @@ def compute_rloo_outcome_advantage(
     """
     per_response = _group_outcome(token_level_rewards, response_mask, index, "rloo", epsilon)
     advantages = per_response.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator(AdvantageEstimator.GPG, needs_groups=True)
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: UidArray,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Group Policy Gradient): a_i = alpha (s_i - mean_g) / f_norm with alpha = B / #{s_i != 0} over the
+    batch (at least 1), which scales up the batches where few responses score; a group of one keeps s_i.
+    ``epsilon`` and ``config`` are accepted for verl's signature and unused, as in verl."""
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    per_response = _group_outcome(token_level_rewards, response_mask, index, "grpo_mean", epsilon)
+    advantages = (alpha * per_response / f_norm).unsqueeze(-1) * response_mask
     return advantages, advantages
 
 

@@ -167,8 +167,37 @@ def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layou
                 layout=(layout.tp, layout.pp, layout.vpp, layout.cp),
                 expert_layout=(layout.ep, layout.tp if layout.etp is None else layout.etp), **overrides)
     except (ValueError, AssertionError, TypeError) as err:
+        kernels = te_kernel_flags(overrides)
+        if kernels and not _transformer_engine_here():
+            # a kernel choice only TE has (verl's scripts set several) moves no memory: plan without it here;
+            # a launch without TE is refused by check_launch, naming the keys
+            return transformer_config_without(cfg, prefix, model, layout, dtype, kernels)
         raise PlanError(f"{prefix}.megatron (sequence_parallel and override_transformer_config {overrides}): "
                         f"Megatron-Core's TransformerConfig refuses it: {err}") from err
+
+
+# TransformerConfig fields that pick a fused kernel (Transformer Engine's or Apex's), not what is stored
+TE_KERNEL_FLAGS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                   "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion")
+
+
+def te_kernel_flags(overrides: dict[str, Any]) -> list[str]:
+    return [k for k in TE_KERNEL_FLAGS if overrides.get(k)]
+
+
+def _transformer_engine_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config_without(cfg: DictConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str,
+                               kernels: list[str]) -> Any:
+    without = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(without, False)
+    for key in kernels:
+        OmegaConf.update(without, f"{prefix}.megatron.override_transformer_config.{key}", False, merge=False)
+    return transformer_config(without, prefix, model, layout, dtype)
 
 
 def _recompute(tcfg: Any) -> Recompute:
@@ -585,6 +614,14 @@ def check_launch(cfg: DictConfig) -> None:
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)
+    if not _transformer_engine_here():
+        for prefix in (ACTOR, REF, "critic"):
+            given = OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {}
+            kernels = te_kernel_flags(dict(given))
+            if kernels:
+                raise PlanError(f"{prefix}.megatron.override_transformer_config sets {kernels}: fused kernels of "
+                                "Transformer Engine, which does not import here; install megatron-rl[gpu] or set them "
+                                "false")
 
 
 def checkpoint_host_ram(cfg: DictConfig) -> str:

@@ -102,7 +102,8 @@ def test_verl_top_level_custom_reward_function_and_middle_truncation():
     from megatron_rl.config import load_config
 
     assert translate(["custom_reward_function.path=/x/score.py", "custom_reward_function.name=my_score",
-                      "data.truncation=middle"]) == ["reward.custom_reward_function.path=/x/score.py",
-                                                     "reward.custom_reward_function.name=my_score",
+                      "data.truncation=middle"], with_verl_defaults=False) == [
+                          "++reward.custom_reward_function.path=/x/score.py",
+                          "++reward.custom_reward_function.name=my_score",
                                                      "data.truncation=middle"]
     assert load_config(overrides=["data.truncation=middle"]).data.truncation == "middle"

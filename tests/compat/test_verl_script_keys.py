@@ -17,7 +17,8 @@ SIZES = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "data.train_batch_size
 
 @pytest.mark.parametrize("value, packed", [("True", True), ("False", False)])
 def test_use_remove_padding_is_the_packed_layout(value, packed):
-    args = translate([f"actor_rollout_ref.model.use_remove_padding={value}", f"critic.model.use_remove_padding={value}"])
+    args = translate([f"actor_rollout_ref.model.use_remove_padding={value}", f"critic.model.use_remove_padding={value}"],
+                     with_verl_defaults=False)
     cfg = load_config(overrides=[*SIZES, *args])
     validate(cfg)
     for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic):
@@ -25,7 +26,8 @@ def test_use_remove_padding_is_the_packed_layout(value, packed):
 
 
 def test_model_engine_megatron_and_a_null_py_executable_are_taken():
-    args = translate(["model_engine=megatron", "ray_kwargs.ray_init.runtime_env.py_executable=null"])
+    args = translate(["model_engine=megatron", "ray_kwargs.ray_init.runtime_env.py_executable=null"],
+                     with_verl_defaults=False)
     assert args == []
 
 
@@ -41,7 +43,7 @@ def test_what_cannot_be_honoured_is_refused_with_the_reason(arg, message):
 
 def test_policy_loss_loss_mode_and_its_parameters_sit_next_to_the_name():
     args = translate(["actor_rollout_ref.actor.policy_loss.loss_mode=dro",
-                      "actor_rollout_ref.actor.policy_loss.dro_beta=0.05"])
+                      "actor_rollout_ref.actor.policy_loss.dro_beta=0.05"], with_verl_defaults=False)
     assert args == ["actor_rollout_ref.actor.policy_loss=dro", "actor_rollout_ref.actor.dro_beta=0.05"]
     cfg = load_config(overrides=[*SIZES, *args])
     validate(cfg)

@@ -43,7 +43,7 @@ def test_grpo_runs_with_finite_metrics_and_writes_outputs(tiny_assets, tmp_path)
         assert not missing, f"missing metrics {missing}"
         # the engine serves exactly the trainer's weights after every sync
         assert record["rollout/logprob_diff_max"] < 1e-4
-    assert "val-core/synthetic/copy/reward/mean@1" in steps[2]
+    assert "val-core/synthetic/copy/acc/mean@1" in steps[2] and "val-aux/synthetic/copy/reward/mean@1" in steps[2]
     assert result.plot_path is not None and result.plot_path.stat().st_size > 0
     assert (result.hf_dir / "config.json").is_file() and any(result.hf_dir.glob("*.safetensors"))
 

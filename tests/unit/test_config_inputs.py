@@ -357,7 +357,7 @@ def _bad_start(tmp_path, kind: str) -> tuple[list[str], str]:
     _write_jsonl(train, ["synthetic/copy"] * 8)
     base = [f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}"]
     if kind == "logger_unknown":
-        return base + ["trainer.logger=[console,swanlab]"], r"trainer.logger has unknown backends \['swanlab'\]"
+        return base + ["trainer.logger=[console,neptune]"], r"trainer.logger has unknown backends \['neptune'\]"
     if kind == "logger_missing":
         return base + ["trainer.logger=[console,mlflow]"], \
             r"trainer.logger=.* names 'mlflow', but mlflow does not import here \(ModuleNotFoundError.*pip install mlflow"

@@ -1,0 +1,436 @@
+"""The fate of every verl key on megatron-rl: one table (``RULES``) that both the compat entry
+(``trainer/main_ppo.py``) and the documentation (``key_table.py`` -> docs/configuration.md) read, so they cannot
+drift apart.
+
+A key of verl's ``ppo_megatron_trainer`` config (``verl_ppo_megatron_trainer.yaml``, pinned) or of its example
+scripts is, in this order:
+
+- ``mapped``: a rule rewrites it onto megatron-rl's key(s) that do the same (the entry logs each rewrite);
+- ``dropped``: accepted and without effect, because verl does nothing with it on this path either, or megatron-rl
+  always does what it asks (logged, with the reason);
+- ``default``: megatron-rl has no such setting and behaves as verl does at the key's default: verl's default
+  value (and the rule's extra ``accepts``) pass (logged), any other value is refused, naming what to use instead;
+- ``refused``: never accepted, with the reason;
+- ``same``: no rule, and megatron-rl's schema has the key under verl's name: honoured as it is.
+
+A key neither verl nor megatron-rl has is left to megatron-rl's own checks, which name the nearest keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from megatron_rl.config import ConfigError
+
+VERL_CONFIG = Path(__file__).with_name("verl_ppo_megatron_trainer.yaml")
+_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+
+
+class Fate(enum.StrEnum):
+    same = "same"
+    mapped = "mapped"
+    dropped = "dropped"
+    default = "default"
+    refused = "refused"
+
+
+# A rewrite sees the key, its value and every key=value of the command line (bare keys), for the settings that
+# depend on another key (grad_offload on param_offload, prompt_length on data.max_prompt_length, ...).
+Rewrite = Callable[[str, str, Mapping[str, str]], list[str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str  # a dotted key, or an fnmatch pattern ('*' spans dots)
+    fate: Fate
+    why: str  # the log line, the refusal and the table say this
+    rewrite: Rewrite | None = None  # mapped
+    accepts: tuple[str, ...] = ()  # default: values accepted besides verl's default
+
+
+def _bare(value: str) -> str:
+    return value.strip().strip("'\"")
+
+
+def _truthy(value: str) -> bool:
+    return _bare(value).lower() in ("true", "1", "yes")
+
+
+def _is_null(value: str) -> bool:
+    return _bare(value).lower() in ("null", "none", "~", "")
+
+
+def _to(target: str) -> Rewrite:
+    return lambda key, value, seen: [f"{target}={value}"]
+
+
+def _under(prefix: str, target: str) -> Rewrite:
+    """``prefix.<rest>`` -> ``++target.<rest>`` (set or add: the target is a section whose entries verl adds with +)."""
+    return lambda key, value, seen: [f"++{target}{key[len(prefix):]}={value}"]
+
+
+def _refuse(message: str) -> None:
+    raise ConfigError(message)
+
+
+# ---------------------------------------------------------------------------------------------- rewrites
+
+def _rollout_mode(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    v = _bare(value)
+    return [f"{key}={'colocated' if v in ('async', 'sync') else v}"]
+
+
+def _load_format(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    v = _bare(value)
+    return [f"{key}={'dummy' if v in ('dummy_dtensor', 'dummy_megatron', 'dummy_hf') else v}"]
+
+
+def _packed(*roles: str) -> Rewrite:
+    def packed(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+        return [f"{role}.megatron.packed_sequences={'true' if _truthy(value) else 'false'}" for role in roles]
+
+    return packed
+
+
+def _fused(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    if not _truthy(value):
+        _refuse(f"{key}={value}: megatron-rl always computes log-probs with its fused kernel; drop the key")
+    return []
+
+
+def _model_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    if _bare(value) != "megatron":
+        _refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set model_engine=megatron or drop the key")
+    return []
+
+
+def _py_executable(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    if not _is_null(value):
+        _refuse(f"{key}={value}: megatron-rl's Ray workers run the driver's Python; launch the command inside that "
+                "environment (e.g. `uv run ... python3 -m megatron_rl.compat.verl.trainer.main_ppo ...`) and drop the "
+                "key, or set it to null")
+    return []
+
+
+def _policy_loss(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    name = key[len("actor_rollout_ref.actor.policy_loss."):]
+    return [f"actor_rollout_ref.actor.{'policy_loss' if name == 'loss_mode' else name}={value}"]
+
+
+def _files(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl takes one path or a list; megatron-rl's data.*_files is always a list."""
+    v = value.strip()
+    return [f"{key}={v}" if v.startswith("[") else f"{key}=['{_bare(v)}']"]
+
+
+def _logger(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's scripts also write one sink bare (trainer.logger=console); megatron-rl's key is a list."""
+    v = value.strip()
+    return [f"{key}={v}" if v.startswith("[") else f"{key}=[{_bare(v)}]"]
+
+
+def _grad_offload(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """Here ``param_offload`` moves a role's weights and its gradient buffers together (workers/offload.py)."""
+    role = key[: -len(".megatron.grad_offload")]
+    if _truthy(value) and not _truthy(seen.get(f"{role}.megatron.param_offload", "false")):
+        _refuse(f"{key}=True without {role}.megatron.param_offload=True: megatron-rl offloads the gradient buffers "
+                f"together with the weights; set {role}.megatron.param_offload=True (or grad_offload=False)")
+    return []
+
+
+def _rollout_expert_parallel(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """As verl's vLLM server: ``enable_expert_parallel`` (vLLM's EP then spans the engine's TP x DP ranks). The
+    SGLang adapter (verl: ``ep_size``) and the HF engine have none yet."""
+    ep = int(_bare(value))
+    if ep < 1:
+        _refuse(f"{key}={value} must be >= 1")
+    engine = _bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
+    if engine == "vllm":
+        return [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel={'true' if ep > 1 else 'false'}"]
+    if ep > 1:
+        _refuse(f"{key}={value}: rollout.name={engine} has no expert parallelism here (the SGLang adapter passes "
+                "tp_size only, rollout/sglang/contract.py); use actor_rollout_ref.rollout.name=vllm or "
+                "expert_parallel_size=1")
+    return []
+
+
+def _setting(seen: Mapping[str, str], key: str, default: Any) -> str:
+    return seen.get(key, str(default))
+
+
+def _prompt_length(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    from megatron_rl.config.schema import DataConfig
+
+    prompt = _setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)
+    if int(_bare(value)) != int(_bare(prompt)):
+        _refuse(f"{key}={value} differs from data.max_prompt_length={prompt}: the rollout engines here take prompts "
+                "of data.max_prompt_length; set that key (and drop this one)")
+    return []
+
+
+def _max_model_len(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    from megatron_rl.config.schema import DataConfig
+
+    if _is_null(value):
+        return []
+    prompt = int(_bare(_setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)))
+    response = int(_bare(seen.get("actor_rollout_ref.rollout.response_length")
+                         or _setting(seen, "data.max_response_length", DataConfig.max_response_length)))
+    if int(_bare(value)) < prompt + response:
+        _refuse(f"{key}={value} is shorter than a prompt and its response ({prompt} + {response}): the engine would "
+                "cut responses; megatron-rl sizes the engine's context as data.max_prompt_length + the response "
+                "length, so drop the key or lower those")
+    return []
+
+
+def _reward_manager_source(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    if _bare(value) != "register":
+        _refuse(f"{key}={value}: megatron-rl's reward managers are its registered ones (reward.reward_manager: naive, "
+                "batch, dapo, prime); a custom scorer is reward.custom_reward_function.path/name")
+    return []
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+_NO_RECOMPUTE_HERE = ("verl's Megatron engine does not read it (its FSDP engine does); activation recompute is "
+                      "<role>.megatron.override_transformer_config.recompute_granularity/method/num_layers, "
+                      "as in verl")
+
+RULES: tuple[Rule, ...] = (
+    # --- launch and placement
+    Rule("model_engine", Fate.mapped, "megatron is the only engine here; others are refused", _model_engine),
+    Rule("ray_kwargs.ray_init.runtime_env.py_executable", Fate.mapped,
+         "Ray workers run the driver's Python; only null fits", _py_executable),
+    Rule("ray_kwargs.ray_init.num_cpus", Fate.mapped, "-> ray_init.num_cpus", _to("ray_init.num_cpus")),
+    Rule("ray_kwargs.ray_init.*", Fate.default, "megatron-rl's Ray settings are ray_init.* (docs/controller.md)"),
+    Rule("ray_kwargs.*", Fate.default, "megatron-rl's Ray settings are ray_init.* (docs/controller.md)"),
+    Rule("trainer.critic_warmup", Fate.default, "no critic warm-up steps here: actor updates start at step 1",
+         accepts=("0",)),
+    # --- data
+    Rule("data.train_files", Fate.mapped, "a single path becomes a one-element list", _files),
+    Rule("data.val_files", Fate.mapped, "a single path becomes a one-element list", _files),
+    Rule("trainer.logger", Fate.mapped, "a single sink becomes a one-element list", _logger),
+    Rule("data.return_raw_chat", Fate.dropped,
+         "raw prompts always travel in non_tensor_batch['raw_prompt'] here"),
+    # --- model and packing
+    Rule("actor_rollout_ref.model.use_remove_padding", Fate.mapped,
+         "verl's packed (THD) layout: -> <actor, ref>.megatron.packed_sequences",
+         _packed("actor_rollout_ref.actor", "actor_rollout_ref.ref")),
+    Rule("critic.model.use_remove_padding", Fate.mapped, "-> critic.megatron.packed_sequences", _packed("critic")),
+    *(Rule(f"{role}.megatron.use_remove_padding", Fate.mapped, f"-> {role}.megatron.packed_sequences",
+           _packed(role)) for role in _ROLES),
+    Rule("actor_rollout_ref.model.use_fused_kernels", Fate.mapped,
+         "the fused log-prob kernel is always used; False is refused", _fused),
+    Rule("*.model.enable_gradient_checkpointing", Fate.dropped, _NO_RECOMPUTE_HERE),
+    Rule("*.megatron.use_mbridge", Fate.dropped,
+         "megatron-rl converts HF <-> Megatron weights with its own layout (models/layout.py); either value loads "
+         "the same weights"),
+    Rule("*.megatron.vanilla_mbridge", Fate.dropped, "as use_mbridge"),
+    Rule("*.megatron.grad_offload", Fate.mapped,
+         "gradient buffers leave the GPU with <role>.megatron.param_offload here; True needs param_offload=True",
+         _grad_offload),
+    Rule("*.megatron.router_replay.*", Fate.default, "routing replay (R3) is not built yet (issue 38)"),
+    Rule("*.router_replay.*", Fate.default, "routing replay (R3) is not built yet (issue 38)"),
+    Rule("*.megatron.qat.*", Fate.default, "quantization-aware training is not built here"),
+    Rule("*.qat.*", Fate.default, "quantization-aware training is not built here"),
+    Rule("*.megatron.*checkpointing*", Fate.default,
+         "megatron-rl loads HF checkpoints and writes its own torch_dist checkpoints (docs/trainer.md)"),
+    Rule("*.megatron.dist_ckpt_*", Fate.default, "megatron-rl writes its own torch_dist checkpoints (docs/trainer.md)"),
+    Rule("*.megatron.distrib_optim_*", Fate.default,
+         "megatron-rl writes its own torch_dist checkpoints (docs/trainer.md)"),
+    Rule("*.checkpoint.*", Fate.default,
+         "a checkpoint here always holds the model, the optimizer and the rest of the run's state, so that a resume "
+         "continues exactly; the HF export is trainer.save_hf_at_end (docs/trainer.md)"),
+    Rule("*.optim.*", Fate.default,
+         "the optimizer here is Adam(W) with optim.lr, min_lr_ratio, lr_warmup_steps, lr_scheduler, weight_decay, "
+         "betas and clip_grad (docs/configuration.md)"),
+    Rule("*.profiler.*", Fate.default, "no built-in profiler hooks here; run the workers under nsys or torch.profiler"),
+    Rule("global_profiler.*", Fate.default,
+         "no built-in profiler hooks here; run the workers under nsys or torch.profiler"),
+    Rule("actor_rollout_ref.model.mtp.*", Fate.default, "multi-token prediction is not built here"),
+    # --- the policy loss: verl nests it, megatron-rl keeps its name and parameters on the actor
+    Rule("actor_rollout_ref.actor.policy_loss.*", Fate.mapped,
+         "loss_mode -> actor.policy_loss; <param> -> actor.<param>", _policy_loss),
+    # --- rollout
+    Rule("actor_rollout_ref.rollout.mode", Fate.mapped,
+         "async|sync -> colocated (verl's hybrid engine places rollout the same way)", _rollout_mode),
+    Rule("actor_rollout_ref.rollout.load_format", Fate.mapped,
+         "verl's dummy_dtensor|dummy_megatron|dummy_hf -> dummy (random weights until the first sync)", _load_format),
+    Rule("actor_rollout_ref.rollout.engine_kwargs.*", Fate.mapped,
+         "-> ++actor_rollout_ref.rollout.engine_kwargs.* (set or add), checked against the engine's arguments",
+         _under("actor_rollout_ref.rollout.engine_kwargs", "actor_rollout_ref.rollout.engine_kwargs")),
+    Rule("actor_rollout_ref.rollout.calculate_log_probs", Fate.dropped,
+         "the engine's log-probs of its sampled tokens are always returned here (rollout_log_probs)"),
+    Rule("actor_rollout_ref.rollout.prompt_length", Fate.mapped,
+         "must equal data.max_prompt_length (the engines take prompts of that length)", _prompt_length),
+    Rule("actor_rollout_ref.rollout.max_model_len", Fate.mapped,
+         "checked >= prompt + response; the engine's context here is data.max_prompt_length + the response length",
+         _max_model_len),
+    Rule("actor_rollout_ref.rollout.expert_parallel_size", Fate.mapped,
+         "as verl: vLLM enable_expert_parallel (EP over the engine's TP x DP); > 1 refused for sglang and hf here",
+         _rollout_expert_parallel),
+    Rule("actor_rollout_ref.rollout.moe_tensor_parallel_size", Fate.dropped,
+         "read by verl's TensorRT-LLM rollout only; vLLM and SGLang split experts by TP / EP"),
+    Rule("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", Fate.mapped,
+         "-> actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
+         _to("actor_rollout_ref.rollout.weight_sync.bucket_size_mb")),
+    Rule("actor_rollout_ref.rollout.checkpoint_engine.*", Fate.default,
+         "weights reach the engines through megatron-rl's own bucketed sync (docs/rollout.md)"),
+    Rule("actor_rollout_ref.rollout.disable_log_stats", Fate.default,
+         "a vLLM engine argument: +actor_rollout_ref.rollout.engine_kwargs.vllm.disable_log_stats=<value>"),
+    Rule("actor_rollout_ref.rollout.cudagraph_capture_sizes", Fate.default,
+         "a vLLM engine argument: +actor_rollout_ref.rollout.engine_kwargs.vllm.cudagraph_capture_sizes=[...] "
+         "(with actor_rollout_ref.rollout.enforce_eager=false)"),
+    Rule("actor_rollout_ref.rollout.update_weights_bucket_megabytes", Fate.mapped,
+         "-> actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
+         _to("actor_rollout_ref.rollout.weight_sync.bucket_size_mb")),
+    Rule("actor_rollout_ref.rollout.agent.*", Fate.default,
+         "agent loops here are actor_rollout_ref.rollout.multi_turn.* (docs/rollout.md)"),
+    Rule("actor_rollout_ref.rollout.disaggregation.*", Fate.default,
+         "prefill/decode disaggregation is not built here"),
+    Rule("actor_rollout_ref.rollout.quantization*", Fate.default, "quantized rollout is not built here"),
+    Rule("actor_rollout_ref.rollout.trace.*", Fate.default, "rollout tracing is not built here"),
+    Rule("actor_rollout_ref.rollout.prometheus.*", Fate.default, "engine Prometheus export is not built here"),
+    Rule("actor_rollout_ref.rollout.enable_rollout_routing_replay", Fate.default,
+         "routing replay (R3) is not built yet (issue 38)"),
+    # --- reward
+    Rule("custom_reward_function.*", Fate.mapped, "-> reward.custom_reward_function.*",
+         _under("custom_reward_function", "reward.custom_reward_function")),
+    Rule("reward_model.reward_manager", Fate.mapped, "-> reward.reward_manager", _to("reward.reward_manager")),
+    Rule("reward.reward_manager.name", Fate.mapped, "-> reward.reward_manager", _to("reward.reward_manager")),
+    Rule("reward.reward_manager.source", Fate.mapped, "register only (the managers megatron-rl has)",
+         _reward_manager_source),
+    Rule("reward.reward_manager.module.*", Fate.default,
+         "a custom scorer is reward.custom_reward_function.path/name here"),
+    Rule("reward_model.reward_kwargs.*", Fate.mapped, "-> reward.reward_kwargs.* (DAPO's overlong buffer)",
+         _under("reward_model.reward_kwargs", "reward.reward_kwargs")),
+    Rule("reward.reward_kwargs.*", Fate.mapped, "set or add", _under("reward.reward_kwargs", "reward.reward_kwargs")),
+    Rule("reward_model.num_workers", Fate.mapped, "-> reward.num_workers", _to("reward.num_workers")),
+    Rule("reward.reward_model.*", Fate.default,
+         "a reward model here is configured under reward_model.* (docs/data_and_rewards.md)"),
+    Rule("reward_model.rollout.*", Fate.default,
+         "a generative judge here is reward_model.judge.* (docs/data_and_rewards.md)"),
+    Rule("*sandbox_fusion.*", Fate.default, "remote code sandboxes are not built here; tools run in "
+         "actor_rollout_ref.rollout.multi_turn's sandbox (docs/rollout.md)"),
+    # --- sections megatron-rl does not have
+    Rule("distillation.*", Fate.default, "on-policy distillation is not built here"),
+    Rule("transfer_queue.*", Fate.default,
+         "verl's TransferQueue data plane; batches move through Ray's object store here (docs/controller.md)"),
+    Rule("trainer.v1.*", Fate.default, "verl's experimental trainer switches; megatron-rl has one trainer"),
+    Rule("skip.*", Fate.default, "verl's rollout dump/skip debugging switches are not built here"),
+)
+
+GENERIC_DEFAULT = "megatron-rl has no such setting and behaves as verl does at this default"
+
+
+@functools.lru_cache(maxsize=1)
+def verl_config() -> DictConfig:
+    return OmegaConf.load(VERL_CONFIG)
+
+
+@functools.lru_cache(maxsize=1)
+def _our_config() -> DictConfig:
+    from megatron_rl.config import load_config
+
+    return load_config(overrides=[])
+
+
+_ABSENT = object()
+
+
+def verl_default(key: str) -> Any:
+    """verl's default for ``key``, its interpolations resolved within verl's config (``_ABSENT`` when verl has no
+    such key; None for a required ``???`` one)."""
+    cfg = verl_config()
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, throw_on_resolution_failure=False) if parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # keys(): `in` misses '???' values
+        return _ABSENT
+    return OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
+
+
+def ours_has(key: str) -> bool:
+    """megatron-rl's schema has ``key`` (or it lies inside one of its free-form dicts, e.g.
+    override_transformer_config)."""
+    cfg: Any = _our_config()
+    for part in key.split("."):
+        if not isinstance(cfg, DictConfig):
+            return False
+        if part not in cfg.keys():  # keys(), not `in`: a MISSING ('???') value is "not in" a DictConfig
+            return OmegaConf.get_type(cfg) is dict
+        cfg = cfg._get_node(part)
+    return True
+
+
+def rule_for(key: str) -> Rule | None:
+    return next((rule for rule in RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
+
+
+def fate_of(key: str) -> tuple[Fate, str]:
+    """What happens to ``key`` and why: the table's row."""
+    rule = rule_for(key)
+    if rule is not None and not (rule.fate is Fate.default and ours_has(key)):
+        return rule.fate, rule.why
+    if ours_has(key):
+        return Fate.same, ""
+    return Fate.default, GENERIC_DEFAULT
+
+
+def _same_value(value: str, default: Any) -> bool:
+    if default is _ABSENT or isinstance(default, (DictConfig, ListConfig)):
+        return isinstance(default, (DictConfig, ListConfig)) and _bare(value) in ("{}", "[]") and not len(default)
+    if isinstance(default, str) and default.startswith("${"):
+        return False
+    if default is None:
+        return _is_null(value)
+    if isinstance(default, bool):
+        return _bare(value).lower() in (("true", "1") if default else ("false", "0"))
+    if isinstance(default, (int, float)):
+        try:
+            return float(_bare(value)) == float(default)
+        except ValueError:
+            return False
+    return _bare(value) == str(default)
+
+
+@dataclass(frozen=True)
+class Translation:
+    overrides: list[str]  # megatron_rl.train's arguments
+    notes: list[str]  # one line per verl key rewritten, dropped or accepted at its default
+
+
+def translate_key(key: str, value: str, seen: Mapping[str, str]) -> tuple[list[str] | None, str | None]:
+    """(megatron-rl overrides, log note) for one verl ``key=value``; None overrides: pass it on as it is."""
+    rule = rule_for(key)
+    fate, why = fate_of(key)
+    if fate is Fate.same:
+        return None, None
+    if fate is Fate.mapped:
+        out = rule.rewrite(key, value, seen)
+        return out, f"{key}={value} -> {' '.join(out) or '(nothing)'}: {why}"
+    if fate is Fate.dropped:
+        return [], f"{key}={value} accepted, no effect: {why}"
+    if fate is Fate.refused:
+        _refuse(f"{key}={value}: {why}")
+    default = verl_default(key)
+    if default is _ABSENT and rule is None:
+        return None, None  # neither verl's key nor ours: megatron-rl's checks name it and the nearest keys
+    accepts = rule.accepts if rule is not None else ()
+    if _same_value(value, default) or any(_same_value(value, a) for a in accepts):
+        return [], f"{key}={value} accepted (verl's default): {why}"
+    shown = "none" if default is _ABSENT else OmegaConf.to_yaml(default).strip() if isinstance(
+        default, (DictConfig, ListConfig)) else repr(default)
+    _refuse(f"{key}={value}: {why}; only verl's default ({shown}) is accepted here")
+    return None, None  # unreachable
+
+
+def command_line_settings(argv: list[str]) -> dict[str, str]:
+    """bare key -> value of every key=value argument (the last one wins, as in Hydra)."""
+    return {arg.partition("=")[0].lstrip("+~"): arg.partition("=")[2] for arg in argv if "=" in arg}
