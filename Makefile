@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm test test-fast demo bench check-cuda gpu-check clean
+.PHONY: install install-vllm verl-oracle test test-fast demo bench check-cuda gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -42,17 +42,44 @@ $(VLLM_STAMP): $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
+# verl 0.9.1, the numerical oracle of the tests that compare with verl (MEGATRON_RL_VERL_PATH, see
+# tests/algos/conftest.py), installed beside the venv and never into it: pip --target with --no-deps, plus
+# only those of verl's imports the venv lacks (a second tensordict or cloudpickle would shadow the venv's).
+# Its wheel also ships verl's CPU unit tests, which tests/compat/test_verl_unit_tests.py runs on
+# megatron_rl.compat.verl. With no index reachable this says so and the oracle tests skip; nothing fails.
+VERL_PIN := 0.9.1
+VERL_ORACLE := $(CURDIR)/.cache/verl-oracle
+VERL_ORACLE_STAMP := $(VERL_ORACLE)/.installed-$(VERL_PIN)
+VERL_ORACLE_IMPORTS := tensordict pyvers cloudpickle codetiming orjson
+# the tests see the oracle unless the caller points MEGATRON_RL_VERL_PATH elsewhere
+USE_VERL_ORACLE = if [ -z "$${MEGATRON_RL_VERL_PATH:-}" ] && [ -f $(VERL_ORACLE_STAMP) ]; then \
+	export MEGATRON_RL_VERL_PATH=$(VERL_ORACLE); fi
+
+verl-oracle: install
+	@if [ ! -f $(VERL_ORACLE_STAMP) ]; then \
+		missing=$$(for m in $(VERL_ORACLE_IMPORTS); do $(PY) -c "import $$m" 2>/dev/null || echo $$m; done); \
+		rm -rf $(VERL_ORACLE); \
+		if $(PIP) install -q --retries 1 --timeout 30 --no-deps --target $(VERL_ORACLE) verl==$(VERL_PIN) $$missing; then \
+			touch $(VERL_ORACLE_STAMP); \
+		else \
+			rm -rf $(VERL_ORACLE); \
+			echo "verl-oracle: pip could not install verl==$(VERL_PIN) (no package index reachable?);" \
+				"the tests that compare with verl will skip" >&2; \
+		fi; \
+	fi
+
 check-cuda: install
 	@if command -v nvcc >/dev/null 2>&1 && [ -x scripts/check_cuda.sh ]; then scripts/check_cuda.sh; \
 	else echo "check-cuda: nvcc not found, skipping the CUDA compile check"; fi
 
 # pytest exits 5 when it collected no test: treat that as a failure, never as green.
-test: install install-vllm check-cuda
+test: install install-vllm check-cuda verl-oracle
+	@$(USE_VERL_ORACLE); echo "MEGATRON_RL_VERL_PATH=$${MEGATRON_RL_VERL_PATH:-(unset: the verl-oracle tests skip)}"; \
 	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: install
-	$(PY) -m pytest tests -m "not slow and not slurm" $(PYTEST_ARGS)
+	@$(USE_VERL_ORACLE); $(PY) -m pytest tests -m "not slow and not slurm" $(PYTEST_ARGS)
 
 demo: install install-vllm
 	$(PY) -m megatron_rl.demo

@@ -497,23 +497,26 @@ class DataProto:
         return self[np.repeat(np.arange(len(self)), counts)]
 
     def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
-        """Split dim 1 of the ``split_keys`` into n_split chunks that become rows (row i -> rows
-        i*n_split ...); every other field is repeated n_split times (verl's semantics). A non-tensor
-        key in ``split_keys`` must hold a sequence per row; each row gets a list of its chunk."""
+        """verl's semantics: dim 1 of each ``split_keys`` field is cut into n_split chunks that become rows
+        (row i -> rows i*n_split ...); every other field is repeated n_split times. A non-tensor field is
+        split as verl's 2-D array of it: a column of equal-length sequences becomes a [rows * n_split,
+        length / n_split] object array (row i*n_split + j holds chunk j of row i)."""
+        if n_split < 1:
+            raise ProtocolError(f"unfold_column_chunks: n_split must be >= 1, got {n_split}")
         split_keys = list(split_keys or ())
         n = len(self)
         batch = {}
         for k, v in self.batch.items():
             if k in split_keys:
                 if v.dim() < 2 or v.shape[1] % n_split:
-                    raise ValueError(f"unfold_column_chunks: batch[{k!r}] of shape {tuple(v.shape)} has no dim 1 "
-                                     f"divisible by {n_split}")
+                    raise ProtocolError(f"unfold_column_chunks: batch[{k!r}] of shape {tuple(v.shape)} has no dim 1 "
+                                        f"divisible by n_split={n_split}")
                 batch[k] = v.reshape(n * n_split, v.shape[1] // n_split, *v.shape[2:])
             else:
                 batch[k] = torch.repeat_interleave(v, n_split, dim=0)
         non_tensor = {}
         for k, v in self.non_tensor_batch.items():
-            non_tensor[k] = _split_rows(k, v, n_split) if k in split_keys else np.repeat(v, n_split, axis=0)
+            non_tensor[k] = _unfold_table(k, v, n_split) if k in split_keys else np.repeat(v, n_split, axis=0)
         return DataProto._make(TensorDict(batch, batch_size=[n * n_split], device=self.batch.device), non_tensor,
                                dict(self.meta_info))
 
@@ -943,17 +946,22 @@ def collate_dicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _split_rows(key: str, values: np.ndarray, n_split: int) -> np.ndarray:
-    """unfold_column_chunks on a non-tensor field: row i's sequence -> n_split rows of its chunks."""
-    out = np.empty(len(values) * n_split, dtype=object)
-    for i, row in enumerate(values):
-        if not isinstance(row, (list, tuple, np.ndarray)) or len(row) % n_split:
-            raise ProtocolError(f"unfold_column_chunks: non_tensor_batch[{key!r}] row {i} is "
-                                f"{type(row).__name__}, not a sequence with a length divisible by {n_split}")
-        size = len(row) // n_split
-        for j in range(n_split):
-            out[i * n_split + j] = list(row[j * size:(j + 1) * size])
-    return out
+def _unfold_table(key: str, values: np.ndarray, n_split: int) -> np.ndarray:
+    """unfold_column_chunks on a non-tensor field: the field as the 2-D array verl stores (a 1-D column of
+    equal-length sequences is stacked first), dim 1 cut into n_split chunks that become rows."""
+    if values.ndim < 2:
+        for i, row in enumerate(values):
+            if not isinstance(row, (list, tuple, np.ndarray)):
+                raise ProtocolError(f"unfold_column_chunks: non_tensor_batch[{key!r}] row {i} is "
+                                    f"{type(row).__name__}, not a sequence to split")
+            if len(row) != len(values[0]):
+                raise ProtocolError(f"unfold_column_chunks: non_tensor_batch[{key!r}] row {i} has length {len(row)}, "
+                                    f"row 0 {len(values[0])}: the field is split as one 2-D array (verl)")
+        values = np.array(values.tolist(), dtype=object) if len(values) else values.reshape(0, 0)
+    if values.shape[1] % n_split:
+        raise ProtocolError(f"unfold_column_chunks: non_tensor_batch[{key!r}] of shape {values.shape} has no dim 1 "
+                            f"divisible by n_split={n_split}")
+    return values.reshape(values.shape[0] * n_split, values.shape[1] // n_split, *values.shape[2:])
 
 
 def collate_fn(items: Sequence[DataProtoItem]) -> DataProto:

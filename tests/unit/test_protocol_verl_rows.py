@@ -3,7 +3,10 @@ chunks, tensor byte serialisation and pickling, cycles in union_numpy_dict, Data
 
 from __future__ import annotations
 
+import importlib
+import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +32,17 @@ from megatron_rl.protocol import (
 def rows(n: int, **kw) -> DataProto:
     return DataProto.from_dict({"x": torch.arange(n * 2).view(n, 2)}, {"uid": [f"u{i}" for i in range(n)]},
                                {"step": 3}, **kw)
+
+
+def _verl(module: str):
+    """verl as an oracle when it imports (MEGATRON_RL_VERL_PATH, as in tests/algos/conftest.py)."""
+    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        return importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
+        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
 
 
 @pytest.fixture
@@ -113,13 +127,50 @@ def test_union_numpy_dict_ends_on_self_referencing_arrays():
         union_numpy_dict({"k": a}, {"k": np.array([None], dtype=object)})
 
 
-def test_unfold_column_chunks_splits_a_non_tensor_field_of_sequences():
-    d = DataProto.from_dict({"x": torch.arange(8).view(2, 4)}, {"tags": [["a", "b"], ["c", "d"]], "uid": ["p", "q"]})
+def test_unfold_column_chunks_splits_a_non_tensor_field_as_verls_2d_array():
+    # verl stores a column of equal-length lists as a 2-D array and reshapes it: the chunks come back as
+    # a [rows * n_split, length / n_split] array, not as a column of lists
+    d = DataProto.from_dict({"x": torch.arange(8).view(2, 4)},
+                            {"tags": [["a", "b", "c", "d"], ["e", "f", "g", "h"]], "uid": ["p", "q"]})
     out = d.unfold_column_chunks(2, split_keys=["x", "tags"])
-    assert list(out.non_tensor_batch["tags"]) == [["a"], ["b"], ["c"], ["d"]]
+    assert out.non_tensor_batch["tags"].shape == (4, 2)
+    assert out.non_tensor_batch["tags"].tolist() == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
+    assert (out.non_tensor_batch["tags"] == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]).all()
     assert list(out.non_tensor_batch["uid"]) == ["p", "p", "q", "q"]
-    with pytest.raises(ProtocolError, match=r"non_tensor_batch\['uid'\] row 0"):
+    assert out.batch["x"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # a field already 2-D (fold_batch_dim makes them) is reshaped as it is
+    folded = DataProto.from_dict({"x": torch.arange(4).view(2, 2)}, {"t": [["a", "b"], ["c", "d"]]})
+    twice = folded.unfold_column_chunks(2, ["t"]).unfold_column_chunks(1, ["t"])
+    assert twice.non_tensor_batch["t"].shape == (4, 1)
+
+
+def test_unfold_column_chunks_matches_verl():
+    verl_protocol = _verl("verl.protocol")
+    tensors = {"obs": torch.arange(12).view(3, 4), "keep": torch.arange(3)}
+    non_tensors = {"labels": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]], "uid": ["a", "b", "c"]}
+    ours = DataProto.from_dict(tensors, non_tensors, {"k": 1}).unfold_column_chunks(2, ["obs", "labels"])
+    theirs = verl_protocol.DataProto.from_dict(tensors, non_tensors, {"k": 1}).unfold_column_chunks(2, ["obs", "labels"])
+    for key in ("obs", "keep"):
+        assert torch.equal(ours.batch[key], theirs.batch[key])
+    for key in ("labels", "uid"):
+        assert ours.non_tensor_batch[key].shape == theirs.non_tensor_batch[key].shape
+        assert ours.non_tensor_batch[key].tolist() == theirs.non_tensor_batch[key].tolist()
+    assert ours.meta_info == theirs.meta_info
+
+
+def test_unfold_column_chunks_refuses_what_it_cannot_split():
+    d = DataProto.from_dict({"x": torch.arange(6).view(2, 3)}, {"tags": [["a", "b"], ["c"]], "uid": ["p", "q"]})
+    with pytest.raises(ProtocolError, match=r"non_tensor_batch\['uid'\] row 0 is str"):
         d.unfold_column_chunks(2, split_keys=["uid"])
+    with pytest.raises(ProtocolError, match=r"non_tensor_batch\['tags'\] row 1 has length 1, row 0 2"):
+        d.unfold_column_chunks(2, split_keys=["tags"])
+    with pytest.raises(ProtocolError, match=r"batch\['x'\] of shape \(2, 3\) has no dim 1 divisible by n_split=2"):
+        d.unfold_column_chunks(2, split_keys=["x"])
+    odd = DataProto.from_dict({"x": torch.zeros(1, 2)}, {"t": [["a", "b", "c"]]})
+    with pytest.raises(ProtocolError, match=r"non_tensor_batch\['t'\] of shape \(1, 3\) has no dim 1 divisible"):
+        odd.unfold_column_chunks(2, split_keys=["t"])
+    with pytest.raises(ProtocolError, match="n_split must be >= 1, got 0"):
+        d.unfold_column_chunks(0)
 
 
 class _Ref:

@@ -1,0 +1,1 @@
+"""verl.workers on megatron-rl (only ``config.actor``'s dataclasses)."""
