@@ -25,10 +25,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config_name, args.overrides)
-        from megatron_rl.trainer.preflight import check_loggers
+        from megatron_rl.config.loggers import config_problem, package_problem
 
         # trainer.logger: a wrong value is refused; a package missing here may be on the launch machine: a warning
-        missing = check_loggers(cfg, launch_machine=False)
+        problem = config_problem(cfg.trainer.logger)
+        if problem is not None:
+            raise ConfigError(problem)
+        missing = package_problem(cfg.trainer.logger)
         if missing is not None:
             print(f"megatron-rl-plan: warning: {missing} (on the machine that launches the run)", file=sys.stderr)
         print_plan(cfg, title=f"plan for {args.config_name} {' '.join(args.overrides)}".rstrip())

@@ -49,13 +49,13 @@ def preflight(cfg: DictConfig) -> None:
     check_resume(cfg, usable)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
 
 
-def check_loggers(cfg: DictConfig, launch_machine: bool = True) -> str | None:
+def check_loggers(cfg: DictConfig) -> None:
     """trainer.logger: known backends (verl's values that do not run here are refused with what to use) whose
-    packages import here (else refused only when logging starts), and the validation settings. A planner that
-    cannot know the launch machine (``launch_machine=False``) gets a missing package back as a warning instead."""
+    packages import here (else refused only when logging starts), and the validation settings. (The planner CLI,
+    which cannot know the launch machine, warns about a missing package instead: plan/cli.py.)"""
     import os
 
-    from megatron_rl.trainer.tracking import config_problem, logger_backends, package_problem
+    from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
     from megatron_rl.trainer.validation import check_validation_settings
 
     problem = config_problem(cfg.trainer.logger)
@@ -68,9 +68,8 @@ def check_loggers(cfg: DictConfig, launch_machine: bool = True) -> str | None:
             logger.warning("trainer.logger 'file' writes %s/metrics.jsonl here; %s is not read",
                            cfg.trainer.default_local_dir, " and ".join(ignored))
     missing = package_problem(cfg.trainer.logger)
-    if missing is not None and launch_machine:
+    if missing is not None:
         raise ConfigError(missing)
-    return missing
 
 
 # ---------------------------------------------------------------------------- the output directory

@@ -12,14 +12,8 @@ import pytest
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.trainer.preflight import check_loggers
-from megatron_rl.trainer.tracking import (
-    GENERATIONS_FILE,
-    JsonlSink,
-    Tracking,
-    backend_problem,
-    logger_backends,
-    read_metrics,
-)
+from megatron_rl.config.loggers import backend_problem, logger_backends
+from megatron_rl.trainer.tracking import GENERATIONS_FILE, JsonlSink, Tracking, read_metrics
 
 VERL_VALUES = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio", "file")
 
