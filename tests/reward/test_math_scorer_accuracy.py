@@ -17,7 +17,7 @@ from megatron_rl.reward.scorers import math as math_scorer
 from megatron_rl.reward.scorers import math_equiv
 
 PAIRS = Path(__file__).parent / "data" / "math_answer_pairs.jsonl"
-OWN_ACCURACY_FLOOR = 0.97  # measured 0.971 (403 / 415); math-verify 0.961 on the same set
+OWN_ACCURACY_FLOOR = 0.97  # measured 0.972 (410 / 422); math-verify 0.960 on the same set
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 
 
@@ -119,6 +119,11 @@ RULES = [
     (r"\boxed{\sqrt{12}}", r"2\sqrt{3}", True),  # sympy, after the string match failed
     (r"\boxed{0.333333}", r"\frac{1}{3}", False),  # a rounded decimal is not the exact value
     (r"\boxed{0.0833333333333333}", r"\frac{1}{12}", True),
+    (r"\boxed{17179869185}", "2^{34}", False),  # exact numbers need exact digits
+    (r"\boxed{1.41421356237}", r"\sqrt{2}", True),  # ... a long decimal one unit in its last digit
+    (r"\boxed{\sqrt{x^2}}", "x", False),  # expressions are sampled at points of both signs
+    (r"\boxed{3\frac{1}{3}}", r"\sin^2 x + \cos^2 x", False),  # a mixed number, not 3 * 1/3
+    (r"\boxed{3\frac{1}{3}}", r"\frac{10}{3}", True),
     (r"\boxed{32, 349}", "32349", False),  # a spaced comma separates items
     (r"\boxed{4210_8}", "4210_{7}", False),  # bases are part of the answer
     (r"\boxed{\begin{bmatrix} 1 & 2 \\ 3 & 4 \end{bmatrix}}", r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", True),

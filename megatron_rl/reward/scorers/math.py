@@ -9,8 +9,9 @@ ground truth. Comparison, cheapest first:
    dropped; ``\\dfrac``/``\\tfrac``/``\\cfrac`` -> ``\\frac``; ``\\frac12``/``\\sqrt2`` braced; a leading
    ``x=`` dropped; ``1,000`` -> ``1000`` (but ``32, 349`` is a list); unicode minus, ``½``, ``π``, ``√``,
    ``×``;
-2. plain numbers, ``a/b`` and ``\\frac{a}{b}`` by value (a decimal matches to 1e-9 relative, so
-   ``0.0833333333333333`` = ``\\frac{1}{12}`` but ``0.333333`` is not ``\\frac{1}{3}``);
+2. plain numbers, ``a/b`` and ``\\frac{a}{b}`` by value, exactly; a decimal of 10 or more significant digits
+   within one unit of its last digit (``0.0833333333333333`` = ``\\frac{1}{12}``, ``0.333333`` is not
+   ``\\frac{1}{3}``);
 3. ``math_equiv.structured_equal``: lists order-free, tuples / intervals / matrices in order, relations up to
    a factor, named values by name, single values as sympy expressions (sympy only from here on);
 4. only where 3 cannot read an answer and ``math_verify`` is installed (optional, main thread only: its
@@ -30,7 +31,7 @@ from fractions import Fraction
 from typing import Any
 
 from megatron_rl.reward.registry import register_scorer
-from megatron_rl.reward.scorers.math_equiv import structured_equal
+from megatron_rl.reward.scorers.math_equiv import numbers_close, structured_equal
 
 __all__ = ["boxed_answer", "compute_score", "is_equiv", "last_boxed", "normalize_answer"]
 
@@ -189,16 +190,11 @@ def is_equiv(prediction: str, ground_truth: str, use_math_verify: bool = True) -
         return True
     value_a, value_b = _as_fraction(a), _as_fraction(b)
     if value_a is not None and value_b is not None:
-        return _close(value_a, value_b)
+        return numbers_close(value_a, value_b, a, b)
     decided = structured_equal(prediction, ground_truth)
     if decided is not None:
         return decided
     return use_math_verify and _math_verify_equal(prediction, ground_truth)
-
-
-def _close(x: Fraction, y: Fraction) -> bool:
-    """Exact, or a long decimal of the same value: 0.0833333333333333 = 1/12, 0.333333 != 1/3."""
-    return x == y or abs(x - y) <= Fraction(1, 10**9) * max(abs(x), abs(y))
 
 
 def _math_verify_equal(prediction: str, ground_truth: str, timeout_s: int = 3) -> bool:

@@ -13,8 +13,9 @@
   (positive for inequalities, after turning ``>`` into ``<``), so ``5 \\geq x`` = ``x \\leq 5`` and
   ``2x+4y-3=0`` = ``y=-\\frac{1}{2}x+\\frac{3}{4}``;
 - single values with ``normalize_answer`` and exact fractions first; then as sympy expressions (a small
-  LaTeX reader, below), equal when they agree to 1e-9 relative at a few random points (numbers: exactly
-  that, so ``0.333333`` is not ``\\frac{1}{3}`` but a 16-digit decimal is).
+  LaTeX reader, below), equal when they agree at a few random points to 60 digits; a decimal with 10 or
+  more significant digits may stand for an irrational value and then needs to agree to one unit in its
+  last digit (``0.333333`` is not ``\\frac{1}{3}``, ``1.41421356237`` is ``\\sqrt{2}``).
 
 Returns True / False when it can decide, None when an item is outside what it reads (the caller may then
 ask math-verify). Numbers with a base subscript (``204_5``) compare as strings only.
@@ -27,7 +28,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["expand_items", "structured_equal", "to_sympy"]
+__all__ = [
+    "approximation_unit", "expand_items", "numbers_close", "structured_equal", "to_sympy", "value_equal",
+]
 
 _REL_OPS = {"\\geqslant": ">=", "\\leqslant": "<=", "\\geq": ">=", "\\leq": "<=", "\\ge": ">=", "\\le": "<=",
             "\\neq": "!=", "\\ne": "!=", "\\lt": "<", "\\gt": ">", "≥": ">=", "≤": "<=", "≠": "!="}
@@ -288,11 +291,11 @@ def _relation_equal(x: Node, y: Node) -> bool | None:
         return False
     if d1 is None or d2 is None:
         return value_equal(f"{l1}{x[1]}{r1}", f"{l2}{y[1]}{r2}") or None
-    ratios = _sample(d1 / d2, d1.free_symbols | d2.free_symbols)
+    ratios = [r for r, _ in _sample(d1 / d2, d1.free_symbols | d2.free_symbols)]
     if not ratios:
         return None
     first = ratios[0]
-    if any(abs(r - first) > 1e-9 * max(1.0, abs(first)) for r in ratios) or abs(first) < 1e-12:
+    if any(abs(r - first) > 1e-20 * max(1.0, abs(first)) for r in ratios) or abs(first) < 1e-20:
         return False
     return bool(first.real > 0 and abs(first.imag) < 1e-12) if op1 in ("<", "<=") else True
 
@@ -307,16 +310,44 @@ def value_equal(a: str, b: str) -> bool | None:
     na, nb = _mixed_number(na), _mixed_number(nb)
     fa, fb = _as_fraction(na), _as_fraction(nb)
     if fa is not None and fb is not None:
-        return fa == fb or abs(fa - fb) <= Fraction(1, 10**9) * max(abs(fa), abs(fb))
+        return numbers_close(fa, fb, na, nb)
     if _BASE_NUMBER.search(na) or _BASE_NUMBER.search(nb):
         return False if (fa is not None or fb is not None or "_" in na and "_" in nb) else None
     ea, eb = to_sympy(_strip_for_sympy(a)), to_sympy(_strip_for_sympy(b))
     if ea is None or eb is None:
         return None
-    diffs = _sample(ea - eb, ea.free_symbols | eb.free_symbols, scale=(ea, eb))
-    if not diffs:
+    samples = _sample(ea - eb, ea.free_symbols | eb.free_symbols, scale=(ea, eb))
+    if not samples:
         return None
-    return all(d == 0 for d in diffs)
+    last_digit = approximation_unit(a, b)
+    if last_digit is not None:  # a long decimal against an exact value: within one unit of its last digit
+        return all(abs(diff) <= float(last_digit) * max(1.0, size) for diff, size in samples)
+    return all(abs(diff) <= max(1e-30 * size, 1e-50) for diff, size in samples)
+
+
+_DECIMAL = re.compile(r"\d*\.\d+")
+APPROX_DIGITS = 10  # a decimal with this many significant digits may stand for an irrational value
+
+
+def approximation_unit(*texts: str) -> Fraction | None:
+    """One unit in the last place of the longest decimal with >= APPROX_DIGITS significant digits in
+    ``texts``; None when there is none (then numbers must be equal exactly)."""
+    unit = None
+    for text in texts:
+        for literal in _DECIMAL.findall(text):
+            if len(literal.replace(".", "").lstrip("0")) >= APPROX_DIGITS:
+                here = Fraction(1, 10 ** len(literal.split(".")[1]))
+                unit = here if unit is None else max(unit, here)
+    return unit
+
+
+def numbers_close(x: Fraction, y: Fraction, text_x: str, text_y: str) -> bool:
+    """Equal, or a long decimal within one unit of its last digit of the other value:
+    ``0.0833333333333333`` = 1/12, but ``0.333333`` is not 1/3 and 11111111110 is not 11111111100."""
+    if x == y:
+        return True
+    unit = approximation_unit(text_x, text_y)
+    return unit is not None and abs(x - y) <= unit
 
 
 def _mixed_number(s: str) -> str:
@@ -337,8 +368,9 @@ def _strip_for_sympy(s: str) -> str:
     return s.rstrip("\\").strip()
 
 
-def _sample(expr: Any, symbols: set, scale: tuple | None = None) -> list:
-    """Values of ``expr`` at up to 4 random points (0 where within 1e-9 relative of ``scale``'s size)."""
+def _sample(expr: Any, symbols: set, scale: tuple = ()) -> list[tuple[complex, float]]:
+    """(value of ``expr``, largest size of ``scale``'s expressions) at up to 4 random rational points,
+    evaluated to 60 digits (exact inputs: an identity leaves only ~1e-58 of noise)."""
     import sympy  # noqa: PLC0415 - only when a string match did not decide
 
     rng = random.Random(0)
@@ -346,15 +378,15 @@ def _sample(expr: Any, symbols: set, scale: tuple | None = None) -> list:
     ordered = sorted(symbols, key=str)
     for _ in range(8):
         # both signs, so that sqrt(x^2) is not x
-        point = {s: sympy.Float(rng.choice((-1, 1)) * rng.uniform(0.3, 1.7)) for s in ordered}
+        point = {s: sympy.Rational(rng.choice((-1, 1)) * rng.randint(300, 1700), 1000) for s in ordered}
         try:
-            value = complex(expr.subs(point).evalf(30))
-            size = max([0.0] + [abs(complex(e.subs(point).evalf(30))) for e in (scale or ())])
+            value = complex(expr.subs(point).evalf(60))
+            size = max([0.0] + [abs(complex(e.subs(point).evalf(60))) for e in scale])
         except (TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError):
             continue
         if value != value or abs(value) == float("inf"):
             continue
-        values.append(0 if scale is not None and abs(value) <= max(1e-9 * size, 1e-25) else value)
+        values.append((value, size))
         if len(values) == 4 or not ordered:
             break
     return values
@@ -422,6 +454,9 @@ def _latex_to_python(s: str) -> str | None:
     s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/").replace("\\infty", "oo")
     s = s.replace("\\pi", " pi ").replace("\\ln", "\\log")
     s = re.sub(r"\\sqrt\s*\[([^\[\]]+)\]", r"\\root[\1]", s)
+    s = _DECIMAL.sub(lambda m: "({0.numerator}/{0.denominator})".format(Fraction(m[0])), s)  # exact decimals
+    # 3\frac{1}{3} is the mixed number 10/3, not 3 * 1/3 (as in value_equal)
+    s = re.sub(r"(?<![\w.)}])(\d+)\s*\\frac\s*\{(\d+)\}\s*\{(\d+)\}", r"(\1+(\2)/(\3))", s)
     for _ in range(20):  # innermost-first rewrites of braced commands
         new = re.sub(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"((\1)/(\2))", s)
         new = re.sub(r"\\frac\s*(\d)\s*(\d)", r"((\1)/(\2))", new)

@@ -131,7 +131,7 @@ for i, r in enumerate(mv):
         row["note"] = why
     rows.append(row)
 
-# NVIDIA/NeMo-Skills tests/test_math_equal.py (HEAD 0b012df8): pairs asserted equal / not equal in both directions
+# NVIDIA/NeMo-Skills tests/test_math_equal.py (0b012df8): pairs asserted (not) equal in both directions
 NEMO = "NVIDIA/NeMo-Skills@0b012df8 tests/test_math_equal.py"
 nemo_true = [
     (5, 5),
@@ -327,6 +327,14 @@ hard = [
     ("-2, 1", "-2", 0),
     ("1 \\pm \\sqrt{2}", "1 + \\sqrt{2}", 0),
     ("\\{1, 2\\}", "\\{1, 3\\}", 0),
+    # found by perturbing the positives (one digit up, a sign flipped): exact values need exact digits
+    ("11111111100", "11,\\! 111,\\! 111,\\! 110", 0),
+    ("2^{34}", "17179869185", 0),
+    ("2^{34}", "17179869184", 1),
+    ("\\frac{1}{12}", "0.0833333333333433", 0),
+    ("\\sqrt{2}", "1.41421356237", 1),
+    ("x", "\\sqrt{x^2}", 0),
+    ("10^{-12}", "2\\times 10^{-12}", 0),
 ]
 for g, o, lab in hard:
     rows.append({"gold": g, "output": "\\boxed{" + o + "}", "label": lab, "source": RULE})
