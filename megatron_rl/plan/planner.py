@@ -166,7 +166,7 @@ def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layou
                 model, torch.float32 if dtype in ("fp32", "float32") else torch.bfloat16, init_weights=False,
                 layout=(layout.tp, layout.pp, layout.vpp, layout.cp),
                 expert_layout=(layout.ep, layout.tp if layout.etp is None else layout.etp), **overrides)
-    except (ValueError, AssertionError, TypeError) as err:
+    except (ValueError, AssertionError, TypeError, ImportError) as err:
         kernels = te_kernel_flags(overrides)
         if kernels and not _transformer_engine_here():
             # a kernel choice only TE has (verl's scripts set several) moves no memory: plan without it here;
@@ -185,10 +185,14 @@ def te_kernel_flags(overrides: dict[str, Any]) -> list[str]:
     return [k for k in TE_KERNEL_FLAGS if overrides.get(k)]
 
 
-def _transformer_engine_here() -> bool:
+def _importable(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("transformer_engine") is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def _transformer_engine_here() -> bool:
+    return _importable("transformer_engine")
 
 
 def transformer_config_without(cfg: DictConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str,
@@ -614,14 +618,20 @@ def check_launch(cfg: DictConfig) -> None:
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)
-    if not _transformer_engine_here():
-        for prefix in (ACTOR, REF, "critic"):
-            given = OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {}
-            kernels = te_kernel_flags(dict(given))
-            if kernels:
-                raise PlanError(f"{prefix}.megatron.override_transformer_config sets {kernels}: fused kernels of "
-                                "Transformer Engine, which does not import here; install megatron-rl[gpu] or set them "
-                                "false")
+    for prefix in (ACTOR, REF, "critic"):
+        given = dict(OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {})
+        kernels = te_kernel_flags(given)
+        if kernels and not _transformer_engine_here():
+            raise PlanError(f"{prefix}.megatron.override_transformer_config sets {kernels}: fused kernels of "
+                            "Transformer Engine, which does not import here; install megatron-rl[gpu] or set them "
+                            "false")
+        deepep = [k for k in ("moe_enable_deepep", "moe_token_dispatcher_type") if k in given and
+                  (given[k] is True or given[k] == "flex")]
+        if deepep and not _importable("deep_ep"):
+            raise PlanError(f"{prefix}.megatron.override_transformer_config sets "
+                            f"{', '.join(f'{k}={given[k]}' for k in deepep)}: Megatron's flex dispatcher runs on "
+                            "DeepEP (CUDA), which does not import here; install deep_ep on the GPU nodes, or drop them "
+                            "(the alltoall dispatcher gives the same numbers)")
 
 
 def checkpoint_host_ram(cfg: DictConfig) -> str:

@@ -196,6 +196,33 @@ def test_distributed_optimizer_unavailable_is_refused_before_launch_with_the_pla
     check_launch(cfg)  # available: nothing to say
 
 
+MOE_PRESET = ["+experiment=grpo_qwen3_30b_a3b"]
+OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ([f"++{OTC}.apply_rope_fusion=true", f"++{OTC}.moe_permute_fusion=true", f"++{OTC}.moe_grouped_gemm=true"],
+     r"sets \['apply_rope_fusion', 'moe_grouped_gemm', 'moe_permute_fusion'\]: fused kernels of Transformer Engine"),
+    ([f"++{OTC}.moe_enable_deepep=true", f"++{OTC}.moe_token_dispatcher_type=flex"],
+     r"moe_enable_deepep=True, moe_token_dispatcher_type=flex: Megatron's flex dispatcher runs on DeepEP"),
+])
+def test_kernels_this_machine_lacks_are_planned_and_refused_at_launch(monkeypatch, flags, refused):
+    """verl's MoE scripts ask for TE's fused kernels and DeepEP (issue 37/38): they move no memory, so the dry run
+    plans them anywhere (before: Megatron's ValueError/ImportError about TE ended the plan on a CPU login node); a
+    launch where they cannot run is refused naming the keys, not after the workers are up."""
+    from megatron_rl.models import capabilities
+    from megatron_rl.plan import check_launch, planner
+
+    monkeypatch.setattr(capabilities, "distributed_optimizer_blocker", lambda: None)  # the preset asks for it
+    cfg = load_config(overrides=[*MOE_PRESET, *flags])
+    assert build_plan(cfg).fits
+    monkeypatch.setattr(planner, "_importable", lambda module: False)
+    with pytest.raises(PlanError, match=refused):
+        check_launch(cfg)
+    monkeypatch.setattr(planner, "_importable", lambda module: True)
+    check_launch(cfg)
+
+
 def test_config_json_at_the_model_path_wins_over_the_preset(tmp_path):
     architecture = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
