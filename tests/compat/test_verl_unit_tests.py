@@ -33,6 +33,7 @@ from megatron_rl.compat.verl.utils.tensordict_utils import get_tensordict
 from megatron_rl.compat.verl.workers.config.actor import ActorConfig, PolicyLossConfig
 from megatron_rl.config import schema
 from megatron_rl.protocol import DataProto
+from megatron_rl_testing.verl_oracle import verl_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,15 +50,6 @@ def _load_script() -> ModuleType:
 runner = _load_script()
 
 
-def _verl(module: str) -> ModuleType:
-    """verl as an oracle when it imports (MEGATRON_RL_VERL_PATH, as in tests/algos/conftest.py)."""
-    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        return importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
-        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
 
 
 # ---------------------------------------------------------------- verl's own tests, through the runner
@@ -187,7 +179,7 @@ def test_policy_loss_config_refuses_a_bad_loss_mode_and_configs_are_frozen():
 
 
 def test_actor_config_matches_verls_defaults():
-    verl_actor = _verl("verl.workers.config.actor")
+    verl_actor = verl_module("verl.workers.config.actor")
     ours = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
     theirs = verl_actor.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
     for f in dataclasses.fields(ours):
@@ -218,7 +210,7 @@ def _params(fn) -> list[tuple[str, object]]:
 
 
 def test_rollout_correction_presets_match_verl():
-    verl_algorithm = _verl("verl.trainer.config.algorithm")
+    verl_algorithm = verl_module("verl.trainer.config.algorithm")
     theirs_cls = verl_algorithm.RolloutCorrectionConfig
     assert _presets(RolloutCorrectionConfig) == _presets(theirs_cls)
     keys = [f.name for f in dataclasses.fields(theirs_cls) if not f.name.startswith("_")]  # not hydra's _target_
@@ -270,8 +262,8 @@ def test_metric_refuses_bad_input():
 
 
 def test_metric_matches_verl():
-    verl_metric = _verl("verl.utils.metric")
-    verl_py = _verl("verl.utils.py_functional")
+    verl_metric = verl_module("verl.utils.metric")
+    verl_py = verl_module("verl.utils.py_functional")
     values = [torch.tensor(0.25), 1.5, 2]
     for aggregation in ("mean", "sum", "min", "max"):
         ours, theirs = {}, {}
@@ -298,7 +290,7 @@ def test_get_tensordict_is_data_protos_layout_and_refuses_bad_columns():
 
 
 def test_get_tensordict_matches_verl():
-    verl_tu = _verl("verl.utils.tensordict_utils")
+    verl_tu = verl_module("verl.utils.tensordict_utils")
     columns = {"obs": torch.arange(6).view(3, 2), "labels": ["a", "b", "c"], "turns": [[1], [], [2, 3]]}
     ours, theirs = get_tensordict(columns, {"step": 4}), verl_tu.get_tensordict(dict(columns), {"step": 4})
     assert sorted(ours.keys()) == sorted(theirs.keys()) and ours.batch_size == theirs.batch_size

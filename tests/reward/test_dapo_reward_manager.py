@@ -10,11 +10,9 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-import os
-import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,6 +30,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.reward import RewardManager
 from megatron_rl.reward.overlong import OverlongPenalty
 from megatron_rl.trainer.reward_setup import build_reward_fn
+from megatron_rl_testing.verl_oracle import verl_module
 
 SCORERS = textwrap.dedent("""
     import time
@@ -312,14 +311,6 @@ def test_the_trainer_wiring_builds_the_dapo_manager(tok, scorer_file):
 
 
 # ---------------------------------------------------------------------- verl 0.9.1 as the oracle
-def _verl(module: str) -> ModuleType:
-    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        return importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
-        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
 
 
 def _load(path: Path, name: str):
@@ -336,8 +327,8 @@ def _plain(value):
 @pytest.mark.parametrize("name", ["number_score", "dict_score"])
 @pytest.mark.parametrize("enable,log", [(True, True), (True, False), (False, False)])
 def test_dapo_equals_verls_dapo_reward_manager(tok, scorer_file, name, enable, log):
-    dapo = _verl("verl.workers.reward_manager.dapo")
-    verl_data = _verl("verl")
+    dapo = verl_module("verl.workers.reward_manager.dapo")
+    verl_data = verl_module("verl")
     width, buffer_len, factor = 16, 5, 1.5
     rng = np.random.default_rng(0)
     edges = [0, 1, width - buffer_len - 1, width - buffer_len, width - buffer_len + 1, width - 1, width]

@@ -7,9 +7,7 @@ verl as an oracle (optional, as in tests/algos/conftest.py):
 """
 from __future__ import annotations
 
-import importlib
 import itertools
-import os
 import random
 import sys
 from pathlib import Path
@@ -28,19 +26,12 @@ from megatron_rl.algos.seq_balance import (
 )
 from megatron_rl.protocol import DataProto
 from megatron_rl.trainer.steps import balance_batch
+from megatron_rl_testing.verl_oracle import verl_module
 
 METRICS = ("global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
            "global_seqlen/balanced_max", "global_seqlen/mean")
 
 
-def _verl(module: str):
-    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        return importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
-        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
 
 
 def _spread(weights, groups) -> int:
@@ -117,7 +108,7 @@ def test_bad_input_is_named():
 
 
 def test_partitions_equal_verls():
-    verl = _verl("verl.utils.seqlen_balancing")
+    verl = verl_module("verl.utils.seqlen_balancing")
     rng = random.Random(0)
     for _ in range(300):
         k = rng.choice([1, 2, 3, 4, 8])
@@ -183,8 +174,8 @@ def test_grpo_advantages_do_not_depend_on_the_order():
 
 def test_permutation_equals_verls_balance_batch():
     """verl's RayPPOTrainer._balance_batch on the same lengths gives the same order and metrics."""
-    ray_trainer = _verl("verl.trainer.ppo.ray_trainer")
-    verl_protocol = _verl("verl.protocol")
+    ray_trainer = verl_module("verl.trainer.ppo.ray_trainer")
+    verl_protocol = verl_module("verl.protocol")
     lens = [int(x) for x in torch.randint(1, 300, (48,), generator=torch.Generator().manual_seed(3))]
     for dp in (2, 4, 8):
         mask = (torch.arange(300)[None, :] < torch.tensor(lens)[:, None]).long()

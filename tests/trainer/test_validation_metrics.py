@@ -8,10 +8,7 @@ _val_metrics_update read from verl's source (ray_trainer.py does not import with
 from __future__ import annotations
 
 import ast
-import importlib
 import itertools
-import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,21 +26,12 @@ from megatron_rl.trainer.val_metrics import (
     subset_sizes,
 )
 from megatron_rl.trainer.validation import check_validation_settings, pick_generations, validate, validation_metrics
-
-
-def _verl_path() -> None:
-    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+from megatron_rl_testing.verl_oracle import verl_module
 
 
 @pytest.fixture(scope="module")
 def verl_metric_utils():
-    _verl_path()
-    try:
-        return importlib.import_module("verl.trainer.ppo.metric_utils")
-    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
-        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
+    return verl_module("verl.trainer.ppo.metric_utils")
 
 
 @pytest.fixture(scope="module")

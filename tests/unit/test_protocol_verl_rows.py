@@ -3,10 +3,7 @@ chunks, tensor byte serialisation and pickling, cycles in union_numpy_dict, Data
 
 from __future__ import annotations
 
-import importlib
-import os
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +24,7 @@ from megatron_rl.protocol import (
     serialize_tensordict,
     union_numpy_dict,
 )
+from megatron_rl_testing.verl_oracle import verl_module
 
 
 def rows(n: int, **kw) -> DataProto:
@@ -34,15 +32,6 @@ def rows(n: int, **kw) -> DataProto:
                                {"step": 3}, **kw)
 
 
-def _verl(module: str):
-    """verl as an oracle when it imports (MEGATRON_RL_VERL_PATH, as in tests/algos/conftest.py)."""
-    for path in reversed([p for p in os.environ.get("MEGATRON_RL_VERL_PATH", "").split(os.pathsep) if p]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        return importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - any import failure means "no oracle here"
-        pytest.skip(f"verl oracle unavailable ({type(err).__name__}: {err})")
 
 
 @pytest.fixture
@@ -145,7 +134,7 @@ def test_unfold_column_chunks_splits_a_non_tensor_field_as_verls_2d_array():
 
 
 def test_unfold_column_chunks_matches_verl():
-    verl_protocol = _verl("verl.protocol")
+    verl_protocol = verl_module("verl.protocol")
     tensors = {"obs": torch.arange(12).view(3, 4), "keep": torch.arange(3)}
     non_tensors = {"labels": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]], "uid": ["a", "b", "c"]}
     ours = DataProto.from_dict(tensors, non_tensors, {"k": 1}).unfold_column_chunks(2, ["obs", "labels"])
