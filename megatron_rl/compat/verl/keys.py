@@ -278,7 +278,8 @@ RULES: tuple[Rule, ...] = (
          _rollout_expert_parallel),
     Rule("actor_rollout_ref.rollout.moe_tensor_parallel_size", Fate.dropped,
          "read by verl's TensorRT-LLM rollout only; vLLM and SGLang split experts by TP / EP"),
-    Rule("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", Fate.mapped,
+    # verl's current spelling (checkpoint_engine.) and its older one
+    Rule("actor_rollout_ref.rollout.*update_weights_bucket_megabytes", Fate.mapped,
          "-> actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
          _to("actor_rollout_ref.rollout.weight_sync.bucket_size_mb")),
     Rule("actor_rollout_ref.rollout.checkpoint_engine.*", Fate.default,
@@ -288,9 +289,6 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.rollout.cudagraph_capture_sizes", Fate.default,
          "a vLLM engine argument: +actor_rollout_ref.rollout.engine_kwargs.vllm.cudagraph_capture_sizes=[...] "
          "(with actor_rollout_ref.rollout.enforce_eager=false)"),
-    Rule("actor_rollout_ref.rollout.update_weights_bucket_megabytes", Fate.mapped,
-         "-> actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
-         _to("actor_rollout_ref.rollout.weight_sync.bucket_size_mb")),
     Rule("actor_rollout_ref.rollout.agent.*", Fate.default,
          "agent loops here are actor_rollout_ref.rollout.multi_turn.* (docs/rollout.md)"),
     Rule("actor_rollout_ref.rollout.disaggregation.*", Fate.default,
