@@ -240,6 +240,16 @@ class ModelConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    # MoE routing replay (verl's megatron.router_replay; docs/models.md "Routing replay"): disabled | R2 (the
+    # old-log-prob pass records the trainer's routing, the update passes replay it) | R3 (the rollout engine's
+    # routing, rollout.enable_rollout_routing_replay, replayed in every trainer pass)
+    mode: str = "disabled"
+    record_file: Optional[str] = None  # verl's: routing to a file; not built (refused when set)
+    replay_file: Optional[str] = None  # verl's: routing from a file; not built (refused when set)
+
+
+@dataclass
 class MegatronParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -250,6 +260,7 @@ class MegatronParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     # MoE: the routers' weights are not trained (rollout and trainer route alike for longer; docs/models.md)
     freeze_router: bool = False
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     sequence_parallel: bool = False
     # Shards Adam's state over DP; needs TE or Apex (refused, not dropped, without them). Off by default
     # so CPU runs need nothing; the GPU presets turn it on.
@@ -449,6 +460,8 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # MoE: the engine reports each token's top-k experts per layer (batch['routed_experts']) for router_replay R3
+    enable_rollout_routing_replay: bool = False
 
 
 @dataclass

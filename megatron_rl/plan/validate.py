@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.router_replay import check_router_replay
 
 
 def _estimator_traits(name: str):
@@ -659,6 +660,7 @@ def check_refused_at_run_time(cfg: DictConfig, uses_critic: bool) -> None:
     """Settings the workers, the model build or the first step would refuse after Ray and the model are up
     (issue 33 items 7 and 10), refused here instead, naming the key."""
     check_context_parallel(cfg, uses_critic)
+    check_router_replay(cfg)  # MoE routing replay's keys (config/router_replay.py)
     rollout, estimator = cfg.actor_rollout_ref.rollout, cfg.algorithm.adv_estimator
     _require(rollout.temperature > 0,
              f"actor_rollout_ref.rollout.temperature={rollout.temperature} makes the training rollout greedy, but "

@@ -39,6 +39,7 @@ from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, repeated_prompt_rows
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import TensorChecksum, tensor_checksum
+from megatron_rl.rollout.routed_experts import RouterCapture, check_can_report
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params, sample_next_token
 
 __all__ = ["HFEngine", "resolve_dtype"]
@@ -117,6 +118,9 @@ class HFEngine(RolloutEngine):
         )
         self._asleep = False
         self.weight_version = 0
+        # rollout.enable_rollout_routing_replay: report each token's top-k experts (rollout/routed_experts.py)
+        self._capture = (RouterCapture(self.model) if check_can_report(
+            bool(getattr(config, "enable_rollout_routing_replay", False)), "the HF engine", model_config) else None)
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:
@@ -140,9 +144,10 @@ class HFEngine(RolloutEngine):
         ids, mask, pos = (
             prompts.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")
         )
+        self._routing: list[torch.Tensor] = []
         tokens, log_probs = self._decode(ids, mask, pos, params, generator)
         responses, response_lps = _cut_at_finish(tokens, log_probs, params.finish_token_ids)
-        return build_rollout_batch(
+        out = build_rollout_batch(
             prompts,
             responses,
             response_lps,
@@ -151,6 +156,12 @@ class HFEngine(RolloutEngine):
             weight_version=self.weight_version,
             seconds=time.perf_counter() - start,
         )
+        if self._capture is not None:  # [prompt | each fed response token], -1 on padding and unfed tokens
+            routed = torch.cat(self._routing, dim=1)
+            full = routed.new_full((*out.batch["input_ids"].shape, *routed.shape[2:]), -1)
+            full[:, : routed.shape[1]] = routed
+            out.batch["routed_experts"] = full.masked_fill(~out.batch["attention_mask"].bool()[..., None, None], -1)
+        return out
 
     def _decode(
         self,
@@ -172,6 +183,8 @@ class HFEngine(RolloutEngine):
             use_cache=True, logits_to_keep=1,
         )
         logits = out.logits[rows, -1]
+        if self._capture is not None:
+            self._routing.append(self._capture.take(ids[firsts].shape)[rows])
         if shared is not None:
             cache[self._cache_kwarg].reorder_cache(rows)
         next_pos = pos[:, -1:] + 1
@@ -194,6 +207,8 @@ class HFEngine(RolloutEngine):
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1]
+            if self._capture is not None:
+                self._routing.append(self._capture.take(token.unsqueeze(-1).shape))
             next_pos = next_pos + 1
         return torch.stack(tokens, dim=-1), torch.stack(log_probs, dim=-1)
 

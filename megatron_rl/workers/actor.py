@@ -8,6 +8,7 @@ of a data-parallel group (computed on the last pipeline stage, then broadcast al
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,10 @@ from megatron_rl.algos import (
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.protocol import DataProto
 from megatron_rl.weights.export import ExportPlan, export_hf_buckets
+from megatron_rl.models.moe_routing import recording_routing
+from megatron_rl.models.router_replay import ROUTED_EXPERTS, replay_mode
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
+from megatron_rl.workers.routing_replay import recorded_routed_experts, require_routed_experts
 from megatron_rl.workers.checkpoint import CheckpointedRole
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.forward import compute_log_probs, response_log_probs
@@ -96,15 +100,23 @@ class ActorRole(CheckpointedRole):
         check_batch(data, (), "compute_log_prob")
         temperature = read_temperature(data, "compute_log_prob")
         self.engine.offload.enter("compute")
-        out = compute_log_probs(
-            self.engine,
-            data,
-            self.log_prob_spec,
-            temperature,
-            True,
-            self.log_prob_budget_key,
-        )
-        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+        mode = replay_mode(self.config.megatron, f"{self.prefix}.megatron")
+        if mode == "R3":
+            require_routed_experts(data, mode, "compute_log_prob")
+        record = mode == "R2" and ROUTED_EXPERTS not in data.batch  # R2: this pass's routing, replayed in the update
+        with recording_routing(self.engine) if record else contextlib.nullcontext() as recorder:
+            out = compute_log_probs(
+                self.engine,
+                data,
+                self.log_prob_spec,
+                temperature,
+                True,
+                self.log_prob_budget_key,
+            )
+        result = {"old_log_probs": out["log_probs"], "entropys": out["entropy"]}
+        if record:
+            result[ROUTED_EXPERTS] = recorded_routed_experts(self.engine, recorder, data)
+        return DataProto.from_dict(result)
 
     # ------------------------------------------------------------------ update
     def _update_fields(self) -> tuple[str, ...]:
@@ -160,6 +172,9 @@ class ActorRole(CheckpointedRole):
         if "rollout_is_weights" in data.batch:  # algorithm.rollout_correction (algos/rollout_corr.py)
             fields += ("rollout_is_weights",)
         check_batch(data, fields, "update_actor")
+        mode = replay_mode(self.config.megatron, f"{self.prefix}.megatron")
+        if mode != "disabled":
+            require_routed_experts(data, mode, "update_actor")
         temperature = read_temperature(data, "update_actor")
         self.engine.offload.enter("update")
         steps = []

@@ -190,6 +190,10 @@ class MegatronEngine:
         self.expert_load: ExpertLoad | None = None
         # set while a probe's routing is recorded (models/moe_routing.py: routing agreement with the rollout engine)
         self.routing_recorder = None
+        # megatron.router_replay.mode R2/R3: the routers replay batch['routed_experts'] (models/router_replay.py)
+        from megatron_rl.models.router_replay import build_routing_replay
+
+        self.routing_replay = build_routing_replay(chunks, parallel, self.hf_config, f"{name}.megatron")
         self.optimizer = None
         self.scheduler = None
         self.use_distributed_optimizer = False
@@ -349,6 +353,8 @@ class MegatronEngine:
                 self.expert_load.valid = None if thd else micro_batch.attention_mask.t().bool()
             if self.routing_recorder is not None:
                 self.routing_recorder.expect(micro_batch)
+            if self.routing_replay is not None:
+                self.routing_replay.expect(micro_batch)
             if micro_batch.is_thd:
                 output = model(
                     micro_batch.input_ids,
@@ -370,6 +376,9 @@ class MegatronEngine:
         scaling = contextlib.nullcontext() if forward_only else router_loss_scaling(
             self.config, len(micro_batches), parallel_state.get_data_parallel_world_size()
         )
+        replay = self.routing_replay
+        if replay is not None:
+            replay.begin(training=not forward_only)
         with torch.set_grad_enabled(not forward_only), scaling:
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -380,9 +389,13 @@ class MegatronEngine:
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
                 forward_only=forward_only,
             )
+        if replay is not None:
+            replay.end()
         if not forward_only and self.hf_config.moe is not None:
             losses = moe_metrics(self.config.num_layers, len(micro_batches))
             self.router_metrics = losses | self.expert_load.metrics()
+            if replay is not None:
+                self.router_metrics |= replay.metrics()
         return outputs
 
     def zero_grad(self) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_rl.ops import check_token_ids, log_probs_from_logits
+from megatron_rl.models.router_replay import ROUTED_EXPERTS, check_routed_experts, left_justify
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
@@ -33,6 +34,13 @@ def pack_batch(
     """
     keys = ("input_ids", "attention_mask", "responses", *field_keys)
     batch = {key: data.batch[key].to(engine.device) for key in dict.fromkeys(keys)}
+    if engine.routing_replay is not None and ROUTED_EXPERTS in data.batch:  # replayed routing rides with its rows
+        routed = data.batch[ROUTED_EXPERTS]
+        moe = engine.hf_config.moe
+        check_routed_experts(routed, batch["input_ids"], engine.config.num_layers, moe.topk, moe.num_experts,
+                             engine.name)
+        batch[ROUTED_EXPERTS] = left_justify(routed.to(engine.device), batch["attention_mask"])
+        field_keys = (*field_keys, ROUTED_EXPERTS)
     responses = batch["responses"]
     check_token_ids(
         "batch['responses']", responses, engine.hf_config.vocab_size,

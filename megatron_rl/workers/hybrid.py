@@ -100,7 +100,10 @@ class ActorRolloutRefWorker(Worker):
             if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
                 self.ref = ReferenceRole(engine, arr.ref, adapters_off=True)
             else:
-                ref_engine = MegatronEngine(model_dir, arr.ref.megatron, None, name="actor_rollout_ref.ref",
+                from megatron_rl.workers.routing_replay import reference_parallel
+
+                ref_engine = MegatronEngine(model_dir, reference_parallel(arr.actor.megatron, arr.ref.megatron), None,
+                                            name="actor_rollout_ref.ref",
                                             override_config=arr.model.override_config)
                 self.ref = ReferenceRole(ref_engine, arr.ref)
         # Offloaded state (megatron.param_offload / optimizer_offload) leaves before the engine sizes itself

@@ -80,6 +80,8 @@ def engine_args(
         args["enable_sleep_mode"] = True  # sleep()/wake_up() in the colocation schedule
     if model_override:
         args["hf_overrides"] = dict(model_override)
+    if bool(getattr(config, "enable_rollout_routing_replay", False)):  # routing replay R3 (rollout/routed_experts.py)
+        args["enable_return_routed_experts"] = True
     return {**args, **extra}
 
 
@@ -148,9 +150,27 @@ class VLLMEngine(StagedWeightsEngine):
             tokens, lps = parse_completion(output.outputs[0], row, params)
             responses.append(tokens)
             log_probs.append(lps)
-        return build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
-                                   pad_token_id=params.pad_token_id, weight_version=self.weight_version,
-                                   seconds=time.perf_counter() - start)
+        out = build_rollout_batch(prompts, responses, log_probs, response_length=params.max_response_length,
+                                  pad_token_id=params.pad_token_id, weight_version=self.weight_version,
+                                  seconds=time.perf_counter() - start)
+        if self.args.get("enable_return_routed_experts"):
+            out.batch["routed_experts"] = self._routed_experts(outputs, responses, prompts, out)
+        return out
+
+    def _routed_experts(self, outputs: Any, responses: list[list[int]], prompts: DataProto, out: DataProto):
+        """vLLM's per-request ``routed_experts`` ([prompt + output tokens - 1, L, k]) as the batch's tensor."""
+        from megatron_rl.rollout.routed_experts import empty_routing, place_request_routing
+
+        first = next((o.outputs[0].routed_experts for o in outputs if o.outputs[0].routed_experts is not None), None)
+        if first is None:
+            raise RuntimeError("rollout.enable_rollout_routing_replay=true: vLLM returned no routed_experts "
+                               "(its model runner did not capture them)")
+        routed = empty_routing(*out.batch["input_ids"].shape, *first.shape[1:])
+        prompt_mask = prompts.batch["attention_mask"]
+        for row, (output, tokens) in enumerate(zip(outputs, responses)):
+            place_request_routing(routed, row, output.outputs[0].routed_experts, prompt_mask[row], len(tokens),
+                                  "vLLM's routed_experts")
+        return routed
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, version: int) -> None:

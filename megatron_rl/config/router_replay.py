@@ -1,0 +1,63 @@
+"""Before launch: the routing-replay keys (verl's) agree with each other and with what the run can build.
+
+``actor_rollout_ref.actor.megatron.router_replay.mode`` (disabled | R2 | R3) and
+``actor_rollout_ref.rollout.enable_rollout_routing_replay``; the model's side (an MoE model) is checked where the
+engines are built (models/router_replay.py, rollout/routed_experts.py). docs/models.md, "Routing replay".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from megatron_rl.config.errors import ConfigError
+
+MODE = "actor_rollout_ref.actor.megatron.router_replay"
+ROLLOUT = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+MODES = ("disabled", "R2", "R3")
+# rollout.name -> reports routed experts (rollout/routed_experts.py)
+REPORTING_ENGINES = ("hf", "sglang", "vllm")
+
+
+def check_router_replay(cfg: Any) -> None:
+    """Raise ConfigError naming the keys for a routing-replay setting the run cannot honour."""
+    arr = cfg.actor_rollout_ref
+    replay = OmegaConf.select(arr, "actor.megatron.router_replay", default=None)
+    mode = str(replay.mode) if replay is not None else "disabled"
+    enabled = bool(OmegaConf.select(arr, "rollout.enable_rollout_routing_replay", default=False))
+    if mode not in MODES:
+        raise ConfigError(f"{MODE}.mode={mode!r} must be one of {', '.join(MODES)}")
+    for key in ("record_file", "replay_file"):
+        if replay is not None and replay.get(key):
+            raise ConfigError(f"{MODE}.{key}={replay.get(key)!r}: routing to or from files is not built (the routing "
+                              "travels with the batch); leave it null")
+    if mode == "R3" and not enabled:
+        raise ConfigError(f"{MODE}.mode=R3 replays the rollout engine's routing: set {ROLLOUT}=true")
+    if enabled and mode != "R3":
+        raise ConfigError(f"{ROLLOUT}=true reports the engine's routing for {MODE}.mode=R3, but mode={mode}: set "
+                          "mode=R3 (or the key to false)")
+    if mode == "disabled":
+        return
+    megatron = arr.actor.megatron
+    if megatron.get("context_parallel_size", 1) > 1:
+        raise ConfigError(f"{MODE}.mode={mode} with actor_rollout_ref.actor.megatron.context_parallel_size="
+                          f"{megatron.context_parallel_size} is not built (a router sees part of each sequence)")
+    if megatron.get("share_prompts", False):
+        raise ConfigError(f"{MODE}.mode={mode} with actor_rollout_ref.actor.megatron.share_prompts=true is not built "
+                          "(a shared prompt is routed once for its whole group)")
+    if mode == "R2" and OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False):
+        raise ConfigError(f"{MODE}.mode=R2 records the routing in the old-log-prob pass, which "
+                          "algorithm.rollout_correction.bypass_mode=true skips: use R3 or disabled")
+    if mode == "R3":
+        rollout = arr.rollout
+        name = str(rollout.name)
+        if name not in REPORTING_ENGINES:
+            raise ConfigError(f"{ROLLOUT}=true: actor_rollout_ref.rollout.name={name} cannot report routed experts "
+                              f"(engines that can: {', '.join(REPORTING_ENGINES)})")
+        if str(rollout.mode) == "server":
+            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server is not built (the servers' "
+                              "replies carry no routing); use mode=colocated")
+        if OmegaConf.select(rollout, "multi_turn.enable", default=False):
+            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.multi_turn.enable=true is not built "
+                              "(the agent loop does not stitch the turns' routing)")

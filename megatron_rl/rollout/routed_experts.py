@@ -1,0 +1,83 @@
+"""The rollout engines' routing report for MoE routing replay R3 (models/router_replay.py).
+
+With ``rollout.enable_rollout_routing_replay`` every engine returns ``batch['routed_experts']``: [B, P + R, L, k]
+int16, aligned with the output's ``input_ids``: for each token and MoE layer, the top-k experts the engine's
+router chose when it computed the token; -1 where no choice exists (prompt and response padding, and the last
+sampled token, which no forward ever took as input).
+
+- HF engine: forward hooks on transformers' top-k routers (``RouterCapture``), prefill and each decode step.
+- SGLang and vLLM report, per request, a [prompt tokens + output tokens - 1, L, k] array of the tokens their
+  forwards computed (prompt first); ``place_request_routing`` puts it at the request's row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["RouterCapture", "check_can_report", "empty_routing", "place_request_routing", "ROLLOUT_KEY"]
+
+ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+
+
+def check_can_report(enabled: bool, engine: str, model_config: Any) -> bool:
+    """``enable_rollout_routing_replay`` for an engine: refused, naming the key, for a dense model."""
+    if not enabled:
+        return False
+    if getattr(model_config, "num_experts_per_tok", None) is None:
+        raise ValueError(f"{ROLLOUT_KEY}=true needs an MoE model; {engine}'s model "
+                         f"({getattr(model_config, 'model_type', '?')}) has no router")
+    return True
+
+
+def empty_routing(rows: int, width: int, layers: int, topk: int) -> torch.Tensor:
+    return torch.full((rows, width, layers, topk), -1, dtype=torch.int16)
+
+
+def place_request_routing(out: torch.Tensor, row: int, routing: Any, prompt_mask: torch.Tensor,
+                          response_tokens: int, where: str) -> None:
+    """Write one request's routing ([prompt tokens + output tokens - 1, L, k], the tokens its forwards
+    computed) into ``out[row]`` ([P + R, L, k]; the prompt left-padded to P); shapes checked, naming ``where``."""
+    routing = torch.as_tensor(routing)
+    prompt_cols = prompt_mask.bool().nonzero()[:, 0]
+    width = out.shape[1] - prompt_mask.shape[0]
+    expected = len(prompt_cols) + max(response_tokens - 1, 0)
+    layers, topk = out.shape[2], out.shape[3]
+    if routing.dim() != 3 or tuple(routing.shape[1:]) != (layers, topk) or routing.shape[0] < expected:
+        raise ValueError(f"{where}: routed experts of row {row} have shape {tuple(routing.shape)}, expected "
+                         f"({expected} or more, {layers}, {topk}) for {len(prompt_cols)} prompt and "
+                         f"{response_tokens} response tokens")
+    routing = routing[:expected].to(out.dtype)
+    out[row, prompt_cols] = routing[: len(prompt_cols)]
+    generated = min(response_tokens - 1, width)
+    if generated > 0:
+        start = prompt_mask.shape[0]
+        out[row, start : start + generated] = routing[len(prompt_cols) : len(prompt_cols) + generated]
+
+
+class RouterCapture:
+    """The top-k expert ids transformers' MoE routers (``TopKRouter``: returns logits, scores, indices) chose in
+    each forward of ``model``, per decoder layer."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not self.routers:
+            raise ValueError(f"{ROLLOUT_KEY}=true: {type(model).__name__} has no top-k router to report")
+        self._seen: list[torch.Tensor | None] = [None] * len(self.routers)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def hook(module, inputs, output) -> None:
+            self._seen[layer] = output[2].detach()
+        return hook
+
+    def take(self, shape: Sequence[int]) -> torch.Tensor:
+        """The last forward's choices as [*shape, L, k] (``shape``: the forward's [rows, tokens])."""
+        if any(seen is None for seen in self._seen):
+            raise RuntimeError("RouterCapture: a router did not run in the last forward")
+        out = torch.stack([seen.reshape(*shape, -1) for seen in self._seen], dim=-2)
+        self._seen = [None] * len(self.routers)
+        return out.to(torch.int16).cpu()
