@@ -227,15 +227,18 @@ def _unfuse_te_norms(spec: ModuleSpec) -> None:
         mlp.linear_fc1 = TEColumnParallelLinear
 
 
-def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = False, lora: bool = False) -> ModuleSpec:
+def gpt_layer_spec(
+    hf: HFModelConfig, use_te: bool, context_parallel: bool = False, lora: bool = False, *, dense: bool = False
+) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
     SDPAttention so the explicit causal+padding mask means the same thing on every backend, except under
     context parallelism with TE: TE's attention then runs the CP exchange (``cp_comm_type``, p2p by default)
     on the packed sequences CP requires, where SDPAttention would all-gather K/V.
     The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too). An MoE model's
     MLP is Megatron's MoELayer with SequentialMLP experts (one MLP per local expert, no grouped GEMM), so
-    each expert has its own linear_fc1/linear_fc2 on every backend."""
-    experts = hf.moe.num_experts if hf.moe is not None else None
+    each expert has its own linear_fc1/linear_fc2 on every backend (and a shared expert builds Megatron's
+    SharedExpertMLP from the TransformerConfig). ``dense=True``: the spec of an MoE model's dense layers."""
+    experts = hf.moe.num_experts if hf.moe is not None and not dense else None
     if experts is not None:
         bind_missing_te_names()
     if use_te:
@@ -258,21 +261,40 @@ def gpt_layer_spec(hf: HFModelConfig, use_te: bool, context_parallel: bool = Fal
     return spec
 
 
-def _block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None, use_te: bool):
+def _block_spec(
+    layer_spec: ModuleSpec,
+    config: TransformerConfig,
+    vp_stage: int | None,
+    use_te: bool,
+    dense_spec: ModuleSpec | None = None,
+):
     """The layer spec as GPTModel takes it; for the local spec a whole block, so that the final
-    norm is a LocalRMSNorm too (Megatron would pick WrappedTorchNorm)."""
-    if use_te:
-        return layer_spec
+    norm is a LocalRMSNorm too (Megatron would pick WrappedTorchNorm). ``dense_spec``: an MoE model with
+    dense layers (``config.moe_layer_freq`` a 0/1 list) gets it for its dense layers, the block being cut to
+    the layers of this (virtual) stage as Megatron's ``get_gpt_decoder_block_spec`` cuts it."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    pattern = config.moe_layer_freq if dense_spec is not None and isinstance(config.moe_layer_freq, list) else None
+    if use_te and pattern is None:
+        return layer_spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if pattern is None:
+        specs = [layer_spec] * layers
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        specs = [layer_spec if pattern[i] else dense_spec for i in range(offset, offset + layers)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=LocalRMSNorm),
+        submodules=TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalRMSNorm),
     )
 
 
@@ -318,6 +340,11 @@ def build_gpt_model(
         hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides
     )
     spec = gpt_layer_spec(hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None)
+    dense_spec = None
+    if hf.moe is not None and hf.moe.layer_pattern:  # dense layers between the MoE layers
+        dense_spec = gpt_layer_spec(
+            hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None, dense=True
+        )
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     rope_kwargs: dict[str, Any] = {}
     if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
@@ -331,7 +358,7 @@ def build_gpt_model(
         vp_stage = stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_block_spec(spec, config, vp_stage, use_te),
+            transformer_layer_spec=_block_spec(spec, config, vp_stage, use_te, dense_spec),
             vocab_size=vocab,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

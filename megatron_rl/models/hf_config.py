@@ -10,14 +10,21 @@ from typing import Any
 from megatron_rl.models.moe import MoESpec, parse_moe_config
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
-# (Qwen3-MoE: Qwen3's attention, Mixtral: Mistral's) replace the MLP by routed SwiGLU experts (models/moe.py).
+# (Qwen2-MoE: Qwen2's attention, Qwen3-MoE: Qwen3's, Mixtral: Mistral's) replace the MLP of their MoE layers
+# by routed SwiGLU experts, Qwen2-MoE's plus a gated shared expert (models/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+}
+# MoE architectures refused by name with the reason (their attention is not the GPT attention built here).
+_REFUSED_ARCHITECTURES = {
+    name: "it needs multi-latent attention (MLA), which is not built here"
+    for name in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
@@ -113,6 +120,12 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
     ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    refused = next((a for a in architectures if a in _REFUSED_ARCHITECTURES), None)
+    if arch is None and refused is not None:
+        raise UnsupportedModelError(
+            f"{source}: architecture {refused} is not supported: {_REFUSED_ARCHITECTURES[refused]}; "
+            f"supported: {supported}"
+        )
     if arch is None:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
@@ -126,12 +139,15 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported",
     )
     _reject(bool(cfg.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
-    # Qwen2 always has q/k/v bias and no o_proj bias. For the others attention_bias adds an o_proj bias
-    # too, which Megatron can only express together with MLP biases.
+    # Qwen2 always has q/k/v bias and no o_proj bias, Qwen2-MoE has them when qkv_bias (default true). For the
+    # others attention_bias adds an o_proj bias too, which Megatron can only express together with MLP biases.
     attention_bias = bool(cfg.get("attention_bias", False))
     _reject(
-        model_type != "qwen2" and attention_bias, source, "attention_bias=true (o_proj bias) is not supported"
+        model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+        source,
+        "attention_bias=true (o_proj bias) is not supported",
     )
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
     _reject(
         bool(cfg.get("use_sliding_window", False)),
         source,
@@ -175,7 +191,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=qkv_bias,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None,

@@ -10,7 +10,9 @@ Rules (REFERENCE.md §3):
   load and dropped on export.
 * MoE layers (models/moe.py): the router is replicated; each expert's fc1 (gate|up) / fc2 are split like a
   dense MLP's, but over the expert-tensor-parallel group (ETP), and only the EP rank that owns the
-  expert holds it (``TensorGroup.expert``).
+  expert holds it (``TensorGroup.expert``). A shared expert (Qwen2-MoE) is split over TP like a dense MLP
+  (Megatron's ``SharedExpertMLP``) and its sigmoid gate [1, hidden] is replicated. Dense layers of an MoE
+  model (``MoESpec.is_moe_layer``) map like a dense model's.
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGr
         groups[f"expert{e}.down"] = TensorGroup(
             Kind.ROW, (HFTensor(moe.expert_name(i, e, "down"), (h, f)),), expert=e
         )
+    if moe.shared_expert_size is not None:  # after the experts, as HF's block holds them
+        s = moe.shared_expert_size
+        gate, up = (HFTensor(moe.shared_expert_name(i, role), (s, h)) for role in ("gate", "up"))
+        groups["shared.gate_up"] = TensorGroup(Kind.GATE_UP, (gate, up))
+        groups["shared.down"] = _single(Kind.ROW, moe.shared_expert_name(i, "down"), (h, s))
+        if moe.shared_expert_gate:
+            groups["shared.gate_score"] = _single(Kind.REPLICATED, moe.shared_expert_name(i, "gate_score"), (1, h))
     return groups
 
 
@@ -108,7 +117,7 @@ def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> di
     groups["post_norm"] = TensorGroup(
         Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),)
     )
-    if hf.moe is not None:
+    if hf.moe is not None and hf.moe.is_moe_layer(i):
         return {**groups, **_moe_groups(hf, i, range(hf.moe.num_experts) if experts is None else experts)}
     groups["gate_up"] = TensorGroup(
         Kind.GATE_UP,
@@ -175,11 +184,16 @@ def _norm_weight(norm_module: torch.nn.Module, fused_owner: torch.nn.Module) -> 
 
 
 def _moe_params(mlp: torch.nn.Module, experts: range) -> dict[str, torch.nn.Parameter]:
-    """The router and local experts of a Megatron MoELayer, by the roles of ``_moe_groups``."""
+    """The router, local experts and shared expert of a Megatron MoELayer, by the roles of ``_moe_groups``."""
     params = {"router": mlp.router.weight}
     for e, expert in zip(experts, mlp.experts.local_experts, strict=True):
         params[f"expert{e}.gate_up"] = expert.linear_fc1.weight
         params[f"expert{e}.down"] = expert.linear_fc2.weight
+    shared = mlp.shared_experts
+    if shared is not None:
+        params["shared.gate_up"] = shared.linear_fc1.weight
+        params["shared.down"] = shared.linear_fc2.weight
+        params["shared.gate_score"] = shared.gate_weight
     return params
 
 
@@ -198,8 +212,10 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             parallel_state.get_expert_model_parallel_rank(),
         )
     for layer in model.decoder.layers:
-        groups = _layer_groups(hf, layer.layer_number - 1, experts)
+        index = layer.layer_number - 1
+        groups = _layer_groups(hf, index, experts)
         attn, mlp = layer.self_attention, layer.mlp
+        moe_layer = experts is not None and hf.moe.is_moe_layer(index)
         params = {
             "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
             "qkv": attn.linear_qkv.weight,
@@ -208,7 +224,7 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
             "o_proj": attn.linear_proj.weight,
         }
-        if experts is not None:
+        if moe_layer:
             params["post_norm"] = layer.pre_mlp_layernorm.weight  # never fused into the MoE layer
             params.update(_moe_params(mlp, experts))
         else:
@@ -216,7 +232,7 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             params["gate_up"] = mlp.linear_fc1.weight
             params["down"] = mlp.linear_fc2.weight
         adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
-        if experts is None:
+        if not moe_layer:
             adapters |= {"gate_up": adapter_of(mlp, "linear_fc1"), "down": adapter_of(mlp, "linear_fc2")}
         mappings += [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
     if model.post_process:

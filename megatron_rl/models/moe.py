@@ -1,14 +1,23 @@
-"""Mixture-of-experts facts of an HF config (Qwen3-MoE, Mixtral) and how they map to Megatron-Core.
+"""Mixture-of-experts facts of an HF config (Qwen2-MoE, Qwen3-MoE, Mixtral) and how they map to Megatron-Core.
 
 No Megatron import: the planner and hf_config read this module before any worker starts.
 
 Routing, HF vs Megatron-Core 0.16.1 (``topk_routing_with_score_function``):
-* HF (both families): p = softmax(router logits) over all experts, keep the top k; with
+* HF (all three families): p = softmax(router logits) over all experts, keep the top k; with
   ``norm_topk_prob`` (Mixtral always) the k kept values are renormalised to sum 1.
 * Renormalised top-k of a softmax is the softmax of the top-k logits (the full-softmax denominator
   cancels), which is Megatron's ``moe_router_pre_softmax=False``; without renormalisation it is
   Megatron's ``moe_router_pre_softmax=True`` (softmax first, top-k of the probabilities).
 Experts are dropless (no capacity factor), as in HF.
+
+Shared experts (Qwen2-MoE): every MoE layer also runs one dense SwiGLU MLP of
+``shared_expert_intermediate_size`` on every token, scaled by sigmoid(shared_expert_gate . x), and adds it
+to the routed output. That is Megatron-Core's ``SharedExpertMLP`` with ``moe_shared_expert_gate=True``
+(``gate_weight`` [1, hidden], the same sigmoid), split over TP like a dense MLP.
+
+Dense layers between MoE layers (Qwen2-MoE, Qwen3-MoE): layer i (0-based) is MoE unless it is in
+``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule); a dense layer is a plain
+SwiGLU MLP of ``intermediate_size``. Megatron-Core takes the pattern as ``moe_layer_freq`` (a 0/1 list).
 
 Expert placement: Megatron gives EP rank r the experts ``[r * E / EP, (r + 1) * E / EP)`` (contiguous);
 each expert's fc1 (gate|up) and fc2 are split over the expert-tensor-parallel group (ETP) like a dense
@@ -22,15 +31,18 @@ from typing import Any
 
 # model_type -> (router name, {role: expert tensor name}) inside ``model.layers.<i>.``
 _HF_NAMES = {
+    "qwen2_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 MOE_MODEL_TYPES = tuple(_HF_NAMES)
+# Families whose configs place dense layers with decoder_sparse_step / mlp_only_layers (transformers' rule).
+_SPARSE_STEP_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class MoESpec:
-    """The MoE block of every decoder layer (the supported families have no dense layers)."""
+    """The MoE block of an MoE model's layers, which layers have it, and its shared expert."""
 
     num_experts: int
     topk: int
@@ -39,6 +51,24 @@ class MoESpec:
     block: str  # HF module name of the MoE block in a layer: "mlp" or "block_sparse_moe"
     expert_names: tuple[tuple[str, str], ...]  # (role, HF tensor name) for gate, up, down
     router_aux_loss_coef: float  # the HF config's value, for information (training sets its own)
+    # One flag per layer: True = MoE block, False = dense SwiGLU MLP of intermediate_size. Empty = all MoE.
+    layer_pattern: tuple[bool, ...] = ()
+    shared_expert_size: int | None = None  # shared_expert_intermediate_size; None = no shared expert
+    shared_expert_gate: bool = False  # sigmoid(shared_expert_gate . x) scales the shared expert's output
+    dense_ffn_hidden_size: int | None = None  # intermediate_size of the dense layers; None = no dense layer
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return not self.layer_pattern or self.layer_pattern[layer]
+
+    def moe_layers(self, num_layers: int) -> int:
+        """How many of the model's ``num_layers`` layers are MoE layers."""
+        return sum(self.is_moe_layer(i) for i in range(num_layers))
+
+    def shared_expert_name(self, layer: int, role: str) -> str:
+        """HF name of the shared expert's ``role`` (gate, up, down) or of its sigmoid gate (``role="gate_score"``)."""
+        if role == "gate_score":
+            return f"model.layers.{layer}.{self.block}.shared_expert_gate.weight"
+        return f"model.layers.{layer}.{self.block}.shared_expert.{role}_proj.weight"
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.block}.gate.weight"
@@ -67,18 +97,21 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
     experts, topk = int(experts), int(topk)
     if not 1 <= topk <= experts:
         refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
-    if model_type == "qwen3_moe":
+    shared, pattern = None, ()
+    if model_type in _SPARSE_STEP_TYPES:
         ffn = cfg.get("moe_intermediate_size")
         if ffn is None:
             refuse("missing required field 'moe_intermediate_size'")
-        if int(cfg.get("decoder_sparse_step", 1)) != 1 or list(cfg.get("mlp_only_layers") or []):
-            refuse(
-                f"decoder_sparse_step={cfg.get('decoder_sparse_step')} / mlp_only_layers="
-                f"{cfg.get('mlp_only_layers')}: dense layers between MoE layers are not supported "
-                "(every layer must be MoE: decoder_sparse_step=1, mlp_only_layers=[])"
-            )
+        pattern = _layer_pattern(cfg, refuse)
         norm_topk = bool(cfg.get("norm_topk_prob", False))
-    else:  # mixtral: always renormalised, expert size is intermediate_size
+        if model_type == "qwen2_moe":
+            shared = cfg.get("shared_expert_intermediate_size")
+            if shared is None:
+                refuse("missing required field 'shared_expert_intermediate_size'")
+            if int(shared) <= 0:
+                refuse(f"shared_expert_intermediate_size={shared} must be positive (Qwen2-MoE always has a shared expert)")
+            shared = int(shared)
+    else:  # mixtral: always renormalised, expert size is intermediate_size, every layer MoE
         ffn = cfg["intermediate_size"]
         norm_topk = True
         if float(cfg.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
@@ -92,7 +125,35 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
         block=block,
         expert_names=tuple(names.items()),
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
+        layer_pattern=pattern,
+        shared_expert_size=shared,
+        shared_expert_gate=shared is not None,
+        dense_ffn_hidden_size=int(cfg["intermediate_size"]) if pattern else None,
     )
+
+
+def _layer_pattern(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
+    """transformers' Qwen-MoE rule per layer (True = MoE); () when every layer is MoE."""
+    layers = int(cfg["num_hidden_layers"]) if "num_hidden_layers" in cfg else None
+    step = cfg.get("decoder_sparse_step", 1)
+    if step is None or int(step) < 1:
+        refuse(f"decoder_sparse_step={step} must be a positive integer")
+    step = int(step)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        refuse(f"mlp_only_layers={only!r} must be a list of layer indices")
+    if layers is None:
+        refuse("missing required field 'num_hidden_layers'")
+    outside = sorted(i for i in only if not 0 <= i < layers)
+    if outside:
+        refuse(f"mlp_only_layers={list(only)}: {outside} outside 0..{layers - 1} (num_hidden_layers={layers})")
+    pattern = tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
+    if not any(pattern):
+        refuse(
+            f"decoder_sparse_step={step} / mlp_only_layers={list(only)} leave no MoE layer among "
+            f"num_hidden_layers={layers}: that is a dense model (use the dense family's architecture)"
+        )
+    return () if all(pattern) else pattern
 
 
 def moe_transformer_kwargs(moe: MoESpec, ep: int, etp: int) -> dict[str, Any]:
@@ -114,13 +175,19 @@ def moe_transformer_kwargs(moe: MoESpec, ep: int, etp: int) -> dict[str, Any]:
         moe_router_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        # dense layers (0) between MoE layers (1); 1 = every layer MoE
+        moe_layer_freq=[int(m) for m in moe.layer_pattern] if moe.layer_pattern else 1,
+        moe_shared_expert_intermediate_size=moe.shared_expert_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_shared_expert_overlap=False,  # the overlap runs the shared expert on a CUDA side stream
     )
 
 
 # TransformerConfig fields moe_transformer_kwargs sets from the HF config (override_transformer_config
 # may not change them: the checkpoint's routing would no longer be the model's).
 MOE_DERIVED_FIELDS = (
-    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
 )
 MOE_PARALLEL_FIELDS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 
@@ -132,7 +199,14 @@ def local_experts(moe: MoESpec, ep: int, ep_rank: int) -> range:
 
 
 def check_expert_parallel_fit(moe: MoESpec, tp: int, ep: int, etp: int, where: str) -> None:
-    """Refuse EP/ETP sizes that do not split the experts evenly, naming the numbers."""
+    """Refuse EP/ETP (and TP, for the shared expert and the dense layers) sizes that do not split the MLPs
+    evenly, naming the numbers."""
+    if moe.shared_expert_size is not None and moe.shared_expert_size % tp:
+        raise ValueError(f"{where}: shared_expert_intermediate_size={moe.shared_expert_size} is not divisible by TP={tp}")
+    if moe.dense_ffn_hidden_size is not None and moe.dense_ffn_hidden_size % tp:
+        raise ValueError(
+            f"{where}: intermediate_size={moe.dense_ffn_hidden_size} (the dense layers) is not divisible by TP={tp}"
+        )
     if moe.num_experts % ep:
         raise ValueError(f"{where}: num_experts={moe.num_experts} is not divisible by EP={ep}")
     if moe.ffn_hidden_size % etp:

@@ -67,52 +67,98 @@ class StateBytesPerParam:
 
 
 def attention_params(model: HFModelConfig) -> int:
-    """q, k, v, o projections of one layer (and an MoE layer's router: replicated like them)."""
+    """q, k, v, o projections of one layer (the weight matrices; norms and biases: ``small_params``)."""
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
-    router = model.moe.num_experts * h if model.moe is not None else 0
-    return h * (q + 2 * kv) + q * h + router
+    return h * (q + 2 * kv) + q * h
+
+
+def small_params(model: HFModelConfig) -> int:
+    """What the memory rows leave out (< 0.01 % of a real model): every RMSNorm weight and the q/k/v biases.
+    ``total_params + small_params`` is the HF model's numel."""
+    h = model.hidden_size
+    per_layer = 2 * h + (model.q_size + 2 * model.kv_size if model.qkv_bias else 0)
+    per_layer += 2 * model.head_dim if model.qk_norm else 0
+    return model.num_layers * per_layer + h
+
+
+def numel(model: HFModelConfig) -> int:
+    """Every parameter of the HF causal LM, as ``sum(p.numel() for p in model.parameters())`` counts them."""
+    return total_params(model) + small_params(model)
+
+
+def dense_mlp_params(model: HFModelConfig) -> int:
+    """SwiGLU gate, up, down of a dense layer (a dense model's, or an MoE model's dense layers)."""
+    return 3 * model.hidden_size * model.intermediate_size
 
 
 def mlp_params(model: HFModelConfig, experts: int | None = None) -> int:
-    """SwiGLU gate, up, down of one layer: the dense MLP, or ``experts`` (default all) MoE experts."""
+    """SwiGLU gate, up, down of one layer: the dense MLP, or ``experts`` (default all) routed experts of an MoE
+    layer (without its router and shared expert: ``moe_dense_params``)."""
     if model.moe is None:
-        return 3 * model.hidden_size * model.intermediate_size
+        return dense_mlp_params(model)
     count = model.moe.num_experts if experts is None else experts
     return count * 3 * model.hidden_size * model.moe.ffn_hidden_size
 
 
-def layer_params(model: HFModelConfig) -> int:
-    """Weights of one transformer layer: attention (+ router) and the MLP or all experts."""
-    return attention_params(model) + mlp_params(model)
+def moe_dense_params(model: HFModelConfig) -> int:
+    """Of an MoE layer, what is not a routed expert: the router and the shared expert with its sigmoid gate
+    (split over TP like the attention; the router and gate replicated, counted whole)."""
+    moe, h = model.moe, model.hidden_size
+    shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0) if moe.shared_expert_size else 0
+    return moe.num_experts * h + shared
+
+
+def _is_moe(model: HFModelConfig, layer: int) -> bool:
+    return model.moe is not None and model.moe.is_moe_layer(layer)
+
+
+def layer_params(model: HFModelConfig, layer: int = 0) -> int:
+    """Weight matrices of transformer layer ``layer``: attention, and its dense MLP or its router, shared
+    expert (with its gate) and all routed experts."""
+    if _is_moe(model, layer):
+        return attention_params(model) + moe_dense_params(model) + mlp_params(model)
+    return attention_params(model) + dense_mlp_params(model)
 
 
 def total_params(model: HFModelConfig) -> int:
+    """The weight matrices of the HF model: embeddings, layers, lm_head unless tied (norms and biases:
+    ``small_params``; ``numel`` counts both)."""
     vocab_matrices = 1 if model.tie_word_embeddings else 2
-    return model.num_layers * layer_params(model) + vocab_matrices * model.vocab_size * model.hidden_size
+    layers = sum(layer_params(model, i) for i in range(model.num_layers))
+    return layers + vocab_matrices * model.vocab_size * model.hidden_size
 
 
 def active_params(model: HFModelConfig) -> int:
-    """Weights one token passes through: all of a dense model; of an MoE model only its top-k experts."""
+    """Weights one token passes through: all of a dense model; of an MoE model's MoE layers only the top-k
+    routed experts (the router and shared expert always run)."""
     if model.moe is None:
         return total_params(model)
-    experts = model.num_layers * (mlp_params(model) - mlp_params(model, model.moe.topk))
-    return total_params(model) - experts
+    moe_layers = model.moe.moe_layers(model.num_layers)
+    return total_params(model) - moe_layers * (mlp_params(model) - mlp_params(model, model.moe.topk))
+
+
+def _stage_layers(model: HFModelConfig, layout: Layout, stage: Stage) -> range:
+    """Global indices of the layers on the first or last pipeline stage (layers split evenly over PP)."""
+    per_stage = model.num_layers // layout.pp
+    return range(per_stage) if stage == "first" else range(model.num_layers - per_stage, model.num_layers)
 
 
 def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bool = True) -> int:
     """Parameters on one GPU of the first or last pipeline stage.
 
-    Layers split evenly over PP and their weights over TP; MoE experts over EP x ETP instead. The (padded)
-    embedding lives on the first
+    Layers split evenly over PP and their weights over TP; MoE experts over EP x ETP instead (an MoE model's
+    dense layers and shared experts over TP). The (padded) embedding lives on the first
     stage and the output layer on the last; with PP=1 both are on the one stage, and tied embeddings
     share one matrix there. ``lm_head=False`` is the critic: a hidden -> 1 value head, no vocab output.
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
-    if model.moe is None:
-        layers = model.num_layers // layout.pp * layer_params(model) // layout.tp
-    else:
-        per_layer = attention_params(model) // layout.tp + mlp_params(model) // layout.expert_shards
-        layers = model.num_layers // layout.pp * per_layer
+    layers = 0
+    for i in _stage_layers(model, layout, stage):
+        if _is_moe(model, i):
+            layers += (attention_params(model) + moe_dense_params(model)) // layout.tp
+            layers += mlp_params(model) // layout.expert_shards
+        else:
+            layers += layer_params(model, i) // layout.tp
     if layout.pp == 1:
         shared = model.tie_word_embeddings and lm_head
         return layers + vocab_shard * (1 if shared or not lm_head else 2)
@@ -121,11 +167,13 @@ def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bo
     return layers + (vocab_shard if lm_head else 0)
 
 
-def stage_expert_params(model: HFModelConfig, layout: Layout) -> int:
-    """Of ``stage_params``, the MoE experts on one GPU (0 for a dense model)."""
+def stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage = "first") -> int:
+    """Of ``stage_params``, the routed experts on one GPU of the first (default) or last stage (0 for a dense
+    model)."""
     if model.moe is None:
         return 0
-    return model.num_layers // layout.pp * (mlp_params(model) // layout.expert_shards)
+    moe_layers = sum(_is_moe(model, i) for i in _stage_layers(model, layout, stage))
+    return moe_layers * (mlp_params(model) // layout.expert_shards)
 
 
 def expert_data_parallel(layout: Layout) -> int:

@@ -51,8 +51,9 @@ def test_moe_configs_map_to_megatron_routing():
 @pytest.mark.parametrize(
     "family, fields, message",
     [
-        ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
-        ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+        # dense layers are supported (tests/models/test_moe_shared_experts.py); bad placements are refused
+        ("qwen3_moe", dict(mlp_only_layers=[2]), "mlp_only_layers=[2]: [2] outside 0..1"),
+        ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0 must be a positive integer"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
         ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
     ],
