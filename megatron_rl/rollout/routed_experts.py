@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RouterCapture", "check_can_report", "empty_routing", "place_request_routing", "ROLLOUT_KEY"]
+__all__ = ["ROLLOUT_KEY", "RouterCapture", "check_can_report", "decode_sglang_routing", "empty_routing",
+           "place_request_routing"]
 
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
@@ -55,6 +56,20 @@ def place_request_routing(out: torch.Tensor, row: int, routing: Any, prompt_mask
     if generated > 0:
         start = prompt_mask.shape[0]
         out[row, start : start + generated] = routing[len(prompt_cols) : len(prompt_cols) + generated]
+
+
+def decode_sglang_routing(payload: str, layers: int, topk: int, where: str) -> Any:
+    """SGLang's ``meta_info['routed_experts']``: base64 of a C-order int32 array [tokens, layers, top-k]."""
+    import base64
+
+    import numpy as np
+
+    raw = base64.b64decode(payload)
+    width = 4 * layers * topk
+    if len(raw) % width:
+        raise ValueError(f"{where}: meta_info.routed_experts holds {len(raw)} bytes, not a multiple of "
+                         f"4 x {layers} layers x top-{topk}")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, topk).copy()
 
 
 class RouterCapture:

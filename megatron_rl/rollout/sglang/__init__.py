@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
 from megatron_rl.rollout.sglang.adapter import SGLangEngine
 from megatron_rl.rollout.sglang.contract import (
     SGLANG_CONTRACT,
@@ -58,6 +59,10 @@ def build_sglang_engine(
     HF-engine servers (servers/hf_server.py), which speak the same protocol."""
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
+    routing_shape = _routing_shape(config, model_path)
+    if routing_shape is not None and config.mode == "server":
+        raise ValueError(f"{ROLLOUT_KEY}=true with rollout.mode=server is not built (the servers' replies carry "
+                         "no routing); use mode=colocated")
     sgl = config.sglang
     # rollout.dtype resolved here, once, for the engine and the trainer alike: SGLang's own "auto" would serve
     # the checkpoint's dtype (fp16 for an fp32 one) while the trainer casts the synced buckets to bf16.
@@ -90,6 +95,8 @@ def build_sglang_engine(
                 "dtype": SGLANG_DTYPE_NAMES[dtype],
                 "log_level": "error",
                 **({"json_model_override_args": json.dumps(model_override)} if model_override else {}),
+                # routing replay R3: SGLang captures each token's experts (rollout/routed_experts.py)
+                **({"enable_return_routed_experts": True} if routing_shape is not None else {}),
             },
             replica_index=replica_index,
             port_base=int(sgl.port_base),
@@ -99,4 +106,16 @@ def build_sglang_engine(
     return SGLangEngine(
         config, transport, response_length=response_length, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, needs_sync=needs_sync, compute_device=compute_device,
+        routing_shape=routing_shape,
     )
+
+
+def _routing_shape(config: Any, model_path: str) -> tuple[int, int] | None:
+    """(MoE layers, top-k) of the served model when ``rollout.enable_rollout_routing_replay``, else None."""
+    if not bool(getattr(config, "enable_rollout_routing_replay", False)):
+        return None
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    check_can_report(True, "SGLang", hf)
+    return int(hf.num_hidden_layers), int(hf.num_experts_per_tok)

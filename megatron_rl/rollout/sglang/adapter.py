@@ -52,6 +52,7 @@ class SGLangEngine(RolloutEngine):
         pad_token_id: int | None = None,
         needs_sync: str = "the engine starts with random weights (load_format=dummy)",
         compute_device: str = "cuda",
+        routing_shape: tuple[int, int] | None = None,
     ) -> None:
         """``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
         ``megatron_rl.rollout.sglang.build_sglang_engine``). ``compute_device``: where the engines compute,
@@ -74,6 +75,11 @@ class SGLangEngine(RolloutEngine):
         self._in_session = False
         self._session_version = 0
         self._needs_sync: str | None = needs_sync
+        # (MoE layers, top-k): every result carries meta_info.routed_experts (routing replay R3); None: not asked
+        self.routing_shape = routing_shape
+        if routing_shape is not None and not getattr(transport, "routed_experts", False):
+            raise ValueError("rollout.enable_rollout_routing_replay=true: this SGLang transport does not ask for "
+                             "routed experts (enable_return_routed_experts)")
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -102,7 +108,7 @@ class SGLangEngine(RolloutEngine):
                 self._check_served_version(output, row)
             responses.append(tokens)
             log_probs.append(lps)
-        return build_rollout_batch(
+        out = build_rollout_batch(
             prompts,
             responses,
             log_probs,
@@ -111,6 +117,26 @@ class SGLangEngine(RolloutEngine):
             weight_version=self.weight_version,
             seconds=time.perf_counter() - start,
         )
+        if self.routing_shape is not None:
+            out.batch["routed_experts"] = self._routed_experts(outputs, responses, prompts, out)
+        return out
+
+    def _routed_experts(self, outputs: list[dict], responses: list[list[int]], prompts: DataProto,
+                        out: DataProto) -> torch.Tensor:
+        """Each result's ``meta_info.routed_experts`` (base64 int32 [prompt + output - 1, L, k]) at its row."""
+        from megatron_rl.rollout.routed_experts import decode_sglang_routing, empty_routing, place_request_routing
+
+        routed = empty_routing(*out.batch["input_ids"].shape, *self.routing_shape)
+        for row, (output, tokens) in enumerate(zip(outputs, responses)):
+            payload = output["meta_info"].get("routed_experts")
+            if payload is None:
+                raise RuntimeError(f"SGLang result {row} has no meta_info.routed_experts (keys: "
+                                   f"{sorted(output['meta_info'])}); was the engine started with "
+                                   "enable_return_routed_experts?")
+            array = decode_sglang_routing(payload, *self.routing_shape, f"SGLang result {row}")
+            place_request_routing(routed, row, array, prompts.batch["attention_mask"][row], len(tokens),
+                                  "SGLang's meta_info.routed_experts")
+        return routed
 
     def _check_served_version(self, output: dict, row: int) -> None:
         """Server mode tags updates with our version; a sample from other weights must not slip through."""

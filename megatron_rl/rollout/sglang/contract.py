@@ -37,7 +37,7 @@ WEIGHT_UPDATE_SESSION_SINCE = Version("0.5.23")  # sglang PR #28001
 SGLANG_CONTRACT: dict[str, Any] = {
     # srt/entrypoints/engine.py, class Engine: method -> keyword arguments we pass
     "engine_methods": {
-        "generate": ("input_ids", "sampling_params", "return_logprob"),
+        "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts"),
         "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
         "begin_weight_update": (),
         "end_weight_update": (),
@@ -61,6 +61,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "json_model_override_args",  # srt/arg_groups/fields/model.py: config.json overrides, a JSON string
         "nccl_port",  # explicit and distinct per engine: SGLang's own pick collides across ranks seeded alike
         "port",
+        "enable_return_routed_experts",  # srt/server_args.py: MoE routing capture (routing replay R3)
     ),
     # ServerArgs fields /server_info reports (srt/utils/common.py build_server_info: server_args.resolved_dict())
     "server_info_args": ("tp_size",),
@@ -85,7 +86,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
     "load_formats": ("dummy",),
     # srt/entrypoints/http_server.py: route -> (request struct in srt/managers/io_struct.py, fields we send)
     "http_routes": {
-        "/generate": ("GenerateReqInput", ("input_ids", "sampling_params", "return_logprob")),
+        "/generate": ("GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "return_routed_experts")),
         "/server_info": (None, ()),  # we read "version" and the server_info_args below
         "/flush_cache": (None, ()),
         "/begin_weight_update": ("BeginWeightUpdateReqInput", ()),
@@ -128,6 +129,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
             "output_token_logprobs",
             "finish_reason",
             "weight_version",
+            "routed_experts",  # base64 int32 [prompt + output - 1, layers, top-k]
         ),
         "srt/entrypoints/http_server.py": ("version", "success", "message"),
     },

@@ -125,6 +125,7 @@ class InProcessTransport:
             self._engine = engine_cls(**checked("server_args", None, args))
         self.version = str(import_sglang("sglang", "__version__"))
         self.tp_size = int(args["tp_size"])
+        self.routed_experts = bool(args.get("enable_return_routed_experts", False))  # routing replay R3
 
     def call(self, method: str, **kwargs: Any) -> Any:
         if threading.current_thread() is not self._owner:
@@ -136,7 +137,8 @@ class InProcessTransport:
 
     # ------------------------------------------------------------------ the transport interface
     def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
-        return self.call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+        routed = {"return_routed_experts": True} if self.routed_experts else {}
+        return self.call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True, **routed)
 
     def session(self, what: str) -> None:
         check_result(self.call(what), what)

@@ -245,14 +245,38 @@ class Scheduler:
             self.stream.submit(copy)
         return "Success"
 
-    def cmd_generate(self, rows: list[list[int]], sampling: list[dict]) -> Any:
+    def cmd_generate(self, rows: list[list[int]], sampling: list[dict], routed: bool = False) -> Any:
         full = self._gather_full(True)
         if self.rank != 0:
             return None
         bad = [n for n, t in full.items() if not bool(self.torch.isfinite(t).all())]
         if bad:
             raise RuntimeError(f"weights are NaN/inf (never loaded after resume?): {bad[:4]}")
-        return self._generate(full, rows, sampling)
+        results = self._generate(full, rows, sampling)
+        if routed:
+            for row, result in zip(rows, results):
+                result["meta_info"]["routed_experts"] = self._routed_experts(row + result["output_ids"])
+        return results
+
+    def _routed_experts(self, tokens: list[int]) -> str:
+        """SGLang's payload: base64 of a C-order int32 array [len(tokens) - 1, layers, top-k], the experts each
+        computed token (the prompt's, then every output token fed back; not the last) was routed to."""
+        import base64
+
+        torch = self.torch
+        routers = [m for m in self.hf_model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError("return_routed_experts on a model without MoE routers")
+        seen: list = [None] * len(routers)
+        handles = [r.register_forward_hook(lambda m, i, o, j=j: seen.__setitem__(j, o[2])) for j, r in enumerate(routers)]
+        try:
+            with torch.no_grad():
+                self.hf_model(input_ids=torch.tensor([tokens[:-1]]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        ids = torch.stack([s.reshape(len(tokens) - 1, -1) for s in seen], dim=1).to(torch.int32)
+        return base64.b64encode(ids.contiguous().numpy().tobytes()).decode("ascii")
 
     def _generate(self, full: dict, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
         torch = self.torch

@@ -39,6 +39,8 @@ SERVER_ARGS_DEFAULTS: dict[str, Any] = {
     "nccl_port": None,
     "port": 30000,
     "gpu_id_step": 1,
+    # MoE routing capture (srt/layers/moe/routed_experts_capturer.py); requests ask with return_routed_experts
+    "enable_return_routed_experts": False,
 }
 SAMPLING_FIELDS = {
     "max_new_tokens",
@@ -328,6 +330,7 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         stream: bool = False,
+        return_routed_experts: bool = False,
     ) -> Any:
         self._check()
         if prompt is not None:
@@ -356,7 +359,11 @@ class Engine:
                 "generate during an open weight-update session: the weights are not finalized until "
                 "end_weight_update()"
             )
-        results = self._call("generate", rows=rows, sampling=[dict(sp) for sp in sampling])[0]
+        if return_routed_experts and not self._args.get("enable_return_routed_experts"):
+            # SGLang has no capturer without the server flag: the request is refused rather than answered without
+            raise ValueError("return_routed_experts=True needs the engine started with enable_return_routed_experts=True")
+        results = self._call("generate", rows=rows, sampling=[dict(sp) for sp in sampling],
+                             routed=bool(return_routed_experts))[0]
         for r in results:
             r["meta_info"]["weight_version"] = self.weight_version
             if not return_logprob:
