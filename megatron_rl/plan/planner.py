@@ -562,12 +562,56 @@ def _lora_notes(cfg: DictConfig, plan: Plan) -> tuple[str, ...]:
     return tuple(notes)
 
 
+# issue 39: below this hidden size a model-parallel split is slower than none. Splitting a layer over TP ranks adds
+# all-reduces of the micro-batch's tokens x hidden activations (2 forward, 2 backward per layer) while each rank's
+# matmuls shrink to tokens x hidden^2 / TP: the compute per byte sent grows with the hidden size, and below ~1k a
+# layer's matmuls take less time than its collectives (measured on CPU: the tiny preset's 64-wide 2-layer model ran
+# 2.7x slower a step at TP=2 on two ranks than at TP=1 on one). PP and CP add their own sends alike.
+SPLIT_MIN_HIDDEN = 1024
+_SPLIT_KEYS = (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
+               ("context_parallel_size", "cp"))
+
+
+def slower_layout_note(cfg: DictConfig, plan: Plan) -> Optional[str]:
+    """A note when the actor's model-parallel split (TP, PP or CP > 1) is slower than no split would be: the model
+    is narrower than SPLIT_MIN_HIDDEN and the same job with TP = PP = CP = 1 fits in plan.gpu_memory_gib. None
+    otherwise (a wide model, no split, or one that needs the split to fit)."""
+    split = {key: getattr(plan.actor_layout, attr) for key, attr in _SPLIT_KEYS
+             if getattr(plan.actor_layout, attr) > 1}
+    if not split or plan.model.hidden_size >= SPLIT_MIN_HIDDEN:
+        return None
+    unsplit = copy.deepcopy(cfg)
+    megatron = unsplit.actor_rollout_ref.actor.megatron
+    for key in split:
+        megatron[key] = 1
+    megatron.virtual_pipeline_model_parallel_size = None
+    megatron.sequence_parallel = False
+    try:
+        other = _plan(unsplit)
+    except ConfigError:
+        return None  # the unsplit job does not run at all: the split is needed
+    if not other.fits:
+        return None
+    keys = " ".join(f"actor_rollout_ref.actor.megatron.{key}=1" for key in split)
+    on_cpu = cfg.trainer.device == "cpu" and plan.sizes.world_size > 1
+    fewer = ("; on CPU one rank is faster still (trainer.nnodes=1 trainer.n_gpus_per_node=1: in the driver's "
+             "process, no Ray)" if on_cpu else "")
+    return (f"note: slower than a smaller layout: the actor splits a model of hidden size {plan.model.hidden_size} "
+            f"(< {SPLIT_MIN_HIDDEN}) over " + ", ".join(f"{key}={value}" for key, value in split.items())
+            + f": each layer's matmuls take less time than the collectives the split adds; unsplit it still fits "
+            f"(peak {_gib(other.total(other.peak_phase()))} of {_gib(plan.gpu_memory)} GiB per GPU): {keys}{fewer} (docs/launching.md, "
+            f"'Layouts slower than a smaller one')")
+
+
 def build_plan(cfg: DictConfig) -> Plan:
     """Resolve sizes and memory per GPU; raise ConfigError/PlanError naming the key when it cannot run."""
     plan = _plan(cfg)
     lora_notes = _lora_notes(cfg, plan)
     if lora_notes:
         plan = dataclasses.replace(plan, notes=plan.notes + lora_notes)
+    slower = slower_layout_note(cfg, plan) if plan.fits else None
+    if slower is not None:
+        plan = dataclasses.replace(plan, notes=plan.notes + (slower,))
     if not plan.fits:
         raise PlanError(
             f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
