@@ -2,10 +2,9 @@
 
 It writes a synthetic digit-copy task (verl-format parquet, scored by the registered `synthetic/copy`
 scorer), trains a tiny tokenizer on its text, builds a random 2-layer Qwen2-architecture model sized to
-that tokenizer, and runs `python -m megatron_rl.train +experiment=grpo_tiny_cpu` on them under an
-embedded Ray, in the layout a model this small should use: one rank (TP=1) holding the Megatron actor and
-a colocated HF rollout engine (the preset's own two-rank TP=2 layout is what the tests exercise).
-Everything is made locally: no downloads.
+that tokenizer, and runs `python -m megatron_rl.train +experiment=grpo_tiny_cpu` on them in the preset's
+layout, the one a model this small should use: one rank (TP=1) holding the Megatron actor and a colocated HF
+rollout engine, in this process (no Ray: controller/in_driver.py). Everything is made locally: no downloads.
 
     python -m megatron_rl.demo [--out DIR] [--seed S] [key=value overrides ...]
 """
@@ -33,11 +32,8 @@ VAL_LENGTH_KEY = f"val-aux/{DATA_SOURCE}/response_length/mean@1"
 CURVE_KEYS = (SCORE_KEY, VAL_ACC_KEY, "response_length/mean", VAL_LENGTH_KEY)
 # The model's (query, key/value) attention heads with rollout.name=vllm: head size 32 instead of 16.
 VLLM_HEADS = (2, 1)
-# The demo's layout and schedule on top of the preset (see the module docstring for the layout).
+# The demo's schedule on top of the preset (whose layout it keeps: one rank, TP=1, shared prompts).
 DEMO_OVERRIDES = (
-    "trainer.n_gpus_per_node=1",
-    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-    "actor_rollout_ref.actor.megatron.share_prompts=true",  # each prompt computed once for its 8 responses
     # A small entropy bonus keeps the stop tokens alive while the digit is learned: without it the policy can
     # settle on never stopping (partial credit for a right digit among 4) before it samples "digit, stop"
     # often enough; seed 0 did so on an AVX-512 machine (0.000 exact match), 5 of 5 seeds learn with it.

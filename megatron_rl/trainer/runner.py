@@ -2,7 +2,8 @@
 
 Both launchers build the same `RLTrainer`; only the worker groups differ. Under Ray the driver process
 hosts the trainer and one Ray actor per rank hosts the workers; under torchrun every rank runs the
-trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs.
+trainer over in-process workers (`LocalWorkerGroup`) and rank 0 logs. A one-rank Ray job with nothing else
+to place runs as a one-process torchrun job would, in the driver (controller/in_driver.py): no Ray at all.
 """
 from __future__ import annotations
 
@@ -108,6 +109,19 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
     return actor_rollout, critic, reward_model, close
 
 
+def _driver_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
+    """The one rank's workers in this process, on a world-size-1 process group (then the torchrun path)."""
+    from megatron_rl.controller.in_driver import enter_driver_rank
+
+    leave = enter_driver_rank()
+    try:
+        actor_rollout, critic, reward_model, _ = _torchrun_groups(cfg, sizes)
+    except BaseException:
+        leave()
+        raise
+    return actor_rollout, critic, reward_model, leave
+
+
 def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
     from megatron_rl.controller.local_group import LocalWorkerGroup
     from megatron_rl.distributed import init_distributed
@@ -144,7 +158,13 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     """Build everything, train, and return where the outputs are. Config must already be validated."""
     output_dir = Path(cfg.trainer.default_local_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    is_torchrun = cfg.trainer.launcher == "torchrun"
+    from megatron_rl.controller.in_driver import ray_needed_for
+
+    in_driver = cfg.trainer.launcher == "ray" and ray_needed_for(cfg, sizes.world_size) is None
+    # in the driver the workers are in-process, exactly as under torchrun: only their start differs
+    is_torchrun = cfg.trainer.launcher == "torchrun" or in_driver
+    if in_driver:
+        logger.info("one rank, no servers: the workers run in this process (no Ray; docs/launching.md)")
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
     train_dataset = RLDataset.from_config(list(cfg.data.train_files), tokenizer, cfg.data)
@@ -160,7 +180,8 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         keep_handlers_through_ray()
     servers = start_rollout_servers(cfg)  # rollout servers on their own processes (server mode, name=hf)
     try:
-        actor_rollout, critic, reward_model, close = (_torchrun_groups if is_torchrun else _ray_groups)(cfg, sizes)
+        groups = _driver_groups if in_driver else _torchrun_groups if is_torchrun else _ray_groups
+        actor_rollout, critic, reward_model, close = groups(cfg, sizes)
     except BaseException:
         if servers is not None:
             servers.close()

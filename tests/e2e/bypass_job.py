@@ -24,6 +24,7 @@ def main(out: Path, train: str, model: str) -> None:
             "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
             f"trainer.default_local_dir={out / name}", "trainer.launcher=torchrun", "trainer.n_gpus_per_node=1",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.megatron.share_prompts=false",  # the preset's before issue 39
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
             "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",

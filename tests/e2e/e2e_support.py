@@ -13,12 +13,17 @@ from megatron_rl.trainer.tracking import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 # Wall-clock and throughput numbers differ between runs by nature; everything else must not.
 NONDETERMINISTIC_PREFIXES = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/GBps")
+# The tiny preset's layout before issue 39 (it now defaults to one rank in the driver's process): two Ray ranks,
+# Megatron TP=2, no shared prompts. The end-to-end tests exercise this layout; a test's own overrides win.
+TWO_RANKS = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+             "actor_rollout_ref.actor.megatron.share_prompts=false")
 
 
 def tiny_overrides(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    """The demo preset on the shared assets, shortened for tests."""
+    """The demo preset on the shared assets, shortened for tests, in the two-rank layout (TWO_RANKS)."""
     return [
         "+experiment=grpo_tiny_cpu",
+        *TWO_RANKS,
         f"data.train_files=[{assets['train']}]",
         f"data.val_files=[{assets['val']}]",
         f"actor_rollout_ref.model.path={assets['model']}",

@@ -6,7 +6,7 @@ log-probs equal to the engine's on every model token (training/rollout_probs_dif
 from __future__ import annotations
 
 import pytest
-from e2e_support import assert_finite, train_steps
+from e2e_support import TWO_RANKS, assert_finite, train_steps
 
 from megatron_rl.config import load_config
 from megatron_rl.train import run
@@ -27,6 +27,7 @@ def test_grpo_three_steps_on_multi_turn_tool_rollouts(tool_assets, tmp_path):
     stops = list(range(40, 52))  # 12 of 200 tokens: random weights end a turn after ~15 tokens
     cfg = load_config(overrides=[
         "+experiment=grpo_tiny_cpu",
+        *TWO_RANKS,
         f"data.train_files=[{tool_assets['train']}]",
         f"data.val_files=[{tool_assets['val']}]",
         f"actor_rollout_ref.model.path={tool_assets['model']}",

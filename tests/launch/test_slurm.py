@@ -84,7 +84,10 @@ def test_grpo_70b_script_runs_the_tiny_cpu_preset(slurm_conf, tmp_path):
         "PYTHON": sys.executable,
         "EXPERIMENT": "grpo_tiny_cpu",
         "MODEL_PATH": str(model_dir),
-        "EXTRA_OVERRIDES": f"data.train_files=[{train}] data.val_files=[{val}] trainer.total_training_steps=2",
+        "EXTRA_OVERRIDES": f"data.train_files=[{train}] data.val_files=[{val}] trainer.total_training_steps=2 "
+                           # two ranks, the preset's layout before issue 39
+                           "trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 "
+                           "actor_rollout_ref.actor.megatron.share_prompts=false",
         "OUTPUT_DIR": str(out),
         # Ports of their own, so a Ray cluster someone else runs on this machine cannot collide.
         "RAY_PORT": str(ray_port),

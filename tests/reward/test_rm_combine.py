@@ -104,6 +104,7 @@ def test_bad_combine_settings_are_refused_by_key():
      "the reward model shares the actor's processes"),
 ])
 def test_reward_model_config_is_checked_before_launch(overrides, message):
-    base = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", "actor_rollout_ref.model.path=/m"]
+    base = ["+experiment=grpo_tiny_cpu", "data.train_files=[x.parquet]", "actor_rollout_ref.model.path=/m",
+            "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]  # pre-39 preset
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(load_config(overrides=[*base, "reward_model.enable=true", *overrides]))

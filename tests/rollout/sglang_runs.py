@@ -18,6 +18,8 @@ def sglang_overrides(assets, out, *extra: str) -> list[str]:
         f"trainer.default_local_dir={out}",
         "trainer.device=auto",  # the stand-in runs on CPU; real SGLang needs CUDA
         "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",  # the preset's before issue 39
+        "actor_rollout_ref.actor.megatron.share_prompts=false",
         "ray_init.num_cpus=4",
         "ray_init.num_gpus=4",  # Ray hands each rank its own GPU id, as on a cluster
         "data.train_batch_size=4",

@@ -233,6 +233,7 @@ def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, monkeypatch, caps
     monkeypatch.setattr(runner, "_probe_prompts", lambda *a: None, raising=False)
     monkeypatch.setattr(runner, "_token_ids", lambda *a: None, raising=False)
     monkeypatch.setattr(runner, "_ray_groups", lambda cfg, sizes: (actor, None, None, lambda: None))
+    monkeypatch.setattr(runner, "_driver_groups", lambda cfg, sizes: (actor, None, None, lambda: None))  # one rank
     cfg = load_config(overrides=[f"trainer.default_local_dir={tmp_path}", "trainer.nnodes=1",
                                  "trainer.n_gpus_per_node=1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
                                  "actor_rollout_ref.actor.ppo_mini_batch_size=2",

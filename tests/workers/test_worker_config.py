@@ -12,7 +12,9 @@ from megatron_rl.config import PPOTrainerConfig, load_config, typed_config
 from megatron_rl.distributed import run_multiprocess
 
 OVERRIDES = ["+experiment=grpo_tiny_cpu", "data.train_files=[unused.parquet]", "actor_rollout_ref.model.path=/nowhere",
-             "trainer.launcher=torchrun", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+             "trainer.launcher=torchrun", "trainer.n_gpus_per_node=2",  # two ranks: the preset's before issue 39
+             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+             "actor_rollout_ref.actor.megatron.share_prompts=false", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
              "actor_rollout_ref.actor.kl_loss_type=k3+", "critic.megatron.params_dtype=fp32"]
 
 
