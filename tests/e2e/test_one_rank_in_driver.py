@@ -68,3 +68,33 @@ def test_one_rank_in_the_driver_trains_as_a_ray_worker_does(tiny_assets, tmp_pat
     assert sorted(ours) == sorted(theirs) == [1, 2]
     for step in ours:  # the same code after start-up: the same numbers
         assert comparable(ours[step]) == comparable(theirs[step])
+
+
+def test_a_driver_inside_another_launch_is_refused_naming_the_variables(monkeypatch):
+    from megatron_rl.controller.in_driver import enter_driver_rank
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"RANK=1 WORLD_SIZE=2 set: start it with trainer.launcher=torchrun"):
+        enter_driver_rank()
+
+
+def test_leaving_the_driver_rank_restores_the_process(monkeypatch):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.controller.in_driver import enter_driver_rank
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    threads = torch.get_num_threads()
+    leave = enter_driver_rank()
+    try:
+        assert dist.get_world_size() == 1 and os.environ["RANK"] == "0" and torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError, match="already initialised"):
+            enter_driver_rank()  # a second run while one holds the process
+    finally:
+        leave()
+    assert not dist.is_initialized() and "RANK" not in os.environ and torch.get_num_threads() == threads
