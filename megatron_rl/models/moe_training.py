@@ -74,15 +74,21 @@ def moe_metrics(num_layers: int, num_microbatches: int) -> dict[str, float]:
     if not names:
         return {}
     reduce_aux_losses_tracker_across_ranks(names)
-    out: dict[str, float] = {}
+    per_name: dict[str, torch.Tensor] = {}
     for name in names:
         values: torch.Tensor = tracker[name]["values"][:num_layers].float()
         if tracker[name].get("reduce_group") is None:  # z-loss: Megatron leaves it per rank
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group(), op=dist.ReduceOp.AVG)
-        values = values.cpu() / num_microbatches
-        out[_TRACKED[name]] = float(values.mean())
+        per_name[name] = values.cpu() / num_microbatches
+    # The tracker has a slot per layer; dense layers between MoE layers (moe_layer_freq) never write theirs.
+    # Like Megatron's track_moe_metrics, average over the MoE layers only (the slots some loss was added to).
+    moe = torch.stack(list(per_name.values())).ne(0).any(dim=0)
+    layers = [i for i in range(len(moe)) if moe[i]] or list(range(len(moe)))
+    out: dict[str, float] = {}
+    for name, values in per_name.items():
+        out[_TRACKED[name]] = float(values[layers].mean())
         if name == "load_balancing_loss":
-            out.update({f"moe_aux_loss/layer_{i}": float(v) for i, v in enumerate(values)})
+            out.update({f"moe_aux_loss/layer_{i}": float(values[i]) for i in layers})
     clear_aux_losses_tracker()
     return out
 
@@ -114,6 +120,9 @@ class ExpertLoad:
     def __init__(self, chunks: list[torch.nn.Module], num_layers: int, num_experts: int) -> None:
         routers = _routers(chunks)
         self.counts = torch.zeros(num_layers, num_experts, device=routers[0].weight.device)
+        # The MoE layers of the whole model (every stage): dense layers between them have no router to count.
+        pattern = routers[0].config.moe_layer_freq
+        self.moe_layers = [i for i in range(num_layers) if (pattern[i] if isinstance(pattern, list) else i % pattern == 0)]
         self.valid: torch.Tensor | None = None
         for router in routers:
             router.register_forward_hook(self._count(router.layer_number - 1))  # Megatron's global 1-based
@@ -149,7 +158,8 @@ class ExpertLoad:
 
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
         dist.all_reduce(counts)
+        counts = counts[self.moe_layers]
         load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).cpu()
-        out = {f"moe_expert_load/layer_{i}": float(v) for i, v in enumerate(load)}
+        out = {f"moe_expert_load/layer_{i}": float(v) for i, v in zip(self.moe_layers, load, strict=True)}
         out["moe_expert_load"] = float(load.mean())
         return out

@@ -175,6 +175,30 @@ def test_weight_sync_into_hf_engine_at_expert_parallel(tmp_path):
         assert metrics["rollout/logprob_diff_max"] < 1e-5, (rank, metrics)
 
 
+@pytest.mark.distributed
+def test_actor_updates_log_router_metrics_of_the_moe_layers_only(tmp_path):
+    """Two PPO updates at EP=2 with the router losses on, then one with freeze_router: the losses and expert
+    loads are those of MoE layers 1 and 5 (before, dense layers added zeros and diluted the means), routers stay,
+    the shared-expert gates train."""
+    from moe_jobs import moe_actor_job
+
+    model = make_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe")
+    per_rank = run_multiprocess(moe_actor_job, 2, str(model), 2, timeout_s=900)
+    for metrics in per_rank[0]["metrics"]:
+        layers = {k.rsplit("_", 1)[1] for k in metrics if "/layer_" in k}
+        assert layers == {"1", "5"}, sorted(metrics)
+        aux = [metrics["actor/moe_aux_loss/layer_1"], metrics["actor/moe_aux_loss/layer_5"]]
+        assert metrics["actor/moe_aux_loss"] == pytest.approx(sum(aux) / 2)
+        assert 0.9 < metrics["actor/moe_aux_loss"] < 2.0, metrics  # 1 = uniform routing, E / topk = 2 at most
+        assert 1.0 <= metrics["actor/moe_expert_load"] <= 2.0, metrics
+    change = per_rank[0]["frozen_change"]
+    for layer in (1, 5):
+        assert change[f"model.layers.{layer}.mlp.gate.weight"] == 0
+        assert change[f"model.layers.{layer}.mlp.shared_expert_gate.weight"] > 0
+        assert change[f"model.layers.{layer}.mlp.shared_expert.down_proj.weight"] > 0
+    assert change["model.layers.3.mlp.down_proj.weight"] > 0  # the mlp_only layer trains as a dense MLP
+
+
 # ---------------------------------------------------------------- planner
 
 
