@@ -228,7 +228,12 @@ def _unfuse_te_norms(spec: ModuleSpec) -> None:
 
 
 def gpt_layer_spec(
-    hf: HFModelConfig, use_te: bool, context_parallel: bool = False, lora: bool = False, *, dense: bool = False
+    hf: HFModelConfig,
+    use_te: bool,
+    context_parallel: bool = False,
+    lora: bool = False,
+    *,
+    dense: bool = False,
 ) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
     SDPAttention so the explicit causal+padding mask means the same thing on every backend, except under
@@ -279,7 +284,9 @@ def _block_spec(
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    pattern = config.moe_layer_freq if dense_spec is not None and isinstance(config.moe_layer_freq, list) else None
+    pattern = None
+    if dense_spec is not None and isinstance(config.moe_layer_freq, list):
+        pattern = config.moe_layer_freq
     if use_te and pattern is None:
         return layer_spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)

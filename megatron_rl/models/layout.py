@@ -89,7 +89,8 @@ def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGr
         groups["shared.gate_up"] = TensorGroup(Kind.GATE_UP, (gate, up))
         groups["shared.down"] = _single(Kind.ROW, moe.shared_expert_name(i, "down"), (h, s))
         if moe.shared_expert_gate:
-            groups["shared.gate_score"] = _single(Kind.REPLICATED, moe.shared_expert_name(i, "gate_score"), (1, h))
+            score = moe.shared_expert_name(i, "gate_score")
+            groups["shared.gate_score"] = _single(Kind.REPLICATED, score, (1, h))
     return groups
 
 

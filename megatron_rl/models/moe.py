@@ -65,7 +65,7 @@ class MoESpec:
         return sum(self.is_moe_layer(i) for i in range(num_layers))
 
     def shared_expert_name(self, layer: int, role: str) -> str:
-        """HF name of the shared expert's ``role`` (gate, up, down) or of its sigmoid gate (``role="gate_score"``)."""
+        """HF name of the shared expert's ``role`` (gate, up, down), or of its sigmoid gate (``"gate_score"``)."""
         if role == "gate_score":
             return f"model.layers.{layer}.{self.block}.shared_expert_gate.weight"
         return f"model.layers.{layer}.{self.block}.shared_expert.{role}_proj.weight"
@@ -109,7 +109,10 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
             if shared is None:
                 refuse("missing required field 'shared_expert_intermediate_size'")
             if int(shared) <= 0:
-                refuse(f"shared_expert_intermediate_size={shared} must be positive (Qwen2-MoE always has a shared expert)")
+                refuse(
+                    f"shared_expert_intermediate_size={shared} must be positive "
+                    "(Qwen2-MoE always has a shared expert)"
+                )
             shared = int(shared)
     else:  # mixtral: always renormalised, expert size is intermediate_size, every layer MoE
         ffn = cfg["intermediate_size"]
@@ -140,13 +143,18 @@ def _layer_pattern(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
         refuse(f"decoder_sparse_step={step} must be a positive integer")
     step = int(step)
     only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+    indices = isinstance(only, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in only
+    )
+    if not indices:
         refuse(f"mlp_only_layers={only!r} must be a list of layer indices")
     if layers is None:
         refuse("missing required field 'num_hidden_layers'")
     outside = sorted(i for i in only if not 0 <= i < layers)
     if outside:
-        refuse(f"mlp_only_layers={list(only)}: {outside} outside 0..{layers - 1} (num_hidden_layers={layers})")
+        refuse(
+            f"mlp_only_layers={list(only)}: {outside} outside 0..{layers - 1} (num_hidden_layers={layers})"
+        )
     pattern = tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
     if not any(pattern):
         refuse(
@@ -202,10 +210,13 @@ def check_expert_parallel_fit(moe: MoESpec, tp: int, ep: int, etp: int, where: s
     """Refuse EP/ETP (and TP, for the shared expert and the dense layers) sizes that do not split the MLPs
     evenly, naming the numbers."""
     if moe.shared_expert_size is not None and moe.shared_expert_size % tp:
-        raise ValueError(f"{where}: shared_expert_intermediate_size={moe.shared_expert_size} is not divisible by TP={tp}")
+        raise ValueError(
+            f"{where}: shared_expert_intermediate_size={moe.shared_expert_size} is not divisible by TP={tp}"
+        )
     if moe.dense_ffn_hidden_size is not None and moe.dense_ffn_hidden_size % tp:
         raise ValueError(
-            f"{where}: intermediate_size={moe.dense_ffn_hidden_size} (the dense layers) is not divisible by TP={tp}"
+            f"{where}: intermediate_size={moe.dense_ffn_hidden_size} (the dense layers) "
+            f"is not divisible by TP={tp}"
         )
     if moe.num_experts % ep:
         raise ValueError(f"{where}: num_experts={moe.num_experts} is not divisible by EP={ep}")

@@ -122,7 +122,9 @@ class ExpertLoad:
         self.counts = torch.zeros(num_layers, num_experts, device=routers[0].weight.device)
         # The MoE layers of the whole model (every stage): dense layers between them have no router to count.
         pattern = routers[0].config.moe_layer_freq
-        self.moe_layers = [i for i in range(num_layers) if (pattern[i] if isinstance(pattern, list) else i % pattern == 0)]
+        self.moe_layers = [
+            i for i in range(num_layers) if (pattern[i] if isinstance(pattern, list) else i % pattern == 0)
+        ]
         self.valid: torch.Tensor | None = None
         for router in routers:
             router.register_forward_hook(self._count(router.layer_number - 1))  # Megatron's global 1-based

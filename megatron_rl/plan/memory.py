@@ -92,8 +92,8 @@ def dense_mlp_params(model: HFModelConfig) -> int:
 
 
 def mlp_params(model: HFModelConfig, experts: int | None = None) -> int:
-    """SwiGLU gate, up, down of one layer: the dense MLP, or ``experts`` (default all) routed experts of an MoE
-    layer (without its router and shared expert: ``moe_dense_params``)."""
+    """SwiGLU gate, up, down of one layer: the dense MLP, or ``experts`` (default all) routed experts of an
+    MoE layer (without its router and shared expert: ``moe_dense_params``)."""
     if model.moe is None:
         return dense_mlp_params(model)
     count = model.moe.num_experts if experts is None else experts
@@ -104,7 +104,9 @@ def moe_dense_params(model: HFModelConfig) -> int:
     """Of an MoE layer, what is not a routed expert: the router and the shared expert with its sigmoid gate
     (split over TP like the attention; the router and gate replicated, counted whole)."""
     moe, h = model.moe, model.hidden_size
-    shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0) if moe.shared_expert_size else 0
+    shared = 0
+    if moe.shared_expert_size:
+        shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
     return moe.num_experts * h + shared
 
 

@@ -1,7 +1,8 @@
 """Tiny Qwen2-MoE / dense-first Qwen3-MoE checkpoints and the rank job of test_moe_shared_experts.py.
 
 The models mix dense and MoE layers: Qwen2-MoE with a gated shared expert, decoder_sparse_step=2 and an
-mlp_only layer (layers 1, 5 MoE; 0, 2, 4 dense by the step, 3 by mlp_only_layers), Qwen3-MoE with mlp_only_layers=[0] (layer 0 dense).
+mlp_only layer (layers 1, 5 MoE; 0, 2, 4 dense by the step, 3 by mlp_only_layers), Qwen3-MoE with
+mlp_only_layers=[0] (layer 0 dense).
 """
 
 from __future__ import annotations
