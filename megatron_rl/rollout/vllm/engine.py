@@ -85,6 +85,20 @@ def engine_args(
     return {**args, **extra}
 
 
+def check_vllm_routing(model_path: Any, on_cpu: bool) -> None:
+    """Routing replay R3 from vLLM: its routed-experts output runs on Model Runner V2 only (vLLM 0.32 refuses the
+    AuxOutput connector otherwise), which needs Triton, so not on CPU: refused here, naming the key."""
+    from transformers import AutoConfig
+
+    from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
+
+    check_can_report(True, "vLLM", AutoConfig.from_pretrained(model_path))
+    if on_cpu:
+        raise ValueError(f"{ROLLOUT_KEY}=true: vLLM 0.32 on CPU cannot report routed experts (its routed-experts "
+                         "output needs Model Runner V2, which needs Triton); use rollout.name=hf on CPU")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # read by the engine processes vLLM starts
+
+
 class VLLMEngine(StagedWeightsEngine):
     def __init__(
         self,
@@ -118,6 +132,8 @@ class VLLMEngine(StagedWeightsEngine):
         self.tp_size = int(config.tensor_model_parallel_size)
         self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
                                 on_cpu=self.on_cpu, model_override=model_override)
+        if self.args.get("enable_return_routed_experts"):
+            check_vllm_routing(model_path, self.on_cpu)
         # vLLM logs every scheduler and loader step at INFO, in every process it starts; a user's own setting wins
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.on_cpu and config.vllm.cpu_threads_bind != "auto":
