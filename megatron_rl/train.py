@@ -15,7 +15,10 @@ import hydra
 from omegaconf import DictConfig
 
 from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs
-from megatron_rl.plan.validate import validate
+from megatron_rl.controller.deferred_compile import deferred_compile
+
+with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
+    from megatron_rl.plan.validate import validate
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR, EXIT_FINISHED, EXIT_STOPPED_RESUMABLE
 
 logger = logging.getLogger("megatron_rl.train")

@@ -123,9 +123,12 @@ def _driver_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any,
 
 
 def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
+    from megatron_rl.controller.deferred_compile import deferred_compile
     from megatron_rl.controller.local_group import LocalWorkerGroup
     from megatron_rl.distributed import init_distributed
-    from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+
+    with deferred_compile():  # Megatron-Core's models and fused kernels: compiled at first use, not at import
+        from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
 
     launch = init_distributed()
     if launch.world_size != sizes.world_size:
