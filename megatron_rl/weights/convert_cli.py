@@ -3,10 +3,13 @@
     megatron-rl-convert hf-to-mcore --hf-dir Qwen2.5-7B --out ckpt/qwen-mcore --tp 2 --pp 2 --verify
     megatron-rl-convert mcore-to-hf --mcore-dir ckpt/qwen-mcore --out Qwen2.5-7B-back --verify
     megatron-rl-convert mcore-to-hf --mcore-dir run/global_step_40/actor --hf-config Qwen2.5-7B --out step40-hf
+    megatron-rl-convert hf-to-mcore --hf-dir Qwen3-30B-A3B --out ckpt/a3b-mcore --tp 2 --ep 4 --etp 1
 
-Run it plainly and it starts TP*PP local processes itself (gloo without CUDA, nccl with it); run it
-under torchrun/srun with WORLD_SIZE = TP*PP and it uses those ranks. The Megatron checkpoint is a
-``megatron.core.dist_checkpointing`` directory (``<out>/weights``) next to the HF config.json and
+Run it plainly and it starts PP * lcm(TP, EP*ETP) local processes itself (gloo without CUDA, nccl with it);
+run it under torchrun/srun and it uses the launched ranks (Megatron-Core's rules: TP*PP divides WORLD_SIZE,
+EP*ETP the ranks of a pipeline stage). With ``--ep`` each rank loads, holds and saves only its experts
+(1/EP of them, 1/(EP*ETP) of their bytes); the run prints the most expert bytes a rank loaded.
+The Megatron checkpoint is a ``megatron.core.dist_checkpointing`` directory (``<out>/weights``) next to the HF config.json and
 tokenizer files, so it can be loaded back at any TP/PP. A trainer checkpoint (``<run>/global_step_N/actor``) is a
 distributed checkpoint without an HF config beside it: pass the trained model's HF directory as ``--hf-config``
 (config and tokenizer come from there, the weights from the checkpoint; optimizer state is ignored).
@@ -24,6 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+from megatron_rl.weights.convert_layout import ConvertLayout, check_convert_layout
+from megatron_rl.weights.convert_report import RankReport, expert_load, expert_summary, gather_reports, rank_report
 
 CONVERT_META = "megatron_rl_convert.json"
 WEIGHTS_DIR = "weights"
@@ -44,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--out", required=True, type=Path)
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
         command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+        command.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+        command.add_argument("--etp", type=int, default=None,
+                             help="expert tensor-parallel size (MoE models): 1 or --tp (default --tp)")
         command.add_argument(
             "--dtype", choices=sorted(DTYPES), default=None, help="default: the source dtype"
         )
@@ -79,20 +88,28 @@ def _copy_hf_metadata(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
+def _init_layout(args: argparse.Namespace) -> None:
+    from megatron_rl.distributed import init_model_parallel
+
+    init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+
+
+def hf_to_mcore_rank(args: argparse.Namespace) -> list[RankReport]:
+    """This rank's part of hf-to-mcore (collective); every rank's report."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models.api import build_from_hf
     from megatron_rl.models.hf_config import load_hf_config
 
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.hf_dir / "config.json")
-    init_model_parallel(tp=args.tp, pp=args.pp)
+    _init_layout(args)
     # A reward model (<Family>ForSequenceClassification) converts with its score head as the value head.
     reward_model = load_hf_config(args.hf_dir).sequence_classifier
     chunks = build_from_hf(args.hf_dir, params_dtype=dtype, progress=True, value_head=reward_model)
     for chunk in chunks:  # norms too (Megatron creates them fp32), as Float16Module would
         chunk.to(dtype)
+    # the model holds this rank's experts only: what build_from_hf read of them
+    loaded = expert_load(item for chunk in chunks for item in chunk.named_parameters())
     weights = args.out / WEIGHTS_DIR
     if torch.distributed.get_rank() == 0:
         _copy_hf_metadata(args.hf_dir, args.out)
@@ -103,6 +120,8 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
                     "source": str(args.hf_dir),
                     "tp": args.tp,
                     "pp": args.pp,
+                    "ep": args.ep,
+                    "etp": args.tp if args.etp is None else args.etp,
                     "dtype": str(dtype).removeprefix("torch."),
                 },
                 f,
@@ -110,9 +129,9 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> float | None:
             )
     torch.distributed.barrier()
     dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
-    if not args.verify:
-        return None
-    return _verify(_load_mcore(args.out, args.out), args.hf_dir, dtype, args)
+    del chunks
+    diff = _verify(_load_mcore(args.out, args.out)[0], args.hf_dir, dtype, args) if args.verify else None
+    return gather_reports(rank_report(diff, loaded))
 
 
 def _weights_dir(mcore_dir: Path) -> Path:
@@ -138,7 +157,11 @@ def _config_dir(args: argparse.Namespace) -> Path:
     return args.mcore_dir
 
 
-def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+def _load_mcore(
+    mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.nn.Module], list[tuple[str, torch.Tensor]]]:
+    """The model at the initialised layout with the checkpoint's weights, and the tensors this rank loaded
+    (at EP > 1 the sharded state dict asks the checkpoint only for this rank's experts)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.models.builder import build_gpt_model
@@ -155,17 +178,19 @@ def _load_mcore(mcore_dir: Path, config_dir: Path, dtype: torch.dtype = torch.fl
     else:
         state = dist_checkpointing.load(chunks[0].sharded_state_dict(), str(weights))
     chunks[0].load_state_dict(state)
-    return chunks
+    return chunks, list(state.items())
 
 
-def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
-    from megatron_rl.distributed import init_model_parallel
+def mcore_to_hf_rank(args: argparse.Namespace) -> list[RankReport]:
+    """This rank's part of mcore-to-hf (collective); every rank's report."""
     from megatron_rl.weights.export import save_hf_checkpoint
 
     config_dir = _config_dir(args)
     dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(config_dir)
-    init_model_parallel(tp=args.tp, pp=args.pp)
-    chunks = _load_mcore(args.mcore_dir, config_dir, dtype)
+    _init_layout(args)
+    chunks, state = _load_mcore(args.mcore_dir, config_dir, dtype)
+    loaded = expert_load(state)
+    del state
     save_hf_checkpoint(
         chunks,
         args.out,
@@ -174,9 +199,9 @@ def mcore_to_hf_rank(args: argparse.Namespace) -> float | None:
         max_shard_bytes=int(args.max_shard_gb * 1024**3),
         progress=True,
     )
-    if not args.verify:
-        return None
-    return _verify(_load_mcore(args.mcore_dir, config_dir), args.out, dtype, args)
+    del chunks
+    diff = _verify(_load_mcore(args.mcore_dir, config_dir)[0], args.out, dtype, args) if args.verify else None
+    return gather_reports(rank_report(diff, loaded))
 
 
 def _verify(
@@ -223,33 +248,33 @@ def _verify(
     return diff.item()
 
 
-def _run(rank_fn, args: argparse.Namespace) -> float | None:
-    world = args.tp * args.pp
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun / srun
+def _launched_world() -> int | None:
+    """WORLD_SIZE when launched by torchrun / srun, else None (the converter spawns its ranks)."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def _run(rank_fn, args: argparse.Namespace, layout: ConvertLayout) -> list[RankReport]:
+    if _launched_world() is not None:
         from megatron_rl.distributed import init_distributed
 
-        launch = init_distributed()
-        if launch.world_size != world:
-            raise SystemExit(f"launched with WORLD_SIZE={launch.world_size}, but --tp*--pp = {world}")
+        init_distributed()
         return rank_fn(args)
     from megatron_rl.distributed import run_multiprocess
 
+    world = layout.world_size
     return run_multiprocess(
         rank_fn, world, args, timeout_s=24 * 3600, threads_per_rank=max(1, (os.cpu_count() or 1) // world)
     )[0]
 
 
-def _check_source(args: argparse.Namespace) -> None:
-    """Fail fast, before any process starts, on an unsupported model or a TP/PP that does not fit."""
+def _check_source(args: argparse.Namespace) -> ConvertLayout:
+    """Fail fast, before any process starts, on an unsupported model or a TP/PP/EP/ETP that does not fit the
+    model or the launched ranks; returns the layout."""
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.models.sizes import check_parallel_fit
 
-    for size in ("tp", "pp"):
-        if getattr(args, size) < 1:
-            raise SystemExit(f"--{size} must be >= 1, got {getattr(args, size)}")
     try:
         source = args.hf_dir if args.command == "hf-to-mcore" else _config_dir(args)
-        check_parallel_fit(load_hf_config(source), args.tp, args.pp, None)
+        return check_convert_layout(load_hf_config(source), args.tp, args.pp, args.ep, args.etp, _launched_world())
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"megatron-rl-convert: {error}") from None
 
@@ -258,12 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     args = _parser().parse_args(argv)
-    _check_source(args)
+    layout = _check_source(args)
     rank_fn = hf_to_mcore_rank if args.command == "hf-to-mcore" else mcore_to_hf_rank
-    diff = _run(rank_fn, args)
+    reports = _run(rank_fn, args, layout)
+    diff = reports[0].diff
     ok = not args.verify or diff <= args.verify_tol
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"wrote {args.out}")
+        summary = expert_summary(reports)
+        if summary is not None:
+            print(f"{summary} at {layout.flags()}")
         if args.verify:
             verdict = "ok" if ok else "FAILED"
             print(f"verify: max |logit diff| = {diff:.3e} ({verdict}, tolerance {args.verify_tol:g})")
