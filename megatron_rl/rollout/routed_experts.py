@@ -74,15 +74,20 @@ def decode_sglang_routing(payload: str, layers: int, topk: int, where: str) -> A
 
 class RouterCapture:
     """The top-k expert ids transformers' MoE routers (``TopKRouter``: returns logits, scores, indices) chose in
-    each forward of ``model``, per decoder layer."""
+    each forward of ``model``, per decoder layer (-1 for a dense layer: L is always num_hidden_layers, as the
+    trainer's layer numbering and SGLang's and vLLM's reports)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        if not self.routers:
+        # decoder layer of each router (model.layers.<i>....): dense layers between MoE layers report -1
+        found = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        if not found:
             raise ValueError(f"{ROLLOUT_KEY}=true: {type(model).__name__} has no top-k router to report")
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.layers = [int(name.split("layers.")[1].split(".")[0]) for name, _ in found]
+        self.routers = [m for _, m in found]
         self._seen: list[torch.Tensor | None] = [None] * len(self.routers)
-        for layer, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(layer))
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(index))
 
     def _hook(self, layer: int):
         def hook(module, inputs, output) -> None:
@@ -93,6 +98,9 @@ class RouterCapture:
         """The last forward's choices as [*shape, L, k] (``shape``: the forward's [rows, tokens])."""
         if any(seen is None for seen in self._seen):
             raise RuntimeError("RouterCapture: a router did not run in the last forward")
-        out = torch.stack([seen.reshape(*shape, -1) for seen in self._seen], dim=-2)
+        topk = self._seen[0].shape[-1]
+        out = torch.full((*shape, self.num_layers, topk), -1, dtype=torch.int16)
+        for layer, seen in zip(self.layers, self._seen):
+            out[..., layer, :] = seen.reshape(*shape, -1).to(torch.int16).cpu()
         self._seen = [None] * len(self.routers)
-        return out.to(torch.int16).cpu()
+        return out

@@ -307,3 +307,17 @@ def test_vllm_on_cpu_refuses_routing_replay_naming_the_key(moe_dir, tmp_path):
     dense = make_tiny_hf_checkpoint(tmp_path / "dense", "qwen2", with_tokenizer=False)
     with pytest.raises(ValueError, match=r"needs an MoE model; vLLM's model"):
         check_vllm_routing(str(dense), on_cpu=False)
+
+
+@pytest.mark.distributed
+def test_dense_first_layers_report_no_routing_and_the_moe_layers_replay(tmp_path):
+    """mlp_only_layers=[0]: routed_experts keeps L = num_hidden_layers with -1 for the dense layer (the layer
+    numbering of the trainer, SGLang and vLLM); the MoE layers replay as on an all-MoE model."""
+    from router_replay_jobs import near_tied, replay_job
+
+    base = make_tiny_hf_checkpoint(tmp_path / "dense_first", "qwen3_moe", num_layers=3, mlp_only_layers=[0])
+    [r] = run_multiprocess(replay_job, 1, near_tied(str(base), str(tmp_path / "tied"), 1e-7), timeout_s=600)
+    assert r["engine"].shape[2] == 3 and (r["engine"][:, :, 0] == -1).all()
+    assert agreement(r["replay_routing"], r["engine"], r["mask"]) == 1.0  # measured without replay: 0.92
+    mask = r["response_mask"].bool()
+    assert float((r["replay_log_probs"] - r["rollout_log_probs"])[mask].abs().max()) < 1e-5  # without: 0.15
