@@ -236,8 +236,9 @@ RULES: tuple[Rule, ...] = (
     Rule("*.megatron.grad_offload", Fate.mapped,
          "gradient buffers leave the GPU with <role>.megatron.param_offload here; True needs param_offload=True",
          _grad_offload),
-    Rule("*.megatron.router_replay.*", Fate.default, "routing replay (R3) is not built yet (issue 38)"),
-    Rule("*.router_replay.*", Fate.default, "routing replay (R3) is not built yet (issue 38)"),
+    # verl keeps a second router_replay block on the role itself; its engine reads the megatron one
+    Rule("actor_rollout_ref.*.router_replay.*", Fate.default,
+         "routing replay here is <role>.megatron.router_replay.* (docs/models.md, 'Routing replay')"),
     Rule("*.megatron.qat.*", Fate.default, "quantization-aware training is not built here"),
     Rule("*.qat.*", Fate.default, "quantization-aware training is not built here"),
     Rule("*.megatron.*checkpointing*", Fate.default,
@@ -296,8 +297,6 @@ RULES: tuple[Rule, ...] = (
     Rule("actor_rollout_ref.rollout.quantization*", Fate.default, "quantized rollout is not built here"),
     Rule("actor_rollout_ref.rollout.trace.*", Fate.default, "rollout tracing is not built here"),
     Rule("actor_rollout_ref.rollout.prometheus.*", Fate.default, "engine Prometheus export is not built here"),
-    Rule("actor_rollout_ref.rollout.enable_rollout_routing_replay", Fate.default,
-         "routing replay (R3) is not built yet (issue 38)"),
     # --- reward
     Rule("custom_reward_function.*", Fate.mapped, "-> reward.custom_reward_function.*",
          _under("custom_reward_function", "reward.custom_reward_function")),
