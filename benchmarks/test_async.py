@@ -51,6 +51,9 @@ SIZE = os.environ.get("MRL_ASYNC_SIZE", "demo")
 def _run(name: str, overrides: list[str], train, model, out) -> dict[str, float]:
     cfg = load_config(overrides=[
         "+experiment=grpo_tiny_cpu", f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}",
+        # the preset's layout before issue 39 (now one rank): what these figures were measured on
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.share_prompts=false",
         f"trainer.default_local_dir={out / name}", f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=-1", "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false", "trainer.save_freq=-1",
         *([] if SIZE == "demo" else size_overrides(SIZES[SIZE])), *overrides,

@@ -566,7 +566,8 @@ def _lora_notes(cfg: DictConfig, plan: Plan) -> tuple[str, ...]:
 # all-reduces of the micro-batch's tokens x hidden activations (2 forward, 2 backward per layer) while each rank's
 # matmuls shrink to tokens x hidden^2 / TP: the compute per byte sent grows with the hidden size, and below ~1k a
 # layer's matmuls take less time than its collectives (measured on CPU: the tiny preset's 64-wide 2-layer model ran
-# 2.7x slower a step at TP=2 on two ranks than at TP=1 on one). PP and CP add their own sends alike.
+# 3.2x slower a step at TP=2 on two Ray ranks than at TP=1 on one rank with shared prompts, benchmarks/README.md).
+# PP and CP add their own sends alike.
 SPLIT_MIN_HIDDEN = 1024
 _SPLIT_KEYS = (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
                ("context_parallel_size", "cp"))
