@@ -1,6 +1,8 @@
 """Megatron actor (TP 2, gloo) -> the weight export every trainer rank runs -> sync_weights -> vLLM: what vLLM
 serves, read back through its kernels, equals the exported buckets bit for bit, before and after a change of the
-actor's weights; vLLM's sampled log-probs then equal the trainer's."""
+actor's weights; vLLM's sampled log-probs then equal the trainer's. Dense Qwen2, and the MoE families at EP 2
+(Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert and a dense layer): vLLM's fused experts (w13 / w2)
+hold the exported experts (issue 38)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ class _Recorder:
             self.engine.abort_weight_update(reason)
 
 
-def sync_into_vllm(ckpt_dir: str) -> dict:
+def sync_into_vllm(ckpt_dir: str, ep: int = 1) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.config.schema import RolloutConfig
@@ -50,7 +52,7 @@ def sync_into_vllm(ckpt_dir: str) -> dict:
     from megatron_rl.weights import export_hf_weights, sync_weights
     from rollout_models import prompt_batch
 
-    init_model_parallel(tp=2, pp=1)
+    init_model_parallel(tp=2, pp=1, ep=ep, etp=1 if ep > 1 else None)
     chunks = build_from_hf(ckpt_dir)
     engine = None
     if dist.get_rank() == 0:
@@ -93,9 +95,11 @@ def sync_into_vllm(ckpt_dir: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_exported_buckets_are_what_vllm_serves(tmp_path):
-    ckpt = str(tiny_model(tmp_path / "qwen2", seed=3, num_kv_heads=2))  # TP 2 splits the heads and kv heads
-    results = run_multiprocess(sync_into_vllm, 2, ckpt, timeout_s=900)
+@pytest.mark.parametrize("family, ep", [("qwen2", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
+def test_exported_buckets_are_what_vllm_serves(tmp_path, family, ep):
+    # TP 2 splits the heads and kv heads; EP 2 puts half the experts on each rank
+    ckpt = str(tiny_model(tmp_path / family, seed=3, num_kv_heads=2, family=family))
+    results = run_multiprocess(sync_into_vllm, 2, ckpt, ep, timeout_s=900)
     assert results[0]["served_equal"] == [1, 2]
     assert results[0]["num_buckets"] > 3  # several buckets, one reload
     for rank, result in enumerate(results):

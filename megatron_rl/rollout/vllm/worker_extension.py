@@ -33,6 +33,55 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _prepack_cpu_experts(model: torch.nn.Module) -> int:
+    """vLLM 0.32's CPU fused-MoE kernel reads its expert weights (w13, w2) prepacked. vLLM prepacks them when
+    it first sets up the kernel, but a weight update (reload) leaves the new weights unpacked
+    (``_setup_kernel`` sets the kernel up on the first call only), and the kernel then computes with the
+    wrong layout: log-probs off by ~1 against the trainer while the weights read back equal. Prepack again
+    here, as the kernel's own ``process_weights_after_loading`` does (without its padding: the reloaded
+    parameters already have the padded shape). Returns the layers prepacked."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.utils import replace_parameter
+
+    prepacked = 0
+    for module in model.modules():
+        isa = _cpu_experts_isa(module)
+        if isa is None:
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            replace_parameter(module, name, cpu_prepack_moe_weight(getattr(module, name), isa))
+        prepacked += 1
+    return prepacked
+
+
+def _cpu_experts_isa(module: torch.nn.Module) -> str | None:
+    """The ISA vLLM's CPU fused-MoE kernel prepacks ``module``'s expert weights for, or None (not such a layer)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+        return None
+    return experts.isa
+
+
+def _unpack_cpu_experts(packed: torch.Tensor, isa: str) -> torch.Tensor:
+    """The checkpoint layout [experts, rows, cols] of prepacked expert weights, exactly. Prepacking moves
+    elements within each expert's matrix, the same way for every expert: prepack the element indices (as
+    base-256 digits, exact in any float dtype) to learn where each one went, and move them back."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    experts, rows, cols = packed.shape
+    index = torch.arange(rows * cols)
+    where = torch.zeros(rows * cols, dtype=torch.long)
+    for digit in range(3):  # rows * cols < 256**3
+        value = ((index // 256**digit) % 256).to(packed.dtype).view(1, rows, cols)
+        where += cpu_prepack_moe_weight(value, isa).flatten().long() * 256**digit
+    out = torch.empty(experts, rows * cols, dtype=packed.dtype)
+    out[:, where] = packed.reshape(experts, rows * cols)
+    return out.view(experts, rows, cols)
+
+
 class WorkerExtension:
     def mrl_load_weights(self, layouts_by_rank: list[list[dict[str, Any]]]) -> int:
         """Load the segments meant for this worker's TP rank (``layouts_by_rank[rank]``) in one reload; returns
@@ -46,20 +95,27 @@ class WorkerExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        _prepack_cpu_experts(self.model_runner.model)
         return counted[0]
 
     def mrl_read_weights(self, name: str) -> dict[str, Any]:
         """Every parameter of this rank as the kernels use it, written to a new /dev/shm segment (``name`` +
         the TP rank; the caller unlinks it); returns its layout. On CPU a linear layer keeps its weight only
-        inside a packed kernel handle: it is recovered exactly by running that kernel on an identity matrix."""
+        inside a packed kernel handle: it is recovered exactly by running that kernel on an identity matrix;
+        prepacked MoE experts are unpacked (``_unpack_cpu_experts``)."""
         model = self.model_runner.model
         tensors = []
         with torch.inference_mode():
             for module_name, module in model.named_modules():
+                isa = _cpu_experts_isa(module)
                 for param_name, param in module.named_parameters(recurse=False):
                     full = f"{module_name}.{param_name}" if module_name else param_name
-                    if param_name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
-                        eye = torch.eye(module.input_size_per_partition, dtype=param.dtype)
+                    if isa is not None and param_name in ("w13_weight", "w2_weight"):
+                        tensors.append((full, _unpack_cpu_experts(param.detach().cpu(), isa)))
+                    elif param_name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+                        # a replicated linear (e.g. the MoE router's GateLinear) has no per-partition size
+                        width = getattr(module, "input_size_per_partition", None) or module.input_size
+                        eye = torch.eye(width, dtype=param.dtype)
                         tensors.append((full, module.cpu_linear(eye, param, None).t().contiguous()))
                     else:
                         tensors.append((full, param.detach().cpu().clone()))

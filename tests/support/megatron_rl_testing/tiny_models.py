@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
 # Expert counts etc. of the MoE families at toy size (any of them may be overridden).
 TINY_MOE = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a gated shared expert, and a dense layer first (decoder_sparse_step=2: layer 1 is the MoE one)
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
+                      shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[]),
 }
 
 CHAT_TEMPLATE = (
@@ -66,11 +69,12 @@ def tiny_hf_config(
     tie_word_embeddings: bool = False,
     **overrides: Any,
 ):
-    """A transformers config of ``family`` (llama, qwen2, qwen3, mistral) at toy size."""
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    """A transformers config of ``family`` (one of FAMILIES) at toy size."""
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
+               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     kwargs: dict[str, Any] = dict(

@@ -4,6 +4,7 @@ parameters vLLM must hold after loading them (its fused and padded layout)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -23,11 +24,13 @@ def skip_without_vllm() -> None:
                     allow_module_level=True)
 
 
-def tiny_model(path, seed: int, num_kv_heads: int = 1):
-    """Head size 32 (vLLM's CPU attention refuses the usual tiny 16), non-trivial norms and biases."""
-    return make_tiny_hf_checkpoint(path, "qwen2", seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2,
+def tiny_model(path, seed: int, num_kv_heads: int = 1, family: str = "qwen2"):
+    """Head size 32 (vLLM's CPU attention refuses the usual tiny 16), non-trivial norms and biases; an MoE
+    ``family`` with experts of width 32 (vLLM's fused-MoE CPU kernel takes it)."""
+    moe = {"moe_intermediate_size": 32} if family in ("qwen3_moe", "qwen2_moe") else {}
+    return make_tiny_hf_checkpoint(path, family, seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2,
                                    num_kv_heads=num_kv_heads, intermediate_size=128, max_position_embeddings=MAX_LEN,
-                                   with_tokenizer=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
+                                   with_tokenizer=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1, **moe)
 
 
 def as_bucket(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
@@ -37,10 +40,34 @@ def as_bucket(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
     return bucket
 
 
-def vllm_layout(sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-named tensors as vLLM's TP-1 model holds them: q/k/v and gate/up concatenated."""
-    out = {}
+# An MoE layer's experts in HF's checkpoint names (gate, up, down) -> vLLM's fused-MoE parameters: per layer one
+# w13 [experts, 2 x ffn, hidden] (gate then up) and one w2 [experts, hidden, ffn]
+EXPERT = re.compile(r"(?P<block>.*\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\.(?P<leaf>\w+)\.weight$")
+EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _fused_experts(sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, tensor in sent.items():
+        match = EXPERT.match(name)
+        if match:
+            role = EXPERT_ROLES[match["leaf"]]
+            parts.setdefault(match["block"], {}).setdefault(int(match["e"]), {})[role] = tensor
+    out = {}
+    for block, experts in parts.items():
+        order = sorted(experts)
+        out[f"{block}.routed_experts.w13_weight"] = torch.stack(
+            [torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in order])
+        out[f"{block}.routed_experts.w2_weight"] = torch.stack([experts[e]["down"] for e in order])
+    return out
+
+
+def vllm_layout(sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors as vLLM's TP-1 model holds them: q/k/v and gate/up concatenated, experts fused."""
+    out = _fused_experts(sent)
+    for name, tensor in sent.items():
+        if EXPERT.match(name):
+            continue
         module, _, kind = name.rpartition(".")
         prefix, _, leaf = module.rpartition(".")
         fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
