@@ -58,17 +58,18 @@ def verl_line(assets, out) -> list[str]:
         "trainer.total_epochs=15",
         # $@
         f"trainer.default_local_dir={out}", "trainer.total_training_steps=1", "trainer.save_hf_at_end=false",
-        "ray_init.num_cpus=4",
+        "ray_init.num_cpus=4", "trainer.device=cpu",  # verl's default device is cuda, here under its entry too
     ]
 
 
 def test_translation_drops_verl_only_keys_and_maps_the_mode():
     args = translate(["--config-path", "config", "--config-name=ppo_megatron_trainer", "data.return_raw_chat=True",
-                      "actor_rollout_ref.rollout.mode=async", "trainer.critic_warmup=0", "data.seed=3"])
+                      "actor_rollout_ref.rollout.mode=async", "trainer.critic_warmup=0", "data.seed=3"],
+                     with_verl_defaults=False)
     assert args == ["actor_rollout_ref.rollout.mode=colocated", "data.seed=3"]
     # vLLM is a rollout engine here (issue 34; it was refused: "megatron-rl has no vLLM adapter"), with verl's keys
     assert translate(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=False",
-                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16"]) == [
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16"], with_verl_defaults=False) == [
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=False",
         "++actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16"]
     with pytest.raises(ConfigError, match="trainer.critic_warmup=5"):
@@ -81,7 +82,8 @@ def test_verl_launch_line_runs(tiny_assets, tmp_path):
     proc = run_module(["megatron_rl.compat.verl.trainer.main_ppo", *verl_line(tiny_assets, tmp_path)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = train_steps(next(tmp_path.rglob("metrics.jsonl")))
-    assert sorted(steps) == [1]
+    assert sorted(steps) == [0, 1]  # step 0: verl's val_before_train=True (its default, applied by the entry)
+    assert any(k.startswith("val-core/") for k in steps[0])
     assert "actor/kl_loss" in steps[1] and "actor/pg_loss" in steps[1]
 
 

@@ -36,14 +36,15 @@ FIXED: tuple[tuple[str, str, str], ...] = (
     ("algorithm.filter_groups.max_num_gen_batches", "0", "verl: 0 = no limit on DAPO's extra generation batches"),
     ("trainer.total_epochs", "30", "verl's default"),
     ("trainer.val_before_train", "true", "verl validates before the first step by default"),
+    ("trainer.device", "cuda", "verl's default device (a CPU run says trainer.device=cpu, as under verl)"),
 )
 
 
 def _gpu_run(seen: Mapping[str, str]) -> bool:
-    """verl runs on GPUs (its trainer.device defaults to cuda); only an explicit trainer.device=cpu is not one. A
-    dry run on a CPU login node so plans what the cluster runs; a real start where the distributed optimizer cannot
-    be had is refused by the launch check, naming the key (plan/planner.py check_launch)."""
-    return _bare(seen.get("trainer.device", "auto")) != "cpu"
+    """verl runs on GPUs (trainer.device defaults to cuda there and here under this entry); only trainer.device=cpu
+    is not one. A dry run on a CPU login node so plans what the cluster runs; a real start where the distributed
+    optimizer cannot be had is refused by the launch check, naming the key (plan/planner.py check_launch)."""
+    return _bare(seen.get("trainer.device", "cuda")) != "cpu"
 
 
 def verl_defaults(seen: Mapping[str, str]) -> tuple[list[str], list[str]]:
