@@ -78,8 +78,10 @@ class SGLangEngine(RolloutEngine):
         # (MoE layers, top-k): every result carries meta_info.routed_experts (routing replay R3); None: not asked
         self.routing_shape = routing_shape
         if routing_shape is not None and not getattr(transport, "routed_experts", False):
-            raise ValueError("rollout.enable_rollout_routing_replay=true: this SGLang transport does not ask for "
-                             "routed experts (enable_return_routed_experts)")
+            # the engine builds its transport with the flag whenever it asks for routing; the config side is
+            # refused before launch (config/router_replay.py)
+            raise RuntimeError("routing replay R3 asked of an SGLang transport started without "
+                               "enable_return_routed_experts")
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
