@@ -34,7 +34,7 @@ def pack_batch(
     """
     keys = ("input_ids", "attention_mask", "responses", *field_keys)
     batch = {key: data.batch[key].to(engine.device) for key in dict.fromkeys(keys)}
-    if getattr(engine, "routing_replay", None) is not None and ROUTED_EXPERTS in data.batch:  # replayed routing rides with its rows
+    if engine.routing_replay is not None and ROUTED_EXPERTS in data.batch:  # replayed routing rides with its rows
         routed = data.batch[ROUTED_EXPERTS]
         moe = engine.hf_config.moe
         check_routed_experts(routed, batch["input_ids"], engine.config.num_layers, moe.topk, moe.num_experts,

@@ -36,7 +36,7 @@ def fake_engine(packed: bool) -> types.SimpleNamespace:
     """What pack_batch and response_log_probs read of a MegatronEngine (one rank, no TP)."""
     return types.SimpleNamespace(
         device=torch.device("cpu"), packed_sequences=packed, sequence_multiple=1,
-        uniform_micro_batch_shape=False, share_prompts=False, tp_group=None, context_parallel=None,
+        uniform_micro_batch_shape=False, share_prompts=False, tp_group=None, context_parallel=None, routing_replay=None,
         hf_config=types.SimpleNamespace(vocab_size=VOCAB),
     )
 

@@ -170,6 +170,7 @@ def test_shared_prompts_keep_the_padded_layout_when_nothing_is_shared(group, exp
     data = make_rl_batch(8, group=group)
     vocab = SimpleNamespace(vocab_size=int(data.batch["input_ids"].max()) + 1)  # pack_batch checks the labels
     engine = SimpleNamespace(device=torch.device("cpu"), share_prompts=True, packed_sequences=False,
-                             sequence_multiple=1, uniform_micro_batch_shape=False, hf_config=vocab, context_parallel=None)
+                             sequence_multiple=1, uniform_micro_batch_shape=False, hf_config=vocab, context_parallel=None,
+                             routing_replay=None)
     micro_batches = pack_batch(engine, data, MicroBatchSpec(4, False, 0), (), "test")
     assert {"shared" if mb.is_shared else "padded" for mb in micro_batches} == {expected}
