@@ -79,7 +79,9 @@ def derived_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
     if cfg is None:
         return {}
     try:
-        params, source = model_params(cfg)
+        hf = _hf_config(cfg)
+        params, source = float(_params(hf, active=True)), hf.source
+        weights = float(_params(hf, active=False))  # a weight sync moves every expert, not the top-k
         rollout, data, trainer = cfg.actor_rollout_ref.rollout, cfg.data, cfg.trainer
         response = int(rollout.response_length or data.max_response_length)
         tokens = int(data.max_prompt_length) + response  # per sequence
@@ -103,14 +105,21 @@ def derived_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
         "update": (_round(BASE_S + 3 * epochs * forward),
                    f"{BASE_S:g} s + {epochs} epoch(s) of forward and backward over {sequences} x {tokens} tokens "
                    f"of {size} on {gpus} GPU(s) at {FLOPS_PER_GPU / 1e12:g} TFLOP/s each"),
-        "sync": (_round(BASE_S + 2 * params / SYNC_BYTES_PER_S),
-                 f"{BASE_S:g} s + {2 * params / 1e9:.0f} GB of bf16 weights at {SYNC_BYTES_PER_S / 1e9:g} GB/s"),
+        "sync": (_round(BASE_S + 2 * weights / SYNC_BYTES_PER_S),
+                 f"{BASE_S:g} s + {2 * weights / 1e9:.0f} GB of bf16 weights at {SYNC_BYTES_PER_S / 1e9:g} GB/s"),
     }
 
 
 def model_params(cfg: Any) -> tuple[float, str]:
     """(parameters one token passes through, where the architecture came from): the actor's config.json,
-    else ``plan.architecture`` (as the planner reads them). An MoE model counts its top-k experts."""
+    else ``plan.architecture`` (as the planner reads them). Of an MoE model: every layer's attention; a dense
+    layer's MLP (``mlp_only_layers`` / ``decoder_sparse_step``); an MoE layer's router, shared expert (with its
+    gate) and top-k routed experts."""
+    hf = _hf_config(cfg)
+    return float(_params(hf, active=True)), hf.source
+
+
+def _hf_config(cfg: Any) -> Any:
     from megatron_rl.models.hf_config import apply_override_config, parse_hf_config
 
     model = cfg.actor_rollout_ref.model
@@ -121,14 +130,26 @@ def model_params(cfg: Any) -> tuple[float, str]:
         raw, source = _plain(_select(cfg, "plan.architecture")), "plan.architecture"
         if not raw:
             raise ValueError("no architecture")
-    hf = parse_hf_config(apply_override_config(raw, _plain(getattr(model, "override_config", None)) or {}),
-                         source=source)
-    h, ffn = hf.hidden_size, hf.intermediate_size
-    if hf.moe is not None:
-        ffn = hf.moe.topk * hf.moe.ffn_hidden_size
-    layer = h * (hf.q_size + 2 * hf.kv_size) + hf.q_size * h + 3 * h * ffn
-    vocab = (1 if hf.tie_word_embeddings else 2) * hf.vocab_size * h
-    return float(hf.num_layers * layer + vocab), source
+    return parse_hf_config(apply_override_config(raw, _plain(getattr(model, "override_config", None)) or {}),
+                           source=source)
+
+
+def layer_params(hf: Any, layer: int, active: bool) -> int:
+    """Weight matrices of ``layer``: attention plus its dense MLP, or its router, shared expert (and the
+    shared expert's sigmoid gate) and routed experts (the top-k with ``active``, else all)."""
+    h = hf.hidden_size
+    attention = h * (hf.q_size + 2 * hf.kv_size) + hf.q_size * h
+    moe = hf.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        return attention + 3 * h * hf.intermediate_size
+    routed = (moe.topk if active else moe.num_experts) * 3 * h * moe.ffn_hidden_size
+    shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0) if moe.shared_expert_size else 0
+    return attention + moe.num_experts * h + shared + routed
+
+
+def _params(hf: Any, active: bool) -> int:
+    vocab = (1 if hf.tie_word_embeddings else 2) * hf.vocab_size * hf.hidden_size
+    return sum(layer_params(hf, i, active) for i in range(hf.num_layers)) + vocab
 
 
 def _round(seconds: float) -> float:
