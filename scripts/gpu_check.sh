@@ -23,6 +23,8 @@
 #   attention  120  tests/gpu/test_attention_cuda.py when it exists (SDPA / varlen backend choice on the device)
 #   context_parallel 150  tests/gpu/test_context_parallel_cuda.py: TE CP attention at CP=2 (2 GPUs; skips on one)
 #   bench      150  benchmarks/test_kernels_gpu.py, only with GPU_CHECK_BENCH=1
+#   moe_grouped 150 tests/gpu/test_moe_grouped_cuda.py: TEGroupedMLP vs SequentialMLP experts (export, bf16 logits
+#                   and grads) and the step time of each (junit properties step_ms_*)
 # With TE installed already the whole check takes about 5-7 minutes; a TE source build adds 5-10, so on a bare
 # machine run it twice (the second with GPU_CHECK_ONLY="imports megatron attention" while the machine is warm).
 # A stage whose prerequisite failed is skipped, saying which. GPU_CHECK_ONLY="kernels rollout" runs only those
@@ -208,6 +210,11 @@ pytest_stage attention_dispatch 90 "ext_build" tests/gpu/test_attention_dispatch
 # context_parallel: TE's CP attention (p2p) at CP=2 against CP=1 in bf16; needs 2 GPUs (the test skips on one,
 # saying so: NCCL takes one rank per device). The CPU suite runs the same jobs at CP=2 through SDPAttention.
 pytest_stage context_parallel 150 "ext_build" tests/gpu/test_context_parallel_cuda.py
+
+# ---------------------------------------------------------------------------- issue 38 part 3 (grouped-GEMM experts)
+# moe_grouped: one tiny MoE model with SequentialMLP and with TEGroupedMLP experts (weights through
+# models/moe_experts.py): export bit-exact, logits and gradients within bf16 tolerance; the step time of each.
+pytest_stage moe_grouped 150 "ext_build te_build" tests/gpu/test_moe_grouped_cuda.py
 
 # ---------------------------------------------------------------------------- summary
 python_for_summary=$PY

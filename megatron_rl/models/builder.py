@@ -30,6 +30,12 @@ from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.lora import LoRASpec, attach_lora
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
 from megatron_rl.models.moe_compat import bind_missing_te_names
+from megatron_rl.models.moe_experts import (
+    ExpertLayer,
+    check_grouped_gemm_override,
+    choose_expert_layer,
+    log_expert_layer,
+)
 from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
 from megatron_rl.models.value_head import attach_value_head
 
@@ -121,11 +127,13 @@ def make_transformer_config(
     *,
     layout: tuple[int, int, int | None, int] | None = None,
     expert_layout: tuple[int, int] | None = None,
+    experts: ExpertLayer | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """TransformerConfig for ``hf`` at the TP/PP/VPP/CP sizes of Megatron's initialised parallel state,
     or at ``layout`` = (tp, pp, vpp, cp) without one (what the planner does); for an MoE model also at its
-    EP/ETP sizes (``expert_layout`` = (ep, etp) without a parallel state, default (1, tp)).
+    EP/ETP sizes (``expert_layout`` = (ep, etp) without a parallel state, default (1, tp)) and expert layer
+    (``experts``, from ``choose_expert_layer``; None: as ``overrides`` say, SequentialMLP by default).
 
     ``overrides`` go straight to TransformerConfig (e.g. ``sequence_parallel=True``,
     ``recompute_granularity="full"``); ``transformer_overrides`` checks a config's.
@@ -143,6 +151,8 @@ def make_transformer_config(
             parallel_state.get_expert_tensor_parallel_world_size(),
         )
     ep, etp = expert_layout or (1, tp)
+    # refused before launch: the planner builds this config too
+    check_grouped_gemm_override(overrides.get("moe_grouped_gemm"))
     check_parallel_fit(hf, tp, pp, vpp, ep=ep, etp=etp)
     kwargs: dict[str, Any] = dict(
         num_layers=hf.num_layers,
@@ -190,7 +200,7 @@ def make_transformer_config(
         batch_p2p_comm=not (pp == 2 and vpp is not None),
     )
     if hf.moe is not None:
-        kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp))
+        kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp, experts))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -234,21 +244,27 @@ def gpt_layer_spec(
     lora: bool = False,
     *,
     dense: bool = False,
+    grouped_experts: bool = False,
 ) -> ModuleSpec:
     """TE's layer spec on CUDA when TE is importable, the local spec otherwise; the attention core is
     SDPAttention so the explicit causal+padding mask means the same thing on every backend, except under
     context parallelism with TE: TE's attention then runs the CP exchange (``cp_comm_type``, p2p by default)
     on the packed sequences CP requires, where SDPAttention would all-gather K/V.
     The local spec's norms are LocalRMSNorm (sequence parallelism works without TE too). An MoE model's
-    MLP is Megatron's MoELayer with SequentialMLP experts (one MLP per local expert, no grouped GEMM), so
-    each expert has its own linear_fc1/linear_fc2 on every backend (and a shared expert builds Megatron's
-    SharedExpertMLP from the TransformerConfig). ``dense=True``: the spec of an MoE model's dense layers."""
+    MLP is Megatron's MoELayer (a shared expert builds Megatron's SharedExpertMLP from the TransformerConfig)
+    whose experts are SequentialMLP (one MLP per local expert, every backend) or, with ``grouped_experts``
+    (TE spec only; models/moe_experts.py chooses), TEGroupedMLP. ``dense=True``: the spec of an MoE model's
+    dense layers."""
     experts = hf.moe.num_experts if hf.moe is not None and not dense else None
     if experts is not None:
         bind_missing_te_names()
+    if grouped_experts and not use_te:
+        # the local spec's grouped layer is Megatron's legacy GroupedMLP (another layout, another package)
+        raise ValueError("grouped experts (moe_grouped_gemm=true) need Transformer Engine's layer spec "
+                         "(use_te)")
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=hf.qk_norm
+            num_experts=experts, moe_grouped_gemm=grouped_experts, qk_layernorm=hf.qk_norm
         )
     else:
         spec = get_gpt_layer_local_spec(
@@ -343,10 +359,20 @@ def build_gpt_model(
     """
     if use_te is None:
         use_te = te_available()
+    experts = None
+    if hf.moe is not None:  # override_transformer_config.moe_grouped_gemm is decided here, once
+        experts = choose_expert_layer(
+            config_overrides.pop("moe_grouped_gemm", None), cuda=torch.cuda.is_available(), te=use_te
+        )
+        log_expert_layer(experts)
     config = make_transformer_config(
-        hf, params_dtype=params_dtype, init_weights=init_weights, **config_overrides
+        hf, params_dtype=params_dtype, init_weights=init_weights, experts=experts, **config_overrides
     )
-    spec = gpt_layer_spec(hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None)
+    grouped = experts is not None and experts.grouped
+    spec = gpt_layer_spec(
+        hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None,
+        grouped_experts=grouped,
+    )
     dense_spec = None
     if hf.moe is not None and hf.moe.layer_pattern:  # dense layers between the MoE layers
         dense_spec = gpt_layer_spec(

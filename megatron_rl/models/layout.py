@@ -10,9 +10,11 @@ Rules (REFERENCE.md §3):
   load and dropped on export.
 * MoE layers (models/moe.py): the router is replicated; each expert's fc1 (gate|up) / fc2 are split like a
   dense MLP's, but over the expert-tensor-parallel group (ETP), and only the EP rank that owns the
-  expert holds it (``TensorGroup.expert``). A shared expert (Qwen2-MoE) is split over TP like a dense MLP
-  (Megatron's ``SharedExpertMLP``) and its sigmoid gate [1, hidden] is replicated. Dense layers of an MoE
-  model (``MoESpec.is_moe_layer``) map like a dense model's.
+  expert holds it (``TensorGroup.expert``). Local expert i is global expert ``EP rank * E / EP + i``, its
+  weights ``experts.local_experts.<i>.linear_fc1.weight`` (SequentialMLP) or ``experts.linear_fc1.weight<i>``
+  (TEGroupedMLP), the same shard either way (models/moe_experts.py: ``expert_weight``). A shared expert
+  (Qwen2-MoE) is split over TP like a dense MLP (Megatron's ``SharedExpertMLP``) and its sigmoid gate
+  [1, hidden] is replicated. Dense layers of an MoE model (``MoESpec.is_moe_layer``) map like a dense model's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron.core import parallel_state
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.lora import LoRAAdapter, adapter_of
 from megatron_rl.models.moe import local_experts
+from megatron_rl.models.moe_experts import expert_weight
 from megatron_rl.models.value_head import ValueHead
 
 
@@ -185,11 +188,16 @@ def _norm_weight(norm_module: torch.nn.Module, fused_owner: torch.nn.Module) -> 
 
 
 def _moe_params(mlp: torch.nn.Module, experts: range) -> dict[str, torch.nn.Parameter]:
-    """The router, local experts and shared expert of a Megatron MoELayer, by the roles of ``_moe_groups``."""
+    """The router, local experts (SequentialMLP or TEGroupedMLP) and shared expert of a Megatron MoELayer,
+    by the roles of ``_moe_groups``."""
     params = {"router": mlp.router.weight}
-    for e, expert in zip(experts, mlp.experts.local_experts, strict=True):
-        params[f"expert{e}.gate_up"] = expert.linear_fc1.weight
-        params[f"expert{e}.down"] = expert.linear_fc2.weight
+    held = mlp.experts.num_local_experts
+    if held != len(experts):
+        raise ValueError(f"{type(mlp.experts).__name__} holds {held} local experts, this EP rank owns "
+                         f"{len(experts)} (experts {experts.start}..{experts.stop - 1})")
+    for local, e in enumerate(experts):
+        params[f"expert{e}.gate_up"] = expert_weight(mlp.experts, local, "linear_fc1")
+        params[f"expert{e}.down"] = expert_weight(mlp.experts, local, "linear_fc2")
     shared = mlp.shared_experts
     if shared is not None:
         params["shared.gate_up"] = shared.linear_fc1.weight

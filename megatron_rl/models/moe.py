@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.models.moe_experts import ExpertLayer
+
 # model_type -> (router name, {role: expert tensor name}) inside ``model.layers.<i>.``
 _HF_NAMES = {
     "qwen2_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
@@ -164,8 +166,13 @@ def _layer_pattern(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
     return () if all(pattern) else pattern
 
 
-def moe_transformer_kwargs(moe: MoESpec, ep: int, etp: int) -> dict[str, Any]:
-    """TransformerConfig fields for ``moe`` at expert-parallel size ``ep`` and expert-TP size ``etp``."""
+def moe_transformer_kwargs(
+    moe: MoESpec, ep: int, etp: int, experts: ExpertLayer | None = None
+) -> dict[str, Any]:
+    """TransformerConfig fields for ``moe`` at expert-parallel size ``ep`` and expert-TP size ``etp``, with
+    the expert layer ``experts`` (models/moe_experts.py: ``choose_expert_layer``). None (the planner, which
+    builds no layer): SequentialMLP, unless override_transformer_config sets moe_grouped_gemm (no memory
+    moves either way)."""
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.topk,
@@ -178,7 +185,8 @@ def moe_transformer_kwargs(moe: MoESpec, ep: int, etp: int) -> dict[str, Any]:
         # rounding (a flipped expert changes the token's output), and HF's softmax is fp32 too.
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,  # SequentialMLP: plain torch per expert, no grouped-GEMM kernels
+        # True: TEGroupedMLP (one grouped GEMM over the local experts); False: SequentialMLP (one MLP each)
+        moe_grouped_gemm=experts is not None and experts.grouped,
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=ep,
