@@ -139,23 +139,30 @@ def active_params(model: HFModelConfig) -> int:
     return total_params(model) - moe_layers * (mlp_params(model) - mlp_params(model, model.moe.topk))
 
 
-def _stage_layers(model: HFModelConfig, layout: Layout, stage: Stage) -> range:
-    """Global indices of the layers on the first or last pipeline stage (layers split evenly over PP)."""
-    per_stage = model.num_layers // layout.pp
-    return range(per_stage) if stage == "first" else range(model.num_layers - per_stage, model.num_layers)
+def stage_layers(model: HFModelConfig, layout: Layout, stage: Stage) -> list[int]:
+    """Global indices of the layers on the first or last pipeline stage, as Megatron cuts them: evenly over
+    PP, and with a virtual pipeline (VPP) in PP x VPP chunks dealt round-robin, so the first stage holds
+    chunks 0, PP, 2 PP, ... (with dense-first MoE models that decides how many experts a stage holds)."""
+    chunks = layout.pp * (layout.vpp or 1)
+    per_chunk = model.num_layers // chunks
+    rank = 0 if stage == "first" else layout.pp - 1
+    return [layer for chunk in range(rank, chunks, layout.pp)
+            for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
 
 
 def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bool = True) -> int:
     """Parameters on one GPU of the first or last pipeline stage.
 
-    Layers split evenly over PP and their weights over TP; MoE experts over EP x ETP instead (an MoE model's
-    dense layers and shared experts over TP). The (padded) embedding lives on the first
+    The stage's layers (``stage_layers``: evenly over PP, round-robin chunks under VPP), each with its own
+    kind: an MoE model's dense layers (``mlp_only_layers``, ``decoder_sparse_step``) hold a dense MLP, its MoE
+    layers a router, a shared expert if any, and the routed experts. Weights split over TP; routed experts
+    over EP x ETP instead (dense MLPs and shared experts over TP). The (padded) embedding lives on the first
     stage and the output layer on the last; with PP=1 both are on the one stage, and tied embeddings
     share one matrix there. ``lm_head=False`` is the critic: a hidden -> 1 value head, no vocab output.
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
     layers = 0
-    for i in _stage_layers(model, layout, stage):
+    for i in stage_layers(model, layout, stage):
         if _is_moe(model, i):
             layers += (attention_params(model) + moe_dense_params(model)) // layout.tp
             layers += mlp_params(model) // layout.expert_shards
@@ -174,7 +181,7 @@ def stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage = "fi
     model)."""
     if model.moe is None:
         return 0
-    moe_layers = sum(_is_moe(model, i) for i in _stage_layers(model, layout, stage))
+    moe_layers = sum(_is_moe(model, i) for i in stage_layers(model, layout, stage))
     return moe_layers * (mlp_params(model) // layout.expert_shards)
 
 

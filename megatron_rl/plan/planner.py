@@ -346,18 +346,20 @@ def _trained_role_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_size
         table.add(f"{role} optimizer (Adam, {what}{shards})", trainable * per_adapter.optimizer, optim_phases,
                   at_engine_start=trainable * per_adapter.optimizer_at_start if "generate" in optim_phases else 0.0)
     else:
-        _full_state_rows(table, role, dtype, params, per_param, model, layout, mcfg, shards, weights_phases,
+        _full_state_rows(table, role, dtype, params, per_param, model, layout, stage, mcfg, shards, weights_phases,
                          grads_phases, optim_phases)
     _activation_rows(table, cfg, role, role_cfg, role_sizes, model, layout, stage, tcfg, dtype, lm_head, lora)
 
 
 def _full_state_rows(table: _PhaseTable, role: str, dtype: str, params: int, per_param, model: HFModelConfig,
-                     layout: Layout, mcfg: DictConfig, shards: str, weights_phases, grads_phases, optim_phases) -> None:
+                     layout: Layout, stage: Stage, mcfg: DictConfig, shards: str, weights_phases, grads_phases,
+                     optim_phases) -> None:
     """Full fine-tuning: weights, grads and Adam state of every parameter."""
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
     table.add(f"{role} grads (fp32)", params * per_param.grads, grads_phases)
-    # MoE: the experts' Adam state is sharded over the expert-DP group only
-    experts = memory.stage_expert_params(model, layout)
+    # MoE: the experts' Adam state is sharded over the expert-DP group only; the experts of this stage (a
+    # dense-first model's first stage holds fewer)
+    experts = memory.stage_expert_params(model, layout, stage)
     expert_dp = memory.expert_data_parallel(layout)
     per_expert = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, expert_dp)
     if experts and mcfg.use_distributed_optimizer:
@@ -679,6 +681,16 @@ def check_launch(cfg: DictConfig) -> None:
                             "(the alltoall dispatcher gives the same numbers)")
 
 
+def _stage_save_host_bytes(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bool, dtype: str,
+                           dist_opt: bool, kind: str) -> float:
+    """Host RAM at save for one stage's Adam state: an MoE model's experts are sharded over expert-DP, the rest
+    over DP x CP (as the optimizer rows count them)."""
+    experts = memory.stage_expert_params(model, layout, stage)
+    dense = memory.stage_params(model, layout, stage, lm_head=lm_head) - experts
+    return (memory.checkpoint_save_host_bytes(dense, dtype, dist_opt, layout.dp * layout.cp, kind)
+            + memory.checkpoint_save_host_bytes(experts, dtype, dist_opt, memory.expert_data_parallel(layout), kind))
+
+
 def checkpoint_host_ram(cfg: DictConfig) -> str:
     """Host RAM per rank for the Adam state while a trained role's checkpoint is saved (issue 32): now
     (``fully_sharded_model_space``) and what the ``fully_reshardable`` gather of older saves took."""
@@ -695,16 +707,19 @@ def checkpoint_host_ram(cfg: DictConfig) -> str:
             critic_model = load_model_facts(cfg, "critic.model")
         role_model = model if role == "actor" else critic_model
         layout = _layout(cfg, prefix, sizes.world_size)
-        params = max(memory.stage_params(role_model, layout, s, lm_head=role == "actor") for s in ("first", "last"))
         dtype = _params_dtype(cfg, mcfg)
+        dist_opt = bool(mcfg.use_distributed_optimizer)
         lora = OmegaConf.select(cfg, f"{ROLE_MODEL[role]}.lora", default=None)
         if lora_enabled(lora):  # the Adam state of the adapters (and the critic's value head) only
             params = max(_lora_trainable_stage_params(role_model, layout, s, lora, role == "actor")
                          for s in ("first", "last"))
             dtype = _lora_dtype(lora, dtype)
-        dist_opt = bool(mcfg.use_distributed_optimizer)
-        now, old = (memory.checkpoint_save_host_bytes(params, dtype, dist_opt, layout.dp * layout.cp, kind)
-                    for kind in (OPTIMIZER_SHARDING_TYPE, LEGACY_OPTIMIZER_SHARDING_TYPE))
+            now, old = (memory.checkpoint_save_host_bytes(params, dtype, dist_opt, layout.dp * layout.cp, kind)
+                        for kind in (OPTIMIZER_SHARDING_TYPE, LEGACY_OPTIMIZER_SHARDING_TYPE))
+        else:
+            now, old = (max(_stage_save_host_bytes(role_model, layout, s, role == "actor", dtype, dist_opt, kind)
+                            for s in ("first", "last"))
+                        for kind in (OPTIMIZER_SHARDING_TYPE, LEGACY_OPTIMIZER_SHARDING_TYPE))
         lines.append(f"checkpoint save, host RAM per rank for the {role}'s Adam state: {_gib(now)} GiB "
                      f"({OPTIMIZER_SHARDING_TYPE if dist_opt else 'no distributed optimizer'}; the "
                      f"{LEGACY_OPTIMIZER_SHARDING_TYPE} gather of older saves: {_gib(old)} GiB)")
