@@ -39,6 +39,15 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
+from megatron_rl.workers.checkpoint_optimizer import (
+    chain_length,
+    check_chain_change,
+    fix_fp32_param_ids,
+    has_state_tensors,
+    load_across_chains,
+    remap_keys,
+    saved_chain_length,
+)
 from megatron_rl.workers.disk_space import checked_save
 from megatron_rl.workers.engine import MegatronEngine
 
@@ -126,6 +135,7 @@ def _sharded_state(
                                    f"trained parameters {sorted(kept - sharded.keys())[:5]}")
         state[f"model{i}"] = sharded
     if with_optimizer:
+        fix_fp32_param_ids(engine.optimizer)  # bf16 with fp32 norm weights (checkpoint_optimizer.py)
         state["optimizer"] = engine.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type}
         )
@@ -196,6 +206,9 @@ def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, A
             "format_version": FORMAT_VERSION,
             "role": engine.name,
             "layout": _layout(),
+            "expert_layout": _expert_layout(),
+            # Megatron chains a second optimizer for the experts at EP > 1: a resume at another EP maps onto it
+            "optimizer_chain": chain_length(engine.optimizer) if engine.trainable else None,
             "has_optimizer": engine.trainable,
             "optimizer_sharding_type": OPTIMIZER_SHARDING_TYPE,
             "value_head": engine.value_head,
@@ -226,6 +239,34 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
     return metadata
 
 
+def _expert_layout() -> dict[str, int]:
+    return {"ep": parallel_state.get_expert_model_parallel_world_size(),
+            "etp": parallel_state.get_expert_tensor_parallel_world_size()}
+
+
+def _saved_expert_layout(metadata: dict[str, Any]) -> dict[str, int] | None:
+    """None for checkpoints written before EP was recorded."""
+    return metadata.get("expert_layout")
+
+
+def _load_with_optimizer(engine: MegatronEngine, state: dict[str, Any], path: str | Path,
+                         metadata: dict[str, Any]) -> dict[str, Any]:
+    """``dist_checkpointing.load`` with the optimizer's state tensors found by model-space key, whatever EP
+    (and so whatever chain of optimizers: checkpoint_optimizer.py) saved them."""
+    saved_chain = metadata.get("optimizer_chain") or saved_chain_length(
+        dist_checkpointing.load_common_state_dict(str(path)))
+    chain = chain_length(engine.optimizer) or 1
+    saved_experts = _saved_expert_layout(metadata) or "(EP not recorded)"
+    layouts = (f"saved at {_saved_layout(metadata)} {saved_experts} with {saved_chain} chained "
+               f"optimizer(s), resumed at {_layout()} {_expert_layout()} with {chain}")
+    check_chain_change(getattr(engine, "use_distributed_optimizer", False), saved_chain, chain, str(path), layouts)
+    remap_keys(state["optimizer"], set(dist_checkpointing.load_tensors_metadata(str(path))), str(path), layouts)
+    if saved_chain == chain:
+        return dist_checkpointing.load(state, str(path))
+    logger.info("%s: optimizer state %s", engine.name, layouts)
+    return load_across_chains(state, str(path), str(path), layouts)
+
+
 def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
     """Restore ``engine`` from ``path`` (collective); returns the ``extra`` dict that was saved.
 
@@ -249,13 +290,16 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
             "pass load_optimizer=False"
         )
 
-    same_layout = _saved_layout(metadata) == _layout()
+    saved_experts = _saved_expert_layout(metadata)  # EP changes which ranks' RNG states hold the experts'
+    same_layout = _saved_layout(metadata) == _layout() and saved_experts in (None, _expert_layout())
     if not same_layout:
         logger.warning(
-            "%s: loading a checkpoint saved at layout %s into layout %s; RNG states are not restored",
+            "%s: loading a checkpoint saved at layout %s %s into layout %s %s; RNG states are not restored",
             engine.name,
             _saved_layout(metadata),
+            saved_experts or "",
             _layout(),
+            _expert_layout(),
         )
     sharding_type = metadata.get("optimizer_sharding_type", LEGACY_OPTIMIZER_SHARDING_TYPE)
     state = _sharded_state(engine, with_optimizer, is_loading=True, sharding_type=sharding_type)
@@ -263,7 +307,10 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     if same_layout:
         state["rng"] = _rng_sharded_object()
     check_checkpoint_metadata(path)  # torch unpickles .metadata with plain pickle: refuse one that runs code
-    loaded = dist_checkpointing.load(state, str(path))
+    if with_optimizer and has_state_tensors(state["optimizer"]):
+        loaded = _load_with_optimizer(engine, state, path, metadata)
+    else:
+        loaded = dist_checkpointing.load(state, str(path))
 
     for index, chunk in enumerate(engine.model):
         if metadata.get("lora") is None:
