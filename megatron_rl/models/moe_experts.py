@@ -98,7 +98,14 @@ def expert_weight_name(local: int, linear: str, grouped: bool) -> str:
 
 def expert_weight(experts: torch.nn.Module, local: int, linear: str) -> torch.nn.Parameter:
     """Local expert ``local``'s ``linear`` weight in either layout."""
-    return experts.get_parameter(expert_weight_name(local, linear, is_grouped(experts)))
+    name = expert_weight_name(local, linear, is_grouped(experts))
+    try:
+        return experts.get_parameter(name)
+    except AttributeError:
+        # TE's opt-in single_grouped_parameter keeps all experts in one [E, out, in] ``weight`` (Megatron-Core
+        # 0.16.1 does not turn it on): one parameter per expert is what loading, export and grads name
+        raise ValueError(f"{type(experts).__name__} has no parameter {name!r} (one weight per local expert); "
+                         f"it holds {sorted(n for n, _ in experts.named_parameters())[:4]}") from None
 
 
 _EXPERT_KEY = re.compile(

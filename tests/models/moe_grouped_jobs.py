@@ -58,10 +58,12 @@ def use_grouped_twins(model: torch.nn.Module) -> int:
 
 
 def grouped_state(state: dict[str, Any]) -> dict[str, Any]:
-    """A SequentialMLP model's state dict in the grouped layout (models/moe_experts.py: expert_state_key)."""
+    """A SequentialMLP model's state dict in the grouped layout (models/moe_experts.py: expert_state_key); each
+    expert linear's ``_extra_state`` (None: the local linears keep no FP8 metadata) has no grouped counterpart."""
     from megatron_rl.models.moe_experts import expert_state_key
 
-    return {expert_state_key(key, grouped=True): value for key, value in state.items()}
+    return {expert_state_key(key, grouped=True): value for key, value in state.items()
+            if not (".local_experts." in key and key.endswith("._extra_state"))}
 
 
 def _layer_check(sequential: torch.nn.Module, grouped: torch.nn.Module) -> dict[str, Any]:

@@ -308,3 +308,13 @@ def test_the_converter_counts_grouped_expert_weights_as_experts():
              (GROUPED.format(i=1, linear="linear_fc2"), weight),
              ("decoder.layers.3.mlp.shared_experts.linear_fc1.weight", weight)]
     assert expert_load(named) == (2, 2 * weight.numel() * weight.element_size())
+
+
+def test_a_grouped_layer_without_per_expert_weights_is_refused_by_name():
+    stacked = torch.nn.Module()  # TE's opt-in single_grouped_parameter: one [E, out, in] weight
+    stacked.num_local_experts = 2
+    stacked.linear_fc1 = torch.nn.Module()
+    stacked.linear_fc1.weight = torch.nn.Parameter(torch.zeros(2, 6, 4))
+    with pytest.raises(ValueError, match=r"Module has no parameter 'linear_fc1.weight1' \(one weight per local "
+                                         r"expert\); it holds \['linear_fc1.weight'\]"):
+        expert_weight(stacked, 1, "linear_fc1")
