@@ -672,6 +672,14 @@ def check_launch(cfg: DictConfig) -> None:
             raise PlanError(f"{prefix}.megatron.override_transformer_config sets {kernels}: fused kernels of "
                             "Transformer Engine, which does not import here; install megatron-rl[gpu] or set them "
                             "false")
+        if given.get("moe_grouped_gemm") is True:  # TE imports, but the run's device may still be the CPU
+            from megatron_rl.models.moe_experts import choose_expert_layer
+
+            try:
+                choose_expert_layer(True, cuda=str(cfg.trainer.device) != "cpu", te=_transformer_engine_here(),
+                                    key=f"{prefix}.megatron.override_transformer_config.moe_grouped_gemm")
+            except ValueError as err:
+                raise PlanError(str(err)) from None
         deepep = [k for k in ("moe_enable_deepep", "moe_token_dispatcher_type") if k in given and
                   (given[k] is True or given[k] == "flex")]
         if deepep and not _importable("deep_ep"):

@@ -223,6 +223,21 @@ def test_kernels_this_machine_lacks_are_planned_and_refused_at_launch(monkeypatc
     check_launch(cfg)
 
 
+def test_grouped_experts_on_a_cpu_run_are_refused_at_launch_even_where_te_imports(monkeypatch):
+    """TE installed on a node does not make trainer.device=cpu a CUDA run: refused before start-up, naming the key
+    (before: the builder refused it inside the workers, after start-up)."""
+    from megatron_rl.models import capabilities
+    from megatron_rl.plan import check_launch, planner
+
+    monkeypatch.setattr(capabilities, "distributed_optimizer_blocker", lambda: None)
+    monkeypatch.setattr(planner, "_importable", lambda module: True)
+    cfg = load_config(overrides=["+experiment=grpo_tiny_cpu", f"++{OTC}.moe_grouped_gemm=true"])  # device=cpu
+    with pytest.raises(PlanError, match=rf"{OTC}.moe_grouped_gemm=true: TE's grouped experts cannot run here "
+                                        r"\(no CUDA device\)"):
+        check_launch(cfg)
+    check_launch(load_config(overrides=[*MOE_PRESET, f"++{OTC}.moe_grouped_gemm=true"]))  # a CUDA run: allowed
+
+
 def test_config_json_at_the_model_path_wins_over_the_preset(tmp_path):
     architecture = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
