@@ -75,7 +75,7 @@ check-cuda: install
 # pytest exits 5 when it collected no test: treat that as a failure, never as green.
 test: install install-vllm check-cuda verl-oracle
 	@$(USE_VERL_ORACLE); echo "MEGATRON_RL_VERL_PATH=$${MEGATRON_RL_VERL_PATH:-(unset: the verl-oracle tests skip)}"; \
-	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: install

@@ -1,4 +1,30 @@
-"""Suite-wide: the processes tests start import the test tools too (tests/support)."""
+"""Suite-wide: the processes tests start import the test tools too (tests/support); one Ray shared by the tests
+that ask for it (``shared_ray``, megatron_rl_testing/shared_ray.py)."""
+import pytest
+
 from megatron_rl_testing import export_support_path
+from megatron_rl_testing.shared_ray import SharedRay
 
 export_support_path()
+
+
+@pytest.fixture(scope="session")
+def _shared_ray_manager():
+    manager = SharedRay()
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_ray_unless_asked(request, _shared_ray_manager):
+    if "shared_ray" not in request.fixturenames:
+        _shared_ray_manager.stop()
+
+
+@pytest.fixture
+def shared_ray(_shared_ray_manager):
+    """An embedded Ray (4 logical CPUs) kept up across consecutive tests that ask for it; a run started in the
+    test finds it up and leaves it up."""
+    _shared_ray_manager.start()
+    yield
+    _shared_ray_manager.check_clean()

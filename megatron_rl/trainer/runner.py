@@ -8,6 +8,7 @@ to place runs as a one-process torchrun job would, in the driver (controller/in_
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -70,7 +71,6 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
         RayWorkerGroup,
         create_colocated_worker_cls,
         init_ray_from_config,
-        shutdown_ray,
     )
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
     from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
@@ -104,9 +104,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
     def close() -> None:
         group.kill()
         pool.release()
-        shutdown_ray()
 
     return actor_rollout, critic, reward_model, close
+
+
+def _ray_is_up() -> bool:
+    ray = sys.modules.get("ray")  # not imported: not up (and a run without Ray does not import it)
+    return ray is not None and ray.is_initialized()
 
 
 def _driver_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
@@ -157,6 +161,13 @@ def _device(cfg: DictConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _stop_ray_unless(was_up: bool) -> None:
+    if _ray_is_up() and not was_up:
+        from megatron_rl.controller import shutdown_ray
+
+        shutdown_ray()
+
+
 def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     """Build everything, train, and return where the outputs are. Config must already be validated."""
     output_dir = Path(cfg.trainer.default_local_dir)
@@ -179,6 +190,8 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
 
     # Installed before the workers start: a SIGTERM while they start up stops the run cleanly, too.
     stop = StopRequest().install()
+    # A Ray this run finds running (the user's session, a cluster's) outlives the run; one it starts does not.
+    ray_was_up = _ray_is_up()
     if not is_torchrun:  # under torchrun nothing imports Ray (a second of start-up)
         keep_handlers_through_ray()
     servers = start_rollout_servers(cfg)  # rollout servers on their own processes (server mode, name=hf)
@@ -188,6 +201,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
     except BaseException:
         if servers is not None:
             servers.close()
+        _stop_ray_unless(ray_was_up)
         raise
     stop.install()  # Ray's start-up replaces the handlers with its own
     is_logger = not is_torchrun or actor_rollout.rank == 0
@@ -222,6 +236,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         close()
         if servers is not None:
             servers.close()
+        _stop_ray_unless(ray_was_up)
 
     plot = None
     if is_logger and tracking.metrics_path.exists():

@@ -11,7 +11,7 @@ from e2e_support import TWO_RANKS, assert_finite, train_steps
 from megatron_rl.config import load_config
 from megatron_rl.train import run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("shared_ray")]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from e2e_support import assert_finite, tiny_config, train_steps
 from megatron_rl.train import run
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 def test_one_step_off_on_an_hf_rollout_server(tiny_assets, tmp_path):

@@ -29,12 +29,13 @@ def _differences(want: dict, have: dict, rel: float) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cp2_ray(tiny_assets, tmp_path_factory):
+def cp2_ray(tiny_assets, tmp_path_factory, _shared_ray_manager):
+    _shared_ray_manager.start()  # the module's first run; test_grpo_at_cp2_equals_tp2 keeps using that Ray
     out = tmp_path_factory.mktemp("cp2_ray")
     return train_steps(run(tiny_config(tiny_assets, out, *COMMON, *CP2)).metrics_path)
 
 
-def test_grpo_at_cp2_equals_tp2(tiny_assets, tmp_path, cp2_ray, capfd):
+def test_grpo_at_cp2_equals_tp2(tiny_assets, tmp_path, shared_ray, cp2_ray, capfd):
     tp2 = train_steps(run(tiny_config(tiny_assets, tmp_path / "tp2", *COMMON)).metrics_path)
     capfd.readouterr()
     # the plan the driver prints: one data-parallel rank, both ranks holding the same rows, each its half of

@@ -52,7 +52,7 @@ def test_demo_stops_responses_on_tokens_the_scorer_cannot_see(tmp_path):
     assert not {tokenizer.convert_tokens_to_ids(d) for d in "12345"} & set(stops)
 
 
-def test_torchrun_mode_matches_ray_mode(tiny_assets, tmp_path):
+def test_torchrun_mode_matches_ray_mode(tiny_assets, tmp_path, shared_ray):
     ray_result = run(tiny_config(tiny_assets, tmp_path / "ray"))
     # through the launcher script users run (launch/torchrun.sh), on CPU: 2 processes, no GPUs
     env = {**os.environ, "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2", "PYTHON": sys.executable,

@@ -20,7 +20,7 @@ def test_unavailable_distributed_optimizer_is_refused_before_ray_starts(tiny_ass
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
-def test_offload_run_matches_the_plain_run(tiny_assets, tmp_path):
+def test_offload_run_matches_the_plain_run(tiny_assets, tmp_path, shared_ray):
     """megatron.param_offload + optimizer_offload through the hybrid worker (state away for generation and
     before the engine starts, back for log-probs, export and update): the same metrics as without."""
     from e2e_support import comparable, tiny_config, train_steps

@@ -11,7 +11,7 @@ import pytest
 from e2e_support import assert_finite, tiny_config, train_steps
 from megatron_rl.train import run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("shared_ray")]
 
 MOE = "actor_rollout_ref.actor.megatron"
 

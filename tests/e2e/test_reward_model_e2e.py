@@ -29,7 +29,7 @@ def tiny_rm(tiny_assets, tmp_path_factory):
     return path
 
 
-def test_grpo_with_a_reward_model_added_to_the_rule_score(tiny_assets, tiny_rm, tmp_path):
+def test_grpo_with_a_reward_model_added_to_the_rule_score(tiny_assets, tiny_rm, tmp_path, shared_ray):
     result = run(tiny_config(
         tiny_assets, tmp_path, "trainer.total_training_steps=3",
         "reward_model.enable=true", f"reward_model.model.path={tiny_rm}",

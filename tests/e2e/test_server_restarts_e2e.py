@@ -17,7 +17,7 @@ import pytest
 from e2e_support import assert_finite, tiny_config, train_steps
 from megatron_rl.train import run
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 def _rollout_servers() -> list[int]:

@@ -34,7 +34,11 @@ REQUIRED_METRICS = (
 
 
 def test_grpo_runs_with_finite_metrics_and_writes_outputs(tiny_assets, tmp_path):
+    """Also: a run that starts Ray stops it (test_ppo_with_critic_and_kl_in_reward: one that finds it up keeps it)."""
+    import ray
+
     result = run(tiny_config(tiny_assets, tmp_path, "trainer.test_freq=2", "trainer.save_hf_at_end=true"))
+    assert not ray.is_initialized()
     steps = train_steps(result.metrics_path)
     assert sorted(steps) == [1, 2]
     for record in steps.values():
@@ -48,7 +52,7 @@ def test_grpo_runs_with_finite_metrics_and_writes_outputs(tiny_assets, tmp_path)
     assert (result.hf_dir / "config.json").is_file() and any(result.hf_dir.glob("*.safetensors"))
 
 
-def test_ppo_with_critic_and_kl_in_reward(tiny_assets, tmp_path):
+def test_ppo_with_critic_and_kl_in_reward(tiny_assets, tmp_path, shared_ray):
     cfg = tiny_config(
         tiny_assets, tmp_path,
         "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95",
@@ -57,6 +61,15 @@ def test_ppo_with_critic_and_kl_in_reward(tiny_assets, tmp_path):
         "critic.optim.lr=1e-3",
     )
     result = run(cfg)
+    import ray
+
+    # the Ray the run found up (shared_ray) is still up, and the run gave back everything it reserved there
+    # (killed actors return their CPUs a moment later)
+    assert ray.is_initialized()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
     for record in train_steps(result.metrics_path).values():
         assert_finite(record)
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
@@ -65,7 +78,7 @@ def test_ppo_with_critic_and_kl_in_reward(tiny_assets, tmp_path):
             assert key in record, key
 
 
-def test_resume_continues_like_an_uninterrupted_run(tiny_assets, tmp_path):
+def test_resume_continues_like_an_uninterrupted_run(tiny_assets, tmp_path, shared_ray):
     straight = run(tiny_config(tiny_assets, tmp_path / "straight", "trainer.total_training_steps=4"))
     run(tiny_config(tiny_assets, tmp_path / "resumed", "trainer.save_freq=2"))  # stops after step 2
     resumed = run(tiny_config(tiny_assets, tmp_path / "resumed", "trainer.total_training_steps=4",

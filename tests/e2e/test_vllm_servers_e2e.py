@@ -15,7 +15,7 @@ from megatron_rl.demo import prepare_assets
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl.train import run
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 @pytest.fixture(scope="module")

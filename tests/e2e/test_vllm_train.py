@@ -39,7 +39,7 @@ def test_demo_learns_with_vllm(tmp_path):
     assert_on_policy(read_metrics(tmp_path / "run" / "metrics.jsonl"))
 
 
-def test_rollout_tp2_engine_is_fed_by_two_ranks(tmp_path_factory, tmp_path):
+def test_rollout_tp2_engine_is_fed_by_two_ranks(tmp_path_factory, tmp_path, shared_ray):
     train, val, model = prepare_assets(tmp_path_factory.mktemp("vllm_assets"), attention_heads=(2, 2))  # TP 2 splits both
     cfg = tiny_config({"train": train, "val": val, "model": model}, tmp_path,
                       "actor_rollout_ref.rollout.name=vllm",

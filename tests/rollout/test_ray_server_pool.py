@@ -44,8 +44,8 @@ def pool(model_dir):
     assert ray.is_initialized() and list(cfg.actor_rollout_ref.rollout.server_urls) == servers.urls
     assert cfg.actor_rollout_ref.rollout.sglang.master_address is None  # trainer rank 0 names its node's IP
     yield servers
-    shutdown_ray()  # the runner's order: the trainer's close shuts Ray down, then the servers' pool closes
-    servers.close()
+    servers.close()  # the runner's order: the servers' pool closes, then the Ray the run started stops
+    shutdown_ray()
 
 
 def _bundles(pool) -> tuple[list[dict], str]:
