@@ -196,6 +196,7 @@ class RayRolloutServerPool(ServerPool):
         return server
 
     def close(self) -> None:
-        if ray.is_initialized():  # else ray.shutdown (the trainer's close) already ended the actors and their pool
+        if ray.is_initialized():  # else ray.shutdown already ended the actors and their pool
             super().close()
             self.resource_pool.release()
+            ray.kill(self._key_holder)  # the run's secret does not outlive its servers in a Ray that stays up

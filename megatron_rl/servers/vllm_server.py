@@ -331,7 +331,7 @@ def ray_vllm_server_pool() -> type:
 
         def close(self) -> None:
             """The actors end with Ray, but a server runs in a session of its own (with its engine core): end
-            each group here too, Ray up or not (the run shuts Ray down before it closes the pool)."""
+            each group here too, Ray up or not."""
             try:
                 super().close()
             finally:

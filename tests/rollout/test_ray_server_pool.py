@@ -45,6 +45,8 @@ def pool(model_dir):
     assert cfg.actor_rollout_ref.rollout.sglang.master_address is None  # trainer rank 0 names its node's IP
     yield servers
     servers.close()  # the runner's order: the servers' pool closes, then the Ray the run started stops
+    # the run's secret ends with its servers (it would outlive them in a Ray that stays up)
+    assert not ray.util.list_named_actors(all_namespaces=True)
     shutdown_ray()
 
 
