@@ -37,13 +37,15 @@ def _layout(pp: int, vpp: int | None, ep: int) -> Layout:
     return Layout(tp=1, pp=pp, cp=1, dp=2 // pp, vpp=vpp, ep=ep)
 
 
-@pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("pp, vpp, ep", LAYOUTS)
+# every model at every layout, except qwen3_moe's 2 layers at PP 2 x VPP 3 (they do not split into 6 chunks)
+CASES = [(name, *layout) for name in MODELS for layout in LAYOUTS if (name, layout[1]) != ("qwen3_moe", 3)]
+
+
+@pytest.mark.parametrize("name, pp, vpp, ep", CASES)
 def test_planned_stage_params_equal_the_built_model(built, name, pp, vpp, ep):
     models, ranks = built
     model = models[name]
-    if model.num_layers % (pp * (vpp or 1)):
-        pytest.skip(f"{name}: {model.num_layers} layers do not split into PP {pp} x VPP {vpp}")
+    assert model.num_layers % (pp * (vpp or 1)) == 0, (name, model.num_layers, pp, vpp)
     layout = _layout(pp, vpp, ep)
     first, last = (ranks[r][name, (pp, vpp, ep)] for r in (0, len(ranks) - 1))
     assert memory.stage_params(model, layout, "first") == first[0]
