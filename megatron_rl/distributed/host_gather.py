@@ -40,7 +40,8 @@ class HostGather:
         self.in_use = False  # held by an export from its start to its end (export_hf_buckets)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         nbytes = slots * self.size * shard_bytes
-        name = [os.path.join(SHM_DIR, f"megatron-rl-gather-{uuid.uuid4().hex}") if self.rank == 0 else None]
+        # named after its owner's pid: a leftover says whose it was, and a test checks only its own job's
+        name = [os.path.join(SHM_DIR, f"megatron-rl-gather-{os.getpid()}-{uuid.uuid4().hex}") if self.rank == 0 else None]
         dist.broadcast_object_list(name, group=group, group_src=0)
         if self.rank == 0:
             self.buffer = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)

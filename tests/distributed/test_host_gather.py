@@ -10,6 +10,7 @@ runs, and no file is left in /dev/shm. Off (``host_gather.enabled``) it falls ba
 from __future__ import annotations
 
 import glob
+import os
 import time
 
 import pytest
@@ -80,7 +81,9 @@ def raced_exports(ckpt_dir: str) -> dict:
                                               if not torch.equal(got[n], t))
         out["zipped_mismatch"] = sorted(n for n, t in zipped if not torch.equal(reference[n], t))
     dist.barrier()
-    out["leftover_files"] = glob.glob("/dev/shm/megatron-rl-gather-*")
+    owner = [os.getpid()]  # rank 0 names the mapping after itself; another job's (pytest-xdist) is not ours
+    dist.broadcast_object_list(owner, src=0)
+    out["leftover_files"] = glob.glob(f"/dev/shm/megatron-rl-gather-{owner[0]}-*")
     return out
 
 
