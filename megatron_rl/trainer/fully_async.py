@@ -214,7 +214,7 @@ class FullyAsyncTrainer:
                     self.last_batch, metrics = self.train_step(rolled, step, timer, rollouter, wait_s, dropped)
                 last = loop.end_step(run, self.tracking, step, self.last_batch, metrics, timer, self.generate,
                                      partial(self.save_checkpoint, rollouter))
-                if run.stop.requested:
+                if run.stop.heeded:
                     break
             self.stopped = loop.finish(run)
             return last
@@ -347,7 +347,7 @@ class FullyAsyncTrainer:
         try:
             return loop.save_checkpoint(self.run, partial(self.save_buffer, rollouter))
         finally:
-            if not self.run.stop.requested:  # a stopping run starts no batch its checkpoint would not hold
+            if not self.run.stop.heeded:  # a stopping run starts no batch its checkpoint would not hold
                 rollouter.release()
 
     def save_buffer(self, rollouter: Rollouter, directory: Path) -> None:

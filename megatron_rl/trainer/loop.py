@@ -163,10 +163,11 @@ def end_step(run: Run, tracking: Any, step: int, batch: DataProto, metrics: dict
         metrics |= validate(run, generate, tracking)  # tracking: where trainer.log_val_generations go
     # The last step is saved too (when saving at all): a failed final export then costs no training.
     final = step >= run.total_steps and trainer.save_freq > 0
-    if due(trainer.save_freq, step) or final or run.stop.requested:
+    stopping = run.stop.heed()
+    if due(trainer.save_freq, step) or final or stopping:
         save()
     log(tracking, metrics, step)
-    if run.stop.requested:
+    if stopping:
         logger.warning("stopping after step %d on %s; checkpoint saved, the run is resumable", step, run.stop.reason)
     return metrics
 
@@ -174,7 +175,7 @@ def end_step(run: Run, tracking: Any, step: int, batch: DataProto, metrics: dict
 def finish(run: Run) -> str | None:
     """After the last step: the signal that stopped the run early (resumable), else None once the data's end is
     reported and the final HF export written."""
-    if run.stop.requested:
+    if run.stop.heeded:
         return run.stop.reason
     if run.state.global_steps < run.total_steps:
         epochs = run.cfg.trainer.total_epochs

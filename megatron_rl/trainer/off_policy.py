@@ -95,7 +95,7 @@ class OneStepOffPolicyTrainer:
                     self.last_batch, metrics, ahead = self.train_step(batch, ahead, step, timer, batches, threads)
                 last = loop.end_step(run, self.tracking, step, self.last_batch, metrics, timer, self.generate,
                                      partial(self.save_checkpoint, ahead))
-                if run.stop.requested:
+                if run.stop.heeded:
                     break
             self.stopped = loop.finish(run)
             return last

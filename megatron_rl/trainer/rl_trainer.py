@@ -45,7 +45,7 @@ class RLTrainer:
                 self.last_batch, metrics = self.train_step(batch, step, timer, batches)
             last = loop.end_step(run, self.tracking, step, self.last_batch, metrics, timer, self.generate,
                                  self.save_checkpoint)
-            if run.stop.requested:
+            if run.stop.heeded:
                 break
         self.stopped = loop.finish(run)
         return last

@@ -21,6 +21,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.heeded = False  # a step's end saw the request: that step's checkpoint is the stop's, the loop ends
 
     @property
     def requested(self) -> bool:
@@ -28,6 +29,12 @@ class StopRequest:
 
     def request(self, reason: str) -> None:
         self.reason = reason
+
+    def heed(self) -> bool:
+        """Read once at a step's end, by the save and the loop's end alike: a signal that lands after it (while
+        the step is saved or logged) is heeded at the next step's end, never by a loop ending unsaved."""
+        self.heeded = self.requested
+        return self.heeded
 
     def install(self) -> "StopRequest":
         """(Re-)install the handlers; call again after a library (Ray) replaced them with its own."""

@@ -205,6 +205,31 @@ def test_stop_signal_saves_and_ends_after_the_step(tmp_path):
     assert "save_hf" not in actor.calls  # a preempted run is not finished
 
 
+def test_a_stop_signal_while_a_step_is_logged_saves_that_step_or_trains_on(tmp_path):
+    """The signal lands after the step's save was decided (here: while its metrics are written, when an
+    operator watching them sends it). The run must not end on that step unsaved: the stop is seen at the
+    next step's end, which is saved. Before, the loop ended on step 1 saying "resumable" with no checkpoint."""
+    stop = StopRequest().install()
+    try:
+        trainer, actor = make_trainer(tmp_path, "trainer.total_training_steps=5", "trainer.save_freq=-1", stop=stop)
+        logged = trainer.tracking.log
+
+        def log_then_signal(metrics, step):
+            logged(metrics, step)
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        trainer.tracking.log = log_then_signal
+        trainer.fit()
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert trainer.stopped == "SIGUSR1"
+    assert sorted(trainer.tracking.records) == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2"]
+    assert "save_hf" not in actor.calls
+
+
 def test_checkpointer_is_atomic_and_keeps_the_last_k(tmp_path):
     ckpt = TrainerCheckpointer(tmp_path, keep_last=2)
     for step in (1, 2, 3):
