@@ -16,6 +16,7 @@ from test_hf_server import server_replica, source_model
 from megatron_rl.config import load_config, ConfigError
 from megatron_rl.plan.validate import validate
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl.rollout.server_key import API_KEY_ENV
 from megatron_rl.servers.pool import RolloutServerDied
 
 pytestmark = [pytest.mark.distributed]
@@ -39,6 +40,9 @@ def cluster():
     from megatron_rl.controller import shutdown_ray
 
     shutdown_ray()
+    # the nodes must not inherit a server key an earlier test left in this process: their workers ask the
+    # run's key holder, as a trainer rank on another node does
+    saved_key = os.environ.pop(API_KEY_ENV, None)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for ip in NODE_IPS:
         cluster.add_node(num_cpus=2, node_ip_address=ip)
@@ -47,6 +51,8 @@ def cluster():
     yield cluster
     shutdown_ray()
     cluster.shutdown()
+    if saved_key is not None:
+        os.environ[API_KEY_ENV] = saved_key
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,8 @@ def test_servers_spread_two_a_node_each_on_its_node_ip(pool):
     assert "on node" in pool.servers[0].placement() and pool.servers[0].where["node_ip"] in pool.servers[0].placement()
 
 
-def _sync_all(urls: list[str], master_address: str) -> float:
+def _sync_all(urls: list[str], master_address: str, key: str) -> float:
+    os.environ[API_KEY_ENV] = key  # as a trainer rank holds it: asked of the run's key holder (below)
     source = source_model(41)
     replica = server_replica(urls, source, response_length=5, master_address=master_address)
     try:
@@ -92,10 +99,13 @@ def _sync_all(urls: list[str], master_address: str) -> float:
 def _sender_on_its_node(urls: list[str]) -> tuple[str, float]:
     """Trainer rank 0 as a Ray task on a worker node: the update group's master it names, then one sync of
     every server through it (the sync runs in a child process, as the trainer's rank runs torch.distributed)."""
+    from megatron_rl.rollout.server_key import server_api_key
     from megatron_rl.rollout.sglang.server_transport import update_group_address
 
+    key = server_api_key()  # this worker's node started without it in its environment (the cluster fixture)
+    assert key, "a Ray worker on another node could not get the run's server key from its key holder"
     address = update_group_address(None, urls)
-    [diff] = run_multiprocess(_sync_all, 1, urls, address, timeout_s=300)
+    [diff] = run_multiprocess(_sync_all, 1, urls, address, key, timeout_s=300)
     return address, diff
 
 

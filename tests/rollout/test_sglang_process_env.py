@@ -75,8 +75,12 @@ def _start_engine(model_dir: str) -> dict:
         dist.barrier()
 
 
-def test_engine_start_leaves_leader_and_member_with_the_same_process_settings(sglang_stand_in, tmp_path):
+def test_engine_start_leaves_leader_and_member_with_the_same_process_settings(sglang_stand_in, tmp_path,
+                                                                              monkeypatch):
     tiny_qwen2_config().save_pretrained(tmp_path / "model")
+    # the ranks start from this process's environment, where an earlier test's `import vllm` may have set these
+    for name in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
     leader, member = run_multiprocess(_start_engine, 2, str(tmp_path / "model"), timeout_s=300)
     assert leader["leader"] and not member["leader"]
     # what every rank must agree on is set on every rank, to SGLang's values, before any communicator
