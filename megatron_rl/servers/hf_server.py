@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, MEMORY_TAGS, SGLANG_CONTRACT, SGLANG_PIN
-from megatron_rl.rollout.sglang.server_transport import API_KEY_ENV, ensure_server_api_key
+from megatron_rl.rollout.server_key import API_KEY_ENV, ensure_server_api_key
 
 __all__ = ["HFServerApp", "main"]
 

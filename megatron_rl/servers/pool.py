@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from megatron_rl.rollout.sglang.server_transport import API_KEY_ENV, ensure_server_api_key
+from megatron_rl.rollout.server_key import API_KEY_ENV, ensure_server_api_key
 
 __all__ = ["RolloutServer", "RolloutServerDied", "RolloutServerPool", "ServerPool", "require_servers", "start_hf_server"]
 

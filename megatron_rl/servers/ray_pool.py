@@ -31,7 +31,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from megatron_rl.controller.resource_pool import RankSlot, RayResourcePool
-from megatron_rl.rollout.sglang.server_transport import KEY_HOLDER, ensure_server_api_key
+from megatron_rl.rollout.server_key import KEY_HOLDER, ensure_server_api_key
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
 
 __all__ = ["HFServerActor", "RayRolloutServerPool", "ServerActor"]
@@ -73,7 +73,7 @@ _ServerActorClass = ray.remote(max_restarts=0, max_concurrency=2)(HFServerActor)
 
 class KeyHolder:
     """The run's server secret for its Ray workers (the trainer's sender), which cannot inherit the driver's
-    environment: they ask this named actor of the run's Ray job (server_transport.server_api_key). Only
+    environment: they ask this named actor of the run's Ray job (rollout/server_key.py). Only
     processes that can already call the job's actors (that is, run code in the cluster) can ask."""
 
     def __init__(self, key: str) -> None:

@@ -25,7 +25,6 @@ import logging
 import itertools
 import json
 import os
-import secrets
 import socket
 import sys
 import urllib.error
@@ -47,45 +46,20 @@ from megatron_rl.rollout.sglang.contract import (
 )
 from megatron_rl.rollout.sglang.payload import serialize_bucket
 from megatron_rl.rollout.base import WeightUpdateError
+from megatron_rl.rollout.server_key import server_api_key
 from megatron_rl.rollout.update_group import init_weight_update_group
 
-__all__ = ["API_KEY_ENV", "ServerTransport", "UpdateGroupBroken", "ensure_server_api_key", "server_api_key",
-           "update_group_address"]
+__all__ = ["ServerTransport", "UpdateGroupBroken", "update_group_address"]
 
 logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_NAME = "megatron_rl_weight_update"
-API_KEY_ENV = "MEGATRON_RL_SERVER_API_KEY"  # the run's secret for its rollout servers (docs/rollout.md, Security)
-KEY_HOLDER = "megatron_rl_rollout_server_key"  # the Ray actor of servers/ray_pool.py that holds it for Ray workers
 WAIT_KEY = "actor_rollout_ref.rollout.sglang.broken_group_wait_s"
 REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"  # bounds one HTTP request
 
 
 class UpdateGroupBroken(WeightUpdateError):
     """A bucket's broadcast failed: names what each server did (answered, failed, stuck) and the cause."""
-
-
-def server_api_key() -> str | None:
-    """The run's rollout-server secret, sent as ``Authorization: Bearer`` on every request: ``$API_KEY_ENV``
-    (the driver's pool sets it, servers/pool.py; for SGLang servers started with ``--api-key``, set it to
-    that key), else, in a Ray worker of a run whose servers are Ray actors, the one the driver's pool holds."""
-    key = os.environ.get(API_KEY_ENV)
-    ray = sys.modules.get("ray")
-    if key or ray is None or not ray.is_initialized():
-        return key or None
-    try:
-        holder = ray.get_actor(KEY_HOLDER)
-    except ValueError:  # no pool of this run's Ray job holds one
-        return None
-    return ray.get(holder.key.remote())
-
-
-def ensure_server_api_key() -> str:
-    """The driver's side: ``$API_KEY_ENV``, generated (``secrets.token_urlsafe``) when unset. It lives in this
-    process's environment (children inherit it); it is never logged nor put on a command line."""
-    if not os.environ.get(API_KEY_ENV):
-        os.environ[API_KEY_ENV] = secrets.token_urlsafe(32)
-    return os.environ[API_KEY_ENV]
 
 
 class ServerHTTP:

@@ -52,7 +52,7 @@ from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, pro
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.sglang.contract import SGLangServerError
-from megatron_rl.rollout.sglang.server_transport import server_api_key
+from megatron_rl.rollout.server_key import server_api_key
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
 
