@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from megatron_rl.rollout.sglang.server_transport import ensure_server_api_key
+from megatron_rl.rollout.server_key import ensure_server_api_key
 from megatron_rl.rollout.vllm.server import (
     SERVER_EXTENSION,
     VLLMServerError,
@@ -86,6 +86,10 @@ class VLLMServerSettings:
                            model_override=model_override)
         args.pop("enable_sleep_mode", None)  # a server keeps its memory: its devices are not the trainer's
         args.update(worker_extension_cls=SERVER_EXTENSION, disable_log_stats=True)
+        if on_cpu and args["tensor_parallel_size"] == 1:
+            # vLLM-CPU's default runs even one model runner in a worker process of its own, which imports torch
+            # and vLLM a second time (~10 CPU-s of each server's start): the engine core runs it itself
+            args["distributed_executor_backend"] = "uni"
         return cls(engine_args=tuple(args.items()), threads=int(rollout.server_threads),
                    cpu_threads_bind=str(rollout.vllm.cpu_threads_bind),
                    start_timeout_s=float(rollout.vllm.server_start_timeout_s if start_timeout_s is None
@@ -122,7 +126,8 @@ def cli_flags(engine_args: dict[str, Any]) -> list[str]:
 
 def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.0.0.1", seed: int | None = None) -> list[str]:
     """The command line of one server (start servers for ``rollout.server_urls`` the same way, with
-    ``VLLM_SERVER_DEV_MODE=1`` in their environment)."""
+    ``VLLM_SERVER_DEV_MODE=1`` in their environment, and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` where it says
+    ``--distributed-executor-backend uni``: start_vllm_server)."""
     args = dict(settings.engine_args)
     if seed is not None:
         args["seed"] = seed
@@ -154,6 +159,8 @@ def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, 
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if settings.cpu_threads_bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+    if dict(settings.engine_args).get("distributed_executor_backend") == "uni":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU turns "uni" back into "mp"
     log_dir = log_dir or tempfile.mkdtemp(prefix="mrl_vllm_server_")
     log_path = os.path.join(log_dir, f"vllm_server_{port}.log")
     with open(log_path, "w") as log:

@@ -194,6 +194,17 @@ def test_started_servers_get_the_engine_arguments_of_the_colocated_engine():
         assert flag in cmd, (flag, cmd)
 
 
+def test_a_tp1_cpu_server_runs_its_model_in_the_engine_core(vllm_installed):
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.servers.vllm_server import VLLMServerSettings, server_command
+
+    one = VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), "/m", max_model_len=64)
+    two = VLLMServerSettings.from_rollout(RolloutConfig(name="vllm", tensor_model_parallel_size=2), "/m",
+                                          max_model_len=64)
+    assert "--distributed-executor-backend uni" in " ".join(server_command(one, port=9))
+    assert "--distributed-executor-backend mp" in " ".join(server_command(two, port=9))  # one process per TP rank
+
+
 def test_vllm_servers_on_another_host_are_refused_before_ray_starts(tmp_path, vllm_installed, monkeypatch):
     """server_urls of vLLM servers elsewhere: weights could not reach them (/dev/shm of this host); refused by the
     start's checks, not when trainer rank 0 builds its engine under Ray (as before)."""
