@@ -10,8 +10,9 @@ how ``trainer.launcher=torchrun`` runs every rank; everything after start-up is 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable
+
+from megatron_rl.distributed.ports import free_port
 
 __all__ = ["FORCE_RAY_ENV", "enter_driver_rank", "ray_needed_for"]
 
@@ -33,12 +34,6 @@ def ray_needed_for(cfg: Any, world_size: int) -> str | None:
         (bool(cfg.reward_model.enable), "reward_model.enable=true"),
     )
     return next((why for needed, why in reasons if needed), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -66,7 +61,7 @@ def enter_driver_rank() -> Callable[[], None]:
     saved_threads = torch.get_num_threads()
     # a port of its own: a MASTER_PORT left in the environment may belong to another job on this machine
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=int(os.environ["MASTER_PORT"]),

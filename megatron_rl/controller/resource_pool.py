@@ -10,7 +10,6 @@ share a pool (``max_colocate_count``): each actor then asks for that share of it
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -180,11 +179,10 @@ class ResourcePoolManager:
 
 
 def _free_endpoint() -> tuple[str, int]:
-    """This node's IP and a TCP port that was free a moment ago (bind to port 0, let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    """This node's IP and a TCP port of it that was free a moment ago (distributed/ports.py)."""
+    from megatron_rl.distributed.ports import free_port
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 _free_endpoint_task = ray.remote(num_cpus=0)(_free_endpoint)

@@ -1,26 +1,22 @@
 """Process-group and Megatron parallel-state set-up, plus the CPU compatibility layer."""
 
-from megatron_rl.distributed.cpu_compat import CpuCompatHandle, cpu_compat_installed, install_cpu_compat
-from megatron_rl.distributed.model_parallel import (
-    ParallelLayout,
-    check_parallel_sizes,
-    destroy_model_parallel,
-    init_model_parallel,
-)
-from megatron_rl.distributed.process_group import LaunchEnv, init_distributed, read_launch_env
-from megatron_rl.distributed.spawn import free_port, run_multiprocess
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CpuCompatHandle",
-    "LaunchEnv",
-    "ParallelLayout",
-    "check_parallel_sizes",
-    "cpu_compat_installed",
-    "destroy_model_parallel",
-    "free_port",
-    "init_distributed",
-    "init_model_parallel",
-    "install_cpu_compat",
-    "read_launch_env",
-    "run_multiprocess",
-]
+# Imported at first use (PEP 562): a process that needs one light module (ports, for a Ray task picking a
+# MASTER_PORT) does not import torch and Megatron-Core through this file.
+_EXPORTS = {
+    "CpuCompatHandle": "cpu_compat", "cpu_compat_installed": "cpu_compat", "install_cpu_compat": "cpu_compat",
+    "ParallelLayout": "model_parallel", "check_parallel_sizes": "model_parallel",
+    "destroy_model_parallel": "model_parallel", "init_model_parallel": "model_parallel",
+    "LaunchEnv": "process_group", "init_distributed": "process_group", "read_launch_env": "process_group",
+    "free_port": "ports", "run_multiprocess": "spawn",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

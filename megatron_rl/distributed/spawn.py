@@ -10,7 +10,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -20,12 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron_rl.distributed.ports import free_port
 
 
 # What a rank imports anyway (~8 s on a 2-core machine); a forkserver that imported it once forks ranks that start

@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from megatron_rl.distributed.ports import free_port
 from megatron_rl.rollout.server_key import ensure_server_api_key
 from megatron_rl.rollout.vllm.server import (
     SERVER_EXTENSION,
@@ -135,12 +135,6 @@ def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.
             "--host", host, "--port", str(port), *cli_flags(args)]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
@@ -152,7 +146,7 @@ def _healthy(url: str) -> bool:
 def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, host: str = "127.0.0.1",
                       api_key: str | None = None, log_dir: str | None = None) -> tuple[subprocess.Popen, str, str]:
     """Start one vLLM server on this host; returns (its process, URL, log file) once ``/health`` answers."""
-    port = _free_port(host)
+    port = free_port(host)
     url = f"http://{host}:{port}"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ensure_server_api_key(),
            "OMP_NUM_THREADS": str(settings.threads)}

@@ -5,10 +5,11 @@ nobody hosts; the SGLang server joins from a plain process the way SGLang 0.5.23
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from megatron_rl.distributed.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,19 +59,13 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_trainer_hosts_the_update_group_store_under_torchrun(tmp_path):
     (tmp_path / "server.py").write_text(SERVER)
     (tmp_path / "trainer.py").write_text(TRAINER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
-         f"--master_port={_free_port()}", str(tmp_path / "trainer.py"), str(_free_port()),
+         f"--master_port={free_port()}", str(tmp_path / "trainer.py"), str(free_port()),
          str(tmp_path / "server.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
