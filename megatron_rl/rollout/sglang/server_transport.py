@@ -24,7 +24,6 @@ import ipaddress
 import logging
 import itertools
 import json
-import os
 import socket
 import sys
 import urllib.error
