@@ -41,7 +41,8 @@ class HostGather:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         nbytes = slots * self.size * shard_bytes
         # named after its owner's pid: a leftover says whose it was, and a test checks only its own job's
-        name = [os.path.join(SHM_DIR, f"megatron-rl-gather-{os.getpid()}-{uuid.uuid4().hex}") if self.rank == 0 else None]
+        owned = f"megatron-rl-gather-{os.getpid()}-{uuid.uuid4().hex}"
+        name = [os.path.join(SHM_DIR, owned) if self.rank == 0 else None]
         dist.broadcast_object_list(name, group=group, group_src=0)
         if self.rank == 0:
             self.buffer = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)

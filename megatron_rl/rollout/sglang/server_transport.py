@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.distributed.ports import free_port
 from megatron_rl.rollout.sglang.contract import (
     BUCKET_FORMAT,
     SGLANG_CONTRACT,
@@ -314,9 +315,7 @@ class ServerTransport:
         return UpdateGroupBroken(f"{what} to the SGLang servers failed ({cause}); " + "; ".join(outcomes))
 
     def _join_update_group(self) -> dist.ProcessGroup:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        port = free_port("")  # bound by this process's TCPStore only once the servers were asked to join
         # A fresh name per group: a broken group stays registered (abandoned, on the trainer; on a server that
         # could not be told to drop it), and torch and the servers refuse a second group of the same name.
         self._joins += 1
