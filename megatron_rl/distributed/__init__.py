@@ -10,7 +10,7 @@ _EXPORTS = {
     "ParallelLayout": "model_parallel", "check_parallel_sizes": "model_parallel",
     "destroy_model_parallel": "model_parallel", "init_model_parallel": "model_parallel",
     "LaunchEnv": "process_group", "init_distributed": "process_group", "read_launch_env": "process_group",
-    "free_port": "ports", "run_multiprocess": "spawn",
+    "free_port": "ports", "run_multiprocess": "spawn", "save_sharded": "sharded_save",
 }
 
 __all__ = sorted(_EXPORTS)

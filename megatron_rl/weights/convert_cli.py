@@ -96,8 +96,7 @@ def _init_layout(args: argparse.Namespace) -> None:
 
 def hf_to_mcore_rank(args: argparse.Namespace) -> list[RankReport]:
     """This rank's part of hf-to-mcore (collective); every rank's report."""
-    from megatron.core import dist_checkpointing
-
+    from megatron_rl.distributed.sharded_save import save_sharded
     from megatron_rl.models.api import build_from_hf
     from megatron_rl.models.hf_config import load_hf_config
 
@@ -128,7 +127,7 @@ def hf_to_mcore_rank(args: argparse.Namespace) -> list[RankReport]:
                 indent=2,
             )
     torch.distributed.barrier()
-    dist_checkpointing.save(chunks[0].sharded_state_dict(), str(weights))
+    save_sharded(chunks[0].sharded_state_dict(), str(weights))
     del chunks
     diff = _verify(_load_mcore(args.out, args.out)[0], args.hf_dir, dtype, args) if args.verify else None
     return gather_reports(rank_report(diff, loaded))

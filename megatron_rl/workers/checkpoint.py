@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_rl.distributed.sharded_save import save_sharded
 from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
 from megatron_rl.workers.checkpoint_optimizer import (
     chain_length,
@@ -199,7 +200,7 @@ def save_checkpoint(engine: MegatronEngine, path: str | Path, extra: dict[str, A
     state = _sharded_state(engine, with_optimizer=engine.trainable, is_loading=False)
     state["rng"] = _rng_sharded_object()
     state["extra"] = dict(extra or {})
-    checked_save(dist_checkpointing.save, state, tmp)  # a full disk named: device, path, ENOSPC (disk_space.py)
+    checked_save(save_sharded, state, tmp)  # a full disk named: device, path, ENOSPC (disk_space.py)
 
     def publish() -> None:
         metadata = {
