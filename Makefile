@@ -73,12 +73,15 @@ check-cuda: install
 	else echo "check-cuda: nvcc not found, skipping the CUDA compile check"; fi
 
 # Two test processes (pytest-xdist), each taking whole files so a module's shared fixtures start once: a test
-# spends about a third of its time waiting on processes it started, which the other file's test fills.
+# spends about a third of its time waiting on processes it started, which the other file's test fills. The files
+# go out in collection order, longest first (tests/conftest.py, tests/durations.json), not xdist's default of most
+# tests first, which left the few-test end-to-end files for last, on one process while the other sat idle.
 # TEST_WORKERS=0 runs the suite in one process. pytest exits 5 when it collected no test: a failure, never green.
 TEST_WORKERS ?= 2
 test: install install-vllm check-cuda verl-oracle
 	@$(USE_VERL_ORACLE); echo "MEGATRON_RL_VERL_PATH=$${MEGATRON_RL_VERL_PATH:-(unset: the verl-oracle tests skip)}"; \
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS); \
+	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: install

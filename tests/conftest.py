@@ -1,5 +1,8 @@
 """Suite-wide: the processes tests start import the test tools too (tests/support); one Ray shared by the tests
-that ask for it (``shared_ray``, megatron_rl_testing/shared_ray.py)."""
+that ask for it (``shared_ray``, megatron_rl_testing/shared_ray.py); the test files run longest first."""
+import json
+from pathlib import Path
+
 import pytest
 
 from megatron_rl_testing import export_support_path
@@ -28,3 +31,15 @@ def shared_ray(_shared_ray_manager):
     _shared_ray_manager.start()
     yield
     _shared_ray_manager.check_clean()
+
+
+DURATIONS = Path(__file__).with_name("durations.json")  # scripts/test_durations.py writes it from a run's JUnit XML
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (a file missing from durations.json counts as longest), each file's tests in their own
+    order. `make test` hands whole files to two processes in this order (``--dist loadfile
+    --no-loadscope-reorder``): longest first leaves short files for the end, so both processes finish together,
+    and the Ray runs of the end-to-end files follow one another on the one shared Ray."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], float("inf")))
