@@ -16,9 +16,7 @@ from omegaconf import DictConfig
 
 from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs
 from megatron_rl.controller.deferred_compile import deferred_compile
-
-with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
-    from megatron_rl.plan.validate import validate
+from megatron_rl.plan.validate import validate  # Megatron-free: a refused config never imports Megatron-Core
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR, EXIT_FINISHED, EXIT_STOPPED_RESUMABLE
 
 logger = logging.getLogger("megatron_rl.train")
@@ -40,7 +38,8 @@ def run(cfg: DictConfig, dry_run: bool = False):
 
     if dry_run:
         check_start(cfg)
-        from megatron_rl.plan import print_plan
+        with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
+            from megatron_rl.plan import print_plan
 
         print_plan(cfg)
         return None
@@ -57,7 +56,8 @@ def _start(cfg: DictConfig):
     from megatron_rl.trainer.preflight import check_start
 
     sizes = check_start(cfg)  # the same check as --dry-run's
-    from megatron_rl.plan import check_launch
+    with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
+        from megatron_rl.plan import check_launch
 
     check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
     if _is_rank0():

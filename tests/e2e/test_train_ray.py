@@ -92,12 +92,22 @@ def test_resume_continues_like_an_uninterrupted_run(tiny_assets, tmp_path, share
         assert not diffs, f"step {step} differs after resume: {diffs}"
 
 
+# `python -m megatron_rl.train ARGS`, saying at its exit whether it imported Megatron-Core
+_TRAIN_TELLING_IMPORTS = """import atexit, runpy, sys
+atexit.register(lambda: print("imported megatron.core:", "megatron.core" in sys.modules, flush=True))
+runpy.run_module("megatron_rl.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_bad_config_is_rejected_before_ray_starts(tiny_assets, tmp_path):
+    """Before Ray, and before Megatron-Core is imported (the planner imports it; the validation does not)."""
     overrides = tiny_overrides(tiny_assets, tmp_path, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64")
-    proc = run_module(["megatron_rl.train", *overrides], timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_TELLING_IMPORTS, *overrides], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ppo_micro_batch_size_per_gpu=64 is larger than the 16 responses" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+    assert "imported megatron.core: False" in proc.stdout, proc.stdout[-2000:]
 
 
 def _environ_has(pid: int, entry: str) -> bool:
