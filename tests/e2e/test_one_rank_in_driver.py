@@ -67,7 +67,13 @@ def test_one_rank_in_the_driver_trains_as_a_ray_worker_does(tiny_assets, tmp_pat
     ours, theirs = (train_steps(tmp_path / name / "metrics.jsonl") for name in ("driver", "worker"))
     assert sorted(ours) == sorted(theirs) == [1, 2]
     for step in ours:  # the same code after start-up: the same numbers
-        assert comparable(ours[step]) == comparable(theirs[step])
+        mine, other = comparable(ours[step]), comparable(theirs[step])
+        # |p_rollout - p_trainer| is ~1e-9 here, a difference of two nearly equal probabilities: one rounding step
+        # of one engine log-prob moves it by as much, and the CPU engine's log-probs are not bit-reproducible across
+        # processes (seen once in a loaded clean-clone run: every other metric equal, these off by ~1e-10)
+        for key in [k for k in mine if k.startswith("training/rollout_probs_diff_")]:
+            assert mine.pop(key) == pytest.approx(other.pop(key), abs=1e-8), key
+        assert mine == other
 
 
 def test_a_driver_inside_another_launch_is_refused_naming_the_variables(monkeypatch):
