@@ -28,6 +28,13 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _planner():
+    """megatron_rl.plan.planner, imported without TorchDynamo (issue 39, start-up): it imports Megatron-Core."""
+    with deferred_compile():
+        from megatron_rl.plan import planner
+    return planner
+
+
 def run(cfg: DictConfig, dry_run: bool = False):
     """Validate and check the files (the same checks for a dry run and a real start), then plan (dry run) or
     train. Returns the RunResult of a training run.
@@ -38,10 +45,7 @@ def run(cfg: DictConfig, dry_run: bool = False):
 
     if dry_run:
         check_start(cfg)
-        with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
-            from megatron_rl.plan import print_plan
-
-        print_plan(cfg)
+        _planner().print_plan(cfg)
         return None
     validate(cfg)  # a config that cannot run is refused before the lock creates the directory
     if not _is_rank0():  # under torchrun rank 0 holds the lock for every rank
@@ -56,10 +60,7 @@ def _start(cfg: DictConfig):
     from megatron_rl.trainer.preflight import check_start
 
     sizes = check_start(cfg)  # the same check as --dry-run's
-    with deferred_compile():  # the planner imports Megatron-Core: without TorchDynamo (issue 39, start-up)
-        from megatron_rl.plan import check_launch
-
-    check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
+    _planner().check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
     if _is_rank0():
         print(sizes.summary(), flush=True)
     from megatron_rl.trainer.runner import run_training
