@@ -58,7 +58,12 @@ def assert_finite(record: dict) -> None:
     assert not bad, f"non-finite metrics: {bad}"
 
 
-def run_module(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+def run_python(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, unbuffered, its output captured."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def run_module(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    return run_python(["-m", *args], timeout=timeout, **kwargs)

@@ -18,6 +18,7 @@ from e2e_support import (
     assert_finite,
     comparable,
     run_module,
+    run_python,
     tiny_config,
     tiny_overrides,
     train_steps,
@@ -102,8 +103,7 @@ runpy.run_module("megatron_rl.train", run_name="__main__", alter_sys=True)
 def test_bad_config_is_rejected_before_ray_starts(tiny_assets, tmp_path):
     """Before Ray, and before Megatron-Core is imported (the planner imports it; the validation does not)."""
     overrides = tiny_overrides(tiny_assets, tmp_path, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64")
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_TELLING_IMPORTS, *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = run_python(["-c", _TRAIN_TELLING_IMPORTS, *overrides], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ppo_micro_batch_size_per_gpu=64 is larger than the 16 responses" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
