@@ -11,17 +11,28 @@ from megatron_rl_testing.shared_ray import SharedRay
 export_support_path()
 
 
+SHARED_RAY = pytest.StashKey[SharedRay]()
+
+
+def pytest_configure(config):
+    config.stash[SHARED_RAY] = SharedRay()
+
+
+def pytest_unconfigure(config):
+    config.stash[SHARED_RAY].stop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test that does not ask for the shared Ray finds it stopped before its first fixture: a module fixture
+    that starts a Ray of its own (init_ray does nothing while one is up) must not find ours and use it."""
+    if "shared_ray" not in item.fixturenames:
+        item.config.stash[SHARED_RAY].stop()
+
+
 @pytest.fixture(scope="session")
-def _shared_ray_manager():
-    manager = SharedRay()
-    yield manager
-    manager.stop()
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_ray_unless_asked(request, _shared_ray_manager):
-    if "shared_ray" not in request.fixturenames:
-        _shared_ray_manager.stop()
+def _shared_ray_manager(request):
+    return request.config.stash[SHARED_RAY]
 
 
 @pytest.fixture

@@ -68,12 +68,13 @@ def test_one_rank_in_the_driver_trains_as_a_ray_worker_does(tiny_assets, tmp_pat
     assert sorted(ours) == sorted(theirs) == [1, 2]
     for step in ours:  # the same code after start-up: the same numbers
         mine, other = comparable(ours[step]), comparable(theirs[step])
-        # |p_rollout - p_trainer| is ~1e-9 here, a difference of two nearly equal probabilities: one rounding step
-        # of one engine log-prob moves it by as much, and the CPU engine's log-probs are not bit-reproducible across
-        # processes (two clean-clone runs, the same both times: every other metric equal, max 9.3e-9 against 7.5e-9,
-        # mean and std ~1e-10 apart)
-        for key in [k for k in mine if k.startswith("training/rollout_probs_diff_")]:
-            assert mine.pop(key) == pytest.approx(other.pop(key), abs=1e-8), key
+        # The engine-vs-trainer differences (|logp_rollout - logp_trainer| ~1e-7, |p_rollout - p_trainer| ~1e-9) are
+        # differences of nearly equal numbers, and the CPU engine's log-probs are not bit-reproducible across
+        # processes: one rounding step of one log-prob moves them. Seen in loaded clean-clone and CI runs, every
+        # other metric equal: rollout_probs_diff_max 9.3e-9 against 7.5e-9, logprob_diff_mean 7.9e-8 against
+        # 6.9e-8. 1e-6 is a few float32 steps of a log-prob; stale weights in the engine differ by ~1e-2.
+        for key in [k for k in mine if k.startswith(("training/rollout_probs_diff_", "rollout/logprob_diff_"))]:
+            assert mine.pop(key) == pytest.approx(other.pop(key), abs=1e-6), key
         assert mine == other
 
 

@@ -3,8 +3,10 @@ one another (a run leaves a Ray it found running up: trainer/runner.py). Startin
 ~10-20 s on a loaded 2-core machine, as much as a tiny training run itself.
 
 A test that does not ask for it gets no Ray of ours (one that checks a run starts without Ray, or that starts a
-Ray of other resources, sees none). A test that leaves an actor or a placement group behind gets the next test
-a fresh Ray, so nothing of one test's run reaches the next.
+Ray of other resources, sees none): tests/conftest.py stops it before that test's first fixture. A test that
+leaves an actor or a placement group behind gets the next test a fresh Ray, so nothing of one test's run reaches
+the next. It knows its Ray by the GCS address: a Ray a test module started after shutting ours down is never
+taken for ours, neither shared nor stopped.
 """
 from __future__ import annotations
 
@@ -17,40 +19,45 @@ NUM_CPUS = 4
 
 class SharedRay:
     def __init__(self) -> None:
-        self.ours = False
+        self.gcs_address: str | None = None  # of the Ray this started, while it may still be up
+
+    def _up(self, ray) -> bool:
+        """Whether the Ray this process is connected to is the one this started."""
+        if self.gcs_address is not None and ray.is_initialized():
+            if ray.get_runtime_context().gcs_address == self.gcs_address:
+                return True
+        self.gcs_address = None  # stopped, or replaced by another: never ours again
+        return False
 
     def start(self) -> None:
         import ray
 
         from megatron_rl.controller import init_ray
 
-        if self.ours and ray.is_initialized():
+        if self._up(ray):
             return
         if ray.is_initialized():  # someone else's Ray (a module's own): not ours to share or stop
             raise RuntimeError("a test module's own Ray is still up; the shared Ray cannot start")
         init_ray(num_cpus=NUM_CPUS)
-        self.ours = True
+        self.gcs_address = ray.get_runtime_context().gcs_address
 
     def stop(self) -> None:
-        if not self.ours:
+        if self.gcs_address is None:
             return
         import ray
 
         from megatron_rl.controller import shutdown_ray
 
-        if ray.is_initialized():
+        if self._up(ray):
             shutdown_ray()
-        self.ours = False
+        self.gcs_address = None
 
     def check_clean(self, wait_s: float = 10.0) -> None:
         """Stop it when the last test left something in it: resources still held (an actor, a placement
         group) or a named actor alive. Killed actors give their resources back a moment later: wait a little."""
-        if not self.ours:
-            return
         import ray
 
-        if not ray.is_initialized():
-            self.ours = False
+        if not self._up(ray):
             return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
