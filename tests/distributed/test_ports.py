@@ -1,10 +1,17 @@
 """free_port: rendezvous and server ports are drawn below the kernel's ephemeral range, where no outgoing
 connection of the host can take them between the draw and the bind (a two-process test run once lost a
-MASTER_PORT that way: EADDRINUSE in init_process_group)."""
+MASTER_PORT that way: EADDRINUSE in init_process_group).
+
+reserved_port: a preferred port (or the next free one a stride on) held from every other picker of the host
+until its user has bound it (CI once started two SGLang engines at once that both picked 24002)."""
 from __future__ import annotations
 
 import random
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from megatron_rl.distributed import ports
 from megatron_rl.distributed.ports import free_port
@@ -43,3 +50,67 @@ def test_without_room_below_the_range_the_kernel_chooses(monkeypatch):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
 
+
+
+def _base() -> int:
+    """A preferred port whose +1 and +1000 neighbours are free too (the tests below use them)."""
+    while True:
+        port = free_port()
+        if all(ports._is_free(p) for p in (port + 1, port + 1000, port + 2000)) and port + 2000 < 65536:
+            return port
+
+
+def test_a_reserved_port_is_skipped_until_its_block_ends():
+    base = _base()
+    with ports.reserved_port(base, stride=1000) as first:
+        assert first == base
+        with ports.reserved_port(base, stride=1000) as second:
+            assert second == base + 1000  # free, but reserved by the block above: the next one
+    with ports.reserved_port(base, stride=1000) as again:
+        assert again == base
+
+
+def test_a_bound_port_is_skipped():
+    base = _base()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base))
+        with ports.reserved_port(base, stride=1000) as port:
+            assert port == base + 1000
+
+
+def test_no_free_port_names_the_key_to_change():
+    base = _base()
+    with ports.reserved_port(base, stride=1000):
+        with pytest.raises(RuntimeError, match=rf"no free port among {base} \+ k \* 1000 \(k < 1\); set "
+                                               r"rollout\.sglang\.port_base to a free range"):
+            with ports.reserved_port(base, stride=1000, attempts=1, what="rollout.sglang.port_base"):
+                pass
+
+
+def test_a_dead_holders_reservation_is_free():
+    """The kernel drops a flock with its process: a killed engine's start leaves no stale reservation."""
+    base = _base()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megatron_rl.distributed import ports\n"
+         f"with ports.reserved_port({base}, stride=1000):\n print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with ports.reserved_port(base, stride=1000) as port:
+            assert port == base + 1000
+    finally:
+        holder.kill()
+        holder.wait()
+    with ports.reserved_port(base, stride=1000) as port:
+        assert port == base
+
+
+def test_free_port_skips_a_reserved_port(monkeypatch):
+    base = _base()
+    with ports.reserved_port(base, stride=1000) as held:
+        draws = iter([held, held + 1])
+        monkeypatch.setattr(ports.random, "SystemRandom", lambda: type("Draw", (), {
+            "randrange": staticmethod(lambda low, high: next(draws))})())
+        monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65000)
+        assert free_port() == held + 1

@@ -14,7 +14,8 @@ What SGLang 0.5.23 demands of its host process, and how this class meets it:
   (contract ``agreed_env_vars``, set on every rank before any communicator: ``set_agreed_process_env``) and
   SGLang's own ``SGLANG_*``, so the leader creates later communicators with the members' settings;
 - without ``nccl_port`` it draws a port with the global ``random`` module, so ranks seeded alike collide:
-  each engine gets an explicit port (``port_base + 2 * replica``, the next free one if taken), checked free;
+  each engine gets an explicit port (``port_base + 2 * replica``, the next free one if taken), checked free
+  and reserved (``reserved_port``) until the engine is up, so engines starting at once never pick the same;
 - released CUDA-graph memory is kept unless SGLANG_MEMORY_SAVER_CUDA_GRAPH=true when the engine starts;
 - its scheduler processes join their TP group with ``init_process_group(init_method="tcp://...")``, which
   under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, inherited) only connects to torchrun's agent store and
@@ -27,11 +28,11 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_rl.distributed.ports import reserved_port
 from megatron_rl.rollout.sglang.contract import (
     SGLANG_CONTRACT,
     check_result,
@@ -40,32 +41,9 @@ from megatron_rl.rollout.sglang.contract import (
     set_agreed_process_env,
 )
 
-__all__ = ["InProcessTransport", "pick_free_port"]
+__all__ = ["InProcessTransport"]
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-
-
-def _port_is_free(port: int) -> bool:
-    for host in ("127.0.0.1", "0.0.0.0"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                return False
-    return True
-
-
-def pick_free_port(preferred: int, *, stride: int, attempts: int = 64) -> int:
-    """``preferred`` if free, else ``preferred + k * stride`` for the first free k (engines on one node use
-    distinct preferred ports and the same stride, so their searches never meet)."""
-    for k in range(attempts):
-        port = preferred + k * stride
-        if port < 65536 and _port_is_free(port):
-            return port
-    raise RuntimeError(
-        f"no free port for the SGLang engine among {preferred} + k * {stride} (k < {attempts}); "
-        "set actor_rollout_ref.rollout.sglang.port_base to a free range"
-    )
 
 
 @contextlib.contextmanager
@@ -114,15 +92,21 @@ class InProcessTransport:
         for name, value in SGLANG_CONTRACT["env_vars"].items():
             os.environ.setdefault(name, value)
         args = dict(server_args)
-        # Two ports per engine (scheduler rendezvous, SGLang's own base port), distinct per replica.
-        args["nccl_port"] = pick_free_port(port_base + 2 * replica_index, stride=port_stride)
-        args["port"] = pick_free_port(args["nccl_port"] + 1, stride=port_stride)
-        self.nccl_port = args["nccl_port"]
         self._owner = threading.current_thread()
         engine_cls = import_sglang("sglang", "Engine")
         set_agreed_process_env()  # a no-op where the worker set them at init, as it must on every rank
-        with _engine_leaves_no_trace(), _without_launcher_store():
+        # Two ports per engine (scheduler rendezvous, SGLang's own base port), distinct per replica, held from
+        # other pickers of the host until the engine is up (its schedulers bind them while it starts).
+        what = "actor_rollout_ref.rollout.sglang.port_base"
+        with (
+            reserved_port(port_base + 2 * replica_index, stride=port_stride, what=what) as nccl_port,
+            reserved_port(nccl_port + 1, stride=port_stride, what=what) as port,
+            _engine_leaves_no_trace(),
+            _without_launcher_store(),
+        ):
+            args.update(nccl_port=nccl_port, port=port)
             self._engine = engine_cls(**checked("server_args", None, args))
+        self.nccl_port = nccl_port
         self.version = str(import_sglang("sglang", "__version__"))
         self.tp_size = int(args["tp_size"])
         self.routed_experts = bool(args.get("enable_return_routed_experts", False))  # routing replay R3
