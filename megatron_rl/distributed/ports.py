@@ -37,21 +37,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     high = _ephemeral_start()
     for _ in range(_TRIES if high > _PICK_FROM + 1 else 0):
         port = draw.randrange(_PICK_FROM, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        if _reserved_elsewhere(port):
-            continue
-        return port
+        if _bindable(port, host) and not _reserved_elsewhere(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _is_free(port: int) -> bool:
-    for host in ("127.0.0.1", "0.0.0.0"):
+def _bindable(port: int, *hosts: str) -> bool:
+    for host in hosts:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
@@ -96,7 +90,9 @@ def _reserved_elsewhere(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def reserved_port(preferred: int, *, stride: int, attempts: int = 64, what: str = "the port") -> Iterator[int]:
+def reserved_port(
+    preferred: int, *, stride: int, attempts: int = 64, what: str = "the port"
+) -> Iterator[int]:
     """``preferred`` if free, else ``preferred + k * stride`` for the first free k, kept from every other
     picker of this host until the block ends: bind it inside the block.
 
@@ -113,9 +109,11 @@ def reserved_port(preferred: int, *, stride: int, attempts: int = 64, what: str 
         if fd is None:
             continue
         try:
-            if _is_free(port):
+            if _bindable(port, "127.0.0.1", "0.0.0.0"):
                 yield port
                 return
         finally:
             os.close(fd)
-    raise RuntimeError(f"no free port among {preferred} + k * {stride} (k < {attempts}); set {what} to a free range")
+    raise RuntimeError(
+        f"no free port among {preferred} + k * {stride} (k < {attempts}); set {what} to a free range"
+    )

@@ -6,7 +6,6 @@ checked) and the later scheduler's bind failed: ``EADDRINUSE`` on ``nccl_port 24
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,19 +35,11 @@ ENGINE_START = textwrap.dedent("""
 """)
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_two_engines_starting_at_once_take_distinct_ports(tmp_path):
     while True:
         base = ports.free_port() - 2
-        if base + 4003 < 65536 and all(_bindable(base + d) for d in (2, 3, 1002, 1003, 2002, 2003)):
+        neighbours = (2, 3, 1002, 1003, 2002, 2003)
+        if base + 4003 < 65536 and all(ports._bindable(base + d, "127.0.0.1") for d in neighbours):
             break
     (tmp_path / "ready").mkdir()
     script = tmp_path / "engine_start.py"

@@ -95,8 +95,8 @@ class InProcessTransport:
         self._owner = threading.current_thread()
         engine_cls = import_sglang("sglang", "Engine")
         set_agreed_process_env()  # a no-op where the worker set them at init, as it must on every rank
-        # Two ports per engine (scheduler rendezvous, SGLang's own base port), distinct per replica, held from
-        # other pickers of the host until the engine is up (its schedulers bind them while it starts).
+        # Two ports per engine (scheduler rendezvous, SGLang's own base port), distinct per replica, held
+        # from other pickers of the host until the engine is up (its schedulers bind them while it starts).
         what = "actor_rollout_ref.rollout.sglang.port_base"
         with (
             reserved_port(port_base + 2 * replica_index, stride=port_stride, what=what) as nccl_port,
