@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from megatron_rl.distributed.ports import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -46,13 +47,12 @@ def slurm_conf(tmp_path_factory) -> str:
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
+    """``count`` distinct ports below the ephemeral range (bound by the job's Ray seconds later: a port the
+    kernel chose could go meanwhile to any outgoing connection of the host)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def wait_for_job(job_id: str, env: dict[str, str]) -> str:
