@@ -32,14 +32,19 @@ def test_processes_seeded_alike_still_draw_different_ports():
     assert [free_port() for _ in range(5)] != first
 
 
+def _draw(monkeypatch, *drawn: int) -> None:
+    """free_port's random draws are ``drawn``, in order, from a range that holds them all."""
+    draws = iter(drawn)
+    monkeypatch.setattr(ports.random, "SystemRandom", lambda: type("Draw", (), {
+        "randrange": staticmethod(lambda low, high: next(draws))})())
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65000)
+
+
 def test_a_taken_draw_is_skipped(monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         busy, free = taken.getsockname()[1], free_port()
-        draws = iter([busy, busy, free])
-        monkeypatch.setattr(ports.random, "SystemRandom", lambda: type("Draw", (), {
-            "randrange": staticmethod(lambda low, high: next(draws))})())
-        monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65000)
+        _draw(monkeypatch, busy, busy, free)
         assert free_port() == free
 
 
@@ -49,7 +54,6 @@ def test_without_room_below_the_range_the_kernel_chooses(monkeypatch):
     assert port > 0
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
-
 
 
 def _base() -> int:
@@ -110,8 +114,5 @@ def test_a_dead_holders_reservation_is_free():
 def test_free_port_skips_a_reserved_port(monkeypatch):
     base = _base()
     with ports.reserved_port(base, stride=1000) as held:
-        draws = iter([held, held + 1])
-        monkeypatch.setattr(ports.random, "SystemRandom", lambda: type("Draw", (), {
-            "randrange": staticmethod(lambda low, high: next(draws))})())
-        monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65000)
+        _draw(monkeypatch, held, held + 1)
         assert free_port() == held + 1
