@@ -15,6 +15,7 @@ import pytest
 
 from megatron_rl.distributed import ports
 from megatron_rl.distributed.ports import free_port
+from megatron_rl_testing.free_ports import free_base
 
 
 def test_the_port_is_bindable_and_below_the_ephemeral_range():
@@ -58,11 +59,7 @@ def test_without_room_below_the_range_the_kernel_chooses(monkeypatch):
 
 def _base() -> int:
     """A preferred port whose +1 and +1000 neighbours are free too (the tests below use them)."""
-    while True:
-        port = free_port()
-        neighbours = (port + 1, port + 1000, port + 2000)
-        if port + 2000 < 65536 and all(ports._bindable(p, "127.0.0.1") for p in neighbours):
-            return port
+    return free_base(1, 1000, 2000)
 
 
 def test_a_reserved_port_is_skipped_until_its_block_ends():

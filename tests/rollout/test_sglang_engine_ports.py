@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from megatron_rl.distributed import ports
+from megatron_rl_testing.free_ports import free_base
 
 ENGINE_START = textwrap.dedent("""
     import pathlib, socket, sys, time
@@ -36,11 +36,7 @@ ENGINE_START = textwrap.dedent("""
 
 
 def test_two_engines_starting_at_once_take_distinct_ports(tmp_path):
-    while True:
-        base = ports.free_port() - 2
-        neighbours = (2, 3, 1002, 1003, 2002, 2003)
-        if base + 4003 < 65536 and all(ports._bindable(base + d, "127.0.0.1") for d in neighbours):
-            break
+    base = free_base(2, 3, 1002, 1003, 2002, 2003)  # replica 1 asks for base + 2 (nccl_port) and base + 3
     (tmp_path / "ready").mkdir()
     script = tmp_path / "engine_start.py"
     script.write_text(ENGINE_START)
