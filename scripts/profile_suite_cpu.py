@@ -57,7 +57,6 @@ class Proc:
     ppid: int
     cpu_s: float
     started: float  # seconds since boot
-    reads: int = 0  # command-line reads: re-read a few times, since exec and setproctitle come after the fork
     titles: list[tuple[float, str]] = field(default_factory=list)  # a pytest-xdist worker's (time, test)
 
 
@@ -95,14 +94,14 @@ def sample(procs: dict[str, Proc], since: float, me: int) -> None:
         key = f"{pid}@{started:.2f}"
         proc = procs.get(key)
         if proc is None:
-            proc = procs[key] = Proc(_cmdline(pid), ppid, cpu_s, started)
+            proc = procs[key] = Proc("", ppid, cpu_s, started)
         proc.cpu_s = cpu_s
-        if proc.reads < 6 or proc.titles:
-            proc.reads += 1
-            proc.cmdline = _cmdline(pid) or proc.cmdline
-            title = XDIST_TITLE.match(proc.cmdline)
-            if title and (not proc.titles or proc.titles[-1][1] != title[1]):
-                proc.titles.append((now, title[1]))
+        # read again each time: exec and setproctitle come after the fork, and a pytest-xdist worker takes its
+        # title only once it has collected the tests, seconds after it started
+        proc.cmdline = _cmdline(pid) or proc.cmdline
+        title = XDIST_TITLE.match(proc.cmdline)
+        if title and (not proc.titles or proc.titles[-1][1] != title[1]):
+            proc.titles.append((now, title[1]))
 
 
 def kind_of(key: str, procs: dict[str, Proc], by_pid: dict[int, str]) -> str:

@@ -13,10 +13,12 @@ profile_suite_cpu = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = profile_suite_cpu  # dataclasses look their module up by name
 spec.loader.exec_module(profile_suite_cpu)
 
-# A stand-in test process: titled as pytest-xdist titles its workers, it starts one busy child per "test".
+# A stand-in test process: titled as pytest-xdist titles its workers (only after collecting, seconds after it
+# started), it starts one busy child per "test".
 WORKER = textwrap.dedent("""
     import subprocess, sys, time
     import setproctitle
+    time.sleep(4.0)
     BUSY = "import time\\nend = time.process_time() + 1.5\\nwhile time.process_time() < end: pass"
     for test in ("tests/a.py::test_one", "tests/b.py::test_two"):
         setproctitle.setproctitle("[pytest-xdist running] " + test)
