@@ -11,15 +11,12 @@ in .cache/verl-oracle). Without either the run against verl's files skips, sayin
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -33,21 +30,13 @@ from megatron_rl.compat.verl.utils.tensordict_utils import get_tensordict
 from megatron_rl.compat.verl.workers.config.actor import ActorConfig, PolicyLossConfig
 from megatron_rl.config import schema
 from megatron_rl.protocol import DataProto
+from megatron_rl_testing.scripts import load_script
 from megatron_rl_testing.verl_oracle import verl_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("verl_unit_tests", REPO / "scripts" / "verl_unit_tests.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-runner = _load_script()
+runner = load_script("verl_unit_tests")
 
 
 

@@ -2,16 +2,12 @@
 and a multiprocessing child is named by its parent's kind."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 import textwrap
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_suite_cpu.py"
-spec = importlib.util.spec_from_file_location("profile_suite_cpu", SCRIPT)
-profile_suite_cpu = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = profile_suite_cpu  # dataclasses look their module up by name
-spec.loader.exec_module(profile_suite_cpu)
+from megatron_rl_testing.scripts import load_script
+
+profile_suite_cpu = load_script("profile_suite_cpu")
 
 # A stand-in test process: titled as pytest-xdist titles its workers (only after collecting, seconds after it
 # started), it starts one busy child per "test".
