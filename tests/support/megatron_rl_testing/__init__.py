@@ -1,7 +1,7 @@
 """Test tools that the product never imports: tiny random checkpoints and tokenizers (``tiny_models``), tiny reward
 models (``reward_models``), a strict CPU model of NCCL's device rule (``nccl_like``), a traffic counter
-(``traffic_counter``) and scripts/ as modules (``scripts``). pytest finds them through ``pythonpath`` in pyproject.toml; the processes tests start find
-them through PYTHONPATH (``export_support_path``)."""
+(``traffic_counter``) and scripts/ as modules (``scripts``). pytest finds them through ``pythonpath`` in
+pyproject.toml; the processes tests start find them through PYTHONPATH (``export_support_path``)."""
 from __future__ import annotations
 
 import os
