@@ -36,14 +36,17 @@ class FakeAsyncServers(FakeActorRollout):
     """Rollout servers (generation, pause/continue) and the workers that sync them. A batch is decoded one
     position at a time; each position takes the version the servers hold then and waits while paused.
     ``split``: the batches (by index) that wait after their first position until the next sync, so their
-    2-token responses span a weight update. ``lead``: step k's update waits until batch k + lead decoded its
-    first position, which fixes the version every batch starts on. ``partial``: a sync needs the servers
-    paused when a generation is in flight; without, it needs none in flight."""
+    2-token responses span a weight update. ``lead``: step k's update waits until every batch from ``first``
+    to k + lead decoded its first position, which fixes the version every batch starts on (batches generate
+    concurrently, so a later one can start before an earlier one). ``after``: {batch: the batch it waits for
+    before its first position}, to start batches out of order. ``partial``: a sync needs the servers paused
+    when a generation is in flight; without, it needs none in flight."""
 
-    def __init__(self, split=(), lead: int = 0, partial: bool = True) -> None:
+    def __init__(self, split=(), lead: int = 0, partial: bool = True, first: int = 1,
+                 after: dict[int, int] | None = None) -> None:
         super().__init__()
         self.version, self.paused, self.in_flight = 0, False, 0
-        self.split, self.lead, self.partial = split, lead, partial
+        self.split, self.lead, self.partial, self.first, self.after = split, lead, partial, first, after or {}
         self.state = threading.Condition()
         self.started: set[int] = set()
         self.trained: list[dict] = []
@@ -65,6 +68,8 @@ class FakeAsyncServers(FakeActorRollout):
         positions: list[int] = []
         with self.state:
             self.in_flight += 1
+            if index in self.after:
+                assert self.state.wait_for(lambda: self.after[index] in self.started, WAIT_S)
         try:
             for t in range(max(lengths)):
                 with self.state:
@@ -93,8 +98,9 @@ class FakeAsyncServers(FakeActorRollout):
         step = data.meta_info["global_steps"]
         if self.lead:
             with self.state:
-                assert self.state.wait_for(lambda: step + self.lead in self.started, WAIT_S), \
-                    f"batch {step + self.lead} never started during step {step}"
+                due = set(range(self.first, step + self.lead + 1))
+                assert self.state.wait_for(lambda: due <= self.started, WAIT_S), \
+                    f"batches {sorted(due - self.started)} never started during step {step}"
         mask = data.batch["response_mask"].bool()
         self.trained.append({
             "uids": sorted(set(data.non_tensor_batch["uid"])),
@@ -163,9 +169,10 @@ def test_without_partial_rollout_the_sync_waits_for_the_batch_in_flight(tmp_path
     assert max(_records(trainer, "async/staleness_max")) <= 1
 
 
-def test_drop_leaves_out_whole_batches_above_the_bound(tmp_path):
+@pytest.mark.parametrize("after", [{}, {3: 4}], ids=["in_order", "batch_4_starts_before_3"])
+def test_drop_leaves_out_whole_batches_above_the_bound(tmp_path, after):
     trainer, servers = fully_async(tmp_path, "async_training.buffer_batches=3", "async_training.max_staleness=1",
-                                   servers=FakeAsyncServers(lead=3))
+                                   servers=FakeAsyncServers(lead=3, after=after))
     trainer.fit()
     # batches 1-4 start on v0 (batch 4 before step 1's sync); 3 and 4 are 2 versions old at step 3
     assert [t["uids"][0].split("-")[0] for t in servers.trained] == ["1", "2", "5", "6"]
@@ -213,7 +220,8 @@ def test_resume_trains_every_produced_batch_once(tmp_path):
     saved = tmp_path / "cut" / "global_step_2"
     assert first.state.global_steps == 2 and sorted(p.name for p in saved.glob("rollout_buffer*")) == [
         "rollout_buffer.json", "rollout_buffer_0.pkl", "rollout_buffer_1.pkl"]
-    second, second_servers = fully_async(tmp_path / "cut", *extra, servers=FakeAsyncServers(lead=2))
+    # batches 3 and 4 come from the checkpoint: these servers generate from batch 5
+    second, second_servers = fully_async(tmp_path / "cut", *extra, servers=FakeAsyncServers(lead=2, first=5))
     assert second.resume() == 2
     second.fit()
     assert first_servers.trained + second_servers.trained == servers.trained  # same batches, versions, weights
