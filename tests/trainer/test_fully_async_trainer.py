@@ -49,12 +49,16 @@ class FakeAsyncServers(FakeActorRollout):
         self.split, self.lead, self.partial, self.first, self.after = split, lead, partial, first, after or {}
         self.state = threading.Condition()
         self.started: set[int] = set()
+        self.resuming: dict[int, int] = {}  # split batches between their positions: the first's version
         self.trained: list[dict] = []
         self.verified: list[int] = []  # versions whose deferred verification ran (after the continue)
         self.deferred_verify = False
 
     def pause_generation(self):
         with self.state:
+            # a split batch takes its second position on the version synced after its first, however late its
+            # thread runs: the next sync waits for it
+            assert self.state.wait_for(lambda: all(v >= self.version for v in self.resuming.values()), WAIT_S)
             self.paused = True
 
     def continue_generation(self):
@@ -71,17 +75,20 @@ class FakeAsyncServers(FakeActorRollout):
             if index in self.after:
                 assert self.state.wait_for(lambda: self.after[index] in self.started, WAIT_S)
         try:
-            for t in range(max(lengths)):
-                with self.state:
+            # one lock hold: only a split batch (or a paused server) lets a sync fall between two positions,
+            # so the versions a batch samples do not depend on when its thread runs
+            with self.state:
+                for t in range(max(lengths)):
                     if t == 1 and index in self.split:
-                        first = positions[0]
+                        first = self.resuming[index] = positions[0]
                         assert self.state.wait_for(lambda: self.version > first and not self.paused, WAIT_S)
+                        del self.resuming[index]
                     else:
                         assert self.state.wait_for(lambda: not self.paused, WAIT_S)
                     positions.append(self.version)
+                    self.state.notify_all()
                     if t == 0:
                         self.started.add(index)
-                        self.state.notify_all()
         finally:
             with self.state:
                 self.in_flight -= 1
