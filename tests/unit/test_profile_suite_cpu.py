@@ -15,10 +15,10 @@ WORKER = textwrap.dedent("""
     import subprocess, sys, time
     import setproctitle
     time.sleep(4.0)
-    BUSY = "import time\\nend = time.process_time() + 1.5\\nwhile time.process_time() < end: pass"
+    BUSY = "import time\\nend = time.process_time() + 4.0\\nwhile time.process_time() < end: pass"
     for test in ("tests/a.py::test_one", "tests/b.py::test_two"):
         setproctitle.setproctitle("[pytest-xdist running] " + test)
-        time.sleep(1.0)
+        time.sleep(3.0)  # the sampler (every 0.5 s) reads the title before the child starts, even under load
         subprocess.run([sys.executable, "-c", BUSY], check=True)
 """)
 
@@ -33,7 +33,7 @@ def test_child_cpu_goes_to_the_test_that_started_it(tmp_path):
         if not proc.titles and proc.cmdline.startswith(sys.executable + " -c import time"):
             charged[profile_suite_cpu.test_of(key, procs, by_pid)] = proc.cpu_s
     assert set(charged) == {"tests/a.py::test_one", "tests/b.py::test_two"}, charged
-    assert all(cpu > 1.0 for cpu in charged.values()), charged
+    assert all(cpu > 2.0 for cpu in charged.values()), charged  # of 4 CPU-s: the samples missed little
     table = profile_suite_cpu.report(procs, top=5)
     assert "| tests/a.py |" in table and "| tests/b.py |" in table, table
 
