@@ -208,7 +208,10 @@ def test_dapo_counts_the_response_on_attention_mask_tool_tokens_included(tok, sc
 def test_prime_scores_in_workers_with_time_limits_and_reports_acc(tok, scorer_file):
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ("11", "hang", "raise", "3")]
     batch = rows_batch(ids, ["11", "x", "x", "x"], 4)
-    cfg = dapo_config(scorer_file, name="tuple_score", manager="prime", enable=False, num_workers=2, timeout_s=1.0)
+    # 5 s: a replaced worker's first call also unpickles the scorer (imports) on a loaded machine; "hang"
+    # sleeps 3600 s, so it is still cut off only by the limit
+    cfg = dapo_config(scorer_file, name="tuple_score", manager="prime", enable=False, num_workers=2,
+                      timeout_s=5.0)
     with RewardManager(tok, cfg, max_response_length=4) as manager:
         out = manager(batch)
     # a tuple scores its first item; the hanging and the raising sample score 0 (verl's PRIME: None -> 0.0)

@@ -170,19 +170,22 @@ def test_overlap_trains_on_the_batch_and_rewards_of_scoring_after_the_rollout(tm
 
 def test_scoring_is_hidden_behind_generation(tmp_path, tokenizer, slow_scorer):
     """Generation and scoring of equal cost: only the last of 4 chunks' scoring is left for the reward stage."""
+    per_row = 0.1  # 0.2 s chunks: scheduling jitter on a loaded machine is small beside them
 
     def slow_reward(batch: DataProto) -> DataProto:
-        time.sleep(0.05 * len(batch))
+        time.sleep(per_row * len(batch))
         mask = batch.batch["response_mask"]
         scores = torch.zeros(mask.shape)
         scores[torch.arange(len(batch)), mask.sum(-1) - 1] = mask.sum(-1).float()
         return DataProto.from_dict({"token_level_scores": scores}, meta_info={"reward_metrics": {"reward/errors": 0.0}})
 
     on, _ = train(tmp_path, tokenizer, slow_scorer, "reward.overlap.enable=true", "reward.overlap.num_chunks=4",
-                  seconds_per_row=0.05, reward_fn=slow_reward)
+                  seconds_per_row=per_row, reward_fn=slow_reward)
     for record in on.values():
-        assert record["timing_s/reward"] >= 0.05 * PROMPTS * N
-        assert record["timing_s/reward_exposed"] < 0.5 * record["timing_s/reward"], record
+        assert record["timing_s/reward"] >= per_row * PROMPTS * N
+        # ideal 0.25 (the last chunk's 0.2 s of 0.8 s); scoring all after generation gives >= 1.0 however the
+        # machine is loaded, since jitter only adds to the exposed time; 0.75 leaves 0.4 s for that jitter
+        assert record["timing_s/reward_exposed"] < 0.75 * record["timing_s/reward"], record
 
 
 def test_a_reward_function_that_raises_stops_the_step_as_without_overlap(tmp_path, tokenizer, slow_scorer):

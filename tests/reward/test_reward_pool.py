@@ -27,7 +27,9 @@ def run_bounded(fn):
 
 def test_a_hanging_scorer_is_cut_off_and_the_rest_are_scored(tokenizer, custom_file):
     batch = response_batch(tokenizer, ["12", "hang", "3", "45"], ["12", "1", "3", "45"])
-    with RewardManager(tokenizer, reward_config(num_workers=2, timeout_s=1.0, path=custom_file)) as manager:
+    # 5 s: a replaced worker's first call also unpickles the scorer (imports) on a loaded machine; "hang"
+    # sleeps 3600 s, so it is still cut off only by the limit
+    with RewardManager(tokenizer, reward_config(num_workers=2, timeout_s=5.0, path=custom_file)) as manager:
         out = run_bounded(lambda: manager(batch))
         assert list(out.non_tensor_batch["score"]) == [1.0, 0.0, 1.0, 1.0]
         metrics = out.meta_info["reward_metrics"]
@@ -62,10 +64,12 @@ def test_pool_reports_errors_and_timeouts(custom_file):
         (fn, {"data_source": "x", "solution_str": text, "ground_truth": "1"})
         for text in ("hang", "raise", "1")
     ]
-    with ScoringPool(num_workers=1, timeout_s=0.5) as pool:
+    # 5 s: "raise" and "1" run in the replaced worker, whose first call unpickles the scorer (imports) on a
+    # loaded machine; "hang" sleeps 3600 s, so it is still cut off only by the limit
+    with ScoringPool(num_workers=1, timeout_s=5.0) as pool:
         hang, boom, ok = run_bounded(lambda: pool.run(calls))
         assert pool.workers_replaced == 1
-    assert hang.timed_out and hang.error == "timed out after 0.5 s (reward.timeout_s)"
+    assert hang.timed_out and hang.error == "timed out after 5 s (reward.timeout_s)"
     assert boom.error == "RuntimeError: scorer exploded" and not boom.timed_out
     assert ok.ok and ok.value["score"] == 1.0
 

@@ -126,7 +126,7 @@ def test_tool_timeout_becomes_observation(tok):
 
 @register_env("test_slow_first")
 class _SlowFirstEnv(AgentEnv):
-    """Sample with extra_info.delay sleeps that long in each step; three tool turns, then done."""
+    """Sample with extra_info.delay sleeps that long in its first step; three tool turns, then done."""
 
     def reset(self, sample):
         self.delay = float(sample["extra_info"].get("delay", 0.0))
@@ -134,7 +134,8 @@ class _SlowFirstEnv(AgentEnv):
         self.finished_at = None
 
     def step(self, text):
-        time.sleep(self.delay)
+        if self.steps == 0:
+            time.sleep(self.delay)
         self.steps += 1
         if self.steps >= 3:
             return StepResult(done=True)
@@ -143,14 +144,16 @@ class _SlowFirstEnv(AgentEnv):
 
 def test_slow_tool_does_not_stall_the_batch(tok):
     qs = [QUESTION + " " * k for k in range(4)]
-    extra = [{"agent_name": "test_slow_first", "delay": 1.0 if i == 0 else 0.0} for i in range(4)]
-    start = time.monotonic()
-    out, engine = run_scripted(tok, qs, [["#### 1"]] * 4, settings={"max_assistant_turns": 10},
-                               non_tensors={"extra_info": extra})
+    delay = 5.0  # sample 0's first step; long, so the bound below can be generous on a loaded machine
+    extra = [{"agent_name": "test_slow_first", "delay": delay if i == 0 else 0.0} for i in range(4)]
+    settings = {"max_assistant_turns": 10, "tool_timeout_s": 60}  # the slow step is not cut off
+    out, engine = run_scripted(tok, qs, [["#### 1"]] * 4, settings=settings, non_tensors={"extra_info": extra})
     assert list(out.non_tensor_batch["num_turns"]) == [6] * 4
-    # the fast samples ran all three of their turns while sample 0's first tool call was still running
+    # the fast samples ran all three of their turns while sample 0's first tool call was still running: it
+    # started after the first engine call, so waiting for it would put their last call >= delay after that
+    first_call = engine.calls[0][0]
     fast_done = max(t for t, who in engine.calls if set(who) & {1, 2, 3})
-    assert fast_done - start < 0.9, engine.calls
+    assert fast_done - first_call < delay - 1.0, engine.calls
     assert any(0 not in who for _, who in engine.calls[1:])
 
 
