@@ -113,7 +113,8 @@ def test_verl_tool_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- containment
 def _marked_processes(marker: str) -> list[int]:
-    """Pids of live (not zombie) processes whose command line holds ``marker`` (the whole machine's /proc)."""
+    """Pids of live (not zombie) processes whose command line holds ``marker`` or whose name (``comm``, set
+    with prctl) is ``marker`` (the whole machine's /proc)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -122,10 +123,11 @@ def _marked_processes(marker: str) -> list[int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
+                head, tail = f.read().rsplit(b")", 1)
         except OSError:
             continue
-        if marker.encode() in cmdline and state not in (b"Z", b"X"):
+        named = head.split(b"(", 1)[1] == marker.encode()
+        if (marker.encode() in cmdline or named) and tail.split()[0] not in (b"Z", b"X"):
             found.append(int(entry))
     return found
 
@@ -174,14 +176,17 @@ def test_python_tool_daemon_cannot_outlive_the_call():
 
 
 def test_python_tool_bounds_processes():
-    marker = f"mrl-forks-{uuid.uuid4().hex}"
+    marker = f"mrlf{uuid.uuid4().hex[:11]}"  # a process name holds 15 characters
     # 10 s: room for unshare + python -I on a loaded machine; a call cut off at the limit has no "forks"
     py = PythonTool({"timeout_s": 10, "max_processes": 8})
     py.sandbox  # the once-per-process sandbox probe, outside the timed calls
     # bounded by the test itself (200 forks at most), so it cannot run away on a tool without the limit;
-    # the children sleep 600 s: a call that waited for them (or for the pipe they hold) would take that long
-    code = (f"import os, time  # {marker}\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
-            "            time.sleep(600); os._exit(0)\n        n += 1\nexcept OSError as exc:\n"
+    # the children sleep 600 s: a call that waited for them (or for the pipe they hold) would take that long.
+    # The program reaches the tool as a file, not on a command line, so each child names itself by the marker
+    # (prctl PR_SET_NAME) for a survivor to be found in /proc
+    name = f"import ctypes\nname = lambda: ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\n"
+    code = (f"import os, time\n{name}n = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+            "            name(); time.sleep(600); os._exit(0)\n        n += 1\nexcept OSError as exc:\n"
             "    print('forks', n, type(exc).__name__)\nelse:\n    print('forks', n, 'unbounded')\n")
     try:
         start = time.monotonic()
@@ -194,7 +199,8 @@ def test_python_tool_bounds_processes():
         # a real fork bomb: bounded, killed at the limit, nothing left
         start = time.monotonic()
         out = PythonTool({"timeout_s": 2, "max_processes": 8}).execute(
-            {"code": f"import os  # {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"})
+            {"code": f"import os\n{name}while True:\n    try:\n        if os.fork() == 0:\n"
+                     "            name()\n    except OSError:\n        pass\n"})
         assert time.monotonic() - start < 2 + 15 and "longer than" in out, out
         if py.sandbox.pid_namespace:
             assert _marked_processes(marker) == []
