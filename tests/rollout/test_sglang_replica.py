@@ -5,8 +5,10 @@ weights exactly; engines started at the same moment by ranks seeded alike do not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from datetime import timedelta
 
 import pytest
 import torch
@@ -17,6 +19,36 @@ from megatron_rl.distributed.device import DEVICE_INDEX_ENV
 from megatron_rl.distributed.spawn import run_multiprocess
 
 pytestmark = pytest.mark.distributed
+
+#: run_multiprocess's collective timeout, and the short one in force while the ranks wait for the slow step
+PG_TIMEOUT_S, WAIT_TIMEOUT_S = 120, 3
+
+
+@contextlib.contextmanager
+def _short_timeout_while_waiting(module):
+    """The default group's collectives time out after WAIT_TIMEOUT_S from ``module``'s ``new_host_group``
+    until every rank has reached its ``wait_for_all``: a rank that waits for the slow step there (the bug)
+    fails. The collectives before and after (rendezvous, weight sync) keep PG_TIMEOUT_S, which no stall of
+    a loaded machine reaches."""
+    from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+
+    make, wait = module.new_host_group, module.wait_for_all
+
+    def new_host_group(*args, **kwargs):
+        _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
+        return make(*args, **kwargs)
+
+    def wait_for_all(*args, **kwargs):
+        _get_default_store().add("arrived", 1)
+        wait(*args, **kwargs)
+        if _get_default_store().add("arrived", 0) == dist.get_world_size():  # it did wait for every rank
+            _set_pg_timeout(timedelta(seconds=PG_TIMEOUT_S))
+
+    module.new_host_group, module.wait_for_all = new_host_group, wait_for_all
+    try:
+        yield
+    finally:
+        module.new_host_group, module.wait_for_all = make, wait
 
 
 def _replica(model_dir: str, rollout_tp: int, **sync):
@@ -178,20 +210,24 @@ def test_every_rank_gives_its_cached_memory_back_before_the_kv_cache_resumes(sgl
 
 
 def _slow_engine_build(model_dir: str) -> dict:
+    import megatron_rl.weights.replica as replica_module
+
     rank = dist.get_rank()
     if rank == 0:
         os.environ["SGLANG_STAND_IN_BUILD_DELAY_S"] = "8"  # the leader's cold build outlasts the 3 s timeout
-    replica = _replica(model_dir, 2, verify_freq=0)
-    os.environ.pop("SGLANG_STAND_IN_BUILD_DELAY_S", None)
-    try:
-        def export(_plan):
-            dist.all_reduce(torch.ones(1))  # the actor's export starts with collectives (Megatron's TP gathers)
-            return source_model(5).state_dict().items()
 
-        replica.sync(export, version=0)
-        return {"leader": replica.is_leader, "version": replica.version}
-    finally:
-        replica.shutdown()
+    def export(_plan):
+        dist.all_reduce(torch.ones(1))  # the actor's export starts with collectives (Megatron's TP gathers)
+        return source_model(5).state_dict().items()
+
+    with _short_timeout_while_waiting(replica_module):
+        replica = _replica(model_dir, 2, verify_freq=0)
+        os.environ.pop("SGLANG_STAND_IN_BUILD_DELAY_S", None)
+        try:
+            replica.sync(export, version=0)
+            return {"leader": replica.is_leader, "version": replica.version}
+        finally:
+            replica.shutdown()
 
 
 def test_members_wait_for_a_slow_engine_build_on_a_long_timeout_group(sglang_stand_in, tmp_path):
@@ -199,5 +235,7 @@ def test_members_wait_for_a_slow_engine_build_on_a_long_timeout_group(sglang_sta
     collectives, whose timeout (here 3 s, 10 minutes on a cluster) ends the job; they wait on a gloo group with
     a long timeout until every engine exists."""
     tiny_qwen2_config().save_pretrained(tmp_path / "model")
-    reports = run_multiprocess(_slow_engine_build, 2, str(tmp_path / "model"), timeout_s=300, pg_timeout_s=3)
+    reports = run_multiprocess(
+        _slow_engine_build, 2, str(tmp_path / "model"), timeout_s=300, pg_timeout_s=PG_TIMEOUT_S
+    )
     assert [r["version"] for r in reports] == [0, 0]

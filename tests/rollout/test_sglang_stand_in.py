@@ -30,6 +30,7 @@ ENV_KEYS = (
     "MEGATRON_RL_DEVICE_INDEX",
     "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
     "SGLANG_STAND_IN_COPY_DELAY_S",
+    "SGLANG_STAND_IN_COPY_HOLD",
     "PYTHONPATH",
 )
 
@@ -131,18 +132,20 @@ def engine_kwargs(model_dir: str, **overrides):
 
 
 @pytest.fixture(scope="module")
-def tp2(kv1_model):
+def tp2(kv1_model, stand_in_root):
     """tp=2 on node A, GPUs 0 and 1 (no CUDA_VISIBLE_DEVICES): records the SIGTERM handler around it."""
 
     def trainer_handler(signum, frame):  # what a trainer installs to checkpoint on SIGTERM
         pass
 
-    # copies land 0.3 s after the call returns: wide enough that "rewrite right after return" always wins
-    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeA", SGLANG_STAND_IN_COPY_DELAY_S="0.3"):
+    # while this file exists the engine's copies wait: a test that must act before a copy holds them
+    hold = stand_in_root / "tp2_copy_hold"
+    with keep_signals(), env(SGLANG_STAND_IN_NODE="nodeA", SGLANG_STAND_IN_COPY_HOLD=str(hold)):
         signal.signal(signal.SIGTERM, trainer_handler)
         engine = Engine(**engine_kwargs(kv1_model[0], tp_size=2, nccl_port=get_free_port_below_ephemeral()))
         engine.sigterm_after_init = signal.getsignal(signal.SIGTERM)
     engine.trainer_handler = trainer_handler
+    engine.copy_hold = hold
     yield engine
     engine.shutdown()
 
@@ -341,8 +344,12 @@ def test_copies_are_asynchronous_and_read_the_producer_buffer_later(tp2, kv1_mod
     flat, metadata = flatten(sent)
     assert tp2.begin_weight_update()[0]
     blobs = payloads(flat, metadata, 2, SGLANG_STAND_IN_NODE="nodeA")
-    assert tp2.update_weights_from_tensor(blobs, load_format="flattened_bucket") == (True, "Success")
-    flat.zero_()  # the producer reuses its buffer as soon as the call returns: the copy has not run yet
+    tp2.copy_hold.touch()  # the copy waits until zero_() is done, however long this process is stalled
+    try:
+        assert tp2.update_weights_from_tensor(blobs, load_format="flattened_bucket") == (True, "Success")
+        flat.zero_()  # the producer reuses its buffer as soon as the call returns: the copy has not run yet
+    finally:
+        tp2.copy_hold.unlink()
     assert tp2.end_weight_update()[0]
     got = tp2.stand_in_state_dict()
     assert sum(float(t.abs().sum()) for t in got.values()) == 0.0
@@ -462,11 +469,27 @@ def keep_random_state():
     random.setstate(state)
 
 
-def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(kv2_model, keep_random_state):
+def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(
+    kv2_model, keep_random_state, monkeypatch
+):
+    import sglang.srt.utils.network as network
+
     random.seed(1234)
     port = get_free_port_below_ephemeral()
     outcomes: dict[str, object] = {}
     done = threading.Event()
+    drew = {"first": threading.Event(), "second": threading.Event()}
+    draw = network.get_free_port_below_ephemeral
+
+    def draw_in_turn(*args, **kwargs):  # what Engine() calls for its nccl_port, in the thread named by key
+        chosen = draw(*args, **kwargs)
+        key = threading.current_thread().name
+        drew[key].set()
+        if key == "first":  # both draw before either binds, however slow the second thread is to start
+            drew["second"].wait(60)
+        return chosen
+
+    monkeypatch.setattr(network, "get_free_port_below_ephemeral", draw_in_turn)
 
     def build(key: str, base: int) -> None:
         try:
@@ -480,11 +503,11 @@ def test_engines_seeded_alike_pick_the_same_port_and_the_second_fails(kv2_model,
 
     with env(SGLANG_STAND_IN_NODE="nodeC"):
         random.seed(1234)  # two launcher processes seeded alike
-        first = threading.Thread(target=build, args=("first", 0))
+        first = threading.Thread(target=build, args=("first", 0), name="first")
         first.start()
-        time.sleep(0.3)  # it has drawn its port; its scheduler binds it only seconds later
+        assert drew["first"].wait(60), outcomes  # it has drawn its port; its scheduler binds it later
         random.seed(1234)
-        second = threading.Thread(target=build, args=("second", 1))
+        second = threading.Thread(target=build, args=("second", 1), name="second")
         second.start()
         start = time.monotonic()
         while len(outcomes) < 2 and time.monotonic() - start < 150:

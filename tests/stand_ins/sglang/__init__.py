@@ -12,7 +12,8 @@ SGLANG_STAND_IN_GPUS_PER_NODE (default 8), CUDA_VISIBLE_DEVICES, MEGATRON_RL_DEV
 index, default 0), SGLANG_MEMORY_SAVER_CUDA_GRAPH, SGLANG_STAND_IN_COPY_DELAY_S (default 0.075),
 SGLANG_STAND_IN_TIMEOUT_S (scheduler answers and collectives, default 60), SGLANG_STAND_IN_START_TIMEOUT_S
 (default 180), SGLANG_STAND_IN_CRASH_RANK (test hook), SGLANG_STAND_IN_BUILD_DELAY_S (test hook: Engine() takes
-that long before its schedulers start, as a cold build does).
+that long before its schedulers start, as a cold build does), SGLANG_STAND_IN_COPY_HOLD (test hook: a path;
+while that file exists, queued weight copies wait).
 
 Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - every serialized payload carries a ProducerTag (node, physical GPU, pid); a flattened_bucket payload is

@@ -27,10 +27,12 @@ class Fatal(Exception):
 
 
 class CopyStream:
-    """A CUDA stream stand-in: jobs run in order, each after its delay, on one background thread."""
+    """A CUDA stream stand-in: jobs run in order, each after its delay, on one background thread. While the
+    file ``hold`` exists (a test hook) no job runs: a test orders its steps before a copy without a race."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, hold: str | None = None) -> None:
         self.delay_s = delay_s
+        self.hold = hold
         self.jobs: queue.Queue = queue.Queue()
         self.error: str | None = None
         threading.Thread(target=self._run, daemon=True, name="copy-stream").start()
@@ -43,6 +45,8 @@ class CopyStream:
             due, fn = self.jobs.get()
             try:
                 time.sleep(max(0.0, due - time.monotonic()))
+                while self.hold and os.path.exists(self.hold):
+                    time.sleep(0.01)
                 fn()
             except Exception as exc:  # noqa: BLE001
                 self.error = f"asynchronous weight copy failed: {type(exc).__name__}: {exc}"
@@ -122,7 +126,10 @@ class Scheduler:
         )
         self.cuda_graph: Any = torch.zeros(CUDA_GRAPH_BYTES, dtype=torch.uint8)
         self.released: set[str] = set()
-        self.stream = CopyStream(float(os.environ.get("SGLANG_STAND_IN_COPY_DELAY_S", DEFAULT_COPY_DELAY_S)))
+        self.stream = CopyStream(
+            float(os.environ.get("SGLANG_STAND_IN_COPY_DELAY_S", DEFAULT_COPY_DELAY_S)),
+            os.environ.get("SGLANG_STAND_IN_COPY_HOLD"),
+        )
         self.groups: dict[str, Any] = {}
         self.hf_model = None
         self.sample_calls = 0
