@@ -4,48 +4,17 @@ exchanged, so each rank receives the batch once instead of once per model-parall
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.collective_timeouts import PG_TIMEOUT_S, short_timeout_while_waiting
 
 pytestmark = pytest.mark.distributed
-
-#: run_multiprocess's collective timeout, and the short one in force while the ranks wait for the slow step
-PG_TIMEOUT_S, WAIT_TIMEOUT_S = 120, 3
-
-
-@contextlib.contextmanager
-def _short_timeout_while_waiting(module):
-    """The default group's collectives time out after WAIT_TIMEOUT_S from ``module``'s ``new_host_group``
-    until every rank has reached its ``wait_for_all``: a rank that waits for the slow step there (the bug)
-    fails. The collectives before and after (rendezvous, weight sync) keep PG_TIMEOUT_S, which no stall of
-    a loaded machine reaches."""
-    from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-
-    make, wait = module.new_host_group, module.wait_for_all
-
-    def new_host_group(*args, **kwargs):
-        _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
-        return make(*args, **kwargs)
-
-    def wait_for_all(*args, **kwargs):
-        _get_default_store().add("arrived", 1)
-        wait(*args, **kwargs)
-        if _get_default_store().add("arrived", 0) == dist.get_world_size():  # it did wait for every rank
-            _set_pg_timeout(timedelta(seconds=PG_TIMEOUT_S))
-
-    module.new_host_group, module.wait_for_all = new_host_group, wait_for_all
-    try:
-        yield
-    finally:
-        module.new_host_group, module.wait_for_all = make, wait
 
 
 def _gathered_bytes_of_one_megatron_call() -> dict:
@@ -92,7 +61,7 @@ def _slow_leader_call() -> str:
             time.sleep(seconds)  # the leaders generate; the other ranks have no share of the call
             return f"generated on rank {self.rank}"
 
-    with _short_timeout_while_waiting(local_group):
+    with short_timeout_while_waiting(local_group):
         group = local_group.LocalWorkerGroup(SlowLeader(), "slow")
         return group.generate(8.0)
 

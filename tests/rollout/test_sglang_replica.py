@@ -5,10 +5,8 @@ weights exactly; engines started at the same moment by ranks seeded alike do not
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-from datetime import timedelta
 
 import pytest
 import torch
@@ -17,38 +15,9 @@ from rollout_models import prompt_batch, source_model, tiny_qwen2_config, traine
 
 from megatron_rl.distributed.device import DEVICE_INDEX_ENV
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.collective_timeouts import PG_TIMEOUT_S, short_timeout_while_waiting
 
 pytestmark = pytest.mark.distributed
-
-#: run_multiprocess's collective timeout, and the short one in force while the ranks wait for the slow step
-PG_TIMEOUT_S, WAIT_TIMEOUT_S = 120, 3
-
-
-@contextlib.contextmanager
-def _short_timeout_while_waiting(module):
-    """The default group's collectives time out after WAIT_TIMEOUT_S from ``module``'s ``new_host_group``
-    until every rank has reached its ``wait_for_all``: a rank that waits for the slow step there (the bug)
-    fails. The collectives before and after (rendezvous, weight sync) keep PG_TIMEOUT_S, which no stall of
-    a loaded machine reaches."""
-    from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-
-    make, wait = module.new_host_group, module.wait_for_all
-
-    def new_host_group(*args, **kwargs):
-        _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
-        return make(*args, **kwargs)
-
-    def wait_for_all(*args, **kwargs):
-        _get_default_store().add("arrived", 1)
-        wait(*args, **kwargs)
-        if _get_default_store().add("arrived", 0) == dist.get_world_size():  # it did wait for every rank
-            _set_pg_timeout(timedelta(seconds=PG_TIMEOUT_S))
-
-    module.new_host_group, module.wait_for_all = new_host_group, wait_for_all
-    try:
-        yield
-    finally:
-        module.new_host_group, module.wait_for_all = make, wait
 
 
 def _replica(model_dir: str, rollout_tp: int, **sync):
@@ -220,7 +189,7 @@ def _slow_engine_build(model_dir: str) -> dict:
         dist.all_reduce(torch.ones(1))  # the actor's export starts with collectives (Megatron's TP gathers)
         return source_model(5).state_dict().items()
 
-    with _short_timeout_while_waiting(replica_module):
+    with short_timeout_while_waiting(replica_module):
         replica = _replica(model_dir, 2, verify_freq=0)
         os.environ.pop("SGLANG_STAND_IN_BUILD_DELAY_S", None)
         try:
