@@ -52,8 +52,8 @@ def cuda_build_decision(
         message = (
             f"the CUDA toolkit at CUDA_HOME={cuda_home} is {toolkit}, but torch was built with CUDA {torch_cuda}: "
             f"an extension compiled with CUDA {toolkit_major} does not work with a CUDA {torch_major} torch. "
-            f"Install CUDA {torch_major}.x and point CUDA_HOME at it (constraints/gpu.txt pins torch 2.14.1, "
-            f"built with CUDA 13.0), or set {CUDA_ENV}=0 for a CPU-only build"
+            f"Install CUDA {torch_major}.x and point CUDA_HOME at it (constraints/gpu-sglang.txt and gpu-vllm.txt pin "
+            f"torch 2.14.1 and 2.13.0, both built with CUDA 13.0), or set {CUDA_ENV}=0 for a CPU-only build"
         )
         if forced == "1":
             raise RuntimeError(f"{CUDA_ENV}=1: {message}")

@@ -12,7 +12,8 @@
 #   NNODES            nodes; in a SLURM job it must equal the allocation (choose that with sbatch --nodes)
 #   GPUS_PER_NODE     default: the job's --gpus-per-node (else nvidia-smi's count); 0 = CPU, no GPU flags
 #   PYTHON            interpreter with megatron_rl installed (default: the checkout's .venv/bin/python, else
-#                     python3 on PATH); checked to import megatron_rl before anything starts
+#                     python3 on PATH); checked to import megatron_rl before anything starts. On GPU nodes, the
+#                     venv of the rollout engine's environment: scripts/install_gpu.sh sglang|vllm (one each)
 #   REQUEUE_GRACE_S   seconds the driver gets to checkpoint after SIGUSR1 before SIGTERM (default 240)
 #   MRL_HEAD_IFACE    network interface whose IPv4 address is the head's (Ray head, torchrun rendezvous), e.g.
 #                     ib0; default: the address SLURM has for the job's first node (its NodeAddr, resolved)

@@ -158,7 +158,7 @@ def test_vllm_not_installed_is_refused_before_ray_starts(tmp_path, monkeypatch):
         errors.append(str(err.value))
     assert errors[0] == errors[1]
     assert "actor_rollout_ref.rollout.name=vllm needs vLLM" in errors[0] and "vllm is not installed" in errors[0]
-    assert "make install-vllm" in errors[0] and "pip install -e .[vllm]" in errors[0]
+    assert "make install-vllm" in errors[0] and "scripts/install_gpu.sh vllm" in errors[0]
     assert not ray_inits and not started
 
 

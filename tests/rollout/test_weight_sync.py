@@ -169,7 +169,7 @@ def test_build_rollout_engine_picks_the_configured_engine():
     assert isinstance(
         build_rollout_engine(RolloutConfig(name="hf"), tiny_qwen2_config(), response_length=4), HFEngine
     )
-    with pytest.raises(SGLangUnavailableError, match=r"pip install megatron-rl\[sglang\].*no CPU build"):
+    with pytest.raises(SGLangUnavailableError, match=r"scripts/install_gpu.sh sglang.*no CPU build"):
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
     with pytest.raises(ValueError, match="rollout.name must be hf, sglang or vllm, got 'trtllm'"):
         build_rollout_engine(RolloutConfig(name="trtllm"), "/model", response_length=4)

@@ -1,4 +1,4 @@
-"""SGLang as the rollout engine (pinned to sglang==0.5.23; ``pip install megatron-rl[sglang]``, needs CUDA).
+"""SGLang as the rollout engine (pinned to sglang==0.5.23; ``scripts/install_gpu.sh sglang``, needs CUDA).
 
 ``contract``: the one list of what we use from SGLang. ``adapter.SGLangEngine``: session, version, memory
 state, sampling. Transports: ``engine_transport`` (an in-process ``sglang.Engine`` per rollout replica,

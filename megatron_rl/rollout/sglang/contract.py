@@ -179,7 +179,7 @@ def import_sglang(module: str, name: str) -> Any:
     except ImportError as exc:
         raise SGLangUnavailableError(
             f"rollout.name=sglang needs sglang=={SGLANG_PIN} ({exc}). Install it on a CUDA machine with "
-            f"`pip install megatron-rl[sglang]` (SGLang has no CPU build), or use rollout.name=hf."
+            f"`scripts/install_gpu.sh sglang` (SGLang has no CPU build), or use rollout.name=hf."
         ) from exc
     return getattr(mod, name)
 
