@@ -427,6 +427,10 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
+    # a preset's gpu_memory_utilization for each engine, which reads it its own way (SGLang: of the memory free at
+    # engine start; vLLM: of the GPU's total): presets set gpu_memory_utilization to
+    # ${.gpu_memory_utilization_by_engine.${.name}} (docs/launching.md, "Rollout memory per engine")
+    gpu_memory_utilization_by_engine: dict[str, float] = field(default_factory=dict)
     log_prob_micro_batch_size_per_gpu: int = 8
     # the old-log-prob pass's token budget (verl's keys; null: the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu)
     log_prob_use_dynamic_bsz: Optional[bool] = None
@@ -435,7 +439,7 @@ class RolloutConfig:
     seed: int = 0
     dtype: EngineDType = EngineDType.auto
     # vLLM engine settings under verl's keys (rollout.name=vllm; docs/rollout.md, "vLLM")
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # verl's default: CUDA graphs on GPUs (vLLM-CPU has none: always eager there)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     enable_chunked_prefill: bool = True

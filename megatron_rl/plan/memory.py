@@ -435,13 +435,6 @@ def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: i
     return tokens_per_micro_batch / layout.cp * vocab * (dtype_bytes + FP32)
 
 
-def engine_static_bytes(mem_fraction_static: float, free_at_start: float) -> float:
-    """What an SGLang engine reserves per GPU for its weights and KV cache: ``mem_fraction_static`` of the
-    memory free when it starts (SGLang 0.5.23, model_runner: KV = free x fraction - weights, with the
-    free memory measured before it loads its weights), not of the GPU's total."""
-    return mem_fraction_static * max(free_at_start, 0.0)
-
-
 def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:
     """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks."""
     return total_params(model) * BF16 / rollout_tp

@@ -27,6 +27,7 @@ from megatron_rl.plan.validate import (
 from megatron_rl.models.sizes import check_parallel_fit, padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
+from megatron_rl.plan.engine_memory import EngineMemory, EngineStart, engine_memory
 from megatron_rl.plan.memory import Layout, Recompute, Stage
 from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
@@ -53,15 +54,30 @@ class MemoryRow:
 class RolloutShare:
     engines: int
     tp: int
-    reserved: float  # bytes per GPU: gpu_memory_utilization x the memory free when the engine starts
-    weights: float
+    memory: EngineMemory  # per GPU, the engine's own reading of gpu_memory_utilization (plan/engine_memory.py)
     kv_tokens: int  # KV cache capacity of one engine, in tokens
-    free_at_start: float = 0.0  # bytes per GPU free when the engine starts (after actor + reference)
-    fraction: float = 0.0  # gpu_memory_utilization (SGLang's mem_fraction_static)
+
+    @property
+    def reserved(self) -> float:
+        """Bytes per GPU the knob grants the engine: weights + KV cache (+ what else the engine counts in it)."""
+        return self.memory.budget
+
+    @property
+    def weights(self) -> float:
+        return self.memory.start.weights
+
+    @property
+    def free_at_start(self) -> float:
+        """Bytes per GPU free when the engine starts (after actor + reference)."""
+        return self.memory.start.free
+
+    @property
+    def fraction(self) -> float:
+        return self.memory.start.fraction
 
     @property
     def kv_cache(self) -> float:
-        return self.reserved - self.weights
+        return self.memory.kv_cache
 
 
 @dataclass(frozen=True)
@@ -102,10 +118,7 @@ class Plan:
             f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
             self.sizes.summary(),
             *self.notes,
-            f"rollout: {rollout.engines} engines of TP {rollout.tp}; each GPU reserves {rollout.fraction:g} x "
-            f"{_gib(rollout.free_at_start)} GiB free at engine start = {_gib(rollout.reserved)} GiB: "
-            f"weights {_gib(rollout.weights)} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
-            f"({rollout.kv_tokens // self.sequence_length:,} sequences of {self.sequence_length} tokens) per engine",
+            _rollout_line(rollout, self.sequence_length),
             f"memory per GPU in GiB, actor at its {self.actor_stage} pipeline stage:",
         ]
         width = max(len(row.label) for row in self.rows)
@@ -117,6 +130,17 @@ class Plan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"peak: {peak}, {_gib(self.total(peak))} of {_gib(self.gpu_memory)} GiB per GPU: {verdict}")
         return "\n".join(lines)
+
+
+def _rollout_line(rollout: RolloutShare, sequence_length: int) -> str:
+    mem = rollout.memory
+    other = rollout.reserved - rollout.weights - rollout.kv_cache
+    other_text = f" + activations and CUDA graphs {_gib(other)}" if other > 0 else ""
+    asleep = f"; asleep it keeps {_gib(mem.asleep)} GiB" if mem.asleep else ""
+    return (f"rollout: {rollout.engines} {mem.engine} engines of TP {rollout.tp} ({mem.meaning}); each GPU reserves "
+            f"{rollout.fraction:g} x {_gib(mem.base)} GiB {mem.base_label} = {_gib(rollout.reserved)} GiB: weights "
+            f"{_gib(rollout.weights)}{other_text} + KV cache {_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} tokens "
+            f"({rollout.kv_tokens // sequence_length:,} sequences of {sequence_length} tokens) per engine{asleep}")
 
 
 def _gib(nbytes: float) -> str:
@@ -441,12 +465,16 @@ def _build_table(cfg: DictConfig, sizes: DerivedSizes, model: HFModelConfig, cri
 
 def _add_engine(table: _PhaseTable, cfg: DictConfig, rollout: RolloutShare) -> None:
     if cfg.actor_rollout_ref.rollout.mode == "colocated":
-        # The engine gives its weights and KV cache back during updates only with free_cache_engine.
+        # The engine gives its weights and KV cache back during updates only with free_cache_engine; what its
+        # sleep keeps (vLLM's CUDA graphs) stays in every phase.
+        asleep = rollout.memory.asleep
         engine_phases = ("generate",) if cfg.actor_rollout_ref.rollout.free_cache_engine else table.phases
-        table.add("rollout engine (weights + KV)", rollout.reserved, engine_phases, at_engine_start=0.0)
+        table.add("rollout engine (weights + KV)", rollout.reserved - asleep, engine_phases, at_engine_start=0.0)
         if "weight sync" in table.phases and cfg.actor_rollout_ref.rollout.free_cache_engine:
             # resumed weights, KV cache not yet (the order verl and slime use)
             table.rows[-1].per_phase["weight sync"] = rollout.weights
+        if asleep:
+            table.add("rollout engine kept asleep (CUDA graphs)", asleep, table.phases, at_engine_start=0.0)
 
 
 def _sync_phase(cfg: DictConfig) -> tuple[str, ...]:
@@ -456,29 +484,33 @@ def _sync_phase(cfg: DictConfig) -> tuple[str, ...]:
     return ("weight sync",) if colocated and cfg.actor_rollout_ref.actor.megatron.param_offload else ()
 
 
-def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, free_at_start: float) -> RolloutShare:
-    """The engine's reservation: SGLang's mem_fraction_static (rollout.gpu_memory_utilization) of the memory
-    free when it starts; colocated, that is after the actor (weights, grads, fp32 master weights) and the
-    reference are built (workers/hybrid.py builds them first)."""
+def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, gpu_memory: float, held: float) -> RolloutShare:
+    """The engine's share of one GPU, by its own meaning of rollout.gpu_memory_utilization (plan/engine_memory.py):
+    SGLang's fraction of the memory free when it starts, vLLM's fraction of the total. ``held``: what is in use
+    when it starts; colocated, the actor (weights, grads, fp32 master weights) and the reference, which
+    workers/hybrid.py builds first, and plan.reserved_gib."""
     rcfg = cfg.actor_rollout_ref.rollout
     tp = rcfg.tensor_model_parallel_size
     _check_rollout_factors(model, tp)
-    reserved = memory.engine_static_bytes(rcfg.gpu_memory_utilization, free_at_start)
-    weights = memory.rollout_weight_bytes(model, tp)
-    kv_tokens = int(max(reserved - weights, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
+    start = EngineStart(total=gpu_memory, held=held, weights=memory.rollout_weight_bytes(model, tp),
+                        fraction=float(rcfg.gpu_memory_utilization), model=model, tp=tp,
+                        max_num_seqs=int(rcfg.max_num_seqs), max_num_batched_tokens=int(rcfg.max_num_batched_tokens),
+                        enforce_eager=bool(rcfg.enforce_eager))
+    mem = engine_memory(rcfg.name, start)
+    if mem.refusal is not None:
+        raise PlanError(mem.refusal)
+    kv_tokens = int(max(mem.kv_cache, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
     # The same function the workers build their engines with (rollout/mesh.py), on the launchers' rank layout.
     engines = build_rollout_mesh(default_places(world, cfg.trainer.n_gpus_per_node), tp).num_engines
-    share = RolloutShare(engines=engines, tp=tp, reserved=reserved, weights=weights, kv_tokens=kv_tokens,
-                         free_at_start=free_at_start, fraction=float(rcfg.gpu_memory_utilization))
     seq = _sequence_length(cfg)
     if kv_tokens < seq:
         raise PlanError(
             f"{ROLLOUT}.gpu_memory_utilization={rcfg.gpu_memory_utilization} reserves that fraction of the "
-            f"{_gib(free_at_start)} GiB per GPU free when the engine starts = {_gib(reserved)} GiB, "
-            f"but at {ROLLOUT}.tensor_model_parallel_size={tp} the engine's weights take {_gib(weights)} GiB, leaving "
-            f"KV cache for {kv_tokens} tokens: less than one sequence of {seq} (prompt + response); "
+            f"{_gib(mem.base)} GiB per GPU {mem.base_label} ({mem.engine}: {mem.meaning}) = {_gib(mem.budget)} GiB, "
+            f"but at {ROLLOUT}.tensor_model_parallel_size={tp} the engine's weights take {_gib(start.weights)} GiB, "
+            f"leaving KV cache for {kv_tokens} tokens: less than one sequence of {seq} (prompt + response); "
             f"raise gpu_memory_utilization or the rollout TP")
-    return share
+    return RolloutShare(engines=engines, tp=tp, memory=mem, kv_tokens=kv_tokens)
 
 
 def _plan(cfg: DictConfig) -> Plan:
@@ -507,8 +539,8 @@ def _plan(cfg: DictConfig) -> Plan:
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
         table = _build_table(cfg, sizes, model, critic_model, stage)
         # Server mode: the engine has its GPU to itself.
-        free = gpu_memory - (table.at_engine_start if cfg.actor_rollout_ref.rollout.mode == "colocated" else 0.0)
-        rollout = _rollout_share(cfg, model, world, free)
+        held = table.at_engine_start if cfg.actor_rollout_ref.rollout.mode == "colocated" else 0.0
+        rollout = _rollout_share(cfg, model, world, gpu_memory, held)
         _add_engine(table, cfg, rollout)
         candidates.append(Plan(sizes, model, gpu_memory, actor_layout, stage, table.phases, tuple(table.rows),
                                rollout, _sequence_length(cfg), tuple(table.notes)))
@@ -661,10 +693,17 @@ def distributed_optimizer_problem(cfg: DictConfig) -> Optional[str]:
 def check_launch(cfg: DictConfig) -> None:
     """What only the launching environment can tell, checked before any worker starts (train.py): a
     distributed optimizer asked for but not available here is refused with the reason and the plan
-    without it (the engine would refuse it too, after minutes of start-up)."""
+    without it (the engine would refuse it too, after minutes of start-up); on GPUs, a rollout engine that
+    would refuse to start on the memory free when it starts (plan/engine_memory.py)."""
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)
+    from megatron_rl.plan.engine_memory import rollout_on_cpu
+
+    if not rollout_on_cpu(cfg):  # the run's device, as the engines will see it
+        # the engine's own start-up memory check (vLLM refuses when less than its share of the total is free) on
+        # the memory the plan has in use when the engine starts: refused here, not after the workers built the actor
+        _plan(cfg)
     for prefix in (ACTOR, REF, "critic"):
         given = dict(OmegaConf.select(cfg, f"{prefix}.megatron.override_transformer_config", default=None) or {})
         kernels = te_kernel_flags(given)

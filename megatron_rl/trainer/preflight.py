@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
+from megatron_rl.plan.engine_memory import rollout_on_cpu
 from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
 
 logger = logging.getLogger(__name__)
@@ -332,19 +333,6 @@ def check_model(cfg: DictConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- the rollout engine
-def _vllm_on_cpu(cfg: DictConfig) -> bool:
-    """Whether the vLLM engines run on CPU: trainer.device=cpu, or auto on a machine without CUDA that starts its
-    own Ray (with ray_init.address the cluster's nodes decide, which this one cannot see)."""
-    device = str(cfg.trainer.device)
-    if device != "auto":
-        return device == "cpu"
-    if OmegaConf.select(cfg, "ray_init.address", default=None):
-        return False
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def check_rollout_engine(cfg: DictConfig) -> None:
     """rollout.name=vllm: the pinned vLLM is installed here, servers given by URL run on this host, and on CPU the
     model's head size is one vLLM's CPU attention runs (else the engine fails when it is built, after Ray and the
@@ -365,7 +353,7 @@ def check_rollout_engine(cfg: DictConfig) -> None:
             require_local_servers(list(rollout.server_urls))
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    if not _vllm_on_cpu(cfg):
+    if not rollout_on_cpu(cfg):
         return
     if str(cfg.trainer.device) == "auto":  # validate() checked trainer.device=cpu; auto resolved to CPU here
         from megatron_rl.plan.validate import check_vllm_cpu_threads

@@ -73,5 +73,5 @@ def test_the_plan_prints_the_engines_the_workers_build():
         [sys.executable, "-m", "megatron_rl.plan", "+experiment=grpo_70b"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
-    engines, tp = map(int, re.search(r"rollout: (\d+) engines of TP (\d+)", out).groups())
+    engines, tp = map(int, re.search(r"rollout: (\d+) \w+ engines of TP (\d+)", out).groups())
     assert (engines, tp) == (build_rollout_mesh(default_places(64, 8), 8).num_engines, 8) == (8, 8)
