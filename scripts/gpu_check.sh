@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one short script (a few minutes on one H200) that verifies the GPU stack this checkout pins
-# (constraints/gpu.txt: torch 2.14.1 / CUDA 13, Transformer Engine 2.11 built from source, megatron-core
-# 0.16.1) and runs what a CPU cannot show. Results go to $OUT (default ./gpu_check_out):
+# (one GPU environment per engine, scripts/install_gpu.sh sglang|vllm: torch 2.14.1 or 2.13.0, both CUDA 13,
+# Transformer Engine 2.11 built from source, megatron-core 0.16.1) and runs what a CPU cannot show. Results go
+# to $OUT (default ./gpu_check_out):
 #   <stage>.log for every stage, <stage>.xml (junit) for the pytest stages, env.json, summary.json
 #   (per stage: status pass | fail | timeout | skipped, exit code, seconds, why; plus versions and test counts).
 # Exit status: 0 when no stage failed or timed out.
@@ -14,7 +15,11 @@
 #   ext_build  240  megatron_rl._C with its CUDA kernels (MEGATRON_RL_BUILD_CUDA=1, TORCH_CUDA_ARCH_LIST=this GPU)
 #   kernels    120  tests/gpu/test_kernels_cuda.py: CUDA kernels against the plain-torch reference
 #   rollout    120  tests/gpu/test_rollout_cuda.py: CUDA IPC buckets (fresh buffer per load), HF engine sleep
-#   te_build   360  Transformer Engine's torch extension built from source for this GPU (pip, constraints/gpu.txt,
+#   vllm       240  tests/gpu/test_vllm_cuda.py (needs vLLM's CUDA build: scripts/install_gpu.sh vllm): placement (each
+#                   engine on its replica's GPU only; two engines on two GPUs) and memory (the trainer holds 60% of
+#                   the GPU cached at engine start and at wake: start, sleep, wake, generate)
+#   te_build   360  Transformer Engine's torch extension built from source for this GPU (pip,
+#                   constraints/gpu-megatron.txt: every environment's TE, against the torch installed;
 #                   --no-build-isolation, NVTE_CUDA_ARCHS=this GPU) unless it imports already; an offline node
 #                   needs PIP_FIND_LINKS=<wheelhouse> PIP_NO_INDEX=1 (pip reads them)
 #   imports     60  transformer_engine.pytorch, megatron.core, megatron_rl._C's CUDA backend, their versions
@@ -159,6 +164,7 @@ stage ext_build 240 "env" -- env MEGATRON_RL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="
 # ---------------------------------------------------------------------------- kernels, rollout (tests/gpu)
 pytest_stage kernels 120 "ext_build" tests/gpu/test_kernels_cuda.py
 pytest_stage rollout 120 "env" tests/gpu/test_rollout_cuda.py
+pytest_stage vllm 240 "env" tests/gpu/test_vllm_cuda.py
 
 # ---------------------------------------------------------------------------- te_build
 te_build() {
@@ -166,9 +172,10 @@ te_build() {
     echo "transformer_engine.pytorch imports already: $("$PY" -c 'import transformer_engine as t; print(t.__version__)')"
     return 0
   fi
-  # transformer-engine-torch is a source package compiled against the installed torch; only this GPU's arch.
+  # transformer-engine-torch is a source package compiled against the installed torch, whichever environment's
+  # (constraints/gpu-megatron.txt pins TE alone, so pip keeps that torch); only this GPU's arch.
   NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="$ARCH_DIGITS" MAX_JOBS="$(nproc)" \
-    "$PY" -m pip install --no-build-isolation -c constraints/gpu.txt "transformer-engine[pytorch]==2.11.0" \
+    "$PY" -m pip install --no-build-isolation -c constraints/gpu-megatron.txt "transformer-engine[pytorch]" \
     && "$PY" -c 'import transformer_engine.pytorch, transformer_engine as t; print("built", t.__version__)'
 }
 export -f te_build

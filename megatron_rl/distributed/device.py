@@ -9,18 +9,25 @@ node (an SGLang engine spans several), so the bundle index says nothing about th
 
 ``bind_device`` records the chosen index in ``MEGATRON_RL_DEVICE_INDEX`` too, so child processes and CPU
 stand-ins of GPU software see which device this process selected.
+
+``EngineDevices``: the GPUs of one rollout engine that this process starts (a vLLM engine's processes bind
+``cuda:i`` of what they see, so they must see exactly the replica's GPUs): claimed for the engine's life, no
+other engine of this process may take one of them, and ``mask()`` narrows ``CUDA_VISIBLE_DEVICES`` to them
+while the engine's processes start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "RankPlace", "bind_device", "rank_place",
+__all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "EngineDevices", "RankPlace", "bind_device", "rank_place",
            "release_cached_memory", "visible_gpus"]
 
 GPU_ID_ENV = "MEGATRON_RL_GPU_ID"
@@ -86,3 +93,59 @@ def release_cached_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+class EngineDevices:
+    """The physical GPUs ``gpus`` of one engine this process starts (``owner`` names it in errors), in the engine's
+    order (its TP rank i runs on ``gpus[i]``). Refused when this process cannot see one of them, or when another
+    live engine of this process holds one (two engines on one GPU). ``release()`` when the engine is gone."""
+
+    _claims: dict[int, str] = {}  # physical GPU -> the owner holding it, in this process
+    _lock = threading.Lock()  # claims, and os.environ while a mask is applied
+
+    def __init__(self, gpus: Sequence[int], owner: str) -> None:
+        self.gpus, self.owner = tuple(int(g) for g in gpus), owner
+        if not self.gpus or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"{owner}: its GPUs must be distinct physical ids, got {list(self.gpus)}")
+        visible = visible_gpus(os.environ, torch.cuda.device_count())
+        hidden = [g for g in self.gpus if g not in visible]
+        if hidden:
+            mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"{owner}: its GPUs {list(self.gpus)} must be visible to the process that starts it, but GPU "
+                f"{', '.join(map(str, hidden))} is not (CUDA_VISIBLE_DEVICES={mask!r}, {len(visible)} devices)")
+        with self._lock:
+            taken = {g: self._claims[g] for g in self.gpus if g in self._claims}
+            if taken:
+                holder = next(iter(taken.values()))
+                theirs = sorted(g for g, o in self._claims.items() if o == holder)
+                raise ValueError(f"{owner}: GPU {', '.join(map(str, taken))} already runs {holder} (GPUs {theirs}) "
+                                 "in this process; two engines on one GPU are refused")
+            self._claims.update({g: owner for g in self.gpus})
+
+    def release(self) -> None:
+        with self._lock:
+            for gpu in self.gpus:
+                if self._claims.get(gpu) == self.owner:
+                    del self._claims[gpu]
+
+    @contextlib.contextmanager
+    def mask(self) -> Iterator[None]:
+        """For the block, processes started from here see exactly these GPUs: ``CUDA_VISIBLE_DEVICES`` is the list
+        (physical ids, as the variable names them) and ``MEGATRON_RL_DEVICE_INDEX`` 0, the first of them. This
+        process's own view does not change: CUDA read the variable when it initialised, which happens here first
+        if it had not yet. Both variables are restored after (unset again if they were)."""
+        if torch.cuda.is_available():
+            torch.cuda.current_device()  # initialise CUDA with the full view before the variable narrows
+        keys = ("CUDA_VISIBLE_DEVICES", DEVICE_INDEX_ENV)
+        with self._lock:
+            saved = {key: os.environ.get(key) for key in keys}
+            os.environ.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus)), DEVICE_INDEX_ENV: "0"})
+            try:
+                yield
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value

@@ -135,26 +135,41 @@ def _death_cause(exc: RayActorError) -> str:
     return cause.split(" Some common causes")[0] or type(exc).__name__
 
 
+class ServerBundles(RayResourcePool):
+    """The servers' pool: a bundle per server of ``cpus_per_process`` CPUs and ``gpus_per_process`` GPUs (0: a
+    CPU server; a vLLM server on GPUs: its tensor-parallel size)."""
+
+    def __init__(self, *args: Any, gpus_per_process: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, use_gpu=gpus_per_process > 0, **kwargs)
+        self.gpus_per_process = gpus_per_process
+
+    def bundle(self) -> dict[str, float]:
+        gpus = {"GPU": float(self.gpus_per_process)} if self.gpus_per_process else {}
+        return {"CPU": self.cpus_per_process, **gpus}
+
+
 class RayRolloutServerPool(ServerPool):
     """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), one Ray actor each on
-    a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (one node), or with
-    ``servers_per_node`` on that many servers per node over several nodes. Ray must be up."""
+    a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (and ``gpus_per_server`` GPUs) on one
+    node, or with ``servers_per_node`` on that many servers per node over several nodes. Ray must be up."""
 
     def __init__(self, model_path: str, num_servers: int, *, cpus_per_server: float,
                  servers_per_node: int | None = None, dtype: str = "float32", seed: int = 0, threads: int = 1,
-                 chunk_tokens: int = 8, start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0) -> None:
+                 chunk_tokens: int = 8, start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0,
+                 gpus_per_server: int = 0) -> None:
         require_servers(num_servers)
         if cpus_per_server <= 0:
             raise ValueError(f"{CPUS_KEY} must be > 0 (CPUs each server's bundle reserves), got {cpus_per_server}")
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
         self.chunk_tokens, self.start_timeout_s, self.ping_timeout_s = chunk_tokens, start_timeout_s, ping_timeout_s
+        self.gpus_per_server = gpus_per_server
         # the servers bind their node's IP only when the run spans nodes; loopback otherwise
         self.node_ip = servers_per_node is not None or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         self._key_holder = _KeyHolderClass.options(name=KEY_HOLDER, get_if_exists=True).remote(
             ensure_server_api_key())
-        self.resource_pool = RayResourcePool(servers_on_nodes(num_servers, servers_per_node), use_gpu=False,
-                                             cpus_per_process=cpus_per_server, name="rollout_servers",
-                                             distinct_nodes=servers_per_node is not None)
+        self.resource_pool = ServerBundles(servers_on_nodes(num_servers, servers_per_node),
+                                           gpus_per_process=gpus_per_server, cpus_per_process=cpus_per_server,
+                                           name="rollout_servers", distinct_nodes=servers_per_node is not None)
         spread = "" if servers_per_node is None else f" at {PER_NODE_KEY}={servers_per_node}"
         try:
             self.slots = self.resource_pool.rank_slots(start_timeout_s)
@@ -177,7 +192,7 @@ class RayRolloutServerPool(ServerPool):
         return started
 
     def _launch(self, slot: RankSlot, index: int) -> ActorHandle:
-        options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": 0,
+        options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": self.gpus_per_server,
                    "scheduling_strategy": slot.scheduling_strategy()}
         return _ServerActorClass.options(**options).remote(self.model_path, self.dtype, self.seed + index,
                                                             self.threads, self.chunk_tokens, self.api_key, self.node_ip)

@@ -6,12 +6,14 @@ A server is ``python -m vllm.entrypoints.openai.api_server`` (``server_command``
 key; the run's secret guards ``/v1`` through ``VLLM_API_KEY``, never on the command line), ready once
 ``/health`` answers 200. Started as child processes (``VLLMServerPool``: torchrun, no Ray) or one per Ray actor
 on the servers' own resource pool (``ray_vllm_server_pool``: the actor starts and watches its server process;
-Ray reserves the CPUs). Both are ``ServerPool``s: ``check``/``dead``/``replace`` and servers/restarts.py work
-unchanged; a replacement holds random weights (version -1) and serves nothing before the next sync.
+Ray reserves the CPUs, and on a cluster with GPUs rollout-TP GPUs per server, which are all its server sees).
+Both are ``ServerPool``s: ``check``/``dead``/``replace`` and servers/restarts.py work unchanged; a replacement
+holds random weights (version -1) and serves nothing before the next sync.
 
 The client (``VLLMServerRolloutClient``) is servers/client.py's with vLLM's routes: one ``/v1/completions``
-per row, the samples tagged with the weight version of the server that made them (read from the servers'
-workers, rollout/vllm/server.py). Partial rollouts: ``pause_generation`` pauses every server with
+per row (at most ``rollout.max_num_seqs`` in flight at each server, as rank 0's engine sends them), the samples
+tagged with the weight version of the server that made them (read from the servers' workers,
+rollout/vllm/server.py). Partial rollouts: ``pause_generation`` pauses every server with
 ``/pause?mode=abort`` (in-flight rows come back with their tokens so far) and aborts what reaches a server
 after its pause, until none of this client's requests is left in flight; rows wait in the client (not in the
 server) for ``continue_generation``, which reads the servers' new version, so every token is tagged with the
@@ -31,7 +33,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from megatron_rl.distributed.ports import free_port
@@ -41,6 +43,7 @@ from megatron_rl.rollout.vllm.server import (
     VLLMServerError,
     VLLMServerHTTP,
     completion_request,
+    map_bounded,
     parse_choice,
 )
 from megatron_rl.servers.client import ServerRolloutClient, _Replaced
@@ -61,10 +64,31 @@ class VLLMServerSettings:
     threads: int = 1
     cpu_threads_bind: str = "auto"
     start_timeout_s: float = 300.0
+    # from_rollout's arguments: the settings are computed again where a server runs (``where_it_runs``)
+    recipe: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def model_path(self) -> str:
         return str(dict(self.engine_args)["model"])
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(dict(self.engine_args).get("tensor_parallel_size", 1))
+
+    def where_it_runs(self, gpus: Sequence[Any] | None) -> "VLLMServerSettings":
+        """These servers' settings computed in the process that starts one, for ``gpus`` (the GPUs that server
+        gets; none: vLLM-CPU), not on the driver, which may be a CPU head node (fp32, a CPU-sized KV cache).
+        A server given no GPU on a host with CUDA is refused: it would run on the GPUs its process sees first."""
+        if not gpus:
+            import torch
+
+            if torch.cuda.is_available():
+                raise RuntimeError(f"a vLLM rollout server for {self.model_path} got no GPU on a host with CUDA: it "
+                                   "would allocate on the first GPUs it sees (the trainer's); give it GPUs (Ray: the "
+                                   "servers' pool asks for rollout.tensor_model_parallel_size each)")
+        if self.recipe is None:
+            return self
+        return VLLMServerSettings.from_rollout(**self.recipe, on_cpu=not gpus)
 
     @property
     def seed(self) -> int:
@@ -73,14 +97,18 @@ class VLLMServerSettings:
 
     @classmethod
     def from_rollout(cls, rollout: Any, model_path: str, *, max_model_len: int, model_override: Any = None,
-                     start_timeout_s: float | None = None) -> "VLLMServerSettings":
-        """Servers of ``rollout`` (the rollout config) serving ``model_path``."""
+                     start_timeout_s: float | None = None, on_cpu: bool | None = None) -> "VLLMServerSettings":
+        """Servers of ``rollout`` (the rollout config) serving ``model_path``; ``on_cpu`` None: this process's
+        device decides (``where_it_runs`` computes them again where each server starts)."""
         import torch
 
         from megatron_rl.rollout.hf_engine import resolve_dtype
         from megatron_rl.rollout.vllm.engine import engine_args
 
-        on_cpu = not torch.cuda.is_available()
+        recipe = {"rollout": rollout, "model_path": model_path, "max_model_len": max_model_len,
+                  "model_override": model_override, "start_timeout_s": start_timeout_s}
+        if on_cpu is None:
+            on_cpu = not torch.cuda.is_available()
         args = engine_args(rollout, model_path, max_model_len=max_model_len, on_cpu=on_cpu,
                            dtype=resolve_dtype(str(rollout.dtype), torch.device("cpu" if on_cpu else "cuda")),
                            model_override=model_override)
@@ -93,7 +121,7 @@ class VLLMServerSettings:
         return cls(engine_args=tuple(args.items()), threads=int(rollout.server_threads),
                    cpu_threads_bind=str(rollout.vllm.cpu_threads_bind),
                    start_timeout_s=float(rollout.vllm.server_start_timeout_s if start_timeout_s is None
-                                         else start_timeout_s))
+                                         else start_timeout_s), recipe=recipe)
 
 
 def vllm_server_settings(cfg: Any) -> VLLMServerSettings:
@@ -144,8 +172,10 @@ def _healthy(url: str) -> bool:
 
 
 def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, host: str = "127.0.0.1",
-                      api_key: str | None = None, log_dir: str | None = None) -> tuple[subprocess.Popen, str, str]:
-    """Start one vLLM server on this host; returns (its process, URL, log file) once ``/health`` answers."""
+                      api_key: str | None = None, log_dir: str | None = None,
+                      gpus: Sequence[Any] | None = None) -> tuple[subprocess.Popen, str, str]:
+    """Start one vLLM server on this host; returns (its process, URL, log file) once ``/health`` answers.
+    ``gpus``: the physical GPUs it may see (its ``CUDA_VISIBLE_DEVICES``: vLLM's TP worker i takes the i-th)."""
     port = free_port(host)
     url = f"http://{host}:{port}"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ensure_server_api_key(),
@@ -155,6 +185,8 @@ def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, 
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
     if dict(settings.engine_args).get("distributed_executor_backend") == "uni":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU turns "uni" back into "mp"
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     log_dir = log_dir or tempfile.mkdtemp(prefix="mrl_vllm_server_")
     log_path = os.path.join(log_dir, f"vllm_server_{port}.log")
     with open(log_path, "w") as log:
@@ -218,11 +250,40 @@ class VLLMServerProcess:
         _kill_group(self.proc)
 
 
+def host_server_gpus(num_servers: int, tp: int, env: dict[str, str] | None = None) -> list[tuple[int, ...]]:
+    """The GPUs of this host's servers (torchrun, no Ray): the trainer's ranks hold the first LOCAL_WORLD_SIZE
+    visible devices, server i takes the next ``tp`` after them. No CUDA: none (vLLM-CPU). Refused, naming the
+    keys, when the host lacks them, and under a multi-rank torchrun (every rank would start servers on them)."""
+    import torch
+
+    from megatron_rl.distributed.device import visible_gpus
+
+    env = dict(os.environ) if env is None else env
+    if not torch.cuda.is_available():
+        return [()] * num_servers
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"vLLM rollout servers started under torchrun with WORLD_SIZE={world}: every rank would "
+                         "start its own on this host's same spare GPUs; use trainer.launcher=ray (Ray gives each "
+                         "server its GPUs) or start them yourself (rollout.server_urls)")
+    visible = visible_gpus(env, torch.cuda.device_count())
+    trainer = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    spare = visible[trainer:]
+    if len(spare) < num_servers * tp:
+        raise ValueError(f"actor_rollout_ref.rollout.num_servers={num_servers} vLLM servers of "
+                         f"tensor_model_parallel_size={tp} need {num_servers * tp} GPUs beside the trainer's {trainer} "
+                         f"on this host, which sees {len(visible)} (CUDA_VISIBLE_DEVICES="
+                         f"{env.get('CUDA_VISIBLE_DEVICES')!r}): {len(spare)} spare")
+    return [tuple(spare[i * tp:(i + 1) * tp]) for i in range(num_servers)]
+
+
 class VLLMServerPool(ServerPool):
-    """``num_servers`` vLLM servers, child processes of this one (torchrun, or no Ray)."""
+    """``num_servers`` vLLM servers, child processes of this one (torchrun, or no Ray), on this host's GPUs after
+    the trainer's (``host_server_gpus``)."""
 
     def __init__(self, settings: VLLMServerSettings, num_servers: int) -> None:
         self.settings = settings
+        self.gpus = host_server_gpus(num_servers, settings.tensor_parallel_size)
         self.log_dir = tempfile.mkdtemp(prefix="mrl_vllm_servers_")
         super().__init__(num_servers)
 
@@ -230,8 +291,9 @@ class VLLMServerPool(ServerPool):
         """All at once (they load in parallel), then each waited for."""
         indices = list(indices)
         with ThreadPoolExecutor(max_workers=max(1, len(indices))) as pool:
-            futures = [pool.submit(start_vllm_server, self.settings, seed=self.settings.seed + i,
-                                   api_key=self.api_key, log_dir=self.log_dir) for i in indices]
+            futures = [pool.submit(start_vllm_server, self.settings.where_it_runs(self.gpus[i]),
+                                   seed=self.settings.seed + i, api_key=self.api_key, log_dir=self.log_dir,
+                                   gpus=self.gpus[i]) for i in indices]
             started, error = [], None
             for index, future in zip(indices, futures):
                 try:
@@ -249,10 +311,16 @@ class VLLMServerPool(ServerPool):
 # ---------------------------------------------------------------------------------------------- on Ray
 class VLLMServerActor:
     """A Ray actor's body: one vLLM server process on this node, started and watched by the actor (the actor's
-    CPUs are the server's reservation on the pool ``rollout_servers``)."""
+    CPUs, and on GPU clusters its rollout-TP GPUs, are the server's reservation on the pool ``rollout_servers``).
+    Ray workers see every GPU of their node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), so the server gets
+    ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave this actor, and its settings are computed here, for them."""
 
     def __init__(self, settings: VLLMServerSettings, seed: int, api_key: str) -> None:
-        self.proc, self.url, self.log_path = start_vllm_server(settings, seed=seed, api_key=api_key)
+        import ray
+
+        gpus = sorted(ray.get_gpu_ids(), key=lambda g: (len(str(g)), str(g)))  # Ray's ids come as a set
+        self.proc, self.url, self.log_path = start_vllm_server(settings.where_it_runs(gpus), seed=seed,
+                                                               api_key=api_key, gpus=gpus)
 
     def address(self) -> dict[str, Any]:
         import ray
@@ -304,6 +372,10 @@ def ray_vllm_server_pool() -> type:
             super().stop()
 
     class RayVLLMServerPool(RayRolloutServerPool):
+        """Each server's actor asks Ray for rollout.tensor_model_parallel_size GPUs on a cluster with GPUs."""
+
+        server_actor = actor_class
+
         def __init__(self, settings: VLLMServerSettings, num_servers: int, *, cpus_per_server: float,
                      servers_per_node: int | None = None, start_timeout_s: float = 600.0) -> None:
             if servers_per_node is not None:
@@ -311,13 +383,15 @@ def ray_vllm_server_pool() -> type:
                                  "through /dev/shm of trainer rank 0's host, so they cannot spread over nodes")
             require_servers(num_servers)
             self.settings = settings
+            gpus = settings.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
             super().__init__(settings.model_path, num_servers, cpus_per_server=cpus_per_server,
-                             start_timeout_s=max(start_timeout_s, settings.start_timeout_s + 30), seed=settings.seed)
+                             start_timeout_s=max(start_timeout_s, settings.start_timeout_s + 30), seed=settings.seed,
+                             gpus_per_server=gpus)
 
         def _launch(self, slot, index):
-            options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": 0,
+            options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": self.gpus_per_server,
                        "scheduling_strategy": slot.scheduling_strategy()}
-            return actor_class.options(**options).remote(self.settings, self.settings.seed + index, self.api_key)
+            return self.server_actor.options(**options).remote(self.settings, self.settings.seed + index, self.api_key)
 
         def _await(self, index, actor):
             try:
@@ -351,12 +425,11 @@ def ray_vllm_server_pool() -> type:
 class VLLMServerRolloutClient(ServerRolloutClient):
     """servers/client.py's client over vLLM servers (see the module docstring for pauses and versions)."""
 
-    def __init__(self, config: Any, urls: Sequence[str], *, request_threads: int = 64, **kwargs: Any) -> None:
+    def __init__(self, config: Any, urls: Sequence[str], **kwargs: Any) -> None:
         super().__init__(config, urls, **kwargs)
         self._servers = [VLLMServerHTTP(url, s.timeout_s) for url, s in zip(urls, self._servers)]
         self._models: list[str | None] = [None] * len(self._servers)
         self._versions: list[int | None] = [None] * len(self._servers)
-        self._rows = ThreadPoolExecutor(max_workers=request_threads, thread_name_prefix="vllm-rows")
         self._in_flight, self._epoch = 0, 0  # requests at a server; pauses so far
         self._flight = threading.Condition()
 
@@ -439,8 +512,9 @@ class VLLMServerRolloutClient(ServerRolloutClient):
             raise
 
     def _request(self, index: int, input_ids: list, sampling: list) -> list[dict]:
-        """Every row of the part as its own completion (its own seed); SGLang-shaped results for the base
-        class, each with the version of the server it ran on. Sent only outside a pause."""
+        """Every row of the part as its own completion, at most rollout.max_num_seqs at once (the server's batch);
+        SGLang-shaped results for the base class, each with the version of the server it ran on. Sent only
+        outside a pause."""
         while True:  # counted in flight before any pause can begin, with the version read since the last one
             self._continued.wait()
             epoch = self._epoch
@@ -451,10 +525,10 @@ class VLLMServerRolloutClient(ServerRolloutClient):
                     break
         try:
             bodies = [completion_request(model, ids, max_tokens=s["max_new_tokens"], temperature=s["temperature"],
-                                         top_p=s["top_p"], top_k=s["top_k"], stop_token_ids=s["stop_token_ids"],
-                                         seed=s.get("sampling_seed")) for ids, s in zip(input_ids, sampling)]
-            futures = [self._rows.submit(self._call, index, "/v1/completions", body) for body in bodies]
-            results = [f.result() for f in futures]
+                                         top_p=s["top_p"], top_k=s["top_k"], stop_token_ids=s["stop_token_ids"])
+                      for ids, s in zip(input_ids, sampling)]
+            results = map_bounded(lambda body: self._call(index, "/v1/completions", body), bodies,
+                                  int(self.config.max_num_seqs))
         finally:
             with self._flight:
                 self._in_flight -= 1
@@ -466,7 +540,3 @@ class VLLMServerRolloutClient(ServerRolloutClient):
                                           "weight_version": version,
                                           "finish_reason": {"type": "abort" if finish == "abort" else str(finish)}}})
         return outputs
-
-    def close(self) -> None:
-        super().close()
-        self._rows.shutdown(wait=True)

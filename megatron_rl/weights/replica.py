@@ -3,13 +3,22 @@
 The replica's leader holds the engine; every rank takes part in a weight sync. Colocated SGLang of rollout TP
 k > 1: each of the k ranks puts each bucket on its own GPU and serializes it there, and the leader gathers the
 k payloads (over a gloo group of the replica's ranks, ordered by engine TP rank) and hands the engine
-``named_tensors=[payload_tp0, ..., payload_tp(k-1)]``. A rank that feeds no engine (server mode: only global
-rank 0 sends) consumes the export stream without sending.
+``named_tensors=[payload_tp0, ..., payload_tp(k-1)]``. Colocated vLLM: its workers each read the full tensors
+and shard them themselves, so the leader alone materialises and stages the buckets (one host copy per replica);
+the members only take part in the export. A rank that feeds no engine (server mode: only global rank 0 sends;
+vLLM's members) consumes the export stream without sending.
 
-Verification runs the fixed probe once per replica (on its leader); the probe outputs are gathered to every
-rank, and every rank scores the same concatenated batch with the trainer, which makes that scoring a valid
-collective for any actor layout. Metrics are the worst replica's; above ``verify_max_logprob_diff`` (null: by the
-dtypes compared, ``weights.verify.default_threshold``) every rank raises the same WeightSyncError, naming the engine.
+Colocated, at every rollout TP: every rank of the engine's GPUs gives its cached training memory back before
+the engine wakes its weights and again before it wakes its KV cache (as verl empties the cache before each
+``resume``); at TP > 1 the ranks meet on the replica's gloo group after it, so the leader wakes nothing before
+every GPU the engine spans has room.
+
+Verification runs the fixed probe once per replica (on its leader); the other ranks wait for the leaders on the
+host group (long timeout: a device collective's watchdog would end the job during a long probe), then the probe
+outputs are gathered to every rank, and every rank scores the same concatenated batch with the trainer, which
+makes that scoring a valid collective for any actor layout. Metrics are the worst replica's; above
+``verify_max_logprob_diff`` (null: by the dtypes compared, ``weights.verify.default_threshold``) every rank raises
+the same WeightSyncError, naming the engine.
 """
 
 from __future__ import annotations
@@ -58,72 +67,82 @@ def _agree_on_failure(failure: Exception | None, version: int) -> None:
                                   f"{version}: {reason}")
 
 
-class _PayloadGroup:
-    """The replica's ranks as a gloo group; ``gather`` returns the leader's list ordered by engine TP rank.
-    ``serialize``: how a rank hands its copy of a bucket to its engine TP rank (SGLang: a serialized CUDA IPC
-    handle; vLLM: a shared-memory segment's layout, which the leader's engine unlinks once loaded)."""
+class _EngineGPUs:
+    """The ranks whose GPUs one colocated engine spans. ``cache_released``: this rank gives its cached training
+    memory back to its GPU, then (TP > 1) waits for the others on the replica's gloo group, so the leader wakes
+    the engine's weights or KV cache only once every GPU the engine spans has room for them."""
 
-    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup, engine_name: str) -> None:
-        self.replica, self.group = replica, group
-        self._order = [sorted(replica.ranks).index(rank) for rank in replica.ranks]  # group rank of TP rank i
-        if engine_name == "vllm":
-            from megatron_rl.rollout.vllm import stage_payload as serialize
-        else:
-            from megatron_rl.rollout.sglang.payload import serialize_bucket as serialize
-        self.serialize: Callable[[WeightBucket], Any] = serialize
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
 
-    def gather(self, payload: Any, is_leader: bool) -> list | None:
-        received: list | None = [None] * self.replica.tp_size if is_leader else None
-        dist.gather_object(payload, received, dst=self.replica.leader, group=self.group)
-        return [received[i] for i in self._order] if is_leader else None
-
-    def memory_released(self) -> None:
-        """End of a sync, on every rank of the replica: this rank gives its cached training memory back to its
-        GPU, then waits for the others, so the leader resumes the engine's KV cache and CUDA graphs only once
-        every GPU the engine spans has room for them."""
+    def cache_released(self) -> None:
         release_cached_memory()
-        dist.barrier(group=self.group)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+class _PayloadGather:
+    """SGLang at TP > 1: each rank serializes its copy of a bucket on its own GPU (a CUDA IPC handle), and the
+    leader receives the replica's payloads ordered by engine TP rank."""
+
+    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup) -> None:
+        from megatron_rl.rollout.sglang.payload import serialize_bucket
+
+        self.replica, self.group, self.serialize = replica, group, serialize_bucket
+        self._order = [sorted(replica.ranks).index(rank) for rank in replica.ranks]  # group rank of TP rank i
+
+    def gather(self, bucket: WeightBucket, is_leader: bool) -> list | None:
+        received: list | None = [None] * self.replica.tp_size if is_leader else None
+        dist.gather_object(self.serialize(bucket), received, dst=self.replica.leader, group=self.group)
+        return [received[i] for i in self._order] if is_leader else None
 
 
 class _LeaderSink:
-    """The leader's side of a multi-rank engine: its own payload plus the members', then one engine load."""
+    """The leader's side of a colocated engine: the buckets (its own, or every rank's payloads), and the
+    trainer's cache given back on every GPU of the engine before the KV cache wakes (before the weights wake:
+    ``RolloutReplica.sync``)."""
 
-    def __init__(self, engine: RolloutEngine, payloads: _PayloadGroup) -> None:
-        self.engine, self.payloads = engine, payloads
-        self.dtype, self.async_loads, self.thread_affine = engine.dtype, True, engine.thread_affine
+    def __init__(self, engine: RolloutEngine, gpus: _EngineGPUs, payloads: _PayloadGather | None) -> None:
+        self.engine, self.gpus, self.payloads = engine, gpus, payloads
+        self.dtype, self.thread_affine = engine.dtype, engine.thread_affine
+        self.async_loads = True if payloads is not None else engine.async_loads
 
     def begin_weight_update(self, version: int) -> None:
         self.engine.begin_weight_update(version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        self.engine.load_payloads(self.payloads.gather(self.payloads.serialize(bucket), is_leader=True))
+        if self.payloads is None:
+            self.engine.load_weight_bucket(bucket)
+        else:
+            self.engine.load_payloads(self.payloads.gather(bucket, is_leader=True))
 
     def end_weight_update(self) -> None:
-        self.payloads.memory_released()
+        self.gpus.cache_released()
         self.engine.end_weight_update()
 
     def abort_weight_update(self, reason: str) -> None:
         self.engine.abort_weight_update(reason)
         # members that sent every bucket wait at the end-of-sync meeting: join it, so they are not left there
-        self.payloads.memory_released()
+        self.gpus.cache_released()
 
 
 class _MemberSink:
-    """A non-leader rank: its GPU's copy of every bucket, serialized on that GPU, sent to the leader."""
+    """A non-leader rank of a TP > 1 SGLang engine: its GPU's copy of every bucket, serialized on that GPU, sent
+    to the leader."""
 
     async_loads, thread_affine = True, False
 
-    def __init__(self, dtype: torch.dtype, payloads: _PayloadGroup) -> None:
-        self.dtype, self.payloads = dtype, payloads
+    def __init__(self, dtype: torch.dtype, gpus: _EngineGPUs, payloads: _PayloadGather) -> None:
+        self.dtype, self.gpus, self.payloads = dtype, gpus, payloads
 
     def begin_weight_update(self, version: int) -> None:
         pass
 
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        self.payloads.gather(self.payloads.serialize(bucket), is_leader=False)
+        self.payloads.gather(bucket, is_leader=False)
 
     def end_weight_update(self) -> None:
-        self.payloads.memory_released()  # before the leader resumes the KV cache on this rank's GPU too
+        self.gpus.cache_released()  # before the leader wakes the KV cache on this rank's GPU too
 
     def abort_weight_update(self, reason: str) -> None:
         pass
@@ -167,21 +186,32 @@ class RolloutReplica:
         self.trainer_dtype = trainer_dtype  # the actor's params dtype: with the engines' it picks the null threshold
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
-        payloads = self._payload_group() if config.mode == "colocated" else None
-        host = new_host_group()
+        self.colocated = config.mode == "colocated"
+        # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
+        self.members_send = self.colocated and self.mesh.tp > 1 and str(config.name) != "vllm"
+        group = self._replica_group() if self.colocated else None
+        self.gpus = _EngineGPUs(group) if self.colocated else None
+        self._host = new_host_group()
+        if self.gpus is not None:
+            # vLLM checks free memory against gpu_memory_utilization x total at start: the trainer's cached blocks
+            # (model build, checkpoint load) go back to every GPU of the engine first
+            self.gpus.cache_released()
         self.engine = build_engine(self.replica) if self.is_leader else None
         # A cold engine build (CUDA graphs, JIT) can take longer than a collective's timeout: the other ranks
         # wait for it here, not in the first sync's export collectives.
-        wait_for_all(host, "the leaders build their rollout engines")
-        if payloads is None:  # one rank per engine, or server mode: the leader sends everything itself
+        wait_for_all(self._host, "the leaders build their rollout engines")
+        payloads = _PayloadGather(self.replica, group) if self.members_send and group is not None else None
+        if not self.colocated:  # server mode: the leader sends everything itself
             self.sink = self.engine
         elif self.is_leader:
-            self.sink = _LeaderSink(self.engine, payloads)
-        else:
-            self.sink = _MemberSink(member_dtype, payloads)
+            self.sink = _LeaderSink(self.engine, self.gpus, payloads)
+        elif payloads is not None:
+            self.sink = _MemberSink(member_dtype, self.gpus, payloads)
+        else:  # a vLLM member: its part is the export and the cache
+            self.sink = None
 
-    def _payload_group(self) -> _PayloadGroup | None:
-        """Gloo groups for the payload gathers, created by every rank in the same order (``new_group`` is a
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        """Gloo groups of each replica's ranks, created by every rank in the same order (``new_group`` is a
         collective of the whole world); None when no replica has more than one rank."""
         if self.mesh.tp == 1 or not _distributed():
             return None
@@ -189,7 +219,7 @@ class RolloutReplica:
         for replica in self.mesh.replicas:
             group = dist.new_group(sorted(replica.ranks), backend="gloo")
             if replica is self.replica:
-                mine = _PayloadGroup(replica, group, str(self.config.name))
+                mine = group
         return mine
 
     # ------------------------------------------------------------------ the step's phases
@@ -209,11 +239,12 @@ class RolloutReplica:
             self.engine.sleep()
 
     def export_plan(self) -> ExportPlan:
-        """Colocated: every rank feeds its engine, so every rank materialises full tensors. Server mode: only the
-        senders (the leaders) do; the other ranks send their shards towards them and skip the rest."""
-        server_mode = self.config.mode != "colocated"
+        """Colocated SGLang: every rank feeds its engine, so every rank materialises full tensors. Server mode
+        and colocated vLLM: only the leaders do; the other ranks send their shards towards them and skip the
+        rest."""
+        every_rank = self.members_send or (self.colocated and self.mesh.tp == 1)
         return ExportPlan(
-            consumers=frozenset(self.mesh.leaders) if server_mode else None,
+            consumers=None if every_rank else frozenset(self.mesh.leaders),
             bucket_bytes=int(self.config.weight_sync.bucket_size_mb) << 20,
         )
 
@@ -229,14 +260,18 @@ class RolloutReplica:
         sync_cfg = self.config.weight_sync
         verify = sync_cfg.verify_freq > 0 and version % sync_cfg.verify_freq == 0
         plan = self.export_plan()
-        server_mode = plan.consumers is not None
+        server_mode = not self.colocated
+        if self.colocated:
+            self.gpus.cache_released()  # before the engine wakes its weights (the first bucket's session)
         stream = iter(export(plan))
         failure: Exception | None = None
         metrics: dict[str, float] = {}
         checksums = None
-        if self.sink is None:  # server mode, not the sender: the export is a collective, take part in it
+        if self.sink is None:  # feeds no engine: the export is a collective, take part in it
             for _ in stream:
                 pass
+            if self.colocated:
+                self.gpus.cache_released()  # before the leader wakes the KV cache on this rank's GPU too
         else:
             try:
                 stats = sync_weights(
@@ -273,6 +308,8 @@ class RolloutReplica:
         if self.is_leader:
             mine = (probe_rollout(self.engine, self.probe_prompts), getattr(self.engine, "dtype", None))
         if _distributed():
+            # the others wait for the leaders' probes here, not in the gather: its device watchdog ends the job
+            wait_for_all(self._host, "the leaders generate the verification probe")
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
             answers = [gathered[leader] for leader in self.mesh.leaders]

@@ -198,6 +198,7 @@ class _Packer:
         nbytes = tensor.numel() * cast.itemsize
         if nbytes > self.bucket_bytes:
             sent = WeightBucket.wrapping(name, tensor.detach().to(cast))
+            self.pusher.push_current()  # keep the stream's order: an engine loads whole layers as they complete
             self.pusher.push_alone(sent)
         else:
             if not self.pusher.current.fits(nbytes, cast):

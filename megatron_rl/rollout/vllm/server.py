@@ -8,9 +8,11 @@ Servers: ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV
 the run (servers/vllm_server.py) or by the user (``rollout.server_urls``, same flags; see ``server_command``
 there).
 
-Generation: one ``/v1/completions`` request per row (token-id prompt, the row's own seed: a multi-prompt
-request shares one seed, so the n samples of a prompt would all be the same), the rows split across the
-servers in order; vLLM batches the concurrent requests. Tokens from ``return_token_ids``, log-probs from
+Generation: one ``/v1/completions`` request per row (token-id prompt, no seed: vLLM would sample seeded rows
+one at a time; the servers' generators, seeded at start, draw every row; neutral values for every sampling field
+vLLM would take from the checkpoint, ``contract.NEUTRAL_SAMPLING``), the rows split across the servers in order,
+at most ``rollout.max_num_seqs`` in flight at each server (what its engine batches; more would only wait in its
+queue), in threads made for the call (``map_bounded``). Tokens from ``return_token_ids``, log-probs from
 ``logprobs.token_logprobs`` (processed: the distribution the token was drawn from, our convention).
 
 Weights: a session stages every bucket in a /dev/shm segment (``shm.py``, as the colocated engine does); at
@@ -40,9 +42,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -53,11 +55,12 @@ from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.sglang.contract import SGLangServerError
 from megatron_rl.rollout.server_key import server_api_key
+from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
 
 __all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLLMServerError", "VLLMServerHTTP",
-           "build_vllm_server_engine", "completion_request", "parse_choice", "require_local_servers"]
+           "build_vllm_server_engine", "completion_request", "map_bounded", "parse_choice", "require_local_servers"]
 
 SERVER_EXTENSION = "megatron_rl.rollout.vllm.server.ServerWorkerExtension"
 NEVER_SYNCED = -1
@@ -175,25 +178,43 @@ def require_local_servers(server_urls: Sequence[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------- requests
 def completion_request(model: str, prompt: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       top_k: int, stop_token_ids: Sequence[int], seed: int | None) -> dict[str, Any]:
-    """One row's ``/v1/completions`` body: token ids in and out, the sampled token's processed log-prob."""
-    body: dict[str, Any] = {
+                       top_k: int, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    """One row's ``/v1/completions`` body: token ids in and out, the sampled token's processed log-prob. No seed
+    (the server's generator draws the row; a seeded row is sampled on its own) and NEUTRAL_SAMPLING for the fields
+    a server would fill from the checkpoint's generation_config.json (vLLM's completion protocol: request value,
+    else the server's default, vllm/entrypoints/openai/completion/protocol.py to_sampling_params)."""
+    return {
         "model": model, "prompt": [list(prompt)], "max_tokens": int(max_tokens),
         "temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k) if top_k > 0 else 0,
         "stop_token_ids": [int(t) for t in stop_token_ids],
         "ignore_eos": True,  # our finish ids, not the checkpoint's generation config, end a response
         "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
+        "skip_special_tokens": False, **NEUTRAL_SAMPLING,
     }
-    if seed is not None:
-        body["seed"] = int(seed)
-    return body
 
 
-def params_request(model: str, prompt: list[int], params: SamplingParams, row: int, max_tokens: int) -> dict:
-    return completion_request(model, prompt, max_tokens=max_tokens, temperature=0.0 if params.greedy else params.temperature,
-                              top_p=params.top_p, top_k=params.top_k, stop_token_ids=params.finish_token_ids,
-                              seed=None if params.seed is None else params.seed + row)
+def params_request(model: str, prompt: list[int], params: SamplingParams) -> dict:
+    return completion_request(model, prompt, max_tokens=params.max_response_length,
+                              temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, stop_token_ids=params.finish_token_ids)
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def map_bounded(call: Callable[[T], R], items: Sequence[T], limit: int) -> list[R]:
+    """``call(item)`` for every item, at most ``limit`` at once (a server's ``rollout.max_num_seqs``), in threads
+    made for this call and ended with it, so none idles between calls. The first failure is raised once the
+    running calls are done; the calls not yet started are cancelled."""
+    if not items:
+        return []
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(items), int(limit))), thread_name_prefix="vllm-rows")
+    try:
+        futures = [pool.submit(call, item) for item in items]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def parse_choice(choice: dict[str, Any], url: str) -> tuple[list[int], list[float], str | None]:
@@ -235,7 +256,9 @@ class VLLMServerEngine(StagedWeightsEngine):
     def _connect(self, server_urls: Sequence[str]) -> None:
         require_local_servers(server_urls)
         self.servers = [VLLMServerHTTP(url, self.timeout_s) for url in server_urls]
-        self._pool = getattr(self, "_pool", None) or ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-http")
+        # one thread per server: each runs that server's calls (its rows in threads of their own, map_bounded)
+        self._pool = getattr(self, "_pool", None) or ThreadPoolExecutor(max_workers=len(self.servers),
+                                                                        thread_name_prefix="vllm-http")
         self.server_workers = list(self._pool.map(lambda s: s.workers(), self.servers))
         for server in self.servers:
             server.weight_version()  # names a server started without our worker extension
@@ -249,12 +272,15 @@ class VLLMServerEngine(StagedWeightsEngine):
         token_lists = prompt_token_lists(prompts)
         n = len(self.servers)
         owner = [row * n // len(token_lists) for row in range(len(token_lists))]  # rows in order, one part per server
-        futures = [self._pool.submit(self.servers[owner[row]].request, "/v1/completions",
-                                     params_request(self.models[owner[row]], ids, params, row, params.max_response_length))
-                   for row, ids in enumerate(token_lists)]
+        parts = [[params_request(self.models[i], ids, params) for ids, o in zip(token_lists, owner) if o == i]
+                 for i in range(n)]
+        limit = int(self.config.max_num_seqs)
+        results = [r for part in self._pool.map(
+            lambda i: map_bounded(lambda body: self.servers[i].request("/v1/completions", body), parts[i], limit),
+            range(n)) for r in part]
         responses, log_probs = [], []
-        for row, future in enumerate(futures):
-            tokens, lps, _ = parse_choice(future.result()["choices"][0], self.servers[owner[row]].url)
+        for row, result in enumerate(results):
+            tokens, lps, _ = parse_choice(result["choices"][0], self.servers[owner[row]].url)
             tokens, lps = cut_at_finish(tokens, lps, params.finish_token_ids, params.max_response_length,
                                         f"vLLM result {row} of {self.servers[owner[row]].url}")
             responses.append(tokens)

@@ -1,12 +1,14 @@
 """What the colocated vLLM engine (``engine.py``) and the client of vLLM servers (``server.py``) share: a
-weight-update session whose buckets are staged in /dev/shm segments (``shm.py``: one copy each, so the trainer
-may reuse its bucket at once) and loaded all together when it ends (a fused layer whose parts were reloaded
-separately would be repacked half old), the refusal to generate while a session is open or the weights are not
-the trainer's, and the sampling parameters of a call."""
+weight-update session whose buckets are staged in /dev/shm segments (``staging.py``: one copy per replica, so
+the trainer may reuse its bucket at once), the refusal to generate while a session is open or the weights are
+not the trainer's, and the sampling parameters of a call.
+
+An engine that ``loads_by_group`` (the colocated one) loads what is complete after every staged bucket, whole
+decoder layers at a time (``load_units.py``), and the rest when the session ends, so a bounded number of
+buckets is staged at once; the servers load everything at the session's end (each server paused once)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,33 +19,23 @@ from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.batch_io import check_prompt_batch
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
-from megatron_rl.rollout.vllm.shm import ShmSegment, new_segment_name
+from megatron_rl.rollout.vllm.shm import staging_dir
+from megatron_rl.rollout.vllm.staging import ShmStaging
 
-__all__ = ["StagedWeightsEngine", "stage_payload"]
-
-
-class _Owned:
-    """A segment another rank wrote and this engine unlinks once loaded (the leader owns the session's cleanup)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+__all__ = ["StagedWeightsEngine"]
 
 
 class StagedWeightsEngine(RolloutEngine):
-    """Subclasses set ``tp_size`` (segments per load: one layout per engine TP rank) and ``dtype``, call
-    ``_start_sessions(needs_sync)`` and implement ``end_weight_update`` over ``_staged``."""
+    """Subclasses set ``tp_size`` (one layout list per engine TP rank) and ``dtype``, call
+    ``_start_sessions(needs_sync)`` and implement ``end_weight_update`` over ``_layouts_by_rank``; with
+    ``loads_by_group`` also ``_load_group(layouts)`` (and ``end_weight_update`` loads ``_staging.waiting()``)."""
+
+    loads_by_group = False
 
     def _start_sessions(self, needs_sync: str | None) -> None:
         self._in_session = False
         self._session_version = 0
-        self._staged: list[list[dict[str, Any]]] = []  # per load: one segment layout per engine TP rank
-        self._segments: list[ShmSegment | _Owned] = []
+        self._staging = ShmStaging(staging_dir())
         self._needs_sync = needs_sync  # why the engine may not generate (None: it serves the trainer's weights)
 
     def _call_params(self, prompts: DataProto) -> SamplingParams:
@@ -63,12 +55,23 @@ class StagedWeightsEngine(RolloutEngine):
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self._in_session = True
         self._session_version = int(version)
+        self._staging = ShmStaging(staging_dir())
 
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Staged in segments of at most ``weight_sync.bucket_size_mb`` (a larger tensor alone in its own)."""
         self._require_session()
-        items = [(name, t.to(self.dtype) if t.is_floating_point() else t) for name, t in named_tensors]
-        if items:
-            self._stage(items)
+        limit = int(self.config.weight_sync.bucket_size_mb) << 20
+        chunk, used = [], 0
+        for name, tensor in named_tensors:
+            tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and used + nbytes > limit:
+                self._stage(chunk)
+                chunk, used = [], 0
+            chunk.append((name, tensor))
+            used += nbytes
+        if chunk:
+            self._stage(chunk)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> None:
         """A bucket of this process: every engine TP rank reads it (each worker shards the full tensors)."""
@@ -76,26 +79,40 @@ class StagedWeightsEngine(RolloutEngine):
         if len(bucket):
             self._stage(bucket.named_tensors())
 
-    def load_payloads(self, payloads: list[dict[str, Any]]) -> None:
-        """One segment layout per engine TP rank, each written by the trainer rank feeding it (``stage_payload``);
-        this engine unlinks them once loaded."""
-        self._require_session()
-        if len(payloads) != self.tp_size:
-            raise WeightUpdateError(f"{len(payloads)} payloads for an engine of TP {self.tp_size}")
-        self._staged.append(list(payloads))
-        self._segments.extend(_Owned(p["path"]) for p in payloads)
-
     def _stage(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        segment = ShmSegment(new_segment_name(f"v{self._session_version}"), tensors)
-        self._segments.append(segment)
-        self._staged.append([segment.layout] * self.tp_size)
+        self._staging.stage(tensors, f"v{self._session_version}")
+        if self.loads_by_group:
+            self._load_staged(self._staging.complete())
+
+    def _load_staged(self, layouts: list[dict[str, Any]]) -> None:
+        """Load ``layouts`` into the engine (``_load_group``) and unlink what no later load reads; a failure
+        aborts the session (every segment unlinked) and names the version."""
+        if not layouts:
+            return
+        try:
+            self._load_group(layouts)
+        except BaseException as exc:
+            self.abort_weight_update(f"loading the weights of version {self._session_version} failed: {exc}")
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: as they are, once the segments are gone
+            version = self._session_version
+            raise WeightUpdateError(f"vLLM failed to load the weights of version {version}: {exc}") from exc
+        self._staging.loaded(layouts)
+
+    def _load_group(self, layouts: list[dict[str, Any]]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} loads every bucket when the session ends")
+
+    def staged_peak(self) -> tuple[int, int]:
+        """The most segments, and bytes, the last session had staged at once."""
+        return self._staging.peak_segments, self._staging.peak_bytes
 
     def _require_session(self) -> None:
         if not self._in_session:
             raise WeightUpdateError("load outside a weight-update session; call begin_weight_update() first")
 
     def _layouts_by_rank(self) -> list[list[dict[str, Any]]]:
-        return [[load[rank] for load in self._staged] for rank in range(self.tp_size)]
+        """Every staged tensor not loaded yet, for each engine TP rank (all read the same segments)."""
+        return [self._staging.waiting()] * self.tp_size
 
     def abort_weight_update(self, reason: str) -> None:
         self._needs_sync = reason
@@ -103,12 +120,4 @@ class StagedWeightsEngine(RolloutEngine):
         self._release_segments()
 
     def _release_segments(self) -> None:
-        for segment in self._segments:
-            segment.unlink()
-        self._segments, self._staged = [], []
-
-
-def stage_payload(bucket: WeightBucket) -> dict[str, Any]:
-    """A member rank's copy of a bucket for its engine TP rank: written to shared memory, its layout returned
-    (the leader's engine loads it and unlinks it)."""
-    return ShmSegment(new_segment_name("member"), bucket.named_tensors()).layout
+        self._staging.release()

@@ -4,8 +4,9 @@
 Loading uses the worker's in-place ``reload_weights`` (checkpoint format, HF names), not
 ``model.load_weights``: on CPU, vLLM repacks every linear weight into a kernel handle after loading and leaves
 an empty parameter behind, which a second ``load_weights`` cannot fill; ``reload_weights`` restores the
-parameters, loads (fusing q/k/v and gate/up, sharding for TP) and repacks. All of one update is loaded in one
-call: a fused layer whose parts came in separate calls would be repacked half old.
+parameters, loads (fusing q/k/v and gate/up, sharding for TP) and repacks. One call gets whole decoder layers
+(``load_units.py``): a module whose parts came in separate calls would be processed with the rest left empty.
+The modules a call loads nothing into keep their kernel tensors as they are (``finalize_layerwise_reload``).
 
 Method names carry the ``mrl_`` prefix: vLLM refuses an extension whose names clash with the worker's own
 (``update_weights``, ``reload_weights`` and ``sleep`` exist). Imported inside vLLM's worker processes.
@@ -19,12 +20,16 @@ from typing import Any
 
 import torch
 
-from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout
+from megatron_rl.rollout.vllm.load_units import load_unit
+from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout, staging_dir
 
 __all__ = ["WorkerExtension"]
 
-# Every reload warns "RotaryEmbedding: Failed to load weights": rotary tables are computed, never loaded.
+# Every reload warns "<Layer>: Failed to load weights" for each module it got nothing for (rotary tables are
+# computed, never loaded; a reload of some layers loads nothing into the others), and lists the parameters not
+# loaded (all but the call's layers).
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+logging.getLogger("vllm.model_executor.model_loader.reload.inplace").setLevel(logging.ERROR)
 
 
 def _tp_rank() -> int:
@@ -33,20 +38,21 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def _prepack_cpu_experts(model: torch.nn.Module) -> int:
+def _prepack_cpu_experts(model: torch.nn.Module, units: set[str]) -> int:
     """vLLM 0.32's CPU fused-MoE kernel reads its expert weights (w13, w2) prepacked. vLLM prepacks them when
     it first sets up the kernel, but a weight update (reload) leaves the new weights unpacked
     (``_setup_kernel`` sets the kernel up on the first call only), and the kernel then computes with the
     wrong layout: log-probs off by ~1 against the trainer while the weights read back equal. Prepack again
     here, as the kernel's own ``process_weights_after_loading`` does (without its padding: the reloaded
-    parameters already have the padded shape). Returns the layers prepacked."""
+    parameters already have the padded shape). Only the layers of ``units`` (what the reload loaded): the
+    others kept their prepacked weights. Returns the layers prepacked."""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.utils import replace_parameter
 
     prepacked = 0
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         isa = _cpu_experts_isa(module)
-        if isa is None:
+        if isa is None or load_unit(module_name) not in units:
             continue
         for name in ("w13_weight", "w2_weight"):
             replace_parameter(module, name, cpu_prepack_moe_weight(getattr(module, name), isa))
@@ -87,15 +93,17 @@ class WorkerExtension:
         """Load the segments meant for this worker's TP rank (``layouts_by_rank[rank]``) in one reload; returns
         the number of tensors read."""
         layouts = layouts_by_rank[_tp_rank()]
+        units: set[str] = set()
         counted = [0]
 
         def tensors():
             for name, tensor in itertools.chain.from_iterable(map_layout(layout) for layout in layouts):
                 counted[0] += 1
+                units.add(load_unit(name))
                 yield name, tensor
 
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        _prepack_cpu_experts(self.model_runner.model)
+        _prepack_cpu_experts(self.model_runner.model, units)
         return counted[0]
 
     def mrl_read_weights(self, name: str) -> dict[str, Any]:
@@ -119,4 +127,4 @@ class WorkerExtension:
                         tensors.append((full, module.cpu_linear(eye, param, None).t().contiguous()))
                     else:
                         tensors.append((full, param.detach().cpu().clone()))
-        return ShmSegment(f"{name}_tp{_tp_rank()}", tensors).layout
+        return ShmSegment(staging_dir(), f"{name}_tp{_tp_rank()}", tensors).layout

@@ -14,17 +14,21 @@ PG_TIMEOUT_S, WAIT_TIMEOUT_S = 120, 3
 
 
 @contextlib.contextmanager
-def short_timeout_while_waiting(module: ModuleType) -> Iterator[None]:
+def short_timeout_while_waiting(module: ModuleType, *, from_now: bool = False) -> Iterator[None]:
     """The default group's collectives time out after WAIT_TIMEOUT_S from ``module``'s ``new_host_group``
-    until every rank has reached its ``wait_for_all``: a rank that waits for the slow step there (the bug
-    these tests catch) fails. The collectives before and after keep PG_TIMEOUT_S, which no stall of a loaded
-    machine reaches. Uses torch's private ``_set_pg_timeout`` and ``_get_default_store`` (torch 2.13)."""
+    (``from_now``: from entering this context) until every rank has reached its ``wait_for_all``: a rank that
+    waits for the slow step there (the bug these tests catch) fails. The collectives before and after keep
+    PG_TIMEOUT_S, which no stall of a loaded machine reaches. Uses torch's private ``_set_pg_timeout`` and
+    ``_get_default_store`` (torch 2.13)."""
     from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 
     make, wait = module.new_host_group, module.wait_for_all
+    if from_now:
+        _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
 
     def new_host_group(*args, **kwargs):
-        _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
+        if not from_now:
+            _set_pg_timeout(timedelta(seconds=WAIT_TIMEOUT_S))
         return make(*args, **kwargs)
 
     def wait_for_all(*args, **kwargs):

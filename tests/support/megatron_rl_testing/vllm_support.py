@@ -3,8 +3,10 @@ parameters vLLM must hold after loading them (its fused and padded layout)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,21 @@ def tiny_model(path, seed: int, num_kv_heads: int = 1, family: str = "qwen2"):
     return make_tiny_hf_checkpoint(path, family, seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2,
                                    num_kv_heads=num_kv_heads, intermediate_size=128, max_position_embeddings=MAX_LEN,
                                    with_tokenizer=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1, **moe)
+
+
+# A checkpoint's own sampling defaults, as Qwen2.5-Instruct ships repetition_penalty 1.05 in generation_config.json:
+# vLLM applies such defaults to every request that leaves the field unset unless started with generation_config=vllm
+# (vllm/config/model.py get_diff_sampling_param). Every value here would change the sampled distribution.
+CHECKPOINT_SAMPLING = {"repetition_penalty": 1.3, "min_p": 0.2, "temperature": 0.3, "top_p": 0.5, "top_k": 5,
+                       "max_new_tokens": 3, "do_sample": True}
+
+
+def with_checkpoint_sampling_defaults(path) -> Path:
+    """``path``'s generation_config.json with CHECKPOINT_SAMPLING added (as a checkpoint, not a model config)."""
+    file = Path(path) / "generation_config.json"
+    config = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps({**config, **CHECKPOINT_SAMPLING, "_from_model_config": False}, indent=2))
+    return Path(path)
 
 
 def as_bucket(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:

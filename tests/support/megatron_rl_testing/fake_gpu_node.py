@@ -1,0 +1,350 @@
+"""A fake node of GPUs for CPU tests, and a recording double of ``vllm.LLM`` that keeps vLLM 0.32's GPU rules.
+
+The real start-up code (device binding, the rollout mesh, the engines' construction, the memory schedule) runs
+as on an 8-GPU node; the test then reads where everything landed and how many bytes each GPU holds.
+
+    node = FakeGpuNode(monkeypatch)               # patches torch.cuda.* and vllm.LLM; 8 GPUs of 80 GiB
+    with node.process("rank0", {"LOCAL_RANK": "0"}):   # one simulated process: its environment and CUDA state
+        bind_device(...); node.hold_cache(30 << 30)    # its allocator keeps 30 GiB reserved on its device
+        engine = VLLMEngine(..., device="cuda")        # vllm.LLM is the double
+    node.engines[0].gpus, node.engines[0].bytes_on, node.free_bytes(3)
+
+API (kept small: the planner's tests use it too):
+- ``FakeGpuNode(monkeypatch, gpus=8, total_bytes=80 GiB, model_bytes=4 GiB, with_vllm=True)``: ``model_bytes`` are
+  the weights of the model every engine serves (each TP worker holds its share); ``with_vllm``: install the
+  ``vllm.LLM`` double.
+- ``process(name, env)``: a simulated process. Its environment is applied to ``os.environ`` for the block (and
+  restored after); CUDA initialises on the first call that needs a device, reading ``CUDA_VISIBLE_DEVICES``
+  then, as CUDA does (a later change of the variable does not change this process's view, only that of the
+  processes it starts). Device index i is the i-th visible physical GPU.
+- ``hold_cache(nbytes)``: this process's caching allocator holds ``nbytes`` reserved but unused on its current
+  device (what training freed); ``torch.cuda.empty_cache()`` of this process gives them back.
+- ``free_bytes(gpu)`` / ``total_bytes``: a physical GPU's free and total memory (``torch.cuda.mem_get_info``).
+- ``engines``: one ``EngineRecord`` per ``vllm.LLM`` built: ``gpus`` (physical, TP worker order),
+  ``bytes_on`` ({gpu: {"weights": n, "kv_cache": n}} of what is resident), ``kwargs``, ``calls``, ``asleep``.
+- ``record_server_launches(monkeypatch)``: vLLM server processes (servers/vllm_server.py) are not started; each
+  launch's command and environment are recorded and a sleeping process of its own session stands in for it.
+  ``LaunchRecordingServerActor``: ``VLLMServerActor`` on a fake GPU node with its launches recorded (a Ray
+  actor class: Ray's workers import it from here), its ``address()`` reporting them under "launches".
+
+torch.cuda functions patched: is_available, is_initialized, device_count, current_device, set_device,
+mem_get_info, memory_reserved, empty_cache, synchronize.
+
+The ``vllm.LLM`` double (``RecordingLLM``) enforces, as read in vllm 0.32.0's source:
+- device index semantics: TP worker i runs on ``cuda:i`` of the environment it inherits when the engine is
+  built (vllm/v1/worker/gpu_worker.py:498-501, ``logical_device_id_to_visible_device_id(local_rank)``;
+  vllm/platforms/interface.py:288-341: logical id i -> the i-th entry of ``CUDA_VISIBLE_DEVICES``, or
+  ``device_ids`` composed with it, vllm/engine/arg_utils.py:2101-2140), and refuses a rank beyond the visible
+  devices (gpu_worker.py:492);
+- the start-up memory check: every worker refuses to start when its GPU's free memory is below
+  ``gpu_memory_utilization`` x total (vllm/v1/worker/utils.py:716-772 ``request_memory``, default 0.92 from
+  vllm/config/cache.py:102), with vLLM's message; then it holds its weights and the rest of that budget as
+  KV cache (``kv_cache_memory_bytes`` when given), refusing a budget that leaves none
+  (vllm/v1/core/kv_cache_utils.py:1009);
+- sleep / wake tags: ``sleep`` needs ``enable_sleep_mode`` and releases weights and KV cache (a second sleep
+  does nothing, vllm/v1/executor/abstract.py:382-392; level 2 discards the weights); ``wake_up(tags)`` drops
+  "scheduling" (vllm/v1/engine/core.py:1007), does nothing when awake or when a tag is not asleep
+  (abstract.py:394-404), else maps the tags' memory back, failing like cuMemCreate when the GPU lacks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["EngineRecord", "FakeGpuNode", "LaunchRecordingServerActor", "RecordingLLM", "record_server_launches"]
+
+GiB = 1 << 30
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vllm/config/cache.py:102
+SLEEP_TAGS = ("weights", "kv_cache")  # vllm/v1/executor/abstract.py:37
+
+
+@dataclass
+class _Process:
+    name: str
+    visible: list[int] | None = None  # set when CUDA initialises
+    device_index: int = 0
+
+
+@dataclass
+class EngineRecord:
+    """One ``vllm.LLM`` the code built: where its TP workers run and what they hold."""
+
+    index: int
+    kwargs: dict[str, Any]
+    gpus: tuple[int, ...]
+    bytes_on: dict[int, dict[str, int]]
+    calls: list[str] = field(default_factory=list)
+    asleep: set[str] = field(default_factory=set)
+    alive: bool = True
+
+
+class FakeGpuNode:
+    def __init__(self, monkeypatch: Any, gpus: int = 8, total_bytes: int = 80 * GiB, model_bytes: int = 4 * GiB,
+                 with_vllm: bool = True) -> None:
+        """``with_vllm``: install the ``vllm.LLM`` double too (importing vLLM costs seconds)."""
+        self.gpus, self.total_bytes, self.model_bytes = gpus, total_bytes, model_bytes
+        self.engines: list[EngineRecord] = []
+        # physical GPU -> (owner, kind) -> bytes
+        self._held: dict[int, dict[tuple[str, str], int]] = {g: {} for g in range(gpus)}
+        self._proc = _Process("main")
+        cuda = torch.cuda
+        for name, fn in {
+            "is_available": lambda: True,
+            "is_initialized": lambda: self._proc.visible is not None,
+            "device_count": self._device_count,
+            "current_device": self._current_device,
+            "set_device": self._set_device,
+            "mem_get_info": self._mem_get_info,
+            "memory_reserved": self._memory_reserved,
+            "empty_cache": self._empty_cache,
+            "synchronize": lambda device=None: None,
+        }.items():
+            monkeypatch.setattr(cuda, name, fn)
+        if with_vllm:
+            import vllm
+
+            monkeypatch.setattr(vllm, "LLM", functools.partial(RecordingLLM, self))
+
+    # ------------------------------------------------------------------ simulated processes
+    @contextlib.contextmanager
+    def process(self, name: str, env: Mapping[str, str] | None = None) -> Iterator[None]:
+        """One simulated process: ``env`` over ``os.environ`` for the block, CUDA not yet initialised."""
+        saved, outer = dict(os.environ), self._proc
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        self._proc = _Process(name)
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            self._proc = outer
+
+    def visible_in(self, env: Mapping[str, str]) -> list[int]:
+        """Physical GPUs a process started with ``env`` sees (CUDA_VISIBLE_DEVICES; unset: all)."""
+        raw = env.get("CUDA_VISIBLE_DEVICES")
+        if raw is None:
+            return list(range(self.gpus))
+        ids = [int(x) for x in raw.split(",") if x.strip()]
+        bad = [i for i in ids if not 0 <= i < self.gpus]
+        if bad:
+            raise RuntimeError(f"CUDA_VISIBLE_DEVICES={raw} names GPUs {bad}; the node has {self.gpus}")
+        return ids
+
+    def _visible(self) -> list[int]:
+        if self._proc.visible is None:  # CUDA initialises: it reads CUDA_VISIBLE_DEVICES once
+            self._proc.visible = self.visible_in(os.environ)
+        return self._proc.visible
+
+    def _device_count(self) -> int:
+        return len(self._visible() if self._proc.visible is not None else self.visible_in(os.environ))
+
+    def _current_device(self) -> int:
+        self._visible()
+        return self._proc.device_index
+
+    def _set_device(self, device: Any) -> None:
+        index = self._index(device)
+        if not 0 <= index < len(self._visible()):
+            raise RuntimeError(f"CUDA error: invalid device ordinal ({index}; {len(self._visible())} visible)")
+        self._proc.device_index = index
+
+    def _index(self, device: Any) -> int:
+        if device is None:
+            return self._current_device()
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            return self._current_device() if device.index is None else device.index
+        return int(device)
+
+    def physical(self, device: Any = None) -> int:
+        """The physical GPU of a device index of the current process."""
+        visible = self._visible()
+        index = self._index(device)
+        if not 0 <= index < len(visible):
+            raise RuntimeError(f"CUDA error: invalid device ordinal ({index}; {len(visible)} visible)")
+        return visible[index]
+
+    # ------------------------------------------------------------------ memory
+    def free_bytes(self, gpu: int) -> int:
+        return self.total_bytes - sum(self._held[gpu].values())
+
+    def hold_cache(self, nbytes: int) -> None:
+        self._held[self.physical()][(self._proc.name, "cache")] = int(nbytes)
+
+    def _mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        gpu = self.physical(device)
+        return self.free_bytes(gpu), self.total_bytes
+
+    def _memory_reserved(self, device: Any = None) -> int:
+        return self._held[self.physical(device)].get((self._proc.name, "cache"), 0)
+
+    def _empty_cache(self) -> None:
+        for held in self._held.values():  # every device's unused cached blocks of this process
+            held.pop((self._proc.name, "cache"), None)
+
+    def _allocate(self, gpu: int, owner: str, kind: str, nbytes: int, what: str) -> None:
+        free = self.free_bytes(gpu)
+        if nbytes > free:
+            # what cuMemCreate reports when vLLM's CuMemAllocator maps memory back (vllm/device_allocator/cumem.py)
+            raise RuntimeError(f"CUDA Error: out of memory: {what} needs {nbytes / GiB:.2f} GiB on GPU {gpu}, "
+                               f"{free / GiB:.2f} GiB free")
+        self._held[gpu][(owner, kind)] = nbytes
+
+    def _release(self, gpu: int, owner: str, kind: str) -> None:
+        self._held[gpu].pop((owner, kind), None)
+
+
+class RecordingLLM:
+    """``vllm.LLM`` as far as the rollout uses it, with vLLM's GPU rules (module docstring)."""
+
+    def __init__(self, node: FakeGpuNode, **kwargs: Any) -> None:
+        self.node = node
+        env = dict(os.environ)  # what vLLM's spawned engine core and workers inherit now
+        tp = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
+        visible = node.visible_in(env)
+        device_ids = kwargs.get("device_ids")
+        if device_ids:  # arg_utils.py:2120-2140: indices into CUDA_VISIBLE_DEVICES when it is set
+            assigned = [visible[i] for i in device_ids] if env.get("CUDA_VISIBLE_DEVICES") else list(device_ids)
+        else:
+            assigned = visible
+        for rank in range(tp):  # gpu_worker.py:492
+            if rank >= len(assigned):
+                raise AssertionError(f"DP adjusted local rank {rank} is out of bounds for {len(assigned)} devices.")
+        gpus = tuple(assigned[:tp])
+        util = float(kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
+        weights = node.model_bytes // tp
+        self.record = EngineRecord(len(node.engines), dict(kwargs), gpus, {g: {} for g in gpus})
+        owner = f"vllm{self.record.index}"
+        for rank, gpu in enumerate(gpus):  # each worker's request_memory (v1/worker/utils.py:761-770)
+            free, total = node.free_bytes(gpu), node.total_bytes
+            requested = math.ceil(total * util)
+            if free < requested:
+                self._free_all()
+                raise ValueError(
+                    f"Free memory on device cuda:{rank} ({free / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
+                    f"than desired GPU memory utilization ({util}, {requested / GiB:.2f} GiB). Decrease GPU memory "
+                    "utilization or reduce GPU memory used by other processes.")
+            kv = int(kwargs["kv_cache_memory_bytes"]) if kwargs.get("kv_cache_memory_bytes") else requested - weights
+            if kv <= 0:  # kv_cache_utils.py:1009
+                self._free_all()
+                raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                                 "when initializing the engine.")
+            for kind, nbytes in (("weights", weights), ("kv_cache", kv)):
+                node._allocate(gpu, owner, kind, nbytes, f"vLLM engine {self.record.index} start")
+                self.record.bytes_on[gpu][kind] = nbytes
+        self._sizes = {g: dict(b) for g, b in self.record.bytes_on.items()}
+        self.weights_valid = kwargs.get("load_format") != "dummy"
+        node.engines.append(self.record)
+        self.llm_engine = _Engine(self)
+
+    @property
+    def _owner(self) -> str:
+        return f"vllm{self.record.index}"
+
+    def _free_all(self, kinds: tuple[str, ...] = SLEEP_TAGS) -> None:
+        for gpu in self.record.bytes_on:
+            for kind in kinds:
+                self.node._release(gpu, self._owner, kind)
+                self.record.bytes_on[gpu].pop(kind, None)
+
+    def sleep(self, level: int = 1) -> None:
+        assert self.record.kwargs.get("enable_sleep_mode"), "sleep() on an engine built without enable_sleep_mode"
+        self.record.calls.append(f"sleep{level}")
+        if "weights" in self.record.asleep:  # abstract.py:383: already sleeping
+            return
+        self._free_all()
+        self.record.asleep = set(SLEEP_TAGS)
+        if level == 2:
+            self.weights_valid = False
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.record.calls.append(f"wake:{','.join(tags) if tags else 'all'}")
+        if tags is not None:
+            tags = [t for t in tags if t != "scheduling"]  # core.py:1007
+            if not tags:
+                return
+        if not self.record.asleep or (tags and any(t not in self.record.asleep for t in tags)):
+            return  # abstract.py:394-404: a warning, nothing woken
+        for tag in list(tags or self.record.asleep):
+            for gpu, sizes in self._sizes.items():
+                what = f"vLLM engine {self.record.index} wake_up({tag})"
+                self.node._allocate(gpu, self._owner, tag, sizes[tag], what)
+                self.record.bytes_on[gpu][tag] = sizes[tag]
+            self.record.asleep.discard(tag)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        self.record.calls.append(method)
+        if method == "mrl_load_weights":
+            assert "weights" not in self.record.asleep, "weights loaded into memory that is asleep"
+            self.weights_valid = True
+        return [None] * len(self.record.gpus)
+
+    def reset_prefix_cache(self) -> None:
+        self.record.calls.append("reset_prefix_cache")
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the placement double of vllm.LLM does not generate")
+
+
+class _Engine:
+    """``llm.llm_engine.engine_core``: what VLLMEngine.shutdown calls."""
+
+    def __init__(self, llm: RecordingLLM) -> None:
+        self.engine_core = self
+        self._llm = llm
+
+    def shutdown(self) -> None:
+        self._llm._free_all()
+        self._llm.record.alive = False
+
+
+# ---------------------------------------------------------------------------------------------- started servers
+def record_server_launches(monkeypatch: Any) -> list[dict[str, Any]]:
+    """servers/vllm_server.py starts no server: each launch is recorded ({"cmd": [...], "env": {...}}), a
+    sleeping process in a session of its own (killed as a server's group is) takes its place, /health answers."""
+    from megatron_rl.servers import vllm_server
+
+    launches: list[dict[str, Any]] = []
+
+    def popen(cmd: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+        launches.append({"cmd": list(cmd), "env": dict(os.environ if env is None else env)})
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    recording = types.SimpleNamespace(**{n: getattr(subprocess, n) for n in ("STDOUT", "TimeoutExpired")}, Popen=popen)
+    monkeypatch.setattr(vllm_server, "subprocess", recording)
+    monkeypatch.setattr(vllm_server, "_healthy", lambda url: True)
+    return launches
+
+
+def _launch_recording_actor() -> type:
+    from megatron_rl.servers.vllm_server import VLLMServerActor
+
+    class LaunchRecordingServerActor(VLLMServerActor):
+        def __init__(self, *args: Any) -> None:
+            import pytest
+
+            patch = pytest.MonkeyPatch()  # for the actor's life: its process is its own
+            FakeGpuNode(patch, with_vllm=False)
+            self.launches = record_server_launches(patch)
+            super().__init__(*args)
+
+        def address(self) -> dict[str, Any]:
+            return {**super().address(), "launches": self.launches}
+
+    return LaunchRecordingServerActor
+
+
+LaunchRecordingServerActor = _launch_recording_actor()
