@@ -16,22 +16,20 @@ Tool config file (``multi_turn.tool_config_path``, verl's format)::
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib
-import json
 import operator
 import os
-import selectors
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
+
+from megatron_rl.agent.sandbox import (
+    FILESYSTEMS,
+    Sandbox,
+    SandboxLimits,
+    SandboxReport,
+    sandbox_for,
+    sandbox_report,
+)
 
 __all__ = [
     "CalculatorTool",
@@ -151,184 +149,19 @@ class CalculatorTool(Tool):
 
 
 # ---------------------------------------------------------------------------------------------- python
-_NOBODY = 65534
-# The child's first statements (run by ``python -I -c``; no preexec_fn, which is unsafe in the agent loop's
-# multi-threaded tool pool): read the program, seal the filesystem, drop privileges, set the limits, run it.
-_BOOT = r"""
-import ctypes, json, os, sys, resource as r
-c = json.loads(sys.argv[1])
-def fail(what, err=None):
-    sys.stdout.write("[sandbox set-up failed: %s%s]\n" % (what, ": " + os.strerror(err) if err else ""))
-    sys.stdout.flush()
-    os._exit(125)
-libc = ctypes.CDLL(None, use_errno=True)
-src = open(c["src"], encoding="utf-8").read()
-work = c["work"]
-if c["namespaces"]:
-    class MountAttr(ctypes.Structure):
-        _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64), ("prop", ctypes.c_uint64), ("ns", ctypes.c_uint64)]
-    def mount_setattr(path, flags, set_, clr):
-        a = MountAttr(set_, clr, 0, 0)
-        return libc.syscall(442, -100, path.encode(), flags, ctypes.byref(a), ctypes.sizeof(a))
-    if libc.mount(None, b"/", None, 0x40000 | 0x4000, None):  # MS_PRIVATE | MS_REC
-        fail("private mounts", ctypes.get_errno())
-    if c["drop"]:
-        # nobody must still read the interpreter: a directory on sys.path below one nobody may not enter
-        # (/root/.pyenv/...) is cloned, that directory is covered by an empty tmpfs (its other contents hidden)
-        # and the clone put back at its own path
-        def hidden_above(path):
-            parts = path.split("/")
-            for i in range(2, len(parts) + 1):
-                top = "/".join(parts[:i])
-                if not os.stat(top).st_mode & 1:
-                    return top
-        keep = {}
-        for p in sorted({os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}):
-            top = hidden_above(p)
-            if top and not any(p.startswith(k + "/") for k in keep):
-                fd = libc.syscall(428, -100, p.encode(), 1 | 0x8000 | 0o2000000)  # open_tree CLONE|RECURSIVE
-                if fd < 0:
-                    fail("cloning " + p, ctypes.get_errno())
-                keep[p] = (top, fd)
-        for top in sorted({top for top, _ in keep.values()}):
-            if libc.mount(b"tmpfs", top.encode(), b"tmpfs", 2 | 4, b"mode=0755,size=1m"):
-                fail("covering " + top, ctypes.get_errno())
-        for p, (top, fd) in keep.items():
-            os.makedirs(p, exist_ok=True)
-            if libc.syscall(429, fd, b"", -100, p.encode(), 4):  # move_mount F_EMPTY_PATH
-                fail("restoring " + p, ctypes.get_errno())
-            os.close(fd)
-    if mount_setattr("/", 0x8000, 1, 0):  # AT_RECURSIVE, MOUNT_ATTR_RDONLY: every mount read-only
-        fail("read-only filesystem", ctypes.get_errno())
-    opts = "size=%dm,mode=0700%s" % (c["tmpfs_mb"], ",uid=%d,gid=%d" % (c["uid"], c["uid"]) if c["drop"] else "")
-    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts.encode()):  # MS_NOSUID | MS_NODEV
-        fail("private /tmp", ctypes.get_errno())
-    work = "/tmp"
-if c["drop"]:
-    os.setgroups([])
-    os.setgid(c["uid"])
-    os.setuid(c["uid"])
-    if os.getuid() != c["uid"] or os.geteuid() != c["uid"]:
-        fail("dropping to uid %d" % c["uid"])
-if libc.unshare(0x10000000):  # CLONE_NEWUSER: a process count of its own; no capability over the mounts
-    if c["namespaces"] and not c["drop"]:
-        fail("nested user namespace", ctypes.get_errno())
-for res, value in ((r.RLIMIT_CPU, c["cpu"]), (r.RLIMIT_AS, c["mem"]), (r.RLIMIT_FSIZE, c["fsize"]),
-                   (r.RLIMIT_NOFILE, 64), (r.RLIMIT_CORE, 0), (r.RLIMIT_NPROC, c["nproc"])):
-    r.setrlimit(res, (value, value))
-os.chdir(work)
-os.environ["HOME"] = os.environ["TMPDIR"] = work
-if c["namespaces"]:
-    with open("main.py", "w", encoding="utf-8") as f:
-        f.write(src)
-sys.argv = ["main.py"]
-del ctypes, json, r, c, fail, libc, work
-exec(compile(src, "main.py", "exec"), {"__name__": "__main__"})
-"""
-
-
-@dataclass(frozen=True)
-class SandboxReport:
-    """How the ``python`` tool is contained on this machine (``PythonTool.sandbox``).
-
-    ``pid_namespace``: every call runs in a PID namespace of its own (it sees no other process, and all its
-    processes die with it); ``private_filesystem``: everything is read-only but a private ``/tmp`` (its cwd);
-    ``unprivileged``: it runs as ``nobody`` (trainer is root) or in a user namespace of its own, without
-    capabilities; ``network_isolated``: a new, empty network namespace."""
-
-    mode: str
-    pid_namespace: bool
-    private_filesystem: bool
-    unprivileged: bool
-    network_isolated: bool
-
-    def __str__(self) -> str:
-        flags = [name for name in ("pid_namespace", "private_filesystem", "unprivileged", "network_isolated")
-                 if getattr(self, name)]
-        return f"{self.mode} ({', '.join(flags) or 'process group only'})"
-
-
-@dataclass(frozen=True)
-class _Plan:
-    prefix: tuple[str, ...]
-    namespaces: bool
-    drop: bool
-    report: SandboxReport
-
-
-def _plans(isolate_network: bool) -> list[_Plan]:
-    """Candidates, strongest first: namespaces (as root: drop to nobody; otherwise in a user namespace), then
-    a session of its own (killed as a group) with nobody's uid where the trainer is root."""
-    exe = shutil.which("unshare")
-    root = os.geteuid() == 0
-    net = ("--net",) if isolate_network else ()
-    plans = []
-    if exe:
-        user = () if root else ("--user", "--map-root-user")
-        prefix = (exe, *user, "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts", *net)
-        plans.append(_Plan(prefix, True, root, SandboxReport("namespaces", True, True, True, bool(net))))
-        if net and not root:
-            plans.append(_Plan((exe, "-rn"), False, False, SandboxReport("session", False, False, False, True)))
-    if root:
-        plans.append(_Plan((), False, True, SandboxReport("session", False, False, True, False)))
-    plans.append(_Plan((), False, False, SandboxReport("session", False, False, False, False)))
-    return plans
-
-
-@lru_cache(maxsize=2)
-def _sandbox_plan(isolate_network: bool) -> _Plan:
-    """The strongest candidate that runs ``print('ok')`` on this machine (probed once per process)."""
-    probe = PythonTool({"timeout_s": 10, "isolate_network": isolate_network})
-    for plan in _plans(isolate_network):
-        if probe.run_in(plan, "import json, tempfile; print('ok')") == (False, 0, "ok\n"):
-            return plan
-    return _plans(isolate_network)[-1]
-
-
-def sandbox_report(isolate_network: bool = True) -> SandboxReport:
-    """How a ``python`` tool call is contained on this machine (see ``SandboxReport``)."""
-    return _sandbox_plan(isolate_network).report
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _exited(pid: int) -> bool:
-    """Whether the child ``pid`` has exited, without reaping it (its pid, and so its group, stays ours)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill everything the call started: the PID namespace's init first (the kernel then kills every process
-    in the namespace and ``unshare`` returns once they are all gone), then the whole process group."""
-    deadline = time.monotonic() + 5.0
-    if not _exited(proc.pid):
-        for child in _children(proc.pid):
-            with contextlib.suppress(OSError):
-                os.kill(child, signal.SIGKILL)
-        while not _exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 class PythonTool(Tool):
-    """Runs code in a fresh ``python -I`` subprocess, contained as ``sandbox`` reports (``SandboxReport``).
+    """Runs code in a fresh ``python -I`` subprocess, contained as ``sandbox`` reports (``SandboxReport``;
+    agent/sandbox.py builds it).
 
-    Where the kernel allows (``sandbox.mode == "namespaces"``): a PID namespace per call (it sees no other
-    process; every process it starts, daemons included, dies with the call), a mount namespace with the whole
-    filesystem read-only but a private size-bounded ``/tmp`` (its cwd, HOME and TMPDIR), a new empty network,
-    IPC and UTS namespace, and no privileges: as ``nobody`` (65534, no supplementary groups) when the trainer
-    is root, in a user namespace of its own otherwise. Elsewhere: a session of its own killed as a group, as
+    ``filesystem`` (config): ``empty_root`` (default) or ``host``. ``empty_root``: a PID namespace per call
+    (it sees no other process; every process it starts, daemons included, dies with the call), a mount
+    namespace whose root is an empty tmpfs holding only ``sandbox.interpreter_paths()`` read-only, its own
+    ``/proc`` and a private size-bounded ``/tmp`` (its cwd, HOME and TMPDIR): the training data, model,
+    checkpoints, outputs and every other host file do not exist for it. A new empty network, IPC and UTS
+    namespace, and no privileges: as ``nobody`` (65534, no supplementary groups) when the trainer is root, in
+    a user namespace of its own otherwise. Where namespaces are not allowed the tool refuses to be built,
+    naming ``filesystem: host``. ``host``, the user's explicit choice: the same namespaces with the host's whole
+    filesystem read-only (every world-readable file visible), else a session of its own killed as a group, as
     ``nobody`` when the trainer is root. Always: wall-clock limit (``timeout_s``; output is read with a
     deadline, so a process holding the pipe cannot extend the call), CPU seconds, address space
     (``memory_mb``), file size, open files, processes (RLIMIT_NPROC, ``max_processes``; counted per call where
@@ -351,89 +184,31 @@ class PythonTool(Tool):
         self.isolate_network = bool(self.config.get("isolate_network", True))
         self.max_processes = int(self.config.get("max_processes", 32))
         self.tmp_mb = int(self.config.get("tmp_mb", 64))
+        self.filesystem = str(self.config.get("filesystem", "empty_root"))
+        if self.filesystem not in FILESYSTEMS:
+            raise ValueError(f"the python tool's config filesystem={self.filesystem!r}: choose one of "
+                             f"{', '.join(FILESYSTEMS)}")
+        if self.filesystem == "empty_root":
+            self._sandbox()  # refused here, when the tools are built, not at the model's first call
+        self._limits = SandboxLimits(self.timeout_s, self.memory_mb, self.max_processes, self.tmp_mb,
+                                     max(4 * self.max_output_chars, 1 << 16))
+
+    def _sandbox(self) -> Sandbox:
+        return sandbox_for(self.isolate_network, self.filesystem)
 
     @property
     def sandbox(self) -> SandboxReport:
-        return sandbox_report(self.isolate_network)
+        return self._sandbox().report
 
     @property
     def network_isolated(self) -> bool:
         return self.sandbox.network_isolated
 
-    def run_in(self, plan: _Plan, code: str) -> tuple[bool, int, str]:
-        """Run ``code`` under ``plan``: (timed out, exit status, output)."""
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with tempfile.TemporaryDirectory(prefix="mrl-python-tool-") as host_dir:
-            src = os.path.join(host_dir, "main.py")
-            with open(src, "w", encoding="utf-8") as f:
-                f.write(code)
-            if plan.drop and not plan.namespaces:  # nobody works in the host directory
-                os.chown(host_dir, _NOBODY, _NOBODY)
-                os.chmod(src, 0o644)
-            cpu = max(1, int(self.timeout_s) + 1)
-            boot_cfg = {"src": src, "work": host_dir, "namespaces": plan.namespaces, "drop": plan.drop,
-                        "uid": _NOBODY, "cpu": cpu, "mem": self.memory_mb << 20, "fsize": 16 << 20,
-                        "nproc": max(1, self.max_processes), "tmpfs_mb": max(1, self.tmp_mb)}
-            try:
-                proc = subprocess.Popen(
-                    [*plan.prefix, sys.executable, "-I", "-c", _BOOT, json.dumps(boot_cfg)], cwd=host_dir, env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                return False, -1, f"Error: could not start the Python sandbox: {exc}"
-            try:
-                timed_out, out = self._read(proc, time.monotonic() + self.timeout_s)
-            finally:
-                _stop(proc)
-                proc.stdout.close()
-        return timed_out, proc.returncode, out.decode("utf-8", errors="replace")
-
-    def _read(self, proc: subprocess.Popen, deadline: float) -> tuple[bool, bytes]:
-        """Output until EOF or ``deadline``; never blocks on a pipe that a leftover process holds open (stop
-        reading 0.2 s after the program itself exited). Keeps the head and the tail of long output."""
-        cap = max(4 * self.max_output_chars, 1 << 16)
-        head, tail, dropped = bytearray(), bytearray(), False
-        fd = proc.stdout.fileno()
-        os.set_blocking(fd, False)
-        exited_at = None
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    return True, bytes(head)
-                if exited_at is None and _exited(proc.pid):
-                    exited_at = now
-                if exited_at is not None and now - exited_at > 0.2:
-                    break
-                if not sel.select(min(0.05, deadline - now)):
-                    continue
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    break
-                room = cap - len(head)
-                head += chunk[:room]
-                if len(chunk) > room:
-                    tail += chunk[room:]
-                    if len(tail) > cap:
-                        del tail[:len(tail) - cap]
-                        dropped = True
-        while not _exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not _exited(proc.pid):
-            return True, bytes(head)
-        return False, bytes(head + (b"\n...(output cut)...\n" if dropped else b"") + tail)
-
     def execute(self, arguments: dict[str, Any], **kwargs: Any) -> str:
         code = arguments.get("code")
         if not isinstance(code, str):
             return 'Error: python needs {"code": "<program>"}.'
-        timed_out, returncode, text = self.run_in(_sandbox_plan(self.isolate_network), code)
+        timed_out, returncode, text = self._sandbox().run(code, self._limits)
         if timed_out:
             return f"Error: the program ran longer than {self.timeout_s:g}s and was killed."
         if returncode == -1 and text.startswith("Error: could not start"):

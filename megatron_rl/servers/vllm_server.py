@@ -2,11 +2,12 @@
 ``rollout.num_servers=N``), and the driver's generation client to vLLM servers for the async loops.
 
 A server is ``python -m vllm.entrypoints.openai.api_server`` (``server_command``) in a process group of its own
-(vLLM's engine core is a child of it: ``stop`` ends both), listening on 127.0.0.1 (its dev routes take no API
-key; the run's secret guards ``/v1`` through ``VLLM_API_KEY``, never on the command line), ready once
-``/health`` answers 200. Started as child processes (``VLLMServerPool``: torchrun, no Ray) or one per Ray actor
-on the servers' own resource pool (``ray_vllm_server_pool``: the actor starts and watches its server process;
-Ray reserves the CPUs, and on a cluster with GPUs rollout-TP GPUs per server, which are all its server sees).
+(vLLM's engine core is a child of it: ``stop`` ends both), listening on 127.0.0.1, every route of it (the dev
+routes and ``/health`` included) behind the run's secret (``route_auth.py``, given as ``VLLM_API_KEY``, never on
+the command line), ready once ``/health`` answers 200 to the secret. Started as child processes
+(``VLLMServerPool``: torchrun, no Ray) or one per Ray actor on the servers' own resource pool
+(``ray_vllm_server_pool``: the actor starts and watches its server process; Ray reserves the CPUs, and on a
+cluster with GPUs rollout-TP GPUs per server, which are all its server sees).
 Both are ``ServerPool``s: ``check``/``dead``/``replace`` and servers/restarts.py work unchanged; a replacement
 holds random weights (version -1) and serves nothing before the next sync.
 
@@ -48,6 +49,7 @@ from megatron_rl.rollout.vllm.server import (
 )
 from megatron_rl.servers.client import ServerRolloutClient, _Replaced
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
+from megatron_rl.servers.route_auth import KEY_ENV, MIDDLEWARE
 
 __all__ = ["VLLMServerActor", "VLLMServerPool", "VLLMServerRolloutClient", "VLLMServerSettings",
            "ray_vllm_server_pool", "server_command", "start_vllm_server", "vllm_server_settings"]
@@ -154,18 +156,20 @@ def cli_flags(engine_args: dict[str, Any]) -> list[str]:
 
 def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.0.0.1", seed: int | None = None) -> list[str]:
     """The command line of one server (start servers for ``rollout.server_urls`` the same way, with
-    ``VLLM_SERVER_DEV_MODE=1`` in their environment, and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` where it says
-    ``--distributed-executor-backend uni``: start_vllm_server)."""
+    ``VLLM_SERVER_DEV_MODE=1`` and the run's secret as ``VLLM_API_KEY`` in their environment, and
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` where it says ``--distributed-executor-backend uni``: start_vllm_server).
+    ``--middleware`` puts every route behind the secret (route_auth.py); vLLM alone guards ``/v1`` only."""
     args = dict(settings.engine_args)
     if seed is not None:
         args["seed"] = seed
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", SERVED_NAME,
-            "--host", host, "--port", str(port), *cli_flags(args)]
+            "--host", host, "--port", str(port), "--middleware", MIDDLEWARE, *cli_flags(args)]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, api_key: str) -> bool:
+    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {api_key}"})
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+        with urllib.request.urlopen(req, timeout=2) as resp:
             return resp.status == 200
     except OSError:
         return False
@@ -178,8 +182,8 @@ def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, 
     ``gpus``: the physical GPUs it may see (its ``CUDA_VISIBLE_DEVICES``: vLLM's TP worker i takes the i-th)."""
     port = free_port(host)
     url = f"http://{host}:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ensure_server_api_key(),
-           "OMP_NUM_THREADS": str(settings.threads)}
+    api_key = api_key or ensure_server_api_key()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", KEY_ENV: api_key, "OMP_NUM_THREADS": str(settings.threads)}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if settings.cpu_threads_bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
@@ -197,7 +201,7 @@ def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, 
         if proc.poll() is not None:
             raise RolloutServerDied(f"the vLLM rollout server for {settings.model_path} exited with code "
                                     f"{proc.returncode} before it was ready; its log ({log_path}) ends:\n{_tail(log_path)}")
-        if _healthy(url):
+        if _healthy(url, api_key):
             return proc, url, log_path
         time.sleep(0.5)
     _kill_group(proc)

@@ -1,18 +1,25 @@
 """What a checkpoint was trained with, so that a resume with something else is refused before start-up (issue 33).
 
 Every checkpoint holds ``run_identity.json`` (hashed in its manifest): the model directory, the sha256 of its
-``config.json`` (and the fields), ``model.override_config``, and the sha256 of the tokenizer's files. Before Ray or
+``config.json`` (and the fields), ``model.override_config``, the sha256 of the tokenizer's files, and a fingerprint
+of its weights (``weights_fingerprint.py``: sizes, safetensors headers, sampled bytes; issue 56). Before Ray or
 any worker starts (``preflight``, the dry run too), the checkpoint a resume would take is compared with this start:
 
 - another model (its ``config.json`` or tokenizer differs, whatever its path) is refused naming both paths and
   what differs. Same shapes would otherwise train the checkpoint's weights under the new config and tokenizer
   without a word; other shapes would fail late inside Megatron's checkpoint load.
+- other base weights (same config.json and tokenizer: two fine-tunes of one base) under LoRA
+  (``actor_rollout_ref.model.lora.rank`` > 0) are refused naming both paths and fingerprints: the checkpoint holds
+  the adapters only, which would go on training, and be exported, on the new base. Full fine-tuning restores the
+  actor's weights from the checkpoint, so it resumes, with a warning (a reference policy is built from the new
+  base).
 - data-loader state that cannot resume (``data.train_batch_size``, ``data.shuffle``, ``data.seed`` changed: the
   saved position would point at other prompts) is refused naming the key, where the loader would refuse it
   only after start-up.
 
-A model moved to another path with the same files resumes (with a note). The way out is always named: resume
-with what the checkpoint was trained with, or start anew in another directory.
+A model moved to another path with the same files resumes (with a note); a checkpoint saved before issue 56 has
+no weights fingerprint: it resumes with a warning that its base weights cannot be compared. The way out is always
+named: resume with what the checkpoint was trained with, or start anew in another directory.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
 from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE, TrainerCheckpointer
+from megatron_rl.trainer.weights_fingerprint import fingerprint_differences, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,8 @@ def model_identity(cfg: DictConfig) -> dict[str, Any]:
             identity["config"] = json.loads(raw)
         except ValueError:
             identity["config"] = None
+    if path is not None:
+        identity["weights"] = weights_fingerprint(path)  # None: no weight files there (a hub name)
     identity["override_config"] = OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config, resolve=True)
     tokenizer = cfg.data.get("tokenizer") or (str(path) if path is not None else None)
     tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
@@ -110,6 +120,37 @@ def model_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     return "; ".join(problems) or None
 
 
+def check_weights(cfg: DictConfig, path: Path, saved: dict[str, Any], now: dict[str, Any], way_out: str) -> bool:
+    """Compare the checkpoint's base weights with this start's: True when they are the same; other weights under
+    LoRA refused (ConfigError), under full fine-tuning a warning; False (with a warning) where they cannot be
+    compared."""
+    if "weights" not in saved:
+        logger.warning("checkpoint %s has no weights fingerprint in its %s (saved before issue 56): its base weights "
+                       "cannot be compared with actor_rollout_ref.model.path=%s", path, IDENTITY_FILE,
+                       now.get("model_path"))
+        return False
+    before, after = saved["weights"], now.get("weights")
+    if not before or not after:
+        return False  # no weight files to compare on one side (a hub name): config.json and tokenizer only
+    differences = fingerprint_differences(before, after)
+    if not differences:
+        return True
+    both = (f"the checkpoint was trained on actor_rollout_ref.model.path={saved.get('model_path')} (weights "
+            f"{before['sha256'][:16]}), this start names {now.get('model_path')} (weights {after['sha256'][:16]}): "
+            f"{'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''}")
+    rank = cfg.actor_rollout_ref.model.lora.rank
+    if rank > 0:
+        raise ConfigError(
+            f"resuming {path} with other base weights under LoRA (actor_rollout_ref.model.lora.rank={rank}): {both}. "
+            f"The checkpoint holds the adapters only; they would train on, and be exported with, the new base. "
+            f"Resume with actor_rollout_ref.model.path={saved.get('model_path')} (or a copy of its files), {way_out}")
+    reference = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    logger.warning("resuming %s with other base weights: %s. The actor continues from the checkpoint's own weights%s",
+                   path, both, "; the reference policy (actor.use_kl_loss / algorithm.use_kl_in_reward) is built "
+                   "from the new base" if reference else "")
+    return False
+
+
 def resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The checkpoint this start would resume from (as ``loop.resume`` picks it), without logging or changing
     anything; None for a start from step 0 (the loop itself refuses a bad resume_from_path)."""
@@ -136,7 +177,10 @@ def check_resume(cfg: DictConfig, usable_rows: int | None = None) -> None:
             saved = json.loads(identity_file.read_text())
         except (OSError, ValueError) as err:
             raise ConfigError(f"checkpoint {path}: {identity_file} cannot be read ({err})") from err
-        now = model_identity(cfg)
+        try:
+            now = model_identity(cfg)
+        except ValueError as err:  # a weight file whose safetensors header cannot be read
+            raise ConfigError(f"actor_rollout_ref.model.path={_model_path(cfg)}: {err}") from err
         problem = model_problem(saved, now)
         if problem is not None:
             raise ConfigError(
@@ -144,9 +188,11 @@ def check_resume(cfg: DictConfig, usable_rows: int | None = None) -> None:
                 f"{saved.get('model_path')}, this start names {now.get('model_path')}; {problem}. The checkpoint's "
                 f"weights would be trained under the new config and tokenizer. Resume with actor_rollout_ref.model."
                 f"path={saved.get('model_path')} (and data.tokenizer as it was), {way_out}")
+        same_weights = check_weights(cfg, path, saved, now, way_out)
         if saved.get("model_path") != now.get("model_path"):
-            logger.info("resuming %s: the model moved from %s to %s (same config.json and tokenizer)", path,
-                        saved.get("model_path"), now.get("model_path"))
+            logger.info("resuming %s: the model moved from %s to %s (same %s)", path, saved.get("model_path"),
+                        now.get("model_path"), "config.json, tokenizer and weights" if same_weights
+                        else "config.json and tokenizer")
     else:
         logger.warning("checkpoint %s has no %s (saved before issue 33): its model cannot be compared with "
                        "actor_rollout_ref.model.path=%s", path, IDENTITY_FILE, _model_path(cfg))

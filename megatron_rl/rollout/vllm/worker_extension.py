@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_rl.rollout.vllm.load_units import load_unit
+from megatron_rl.rollout.vllm.segment_guard import checked_segment_name, checked_segment_path
 from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout, staging_dir
 
 __all__ = ["WorkerExtension"]
@@ -91,8 +92,10 @@ def _unpack_cpu_experts(packed: torch.Tensor, isa: str) -> torch.Tensor:
 class WorkerExtension:
     def mrl_load_weights(self, layouts_by_rank: list[list[dict[str, Any]]]) -> int:
         """Load the segments meant for this worker's TP rank (``layouts_by_rank[rank]``) in one reload; returns
-        the number of tensors read."""
+        the number of tensors read. Every segment is checked before any is mapped (segment_guard.py)."""
         layouts = layouts_by_rank[_tp_rank()]
+        for layout in layouts:
+            checked_segment_path(layout["path"], layout["size"])
         units: set[str] = set()
         counted = [0]
 
@@ -108,9 +111,10 @@ class WorkerExtension:
 
     def mrl_read_weights(self, name: str) -> dict[str, Any]:
         """Every parameter of this rank as the kernels use it, written to a new /dev/shm segment (``name`` +
-        the TP rank; the caller unlinks it); returns its layout. On CPU a linear layer keeps its weight only
-        inside a packed kernel handle: it is recovered exactly by running that kernel on an identity matrix;
-        prepacked MoE experts are unpacked (``_unpack_cpu_experts``)."""
+        the TP rank; ``name`` must be a bare segment name, segment_guard.py; the caller unlinks it); returns its
+        layout. On CPU a linear layer keeps its weight only inside a packed kernel handle: it is recovered exactly
+        by running that kernel on an identity matrix; prepacked MoE experts are unpacked (``_unpack_cpu_experts``)."""
+        checked_segment_name(name)
         model = self.model_runner.model
         tensors = []
         with torch.inference_mode():

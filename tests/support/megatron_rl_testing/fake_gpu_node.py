@@ -325,7 +325,7 @@ def record_server_launches(monkeypatch: Any) -> list[dict[str, Any]]:
 
     recording = types.SimpleNamespace(**{n: getattr(subprocess, n) for n in ("STDOUT", "TimeoutExpired")}, Popen=popen)
     monkeypatch.setattr(vllm_server, "subprocess", recording)
-    monkeypatch.setattr(vllm_server, "_healthy", lambda url: True)
+    monkeypatch.setattr(vllm_server, "_healthy", lambda url, api_key: True)
     return launches
 
 
