@@ -23,12 +23,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import itertools
-import json
 import socket
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +43,7 @@ from megatron_rl.rollout.sglang.contract import (
 )
 from megatron_rl.rollout.sglang.payload import serialize_bucket
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.server_key import server_api_key
+from megatron_rl.rollout.server_http import ServerHTTPBase
 from megatron_rl.rollout.update_group import init_weight_update_group
 
 __all__ = ["ServerTransport", "UpdateGroupBroken", "update_group_address"]
@@ -55,47 +52,25 @@ logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_NAME = "megatron_rl_weight_update"
 WAIT_KEY = "actor_rollout_ref.rollout.sglang.broken_group_wait_s"
-REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"  # bounds one HTTP request
 
 
 class UpdateGroupBroken(WeightUpdateError):
     """A bucket's broadcast failed: names what each server did (answered, failed, stuck) and the cause."""
 
 
-class ServerHTTP:
-    """One SGLang HTTP server; JSON in, JSON out; errors name the URL, route and SGLang's message. Every
-    request carries the run's secret (``server_api_key``) when there is one."""
+class ServerHTTP(ServerHTTPBase):
+    """One SGLang HTTP server (or an HF-engine server, which speaks its routes); every route and body is checked
+    against SGLANG_CONTRACT before it is sent."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._auth = {"Authorization": f"Bearer {key}"} if (key := server_api_key()) else {}
+    engine, error = "SGLang", SGLangServerError
+
+    def checked_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        return checked("route", route, body)
 
     def request(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
         if route not in SGLANG_CONTRACT["http_routes"]:
             raise AssertionError(f"route {route} is not declared in SGLANG_CONTRACT")
-        data = None if body is None else json.dumps(checked("route", route, body)).encode()
-        req = urllib.request.Request(
-            self.url + route, data=data, method=method, headers={"Content-Type": "application/json", **self._auth}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise SGLangServerError(f"SGLang {self.url}{route} answered {exc.code}: {detail}") from exc
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
-                raise SGLangServerError(
-                    f"SGLang server {self.url}{route} gave no answer within {self.timeout_s:g} s: raise "
-                    f"{REQUEST_TIMEOUT_KEY} (null waits)") from exc
-            raise SGLangServerError(f"SGLang server {self.url}{route} unreachable: {exc}") from exc
-        if not raw:
-            return None
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw.decode(errors="replace")
+        return super().request(route, body, method)
 
 
 def _is_loopback(host: str) -> bool:

@@ -27,21 +27,18 @@ The served version lives in the servers' workers (``mrl_weight_version``; -1: ne
 ``load_format=dummy`` weights): a sample is refused unless every server it came from holds the engine's
 version, and a replaced server serves nothing before a sync gave it the weights.
 
-Security: vLLM checks ``--api-key`` / ``VLLM_API_KEY`` (the run's secret) on ``/v1`` routes only; its dev
-routes (``/pause``, ``/collective_rpc``, ...) take no key, so servers must listen where only the run reaches
-them (the run's own servers bind 127.0.0.1).
+Security: vLLM checks ``VLLM_API_KEY`` (the run's secret) on ``/v1`` routes only; ``server_command``'s
+``--middleware`` (servers/route_auth.py) puts every route, the dev routes included, behind it, and this client
+sends it on every request. The workers map only the run's own segments (segment_guard.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -54,7 +51,7 @@ from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, pro
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.sglang.contract import SGLangServerError
-from megatron_rl.rollout.server_key import server_api_key
+from megatron_rl.rollout.server_http import ServerHTTPBase
 from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
@@ -64,7 +61,6 @@ __all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLL
 
 SERVER_EXTENSION = "megatron_rl.rollout.vllm.server.ServerWorkerExtension"
 NEVER_SYNCED = -1
-TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"
 
 
 class ServerWorkerExtension(WorkerExtension):
@@ -83,30 +79,10 @@ class VLLMServerError(SGLangServerError):
     machinery, servers/restarts.py, treats it as any rollout server's failure); names the URL and route."""
 
 
-class VLLMServerHTTP:
-    """One vLLM server; JSON in, JSON out. ``/v1`` requests carry the run's secret (vLLM checks it there)."""
+class VLLMServerHTTP(ServerHTTPBase):
+    """One vLLM server (every route requires the run's secret: servers/route_auth.py)."""
 
-    def __init__(self, url: str, timeout_s: float | None) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._auth = {"Authorization": f"Bearer {key}"} if (key := server_api_key()) else {}
-
-    def request(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **self._auth})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise VLLMServerError(f"vLLM {self.url}{route} answered {exc.code}: {detail}") from exc
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
-                raise VLLMServerError(f"vLLM server {self.url}{route} gave no answer within {self.timeout_s:g} s: "
-                                      f"raise {TIMEOUT_KEY} (null waits)") from exc
-            raise VLLMServerError(f"vLLM server {self.url}{route} unreachable: {exc}") from exc
-        return json.loads(raw) if raw else None
+    engine, error = "vLLM", VLLMServerError
 
     def rpc(self, method: str, *args: Any) -> list[str]:
         """``/collective_rpc``: one result per worker (vLLM returns them ``str()``-ed)."""

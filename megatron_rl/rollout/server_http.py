@@ -1,0 +1,56 @@
+"""One HTTP rollout server, as every engine's client speaks to it: JSON in, JSON out, the run's secret on every
+request (``server_key.server_api_key``), one timeout per request, and errors that name the engine, the URL, the
+route and the server's own message (a timeout also names the key that sets it). SGLang's and the HF-engine
+servers' client (``sglang.server_transport.ServerHTTP``) and vLLM's (``vllm.server.VLLMServerHTTP``) are this
+class with their engine's name, error type and route checks."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from megatron_rl.rollout.server_key import server_api_key
+
+__all__ = ["REQUEST_TIMEOUT_KEY", "ServerHTTPBase"]
+
+REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"  # bounds one HTTP request, any engine
+
+
+class ServerHTTPBase:
+    """One server at ``url``; ``timeout_s`` bounds each request (None waits). Subclasses name their ``engine``
+    and ``error`` (raised for every failure) and may check a route's body before it is sent (``checked_body``)."""
+
+    engine = "rollout"
+    error: type[Exception] = RuntimeError
+
+    def __init__(self, url: str, timeout_s: float | None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._auth = {"Authorization": f"Bearer {key}"} if (key := server_api_key()) else {}
+
+    def checked_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    def request(self, route: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        """The answer of ``route``: parsed JSON, the text where it is not JSON, None when empty."""
+        data = None if body is None else json.dumps(self.checked_body(route, body)).encode()
+        req = urllib.request.Request(self.url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **self._auth})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise self.error(f"{self.engine} {self.url}{route} answered {exc.code}: {detail}") from exc
+        except OSError as exc:  # URLError, ConnectionError, TimeoutError
+            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+                raise self.error(f"{self.engine} server {self.url}{route} gave no answer within {self.timeout_s:g} s: "
+                                 f"raise {REQUEST_TIMEOUT_KEY} (null waits)") from exc
+            raise self.error(f"{self.engine} server {self.url}{route} unreachable: {exc}") from exc
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw.decode(errors="replace")
