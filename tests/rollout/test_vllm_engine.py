@@ -178,3 +178,33 @@ def test_tp2_engine_loads_one_staged_copy_into_both_ranks(models):
         assert torch.equal(got.batch["responses"], want.batch["responses"])
     finally:
         engine.shutdown()
+
+
+def first_token_chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of ``counts`` drawn from ``probs`` (tokens of expectation < 5 pooled into one cell)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    return float(((observed - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+
+
+def test_samples_follow_the_policys_distribution(engine, models):
+    """The engine samples from softmax(logits / T) of the served weights, not only reports its log-probs: the first
+    tokens of 2000 rows of one prompt against the exact distribution of the same weights in the HF model. Pearson's
+    chi-square must sit within 6 standard deviations of its mean (dof + 6 sqrt(2 dof)); the same counts against the
+    distribution at T=0.5 (what a sampler off by a processing step would draw) must not."""
+    from transformers import AutoModelForCausalLM
+
+    weights = hf_weights(models[1])
+    engine.update_weights(weights, version=21)
+    prompt, rows = [3, 4, 5, 6, 3, 4], 2000
+    out = engine.generate_sequences(prompts([prompt] * rows, temperature=1.0))
+    counts = torch.bincount(out.batch["responses"][:, 0], minlength=VOCAB).double()
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(models[1]).eval()(torch.tensor([prompt])).logits[0, -1].double()
+    probs = torch.softmax(logits, -1)
+    dof = int((probs * rows >= 5).sum())  # cells after pooling, less one
+    bound = dof + 6 * (2 * dof) ** 0.5
+    assert first_token_chi2(counts, probs) < bound, "vLLM's samples are not the policy's distribution"
+    assert first_token_chi2(counts, torch.softmax(logits / 0.5, -1)) > bound, "the check cannot tell T=0.5 from 1"
