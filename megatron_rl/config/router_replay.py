@@ -16,8 +16,6 @@ from megatron_rl.config.errors import ConfigError
 MODE = "actor_rollout_ref.actor.megatron.router_replay"
 ROLLOUT = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 MODES = ("disabled", "R2", "R3")
-# rollout.name -> reports routed experts (rollout/routed_experts.py)
-REPORTING_ENGINES = ("hf", "sglang", "vllm")
 
 
 def check_router_replay(cfg: Any) -> None:
@@ -50,11 +48,7 @@ def check_router_replay(cfg: Any) -> None:
         raise ConfigError(f"{MODE}.mode=R2 records the routing in the old-log-prob pass, which "
                           "algorithm.rollout_correction.bypass_mode=true skips: use R3 or disabled")
     if mode == "R3":
-        rollout = arr.rollout
-        name = str(rollout.name)
-        if name not in REPORTING_ENGINES:
-            raise ConfigError(f"{ROLLOUT}=true: actor_rollout_ref.rollout.name={name} cannot report routed experts "
-                              f"(engines that can: {', '.join(REPORTING_ENGINES)})")
+        rollout = arr.rollout  # whether its engine reports routed experts: plan/validate.py (EngineSpec)
         if str(rollout.mode) == "server":
             raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server is not built (the servers' "
                               "replies carry no routing); use mode=colocated")

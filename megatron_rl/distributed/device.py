@@ -24,11 +24,12 @@ import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["DEVICE_INDEX_ENV", "GPU_ID_ENV", "NODE_ID_ENV", "EngineDevices", "RankPlace", "bind_device", "rank_place",
-           "release_cached_memory", "visible_gpus"]
+           "release_cached_memory", "rollout_on_cpu", "visible_gpus"]
 
 GPU_ID_ENV = "MEGATRON_RL_GPU_ID"
 NODE_ID_ENV = "MEGATRON_RL_NODE_ID"
@@ -149,3 +150,17 @@ class EngineDevices:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
+
+
+def rollout_on_cpu(cfg: Any) -> bool:
+    """Whether the rollout engines run on CPU (``cfg``: the whole trainer config): trainer.device=cpu, or auto on a
+    machine without CUDA that starts its own Ray (with ray_init.address the cluster's nodes decide, which this one
+    cannot see)."""
+    device = str(cfg.trainer.device)
+    if device != "auto":
+        return device == "cpu"
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(cfg, "ray_init.address", default=None):
+        return False
+    return not torch.cuda.is_available()

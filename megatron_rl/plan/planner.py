@@ -27,7 +27,8 @@ from megatron_rl.plan.validate import (
 from megatron_rl.models.sizes import check_parallel_fit, padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
-from megatron_rl.plan.engine_memory import EngineMemory, EngineStart, engine_memory
+from megatron_rl.rollout.engines import engine_of
+from megatron_rl.rollout.memory import EngineMemory, EngineStart
 from megatron_rl.plan.memory import Layout, Recompute, Stage
 from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
@@ -54,7 +55,7 @@ class MemoryRow:
 class RolloutShare:
     engines: int
     tp: int
-    memory: EngineMemory  # per GPU, the engine's own reading of gpu_memory_utilization (plan/engine_memory.py)
+    memory: EngineMemory  # per GPU, the engine's own reading of gpu_memory_utilization (rollout/memory.py)
     kv_tokens: int  # KV cache capacity of one engine, in tokens
 
     @property
@@ -485,7 +486,7 @@ def _sync_phase(cfg: DictConfig) -> tuple[str, ...]:
 
 
 def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, gpu_memory: float, held: float) -> RolloutShare:
-    """The engine's share of one GPU, by its own meaning of rollout.gpu_memory_utilization (plan/engine_memory.py):
+    """The engine's share of one GPU, by its own meaning of rollout.gpu_memory_utilization (rollout/memory.py):
     SGLang's fraction of the memory free when it starts, vLLM's fraction of the total. ``held``: what is in use
     when it starts; colocated, the actor (weights, grads, fp32 master weights) and the reference, which
     workers/hybrid.py builds first, and plan.reserved_gib."""
@@ -496,7 +497,7 @@ def _rollout_share(cfg: DictConfig, model: HFModelConfig, world: int, gpu_memory
                         fraction=float(rcfg.gpu_memory_utilization), model=model, tp=tp,
                         max_num_seqs=int(rcfg.max_num_seqs), max_num_batched_tokens=int(rcfg.max_num_batched_tokens),
                         enforce_eager=bool(rcfg.enforce_eager))
-    mem = engine_memory(rcfg.name, start)
+    mem = engine_of(rcfg).memory(start)
     if mem.refusal is not None:
         raise PlanError(mem.refusal)
     kv_tokens = int(max(mem.kv_cache, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
@@ -694,11 +695,11 @@ def check_launch(cfg: DictConfig) -> None:
     """What only the launching environment can tell, checked before any worker starts (train.py): a
     distributed optimizer asked for but not available here is refused with the reason and the plan
     without it (the engine would refuse it too, after minutes of start-up); on GPUs, a rollout engine that
-    would refuse to start on the memory free when it starts (plan/engine_memory.py)."""
+    would refuse to start on the memory free when it starts (rollout/memory.py)."""
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)
-    from megatron_rl.plan.engine_memory import rollout_on_cpu
+    from megatron_rl.distributed.device import rollout_on_cpu
 
     if not rollout_on_cpu(cfg):  # the run's device, as the engines will see it
         # the engine's own start-up memory check (vLLM refuses when less than its share of the total is free) on

@@ -5,13 +5,13 @@ the arithmetic of batch sizes lives in one place.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.errors import ConfigError, require as _require
 from megatron_rl.config.router_replay import check_router_replay
+from megatron_rl.rollout.engines import ENGINES, engine_of
 
 
 def _estimator_traits(name: str):
@@ -106,14 +106,13 @@ def _check_async(cfg: DictConfig) -> None:
              "algorithm.rollout_correction.bypass_mode=true or actor_rollout_ref.actor.policy_loss=decoupled_ppo")
 
 
-# Engines whose rollout servers the run starts itself (rollout.mode=server, rollout.num_servers, no server_urls):
-# HF-engine servers (servers/hf_server.py) and vLLM servers (rollout/vllm/).
-STARTED_SERVER_ENGINES = ("hf", "vllm")
+# Engines whose rollout servers the run starts itself (rollout.mode=server, rollout.num_servers, no server_urls)
+STARTED_SERVER_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.run_starts_servers)
 
 
 def starts_servers(rollout: DictConfig) -> bool:
     """rollout.mode=server with servers the run starts itself (not rollout.server_urls started elsewhere)."""
-    return (rollout.mode == "server" and rollout.name in STARTED_SERVER_ENGINES and rollout.num_servers >= 1
+    return (rollout.mode == "server" and engine_of(rollout).run_starts_servers and rollout.num_servers >= 1
             and not rollout.server_urls)
 
 
@@ -145,10 +144,6 @@ def _check_server_pool(cfg: DictConfig) -> None:
     _require(cpus > 0, f"actor_rollout_ref.rollout.server_cpus must be > 0 (CPUs each server's bundle reserves on "
              f"the servers' Ray pool; null: server_threads), got {cpus}")
     per_node = rollout.servers_per_node
-    _require(rollout.name != "vllm" or per_node is None,
-             f"actor_rollout_ref.rollout.servers_per_node={per_node} with rollout.name=vllm: vLLM rollout servers take "
-             "their weights through /dev/shm of trainer rank 0's host, so they cannot spread over nodes; unset it "
-             "(all servers on one node)")
     _require(per_node is None or per_node >= 1, "actor_rollout_ref.rollout.servers_per_node must be >= 1 or null "
              f"(all servers on one node), got {per_node}")
     nodes = 1 if per_node is None else -(-rollout.num_servers // per_node)
@@ -177,11 +172,6 @@ def _reward_pool_cpus(cfg: DictConfig) -> tuple[int, str]:
         return 1, " and the judge's actor (1 CPU)"
     ranks = (rm.n_gpus_per_node or cfg.trainer.n_gpus_per_node) * (rm.nnodes or cfg.trainer.nnodes)
     return ranks, f" and the reward model's {ranks} ranks (reward_model_pool, one CPU each)"
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 def _positive(cfg: DictConfig, *keys: str) -> None:
@@ -351,14 +341,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _check_server_pool(cfg)
     _check_async(cfg)
     _check_python_tool(cfg)
-    _require(rollout.name != "sglang" or cfg.trainer.device != "cpu",
-             "actor_rollout_ref.rollout.name=sglang needs CUDA, but trainer.device=cpu; use rollout.name=hf on CPU")
-    _check_engine_kwargs(cfg)
-    _check_vllm(cfg)
-    _require(rollout.name != "sglang" or rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
-             f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
-             "to the Megatron model and to colocated engines, but SGLang servers started elsewhere never see it: start "
-             "them with --json-model-override-args, bake the fields into config.json, or use rollout.mode=colocated")
+    _check_engine(cfg)
     _require(cfg.reward.reward_manager != "batch" or bool(cfg.reward.custom_reward_function.path),
              "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
     _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")
@@ -405,11 +388,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(rollout.mode == "server" or cfg.trainer.n_gpus_per_node % rtp == 0,
              f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide "
              f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: a colocated engine cannot span two nodes")
-    _require(rollout.name != "hf" or rtp == 1,
-             f"actor_rollout_ref.rollout.name=hf runs one model per process: it needs "
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name=sglang or vllm for TP)")
-    if rollout.name == "vllm" and str(cfg.trainer.device) == "cpu":
-        check_vllm_cpu_threads(cfg)
+    _require(engine_of(rollout).tensor_parallel or rtp == 1,
+             f"actor_rollout_ref.rollout.name={rollout.name} runs one model per process: it needs "
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name="
+             f"{' or '.join(n for n, spec in ENGINES.items() if spec.tensor_parallel)} for TP)")
 
     needs_critic = _estimator_traits(algo.adv_estimator).needs_critic
     uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else needs_critic
@@ -446,90 +428,35 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
 
 
-def _check_engine_kwargs(cfg: DictConfig) -> None:
-    """rollout.engine_kwargs.<engine>: only for the engine that runs, only where it reaches the engine, and (vLLM)
-    only vLLM's own engine arguments that megatron-rl does not set itself (rollout/vllm/contract.py)."""
+def _check_engine(cfg: DictConfig) -> None:
+    """The engine of rollout.name: its device, engine arguments only for it, servers that cannot see the model's
+    override_config, then its own keys (EngineSpec.check_config)."""
     rollout = cfg.actor_rollout_ref.rollout
-    section = OmegaConf.select(cfg, "actor_rollout_ref.rollout.engine_kwargs", default=None)
-    if section is None:
-        return
-    given = {engine: OmegaConf.to_container(section[engine], resolve=True) or {}
-             for engine in ("vllm", "sglang") if section.get(engine) is not None}
-    for engine, kwargs in given.items():
+    spec = engine_of(rollout)
+    _require(not spec.needs_cuda or cfg.trainer.device != "cpu",
+             f"actor_rollout_ref.rollout.name={spec.name} needs CUDA, but trainer.device=cpu; use rollout.name="
+             f"{' or '.join(n for n, other in ENGINES.items() if not other.needs_cuda)} on CPU")
+    section = OmegaConf.select(cfg, "actor_rollout_ref.rollout.engine_kwargs", default=None) or {}
+    for engine in section:
         key = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
-        _require(isinstance(kwargs, dict), f"{key} must be a mapping of engine arguments, got {kwargs!r}")
-        _require(not kwargs or rollout.name == engine,
+        kwargs = OmegaConf.to_container(section[engine], resolve=True) if section[engine] is not None else None
+        _require(kwargs is None or isinstance(kwargs, dict),
+                 f"{key} must be a mapping of engine arguments, got {kwargs!r}")
+        _require(not kwargs or engine == spec.name,
                  f"{key}={kwargs} are arguments of the {engine} engine, but actor_rollout_ref.rollout.name="
-                 f"{rollout.name}: they would do nothing; drop them or set rollout.name={engine}")
-    _require(not given.get("sglang"),
-             f"actor_rollout_ref.rollout.engine_kwargs.sglang={given.get('sglang')}: the SGLang adapter passes only the "
-             "ServerArgs its contract names (rollout/sglang/contract.py) and would ignore these; set them through "
-             "the rollout keys, or drop them")
-    kwargs = given.get("vllm") or {}
-    if rollout.name != "vllm" or not kwargs:
-        return
-    _require(rollout.mode != "server" or not rollout.server_urls,
-             f"actor_rollout_ref.rollout.engine_kwargs.vllm={kwargs} cannot reach vLLM servers started elsewhere "
-             "(actor_rollout_ref.rollout.server_urls): start them with those arguments and drop the key, or let the "
-             "run start its servers (rollout.num_servers)")
-    from megatron_rl.rollout.vllm.contract import check_engine_kwargs
-
-    check_engine_kwargs(kwargs, key="actor_rollout_ref.rollout.engine_kwargs.vllm")
-
-
-def _check_vllm(cfg: DictConfig) -> None:
-    """rollout.name=vllm: the engine settings vLLM would refuse when it starts, refused here naming our keys."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name != "vllm":
-        return
-    vllm = rollout.vllm
-    _require(isinstance(vllm.cpu_kv_cache_mb, int) and vllm.cpu_kv_cache_mb >= 1,
-             f"actor_rollout_ref.rollout.vllm.cpu_kv_cache_mb={vllm.cpu_kv_cache_mb} must be an integer >= 1 (MiB of "
-             "KV cache of a vLLM engine on CPU)")
-    _require(vllm.server_start_timeout_s > 0, "actor_rollout_ref.rollout.vllm.server_start_timeout_s="
-             f"{vllm.server_start_timeout_s} must be > 0 seconds (how long a started vLLM server may take to answer "
-             "/health)")
-    util = rollout.gpu_memory_utilization
-    _require(0 < util <= 1, f"actor_rollout_ref.rollout.gpu_memory_utilization={util} must lie in (0, 1] with "
-             "rollout.name=vllm (the fraction of GPU memory vLLM may take; on CPU rollout.vllm.cpu_kv_cache_mb "
-             "sizes the KV cache)")
-    _positive(cfg, "actor_rollout_ref.rollout.max_num_seqs", "actor_rollout_ref.rollout.max_num_batched_tokens")
-    response = rollout.response_length or cfg.data.max_response_length
-    model_len = cfg.data.max_prompt_length + response
-    _require(rollout.enable_chunked_prefill or rollout.max_num_batched_tokens >= model_len,
-             f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than the "
-             f"engine's max_model_len={model_len} (data.max_prompt_length + the response length) with "
-             "actor_rollout_ref.rollout.enable_chunked_prefill=false: vLLM could not schedule a full-length prompt "
-             "and refuses to start; raise max_num_batched_tokens or set enable_chunked_prefill=true")
-    _require(rollout.mode != "server" or not cfg.actor_rollout_ref.model.override_config,
-             f"actor_rollout_ref.model.override_config={dict(cfg.actor_rollout_ref.model.override_config)} is applied "
-             "to the Megatron model and to colocated engines, but vLLM servers never see it: start them with "
-             "--hf-overrides, bake the fields into config.json, or use rollout.mode=colocated")
-    bind = str(vllm.cpu_threads_bind).strip()
-    _require(bind == "auto" or all(_CPU_LIST.fullmatch(part.strip()) for part in bind.split("|")),
-             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind={bind!r} must be 'auto' or one CPU list per rollout "
-             "TP rank separated by '|', e.g. '0|1' or '0-3|4-7' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
-
-
-_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
-
-
-def check_vllm_cpu_threads(cfg: DictConfig) -> None:
-    """A vLLM engine on CPU with rollout TP > 1 runs one worker process per TP rank, each pinned by
-    rollout.vllm.cpu_threads_bind: 'auto' gives rank i the i-th NUMA node's CPUs, which a host with fewer NUMA
-    nodes than ranks does not have (vLLM fails at start), so each rank's CPUs are named."""
-    rollout = cfg.actor_rollout_ref.rollout
-    rtp, bind = rollout.tensor_model_parallel_size, str(rollout.vllm.cpu_threads_bind).strip()
-    _require(bind != "auto" or rtp == 1,
-             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind=auto with actor_rollout_ref.rollout."
-             f"tensor_model_parallel_size={rtp} on CPU (trainer.device={cfg.trainer.device}): vLLM's automatic "
-             "binding gives each TP "
-             "rank a NUMA node of its own; set one CPU list per TP rank, e.g. "
-             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind='{'|'.join(str(i) for i in range(rtp))}'")
-    lists = bind.split("|")
-    _require(bind == "auto" or len(lists) == rtp,
-             f"actor_rollout_ref.rollout.vllm.cpu_threads_bind={bind!r} names {len(lists)} CPU list(s), but "
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}: give one per TP rank, separated by '|'")
+                 f"{spec.name}: they would do nothing; drop them or set rollout.name={engine}")
+    override = cfg.actor_rollout_ref.model.override_config
+    _require(rollout.mode != "server" or not override,
+             f"actor_rollout_ref.model.override_config={OmegaConf.to_container(override) if override else None} is "
+             f"applied to the Megatron model and to colocated engines, but {spec.name} rollout servers never see it "
+             "(they load model.path): bake the fields into config.json, start servers of your own with the engine's "
+             "override flag (SGLang --json-model-override-args, vLLM --hf-overrides), or use rollout.mode=colocated")
+    replay = OmegaConf.select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False)
+    _require(not replay or spec.reports_routed_experts,
+             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true: actor_rollout_ref.rollout.name="
+             f"{spec.name} cannot report routed experts (engines that can: "
+             f"{', '.join(n for n, other in ENGINES.items() if other.reports_routed_experts)})")
+    spec.check_config(cfg)
 
 
 def _check_python_tool(cfg: DictConfig) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 # Imported at first use (PEP 562): a process that needs one light module of the package (the server key's Ray
 # actor, rollout/server_key.py) does not pay for torch and transformers through this file.
-_EXPORTS = {"RolloutEngine": "base", "WeightUpdateError": "base", "build_rollout_engine": "factory",
+_EXPORTS = {"RolloutEngine": "base", "WeightUpdateError": "base", "build_rollout_engine": "engines",
             "HFEngine": "hf_engine"}
 
 __all__ = sorted(_EXPORTS)

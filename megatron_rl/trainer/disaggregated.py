@@ -14,10 +14,13 @@ the ``rollout_servers`` pool or child processes, on this host (weights reach the
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from megatron_rl.plan.validate import starts_servers
+from megatron_rl.rollout.engines import engine_of
 from megatron_rl.servers.pool import RolloutServerPool, ServerPool
 from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 from megatron_rl.trainer.rl_trainer import RLTrainer
@@ -26,12 +29,15 @@ __all__ = ["build_trainer", "start_rollout_servers"]
 
 
 def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
-    """Start the HF-engine servers the config asks for and point ``rollout.server_urls`` at them."""
+    """Start the rollout servers the config asks for (``starts_servers``) and point ``rollout.server_urls`` at them."""
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.mode != "server" or rollout.name not in ("hf", "vllm") or rollout.server_urls or rollout.num_servers < 1:
+    if not starts_servers(rollout):
         return None
-    if rollout.name == "vllm":
-        return _start_vllm_servers(cfg)
+    return SERVER_LAUNCHERS[engine_of(rollout).name](cfg)
+
+
+def _start_hf_servers(cfg: DictConfig) -> ServerPool:
+    rollout = cfg.actor_rollout_ref.rollout
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
     server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
               "chunk_tokens": int(rollout.server_chunk_tokens)}
@@ -78,6 +84,28 @@ def _start_vllm_servers(cfg: DictConfig) -> ServerPool:
     return pool
 
 
+# engine (rollout/engines.py, EngineSpec.run_starts_servers) -> how the run starts its servers
+SERVER_LAUNCHERS: dict[str, Callable[[DictConfig], ServerPool]] = {"hf": _start_hf_servers, "vllm": _start_vllm_servers}
+
+
+def _sglang_route_client() -> type:
+    from megatron_rl.servers.client import ServerRolloutClient
+
+    return ServerRolloutClient
+
+
+def _openai_route_client() -> type:
+    from megatron_rl.servers.vllm_server import VLLMServerRolloutClient
+
+    return VLLMServerRolloutClient
+
+
+# engine -> the async loops' client of its servers: SGLang's routes (which the HF-engine servers speak too) or
+# vLLM's OpenAI-compatible ones
+ASYNC_CLIENTS: dict[str, Callable[[], type]] = {"hf": _sglang_route_client, "sglang": _sglang_route_client,
+                                                "vllm": _openai_route_client}
+
+
 def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: ServerPool | None,
                   token_ids: dict[str, Any], **kwargs: Any) -> Any:
     """The loop of ``async_training.mode`` (RLTrainer, OneStepOffPolicyTrainer, FullyAsyncTrainer). ``sizes``,
@@ -92,15 +120,12 @@ def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, s
     if cfg.async_training.mode == "sync":
         generate = restarting.generate_sequences if restarts is not None else None
         return RLTrainer(cfg, sizes, actor_rollout, *args, generate=generate, **kwargs)
-    from megatron_rl.servers.client import ServerRolloutClient
-    from megatron_rl.servers.vllm_server import VLLMServerRolloutClient
     from megatron_rl.trainer.fully_async import FullyAsyncTrainer
     from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 
     rollout = cfg.actor_rollout_ref.rollout
-    client_class = VLLMServerRolloutClient if rollout.name == "vllm" else ServerRolloutClient
+    client_class = ASYNC_CLIENTS[engine_of(rollout).name]()
     client = client_class(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
-                                 timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts,
-                                 **token_ids)
+                          timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts, **token_ids)
     loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer
     return loop(cfg, sizes, actor_rollout, *args, rollout_client=client, **kwargs)

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config import ConfigError
-from megatron_rl.plan.engine_memory import rollout_on_cpu
+from megatron_rl.rollout.engines import engine_of
 from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
 
 logger = logging.getLogger(__name__)
@@ -334,44 +334,11 @@ def check_model(cfg: DictConfig) -> None:
 
 # ---------------------------------------------------------------------------- the rollout engine
 def check_rollout_engine(cfg: DictConfig) -> None:
-    """rollout.name=vllm: the pinned vLLM is installed here, servers given by URL run on this host, and on CPU the
-    model's head size is one vLLM's CPU attention runs (else the engine fails when it is built, after Ray and the
-    trainer's model are up)."""
-    if str(cfg.actor_rollout_ref.rollout.name) != "vllm":
-        return
-    from megatron_rl.rollout.vllm import contract
-
-    try:
-        contract.require_vllm()
-    except contract.VLLMUnavailableError as err:
-        raise ConfigError(str(err)) from None
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.mode == "server" and rollout.server_urls:  # weights reach them through this host's /dev/shm
-        from megatron_rl.rollout.vllm.server import require_local_servers
-
-        try:
-            require_local_servers(list(rollout.server_urls))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    if not rollout_on_cpu(cfg):
-        return
-    if str(cfg.trainer.device) == "auto":  # validate() checked trainer.device=cpu; auto resolved to CPU here
-        from megatron_rl.plan.validate import check_vllm_cpu_threads
-
-        check_vllm_cpu_threads(cfg)
-    raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
-    if raw is None:
-        return
-    source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
-    head_dim, heads, hidden = raw.get("head_dim"), raw.get("num_attention_heads"), raw.get("hidden_size")
-    if isinstance(head_dim, int) and head_dim >= 1:
-        sizes = f"head_dim={head_dim}"
-    elif isinstance(heads, int) and heads >= 1 and isinstance(hidden, int):
-        head_dim, sizes = hidden // heads, f"hidden_size={hidden} / num_attention_heads={heads}"
-    else:
-        return  # check_model names the broken field
-    contract.check_head_size(head_dim, on_cpu=True,
-                             model_path=f"actor_rollout_ref.model.path={source.parent} ({source}: {sizes})")
+    """What the engine of rollout.name needs of the machine that starts the run (EngineSpec.check_here; vLLM: its
+    pinned version installed, servers given by URL on this host, a head size its CPU attention runs), refused here
+    rather than when the engine is built, after Ray and the trainer's model are up."""
+    engine_of(cfg.actor_rollout_ref.rollout).check_here(
+        cfg, lambda: _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model))
 
 
 # ---------------------------------------------------------------------------- the prompts the run trains on

@@ -35,6 +35,7 @@ from megatron_rl.distributed.device import release_cached_memory
 from megatron_rl.distributed.host_group import new_host_group, wait_for_all
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
+from megatron_rl.rollout.engines import engine_of
 from megatron_rl.rollout.mesh import EngineReplica, RolloutMesh
 from megatron_rl.weights.export import ExportPlan
 from megatron_rl.weights.sync import WeightItem, WeightSyncError, sync_weights
@@ -187,8 +188,7 @@ class RolloutReplica:
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         self.colocated = config.mode == "colocated"
-        # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
-        self.members_send = self.colocated and self.mesh.tp > 1 and str(config.name) != "vllm"
+        self.members_send = self.colocated and self.mesh.tp > 1 and engine_of(config).members_send_shards
         group = self._replica_group() if self.colocated else None
         self.gpus = _EngineGPUs(group) if self.colocated else None
         self._host = new_host_group()

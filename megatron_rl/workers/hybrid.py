@@ -19,6 +19,7 @@ import torch
 from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
 from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.engines import engine_of
 
 # Megatron-Core warns on import, in every process, that Apex / Transformer Engine are absent and it uses
 # its torch fallbacks: expected on CPU machines (docs/models.md), and noise that buries the training log.
@@ -36,14 +37,13 @@ def trainer_config(config: PPOTrainerConfig, role: str) -> PPOTrainerConfig:
 
 
 def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
-    """A colocated ``sglang.Engine`` sets NCCL variables in its leader's process only: every rank sets the
-    same ones first (``SGLANG_CONTRACT["agreed_env_vars"]``), before any communicator exists, so later
-    communicators are created alike on leaders and members (docs/rollout.md)."""
+    """What every rank sets before any communicator exists when the engine is colocated
+    (``EngineSpec.prepare_process``): a colocated ``sglang.Engine`` sets NCCL variables in its leader's process
+    only, so every rank sets the same ones first and later communicators are created alike (docs/rollout.md)."""
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name == "sglang" and rollout.mode == "colocated":
-        from megatron_rl.rollout.sglang.contract import set_agreed_process_env
-
-        set_agreed_process_env()
+    prepare = engine_of(rollout).prepare_process
+    if rollout.mode == "colocated" and prepare is not None:
+        prepare()
 
 
 def setup_parallel_state(megatron_cfg: Any) -> None:
@@ -122,7 +122,7 @@ class ActorRolloutRefWorker(Worker):
         import torch.distributed as dist
 
         from megatron_rl.distributed.device import rank_place
-        from megatron_rl.rollout import build_rollout_engine
+        from megatron_rl.rollout.engines import build_rollout_engine
         from megatron_rl.rollout.hf_engine import resolve_dtype
         from megatron_rl.rollout.mesh import build_rollout_mesh, server_mesh
         from megatron_rl.weights.replica import RolloutReplica
@@ -140,18 +140,10 @@ class ActorRolloutRefWorker(Worker):
         on_gpu = torch.cuda.is_available()
 
         def build_engine(replica):
-            extra: dict[str, Any] = {}
-            if rollout.name == "sglang":
-                extra = {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id}
-            elif rollout.name == "vllm" and rollout.mode == "colocated":
-                response = rollout.response_length or cfg.data.max_response_length
-                extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if on_gpu else "cpu"}
-                if on_gpu:  # vLLM's processes see exactly the replica's GPUs (its own default: GPUs 0..TP-1)
-                    extra.update(gpus=replica.gpus, replica_index=replica.index)
             return build_rollout_engine(rollout, cfg.actor_rollout_ref.model.path,
                                         response_length=cfg.data.max_response_length,
                                         override_config=cfg.actor_rollout_ref.model.override_config,
-                                        **token_ids, **extra)
+                                        **token_ids, **engine_of(rollout).placement(replica, cfg, on_gpu))
 
         return RolloutReplica(rollout, mesh, self.rank, build_engine,
                               member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda" if on_gpu else "cpu")),

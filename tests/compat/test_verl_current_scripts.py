@@ -40,7 +40,7 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                  "max_position_embeddings": 40960}
 # script -> peak GiB of the plan (None: refused before planning). vLLM's figures read gpu_memory_utilization as a
-# fraction of the GPU's total, with its CUDA graphs kept while it sleeps (plan/engine_memory.py; issue 49: 79.2,
+# fraction of the GPU's total, with its CUDA graphs kept while it sleeps (rollout/memory.py; issue 49: 79.2,
 # 49.4, 83.0, 88.1 and 102.1 GiB when the planner read it as SGLang's fraction of the free memory)
 EXPECTED = {
     "gpg_qwen3_8b_megatron_vllm": ("too big", 80.2),

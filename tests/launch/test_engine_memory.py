@@ -107,7 +107,7 @@ def test_a_sleeping_vllm_engine_keeps_its_cuda_graphs_in_every_phase():
     """vLLM's sleep level 2 releases the cuMem pool (weights, KV cache; vllm/device_allocator/sleep_mode_backend.py
     :127-137); CUDA graphs are captured outside it unless sleep_mode_offload_cudagraph (config/vllm.py:688,
     compilation/cudagraph_pool.py:38), which the engine does not set: they stay through the update."""
-    from megatron_rl.plan.engine_memory import VLLM_CUDA_GRAPH_BYTES
+    from megatron_rl.rollout.memory import VLLM_CUDA_GRAPH_BYTES
 
     eager = preset_plan("grpo_7b", "vllm")
     graphs = preset_plan("grpo_7b", "vllm", f"{ROLLOUT}.enforce_eager=false")
@@ -124,15 +124,16 @@ def test_a_sleeping_vllm_engine_keeps_its_cuda_graphs_in_every_phase():
 
 
 def test_vllm_knob_read_as_a_fraction_of_the_total_and_sglang_as_of_the_free_memory():
-    from megatron_rl.plan.engine_memory import EngineStart, engine_memory
+    from megatron_rl.rollout.engines import ENGINES
+    from megatron_rl.rollout.memory import EngineStart
 
     model = load_model_facts(load_config(overrides=["+experiment=grpo_7b"]))
     start = EngineStart(total=80 * GIB, held=40 * GIB, weights=10 * GIB, fraction=0.45, model=model, tp=2,
                         max_num_seqs=1024, max_num_batched_tokens=8192, enforce_eager=True)
-    assert engine_memory("sglang", start).budget == 0.45 * 40 * GIB
-    vllm = engine_memory("vllm", start)
+    assert ENGINES["sglang"].memory(start).budget == 0.45 * 40 * GIB
+    vllm = ENGINES["vllm"].memory(start)
     assert vllm.budget == 36 * GIB and vllm.refusal is None
-    refused = engine_memory("vllm", EngineStart(**{**start.__dict__, "fraction": 0.55}))
+    refused = ENGINES["vllm"].memory(EngineStart(**{**start.__dict__, "fraction": 0.55}))
     assert refused.refusal is not None and "only 40.0 GiB will be free" in refused.refusal
     assert "<= 0.50" in refused.refusal
 

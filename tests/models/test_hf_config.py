@@ -149,7 +149,7 @@ def test_override_config_reaches_the_megatron_facts_and_the_hf_engine(tmp_path):
     assert engine.model.config.rms_norm_eps == 1e-3
     plain = build_rollout_engine(RolloutConfig(name="hf"), model, response_length=2)
     assert plain.model.config.rms_norm_eps != 1e-3
-    with pytest.raises(ValueError, match="override_config=.*cannot reach SGLang servers started elsewhere"):
+    with pytest.raises(ValueError, match="override_config=.*cannot reach sglang rollout servers"):
         build_rollout_engine(RolloutConfig(name="sglang", mode="server", server_urls=["http://x:1"]), model,
                              response_length=2, override_config=override)
 
@@ -193,5 +193,5 @@ def test_sglang_servers_with_override_config_are_refused_before_launch():
     validate(load_config(overrides=["+experiment=grpo_70b", override]))  # colocated: the engine gets it
     cfg = load_config(overrides=["+experiment=grpo_70b", override, "actor_rollout_ref.rollout.mode=server",
                                  "actor_rollout_ref.rollout.server_urls=[http://x:1]"])
-    with pytest.raises(ConfigError, match="override_config=.*SGLang servers started elsewhere never see it"):
+    with pytest.raises(ConfigError, match="override_config=.*sglang rollout servers never see it"):
         validate(cfg)

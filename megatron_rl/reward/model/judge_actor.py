@@ -16,6 +16,8 @@ from megatron_rl.protocol import DataProto
 
 __all__ = ["RayJudgeEngine", "build_judge_engine"]
 
+JUDGE_ENGINE_KEY = "reward_model.judge.engine"
+
 
 def build_judge_engine(judge_cfg: Any, device: str) -> Any:
     """``reward_model.judge``: the judge model on its rollout engine (``judge.engine``) in this process, serving
@@ -25,19 +27,12 @@ def build_judge_engine(judge_cfg: Any, device: str) -> Any:
     from omegaconf import OmegaConf
 
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.rollout.factory import build_rollout_engine
+    from megatron_rl.rollout.engines import build_rollout_engine, engine_named
 
     path = judge_cfg.model.path
     # the checkpoint as loaded: vLLM loads it itself (load_format=auto), not random weights waiting for a sync
     config = OmegaConf.structured(RolloutConfig(name=judge_cfg.engine, dtype=judge_cfg.dtype, load_format="auto"))
-    where: dict[str, Any] = {}
-    if judge_cfg.engine == "hf":
-        where = {"weights_path": path, "device": None if device == "auto" else device}
-    elif judge_cfg.engine == "vllm":
-        import torch
-
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        where = {"max_model_len": None, "device": "cuda" if cuda else "cpu"}
+    where = engine_named(str(judge_cfg.engine), JUDGE_ENGINE_KEY).serve_checkpoint(path, device)
     return build_rollout_engine(config, path, response_length=judge_cfg.response_length, **where)
 
 
@@ -63,7 +58,9 @@ class RayJudgeEngine:
         import ray
         from omegaconf import OmegaConf
 
-        gpu = (device == "cuda" or judge_cfg.engine == "sglang"
+        from megatron_rl.rollout.engines import engine_named
+
+        gpu = (device == "cuda" or engine_named(str(judge_cfg.engine), JUDGE_ENGINE_KEY).needs_cuda
                or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0))
         actor_class = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(JudgeEngineWorker)
         typed = OmegaConf.to_object(judge_cfg) if OmegaConf.is_config(judge_cfg) else judge_cfg  # RewardJudgeConfig

@@ -2,8 +2,8 @@
 
 The same number means different things to different engines: SGLang's ``mem_fraction_static`` is a fraction
 of the memory free when the engine starts, vLLM's ``gpu_memory_utilization`` a fraction of the GPU's total,
-which vLLM refuses to start with when less than that is free. ``ENGINE_MEMORY_MODELS`` maps each engine name
-to its model; the planner (plan/planner.py) and the launch check read nothing else about the knob.
+which vLLM refuses to start with when less than that is free. Each engine's ``EngineSpec`` (rollout/engines.py)
+names its model; the planner (plan/planner.py) and the launch check read nothing else about the knob.
 
 All figures are bytes on one GPU. What both engines' processes hold outside the knob and keep while asleep
 (their CUDA context and NCCL buffers, created before either engine measures free memory) is part of
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from megatron_rl.models.hf_config import HFModelConfig
 
@@ -124,33 +124,5 @@ def vllm_activation_bytes(start: EngineStart, dtype_bytes: int = 2) -> float:
     return start.max_num_batched_tokens * per_token + 2 * rows * model.vocab_size * FP32
 
 
-ENGINE_MEMORY_MODELS: dict[str, Callable[[EngineStart], EngineMemory]] = {
-    "hf": hf_memory,
-    "sglang": sglang_memory,
-    "vllm": vllm_memory,
-}
-
-
-def engine_memory(engine: str, start: EngineStart) -> EngineMemory:
-    """The memory model of ``engine`` (rollout.name) applied to ``start``."""
-    return ENGINE_MEMORY_MODELS[str(engine)](start)
-
-
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}"
-
-
-def rollout_on_cpu(cfg: Any) -> bool:
-    """Whether the rollout engines run on CPU (``cfg``: the whole trainer config): trainer.device=cpu, or auto on a
-    machine without CUDA that starts its own Ray (with ray_init.address the cluster's nodes decide, which this one
-    cannot see)."""
-    device = str(cfg.trainer.device)
-    if device != "auto":
-        return device == "cpu"
-    from omegaconf import OmegaConf
-
-    if OmegaConf.select(cfg, "ray_init.address", default=None):
-        return False
-    import torch
-
-    return not torch.cuda.is_available()

@@ -1,0 +1,190 @@
+"""The rollout engines (``actor_rollout_ref.rollout.name``: hf | sglang | vllm), each declared once.
+
+Every decision that depends on which engine runs reads that engine's ``EngineSpec``: its config checks (before
+anything starts), what the machine starting the run must have, its builder, where a colocated replica's engine
+runs, how weights reach its tensor-parallel ranks, whether the run can start its servers, and the planner's model
+of its memory knob. ``engine_of`` is the one reader of ``rollout.name``. Adding an engine is a package under
+rollout/ and one ``EngineSpec`` here (and, if the run starts its servers, its launcher in servers/launch.py).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+
+from megatron_rl.config.errors import ConfigError, require
+from megatron_rl.rollout.memory import EngineMemory, EngineStart, hf_memory, sglang_memory, vllm_memory
+
+if TYPE_CHECKING:  # the engines import torch; validation does not need it
+    from megatron_rl.rollout.base import RolloutEngine
+
+__all__ = ["ENGINES", "EngineSpec", "build_rollout_engine", "engine_named", "engine_of"]
+
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One rollout engine, in one place."""
+
+    name: str
+    needs_cuda: bool  # no CPU build
+    tensor_parallel: bool  # one engine spans rollout.tensor_model_parallel_size ranks (else one model per process)
+    run_starts_servers: bool  # rollout.mode=server with rollout.num_servers: the run starts them (servers/launch.py)
+    servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host
+    members_send_shards: bool  # colocated at TP > 1: every rank sends its shard (else the leader's full copy serves)
+    reports_routed_experts: bool  # per generated token, for routing replay R3 (rollout/routed_experts.py)
+    memory: Callable[[EngineStart], EngineMemory]  # its meaning of rollout.gpu_memory_utilization (rollout/memory.py)
+    build: Callable[..., RolloutEngine]  # (rollout config, model path, **engine kwargs) -> the engine
+    # (replica, run config, on GPU) -> the builder's kwargs that place a replica's engine
+    placement: Callable[[Any, Any, bool], dict[str, Any]]
+    check_config: Callable[[Any], None] = lambda cfg: None  # its own keys, in validation (also under --dry-run)
+    # preflight of a start: (run config, a reader of the model's config.json) -> None, or ConfigError
+    check_here: Callable[[Any, Callable[[], dict[str, Any] | None]], None] = lambda cfg, read_model_config: None
+    prepare_process: Callable[[], None] | None = None  # colocated: what every rank sets before any communicator
+    # (checkpoint path, device: auto | cpu | cuda) -> the builder's kwargs of an engine that serves a checkpoint as
+    # loaded, in this process, and never receives weights (the reward model's judge)
+    serve_checkpoint: Callable[[str, str], dict[str, Any]] = lambda path, device: {}
+
+
+def _build_hf(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
+              **kwargs: Any) -> RolloutEngine:
+    if config.mode == "server":  # the HF-engine servers (servers/hf_server.py) speak SGLang's routes and weights
+        from megatron_rl.rollout.sglang import build_sglang_engine
+
+        return build_sglang_engine(config, str(model_path), **kwargs, compute_device="cpu")
+    from megatron_rl.models.hf_config import load_pretrained_config
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
+    return HFEngine(config, model_config, **kwargs)
+
+
+def _build_sglang(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
+                  **kwargs: Any) -> RolloutEngine:
+    from megatron_rl.models.hf_config import plain_overrides
+    from megatron_rl.rollout.sglang import build_sglang_engine
+
+    overrides = plain_overrides(override_config)
+    return build_sglang_engine(config, str(model_path), **({"model_override": overrides} if overrides else {}),
+                               **kwargs)
+
+
+def _build_vllm(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
+                **kwargs: Any) -> RolloutEngine:
+    if config.mode == "server":
+        from megatron_rl.rollout.vllm.server import build_vllm_server_engine
+
+        return build_vllm_server_engine(config, str(model_path), **kwargs)
+    from megatron_rl.models.hf_config import plain_overrides
+    from megatron_rl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(config, model_path, model_override=plain_overrides(override_config) or None, **kwargs)
+
+
+def _sglang_placement(replica: Any, cfg: Any, on_gpu: bool) -> dict[str, Any]:
+    return {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id}
+
+
+def _vllm_placement(replica: Any, cfg: Any, on_gpu: bool) -> dict[str, Any]:
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "colocated":
+        return {}  # servers: their own processes, placed where they start (servers/vllm_server.py)
+    response = rollout.response_length or cfg.data.max_response_length
+    extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if on_gpu else "cpu"}
+    if on_gpu:  # vLLM's processes see exactly the replica's GPUs (its own default: GPUs 0..TP-1)
+        extra.update(gpus=replica.gpus, replica_index=replica.index)
+    return extra
+
+
+def _hf_serving(path: str, device: str) -> dict[str, Any]:
+    return {"weights_path": path, "device": None if device == "auto" else device}
+
+
+def _vllm_serving(path: str, device: str) -> dict[str, Any]:
+    import torch
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return {"max_model_len": None, "device": "cuda" if cuda else "cpu"}
+
+
+def _check_sglang(cfg: Any) -> None:
+    given = OmegaConf.select(cfg, f"{ROLLOUT}.engine_kwargs.sglang", default=None)
+    require(not given, f"{ROLLOUT}.engine_kwargs.sglang={OmegaConf.to_container(given)}: the SGLang adapter passes "
+            "only the ServerArgs its contract names (rollout/sglang/contract.py) and would ignore these; set them "
+            "through the rollout keys, or drop them")
+
+
+def _check_vllm(cfg: Any) -> None:
+    from megatron_rl.rollout.vllm.config_checks import check_config
+
+    check_config(cfg)
+
+
+def _vllm_here(cfg: Any, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
+    from megatron_rl.rollout.vllm.config_checks import check_here
+
+    check_here(cfg, read_model_config)
+
+
+def _sglang_process_env() -> None:
+    # a colocated sglang.Engine sets NCCL variables in its leader only: every rank sets the same ones first
+    from megatron_rl.rollout.sglang.contract import set_agreed_process_env
+
+    set_agreed_process_env()
+
+
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+    EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
+               members_send_shards=True, reports_routed_experts=True, memory=hf_memory, build=_build_hf,
+               placement=lambda replica, cfg, on_gpu: {}, serve_checkpoint=_hf_serving),
+    EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
+               servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
+               memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
+               prepare_process=_sglang_process_env),
+    # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
+    EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
+               members_send_shards=False, reports_routed_experts=True, memory=vllm_memory, build=_build_vllm,
+               placement=_vllm_placement, check_config=_check_vllm, check_here=_vllm_here,
+               serve_checkpoint=_vllm_serving),
+)}
+
+
+def engine_of(rollout: Any) -> EngineSpec:
+    """The spec of ``rollout.name`` (``rollout``: actor_rollout_ref.rollout)."""
+    return engine_named(str(rollout.name), f"{ROLLOUT}.name")
+
+
+def engine_named(name: str, key: str) -> EngineSpec:
+    """The spec of the engine ``name`` that the config key ``key`` chose (named in the error)."""
+    if name not in ENGINES:
+        raise ConfigError(f"{key} must be one of {', '.join(ENGINES)}, got {name!r}")
+    return ENGINES[name]
+
+
+def build_rollout_engine(
+    config: Any,
+    model_path: str | os.PathLike,
+    *,
+    response_length: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    override_config: Any = None,
+    **engine_kwargs: Any,
+) -> RolloutEngine:
+    """``config``: ``actor_rollout_ref.rollout``; ``model_path``: the actor's HF directory (config, and for
+    SGLang the tokenizer); ``response_length``: data.max_response_length, used when ``rollout.response_length`` is
+    unset. ``engine_kwargs``: the engine's own (a colocated replica's placement: ``EngineSpec.placement``).
+    ``override_config``: actor_rollout_ref.model.override_config, applied to colocated engines as the Megatron
+    builder applies it (models.load_pretrained_config); servers never see it (validation refuses it with them)."""
+    if config.mode == "server" and override_config:
+        from megatron_rl.models.hf_config import plain_overrides
+
+        raise ValueError(f"actor_rollout_ref.model.override_config={plain_overrides(override_config)} cannot reach "
+                         f"{config.name} rollout servers (they load model.path): bake the fields into config.json or "
+                         "use rollout.mode=colocated")
+    return engine_of(config).build(config, model_path, response_length=response_length, eos_token_id=eos_token_id,
+                                   pad_token_id=pad_token_id, override_config=override_config, **engine_kwargs)
