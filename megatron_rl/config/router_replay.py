@@ -38,6 +38,11 @@ def check_router_replay(cfg: Any) -> None:
     if mode == "disabled":
         return
     megatron = arr.actor.megatron
+    for role in ("actor", "ref"):  # the reference replays the actor's mode (workers/routing_replay.py)
+        fusion = f"actor_rollout_ref.{role}.megatron.override_transformer_config.moe_router_fusion"
+        if OmegaConf.select(cfg, fusion, default=False):
+            raise ConfigError(f"{MODE}.mode={mode} with {fusion}=true: Megatron's fused router takes its top-k "
+                              "before the replay hook, so the routing would not be replayed; set it false")
     if megatron.get("context_parallel_size", 1) > 1:
         raise ConfigError(f"{MODE}.mode={mode} with actor_rollout_ref.actor.megatron.context_parallel_size="
                           f"{megatron.context_parallel_size} is not built (a router sees part of each sequence)")

@@ -6,7 +6,8 @@ and saves exactly), and its output is laid out like the fused weight's rows. Eac
 way its base linear is:
 
 - column-parallel base (linear_qkv, linear_fc1): A [r, in] replicated, B [out / TP, r] split like the output;
-  the input is the whole sequence (gathered from the TP ranks under sequence parallelism);
+  the input is the whole sequence (gathered from the TP ranks under sequence parallelism; without dropout, by
+  Megatron's column-parallel matmul, which saves the rank's slice for backward and gathers it again there);
 - row-parallel base (linear_proj, linear_fc2): A [r, in / TP] split like the input, B [out, r] replicated;
   A's partial products are summed over TP (reduce-scattered along the sequence under sequence parallelism).
 
@@ -33,7 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import (
+    linear_with_grad_accumulation_and_async_allreduce,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -160,12 +164,21 @@ class LoRAAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.column:
-            if self.sequence_parallel:
-                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
-            x = F.dropout(x, self.dropout, self.training) if self.dropout else x
             factors = [self.factors(part) for part in self.parts]
             # one pass over x for every part's A (x is the large operand at small r)
-            hidden = F.linear(x, torch.cat([a for a, _ in factors]) if len(factors) > 1 else factors[0][0])
+            a = torch.cat([a for a, _ in factors]) if len(factors) > 1 else factors[0][0]
+            if self.sequence_parallel and not self.dropout:
+                # Megatron's column-parallel matmul, as the base linear's: it gathers the sequence again in the
+                # backward and saves only this rank's slice (the tensor the base linear saves), not a
+                # whole-sequence copy (h x 2 B per token and adapted linear); its input grad is reduce-scattered
+                hidden = linear_with_grad_accumulation_and_async_allreduce(
+                    x, a, None, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=True,
+                    tp_group=parallel_state.get_tensor_model_parallel_group())
+            else:
+                if self.sequence_parallel:
+                    x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+                x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+                hidden = F.linear(x, a)
             if not self.sequence_parallel:  # each rank's B sees part of dL/dhidden: sum it over TP
                 hidden = copy_to_tensor_model_parallel_region(hidden)
             pieces = [F.linear(h, b) for h, (_, b) in zip(hidden.split(self.rank, dim=-1), factors)]

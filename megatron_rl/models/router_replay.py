@@ -238,4 +238,12 @@ def build_routing_replay(chunks: list[torch.nn.Module], parallel: Any, hf_config
         raise ValueError(f"{where}.router_replay.mode={mode} is not supported with context_parallel_size > 1")
     if getattr(parallel, "share_prompts", False):
         raise ValueError(f"{where}.router_replay.mode={mode} is not supported with {where}.share_prompts=true")
+    from megatron_rl.models.moe_training import _routers
+
+    if any(router.config.moe_router_fusion for router in _routers(chunks)):  # the routers as built
+        # Megatron-Core 0.16.1 moe_utils.topk_routing_with_score_function returns the fused top-k before
+        # compute_topk, the only call of the replay hook: the replay would be skipped without a word
+        raise ValueError(f"{where}.router_replay.mode={mode} with {where}.override_transformer_config."
+                         "moe_router_fusion=true: the fused router takes its top-k before the replay hook; set it "
+                         "false")
     return RoutingReplay(chunks, hf_config.moe.topk)

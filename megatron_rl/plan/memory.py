@@ -509,14 +509,19 @@ def lora_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, rank: 
 
 
 def lora_activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, rank: int, dropout: float,
-                                          linears, dtype_bytes: int = BF16) -> float:
+                                          linears, dtype_bytes: int = BF16, sequence_parallel: bool = False) -> float:
     """What the LoRA path of one layer saves for backward per token, modelled simply: each adapter's A x
-    ([tokens, r], which B's weight gradient reads; not split over TP: a row-parallel A's output is all-reduced),
-    and with dropout > 0 each adapted linear's dropped-out input (its width on the rank, ``dtype_bytes``) and
-    the mask (1 B). A's own input is the base linear's input, already counted by activation_bytes."""
+    ([tokens, r], which B's weight gradient reads; not split over TP: a row-parallel A's output is all-reduced,
+    or reduce-scattered along the sequence under sequence parallelism), and with dropout > 0 each adapted
+    linear's dropped-out input (its width on the rank, ``dtype_bytes``) and the mask (1 B). A's own input is the
+    base linear's input, already counted by activation_bytes: under sequence parallelism a column-parallel adapter
+    without dropout saves the rank's slice and gathers it again in the backward, as the base linear does
+    (models/lora.py; tests/unit/test_lora_sp_memory.py measures it)."""
+    split = sequence_parallel and layout.tp > 1
     total = 0.0
     for linear in linears:
-        total += lora_adapter_count(linear) * rank * dtype_bytes
+        row = linear not in ("linear_qkv", "linear_fc1")
+        total += lora_adapter_count(linear) * rank * dtype_bytes / (layout.tp if split and row else 1)
         if dropout > 0:
             total += lora_input_size(model, linear, layout.tp) * (dtype_bytes + 1)
     return total

@@ -203,7 +203,8 @@ def transformer_config(cfg: DictConfig, prefix: str, model: HFModelConfig, layou
 
 # TransformerConfig fields that pick a fused kernel (Transformer Engine's or Apex's), not what is stored
 TE_KERNEL_FLAGS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-                   "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion")
+                   "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion",
+                   "moe_router_fusion")
 
 
 def te_kernel_flags(overrides: dict[str, Any]) -> list[str]:
@@ -413,7 +414,8 @@ def _activation_rows(table: _PhaseTable, cfg: DictConfig, role: str, role_cfg: D
         first = 0 if (stage == "first" or layout.pp == 1) else (layout.pp - 1) * per_stage
         per_token_layer = max(memory.lora_activation_bytes_per_token_layer(
             model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
-            memory.FP32 if dtype in ("fp32", "float32") else memory.BF16) for i in range(first, first + per_stage))
+            memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel))
+            for i in range(first, first + per_stage))
         table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
             model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, _recompute(tcfg)),
             (update_phase,))

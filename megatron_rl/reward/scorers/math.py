@@ -7,8 +7,9 @@ ground truth. Comparison, cheapest first:
 1. normalised strings (in the spirit of Hendrycks' ``strip_string``): spacing commands and spaces,
    ``\\left``/``\\right``, ``$``, ``%``, degree marks, units after a number and ``\\text{}``-style wrappers
    dropped; ``\\dfrac``/``\\tfrac``/``\\cfrac`` -> ``\\frac``; ``\\frac12``/``\\sqrt2`` braced; a leading
-   ``x=`` dropped; ``1,000`` -> ``1000`` (but ``32, 349`` is a list); unicode minus, ``½``, ``π``, ``√``,
-   ``×``;
+   ``x=`` dropped (when both answers name a variable and the names differ, steps 1-2 are skipped and step 3
+   compares the names: ``y=5`` is not ``x=5``; a bare ``5`` against ``x=5`` is the value); ``1,000`` ->
+   ``1000`` (but ``32, 349`` is a list); unicode minus, ``½``, ``π``, ``√``, ``×``;
 2. plain numbers, ``a/b`` and ``\\frac{a}{b}`` by value, exactly; a decimal of 10 or more significant digits
    within one unit of its last digit (``0.0833333333333333`` = ``\\frac{1}{12}``, ``0.333333`` is not
    ``\\frac{1}{3}``);
@@ -40,6 +41,7 @@ _SPACING = re.compile(r"\\[,;:! ]|\\q?quad")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _FRAC = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
 _SLASH = re.compile(r"(-?\d+)/(-?\d+)")
+_LEADING_NAME = re.compile(r"^[\s$]*([A-Za-z]\w*)\s*=(?!=)")  # "x=5", "x = 5": the answer names its variable
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 MAX_ANSWER_CHARS = 1000
 MAX_NUMBER_DIGITS = 400
@@ -150,7 +152,7 @@ def normalize_answer(answer: str) -> str:
     s = _SPACING.sub("", s)
     for token in ("^{\\circ}", "^\\circ", "\\$", "$", "\\%", "%", " "):
         s = s.replace(token, "")
-    s = re.sub(r"^[a-zA-Z]\w*=(?!=)", "", s)  # "x=5" -> "5"
+    s = _LEADING_NAME.sub("", s)  # "x=5" -> "5"
     s = _strip_unit(s)
     s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
@@ -163,6 +165,12 @@ def normalize_answer(answer: str) -> str:
     if s.startswith("."):
         s = "0" + s
     return s.replace("-.", "-0.")
+
+
+def _leading_name(answer: str) -> str | None:
+    """The variable of a leading ``x=`` (the one ``normalize_answer`` drops), else None."""
+    match = _LEADING_NAME.match(answer)
+    return match[1] if match else None
 
 
 def _as_fraction(s: str) -> Fraction | None:
@@ -186,11 +194,15 @@ def is_equiv(prediction: str, ground_truth: str, use_math_verify: bool = True) -
     if len(prediction) > MAX_ANSWER_CHARS or len(ground_truth) > MAX_ANSWER_CHARS:
         return prediction.strip() == ground_truth.strip()
     a, b = normalize_answer(prediction), normalize_answer(ground_truth)
-    if a == b:  # the hot path: no sympy when the strings decide
-        return True
-    value_a, value_b = _as_fraction(a), _as_fraction(b)
-    if value_a is not None and value_b is not None:
-        return numbers_close(value_a, value_b, a, b)
+    # normalising drops a leading "x=": answers naming two different variables are left to structured_equal,
+    # which compares the names (y=5 is not x=5); a bare value against a named one is the value
+    names = _leading_name(prediction), _leading_name(ground_truth)
+    if None in names or names[0] == names[1]:
+        if a == b:  # the hot path: no sympy when the strings decide
+            return True
+        value_a, value_b = _as_fraction(a), _as_fraction(b)
+        if value_a is not None and value_b is not None:
+            return numbers_close(value_a, value_b, a, b)
     decided = structured_equal(prediction, ground_truth)
     if decided is not None:
         return decided
