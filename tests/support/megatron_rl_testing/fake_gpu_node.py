@@ -10,18 +10,23 @@ as on an 8-GPU node; the test then reads where everything landed and how many by
     node.engines[0].gpus, node.engines[0].bytes_on, node.free_bytes(3)
 
 API (kept small: the planner's tests use it too):
-- ``FakeGpuNode(monkeypatch, gpus=8, total_bytes=80 GiB, model_bytes=4 GiB, with_vllm=True)``: ``model_bytes`` are
-  the weights of the model every engine serves (each TP worker holds its share); ``with_vllm``: install the
-  ``vllm.LLM`` double.
+- ``FakeGpuNode(monkeypatch, gpus=8, total_bytes=80 GiB, model_bytes=4 GiB, with_vllm=True, with_sglang=False)``:
+  ``model_bytes`` are the weights of the model every engine serves (each TP worker holds its share);
+  ``with_vllm``: install the ``vllm.LLM`` double; ``with_sglang``: install a module ``sglang`` whose ``Engine`` is
+  the ``sglang.Engine`` double (``__version__`` 0.5.23; SGLang has no CPU build, so it is never the real one).
 - ``process(name, env)``: a simulated process. Its environment is applied to ``os.environ`` for the block (and
   restored after); CUDA initialises on the first call that needs a device, reading ``CUDA_VISIBLE_DEVICES``
   then, as CUDA does (a later change of the variable does not change this process's view, only that of the
   processes it starts). Device index i is the i-th visible physical GPU.
 - ``hold_cache(nbytes)``: this process's caching allocator holds ``nbytes`` reserved but unused on its current
   device (what training freed); ``torch.cuda.empty_cache()`` of this process gives them back.
+- ``hold_tensors(nbytes)``: this process's live tensors (the trainer's state) take ``nbytes`` on its current
+  device; ``empty_cache`` does not give them back. A process entered again under the same name keeps both.
 - ``free_bytes(gpu)`` / ``total_bytes``: a physical GPU's free and total memory (``torch.cuda.mem_get_info``).
-- ``engines``: one ``EngineRecord`` per ``vllm.LLM`` built: ``gpus`` (physical, TP worker order),
-  ``bytes_on`` ({gpu: {"weights": n, "kv_cache": n}} of what is resident), ``kwargs``, ``calls``, ``asleep``.
+- ``engines``: one ``EngineRecord`` per ``vllm.LLM`` or ``sglang.Engine`` built, in build order: ``engine``
+  ("vllm" | "sglang"), ``gpus`` (physical, TP worker order), ``bytes_on`` ({gpu: {"weights": n, "kv_cache": n}}
+  of what is resident), ``free_at_start`` ({gpu: free bytes its start measured}), ``kwargs``, ``calls``,
+  ``asleep``.
 - ``record_server_launches(monkeypatch)``: vLLM server processes (servers/vllm_server.py) are not started; each
   launch's command and environment are recorded and a sleeping process of its own session stands in for it.
   ``LaunchRecordingServerActor``: ``VLLMServerActor`` on a fake GPU node with its launches recorded (a Ray
@@ -45,6 +50,22 @@ The ``vllm.LLM`` double (``RecordingLLM``) enforces, as read in vllm 0.32.0's so
   does nothing, vllm/v1/executor/abstract.py:382-392; level 2 discards the weights); ``wake_up(tags)`` drops
   "scheduling" (vllm/v1/engine/core.py:1007), does nothing when awake or when a tag is not asleep
   (abstract.py:394-404), else maps the tags' memory back, failing like cuMemCreate when the GPU lacks it.
+
+The ``sglang.Engine`` double (``RecordingSGLangEngine``) enforces, as read in sglang 0.5.23's wheel:
+- device index semantics: TP worker i runs on device ``base_gpu_id + i * gpu_id_step`` of the environment the
+  engine's scheduler processes inherit (python/sglang/srt/entrypoints/engine.py:935-939), i.e. that entry
+  of ``CUDA_VISIBLE_DEVICES``; an index beyond the visible devices fails SGLang's
+  ``assert gpu_id < num_gpus`` (srt/utils/common.py:436, get_available_gpu_memory, the worker's first
+  measurement);
+- mem_fraction_static: the free memory measured before the weights load, the minimum over the TP group
+  (srt/distributed/bootstrap.py:207-212), is the base; the KV cache is what stays free after the weights minus
+  ``base x (1 - mem_fraction_static)`` (srt/mem_cache/kv_cache_configurator.py:2990-3060), i.e.
+  ``mem_fraction_static x base - weights`` on each GPU; none left is SGLang's ValueError (:3043-3058);
+- release / resume_memory_occupation(tags): no tags means all of "weights", "kv_cache", "cuda_graph"
+  (srt/managers/scheduler_components/weight_updater.py:345-346, :386-387); released tags give their bytes
+  back (the double holds no CUDA-graph bytes: SGLang's graphs live outside mem_fraction_static); resuming a tag
+  that is not released fails (``offload_tags.remove``, :389-390) and a resume the GPU lacks room for fails as
+  CUDA's allocator does. Both need ``enable_memory_saver`` (without it SGLang frees nothing).
 """
 
 from __future__ import annotations
@@ -62,11 +83,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineRecord", "FakeGpuNode", "LaunchRecordingServerActor", "RecordingLLM", "record_server_launches"]
+__all__ = ["EngineRecord", "FakeGpuNode", "LaunchRecordingServerActor", "RecordingLLM", "RecordingSGLangEngine",
+           "record_server_launches"]
 
 GiB = 1 << 30
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vllm/config/cache.py:102
 SLEEP_TAGS = ("weights", "kv_cache")  # vllm/v1/executor/abstract.py:37
+SGLANG_VERSION = "0.5.23"
+SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
 
 
 @dataclass
@@ -78,7 +102,7 @@ class _Process:
 
 @dataclass
 class EngineRecord:
-    """One ``vllm.LLM`` the code built: where its TP workers run and what they hold."""
+    """One ``vllm.LLM`` or ``sglang.Engine`` the code built: where its TP workers run and what they hold."""
 
     index: int
     kwargs: dict[str, Any]
@@ -87,12 +111,15 @@ class EngineRecord:
     calls: list[str] = field(default_factory=list)
     asleep: set[str] = field(default_factory=set)
     alive: bool = True
+    engine: str = "vllm"
+    free_at_start: dict[int, int] = field(default_factory=dict)
 
 
 class FakeGpuNode:
     def __init__(self, monkeypatch: Any, gpus: int = 8, total_bytes: int = 80 * GiB, model_bytes: int = 4 * GiB,
-                 with_vllm: bool = True) -> None:
-        """``with_vllm``: install the ``vllm.LLM`` double too (importing vLLM costs seconds)."""
+                 with_vllm: bool = True, with_sglang: bool = False) -> None:
+        """``with_vllm``: install the ``vllm.LLM`` double too (importing vLLM costs seconds); ``with_sglang``: the
+        ``sglang.Engine`` double, as the module ``sglang`` for the test's duration."""
         self.gpus, self.total_bytes, self.model_bytes = gpus, total_bytes, model_bytes
         self.engines: list[EngineRecord] = []
         # physical GPU -> (owner, kind) -> bytes
@@ -115,6 +142,11 @@ class FakeGpuNode:
             import vllm
 
             monkeypatch.setattr(vllm, "LLM", functools.partial(RecordingLLM, self))
+        if with_sglang:
+            sglang = types.ModuleType("sglang")
+            sglang.Engine = functools.partial(RecordingSGLangEngine, self)
+            sglang.__version__ = SGLANG_VERSION
+            monkeypatch.setitem(sys.modules, "sglang", sglang)
 
     # ------------------------------------------------------------------ simulated processes
     @contextlib.contextmanager
@@ -183,6 +215,9 @@ class FakeGpuNode:
     def hold_cache(self, nbytes: int) -> None:
         self._held[self.physical()][(self._proc.name, "cache")] = int(nbytes)
 
+    def hold_tensors(self, nbytes: int) -> None:
+        self._allocate(self.physical(), self._proc.name, "tensors", int(nbytes), f"{self._proc.name}'s tensors")
+
     def _mem_get_info(self, device: Any = None) -> tuple[int, int]:
         gpu = self.physical(device)
         return self.free_bytes(gpu), self.total_bytes
@@ -229,6 +264,7 @@ class RecordingLLM:
         owner = f"vllm{self.record.index}"
         for rank, gpu in enumerate(gpus):  # each worker's request_memory (v1/worker/utils.py:761-770)
             free, total = node.free_bytes(gpu), node.total_bytes
+            self.record.free_at_start[gpu] = free
             requested = math.ceil(total * util)
             if free < requested:
                 self._free_all()
@@ -308,6 +344,99 @@ class _Engine:
     def shutdown(self) -> None:
         self._llm._free_all()
         self._llm.record.alive = False
+
+
+class RecordingSGLangEngine:
+    """``sglang.Engine`` (0.5.23) as far as the colocated rollout uses it, with SGLang's GPU rules (module
+    docstring). Weight updates are recorded, not applied; it does not generate."""
+
+    def __init__(self, node: FakeGpuNode, **kwargs: Any) -> None:
+        self.node = node
+        visible = node.visible_in(os.environ)  # what its scheduler processes inherit now
+        tp, base, step = (int(kwargs.get(k, d)) for k, d in (("tp_size", 1), ("base_gpu_id", 0), ("gpu_id_step", 1)))
+        indices = [base + rank * step for rank in range(tp)]  # entrypoints/engine.py:935-939
+        for rank, index in enumerate(indices):  # utils/common.py:436
+            if not 0 <= index < len(visible):
+                mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+                raise AssertionError(f"SGLang TP worker {rank}: gpu_id {index} (base_gpu_id={base}) < num_gpus "
+                                     f"{len(visible)} fails (CUDA_VISIBLE_DEVICES={mask})")
+        gpus = tuple(visible[i] for i in indices)
+        self.record = EngineRecord(len(node.engines), dict(kwargs), gpus, {g: {} for g in gpus}, engine="sglang")
+        self.record.free_at_start = {g: node.free_bytes(g) for g in gpus}
+        fraction = float(kwargs["mem_fraction_static"])  # SGLang's own default depends on the GPU: we always pass it
+        base_bytes = min(self.record.free_at_start.values())  # distributed/bootstrap.py:207-212: min over TP
+        weights = node.model_bytes // tp
+        kv = int(fraction * base_bytes) - weights  # kv_cache_configurator.py:3038: free - weights - base x (1 - f)
+        if kv <= 0:  # kv_cache_configurator.py:3043-3058
+            minimum = 1 - (base_bytes - weights) / base_bytes
+            raise ValueError(f"Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static="
+                             f"{fraction}. Raise --mem-fraction-static above {math.ceil(minimum * 1000) / 1000:.3f}")
+        self._sizes = {g: {"weights": weights, "kv_cache": kv, "cuda_graph": 0} for g in gpus}
+        for gpu in gpus:
+            for kind, nbytes in self._sizes[gpu].items():
+                node._allocate(gpu, self._owner, kind, nbytes, f"SGLang engine {self.record.index} start")
+                self.record.bytes_on[gpu][kind] = nbytes
+        node.engines.append(self.record)
+
+    @property
+    def _owner(self) -> str:
+        return f"sglang{self.record.index}"
+
+    def _tags(self, method: str, tags: list[str] | None) -> list[str]:
+        assert self.record.kwargs.get("enable_memory_saver"), f"{method} on an engine without enable_memory_saver"
+        self.record.calls.append(f"{method}:{','.join(tags) if tags else 'all'}")
+        return list(tags or SGLANG_MEMORY_TAGS)  # weight_updater.py:345-346, :386-387
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        for tag in self._tags("release", tags):
+            self.record.asleep.add(tag)
+            for gpu in self.record.gpus:
+                self.node._release(gpu, self._owner, tag)
+                self.record.bytes_on[gpu].pop(tag, None)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        for tag in self._tags("resume", tags):
+            if tag not in self.record.asleep:
+                raise KeyError(tag)  # weight_updater.py:389-390, ``offload_tags.remove(tag)``
+            try:
+                for gpu in self.record.gpus:
+                    nbytes = self._sizes[gpu][tag]
+                    what = f"SGLang engine {self.record.index} resume({tag})"
+                    self.node._allocate(gpu, self._owner, tag, nbytes, what)
+                    self.record.bytes_on[gpu][tag] = nbytes
+            except RuntimeError:  # the tag stays released on every GPU
+                for gpu in self.record.gpus:
+                    self.node._release(gpu, self._owner, tag)
+                    self.record.bytes_on[gpu].pop(tag, None)
+                raise
+            self.record.asleep.discard(tag)
+
+    def _recorded(self, method: str) -> tuple[bool, str]:
+        self.record.calls.append(method)
+        return True, "Succeeded"
+
+    def begin_weight_update(self) -> tuple[bool, str]:
+        return self._recorded("begin_weight_update")
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        return self._recorded("end_weight_update")
+
+    def update_weights_from_tensor(self, **kwargs: Any) -> tuple[bool, str]:
+        assert "weights" not in self.record.asleep, "weights loaded into memory that is released"
+        return self._recorded("update_weights_from_tensor")
+
+    def flush_cache(self) -> None:
+        self.record.calls.append("flush_cache")
+
+    def generate(self, **kwargs: Any) -> Any:
+        raise NotImplementedError("the placement double of sglang.Engine does not generate")
+
+    def shutdown(self) -> None:
+        for gpu in self.record.gpus:
+            for kind in SGLANG_MEMORY_TAGS:
+                self.node._release(gpu, self._owner, kind)
+            self.record.bytes_on[gpu].clear()
+        self.record.alive = False
 
 
 # ---------------------------------------------------------------------------------------------- started servers
