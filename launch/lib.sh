@@ -198,6 +198,7 @@ run_driver() {
     case $DRIVER_RC in
         0) log "driver exited with status 0: finished" ;;
         75) log "driver exited with status 75: stopped by a signal, resumable (re-run the same command)" ;;
+        130) log "driver exited with status 130: a second stop signal ended it at once, the current step unsaved; re-run to resume from the newest checkpoint" ;;
         2) log "driver exited with status 2: the configuration or its files were rejected; nothing was started" ;;
         *) log "driver exited with status $DRIVER_RC: failed (the error is above and in the run's train.log)" ;;
     esac

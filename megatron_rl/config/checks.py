@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config.schema import PPOTrainerConfig, RewardConfig
+from megatron_rl.config.schema import PPOTrainerConfig
 
 
 class CheckError(ValueError):
@@ -192,11 +192,6 @@ def check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
     check_optimizer(cfg, "actor_rollout_ref.actor", total)
     if uses_critic:
         check_optimizer(cfg, "critic", total)
-    default_timeout = RewardConfig.timeout_s
-    if reward.num_workers == 0 and reward.timeout_s != default_timeout:
-        raise CheckError(f"reward.timeout_s={float(reward.timeout_s)} cannot apply with reward.num_workers=0: inline "
-                     f"scoring runs in the driver and cannot be interrupted; set reward.num_workers >= 1 for a "
-                     f"time limit")
     if reward.max_failed_steps < 0:
         raise CheckError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {reward.max_failed_steps}")
     if trainer.max_ckpt_to_keep < 1:

@@ -223,7 +223,13 @@ def load_peft_adapter(chunks: Sequence[torch.nn.Module], adapter_dir: str | Path
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     expected: set[str] = set()
     errors: list[str] = []
-    with safe_open(str(weights), framework="pt") as file:
+    try:
+        opened = safe_open(str(weights), framework="pt")
+    except Exception as err:  # noqa: BLE001 - SafetensorError (a damaged header) or OSError: name the file
+        raise ValueError(
+            f"{weights}: cannot be read as safetensors (corrupt or truncated?): {type(err).__name__}: {err}"
+        ) from None
+    with opened as file:
         present = set(file.keys())
         for adapter in adapters:
             for hf_module, factor, param, dim in _factors(adapter):
@@ -239,6 +245,10 @@ def load_peft_adapter(chunks: Sequence[torch.nn.Module], adapter_dir: str | Path
                     )
                     continue
                 full = file.get_tensor(key)
+                if full.is_floating_point() and not bool(full.isfinite().all()):
+                    bad = int((~full.isfinite()).sum())
+                    errors.append(f"{weights}: {key!r} holds {bad} non-finite values (NaN or inf)")
+                    continue
                 if list(full.shape) != shape:
                     errors.append(
                         f"{weights}: {key!r} has shape {list(full.shape)}, expected {shape} "

@@ -7,8 +7,11 @@
 - ``non_tensor_batch["score"]`` and each extra a scorer returns in its dict (e.g. ``acc``, ``pred``),
   ``None`` for samples whose scorer did not return it;
 - ``meta_info["reward_metrics"]``: ``reward/score/mean``, ``reward/<extra>/mean`` for numeric extras,
-  ``reward/errors`` (samples scored 0 because their scorer raised, timed out or returned a non-finite or
-  non-numeric value), ``reward/timeouts`` (the subset that timed out), ``reward/empty_responses``.
+  ``reward/errors`` (samples scored 0 because their scorer raised, timed out or returned a non-numeric
+  value), ``reward/timeouts`` (the subset that timed out), ``reward/empty_responses``.
+
+A scorer returning NaN or +-inf stops the run at the step that produced it (ValueError naming the data_source,
+the sample, its row's ``extra_info`` index and the scorer): such a score is a scorer bug, not a failed sample.
 
 ``reward.reward_manager`` (verl's names): ``naive`` scores per sample; ``batch`` hands the custom function whole
 lists; ``dapo`` is naive plus DAPO's overlong penalty (reward/overlong.py) added to the placed score, and ``acc``
@@ -35,7 +38,7 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.reward.custom import load_custom_scorer
 from megatron_rl.reward.overlong import OverlongPenalty
 from megatron_rl.reward.placement import last_valid_positions, place_scores
-from megatron_rl.reward.pool import Call, InlineRunner, Outcome, ScoringPool
+from megatron_rl.reward.pool import Call, InlineRunner, InlineTimeout, Outcome, ScoringPool
 from megatron_rl.reward.registry import Scorer, get_scorer
 from megatron_rl.reward.results import SampleResult, results_of
 
@@ -65,7 +68,8 @@ def decode_responses(
 class RewardManager:
     """Decode responses, score each with the scorer of its ``data_source`` (or the custom function), and
     place the scores. Scoring runs in ``reward.num_workers`` processes, each call limited to
-    ``reward.timeout_s`` (``num_workers=0``: in this process, without a time limit).
+    ``reward.timeout_s``, a call past it scoring 0; ``num_workers=0``: in this process, where a call past
+    ``reward.timeout_s`` cannot be stopped and so stops the run with an error naming the row (pool.InlineRunner).
 
     ``max_response_length``: the rollout's response length, which ``reward.reward_kwargs.max_resp_len: null``
     stands for (needed by ``reward_manager=dapo`` with the overlong buffer enabled)."""
@@ -101,7 +105,9 @@ class RewardManager:
             self.custom = Scorer(
                 load_custom_scorer(custom.path, custom.name), batched=cfg.reward_manager == "batch"
             )
-        self._runner = ScoringPool(cfg.num_workers, cfg.timeout_s) if cfg.num_workers else InlineRunner()
+        self._runner = (
+            ScoringPool(cfg.num_workers, cfg.timeout_s) if cfg.num_workers else InlineRunner(cfg.timeout_s)
+        )
         self._checked_picklable: set[str] = set()
 
     def __call__(self, data: DataProto) -> DataProto:
@@ -123,6 +129,7 @@ class RewardManager:
         extra_infos = [info if info is not None else {} for info in extra_infos]
 
         results, plain = self._score(sources, solutions, truths, extra_infos)
+        self._refuse_non_finite(results, sources, extra_infos)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         results, rewards = self._verl_additions(results, plain, scores, lengths)
         empty = int((last_valid_positions(mask) < 0).sum())
@@ -237,7 +244,13 @@ class RewardManager:
             )
             call_samples.append(idx)
 
-        for k, (outcome, idx) in enumerate(zip(self._runner.run(calls), call_samples, strict=True)):
+        try:
+            outcomes = self._runner.run(calls)
+        except InlineTimeout as hung:
+            rows = call_samples[hung.call_index]
+            scorer = self._scorer_for(sources[rows[0]]).name
+            raise _inline_timeout_error(hung, rows, sources[rows[0]], scorer) from None
+        for k, (outcome, idx) in enumerate(zip(outcomes, call_samples, strict=True)):
             batched = k >= num_single
             if self.kind == "prime" and not batched:
                 outcome = _first_item(outcome)
@@ -274,6 +287,23 @@ class RewardManager:
                 metrics[f"reward/{key}/mean"] = float(np.mean(values))
         return metrics
 
+    def _refuse_non_finite(
+        self, results: Sequence[SampleResult], sources: Sequence[str], extra_infos: Sequence[Any]
+    ) -> None:
+        """Stop at the first step with a NaN / inf score: unlike a failed sample, the scorer is wrong."""
+        bad = [i for i, r in enumerate(results) if r.non_finite]
+        if not bad:
+            return
+        first = bad[0]
+        index = extra_infos[first].get("index") if isinstance(extra_infos[first], dict) else None
+        row = f", extra_info index {index}" if index is not None else ""
+        raise ValueError(
+            f"reward: {results[first].error} for sample {first}{row} (data_source {sources[first]!r}, "
+            f"scorer {self._scorer_for(sources[first]).name}); {len(bad)} of {len(results)} samples of this "
+            f"step are non-finite. A NaN or inf reward would poison the advantages: fix the scorer to return "
+            f"a finite number"
+        )
+
     @staticmethod
     def _log_errors(results: Sequence[SampleResult], sources: Sequence[str]) -> None:
         failed = [i for i, r in enumerate(results) if r.error is not None]
@@ -298,6 +328,16 @@ class RewardManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _inline_timeout_error(hung: InlineTimeout, rows: list[int], data_source: str, scorer: str) -> TimeoutError:
+    what = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}..{rows[-1]} (one batched call)"
+    return TimeoutError(
+        f"reward: scoring {what} of the batch (data_source {data_source!r}, scorer {scorer}) ran past "
+        f"reward.timeout_s={hung.timeout_s:g} s in this process (reward.num_workers=0), where a hung scorer "
+        f"cannot be stopped. Set reward.num_workers >= 1 to score in worker processes, where a call past the "
+        f"limit is killed and scores 0, or raise reward.timeout_s if the scorer is slow, not hung"
+    )
 
 
 def with_extras(result: SampleResult, **extras: Any) -> SampleResult:

@@ -19,6 +19,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["Call", "InlineRunner", "Outcome", "ScoringPool"]
+__all__ = ["Call", "InlineRunner", "InlineTimeout", "Outcome", "ScoringPool"]
 
 Call = tuple[Callable[..., Any], Mapping[str, Any]]  # (function, keyword arguments)
 _READY = b"ready"
@@ -113,11 +114,39 @@ class _Worker:
         self.replies.close()
 
 
+class InlineTimeout(RuntimeError):
+    """An inline call ran past its time limit; it cannot be stopped, so the caller must not go on as if scored."""
+
+    def __init__(self, call_index: int, timeout_s: float) -> None:
+        super().__init__(f"scoring call {call_index} ran past {timeout_s:g} s")
+        self.call_index = call_index
+        self.timeout_s = timeout_s
+
+
 class InlineRunner:
-    """Runs calls one after another in this process: for debugging (pdb works); no time limit."""
+    """Runs calls one after another in this process (``reward.num_workers=0``: for debugging, and where starting
+    processes is not wanted). Each call runs in a daemon thread that the caller waits on for ``timeout_s``: the
+    caller's thread stays free to run signal handlers (SIGTERM stops a run whose scorer hangs), and a call past
+    the limit raises :class:`InlineTimeout` (a thread cannot be killed, so its sample cannot score 0 and go on
+    the way a worker process's can). Scorers that need the main thread (signal-based timeouts) see a thread."""
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
-        return [_call(fn, kwargs) for fn, kwargs in calls]
+        return [self._run_one(index, fn, kwargs) for index, (fn, kwargs) in enumerate(calls)]
+
+    def _run_one(self, index: int, fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Outcome:
+        box: list[Outcome] = []
+        thread = threading.Thread(target=lambda: box.append(_call(fn, kwargs)), name=f"inline-scorer-{index}",
+                                  daemon=True)  # daemon: a hung one does not keep the interpreter from exiting
+        thread.start()
+        thread.join(self.timeout_s)
+        if not box:
+            raise InlineTimeout(index, self.timeout_s)
+        return box[0]
 
     def close(self) -> None:
         pass

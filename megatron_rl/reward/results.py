@@ -2,7 +2,8 @@
 
 A scorer returns a number or a dict with ``"score"`` plus extras; a batched scorer returns a list of
 those. Anything else — an exception, a timeout, a non-finite or non-numeric value, a list of the
-wrong length — becomes a result with score 0 and an ``error`` saying what happened.
+wrong length — becomes a result with score 0 and an ``error`` saying what happened; a non-finite score is
+also marked ``non_finite``, which the reward manager refuses (a scorer bug, not a sample's failure).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SampleResult:
     extras: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # why the sample scored 0 instead of its scorer's value
     timed_out: bool = False
+    non_finite: bool = False  # the scorer returned NaN or +-inf
 
 
 def results_of(outcome: Outcome, n: int, batched: bool) -> list[SampleResult]:
@@ -64,5 +66,5 @@ def result_of(value: Any) -> SampleResult:
             f"dict with 'score'"
         )
     if not math.isfinite(value):
-        return SampleResult(error=f"scorer returned a non-finite score {value}")
+        return SampleResult(error=f"scorer returned a non-finite score {value}", non_finite=True)
     return SampleResult(float(value), extras)

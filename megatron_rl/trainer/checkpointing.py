@@ -1,7 +1,7 @@
 """Step checkpoints on disk: `<dir>/global_step_<k>/{actor,critic,trainer_state.json,manifest.json}`.
 
 A step is written into `global_step_<k>.tmp`; when every role has saved, `manifest.json` (every file of the
-checkpoint with its size, and its sha256 unless a tensor shard) is written LAST and the directory renamed, so a
+checkpoint with its size and sha256; tensor shards hashed only with trainer.checkpoint_hash_shards) is written LAST and the directory renamed, so a
 crash mid-save leaves the previous checkpoint intact and a checkpoint without a matching manifest is never
 trusted. On load the manifest is checked against the files; auto-resume takes the newest checkpoint that passes
 and says which newer ones it skipped and why. `latest_checkpointed_iteration.txt` (verl's name) points at the
@@ -9,7 +9,6 @@ newest one.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,11 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from megatron_rl.trainer.file_hashes import sha256_of_files
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
-HASH_EXEMPT = (".distcp",)  # tensor shards: sizes only in the manifest
+SHARD_SUFFIX = ".distcp"  # tensor shards: hashed with trainer.checkpoint_hash_shards, else size-checked
 TRAINER_STATE_FILE = "trainer_state.json"
 HF_FINAL_DIR = "hf_final"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -43,20 +44,13 @@ def _io_error(err: OSError, what: str, path: Path) -> OSError:
         f"{what} {path} failed: {err}")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(directory: Path, step: int) -> None:
+def write_manifest(directory: Path, step: int, hash_shards: bool = False) -> None:
     files = {str(p.relative_to(directory)): p.stat().st_size
              for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
-    # sha256 of every file but the tensor shards (*.distcp: the bulk, sizes only): what the driver reads back
-    # (trainer state, the rollouts of an async run) and the checkpoint's metadata (issue 33)
-    hashes = {name: _sha256(directory / name) for name in files if not name.endswith(HASH_EXEMPT)}
+    # sha256 of what the driver reads back (trainer state, the rollouts of an async run) and the checkpoint's
+    # metadata (issue 33); of the tensor shards, the bulk, only when asked (issue 56; the cost: docs/trainer.md)
+    hashed = [name for name in files if hash_shards or not name.endswith(SHARD_SUFFIX)]
+    hashes = sha256_of_files(directory, hashed)
     tmp = directory / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps({"global_step": step, "files": files, "sha256": hashes}, indent=1))
     os.replace(tmp, directory / MANIFEST_FILE)
@@ -83,7 +77,9 @@ def checkpoint_problem(directory: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
-        if name in hashes and _sha256(path) != hashes[name]:
+    # every file the manifest hashes (manifests before issue 56 hold no shard hashes: those stay size-checked)
+    for name, digest in sha256_of_files(directory, [name for name in files if name in hashes]).items():
+        if digest != hashes[name]:
             return f"{name} does not match the sha256 in its manifest: it changed after the save"
     return None
 
@@ -91,16 +87,17 @@ def checkpoint_problem(directory: Path) -> str | None:
 class TrainerCheckpointer:
     """Under Ray one driver process writes. Under torchrun every rank runs the trainer and the workers
     save collectively into the same directory, so only the ``is_writer`` rank touches the directory
-    layout, and ``barrier`` keeps the ranks in step around it."""
+    layout, and ``barrier`` keeps the ranks in step around it. ``hash_shards``: trainer.checkpoint_hash_shards."""
 
     def __init__(self, root: Path, keep_last: int, is_writer: bool = True,
-                 barrier: Callable[[], None] = _no_barrier) -> None:
+                 barrier: Callable[[], None] = _no_barrier, hash_shards: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.is_writer = is_writer
         self.barrier = barrier
+        self.hash_shards = hash_shards
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
@@ -120,10 +117,15 @@ class TrainerCheckpointer:
             yield tmp
         except OSError as err:
             raise _io_error(err, f"saving the step-{step} checkpoint into", tmp) from err
+        except (KeyboardInterrupt, SystemExit):
+            # A forced exit (a second SIGTERM / ctrl-C) mid-save: leave no half-written step behind (issue 56).
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.barrier()
         if self.is_writer:
             try:
-                write_manifest(tmp, step)  # last: a checkpoint without it is incomplete
+                write_manifest(tmp, step, self.hash_shards)  # last: a checkpoint without it is incomplete
                 if final.exists():
                     shutil.rmtree(final)
                 tmp.rename(final)

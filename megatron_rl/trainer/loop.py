@@ -8,7 +8,7 @@ A loop passes what differs as values: its ``generate`` (for validation), its tra
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
@@ -18,7 +18,7 @@ from megatron_rl.algos import get_kl_controller
 from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.overlap import OverlappedScoring
-from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
+from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TRAINER_STATE_FILE, TrainerCheckpointer
 from megatron_rl.trainer.run_identity import write_identity
 from megatron_rl.trainer.metrics import StageTimer, compute_throughput_metrics
 from megatron_rl.trainer.signals import StopRequest
@@ -61,6 +61,20 @@ class TrainerState:
     dataloader: dict[str, Any] = field(default_factory=dict)
     kl_ctrl: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_saved(cls, saved: Any, source: Path) -> TrainerState:
+        """The state a checkpoint's trainer_state.json (``source``) holds; a renamed, missing or extra key is refused
+        naming the file and the key (a missing one would silently restart from its default)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(saved, dict):
+            raise ValueError(f"{source}: holds {type(saved).__name__}, expected a JSON object with keys {names}")
+        problems = [f"no key {name!r}" for name in names if name not in saved]
+        problems += [f"an unknown key {name!r}" for name in sorted(set(saved) - set(names))]
+        if problems:
+            raise ValueError(f"{source}: {', '.join(problems)} (a trainer state holds exactly {names}): renamed or "
+                             f"damaged; resume from another checkpoint")
+        return cls(**saved)
+
 
 @dataclass
 class Run:
@@ -92,8 +106,9 @@ def build_run(cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutR
     overlap = OmegaConf.select(cfg, "reward.overlap")
     return Run(cfg=cfg, sizes=sizes, actor_rollout=actor_rollout, critic=critic, reward_fn=reward_fn,
                train_loader=train_loader, val_batches=val_batches, stop=stop or StopRequest(),
-               checkpointer=checkpointer or TrainerCheckpointer(Path(cfg.trainer.default_local_dir),
-                                                                cfg.trainer.max_ckpt_to_keep),
+               checkpointer=checkpointer or TrainerCheckpointer(
+                   Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep,
+                   hash_shards=bool(cfg.trainer.checkpoint_hash_shards)),
                total_steps=total_steps(cfg, len(train_loader), sizes.uses_critic),
                n=cfg.actor_rollout_ref.rollout.n, use_critic=sizes.uses_critic,
                use_reference=algo.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss,
@@ -249,11 +264,11 @@ def resume(run: Run) -> Path | None:
     if path is None:
         return None
     logger.info("resuming from %s", path)
-    state = run.checkpointer.read_trainer_state(path)
+    state = TrainerState.from_saved(run.checkpointer.read_trainer_state(path), path / TRAINER_STATE_FILE)
     run.actor_rollout.load_checkpoint(str(path / "actor"))
     if run.critic is not None:
         run.critic.load_checkpoint(str(path / "critic"))
-    run.state = TrainerState(**state)
+    run.state = state
     run.train_loader.load_state_dict(run.state.dataloader)
     if run.kl_ctrl is not None and run.state.kl_ctrl:
         run.kl_ctrl.load_state_dict(run.state.kl_ctrl)

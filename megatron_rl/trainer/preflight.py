@@ -2,8 +2,9 @@
 
 ``validate(cfg)`` checks the config on its own; ``preflight(cfg)`` checks it against the world: the output
 directory (no silent overwrite of a finished run), the data files (exist, are files, readable, and every
-``data_source`` has a scorer), the model's ``config.json`` (readable; its heads split over TP), the rollout
-engine (rollout.name=vllm: vLLM installed, and on CPU a head size its attention runs). Each error is a
+``data_source`` has a scorer), the model's ``config.json`` (readable; its heads split over TP; its positions hold
+prompt + response), a LoRA adapter's files, the rollout engine (rollout.name=vllm: vLLM installed, and on CPU a
+head size its attention runs), the checkpoint a resume takes. Each error is a
 ``ConfigError`` naming the key, the file and the values seen, so the real start and the dry run fail alike.
 """
 from __future__ import annotations
@@ -42,12 +43,14 @@ def preflight(cfg: DictConfig) -> None:
     check_rollout_engine(cfg)
     rows = check_data(cfg)
     check_model(cfg)
+    check_sequence_positions(cfg)
     check_lora_files(cfg)
     usable = check_training_prompts(cfg)
     check_schedule(cfg, rows if usable is None else usable)
     from megatron_rl.trainer.run_identity import check_resume
 
     check_resume(cfg, usable)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
+    check_resume_state(cfg)
 
 
 def check_loggers(cfg: DictConfig) -> None:
@@ -296,13 +299,43 @@ def check_lora_models(cfg: DictConfig, model) -> None:
 
 def check_lora_files(cfg: DictConfig) -> None:
     """``<model>.lora.adapter_path``: a PEFT adapter directory whose adapter_config.json agrees with the LoRA block
-    (config/lora.py check_adapter_path), for the actor and a running critic."""
-    from megatron_rl.config.lora import check_adapter_path
+    (config/lora.py check_adapter_path) and whose weights parse and are finite (check_adapter_weights), for the actor
+    and a running critic."""
+    from megatron_rl.config.lora import check_adapter_path, lora_enabled
     from megatron_rl.plan.validate import uses_critic
 
-    check_adapter_path(cfg.actor_rollout_ref.model.lora, "actor_rollout_ref.model")
-    if uses_critic(cfg):
-        check_adapter_path(cfg.critic.model.lora, "critic.model")
+    roles = ["actor_rollout_ref.model", "critic.model"] if uses_critic(cfg) else ["actor_rollout_ref.model"]
+    for prefix in roles:
+        lora = OmegaConf.select(cfg, f"{prefix}.lora")
+        check_adapter_path(lora, prefix)
+        if lora_enabled(lora) and lora.adapter_path:
+            check_adapter_weights(f"{prefix}.lora.adapter_path", Path(str(lora.adapter_path)).expanduser())
+
+
+def check_adapter_weights(key: str, directory: Path) -> None:
+    """adapter_model.safetensors parses (header and data: a corrupt or truncated file) and holds only finite
+    values; refused naming the file and the tensor, where the workers would fail later with safetensors' own error
+    (no file named) or train from NaN factors. Adapters are small (MBs): reading every tensor here is cheap."""
+    from safetensors import SafetensorError, safe_open
+
+    from megatron_rl.config.lora import ADAPTER_WEIGHTS
+
+    weights = directory / ADAPTER_WEIGHTS
+    non_finite: list[tuple[str, int, int]] = []
+    try:
+        with safe_open(str(weights), framework="pt") as file:
+            for name in file.keys():
+                tensor = file.get_tensor(name)
+                if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+                    non_finite.append((name, int((~tensor.isfinite()).sum()), tensor.numel()))
+    except (SafetensorError, OSError, ValueError) as err:  # safetensors: SafetensorError, or ValueError on bad data
+        raise ConfigError(f"{key}: {weights} cannot be read as safetensors (corrupt or truncated?): "
+                          f"{type(err).__name__}: {err}") from None
+    if non_finite:
+        name, bad, total = non_finite[0]
+        raise ConfigError(f"{key}: {weights}: tensor {name!r} holds {bad} non-finite values (NaN or inf) of {total}"
+                          f"{f' ({len(non_finite)} tensors in all)' if len(non_finite) > 1 else ''}: the adapter "
+                          f"would train from them")
 
 
 def check_model(cfg: DictConfig) -> None:
@@ -330,6 +363,58 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "
                           f"model: num_attention_heads={heads} must split over it and num_key_value_heads="
                           f"{kv_heads} must split over it or be replicated ({source})")
+
+
+def _model_positions(raw: dict[str, Any], source: str) -> tuple[int, str] | None:
+    """(positions the model encodes, how they follow from config.json), as vLLM derives its max_model_len:
+    max_position_embeddings, times the factor of a linear RoPE scaling; llama3 (and YaRN) configs hold the
+    extended length already (vllm/config/model.py _get_and_verify_max_len, lines 2579-2616). None: no such key
+    (check_model names a broken config)."""
+    from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
+
+    if not isinstance(raw.get("max_position_embeddings"), int):
+        return None
+    try:
+        facts = parse_hf_config(raw, source)
+    except (UnsupportedModelError, KeyError, TypeError, ValueError):
+        return None
+    base = facts.max_position_embeddings
+    scaling = facts.rope_scaling
+    if scaling is not None and scaling.kind == "linear":
+        return int(base * scaling.factor), f"max_position_embeddings={base} x linear rope factor {scaling.factor:g}"
+    return base, f"max_position_embeddings={base}"
+
+
+def check_sequence_positions(cfg: DictConfig) -> None:
+    """The longest sequence a rollout makes (data.max_prompt_length + the response length) fits the positions of
+    the actor's (and a critic's own) model, for every engine: vLLM refuses a longer max_model_len only once it
+    starts, the HF engine and Megatron run past the trained positions without a word."""
+    from megatron_rl.plan.validate import uses_critic
+
+    rollout = cfg.actor_rollout_ref.rollout
+    response_key = ("actor_rollout_ref.rollout.response_length" if rollout.response_length is not None
+                    else "data.max_response_length")
+    response = OmegaConf.select(cfg, response_key)
+    longest = cfg.data.max_prompt_length + response
+    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if uses_critic(cfg) and not OmegaConf.is_missing(cfg.critic.model, "path") and \
+            cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        models.append(("critic.model", cfg.critic.model))
+    for key, model in models:
+        raw = _config_json(key, model)
+        if raw is None:
+            continue
+        source = Path(model.path) / "config.json"
+        positions = _model_positions(raw, str(source))
+        if positions is None or longest <= positions[0]:
+            continue
+        limit, how = positions
+        raise ConfigError(
+            f"data.max_prompt_length={cfg.data.max_prompt_length} + {response_key}={response} = {longest} tokens is "
+            f"longer than the {limit} positions of {key}.path={model.path} ({how}; {source}, with "
+            f"{key}.override_config applied; rollout.name={rollout.name}): positions past it were never trained. "
+            f"Lower data.max_prompt_length or {response_key}, or set {key}.override_config.max_position_embeddings "
+            f"if the model extrapolates")
 
 
 # ---------------------------------------------------------------------------- the rollout engine
@@ -370,6 +455,28 @@ def check_training_prompts(cfg: DictConfig) -> int | None:
                           f"{data.train_batch_size}: not one training batch (the loader drops an incomplete one). "
                           f"Lower data.train_batch_size or add prompts")
     return len(dataset)
+
+
+# ---------------------------------------------------------------------------- the checkpoint a resume takes
+def check_resume_state(cfg: DictConfig) -> None:
+    """The trainer_state.json of the checkpoint this start resumes has the keys the loop reads (TrainerState
+    .from_saved, which the resume itself calls), refused here naming the file and key rather than after start-up."""
+    from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE
+    from megatron_rl.trainer.loop import TrainerState
+    from megatron_rl.trainer.run_identity import resume_checkpoint
+
+    path = resume_checkpoint(cfg)
+    if path is None or not (path / TRAINER_STATE_FILE).is_file():
+        return  # the loop refuses a checkpoint without one, naming it
+    source = path / TRAINER_STATE_FILE
+    try:
+        saved = json.loads(source.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"resuming {path}: {source} cannot be read as JSON ({err})") from None
+    try:
+        TrainerState.from_saved(saved, source)
+    except ValueError as err:
+        raise ConfigError(f"resuming {path}: {err}") from None
 
 
 # ---------------------------------------------------------------------------- the schedule

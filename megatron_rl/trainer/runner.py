@@ -146,11 +146,13 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, An
 
 def _checkpointer(cfg: DictConfig, is_torchrun: bool) -> TrainerCheckpointer:
     root, keep = Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep
+    hash_shards = bool(cfg.trainer.checkpoint_hash_shards)
     if not is_torchrun:
-        return TrainerCheckpointer(root, keep)
+        return TrainerCheckpointer(root, keep, hash_shards=hash_shards)
     import torch.distributed as dist
 
-    return TrainerCheckpointer(root, keep, is_writer=dist.get_rank() == 0, barrier=dist.barrier)
+    return TrainerCheckpointer(root, keep, is_writer=dist.get_rank() == 0, barrier=dist.barrier,
+                               hash_shards=hash_shards)
 
 
 def _device(cfg: DictConfig) -> str:
@@ -237,6 +239,7 @@ def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
         if servers is not None:
             servers.close()
         _stop_ray_unless(ray_was_up)
+        stop.restore()  # ctrl-C after the run (or in the caller of run_training) is KeyboardInterrupt again
 
     plot = None
     if is_logger and tracking.metrics_path.exists():

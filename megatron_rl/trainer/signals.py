@@ -1,19 +1,24 @@
-"""Turn SIGTERM / SIGUSR1 (SLURM's warning before the time limit) into "checkpoint, then exit cleanly"."""
+"""Turn SIGTERM / SIGINT (ctrl-C) / SIGUSR1 (SLURM's warning before the time limit) into "checkpoint, then exit
+cleanly"; a second SIGTERM or SIGINT exits at once, a third without even the clean-up (issue 56)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from types import FrameType
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Signals a person (or a scheduler's kill) repeats to mean "now": SLURM's SIGUSR1 is a warning, never "now".
+INSISTING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Exit codes of `python -m megatron_rl.train` (docs/trainer.md): 0 only for a finished run.
 EXIT_FINISHED = 0
 EXIT_FAILED = 1  # an error; the traceback is in the output and in <run dir>/train.log
 EXIT_CONFIG_ERROR = 2  # rejected before anything started; nothing was written
-EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1; re-run the same command to resume
+EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT/SIGUSR1; re-run the same command to resume
+EXIT_FORCED = 130  # a second SIGTERM/SIGINT: exited at once, the current step unsaved (re-run resumes from the last)
 
 
 class StopRequest:
@@ -22,6 +27,8 @@ class StopRequest:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.heeded = False  # a step's end saw the request: that step's checkpoint is the stop's, the loop ends
+        self.insisted = 0  # SIGTERM/SIGINT received so far
+        self._previous: dict[int, object] = {}  # the handlers before the first install, for `restore`
 
     @property
     def requested(self) -> bool:
@@ -39,13 +46,33 @@ class StopRequest:
     def install(self) -> "StopRequest":
         """(Re-)install the handlers; call again after a library (Ray) replaced them with its own."""
         for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
         return self
+
+    def restore(self) -> None:
+        """Put back the handlers found by the first ``install`` (ctrl-C raises KeyboardInterrupt again)."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        logger.warning("received %s: will save a checkpoint and stop after the current step", name)
-        self.request(name)
+        if signum in INSISTING_SIGNALS:
+            self.insisted += 1
+        if self.insisted == 2 and signum in INSISTING_SIGNALS:
+            # Raised in the main thread, wherever it waits (a hung scorer, a save): the `finally` blocks still
+            # stop the servers and Ray this run started; a half-written checkpoint is removed by its writer.
+            logger.error("received %s, a second stop signal: exiting now without saving the current step (exit "
+                         "code %d); re-run the same command to resume from the newest complete checkpoint", name,
+                         EXIT_FORCED)
+            raise SystemExit(EXIT_FORCED)
+        if self.insisted > 2 and signum in INSISTING_SIGNALS:
+            os.write(2, f"received {name} a third time: exiting without clean-up\n".encode())
+            os._exit(EXIT_FORCED)  # the clean-up itself hangs: nothing in this process can be trusted to return
+        logger.warning("received %s: will save a checkpoint and stop after the current step (send it again to "
+                       "exit at once, without saving)", name)
+        self.request(self.reason or name)
 
 
 def keep_handlers_through_ray() -> None:

@@ -209,8 +209,7 @@ def test_a_stopped_run_exits_with_the_resumable_code(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         trainer.fit()
     finally:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.restore()  # SIGINT too: ctrl-C stops pytest again
     assert EXIT_STOPPED_RESUMABLE not in (0, 1, 2) and trainer.stopped == "SIGTERM"
 
 
@@ -292,8 +291,7 @@ def test_ray_start_up_does_not_take_over_sigterm():
         assert signal.getsignal(signal.SIGTERM) == stop._handle
     finally:
         ray_utils.set_sigterm_handler = original
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        stop.restore()  # SIGINT too: ctrl-C stops pytest again
 
 
 def test_data_that_gives_no_batch_is_an_error_not_a_silent_success(tmp_path, caplog):
@@ -528,6 +526,7 @@ def test_resuming_with_another_model_or_loader_order_is_refused_before_start_up(
                                          "trainer.n_gpus_per_node=1", "data.train_batch_size=2",
                                          "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.seed=1",
+                                         "data.max_prompt_length=16", "data.max_response_length=6",  # 64 positions
                                          *data, *overrides]))
 
     start(f"actor_rollout_ref.model.path={model}")  # the same model: resumes

@@ -198,8 +198,7 @@ def test_stop_signal_saves_and_ends_after_the_step(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR1)
         trainer.fit()
     finally:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.restore()  # SIGINT too: ctrl-C stops pytest again
     assert sorted(trainer.tracking.records) == [1]
     assert (tmp_path / "global_step_1" / "trainer_state.json").is_file()
     assert "save_hf" not in actor.calls  # a preempted run is not finished
@@ -222,8 +221,7 @@ def test_a_stop_signal_while_a_step_is_logged_saves_that_step_or_trains_on(tmp_p
         trainer.tracking.log = log_then_signal
         trainer.fit()
     finally:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.restore()  # SIGINT too: ctrl-C stops pytest again
     assert trainer.stopped == "SIGUSR1"
     assert sorted(trainer.tracking.records) == [1, 2]
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2"]

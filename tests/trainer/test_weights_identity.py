@@ -118,6 +118,7 @@ def _starter(out: Path, data: list[str], *fixed: str):
     def start(*overrides: str) -> None:
         preflight(load_config(overrides=[f"trainer.default_local_dir={out}", "trainer.nnodes=1",
                                          "trainer.n_gpus_per_node=1", "data.seed=1", *SMALL_BATCH, *data, *fixed,
+                                         "data.max_prompt_length=16", "data.max_response_length=6",  # 64 positions
                                          *overrides]))
 
     return start

@@ -65,10 +65,10 @@ def test_zero_training_steps_is_an_error():
         validate(cfg_with("trainer.total_training_steps=0"))
 
 
-def test_reward_timeout_without_workers_is_an_error():
-    with pytest.raises(ConfigError, match=r"reward.timeout_s=5.0 cannot apply with reward.num_workers=0"):
-        validate(cfg_with("reward.num_workers=0", "reward.timeout_s=5"))
-    validate(cfg_with("reward.num_workers=0"))  # the default timeout does not ask for anything
+def test_reward_timeout_applies_inline_too():
+    validate(cfg_with("reward.num_workers=0", "reward.timeout_s=5"))  # inline scoring honours it (issue 56)
+    with pytest.raises(ConfigError, match=r"reward.timeout_s must be > 0, got 0"):
+        validate(cfg_with("reward.num_workers=0", "reward.timeout_s=0"))
     with pytest.raises(ConfigError, match=r"reward.max_failed_steps must be >= 0"):
         validate(cfg_with("reward.max_failed_steps=-1"))
 

@@ -211,7 +211,9 @@ def _adapter(tmp_path, weights=True, **fields):
            "bias": "none", **fields}
     (d / "adapter_config.json").write_text(json.dumps(raw))
     if weights:
-        (d / "adapter_model.safetensors").write_bytes(b"")
+        from safetensors.torch import save_file
+
+        save_file({}, str(d / "adapter_model.safetensors"))  # preflight parses it (tests/trainer/test_input_integrity.py)
     return d
 
 
