@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_rl.config import load_config
@@ -26,10 +25,10 @@ from megatron_rl.distributed.device import RankPlace, bind_device, rank_place
 from megatron_rl.plan import PlanError, build_plan
 from megatron_rl.plan.memory import total_params
 from megatron_rl_testing.fake_gpu_node import FakeGpuNode
+from megatron_rl_testing.rollout_ranks import TOKEN_IDS, StubActor
 
 ROLLOUT = "actor_rollout_ref.rollout"
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiment"
-TOKEN_IDS = {"eos_token_id": 1, "pad_token_id": 0}
 BF16 = 2
 GPUS_PER_NODE = 8
 
@@ -56,16 +55,6 @@ def preset_config(preset: str, engine: str, *overrides: str):
     return load_config(overrides=[f"+experiment={preset}", f"{ROLLOUT}.name={engine}", f"{ROLLOUT}.mode=colocated",
                                   f"{ROLLOUT}.enforce_eager=true", "actor_rollout_ref.model.path=/unused",
                                   f"{ROLLOUT}.weight_sync.verify_freq=0", *overrides])
-
-
-class _StubActor:
-    """What ``_build_rollout`` reads of the actor: its HF config's MoE flag and its parameters' dtype."""
-
-    class engine:
-        class hf_config:
-            moe = False
-
-        params_dtype = torch.bfloat16
 
 
 class Node0:
@@ -106,7 +95,7 @@ class Node0:
         for env, place in self.ranks:
             with self.rank(env, place):
                 worker = ActorRolloutRefWorker(typed_config(self.cfg))
-                worker.actor = _StubActor()
+                worker.actor = StubActor()
                 replicas.append(worker._build_rollout(None, dict(TOKEN_IDS)))
         return replicas
 

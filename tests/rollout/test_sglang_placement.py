@@ -10,50 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_rl.config import load_config
-from megatron_rl.config.loader import typed_config
-from megatron_rl.distributed.device import bind_device, rank_place
 from megatron_rl_testing.fake_gpu_node import GiB, FakeGpuNode
-
-TOKEN_IDS = {"eos_token_id": 1, "pad_token_id": 0}
-
-
-class _StubActor:
-    class engine:
-        class hf_config:
-            moe = False
-
-        params_dtype = torch.bfloat16
-
-
-def build_ranks(node: FakeGpuNode, monkeypatch, *, tp: int, envs: list[dict[str, str]]):
-    """``ActorRolloutRefWorker._build_rollout`` of every rank (as tests/rollout/test_vllm_placement.py), SGLang."""
-    from megatron_rl.workers.hybrid import ActorRolloutRefWorker
-
-    cfg = load_config(overrides=[
-        "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=colocated",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}", "actor_rollout_ref.model.path=/unused",
-        "actor_rollout_ref.rollout.weight_sync.verify_freq=0", f"trainer.n_gpus_per_node={len(envs)}",
-    ])
-    places = [rank_place(int(env["RANK"]), int(env["LOCAL_RANK"]), env) for env in envs]
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(envs))
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), places))
-    replicas = []
-    for env, place in zip(envs, places):
-        with node.process(f"rank{place.rank}", env):
-            bind_device(place)
-            worker = ActorRolloutRefWorker(typed_config(cfg))
-            worker.actor = _StubActor()
-            replicas.append(worker._build_rollout(None, dict(TOKEN_IDS)))
-    return replicas
-
-
-def torchrun_envs(ranks: int, cuda_visible: str | None = None) -> list[dict[str, str]]:
-    extra = {} if cuda_visible is None else {"CUDA_VISIBLE_DEVICES": cuda_visible}
-    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), **extra}
-            for r in range(ranks)]
+from megatron_rl_testing.rollout_ranks import build_ranks, torchrun_envs
 
 
 @pytest.mark.parametrize("tp,ranks,cuda_visible", [
@@ -63,7 +22,7 @@ def torchrun_envs(ranks: int, cuda_visible: str | None = None) -> list[dict[str,
 ])
 def test_every_colocated_sglang_engine_runs_on_exactly_its_replicas_gpus(monkeypatch, tp, ranks, cuda_visible):
     node = FakeGpuNode(monkeypatch, with_vllm=False, with_sglang=True)
-    replicas = build_ranks(node, monkeypatch, tp=tp, envs=torchrun_envs(ranks, cuda_visible))
+    replicas = build_ranks(node, monkeypatch, engine="sglang", tp=tp, envs=torchrun_envs(ranks, cuda_visible))
     leaders = [r for r in replicas if r.is_leader]
     assert len(node.engines) == len(leaders) == ranks // tp
     assert [e.gpus for e in node.engines] == [r.replica.gpus for r in leaders]
@@ -78,7 +37,7 @@ def test_under_ray_each_sglang_engine_follows_the_gpus_ray_gave_its_ranks(monkey
     gpu_of_rank = [2, 3, 0, 1, 6, 7, 4, 5]
     envs = [{**env, "MEGATRON_RL_GPU_ID": str(g), "MEGATRON_RL_NODE_ID": "n0"}
             for env, g in zip(torchrun_envs(8), gpu_of_rank)]
-    replicas = build_ranks(node, monkeypatch, tp=2, envs=envs)
+    replicas = build_ranks(node, monkeypatch, engine="sglang", tp=2, envs=envs)
     leaders = [r for r in replicas if r.is_leader]
     assert [e.gpus for e in node.engines] == [r.replica.gpus for r in leaders] == [(2, 3), (0, 1), (6, 7), (4, 5)]
     assert [e.kwargs["base_gpu_id"] for e in node.engines] == [2, 0, 6, 4]
