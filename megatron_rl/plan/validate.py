@@ -144,6 +144,10 @@ def _check_server_pool(cfg: DictConfig) -> None:
     _require(cpus > 0, f"actor_rollout_ref.rollout.server_cpus must be > 0 (CPUs each server's bundle reserves on "
              f"the servers' Ray pool; null: server_threads), got {cpus}")
     per_node = rollout.servers_per_node
+    _require(not engine_of(rollout).servers_on_trainer_host or per_node is None,
+             f"actor_rollout_ref.rollout.servers_per_node={per_node} with rollout.name={rollout.name}: its rollout "
+             "servers take their weights through /dev/shm of trainer rank 0's host, so they cannot spread over "
+             "nodes; unset it (all servers on one node)")
     _require(per_node is None or per_node >= 1, "actor_rollout_ref.rollout.servers_per_node must be >= 1 or null "
              f"(all servers on one node), got {per_node}")
     nodes = 1 if per_node is None else -(-rollout.num_servers // per_node)

@@ -4,7 +4,8 @@ Every decision that depends on which engine runs reads that engine's ``EngineSpe
 anything starts), what the machine starting the run must have, its builder, where a colocated replica's engine
 runs, how weights reach its tensor-parallel ranks, whether the run can start its servers, and the planner's model
 of its memory knob. ``engine_of`` is the one reader of ``rollout.name``. Adding an engine is a package under
-rollout/ and one ``EngineSpec`` here (and, if the run starts its servers, its launcher in servers/launch.py).
+rollout/ and one ``EngineSpec`` here (and, if the run starts its servers, its launcher and async client in
+trainer/disaggregated.py; the schema's ``RolloutEngineName`` lists the names).
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class EngineSpec:
     name: str
     needs_cuda: bool  # no CPU build
     tensor_parallel: bool  # one engine spans rollout.tensor_model_parallel_size ranks (else one model per process)
-    run_starts_servers: bool  # rollout.mode=server with rollout.num_servers: the run starts them (servers/launch.py)
-    servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host
+    run_starts_servers: bool  # rollout.mode=server with rollout.num_servers: the run starts them (trainer/disaggregated.py)
+    servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host: one node
     members_send_shards: bool  # colocated at TP > 1: every rank sends its shard (else the leader's full copy serves)
     reports_routed_experts: bool  # per generated token, for routing replay R3 (rollout/routed_experts.py)
     memory: Callable[[EngineStart], EngineMemory]  # its meaning of rollout.gpu_memory_utilization (rollout/memory.py)

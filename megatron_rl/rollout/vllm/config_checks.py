@@ -49,11 +49,6 @@ def check_config(cfg: DictConfig) -> None:
     require(bind == "auto" or all(_CPU_LIST.fullmatch(part.strip()) for part in bind.split("|")),
             f"{ROLLOUT}.vllm.cpu_threads_bind={bind!r} must be 'auto' or one CPU list per rollout TP rank separated by "
             "'|', e.g. '0|1' or '0-3|4-7' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
-    per_node = rollout.servers_per_node
-    require(rollout.mode != "server" or per_node is None,
-            f"{ROLLOUT}.servers_per_node={per_node} with rollout.name=vllm: vLLM rollout servers take their weights "
-            "through /dev/shm of trainer rank 0's host, so they cannot spread over nodes; unset it (all servers on "
-            "one node)")
     if str(cfg.trainer.device) == "cpu":
         check_cpu_threads(cfg)
     _check_engine_kwargs(rollout)
