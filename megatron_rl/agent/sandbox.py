@@ -38,6 +38,7 @@ def fail(what, err=None):
     os._exit(125)
 libc = ctypes.CDLL(None, use_errno=True)
 src = open(c["src"], encoding="utf-8").read()
+tmp_opts = "size=%dm,mode=0700%s" % (c["tmpfs_mb"], ",uid=%d,gid=%d" % (c["uid"], c["uid"]) if c["drop"] else "")
 work = c["work"]
 if c["namespaces"]:
     class MountAttr(ctypes.Structure):
@@ -54,6 +55,10 @@ if c["namespaces"]:
         new, bound = work, []
         if libc.mount(b"tmpfs", new.encode(), b"tmpfs", 2, b"mode=0755,size=1m"):  # MS_NOSUID
             fail("empty root", ctypes.get_errno())
+        # the private /tmp first: an interpreter prefix below /tmp (a venv in a CI clone) is bound inside it
+        os.makedirs(new + "/tmp", 0o755)
+        if libc.mount(b"tmpfs", (new + "/tmp").encode(), b"tmpfs", 2 | 4, tmp_opts.encode()):  # NOSUID | NODEV
+            fail("private /tmp", ctypes.get_errno())
         def place(path):
             parts = path.strip("/").split("/")
             for i in range(1, len(parts) + 1):
@@ -75,7 +80,6 @@ if c["namespaces"]:
         for path in c["root"]:
             place(path)
         os.makedirs(new + "/proc", 0o555)
-        os.makedirs(new + "/tmp", 0o755)
         if libc.mount(b"/proc", (new + "/proc").encode(), None, 0x1000 | 0x4000, None):
             fail("mounting /proc", ctypes.get_errno())
         os.chdir(new)
@@ -112,8 +116,10 @@ if c["namespaces"]:
             os.close(fd)
     if mount_setattr("/", 0x8000, 1, 0):  # AT_RECURSIVE, MOUNT_ATTR_RDONLY: every mount read-only
         fail("read-only filesystem", ctypes.get_errno())
-    opts = "size=%dm,mode=0700%s" % (c["tmpfs_mb"], ",uid=%d,gid=%d" % (c["uid"], c["uid"]) if c["drop"] else "")
-    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts.encode()):  # MS_NOSUID | MS_NODEV
+    if c["root"] is not None:
+        if mount_setattr("/tmp", 0, 0, 1):  # the private /tmp writable again; the prefixes bound in it stay read-only
+            fail("writable /tmp", ctypes.get_errno())
+    elif libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, tmp_opts.encode()):  # MS_NOSUID | MS_NODEV
         fail("private /tmp", ctypes.get_errno())
     work = "/tmp"
 if c["drop"]:
