@@ -82,7 +82,13 @@ def test_python_tool_environment_and_network():
     names = set(eval(py.execute({"code": "import os; print(sorted(os.environ))"}).strip()))
     assert names - {"LC_CTYPE"} == {"PATH", "PYTHONIOENCODING", "HOME", "TMPDIR", "OMP_NUM_THREADS",
                                     "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
-    assert py.execute({"code": "import os; print(os.listdir('.'))"}).strip() == "['main.py']"
+    # besides the call's program, an empty root shows the first component of an interpreter prefix below /tmp (a
+    # CI clone's venv), bound read-only inside the private /tmp
+    from megatron_rl.agent.sandbox import interpreter_paths
+
+    in_tmp = {p.split("/")[2] for p in interpreter_paths() if p.startswith("/tmp/")} if py.sandbox.empty_root else set()
+    listed = eval(py.execute({"code": "import os; print(os.listdir('.'))"}).strip())
+    assert sorted(listed) == sorted({"main.py", *in_tmp})
     if not py.network_isolated:
         pytest.skip("no unprivileged network namespace here (unshare -rn): network isolation not enforced")
     out = py.execute({"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1); print('conn' + 'ected')"})

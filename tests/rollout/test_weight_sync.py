@@ -171,7 +171,7 @@ def test_build_rollout_engine_picks_the_configured_engine():
     )
     with pytest.raises(SGLangUnavailableError, match=r"scripts/install_gpu.sh sglang.*no CPU build"):
         build_rollout_engine(RolloutConfig(name="sglang"), "/model", response_length=4)
-    with pytest.raises(ValueError, match="rollout.name must be hf, sglang or vllm, got 'trtllm'"):
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name must be one of hf, sglang, vllm, got 'trtllm'"):
         build_rollout_engine(RolloutConfig(name="trtllm"), "/model", response_length=4)
 
 

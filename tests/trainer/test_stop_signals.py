@@ -3,7 +3,6 @@ step; a checkpoint's writer processes ignore both (issue 56). The run is a real 
 signals go to it, not to pytest."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -159,25 +158,34 @@ def test_a_checkpoint_writer_that_dies_fails_the_save_naming_it(tmp_path):
     assert "WriterDied" in output and "(exit code 3) ended without reporting" in output, output[-3000:]
 
 
-def _report_handlers(conn) -> None:
-    conn.send((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+_WRITER_HANDLERS = textwrap.dedent("""
+    import multiprocessing, signal
+    from megatron_rl.distributed.sharded_save import children_ignore_stop_signals
+
+    def report(conn):
+        conn.send((int(signal.getsignal(signal.SIGINT) is signal.SIG_IGN),
+                   int(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)))
+
+    ctx = multiprocessing.get_context("fork")  # as Megatron's writers are started
+    parent, child = ctx.Pipe()
+    with children_ignore_stop_signals():
+        writer = ctx.Process(target=report, args=(child,))
+        writer.start()
+    print("inside", parent.recv())
+    writer.join(30)
+    print("parent ignores", int(signal.getsignal(signal.SIGINT) is signal.SIG_IGN))
+    later = ctx.Process(target=report, args=(child,))  # outside the block: inherited as usual
+    later.start()
+    print("outside", parent.recv())
+    later.join(30)
+""")
 
 
 def test_checkpoint_writer_processes_ignore_ctrl_c_and_sigterm():
     """Megatron's per-file writers are forked `multiprocessing` children that the rank waits on without a time
     limit (filesystem_async.py, write_preloaded_data_multiproc: count_queue.join()); one ended by ctrl-C never
-    reports, and the save would hang."""
-    from megatron_rl.distributed.sharded_save import children_ignore_stop_signals
-
-    ctx = multiprocessing.get_context("fork")  # as Megatron's writers are started
-    parent, child = ctx.Pipe()
-    with children_ignore_stop_signals():
-        writer = ctx.Process(target=_report_handlers, args=(child,))
-        writer.start()
-    assert parent.recv() == (signal.SIG_IGN, signal.SIG_IGN)
-    writer.join(30)
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # this process keeps its own
-    later = ctx.Process(target=_report_handlers, args=(child,))  # outside the block: inherited as usual
-    later.start()
-    assert parent.recv()[0] is not signal.SIG_IGN
-    later.join(30)
+    reports, and the save would hang. Run in a process of its own: a fork from a pytest-xdist worker that earlier
+    tests left with threads (Ray's gRPC clients) can deadlock in the child (it hung the CI run for 1200 s)."""
+    done = subprocess.run([sys.executable, "-c", _WRITER_HANDLERS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["inside (1, 1)", "parent ignores 0", "outside (0, 0)"], done.stdout
