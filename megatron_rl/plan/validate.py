@@ -344,7 +344,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _check_server_restarts(cfg)
     _check_server_pool(cfg)
     _check_async(cfg)
-    _check_python_tool(cfg)
+    _check_tools(cfg)
     _check_engine(cfg)
     _require(cfg.reward.reward_manager != "batch" or bool(cfg.reward.custom_reward_function.path),
              "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
@@ -463,22 +463,30 @@ def _check_engine(cfg: DictConfig) -> None:
     spec.check_config(cfg)
 
 
-def _check_python_tool(cfg: DictConfig) -> None:
-    """The python tool as root only where its sandbox drops privileges, or where the user said they accept it."""
+def _check_tools(cfg: DictConfig) -> None:
+    """The multi-turn tools, built as the agent loop builds them (a verl tool YAML, else the names): an unknown
+    tool, a bad tool config, or a python tool whose sandbox this machine cannot give (its empty root) is refused
+    here rather than in the workers; the python tool as root only where its sandbox drops privileges, or where the
+    user said they accept it."""
     import os
 
     multi_turn = OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn")
-    if multi_turn is None or not multi_turn.enable or os.geteuid() != 0 or multi_turn.python_tool_unsandboxed_ok:
+    if multi_turn is None or not multi_turn.enable:
         return
-    names = [str(t) for t in multi_turn.tools or ()]
-    if multi_turn.tool_config_path:
-        tools = OmegaConf.select(OmegaConf.load(multi_turn.tool_config_path), "tools", default=None) or ()
-        names = [str(t.get("class_name", "")) if hasattr(t, "get") else str(t) for t in tools]
-    if not any(name == "python" or name.endswith("PythonTool") for name in names):
-        return
-    from megatron_rl.agent.tools import sandbox_report
+    from megatron_rl.agent.tools import PythonTool, build_tools, load_tool_config
 
-    report = sandbox_report()
+    path = multi_turn.tool_config_path
+    names = OmegaConf.to_container(multi_turn.tools, resolve=True) if multi_turn.tools else []
+    key = (f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}" if path
+           else f"actor_rollout_ref.rollout.multi_turn.tools={names}")
+    try:
+        tools = load_tool_config(path) if path else build_tools(names)
+    except (ValueError, KeyError, TypeError, ImportError, AttributeError, OSError) as err:
+        raise ConfigError(f"{key}: {err}") from None
+    python = next((tool for tool in tools.values() if isinstance(tool, PythonTool)), None)
+    if python is None or os.geteuid() != 0 or multi_turn.python_tool_unsandboxed_ok:
+        return
+    report = python.sandbox
     _require(report.unprivileged,
              f"the python tool would run as root: this machine allows no sandbox that drops privileges (it has: "
              f"{report}), so model-written code could read any file, write outside its directory and signal the "

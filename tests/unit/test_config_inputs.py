@@ -295,20 +295,46 @@ def test_dry_run_reports_the_same_errors_as_the_real_start(tmp_path, monkeypatch
 
 
 # ---------------------------------------------------------------------------- the python tool as root (issue 33)
+def _sandbox_giving(report):
+    from types import SimpleNamespace
+
+    return lambda self: SimpleNamespace(report=report)
+
+
 def test_python_tool_as_root_without_a_sandbox_is_refused_unless_accepted(monkeypatch):
     from megatron_rl.agent import tools
 
     python_tool = ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.tools=[python]")
     monkeypatch.setattr("os.geteuid", lambda: 0)
-    monkeypatch.setattr(tools, "sandbox_report",
-                        lambda isolate_network=True: tools.SandboxReport("session", False, False, False, False))
+    monkeypatch.setattr(tools.PythonTool, "_sandbox",
+                        _sandbox_giving(tools.SandboxReport("session", False, False, False, False)))
     with pytest.raises(ConfigError, match=r"python tool would run as root.*multi_turn.python_tool_unsandboxed_ok=true"):
         validate(cfg_with(*python_tool))
     validate(cfg_with(*python_tool, "actor_rollout_ref.rollout.multi_turn.python_tool_unsandboxed_ok=true"))
     validate(cfg_with("actor_rollout_ref.rollout.multi_turn.enable=true"))  # calculator only: nothing to refuse
-    monkeypatch.setattr(tools, "sandbox_report",
-                        lambda isolate_network=True: tools.SandboxReport("namespaces", True, True, True, True))
+    monkeypatch.setattr(tools.PythonTool, "_sandbox",
+                        _sandbox_giving(tools.SandboxReport("namespaces", True, True, True, True)))
     validate(cfg_with(*python_tool))  # contained: runs as nobody
+
+
+def test_a_tool_the_workers_would_refuse_is_refused_in_validation(monkeypatch, tmp_path):
+    """Before: the agent loop built its tools in the workers, after Ray and the models were up; an unknown tool,
+    a misspelt tool config or a python tool whose empty root this machine cannot give failed there."""
+    multi_turn = "actor_rollout_ref.rollout.multi_turn"
+    with pytest.raises(ConfigError, match=rf"{multi_turn}.tools=\['calculator', 'pyhton'\]: unknown tool 'pyhton'"):
+        validate(cfg_with(f"{multi_turn}.enable=true", f"{multi_turn}.tools=[calculator,pyhton]"))
+    yaml = tmp_path / "tools.yaml"
+    yaml.write_text("tools:\n  - class_name: python\n    config: {filesystem: hots}\n")
+    with pytest.raises(ConfigError, match=rf"tool_config_path={yaml}: the python tool's config filesystem='hots'"):
+        validate(cfg_with(f"{multi_turn}.enable=true", f"{multi_turn}.tool_config_path={yaml}"))
+
+    def no_empty_root(isolate_network, filesystem):
+        raise ValueError("the python tool cannot run in an empty root on this machine (no `unshare` on PATH)")
+
+    monkeypatch.setattr("megatron_rl.agent.tools.sandbox_for", no_empty_root)
+    with pytest.raises(ConfigError, match=rf"{multi_turn}.tools=\['python'\]: the python tool cannot run in an "
+                                          r"empty root on this machine"):
+        validate(cfg_with(f"{multi_turn}.enable=true", f"{multi_turn}.tools=[python]"))
 
 
 # ---------------------------------------------------------------------------- refused too late before (issue 33, 7-10)
