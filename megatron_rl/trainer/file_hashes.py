@@ -1,5 +1,6 @@
-"""sha256 of a checkpoint's files for its manifest (trainer/checkpointing.py): every file, the tensor shards
-(``*.distcp``, the bulk) included, so a byte changed inside a shard is refused at resume like any other file.
+"""sha256 of a checkpoint's files for its manifest (trainer/checkpointing.py): the files the driver reads back and
+the metadata, and with ``trainer.checkpoint_hash_shards`` the tensor shards (``*.distcp``, the bulk), so a byte
+changed inside a shard is refused at resume like any other file.
 
 Files are hashed in threads (hashlib releases the GIL while it hashes a block, so a checkpoint of many shards is
 read at the disk's speed rather than one core's). A file whose path, inode, size and modification time did not
