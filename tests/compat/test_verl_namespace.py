@@ -11,7 +11,7 @@ from megatron_rl.compat.verl import DataProto
 from megatron_rl.compat.verl import protocol as verl_protocol
 from megatron_rl.compat.verl.trainer.ppo import core_algos
 from megatron_rl.compat.verl.utils import reward_score
-from megatron_rl.protocol import DataProto as OurDataProto
+from megatron_rl.compat.verl.protocol import DataProto as OurDataProto
 
 
 def test_the_namespace_is_ours():

@@ -29,7 +29,7 @@ from megatron_rl.compat.verl.utils.py_functional import append_to_dict
 from megatron_rl.compat.verl.utils.tensordict_utils import get_tensordict
 from megatron_rl.compat.verl.workers.config.actor import ActorConfig, PolicyLossConfig
 from megatron_rl.config import schema
-from megatron_rl.protocol import DataProto
+from megatron_rl.compat.verl.protocol import DataProto
 from megatron_rl_testing.scripts import load_script
 from megatron_rl_testing.verl_oracle import verl_module
 
@@ -86,7 +86,8 @@ def _fake_verl_tree(root: Path, failing: str | None) -> Path:
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         verdict = "assert False" if rel == failing else "assert DataProto is Ours"
-        path.write_text("from verl.protocol import DataProto\nfrom megatron_rl.protocol import DataProto as Ours\n\n\n"
+        path.write_text("from verl.protocol import DataProto\n"
+                        "from megatron_rl.compat.verl.protocol import DataProto as Ours\n\n\n"
                         f"def test_it():\n    {verdict}\n")
     return root
 

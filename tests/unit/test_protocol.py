@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.protocol import DataProto, collate_dicts
+from megatron_rl.compat.verl.protocol import DataProto
+from megatron_rl.protocol import collate_dicts
 
 
 def make(n: int, width: int = 3, offset: int = 0) -> DataProto:

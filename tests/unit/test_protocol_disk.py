@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.protocol import DataProto, ProtocolError
+from megatron_rl.compat.verl.protocol import DataProto
+from megatron_rl.protocol import ProtocolError
 
 
 class RunsCode:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from megatron_rl.protocol import (
+from megatron_rl.compat.verl.protocol import (
     DataProto,
     fold_batch_dim,
     pad_dataproto_to_divisor,

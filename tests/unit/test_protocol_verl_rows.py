@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from megatron_rl import protocol
-from megatron_rl.protocol import (
+from megatron_rl.compat.verl.protocol import (
     DataProto,
     DataProtoConfig,
     DataProtoFuture,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from megatron_rl.protocol import DataProto
+from megatron_rl.compat.verl.protocol import DataProto
 
 __all__ = ["get_tensordict"]
 
