@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.algos.config_view import AlgoConfigLike
 from megatron_rl.algos.estimators import get_adv_estimator
 from megatron_rl.protocol import DataProto
 
@@ -20,7 +21,7 @@ def compute_advantage(
     lam: float = 1.0,
     num_repeat: int = 1,
     norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
+    config: AlgoConfigLike = None,
     **estimator_kwargs: Any,
 ) -> DataProto:
     """Write ``batch["advantages"]`` and ``batch["returns"]`` from the estimator named ``adv_estimator``.

@@ -11,13 +11,14 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_finite, check_per_sample, check_token_tensors
+from megatron_rl.algos.config_view import AlgoConfigLike
 from megatron_rl.algos.grouping import group_ids_from_uids
 from megatron_rl.algos.registry import Registry
 
@@ -159,7 +160,7 @@ def compute_grpo_outcome_advantage(
     index: UidArray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
+    config: AlgoConfigLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: a_i = (s_i - mean_g) / (std_g + epsilon), unbiased std, broadcast over the response.
 
@@ -180,7 +181,7 @@ def compute_rloo_outcome_advantage(
     response_mask: torch.Tensor,
     index: UidArray,
     epsilon: float = 1e-6,
-    config: Any = None,
+    config: AlgoConfigLike = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: a_i = s_i * n/(n-1) - mean_g * n/(n-1) (leave-one-out baseline); a group of one keeps s_i.
@@ -200,7 +201,7 @@ def compute_gpg_outcome_advantage(
     index: UidArray,
     epsilon: float = 1e-6,
     f_norm: float = 1.0,
-    config: Any = None,
+    config: AlgoConfigLike = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Group Policy Gradient): a_i = alpha (s_i - mean_g) / f_norm with alpha = B / #{s_i != 0} over the
@@ -220,7 +221,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     response_mask: torch.Tensor,
     index: UidArray,
     epsilon: float = 1e-6,
-    config: Any = None,
+    config: AlgoConfigLike = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: s_i - mean_g (0 for a group of one), broadcast, whitened over the whole
@@ -237,7 +238,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    config: Any = None,
+    config: AlgoConfigLike | float | None = None,
     *,
     gamma: Optional[float] = None,
     **kwargs: Any,
@@ -259,11 +260,11 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return ops.masked_whiten(returns, mask) * mask, returns
 
 
-def _discount(config: Any, gamma: Optional[float]) -> float:
+def _discount(config: AlgoConfigLike | float | None, gamma: Optional[float]) -> float:
     if gamma is None and isinstance(config, (int, float)) and not isinstance(config, bool):
         return float(config)
     if gamma is None:
-        gamma = getattr(config, "gamma", None) if not isinstance(config, Mapping) else config.get("gamma")
+        gamma = getattr(config, "gamma", None)
     if gamma is None:
         raise ValueError(
             "reinforce_plus_plus needs the discount: pass gamma= or a config with gamma (algorithm.gamma)"
@@ -277,7 +278,7 @@ def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     reward_baselines: torch.Tensor,
     response_mask: torch.Tensor,
-    config: Any = None,
+    config: AlgoConfigLike = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: returns = reverse cumulative sum of masked rewards; advantages = returns - b_i * mask,
@@ -299,7 +300,7 @@ def compute_grpo_vectorized_outcome_advantage(
     index: UidArray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    config: object = None,
+    config: AlgoConfigLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorized GRPO: the same numbers as ``grpo`` (ours is vectorized already)."""
     return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
@@ -312,7 +313,7 @@ def compute_rloo_vectorized_outcome_advantage(
     response_mask: torch.Tensor,
     index: UidArray,
     epsilon: float = 1e-6,
-    config: object = None,
+    config: AlgoConfigLike = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorized RLOO: as ``rloo`` except that a group of one gets 0 (verl's ``rloo`` keeps s)."""

@@ -29,12 +29,11 @@ import torch
 
 from megatron_rl import ops
 from megatron_rl.algos._checks import check_token_tensors
+from megatron_rl.algos.config_view import ActorConfigLike, RolloutCorrectionConfigLike, by_attribute
 from megatron_rl.algos.loss_agg import agg_loss
-from megatron_rl.algos.policy_loss import (
-    compute_policy_loss_vanilla,
-    global_batch_from_config,
-    register_policy_loss,
-)
+from megatron_rl.algos.policy_loss import compute_policy_loss_vanilla, register_policy_loss
+from megatron_rl.algos.policy_loss_config import PolicyLossConfig, global_batch_from_config
+from megatron_rl.protocol import DataProto
 
 SAFETY_BOUND = 20.0
 IS_LEVELS = ("token", "sequence")
@@ -130,18 +129,18 @@ class RolloutCorrection:
             raise ValueError(f"{KEY}.loss_type must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RolloutCorrection":
+    def from_config(cls, cfg: RolloutCorrection | RolloutCorrectionConfigLike | None) -> RolloutCorrection:
         if cfg is None:
             return cls()
         if isinstance(cfg, RolloutCorrection):
             return cfg
-        get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
         known = cls.__dataclass_fields__
         keys = list(cfg.keys()) if hasattr(cfg, "keys") else list(known)
         unknown = [k for k in keys if k not in known and not str(k).startswith("_")]
         if unknown:
             raise ValueError(f"{KEY} has unknown keys {unknown}; known: {list(known)}")
-        return cls(**{k: get(k, f.default) for k, f in known.items()})
+        cfg = by_attribute(cfg)
+        return cls(**{k: getattr(cfg, k, f.default) for k, f in known.items()})
 
     @property
     def enabled(self) -> bool:
@@ -411,7 +410,9 @@ def compute_rollout_correction_and_rejection_mask(
     return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
-def apply_rollout_correction(batch: Any, correction: Any) -> dict[str, float]:
+def apply_rollout_correction(
+    batch: DataProto, correction: RolloutCorrection | RolloutCorrectionConfigLike | None
+) -> dict[str, float]:
     """Trainer stage: from ``old_log_probs`` and ``rollout_log_probs`` write
     ``batch["rollout_is_weights"]`` (when ``rollout_is`` is set) and the rejected ``response_mask``;
     returns the metrics. In bypass mode ``old_log_probs`` already are the rollout's."""
@@ -436,7 +437,7 @@ def compute_policy_loss_reinforce(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-sum",
-    config: Any = None,
+    config: PolicyLossConfig | ActorConfigLike | None = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain policy gradient (no ratio, no clip): per token -A * log pi, times ``rollout_is_weights``
@@ -460,7 +461,7 @@ def compute_policy_loss_bypass_mode(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Any = None,
+    config: ActorConfigLike | None = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's bypass-mode loss: ``old_log_prob`` are the rollout's log-probs; the correction settings
@@ -471,8 +472,8 @@ def compute_policy_loss_bypass_mode(
     ppo_clip: the vanilla loss on the rejection mask; its ratio is already pi/pi_rollout, so the weights
     are only reported (applying them would count the correction twice). reinforce:
     ``compute_policy_loss_reinforce`` with the weights (none when ``rollout_is`` is null)."""
-    policy_loss = getattr(config, "policy_loss", None) if config is not None else None
-    corr_cfg = policy_loss.get("rollout_correction", None) if hasattr(policy_loss, "get") else None
+    policy_loss = getattr(config, "policy_loss", None)
+    corr_cfg = getattr(by_attribute(policy_loss), "rollout_correction", None)
     if corr_cfg is None:
         raise ValueError(
             "bypass mode needs config.policy_loss.rollout_correction (verl's layout: the actor config's "

@@ -19,7 +19,7 @@ from megatron_rl.algos.rollout_corr import (
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
 )
-from megatron_rl.protocol import DataProto
+from megatron_rl.compat.verl.protocol import DataProto
 
 SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = set(rollout_corr.RS_OPTIONS)
 TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {o for o in rollout_corr.RS_OPTIONS if o.startswith("token_")}
