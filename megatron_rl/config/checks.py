@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config.schema import PPOTrainerConfig
+from megatron_rl.config.schema import PPOTrainerConfig, choices_of
 
 
 class CheckError(ValueError):
@@ -199,8 +199,6 @@ def check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
 
 
 def _choice_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, list[str]]]:
-    from megatron_rl.config.schema import choices_of
-
     for name, hint in _schema_fields(cls).items():
         choices = choices_of(cls, name)
         if choices is not None:
@@ -222,8 +220,6 @@ def check_choices(cfg: DictConfig) -> None:
 def describe_choice_error(message: str, full_key: str, object_type: Any, key: Any) -> str | None:
     """OmegaConf's "Invalid value 'x', expected one of [a, b]" as "<full_key>='x' is unknown; known: ['a', 'b']"."""
     import re
-
-    from megatron_rl.config.schema import choices_of
 
     match = re.match(r"Invalid value '(.*)', expected one of", message)
     if not match or not dataclasses.is_dataclass(object_type):

@@ -9,8 +9,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_rl.config.schema import PPOTrainerConfig, register_configs
+from megatron_rl.config.checks import describe_choice_error, verl_recipe_hints
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.lora import fold_lora_aliases
+from megatron_rl.config.schema import PPOTrainerConfig, register_configs
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -23,14 +25,10 @@ def load_config(config_name: str = "ppo_trainer", overrides: Sequence[str] = (),
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))
         OmegaConf.resolve(cfg)
-        from megatron_rl.config.lora import fold_lora_aliases
-
         fold_lora_aliases(cfg)  # verl's flat LoRA keys (model.lora_rank, ...) into model.lora
     except (ConfigCompositionException, OmegaConfBaseException) as err:
         # Hydra wraps the useful part (the bad key) in a cause; surface it.
         cause = err.__cause__ or err
-        from megatron_rl.config.checks import describe_choice_error, verl_recipe_hints
-
         choice = describe_choice_error(str(getattr(cause, "msg", cause)), getattr(cause, "full_key", ""),
                                        getattr(cause, "object_type", None), getattr(cause, "key", None))
         if choice is not None:
@@ -51,8 +49,6 @@ def typed_config(cfg: DictConfig | PPOTrainerConfig) -> PPOTrainerConfig:
         return cfg
     if OmegaConf.get_type(cfg) is not PPOTrainerConfig:
         cfg = OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), cfg)
-    from megatron_rl.config.lora import fold_lora_aliases
-
     fold_lora_aliases(cfg)  # a no-op after validate(); the workers read model.lora, never the flat keys
     return OmegaConf.to_object(cfg)
 

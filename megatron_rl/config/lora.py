@@ -149,7 +149,7 @@ def fold_lora_aliases(cfg: DictConfig) -> DictConfig:
 
 
 # ---------------------------------------------------------------------------- which modules get an adapter
-def lora_enabled(lora: Any) -> bool:
+def lora_enabled(lora: LoRAConfig | None) -> bool:
     """rank > 0 (``lora``: the block as DictConfig or LoRAConfig; None: off)."""
     return lora is not None and (lora.rank or 0) > 0
 
@@ -165,7 +165,7 @@ def _matches(name: str, entry: str) -> bool:
     return name == entry or name.rsplit(".", 1)[-1] == entry or name.endswith("." + entry)
 
 
-def lora_targets(lora: Any, layer: int) -> list[str]:
+def lora_targets(lora: LoRAConfig | None, layer: int) -> list[str]:
     """The linears of layer ``layer`` (global number, 0-based) that get an adapter: named by a target_modules entry
     (a plain name matches the module's short name or a suffix of its full name; a pattern, fnmatch on the full
     name) and by no exclude_modules entry. The planner counts with this; the model code should select with it."""
@@ -262,7 +262,7 @@ def check_lora(cfg: DictConfig, uses_critic: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- the model (preflight, planner)
-def check_lora_model(model: Any, prefix: str, lora: Any) -> None:
+def check_lora_model(model: Any, prefix: str, lora: LoRAConfig | None) -> None:
     """What LoRA needs from the model itself (``model``: HFModelConfig facts from config.json or
     plan.architecture); raises ConfigError naming the key."""
     if not lora_enabled(lora):
@@ -284,7 +284,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def check_adapter_path(lora: Any, prefix: str) -> None:
+def check_adapter_path(lora: LoRAConfig | None, prefix: str) -> None:
     """``<prefix>.lora.adapter_path``: a PEFT LoRA adapter directory whose adapter_config.json agrees with the block
     (r = rank, lora_alpha = alpha, target_modules mapping to the same Megatron linears); raises ConfigError
     naming the key, the file and the field."""

@@ -7,18 +7,17 @@ engines are built (models/router_replay.py, rollout/routed_experts.py). docs/mod
 
 from __future__ import annotations
 
-from typing import Any
-
 from omegaconf import OmegaConf
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import PPOTrainerConfig
 
 MODE = "actor_rollout_ref.actor.megatron.router_replay"
 ROLLOUT = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 MODES = ("disabled", "R2", "R3")
 
 
-def check_router_replay(cfg: Any) -> None:
+def check_router_replay(cfg: PPOTrainerConfig) -> None:
     """Raise ConfigError naming the keys for a routing-replay setting the run cannot honour."""
     arr = cfg.actor_rollout_ref
     replay = OmegaConf.select(arr, "actor.megatron.router_replay", default=None)
