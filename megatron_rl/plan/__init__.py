@@ -10,7 +10,7 @@ refused without importing Megatron-Core (or TorchDynamo with it).
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {"main": "cli", "Plan": "planner", "PlanError": "planner", "build_plan": "planner",
+_EXPORTS = {"main": "cli", "Plan": "report", "PlanError": "report", "build_plan": "planner",
             "check_launch": "planner", "print_plan": "planner"}
 
 __all__ = sorted(_EXPORTS)

@@ -6,6 +6,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.loggers import config_problem, package_problem
 from megatron_rl.plan.planner import print_plan
 
 
@@ -25,8 +26,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config_name, args.overrides)
-        from megatron_rl.config.loggers import config_problem, package_problem
-
         # trainer.logger: a wrong value is refused; a package missing here may be on the launch machine: a warning
         problem = config_problem(cfg.trainer.logger)
         if problem is not None:

@@ -20,7 +20,6 @@ from megatron_rl.models.attention import (
 )
 from megatron_rl.models.sizes import padded_vocab_size
 from megatron_rl.models.hf_config import HFModelConfig
-from megatron_rl.plan.validate import CP_COMM_TYPES  # noqa: F401  (megatron.override_transformer_config.cp_comm_type)
 
 BF16 = 2
 FP32 = 4

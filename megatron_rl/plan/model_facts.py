@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from megatron_rl.config import ConfigError
+from megatron_rl.config.access import is_unset, plain
+from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import (
     HFModelConfig,
     UnsupportedModelError,
@@ -15,42 +15,46 @@ from megatron_rl.models.hf_config import (
     parse_hf_config,
 )
 
+# the model sections a planner reads, by the key its messages name
+MODEL_SECTIONS = {"actor_rollout_ref.model": lambda cfg: cfg.actor_rollout_ref.model,
+                  "critic.model": lambda cfg: cfg.critic.model}
 
-def _config_json(model: DictConfig) -> Path | None:
-    if OmegaConf.is_missing(model, "path"):
+
+def _config_json(model: ModelConfig) -> Path | None:
+    if is_unset(model, "path"):
         return None
     path = Path(model.path).expanduser() / "config.json"
     return path if path.is_file() else None
 
 
-def load_model_facts(cfg: DictConfig, model_key: str = "actor_rollout_ref.model") -> HFModelConfig:
+def load_model_facts(cfg: PPOTrainerConfig, model_key: str = "actor_rollout_ref.model") -> HFModelConfig:
     """Read ``<model_key>.path/config.json`` when it exists (the truth), else the HF-style facts in
     ``plan.architecture`` (for planning on a machine without the weights); apply
     ``<model_key>.override_config`` on top, as the model builder does."""
-    model = OmegaConf.select(cfg, model_key)
+    model = MODEL_SECTIONS[model_key](cfg)
     config_json = _config_json(model)
     if config_json is not None:
         with open(config_json) as f:
             raw: dict[str, Any] = json.load(f)
         source = str(config_json)
     else:
-        architecture = OmegaConf.select(cfg, "plan.architecture")
-        if not architecture and OmegaConf.is_missing(model, "path"):
-            unset = [model_key + ".path"] + (["data.train_files"] if not OmegaConf.select(
-                cfg, "data.train_files", throw_on_missing=False, default=None) else [])
+        architecture = cfg.plan.architecture
+        if not architecture and is_unset(model, "path"):
+            unset = [model_key + ".path"] + ([] if not is_unset(cfg.data, "train_files") and cfg.data.train_files
+                                             else ["data.train_files"])
             raise ConfigError(
                 f"{' and '.join(unset)} {'are' if len(unset) > 1 else 'is'} not set: name the model (an HF directory "
                 f"with config.json) and the data (the launchers: MODEL_PATH=... DATA_DIR=...; by hand: "
                 f"{model_key}.path=... data.train_files=[...]); to plan on a machine without the weights, set "
                 f"plan.architecture to the model's config.json fields instead")
         if not architecture:
-            path = OmegaConf.select(model, "path", throw_on_missing=False)
+            path = None if is_unset(model, "path") else model.path
             raise ConfigError(
                 f"the planner needs the model's architecture: {model_key}.path={path!r} has no "
                 f"config.json and plan.architecture is empty; set plan.architecture to the config.json fields "
                 f"(architectures, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
                 f"intermediate_size, vocab_size, tie_word_embeddings)")
-        raw = OmegaConf.to_container(architecture, resolve=True)
+        raw = plain(architecture)
         source = "plan.architecture"
     raw = apply_override_config(raw, model.override_config)  # what load_hf_config does for the builder
     try:

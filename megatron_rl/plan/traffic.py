@@ -9,7 +9,7 @@ tp-cp-ep-dp-pp, rank r on node r // gpus_per_node), so the per-rank figures are 
   ``bucket_bytes`` gathered), the owner broadcasts each TP rank's flat shard buffer over its pipeline group,
   then one all-gather of the bucket over the TP group; every rank converts the full tensors once.
 
-Accounting (the same rule the CPU instrumented run counts with, tests/rollout/test_weight_sync_traffic.py):
+Accounting (the same rule the CPU instrumented run counts with, tests/plan/test_weight_sync_traffic.py):
 a broadcast sends n bytes from the root to each other member; an all-gather sends each member's n bytes to
 every other member; a pair's bytes are inter-node when the two ranks' nodes differ, else intra-node (NVLink).
 Bytes *received* per GPU do not depend on the collective's algorithm (ring, tree or direct), which is why the
@@ -31,13 +31,15 @@ into the sync's bucket + the engine's load.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-import re
-
+from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import Kind, TensorGroup, hf_tensor_groups
 from megatron_rl.models.sizes import padded_vocab_size
+from megatron_rl.plan.report import Plan
+from megatron_rl.weights.export import plan_export_buckets
 
 __all__ = ["Bandwidths", "SyncTraffic", "model_sync_traffic", "format_sync_traffic", "shard_groups"]
 
@@ -158,8 +160,6 @@ def moe_export_buckets(hf: HFModelConfig, tp: int, pp: int, ep: int, etp: int, d
                        bucket_bytes: int, value_head: bool = False):
     """The export's buckets of an MoE model at this layout (``plan_export_buckets`` on the HF groups, experts
     split over ETP and owned by EP rank ``expert // (num_experts / EP)``), as every rank plans them."""
-    from megatron_rl.weights.export import plan_export_buckets
-
     if hf.num_layers % pp:
         raise ValueError(f"num_hidden_layers={hf.num_layers} is not divisible by PP={pp}")
     dtype = {2: "bfloat16", 4: "float32"}[dtype_bytes]
@@ -169,6 +169,104 @@ def moe_export_buckets(hf: HFModelConfig, tp: int, pp: int, ep: int, etp: int, d
     per_rank = hf.moe.num_experts // ep
     ep_owner = {g.key: g.expert // per_rank for g in groups if g.expert is not None} if ep > 1 else None
     return plan_export_buckets(groups, owner, tp, bucket_bytes, ep_owner)
+
+
+class _Ledger:
+    """Per-rank bytes (by link class), collectives and copies of one sync, counted collective by collective over
+    the rank layout (Megatron's order tp-cp-ep-dp-pp, rank r on node r // gpus_per_node)."""
+
+    KEYS = ("inter_recv", "inter_send", "intra_recv", "intra_send", "collectives", "copy")
+
+    def __init__(self, tp: int, pp: int, dp: int, gpus_per_node: int) -> None:
+        self.tp, self.pp, self.dp = tp, pp, dp
+        world = tp * pp * dp
+        self.node = [r // gpus_per_node for r in range(world)]
+        self.per_rank = [dict.fromkeys(self.KEYS, 0) for _ in range(world)]
+        self.pp_groups = [(t, d) for t in range(tp) for d in range(dp)]
+
+    def rank(self, t: int, d: int, s: int) -> int:
+        return t + self.tp * (d + self.dp * s)
+
+    def send(self, src: int, dst: int, n: int) -> None:
+        cls = "inter" if self.node[src] != self.node[dst] else "intra"
+        self.per_rank[src][f"{cls}_send"] += n
+        self.per_rank[dst][f"{cls}_recv"] += n
+
+    def broadcast(self, members: list[int], root: int, n: int) -> None:
+        for m in members:
+            self.per_rank[m]["collectives"] += 1
+            if m != root:
+                self.send(root, m, n)
+
+    def all_gather(self, members: list[int], n: int) -> None:
+        for i in members:
+            self.per_rank[i]["collectives"] += 1
+            for j in members:
+                if i != j:
+                    self.send(i, j, n)
+
+    def pipeline_and_tensor_steps(self, stage: int, n: int, split: int) -> None:
+        """A bucket's shard broadcast from its stage over every pipeline group, then all-gathered over TP."""
+        tp, pp, dp = self.tp, self.pp, self.dp
+        if pp > 1:
+            for t, d in self.pp_groups:
+                self.broadcast([self.rank(t, d, s) for s in range(pp)], self.rank(t, d, stage), n)
+        if split > 1:
+            for d in range(dp):
+                for s in range(pp):
+                    self.all_gather([self.rank(t, d, s) for t in range(tp)], n)
+
+
+def _count_moe(ledger: _Ledger, hf: HFModelConfig, ep: int, etp: int, dtype_bytes: int, bucket_bytes: int,
+               rollout_tp: int | None, value_head: bool) -> None:
+    """Shard-first of an MoE model: expert buckets first go from their EP rank to the stage's other EP ranks."""
+    tp, pp, dp = ledger.tp, ledger.pp, ledger.dp
+    buckets = moe_export_buckets(hf, tp, pp, ep, etp, dtype_bytes, bucket_bytes, value_head)
+    stage_size, edp = tp * dp, tp * dp // (ep * etp)
+
+    def expert_rank(et: int, e: int, d: int, s: int) -> int:  # Megatron's expert order tp-ep-dp-pp
+        return et + etp * (e + ep * (d + edp * s))
+
+    for b in buckets:
+        if b.ep_rank is not None:  # the owning EP rank's shards to the other EP ranks of the stage
+            for et in range(etp):
+                for d in range(edp):
+                    members = [expert_rank(et, e, d, b.stage) for e in range(ep)]
+                    ledger.broadcast(members, members[b.ep_rank], b.shard_bytes)
+        ledger.pipeline_and_tensor_steps(b.stage, b.shard_bytes, etp if b.expert else tp)
+    full = sum(_numel(t.shape) for g in hf_tensor_groups(hf, value_head) for t in g.tensors) * dtype_bytes
+    for r, counts in enumerate(ledger.per_rank):
+        s, ep_rank = r // stage_size, (r % stage_size) // etp % ep
+        mine = [b for b in buckets if b.stage == s]
+        packed = sum(b.shard_bytes for b in mine if b.ep_rank in (None, ep_rank))
+        received = sum(b.shard_bytes for b in mine if b.ep_rank is not None)  # EP buffer -> shard buffer
+        counts["copy"] = packed + received + full + full // (rollout_tp or tp)
+
+
+def _count_shard_first(ledger: _Ledger, groups: list[_Group], bucket_bytes: int, full: int, engine_load: int) -> None:
+    tp, dp = ledger.tp, ledger.dp
+    for stage, n in _buckets(groups, tp, bucket_bytes):
+        ledger.pipeline_and_tensor_steps(stage, n, tp)
+    for r, counts in enumerate(ledger.per_rank):
+        s = r // (tp * dp)
+        own = sum(g.shard_bytes for g in groups if g.stage == s)
+        counts["copy"] = own + full + engine_load
+
+
+def _count_tensorwise(ledger: _Ledger, groups: list[_Group], full: int, engine_load: int) -> None:
+    tp, pp, dp = ledger.tp, ledger.pp, ledger.dp
+    for g in groups:
+        if g.kind == "split" and tp > 1:
+            for d in range(dp):
+                ledger.all_gather([ledger.rank(t, d, g.stage) for t in range(tp)], g.shard_bytes)
+        if pp > 1:
+            for n in g.hf_bytes:
+                for t, d in ledger.pp_groups:
+                    ledger.broadcast([ledger.rank(t, d, s) for s in range(pp)], ledger.rank(t, d, g.stage), n)
+    for r, counts in enumerate(ledger.per_rank):
+        s = r // (tp * dp)
+        owned = sum(sum(g.hf_bytes) for g in groups if g.stage == s and g.kind == "split")
+        counts["copy"] = owned + full + engine_load
 
 
 def model_sync_traffic(
@@ -198,91 +296,18 @@ def model_sync_traffic(
         raise ValueError("the tensorwise export is modelled for dense models only; MoE: path='shard_first'")
     if (tp * dp) % (ep * etp):
         raise ValueError(f"TP x DP = {tp * dp} ranks per stage is not divisible by EP x ETP = {ep * etp}")
-    world = tp * pp * dp
-    node = [r // gpus_per_node for r in range(world)]
-
-    def rank(t: int, d: int, s: int) -> int:
-        return t + tp * (d + dp * s)
-
-    keys = ("inter_recv", "inter_send", "intra_recv", "intra_send", "collectives", "copy")
-    per_rank = [dict.fromkeys(keys, 0) for _ in range(world)]
-
-    def send(src: int, dst: int, n: int) -> None:
-        cls = "inter" if node[src] != node[dst] else "intra"
-        per_rank[src][f"{cls}_send"] += n
-        per_rank[dst][f"{cls}_recv"] += n
-
-    def broadcast(members: list[int], root: int, n: int) -> None:
-        for m in members:
-            per_rank[m]["collectives"] += 1
-            if m != root:
-                send(root, m, n)
-
-    def all_gather(members: list[int], n: int) -> None:
-        for i in members:
-            per_rank[i]["collectives"] += 1
-            for j in members:
-                if i != j:
-                    send(i, j, n)
-
-    pp_groups = [(t, d) for t in range(tp) for d in range(dp)]
-
-    def pipeline_and_tensor_steps(stage: int, n: int, split: int) -> None:
-        if pp > 1:
-            for t, d in pp_groups:
-                broadcast([rank(t, d, s) for s in range(pp)], rank(t, d, stage), n)
-        if split > 1:
-            for d in range(dp):
-                for s in range(pp):
-                    all_gather([rank(t, d, s) for t in range(tp)], n)
-
+    ledger = _Ledger(tp, pp, dp, gpus_per_node)
     if hf.moe is not None:
-        buckets = moe_export_buckets(hf, tp, pp, ep, etp, dtype_bytes, bucket_bytes, value_head)
-        stage_size, edp = tp * dp, tp * dp // (ep * etp)
-
-        def expert_rank(et: int, e: int, d: int, s: int) -> int:  # Megatron's expert order tp-ep-dp-pp
-            return et + etp * (e + ep * (d + edp * s))
-
-        for b in buckets:
-            if b.ep_rank is not None:  # the owning EP rank's shards to the other EP ranks of the stage
-                for et in range(etp):
-                    for d in range(edp):
-                        members = [expert_rank(et, e, d, b.stage) for e in range(ep)]
-                        broadcast(members, members[b.ep_rank], b.shard_bytes)
-            pipeline_and_tensor_steps(b.stage, b.shard_bytes, etp if b.expert else tp)
-        full = sum(_numel(t.shape) for g in hf_tensor_groups(hf, value_head) for t in g.tensors) * dtype_bytes
-        for r in range(world):
-            s, ep_rank = r // stage_size, (r % stage_size) // etp % ep
-            mine = [b for b in buckets if b.stage == s]
-            packed = sum(b.shard_bytes for b in mine if b.ep_rank in (None, ep_rank))
-            received = sum(b.shard_bytes for b in mine if b.ep_rank is not None)  # EP buffer -> shard buffer
-            per_rank[r]["copy"] = packed + received + full + full // (rollout_tp or tp)
-        return SyncTraffic(path, tp, pp, dp, gpus_per_node, per_rank, bandwidths or Bandwidths(), ep, etp)
-
+        _count_moe(ledger, hf, ep, etp, dtype_bytes, bucket_bytes, rollout_tp, value_head)
+        return SyncTraffic(path, tp, pp, dp, gpus_per_node, ledger.per_rank, bandwidths or Bandwidths(), ep, etp)
     groups = shard_groups(hf, tp, pp, dtype_bytes, value_head)
     full = sum(sum(g.hf_bytes) for g in groups)
     engine_load = full // (rollout_tp or tp)
     if path == "shard_first":
-        for stage, n in _buckets(groups, tp, bucket_bytes):
-            pipeline_and_tensor_steps(stage, n, tp)
-        for r in range(world):
-            s = r // (tp * dp)
-            own = sum(g.shard_bytes for g in groups if g.stage == s)
-            per_rank[r]["copy"] = own + full + engine_load
+        _count_shard_first(ledger, groups, bucket_bytes, full, engine_load)
     else:
-        for g in groups:
-            if g.kind == "split" and tp > 1:
-                for d in range(dp):
-                    all_gather([rank(t, d, g.stage) for t in range(tp)], g.shard_bytes)
-            if pp > 1:
-                for n in g.hf_bytes:
-                    for t, d in pp_groups:
-                        broadcast([rank(t, d, s) for s in range(pp)], rank(t, d, g.stage), n)
-        for r in range(world):
-            s = r // (tp * dp)
-            owned = sum(sum(g.hf_bytes) for g in groups if g.stage == s and g.kind == "split")
-            per_rank[r]["copy"] = owned + full + engine_load
-    return SyncTraffic(path, tp, pp, dp, gpus_per_node, per_rank, bandwidths or Bandwidths())
+        _count_tensorwise(ledger, groups, full, engine_load)
+    return SyncTraffic(path, tp, pp, dp, gpus_per_node, ledger.per_rank, bandwidths or Bandwidths())
 
 
 def format_sync_traffic(hf: HFModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, *, name: str = "",
@@ -309,13 +334,11 @@ def format_sync_traffic(hf: HFModelConfig, tp: int, pp: int, dp: int, gpus_per_n
     return "\n".join(lines)
 
 
-def plan_sync_traffic(cfg, plan) -> str:
+def plan_sync_traffic(cfg: PPOTrainerConfig, plan: Plan) -> str:
     """The weight-sync lines of ``python -m megatron_rl.plan`` for a resolved config and its plan."""
-    from omegaconf import OmegaConf
-
     rollout = cfg.actor_rollout_ref.rollout
     layout = plan.actor_layout
-    dtype = str(OmegaConf.select(rollout, "dtype", default="auto"))
+    dtype = str(rollout.dtype)
     dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
     if rollout.mode != "colocated":
         return "weight sync: server mode (one sender per server group) is not modelled; see docs/rollout.md"

@@ -5,25 +5,45 @@ the arithmetic of batch sizes lives in one place.
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_rl.agent.tools import PythonTool, build_tools, load_tool_config
+from megatron_rl.algos import get_estimator_traits, list_adv_estimators, list_policy_losses
+from megatron_rl.algos.rollout_corr import RolloutCorrection
+from megatron_rl.config import checks
+from megatron_rl.config.access import megatron_section, plain
 from megatron_rl.config.errors import ConfigError, require as _require
+from megatron_rl.config.lora import check_lora, lora_enabled
 from megatron_rl.config.router_replay import check_router_replay
+from megatron_rl.config.schema import PPOTrainerConfig, RewardJudgeConfig, RolloutConfig, RolloutCorrectionConfig
+from megatron_rl.plan.context_parallel import (  # noqa: F401  (the preflight and tests import these from here)
+    check_context_parallel,
+    check_context_parallel_model,
+    context_parallel_roles,
+    cp_comm_type,
+)
+from megatron_rl.reward.model.combine import CombinePlan
+from megatron_rl.reward.model.judge import GenerativeJudge, VerdictParser
+from megatron_rl.reward.overlong import OverlongPenalty
 from megatron_rl.rollout.engines import ENGINES, engine_of
 
 
-def _estimator_traits(name: str):
-    """The traits an estimator declared when it was registered (algos/estimators.py): ours and a user's alike."""
-    from megatron_rl.algos import get_estimator_traits
+@contextmanager
+def _check_errors_refused() -> Iterator[None]:
+    """config/checks.py's CheckError, raised as the ConfigError every refusal here is."""
+    try:
+        yield
+    except checks.CheckError as err:
+        raise ConfigError(str(err)) from None
 
-    return get_estimator_traits(name)
 
-
-def _check_rollout_correction(section) -> None:
-    from megatron_rl.algos.rollout_corr import RolloutCorrection
-
+def _check_rollout_correction(section: RolloutCorrectionConfig) -> None:
     try:
         corr = RolloutCorrection.from_config(section)
     except ValueError as err:
@@ -78,7 +98,7 @@ class DerivedSizes:
         return "\n".join(lines)
 
 
-def _check_async(cfg: DictConfig) -> None:
+def _check_async(cfg: PPOTrainerConfig) -> None:
     """async_training.mode=one_step_off|fully_async: what trainer/off_policy.py and trainer/fully_async.py run."""
     run = cfg.async_training
     if run.mode == "sync":
@@ -94,9 +114,9 @@ def _check_async(cfg: DictConfig) -> None:
         _require(run.max_staleness >= 0, f"{where}: async_training.max_staleness must be >= 0, got {run.max_staleness}")
         _require(run.buffer_batches >= 1, f"{where}: async_training.buffer_batches must be >= 1, got {run.buffer_batches}")
     _require(not algo.filter_groups.enable, f"{where} does not run algorithm.filter_groups (dynamic sampling refills)")
-    _require(not _estimator_traits(algo.adv_estimator).needs_greedy_baseline,
+    _require(not get_estimator_traits(algo.adv_estimator).needs_greedy_baseline,
              f"{where} does not run algorithm.adv_estimator={algo.adv_estimator} (its greedy baseline is on-policy)")
-    _require(not OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False),
+    _require(not rollout.multi_turn.enable,
              f"{where} does not run multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable)")
     corr = algo.rollout_correction
     decoupled = cfg.actor_rollout_ref.actor.policy_loss == "decoupled_ppo"
@@ -110,13 +130,13 @@ def _check_async(cfg: DictConfig) -> None:
 STARTED_SERVER_ENGINES = tuple(name for name, spec in ENGINES.items() if spec.run_starts_servers)
 
 
-def starts_servers(rollout: DictConfig) -> bool:
+def starts_servers(rollout: RolloutConfig) -> bool:
     """rollout.mode=server with servers the run starts itself (not rollout.server_urls started elsewhere)."""
     return (rollout.mode == "server" and engine_of(rollout).run_starts_servers and rollout.num_servers >= 1
             and not rollout.server_urls)
 
 
-def _check_server_restarts(cfg: DictConfig) -> None:
+def _check_server_restarts(cfg: PPOTrainerConfig) -> None:
     """rollout.server_restarts > 0: only servers the run started itself (rollout.num_servers) can be restarted."""
     rollout = cfg.actor_rollout_ref.rollout
     key = f"actor_rollout_ref.rollout.server_restarts={rollout.server_restarts}"
@@ -134,7 +154,7 @@ def _check_server_restarts(cfg: DictConfig) -> None:
              f"sampled with), got num_servers={rollout.num_servers}")
 
 
-def _check_server_pool(cfg: DictConfig) -> None:
+def _check_server_pool(cfg: PPOTrainerConfig) -> None:
     """Under Ray the servers the run starts get their own pool (servers/ray_pool.py): it must fit in an
     embedded Ray next to the trainer's ranks (one CPU each), or the trainer's pool would wait ray_init.timeout_s."""
     rollout = cfg.actor_rollout_ref.rollout
@@ -167,7 +187,7 @@ def _check_server_pool(cfg: DictConfig) -> None:
              "lower rollout.num_servers / rollout.server_cpus")
 
 
-def _reward_pool_cpus(cfg: DictConfig) -> tuple[int, str]:
+def _reward_pool_cpus(cfg: PPOTrainerConfig) -> tuple[int, str]:
     """The CPUs the reward model's own Ray pool takes (reward_model.enable_resource_pool), and how to say so."""
     rm = cfg.reward_model
     if not (rm.enable and rm.enable_resource_pool):
@@ -178,22 +198,15 @@ def _reward_pool_cpus(cfg: DictConfig) -> tuple[int, str]:
     return ranks, f" and the reward model's {ranks} ranks (reward_model_pool, one CPU each)"
 
 
-def _positive(cfg: DictConfig, *keys: str) -> None:
-    for key in keys:
-        value = _get(cfg, key)
+def _positive(values: dict[str, Any]) -> None:
+    """Each value (by the key that sets it) a positive integer."""
+    for key, value in values.items():
         _require(isinstance(value, int) and value > 0, f"{key} must be a positive integer, got {value!r}")
 
 
-def _get(cfg: DictConfig, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _role_sizes(cfg: DictConfig, prefix: str, mini_batch_prompts: int, micro: int, world: int,
+def _role_sizes(cfg: PPOTrainerConfig, prefix: str, mini_batch_prompts: int, micro: int, world: int,
                 responses_per_step: int, n: int, dynamic_bsz: bool) -> RoleSizes:
-    mcfg = _get(cfg, f"{prefix}.megatron")
+    mcfg = megatron_section(cfg, prefix)
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
     for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                        ("context_parallel_size", cp)):
@@ -227,14 +240,10 @@ def _role_sizes(cfg: DictConfig, prefix: str, mini_batch_prompts: int, micro: in
 def _known_algorithm_names() -> dict[str, list[str]]:
     # Read from algos/ at call time: users can register their own estimators and losses before validating.
     # (loss_agg_mode and the KL types are closed choices: enums of the schema, checked by check_choices.)
-    from megatron_rl.algos import list_adv_estimators, list_policy_losses
-
     return {"estimators": list_adv_estimators(), "policy_losses": list_policy_losses()}
 
 
-def _check_judge(judge: DictConfig) -> None:
-    from megatron_rl.reward.model.judge import GenerativeJudge, VerdictParser
-
+def _check_judge(judge: RewardJudgeConfig) -> None:
     _require(bool(judge.model.path), "reward_model.judge.enable=true needs reward_model.judge.model.path (a causal LM)")
     _require(judge.response_length >= 1, f"reward_model.judge.response_length must be >= 1, got {judge.response_length}")
     try:
@@ -244,10 +253,8 @@ def _check_judge(judge: DictConfig) -> None:
         raise ConfigError(f"reward_model.judge: {err}") from None
 
 
-def _check_reward_model(cfg: DictConfig) -> None:
+def _check_reward_model(cfg: PPOTrainerConfig) -> None:
     """reward_model.*: the checkpoint, the combine plan, and a layout its ranks can hold."""
-    from megatron_rl.reward.model.combine import CombinePlan
-
     rm = cfg.reward_model
     if rm.judge.enable:
         _check_judge(rm.judge)
@@ -259,7 +266,8 @@ def _check_reward_model(cfg: DictConfig) -> None:
              "<Family>ForSequenceClassification directory with one label) or reward_model.judge.enable=true")
     _require(rm.max_length is None or rm.max_length >= 1,
              f"reward_model.max_length must be >= 1 or null, got {rm.max_length}")
-    _positive(cfg, "reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu")
+    _positive({"reward_model.micro_batch_size_per_gpu": rm.micro_batch_size_per_gpu,
+               "reward_model.forward_max_token_len_per_gpu": rm.forward_max_token_len_per_gpu})
     try:
         CombinePlan(rm.combine)
     except ValueError as err:
@@ -279,7 +287,7 @@ def _check_reward_model(cfg: DictConfig) -> None:
              f"nnodes, 0 = the trainer's) are not a multiple of its TP x PP x CP = {model_parallel}")
 
 
-def _check_reward_overlap(cfg: DictConfig) -> None:
+def _check_reward_overlap(cfg: PPOTrainerConfig) -> None:
     """reward.overlap: scoring in a thread beside generation, so it must not use the generating processes."""
     overlap, rm = cfg.reward.overlap, cfg.reward_model
     if not overlap.enable:
@@ -296,142 +304,6 @@ def _check_reward_overlap(cfg: DictConfig) -> None:
              "collectives would interleave with generation's")
 
 
-def validate(cfg: DictConfig) -> DerivedSizes:
-    """Check the whole config; raise ConfigError naming the key and numbers, else return derived sizes."""
-    from megatron_rl.config import checks
-
-    try:
-        checks.check_known_keys(cfg)
-    except checks.CheckError as err:
-        raise ConfigError(str(err)) from None
-    _positive(cfg, "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
-              "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
-              "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs")
-    algo, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    if rollout.log_prob_max_token_len_per_gpu is not None:  # null: the actor's ppo_max_token_len_per_gpu
-        _positive(cfg, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
-
-    known = _known_algorithm_names()
-    estimators, policy_losses = known["estimators"], known["policy_losses"]
-    _require(algo.adv_estimator in estimators,
-             f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
-    _require(actor.policy_loss in policy_losses,
-             f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
-    _require(actor.policy_loss != "dro" or (actor.dro_beta is not None and actor.dro_beta > 0),
-             f"actor_rollout_ref.actor.policy_loss=dro needs actor_rollout_ref.actor.dro_beta > 0 (its squared "
-             f"log-ratio penalty; verl's policy_loss.dro_beta), got {actor.dro_beta}")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
-        value = actor.get(key)
-        _require(value is None or 0 < value <= 1,
-                 f"actor_rollout_ref.actor.{key}={value} must be in (0, 1]: the share of tokens it selects")
-    _require(actor.policy_loss != "decoupled_ppo" or algo.rollout_correction.rollout_is is None,
-             "actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
-             "algorithm.rollout_correction.rollout_is (the weights would count twice)")
-    try:  # every choice field (an enum in config/schema.py: loss_agg_mode, kl types, dtypes, ...), its options from the schema
-        checks.check_choices(cfg)
-        checks.check_verl_values(cfg)
-    except checks.CheckError as err:
-        raise ConfigError(str(err)) from None
-    _require(rollout.mode != "server" or bool(rollout.server_urls) or starts_servers(rollout),
-             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (servers started "
-             f"elsewhere: SGLang or vLLM), or rollout.name={'|'.join(STARTED_SERVER_ENGINES)} with "
-             f"rollout.num_servers >= 1 (servers the run starts), got rollout.name={rollout.name}, "
-             f"num_servers={rollout.num_servers}")
-    wait_s = rollout.sglang.broken_group_wait_s
-    _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
-                         "long a server may take to answer a weight broadcast that failed)")
-    _check_server_restarts(cfg)
-    _check_server_pool(cfg)
-    _check_async(cfg)
-    _check_tools(cfg)
-    _check_engine(cfg)
-    _require(cfg.reward.reward_manager != "batch" or bool(cfg.reward.custom_reward_function.path),
-             "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
-    _require(cfg.reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {cfg.reward.num_workers}")
-    _require(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
-    _require(cfg.reward.reward_manager != "prime" or cfg.reward.num_workers >= 1,
-             "reward.reward_manager=prime scores each sample in a worker process with a time limit (verl's "
-             "PrimeRewardManager), but reward.num_workers=0 scores in the trainer without one: set reward.num_workers "
-             ">= 1, or use reward.reward_manager=naive")
-    from megatron_rl.reward.overlong import OverlongPenalty  # the manager's own checks of reward.reward_kwargs
-
-    try:
-        OverlongPenalty.from_config(cfg.reward, rollout.response_length if rollout.response_length is not None
-                                    else cfg.data.max_response_length)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if cfg.reward_model.enable:
-        _check_reward_model(cfg)
-    _check_reward_overlap(cfg)
-    _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
-             f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
-    _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
-    _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
-    _check_rollout_correction(algo.rollout_correction)
-    if _estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1:
-        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
-                          f"needs actor_rollout_ref.rollout.n > 1, got 1")
-    _require(not (algo.use_kl_in_reward and actor.use_kl_loss),
-             "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL would be "
-             "counted twice; choose one")
-
-    _require(not (cfg.ray_init.address and cfg.ray_init.num_cpus),
-             f"ray_init.address={cfg.ray_init.address!r} joins an existing cluster whose size is fixed; "
-             f"ray_init.num_cpus={cfg.ray_init.num_cpus} applies only to an embedded Ray: unset one")
-
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    n = rollout.n
-    responses = cfg.data.train_batch_size * n
-    actor_sizes = _role_sizes(cfg, "actor_rollout_ref.actor", actor.ppo_mini_batch_size,
-                              actor.ppo_micro_batch_size_per_gpu, world, responses, n, actor.use_dynamic_bsz)
-    rtp = rollout.tensor_model_parallel_size
-    _require(rtp >= 1 and world % rtp == 0,
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size {world}")
-    # One engine per rollout-TP group of consecutive GPUs of one node (rollout/mesh.py).
-    _require(rollout.mode == "server" or cfg.trainer.n_gpus_per_node % rtp == 0,
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide "
-             f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: a colocated engine cannot span two nodes")
-    _require(engine_of(rollout).tensor_parallel or rtp == 1,
-             f"actor_rollout_ref.rollout.name={rollout.name} runs one model per process: it needs "
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name="
-             f"{' or '.join(n for n, spec in ENGINES.items() if spec.tensor_parallel)} for TP)")
-
-    needs_critic = _estimator_traits(algo.adv_estimator).needs_critic
-    uses_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else needs_critic
-    _require(uses_critic or not needs_critic,
-             f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
-    # The reference and the critic are colocated with the actor and share Megatron's (process-global)
-    # parallel state, so their layout must be the actor's.
-    # With the actor's LoRA no reference model is built (the actor with its adapters off is the reference), so
-    # ref.megatron's layout is not used (config/lora.py).
-    from megatron_rl.config.lora import check_lora, lora_enabled
-
-    check_lora(cfg, uses_critic)
-    colocated = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)] if (
-        (algo.use_kl_in_reward or actor.use_kl_loss) and not lora_enabled(cfg.actor_rollout_ref.model.lora)) else []
-    if uses_critic:
-        colocated.append(("critic", cfg.critic.megatron))
-    for prefix, megatron in colocated:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "virtual_pipeline_model_parallel_size", "context_parallel_size"):
-            _require(megatron[key] == actor.megatron[key],
-                     f"{prefix}.megatron.{key}={megatron[key]} differs from actor_rollout_ref.actor.megatron.{key}="
-                     f"{actor.megatron[key]}; the colocated {prefix.split('.')[-1]} shares the actor's model-parallel layout")
-    critic_sizes = None
-    if uses_critic:
-        _positive(cfg, "critic.ppo_micro_batch_size_per_gpu")
-        mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-        critic_sizes = _role_sizes(cfg, "critic", mini, cfg.critic.ppo_micro_batch_size_per_gpu, world, responses,
-                                   n, cfg.critic.use_dynamic_bsz)
-    try:
-        checks.check_run_settings(cfg, uses_critic)
-    except checks.CheckError as err:
-        raise ConfigError(str(err)) from None
-    check_refused_at_run_time(cfg, uses_critic)
-    return DerivedSizes(world, cfg.data.train_batch_size, responses, actor_sizes, critic_sizes, uses_critic)
-
-
 def _check_engine(cfg: DictConfig) -> None:
     """The engine of rollout.name: its device, engine arguments only for it, servers that cannot see the model's
     override_config, then its own keys (EngineSpec.check_config)."""
@@ -440,7 +312,7 @@ def _check_engine(cfg: DictConfig) -> None:
     _require(not spec.needs_cuda or cfg.trainer.device != "cpu",
              f"actor_rollout_ref.rollout.name={spec.name} needs CUDA, but trainer.device=cpu; use rollout.name="
              f"{' or '.join(n for n, other in ENGINES.items() if not other.needs_cuda)} on CPU")
-    section = OmegaConf.select(cfg, "actor_rollout_ref.rollout.engine_kwargs", default=None) or {}
+    section = rollout.engine_kwargs or {}
     for engine in section:
         key = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
         kwargs = OmegaConf.to_container(section[engine], resolve=True) if section[engine] is not None else None
@@ -455,28 +327,23 @@ def _check_engine(cfg: DictConfig) -> None:
              f"applied to the Megatron model and to colocated engines, but {spec.name} rollout servers never see it "
              "(they load model.path): bake the fields into config.json, start servers of your own with the engine's "
              "override flag (SGLang --json-model-override-args, vLLM --hf-overrides), or use rollout.mode=colocated")
-    replay = OmegaConf.select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False)
-    _require(not replay or spec.reports_routed_experts,
+    _require(not rollout.enable_rollout_routing_replay or spec.reports_routed_experts,
              "actor_rollout_ref.rollout.enable_rollout_routing_replay=true: actor_rollout_ref.rollout.name="
              f"{spec.name} cannot report routed experts (engines that can: "
              f"{', '.join(n for n, other in ENGINES.items() if other.reports_routed_experts)})")
     spec.check_config(cfg)
 
 
-def _check_tools(cfg: DictConfig) -> None:
+def _check_tools(cfg: PPOTrainerConfig) -> None:
     """The multi-turn tools, built as the agent loop builds them (a verl tool YAML, else the names): an unknown
     tool, a bad tool config, or a python tool whose sandbox this machine cannot give (its empty root) is refused
     here rather than in the workers; the python tool as root only where its sandbox drops privileges, or where the
     user said they accept it."""
-    import os
-
-    multi_turn = OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn")
-    if multi_turn is None or not multi_turn.enable:
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
         return
-    from megatron_rl.agent.tools import PythonTool, build_tools, load_tool_config
-
     path = multi_turn.tool_config_path
-    names = OmegaConf.to_container(multi_turn.tools, resolve=True) if multi_turn.tools else []
+    names = plain(multi_turn.tools) if multi_turn.tools else []
     key = (f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}" if path
            else f"actor_rollout_ref.rollout.multi_turn.tools={names}")
     try:
@@ -494,108 +361,211 @@ def _check_tools(cfg: DictConfig) -> None:
              "nobody, or set actor_rollout_ref.rollout.multi_turn.python_tool_unsandboxed_ok=true to accept it")
 
 
-# megatron.override_transformer_config.cp_comm_type values built for CP > 1 (null: p2p, Megatron's default)
-CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
+def _check_keys_and_counts(cfg: DictConfig) -> None:
+    """Every key known to the schema; the counts every run divides by, positive."""
+    with _check_errors_refused():
+        checks.check_known_keys(cfg)
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    _positive({"data.train_batch_size": data.train_batch_size, "data.max_prompt_length": data.max_prompt_length,
+               "data.max_response_length": data.max_response_length, "actor_rollout_ref.rollout.n": rollout.n,
+               "actor_rollout_ref.actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": actor.ppo_micro_batch_size_per_gpu,
+               "actor_rollout_ref.actor.ppo_epochs": actor.ppo_epochs, "trainer.nnodes": cfg.trainer.nnodes,
+               "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node,
+               "trainer.total_epochs": cfg.trainer.total_epochs})
+    if rollout.log_prob_max_token_len_per_gpu is not None:  # null: the actor's ppo_max_token_len_per_gpu
+        _positive({"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": rollout.log_prob_max_token_len_per_gpu})
 
 
-def uses_critic(cfg: DictConfig) -> bool:
+def _check_algorithm_names(cfg: PPOTrainerConfig) -> None:
+    """The estimator and the policy loss registered (ours or a user's), with the parameters their losses need."""
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    known = _known_algorithm_names()
+    estimators, policy_losses = known["estimators"], known["policy_losses"]
+    _require(algo.adv_estimator in estimators,
+             f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; known: {estimators}")
+    _require(actor.policy_loss in policy_losses,
+             f"actor_rollout_ref.actor.policy_loss={actor.policy_loss!r} is unknown; known: {policy_losses}")
+    _require(actor.policy_loss != "dro" or (actor.dro_beta is not None and actor.dro_beta > 0),
+             f"actor_rollout_ref.actor.policy_loss=dro needs actor_rollout_ref.actor.dro_beta > 0 (its squared "
+             f"log-ratio penalty; verl's policy_loss.dro_beta), got {actor.dro_beta}")
+    for key, value in (("clip_cov_ratio", actor.clip_cov_ratio), ("kl_cov_ratio", actor.kl_cov_ratio)):
+        _require(value is None or 0 < value <= 1,
+                 f"actor_rollout_ref.actor.{key}={value} must be in (0, 1]: the share of tokens it selects")
+    _require(actor.policy_loss != "decoupled_ppo" or algo.rollout_correction.rollout_is is None,
+             "actor_rollout_ref.actor.policy_loss=decoupled_ppo weights behaviour->proximal itself: unset "
+             "algorithm.rollout_correction.rollout_is (the weights would count twice)")
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    """Every choice field (an enum in config/schema.py: loss_agg_mode, kl types, dtypes, ...), its options from the
+    schema, and the values verl gives keys we read differently."""
+    with _check_errors_refused():
+        checks.check_choices(cfg)
+        checks.check_verl_values(cfg)
+
+
+def _check_rollout_servers(cfg: PPOTrainerConfig) -> None:
+    """rollout.mode=server: servers to talk to, given or started by the run."""
+    rollout = cfg.actor_rollout_ref.rollout
+    _require(rollout.mode != "server" or bool(rollout.server_urls) or starts_servers(rollout),
+             "actor_rollout_ref.rollout.mode=server needs actor_rollout_ref.rollout.server_urls (servers started "
+             f"elsewhere: SGLang or vLLM), or rollout.name={'|'.join(STARTED_SERVER_ENGINES)} with "
+             f"rollout.num_servers >= 1 (servers the run starts), got rollout.name={rollout.name}, "
+             f"num_servers={rollout.num_servers}")
+    wait_s = rollout.sglang.broken_group_wait_s
+    _require(wait_s > 0, f"actor_rollout_ref.rollout.sglang.broken_group_wait_s={wait_s} must be > 0 seconds (how "
+                         "long a server may take to answer a weight broadcast that failed)")
+
+
+def _check_reward(cfg: PPOTrainerConfig) -> None:
+    """reward.*: the manager's needs and its own checks of reward.reward_kwargs."""
+    reward, rollout = cfg.reward, cfg.actor_rollout_ref.rollout
+    _require(reward.reward_manager != "batch" or bool(reward.custom_reward_function.path),
+             "reward.reward_manager=batch needs reward.custom_reward_function.path (a function scoring whole lists)")
+    _require(reward.num_workers >= 0, f"reward.num_workers must be >= 0, got {reward.num_workers}")
+    _require(reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {reward.timeout_s}")
+    _require(reward.reward_manager != "prime" or reward.num_workers >= 1,
+             "reward.reward_manager=prime scores each sample in a worker process with a time limit (verl's "
+             "PrimeRewardManager), but reward.num_workers=0 scores in the trainer without one: set reward.num_workers "
+             ">= 1, or use reward.reward_manager=naive")
+    try:
+        OverlongPenalty.from_config(reward, rollout.response_length if rollout.response_length is not None
+                                    else cfg.data.max_response_length)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.reward_model.enable:
+        _check_reward_model(cfg)
+
+
+def _check_sampling_and_advantages(cfg: PPOTrainerConfig) -> None:
+    """The sampling knobs, the advantage's discount, rollout correction, groups, and the KL counted once."""
+    algo, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    _require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0,
+             f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
+    _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
+    _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _check_rollout_correction(algo.rollout_correction)
+    if get_estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
+                          f"needs actor_rollout_ref.rollout.n > 1, got 1")
+    _require(not (algo.use_kl_in_reward and actor.use_kl_loss),
+             "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL would be "
+             "counted twice; choose one")
+
+
+def _check_ray_init(cfg: PPOTrainerConfig) -> None:
+    _require(not (cfg.ray_init.address and cfg.ray_init.num_cpus),
+             f"ray_init.address={cfg.ray_init.address!r} joins an existing cluster whose size is fixed; "
+             f"ray_init.num_cpus={cfg.ray_init.num_cpus} applies only to an embedded Ray: unset one")
+
+
+# The settings' rules, in the order a config meets them: the first refusal is the one it reports.
+SETTINGS_RULES: tuple[Callable[[DictConfig], None], ...] = (
+    _check_keys_and_counts, _check_algorithm_names, _check_choices, _check_rollout_servers, _check_server_restarts,
+    _check_server_pool, _check_async, _check_tools, _check_engine, _check_reward, _check_reward_overlap,
+    _check_sampling_and_advantages, _check_ray_init,
+)
+
+
+def _world_size(cfg: PPOTrainerConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def _responses_per_step(cfg: PPOTrainerConfig) -> int:
+    return cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+
+
+def _actor_sizes(cfg: PPOTrainerConfig) -> RoleSizes:
+    actor = cfg.actor_rollout_ref.actor
+    return _role_sizes(cfg, "actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                       _world_size(cfg), _responses_per_step(cfg), cfg.actor_rollout_ref.rollout.n,
+                       actor.use_dynamic_bsz)
+
+
+def _check_rollout_layout(cfg: PPOTrainerConfig) -> None:
+    """The rollout engines' TP over the world: one engine per rollout-TP group of consecutive GPUs of one node
+    (rollout/mesh.py)."""
+    rollout, world = cfg.actor_rollout_ref.rollout, _world_size(cfg)
+    rtp = rollout.tensor_model_parallel_size
+    _require(rtp >= 1 and world % rtp == 0,
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size {world}")
+    _require(rollout.mode == "server" or cfg.trainer.n_gpus_per_node % rtp == 0,
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide "
+             f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: a colocated engine cannot span two nodes")
+    _require(engine_of(rollout).tensor_parallel or rtp == 1,
+             f"actor_rollout_ref.rollout.name={rollout.name} runs one model per process: it needs "
+             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1, got {rtp} (use rollout.name="
+             f"{' or '.join(n for n, spec in ENGINES.items() if spec.tensor_parallel)} for TP)")
+
+
+def _critic_in_use(cfg: PPOTrainerConfig) -> bool:
+    """critic.enable, else what the estimator needs; an estimator that needs values refuses critic.enable=false."""
+    algo = cfg.algorithm
+    needs_critic = get_estimator_traits(algo.adv_estimator).needs_critic
+    in_use = uses_critic(cfg)
+    _require(in_use or not needs_critic,
+             f"algorithm.adv_estimator={algo.adv_estimator!r} needs values, but critic.enable=false")
+    return in_use
+
+
+def _check_colocated_layouts(cfg: DictConfig, uses_critic: bool) -> None:
+    """The reference and the critic are colocated with the actor and share Megatron's (process-global) parallel
+    state, so their layout must be the actor's. With the actor's LoRA no reference model is built (the actor with
+    its adapters off is the reference), so ref.megatron's layout is not used (config/lora.py)."""
+    check_lora(cfg, uses_critic)
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    colocated = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)] if (
+        (algo.use_kl_in_reward or actor.use_kl_loss) and not lora_enabled(cfg.actor_rollout_ref.model.lora)) else []
+    if uses_critic:
+        colocated.append(("critic", cfg.critic.megatron))
+    for prefix, megatron in colocated:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size"):
+            _require(getattr(megatron, key) == getattr(actor.megatron, key),
+                     f"{prefix}.megatron.{key}={getattr(megatron, key)} differs from actor_rollout_ref.actor.megatron."
+                     f"{key}={getattr(actor.megatron, key)}; the colocated {prefix.split('.')[-1]} shares the actor's "
+                     "model-parallel layout")
+
+
+def _critic_sizes(cfg: PPOTrainerConfig) -> RoleSizes:
+    critic = cfg.critic
+    _positive({"critic.ppo_micro_batch_size_per_gpu": critic.ppo_micro_batch_size_per_gpu})
+    mini = critic.ppo_mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    return _role_sizes(cfg, "critic", mini, critic.ppo_micro_batch_size_per_gpu, _world_size(cfg),
+                       _responses_per_step(cfg), cfg.actor_rollout_ref.rollout.n, critic.use_dynamic_bsz)
+
+
+def _check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
+    with _check_errors_refused():
+        checks.check_run_settings(cfg, uses_critic)
+
+
+def validate(cfg: DictConfig) -> DerivedSizes:
+    """Check the whole config; raise ConfigError naming the key and numbers, else return derived sizes.
+
+    ``cfg`` is checked in place: verl's flat LoRA keys are folded into ``model.lora`` (config/lora.py)."""
+    for rule in SETTINGS_RULES:
+        rule(cfg)
+    actor_sizes = _actor_sizes(cfg)
+    _check_rollout_layout(cfg)
+    uses_critic = _critic_in_use(cfg)
+    _check_colocated_layouts(cfg, uses_critic)
+    critic_sizes = _critic_sizes(cfg) if uses_critic else None
+    _check_run_settings(cfg, uses_critic)
+    check_refused_at_run_time(cfg, uses_critic)
+    return DerivedSizes(_world_size(cfg), cfg.data.train_batch_size, _responses_per_step(cfg), actor_sizes,
+                        critic_sizes, uses_critic)
+
+
+def uses_critic(cfg: PPOTrainerConfig) -> bool:
     """Whether the run trains a critic: critic.enable, or (null) whether the estimator needs values."""
     if cfg.critic.enable is not None:
         return bool(cfg.critic.enable)
-    return _estimator_traits(cfg.algorithm.adv_estimator).needs_critic
+    return get_estimator_traits(cfg.algorithm.adv_estimator).needs_critic
 
 
-def context_parallel_roles(cfg: DictConfig, uses_critic: bool) -> list[str]:
-    """The Megatron roles a run builds, by config prefix: the actor, the reference (KL), the critic, the
-    reward model's trunk (not the judge, which is a rollout-style engine)."""
-    from megatron_rl.config.lora import lora_enabled
-
-    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
-    roles = ["actor_rollout_ref.actor"]
-    # with the actor's LoRA the reference is the actor with its adapters off: no model of its own
-    if (algo.use_kl_in_reward or actor.use_kl_loss) and not lora_enabled(
-            OmegaConf.select(cfg, "actor_rollout_ref.model.lora", default=None)):
-        roles.append("actor_rollout_ref.ref")
-    if uses_critic:
-        roles.append("critic")
-    if cfg.reward_model.enable and not cfg.reward_model.judge.enable:
-        roles.append("reward_model")
-    return roles
-
-
-def cp_comm_type(mcfg: DictConfig):
-    """``megatron.override_transformer_config.cp_comm_type`` as given (None: Megatron's default, p2p)."""
-    overrides = OmegaConf.select(mcfg, "override_transformer_config", default=None) or {}
-    value = overrides.get("cp_comm_type") if hasattr(overrides, "get") else None
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def check_context_parallel(cfg: DictConfig, uses_critic: bool) -> None:
-    """Context parallelism (issue 35): what each role's CP > 1 needs, refused here naming the key (the
-    model build or the first forward would refuse it after Ray and the workers started). The rollout
-    engines are not affected by the trainer's CP. The model's own limits (MoE, head counts for a2a, a
-    sliding window with p2p) need its config.json: ``check_context_parallel_model``."""
-    for role in context_parallel_roles(cfg, uses_critic):
-        mcfg = OmegaConf.select(cfg, f"{role}.megatron")
-        cp = mcfg.context_parallel_size
-        if cp == 1:
-            continue
-        key = f"{role}.megatron.context_parallel_size={cp}"
-        _require(bool(mcfg.packed_sequences),
-                 f"{key} needs {role}.megatron.packed_sequences=true: context parallelism splits packed (THD) "
-                 f"sequences into 2 x CP chunks per rank pair; padded [rows, longest] micro-batches "
-                 f"({role}.megatron.packed_sequences=false) are not built for CP")
-        _require(not OmegaConf.select(mcfg, "share_prompts", default=False),
-                 f"{key} with {role}.megatron.share_prompts=true is not built: a shared-prompt sequence "
-                 f"[prompt | response 1 | ... | response n] runs under one tree mask over the whole sequence, "
-                 f"which the CP split into chunks does not carry; set share_prompts=false or CP to 1")
-        comm = cp_comm_type(mcfg)
-        where = f"{role}.megatron.override_transformer_config.cp_comm_type={comm!r}"
-        _require(comm is None or isinstance(comm, str),
-                 f"{where} with {key}: one type for every layer is built (p2p, a2a), not a list per layer")
-        _require(comm is None or comm in CP_COMM_TYPES,
-                 f"{where} with {key} is not built: choose p2p (ring, the default: K/V chunks passed round the "
-                 f"CP ranks) or a2a (all-to-all over heads, for models with many heads)"
-                 + ("; a2a+p2p (hierarchical CP) needs hierarchical_context_parallel_sizes and Transformer "
-                    "Engine 2.11 does not run it on packed (THD) sequences" if comm == "a2a+p2p" else ""))
-        _require(comm != "all_gather" or str(cfg.trainer.device) == "cpu",
-                 f"{where} with {key}: Transformer Engine 2.11's all-gather CP attention refuses packed (THD) "
-                 "sequences (AttnFuncWithCPAndKVAllGather: 'thd format is not supported'), and CP runs on packed "
-                 "sequences only; use p2p or a2a (with trainer.device=cpu SDPAttention all-gathers K/V whatever cp_comm_type "
-                 "says, and all_gather is accepted)")
-
-
-def check_context_parallel_model(model, role: str, cp: int, tp: int = 1, comm=None, te_attention: bool = True) -> None:
-    """What a role's CP > 1 needs from the model itself (``model``: the HFModelConfig the planner and the
-    preflight read from config.json or plan.architecture; ``comm``: its cp_comm_type); raises ConfigError
-    naming the key. ``te_attention``: the run is on CUDA, where Transformer Engine's CP attention runs and
-    brings its own limits (windows, a2a's heads); on CPU SDPAttention's all-gather takes any of them."""
-    if cp == 1:
-        return
-    key = f"{role}.megatron.context_parallel_size={cp}"
-    _require(model.moe is None,
-             f"{key} with an MoE model ({model.source}: {model.architecture}, "
-             f"{model.moe.num_experts if model.moe is not None else 0} experts) is not built: the token routing, "
-             "its load-balancing loss and the routing replay count a sequence's tokens on one rank; set CP to 1 "
-             "and split the model with expert / tensor parallelism")
-    if not te_attention:
-        return
-    window = getattr(model, "sliding_window", None)
-    comm_key = f"{role}.megatron.override_transformer_config.cp_comm_type"
-    _require(not window or comm == "a2a",
-             f"{key} with a sliding-window model ({model.source}: sliding_window={window}) needs {comm_key}=a2a "
-             f"(got {comm!r}): Transformer Engine's p2p (ring) CP attention refuses sliding windows")
-    if comm == "a2a":
-        heads, groups = model.num_attention_heads, model.num_key_value_heads
-        per_rank = (heads // tp, max(1, groups // tp))
-        _require(per_rank[0] % cp == 0 and per_rank[1] % cp == 0,
-                 f"{comm_key}=a2a with {key} splits each TP rank's heads over the CP ranks, but at TP={tp} a rank "
-                 f"has {per_rank[0]} query and {per_rank[1]} KV heads ({model.source}: num_attention_heads={heads}, "
-                 f"num_key_value_heads={groups}), not both divisible by CP={cp}: use cp_comm_type=p2p or a "
-                 "smaller CP / TP")
-
-
-def check_refused_at_run_time(cfg: DictConfig, uses_critic: bool) -> None:
+def check_refused_at_run_time(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
     """Settings the workers, the model build or the first step would refuse after Ray and the model are up
     (issue 33 items 7 and 10), refused here instead, naming the key."""
     check_context_parallel(cfg, uses_critic)
@@ -607,7 +577,7 @@ def check_refused_at_run_time(cfg: DictConfig, uses_critic: bool) -> None:
              "those of the temperature-scaled policy (logits / temperature): set it > 0 (1.0: the policy itself). "
              "Greedy decoding is for validation (actor_rollout_ref.rollout.val_kwargs) and ReMax's baseline, which "
              "the trainer generates greedily by itself")
-    traits = _estimator_traits(estimator)
+    traits = get_estimator_traits(estimator)
     _require(rollout.do_sample or not (traits.needs_groups or traits.needs_greedy_baseline),
              f"actor_rollout_ref.rollout.do_sample=false makes every response of a prompt the same, but "
              f"algorithm.adv_estimator={estimator} compares sampled responses (with each other or with the greedy "

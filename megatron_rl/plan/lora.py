@@ -1,0 +1,85 @@
+"""LoRA in the plan (issue 36): the trainable parameters of the adapters, their dtype, and the notes that compare
+a LoRA run with the same run fully fine-tuned."""
+from __future__ import annotations
+
+import copy
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_rl.config.access import is_unset
+from megatron_rl.config.lora import lora_enabled, lora_targets
+from megatron_rl.config.schema import LoRAConfig, PPOTrainerConfig
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.plan import memory
+from megatron_rl.plan.memory import Layout, Stage
+from megatron_rl.plan.model_facts import load_model_facts
+from megatron_rl.plan.report import Plan, in_gib, short_count
+
+
+def lora_dtype(lora: LoRAConfig, params_dtype: str) -> str:
+    """The adapters' dtype: lora.dtype, else the role's params dtype."""
+    return {"float32": "fp32", "bfloat16": "bf16"}.get(str(lora.dtype), str(lora.dtype)) if lora.dtype else params_dtype
+
+
+def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: LoRAConfig,
+                                lm_head: bool) -> float:
+    """Trainable parameters on one GPU of the stage: the adapters, and the critic's value head (hidden -> 1,
+    trained in full, on the last stage)."""
+    adapters = memory.lora_stage_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    value_head = model.hidden_size if not lm_head and (stage == "last" or layout.pp == 1) else 0
+    return adapters + value_head
+
+
+def lora_trainable_params(model: HFModelConfig, lora: LoRAConfig) -> int:
+    """Adapter parameters of the whole model (no TP split)."""
+    return int(sum(sum(memory.lora_linear_params(model, linear, lora.rank))
+                   for i in range(model.num_layers) for linear in lora_targets(lora, i)))
+
+
+def without_lora(cfg: DictConfig) -> DictConfig:
+    """The same config with LoRA off for the actor and the critic: full fine-tuning."""
+    full = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(full, False)
+    for model in (full.actor_rollout_ref.model, full.critic.model):
+        if model.lora is not None:
+            model.lora = OmegaConf.structured(LoRAConfig())
+    return full
+
+
+def trainable_notes(cfg: PPOTrainerConfig, plan: Plan) -> list[str]:
+    """A line per role with LoRA: its trainable parameters against the whole model."""
+    notes = []
+    for role, model_cfg in (("actor", cfg.actor_rollout_ref.model), ("critic", cfg.critic.model)):
+        lora = model_cfg.lora
+        if not lora_enabled(lora) or (role == "critic" and not plan.sizes.uses_critic):
+            continue
+        model = plan.model if role == "actor" or is_unset(cfg.critic.model, "path") else \
+            load_model_facts(cfg, "critic.model")
+        total = memory.total_params(model)
+        trainable = lora_trainable_params(model, lora) + (model.hidden_size if role == "critic" else 0)
+        targets = sorted({t for i in range(model.num_layers) for t in lora_targets(lora, i)},
+                         key=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index)
+        extra = "; the value head (hidden -> 1) is trained in full" if role == "critic" else ""
+        notes.append(f"{role} LoRA rank {lora.rank} (alpha {float(lora.alpha or 16):g}, scale "
+                     f"{float(lora.alpha or 16) / lora.rank:g}) on {', '.join(targets)}: trainable "
+                     f"{short_count(trainable)} params ({100 * trainable / total:.2f}% of {short_count(total)}); the "
+                     f"base is frozen: no grads, no Adam state{extra}")
+    return notes
+
+
+def _trained_state(plan: Plan, role: str) -> float:
+    """Weights + grads + Adam of a trained role in its update (its rows but activations and attention)."""
+    phase = f"{role} update"
+    return sum(r.per_phase.get(phase, 0.0) for r in plan.rows if r.label.startswith(f"{role} ")
+               and "activations" not in r.label and "attention" not in r.label)
+
+
+def full_tuning_note(plan: Plan, full: Plan) -> str:
+    """What the LoRA ``plan`` saves against ``full``, the same run fully fine-tuned."""
+    update = "actor update"
+    peak, full_peak = plan.peak_phase(), full.peak_phase()
+    return (f"vs full fine-tuning, per GPU: actor weights + grads + Adam {in_gib(_trained_state(full, 'actor'))} -> "
+            f"{in_gib(_trained_state(plan, 'actor'))} GiB; update {in_gib(full.total(update))} GiB -> "
+            f"{in_gib(plan.total(update))} GiB; peak {in_gib(full.total(full_peak))} GiB ({full_peak}) -> "
+            f"{in_gib(plan.total(peak))} GiB ({peak}); KV cache per engine {full.rollout.kv_tokens:,} -> "
+            f"{plan.rollout.kv_tokens:,} tokens")

@@ -1,0 +1,133 @@
+"""What a plan holds and how it prints: memory rows per phase, the rollout engine's share, the verdict."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.sizes import padded_vocab_size
+from megatron_rl.plan import memory
+from megatron_rl.plan.memory import Layout, Stage
+from megatron_rl.plan.validate import DerivedSizes
+from megatron_rl.rollout.memory import EngineMemory
+
+GIB = 2**30
+
+
+class PlanError(ConfigError):
+    """The plan cannot run: the layout does not factor for this model, or it does not fit in memory."""
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Bytes per GPU of one item in each phase of a step (phase name -> bytes)."""
+
+    label: str
+    per_phase: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    engines: int
+    tp: int
+    memory: EngineMemory  # per GPU, the engine's own reading of gpu_memory_utilization (rollout/memory.py)
+    kv_tokens: int  # KV cache capacity of one engine, in tokens
+
+    @property
+    def reserved(self) -> float:
+        """Bytes per GPU the knob grants the engine: weights + KV cache (+ what else the engine counts in it)."""
+        return self.memory.budget
+
+    @property
+    def weights(self) -> float:
+        return self.memory.start.weights
+
+    @property
+    def free_at_start(self) -> float:
+        """Bytes per GPU free when the engine starts (after actor + reference)."""
+        return self.memory.start.free
+
+    @property
+    def fraction(self) -> float:
+        return self.memory.start.fraction
+
+    @property
+    def kv_cache(self) -> float:
+        return self.memory.kv_cache
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: DerivedSizes
+    model: HFModelConfig
+    gpu_memory: float  # bytes
+    actor_layout: Layout
+    actor_stage: Stage
+    phases: tuple[str, ...]
+    rows: tuple[MemoryRow, ...]
+    rollout: RolloutShare
+    sequence_length: int  # prompt + response tokens
+    notes: tuple[str, ...] = ()  # lines printed after the batch arithmetic (context parallelism's split)
+
+    def total(self, phase: str) -> float:
+        return sum(row.per_phase.get(phase, 0.0) for row in self.rows)
+
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.total(self.peak_phase()) <= self.gpu_memory
+
+    def format(self) -> str:
+        model, layout, rollout = self.model, self.actor_layout, self.rollout
+        params = memory.total_params(model)
+        moe = model.moe
+        active = (f" ({short_count(memory.active_params(model))} active: top-{moe.topk} of {moe.num_experts} experts "
+                  f"of ffn {moe.ffn_hidden_size}; experts over EP {layout.ep} x ETP {layout.etp or layout.tp})"
+                  if moe is not None else "")
+        lines = [
+            f"model ({model.source}): {model.architecture}, {short_count(params)} params{active}; hidden "
+            f"{model.hidden_size}, {model.num_layers} layers, {model.num_attention_heads} heads / "
+            f"{model.num_key_value_heads} KV heads, ffn {model.intermediate_size}, vocab {model.vocab_size} (padded to "
+            f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
+            f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
+            self.sizes.summary(),
+            *self.notes,
+            _rollout_line(rollout, self.sequence_length),
+            f"memory per GPU in GiB, actor at its {self.actor_stage} pipeline stage:",
+        ]
+        width = max(len(row.label) for row in self.rows)
+        lines.append("  " + " " * width + "".join(f"{phase:>15}" for phase in self.phases))
+        for row in self.rows:
+            lines.append(f"  {row.label:<{width}}"
+                         + "".join(f"{in_gib(row.per_phase.get(p, 0.0)):>15}" for p in self.phases))
+        lines.append(f"  {'total':<{width}}" + "".join(f"{in_gib(self.total(p)):>15}" for p in self.phases))
+        peak = self.peak_phase()
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"peak: {peak}, {in_gib(self.total(peak))} of {in_gib(self.gpu_memory)} GiB per GPU: {verdict}")
+        return "\n".join(lines)
+
+
+def _rollout_line(rollout: RolloutShare, sequence_length: int) -> str:
+    mem = rollout.memory
+    other = rollout.reserved - rollout.weights - rollout.kv_cache
+    other_text = f" + activations and CUDA graphs {in_gib(other)}" if other > 0 else ""
+    asleep = f"; asleep it keeps {in_gib(mem.asleep)} GiB" if mem.asleep else ""
+    return (f"rollout: {rollout.engines} {mem.engine} engines of TP {rollout.tp} ({mem.meaning}); each GPU reserves "
+            f"{rollout.fraction:g} x {in_gib(mem.base)} GiB {mem.base_label} = {in_gib(rollout.reserved)} GiB: weights "
+            f"{in_gib(rollout.weights)}{other_text} + KV cache {in_gib(rollout.kv_cache)} GiB = {rollout.kv_tokens:,} "
+            f"tokens ({rollout.kv_tokens // sequence_length:,} sequences of {sequence_length} tokens) per engine{asleep}")
+
+
+def in_gib(nbytes: float) -> str:
+    """Bytes as GiB with one decimal, the unit of every figure the plan prints."""
+    return f"{nbytes / GIB:.1f}"
+
+
+def short_count(n: int) -> str:
+    """A parameter count as 1.23 B / 4.56 M / 7.89 k."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
