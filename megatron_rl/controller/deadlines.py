@@ -23,7 +23,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from megatron_rl.models.hf_config import HFModelConfig, apply_override_config, parse_hf_config
+
+if TYPE_CHECKING:  # the schema imports Hydra, which the deadlines do not need at run time
+    from megatron_rl.config.schema import PPOTrainerConfig
 
 CALL_KINDS: dict[str, tuple[str, ...]] = {
     "init_timeout_s": ("init_model", "load_checkpoint"),
@@ -45,7 +50,7 @@ SYNC_BYTES_PER_S = 1e9  # bf16 weights into the engines
 NO_DEADLINE_S = 7 * 24 * 3600.0
 
 
-def call_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
+def call_deadlines(cfg: PPOTrainerConfig) -> dict[str, tuple[float, str]]:
     """method -> (seconds, config key) for ``RayWorkerGroup(method_timeouts=...)``, from the whole run config:
     its ``ray_init`` keys, and the work (response length, batch, model size) the unset ones are derived from."""
     ray_init = cfg.ray_init
@@ -73,7 +78,7 @@ def call_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
     return out
 
 
-def derived_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
+def derived_deadlines(cfg: PPOTrainerConfig | None) -> dict[str, tuple[float, str]]:
     """kind (generate, forward, update, sync) -> (seconds, how it was derived) from the run's work; empty
     when ``cfg`` is None or lacks what is needed."""
     if cfg is None:
@@ -110,7 +115,7 @@ def derived_deadlines(cfg: Any) -> dict[str, tuple[float, str]]:
     }
 
 
-def model_params(cfg: Any) -> tuple[float, str]:
+def model_params(cfg: PPOTrainerConfig) -> tuple[float, str]:
     """(parameters one token passes through, where the architecture came from): the actor's config.json,
     else ``plan.architecture`` (as the planner reads them). Of an MoE model: every layer's attention; a dense
     layer's MLP (``mlp_only_layers`` / ``decoder_sparse_step``); an MoE layer's router, shared expert (with its
@@ -119,9 +124,7 @@ def model_params(cfg: Any) -> tuple[float, str]:
     return float(_params(hf, active=True)), hf.source
 
 
-def _hf_config(cfg: Any) -> Any:
-    from megatron_rl.models.hf_config import apply_override_config, parse_hf_config
-
+def _hf_config(cfg: PPOTrainerConfig) -> HFModelConfig:
     model = cfg.actor_rollout_ref.model
     path = Path(str(_select(cfg, "actor_rollout_ref.model.path") or "")).expanduser() / "config.json"
     if path.is_file():
@@ -134,7 +137,7 @@ def _hf_config(cfg: Any) -> Any:
                            source=source)
 
 
-def layer_params(hf: Any, layer: int, active: bool) -> int:
+def layer_params(hf: HFModelConfig, layer: int, active: bool) -> int:
     """Weight matrices of ``layer``: attention plus its dense MLP, or its router, shared expert (and the
     shared expert's sigmoid gate) and routed experts (the top-k with ``active``, else all)."""
     h = hf.hidden_size
@@ -147,7 +150,7 @@ def layer_params(hf: Any, layer: int, active: bool) -> int:
     return attention + moe.num_experts * h + shared + routed
 
 
-def _params(hf: Any, active: bool) -> int:
+def _params(hf: HFModelConfig, active: bool) -> int:
     vocab = (1 if hf.tie_word_embeddings else 2) * hf.vocab_size * hf.hidden_size
     return sum(layer_params(hf, i, active) for i in range(hf.num_layers)) + vocab
 
@@ -156,10 +159,12 @@ def _round(seconds: float) -> float:
     return float(math.ceil(seconds / 60) * 60)  # whole minutes: a deadline, not a prediction
 
 
-def _select(cfg: Any, key: str) -> Any:
+def _select(cfg: PPOTrainerConfig, key: str) -> Any:
+    """The value at dotted ``key``, None where a part is missing (a partial test config)."""
+    node: Any = cfg
     for part in key.split("."):
-        cfg = getattr(cfg, part, None) if cfg is not None else None
-    return cfg
+        node = getattr(node, part, None) if node is not None else None
+    return node
 
 
 def _plain(value: Any) -> Any:

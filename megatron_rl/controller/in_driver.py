@@ -10,16 +10,21 @@ how ``trainer.launcher=torchrun`` runs every rank; everything after start-up is 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
+from megatron_rl.distributed.model_parallel import destroy_model_parallel
 from megatron_rl.distributed.ports import free_port
+from megatron_rl.distributed.process_group import init_distributed
+
+if TYPE_CHECKING:  # the schema imports Hydra, which this module does not need at run time
+    from megatron_rl.config.schema import PPOTrainerConfig
 
 __all__ = ["FORCE_RAY_ENV", "enter_driver_rank", "ray_needed_for"]
 
 FORCE_RAY_ENV = "MEGATRON_RL_ONE_RANK_RAY"
 
 
-def ray_needed_for(cfg: Any, world_size: int) -> str | None:
+def ray_needed_for(cfg: PPOTrainerConfig, world_size: int) -> str | None:
     """Why this ``trainer.launcher=ray`` job needs Ray workers (the first reason), or None when it runs in the
     driver's process. ``world_size``: trainer.nnodes x trainer.n_gpus_per_node."""
     if cfg.trainer.launcher != "ray":
@@ -47,8 +52,6 @@ def enter_driver_rank() -> Callable[[], None]:
     in this process (tests, notebooks) starts as fresh as it would under Ray."""
     import torch
     import torch.distributed as dist
-
-    from megatron_rl.distributed import destroy_model_parallel, init_distributed
 
     if os.environ.get("WORLD_SIZE", "1") != "1" or os.environ.get("RANK", "0") != "0":
         raise RuntimeError(f"a one-rank run in the driver's process found RANK={os.environ.get('RANK')} "

@@ -18,6 +18,8 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from megatron_rl.distributed.ports import free_port
+
 __all__ = ["RayResourcePool", "ResourcePoolManager", "RankSlot", "master_endpoint"]
 
 
@@ -187,8 +189,6 @@ class ResourcePoolManager:
 
 def _free_endpoint() -> tuple[str, int]:
     """This node's IP and a TCP port of it that was free a moment ago (distributed/ports.py)."""
-    from megatron_rl.distributed.ports import free_port
-
     return ray.util.get_node_ip_address(), free_port("")
 
 

@@ -152,6 +152,8 @@ class EngineDevices:
                         os.environ[key] = value
 
 
+# cfg: Any, as distributed sits below config in the import order (docs/architecture.md): PPOTrainerConfig
+# or the DictConfig composed on it, read by attribute.
 def rollout_on_cpu(cfg: Any) -> bool:
     """Whether the rollout engines run on CPU (``cfg``: the whole trainer config): trainer.device=cpu, or auto on a
     machine without CUDA that starts its own Ray (with ray_init.address the cluster's nodes decide, which this one
@@ -159,8 +161,6 @@ def rollout_on_cpu(cfg: Any) -> bool:
     device = str(cfg.trainer.device)
     if device != "auto":
         return device == "cpu"
-    from omegaconf import OmegaConf
-
-    if OmegaConf.select(cfg, "ray_init.address", default=None):
+    if cfg.ray_init.address:
         return False
     return not torch.cuda.is_available()

@@ -63,7 +63,14 @@ def check_expert_parallel_sizes(world_size: int, tp: int, pp: int, ep: int, etp:
         )
 
 
-_cpu_compat: CpuCompatHandle | None = None
+class _ShimHold:
+    """The CPU compatibility layer this module installed (``init_model_parallel``), held until
+    ``destroy_model_parallel``: at most one install however often the state is set up again."""
+
+    handle: CpuCompatHandle | None = None
+
+
+_shims = _ShimHold()
 
 
 def init_model_parallel(
@@ -82,7 +89,6 @@ def init_model_parallel(
     ``destroy_model_parallel``). Ranks are laid out in Megatron's default order tp-cp-ep-dp-pp.
     ``ep``/``etp``: expert parallel and expert tensor parallel sizes of MoE layers (ETP defaults to TP).
     """
-    global _cpu_compat
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -92,8 +98,8 @@ def init_model_parallel(
     dp = check_parallel_sizes(world_size, tp, pp, cp, vpp)
     check_expert_parallel_sizes(world_size, tp, pp, ep, etp)
 
-    if _cpu_compat is None:
-        _cpu_compat = install_cpu_compat()
+    if _shims.handle is None:
+        _shims.handle = install_cpu_compat()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -126,10 +132,9 @@ def init_model_parallel(
 
 def destroy_model_parallel() -> None:
     """Tear down Megatron's groups and the CPU shims installed by ``init_model_parallel``."""
-    global _cpu_compat
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if _cpu_compat is not None:
-        _cpu_compat.uninstall()
-        _cpu_compat = None
+    if _shims.handle is not None:
+        _shims.handle.uninstall()
+        _shims.handle = None

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_rl.distributed.ports import free_port
+from megatron_rl.distributed.process_group import init_distributed
 
 
 # What a rank imports anyway (~8 s on a 2-core machine); a forkserver that imported it once forks ranks that start
@@ -41,8 +42,6 @@ def _context():
 def _worker(fn: Callable, rank: int, world_size: int, port: int, threads: int, results, args, kwargs,
             pg_timeout_s: float = 120.0, env: dict[str, str] | None = None):
     import torch.distributed as dist
-
-    from megatron_rl.distributed.process_group import init_distributed
 
     if env is not None:  # a forkserver's child has the server's environment, not the caller's
         os.environ.clear()

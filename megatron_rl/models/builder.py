@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.lora import LoRASpec, attach_lora
@@ -110,7 +111,7 @@ def check_transformer_overrides(overrides: Mapping[str, Any], prefix: str) -> di
     return overrides
 
 
-def transformer_overrides(parallel: Any, prefix: str) -> dict[str, Any]:
+def transformer_overrides(parallel: MegatronParallelConfig, prefix: str) -> dict[str, Any]:
     """The TransformerConfig settings a role's ``megatron`` config asks for, checked:
     ``sequence_parallel`` and every ``override_transformer_config`` field (unknown or derived
     fields raise a ValueError naming them). The engine and the planner both build from this."""
@@ -118,6 +119,49 @@ def transformer_overrides(parallel: Any, prefix: str) -> dict[str, Any]:
         getattr(parallel, "override_transformer_config", None) or {}, f"{prefix}.override_transformer_config"
     )
     return {"sequence_parallel": bool(getattr(parallel, "sequence_parallel", False)), **overrides}
+
+
+def _parallel_sizes(
+    layout: tuple[int, int, int | None, int] | None, expert_layout: tuple[int, int] | None
+) -> tuple[int, int, int | None, int, int, int]:
+    """(tp, pp, vpp, cp, ep, etp): ``layout`` and ``expert_layout`` where given, else Megatron's parallel state
+    (the experts' only without a ``layout`` either: default (1, tp))."""
+    if layout is None:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+    else:
+        tp, pp, vpp, cp = layout
+    if expert_layout is None and layout is None:
+        expert_layout = (
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    ep, etp = expert_layout or (1, tp)
+    return tp, pp, vpp, cp, ep, etp
+
+
+def _architecture_kwargs(hf: HFModelConfig) -> dict[str, Any]:
+    """The TransformerConfig fields of the HF model's Llama block: sizes, norm, SwiGLU, biases, attention."""
+    return dict(
+        num_layers=hf.num_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=hf.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.qkv_bias,
+        qk_layernorm=hf.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        window_size=(hf.sliding_window - 1, 0) if hf.sliding_window else None,
+    )
 
 
 def make_transformer_config(
@@ -138,39 +182,12 @@ def make_transformer_config(
     ``overrides`` go straight to TransformerConfig (e.g. ``sequence_parallel=True``,
     ``recompute_granularity="full"``); ``transformer_overrides`` checks a config's.
     """
-    if layout is None:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        cp = parallel_state.get_context_parallel_world_size()
-    else:
-        tp, pp, vpp, cp = layout
-    if expert_layout is None and layout is None:
-        expert_layout = (
-            parallel_state.get_expert_model_parallel_world_size(),
-            parallel_state.get_expert_tensor_parallel_world_size(),
-        )
-    ep, etp = expert_layout or (1, tp)
+    tp, pp, vpp, cp, ep, etp = _parallel_sizes(layout, expert_layout)
     # refused before launch: the planner builds this config too
     check_grouped_gemm_override(overrides.get("moe_grouped_gemm"))
     check_parallel_fit(hf, tp, pp, vpp, ep=ep, etp=etp)
     kwargs: dict[str, Any] = dict(
-        num_layers=hf.num_layers,
-        hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_key_value_heads,
-        kv_channels=hf.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=hf.qkv_bias,
-        qk_layernorm=hf.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        window_size=(hf.sliding_window - 1, 0) if hf.sliding_window else None,
+        **_architecture_kwargs(hf),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,11 +81,11 @@ class HFModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
-def _rope(cfg: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+def _rope(hf_config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    params = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     merged = {**scaling, **params}
     if rope_type == "default":
@@ -109,14 +110,13 @@ def _reject(cond: bool, where: str, message: str) -> None:
         raise UnsupportedModelError(f"{where}: {message}")
 
 
-def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
-    """Validate a config.json dict and normalise it; every refusal says which field and value."""
-    # A saved critic is <Family>ForTokenClassification, a reward model <Family>ForSequenceClassification:
-    # same backbone, read as its causal-LM family.
-    declared = list(cfg.get("architectures") or [])
+def _causal_lm_architecture(hf_config: dict[str, Any], source: str) -> str:
+    """The supported causal-LM architecture the config declares. A saved critic is
+    <Family>ForTokenClassification, a reward model <Family>ForSequenceClassification: same backbone, read as
+    its causal-LM family."""
     architectures = [
         a.replace("ForTokenClassification", "ForCausalLM").replace("ForSequenceClassification", "ForCausalLM")
-        for a in declared
+        for a in hf_config.get("architectures") or []
     ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
@@ -127,83 +127,104 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "<config dict>") -> HFMod
             f"supported: {supported}"
         )
     if arch is None:
+        declared = hf_config.get("architectures") or hf_config.get("model_type")
         raise UnsupportedModelError(
-            f"{source}: unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
+            f"{source}: unsupported architecture {declared!r}; "
             f"supported: {supported} (and their ForTokenClassification critics and "
             "ForSequenceClassification reward models)"
         )
-    model_type = SUPPORTED_ARCHITECTURES[arch]
+    return arch
+
+
+def _check_block(hf_config: dict[str, Any], model_type: str, source: str) -> None:
+    """Refuse the activation, biases and attention layouts the Llama block built here cannot express."""
     _reject(
-        cfg.get("hidden_act", "silu") != "silu",
+        hf_config.get("hidden_act", "silu") != "silu",
         source,
-        f"hidden_act={cfg.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported",
+        f"hidden_act={hf_config.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported",
     )
-    _reject(bool(cfg.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
+    _reject(bool(hf_config.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
     # Qwen2 always has q/k/v bias and no o_proj bias, Qwen2-MoE has them when qkv_bias (default true). For the
     # others attention_bias adds an o_proj bias too, which Megatron can only express together with MLP biases.
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = bool(hf_config.get("attention_bias", False))
     _reject(
         model_type not in ("qwen2", "qwen2_moe") and attention_bias,
         source,
         "attention_bias=true (o_proj bias) is not supported",
     )
-    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
     _reject(
-        bool(cfg.get("use_sliding_window", False)),
+        bool(hf_config.get("use_sliding_window", False)),
         source,
         "use_sliding_window=true (per-layer windows) is not supported",
     )
-    layer_types = set(cfg.get("layer_types") or ["full_attention"])
+    layer_types = set(hf_config.get("layer_types") or ["full_attention"])
     _reject(
         model_type not in ("mistral", "mixtral") and layer_types != {"full_attention"},
         source,
         f"layer_types {sorted(layer_types)} are not supported",
     )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _reject(key not in cfg, source, f"missing required field {key!r}")
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    _reject(
-        heads % kv_heads != 0,
-        source,
-        f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
-    )
+        _reject(key not in hf_config, source, f"missing required field {key!r}")
+
+
+def _is_reward_model(hf_config: dict[str, Any], source: str) -> bool:
+    """Whether this is a <Family>ForSequenceClassification, which must have one label (a scalar score)."""
+    declared = hf_config.get("architectures") or []
     sequence_classifier = any(a.endswith("ForSequenceClassification") for a in declared)
     # transformers' default without id2label is two labels.
-    num_labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    id2label = hf_config.get("id2label")
+    num_labels = len(id2label) if id2label else int(hf_config.get("num_labels", 2))
     _reject(
         sequence_classifier and num_labels != 1,
         source,
         f"a reward model needs one label (a scalar score), this ForSequenceClassification has "
         f"num_labels={num_labels} (id2label)",
     )
-    theta, scaling = _rope(cfg, source)
+    return sequence_classifier
+
+
+def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
+    """Validate a config.json dict and normalise it; every refusal says which field and value."""
+    arch = _causal_lm_architecture(hf_config, source)
+    model_type = SUPPORTED_ARCHITECTURES[arch]
+    _check_block(hf_config, model_type, source)
+    qwen2_moe_bias = model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))
+    qkv_bias = model_type == "qwen2" or qwen2_moe_bias
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    _reject(
+        heads % kv_heads != 0,
+        source,
+        f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+    )
+    sequence_classifier = _is_reward_model(hf_config, source)
+    theta, scaling = _rope(hf_config, source)
     return HFModelConfig(
         architecture=arch,
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=int(hf_config["vocab_size"]),
+        hidden_size=int(hf_config["hidden_size"]),
+        intermediate_size=int(hf_config["intermediate_size"]),
+        num_layers=int(hf_config["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=qkv_bias,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        sliding_window=hf_config.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
+        max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         source=source,
-        raw=dict(cfg),
-        moe=parse_moe_config(cfg, model_type, source),
+        raw=dict(hf_config),
+        moe=parse_moe_config(hf_config, model_type, source),
         sequence_classifier=sequence_classifier,
     )
 
 
-def plain_overrides(override_config: Any) -> dict[str, Any]:
+def plain_overrides(override_config: Mapping[str, Any] | None) -> dict[str, Any]:
     if not override_config:
         return {}
     try:
@@ -216,14 +237,16 @@ def plain_overrides(override_config: Any) -> dict[str, Any]:
     return dict(override_config)
 
 
-def apply_override_config(raw: dict[str, Any], override_config: Any) -> dict[str, Any]:
+def apply_override_config(raw: dict[str, Any], override_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """config.json fields with ``actor_rollout_ref.model.override_config`` on top (verl's key): a
     shallow update, as transformers' ``PretrainedConfig.update`` does. The planner, the Megatron
     builder and the rollout engines all read the model through this."""
     return {**raw, **plain_overrides(override_config)}
 
 
-def load_hf_config_dict(model_dir: str | Path, override_config: Any = None) -> tuple[dict[str, Any], str]:
+def load_hf_config_dict(
+    model_dir: str | Path, override_config: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], str]:
     """(``<model_dir>/config.json`` with the overrides applied, a source string for messages)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -235,13 +258,13 @@ def load_hf_config_dict(model_dir: str | Path, override_config: Any = None) -> t
     return apply_override_config(raw, overrides), source
 
 
-def load_hf_config(model_dir: str | Path, override_config: Any = None) -> HFModelConfig:
+def load_hf_config(model_dir: str | Path, override_config: Mapping[str, Any] | None = None) -> HFModelConfig:
     """Read and validate ``<model_dir>/config.json``, with ``override_config`` fields on top."""
     raw, source = load_hf_config_dict(model_dir, override_config)
     return parse_hf_config(raw, source=source)
 
 
-def load_pretrained_config(model_dir: str | Path, override_config: Any = None):
+def load_pretrained_config(model_dir: str | Path, override_config: Mapping[str, Any] | None = None):
     """transformers' ``PretrainedConfig`` of ``model_dir`` with ``override_config`` applied: what the HF
     rollout engine builds from, so it computes the same model as the Megatron side."""
     from transformers import AutoConfig

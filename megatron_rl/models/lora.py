@@ -46,7 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from megatron_rl.config.lora import lora_targets
-from megatron_rl.config.schema import LORA_TARGET_MODULES
+from megatron_rl.config.schema import LORA_TARGET_MODULES, LoRAConfig
 
 TARGETS = LORA_TARGET_MODULES
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
@@ -80,7 +80,7 @@ class LoRASpec:
         return self.alpha / self.rank
 
     @classmethod
-    def from_config(cls, lora, params_dtype: torch.dtype, seed: int = 0) -> LoRASpec | None:
+    def from_config(cls, lora: LoRAConfig | None, params_dtype: torch.dtype, seed: int = 0) -> LoRASpec | None:
         """The spec of a ``LoRAConfig`` (None when rank is 0: LoRA off)."""
         if lora is None or not lora.rank:
             return None

@@ -79,9 +79,9 @@ class MoESpec:
         return f"model.layers.{layer}.{self.block}.experts.{expert}.{dict(self.expert_names)[role]}.weight"
 
 
-def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESpec | None:
+def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) -> MoESpec | None:
     """The MoESpec of an MoE family's config.json dict (None for dense families); refusals name the field."""
-    from megatron_rl.models.hf_config import UnsupportedModelError  # hf_config imports this module
+    from megatron_rl.models.hf_config import UnsupportedModelError  # import cycle: hf_config imports this module
 
     if model_type not in _HF_NAMES:
         return None
@@ -90,10 +90,10 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
         raise UnsupportedModelError(f"{source}: {message}")
 
     # Qwen3-MoE writes num_experts, Mixtral (and transformers 5 for both) num_local_experts.
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
     if experts is None:
         refuse("missing required field 'num_experts' (or 'num_local_experts')")
-    topk = cfg.get("num_experts_per_tok")
+    topk = hf_config.get("num_experts_per_tok")
     if topk is None:
         refuse("missing required field 'num_experts_per_tok'")
     experts, topk = int(experts), int(topk)
@@ -101,13 +101,13 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
         refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
     shared, pattern = None, ()
     if model_type in _SPARSE_STEP_TYPES:
-        ffn = cfg.get("moe_intermediate_size")
+        ffn = hf_config.get("moe_intermediate_size")
         if ffn is None:
             refuse("missing required field 'moe_intermediate_size'")
-        pattern = _layer_pattern(cfg, refuse)
-        norm_topk = bool(cfg.get("norm_topk_prob", False))
+        pattern = _layer_pattern(hf_config, refuse)
+        norm_topk = bool(hf_config.get("norm_topk_prob", False))
         if model_type == "qwen2_moe":
-            shared = cfg.get("shared_expert_intermediate_size")
+            shared = hf_config.get("shared_expert_intermediate_size")
             if shared is None:
                 refuse("missing required field 'shared_expert_intermediate_size'")
             if int(shared) <= 0:
@@ -117,10 +117,10 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
                 )
             shared = int(shared)
     else:  # mixtral: always renormalised, expert size is intermediate_size, every layer MoE
-        ffn = cfg["intermediate_size"]
+        ffn = hf_config["intermediate_size"]
         norm_topk = True
-        if float(cfg.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
-            refuse(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported (only 0.0)")
+        if float(hf_config.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+            refuse(f"router_jitter_noise={hf_config['router_jitter_noise']} is not supported (only 0.0)")
     block, names = _HF_NAMES[model_type]
     return MoESpec(
         num_experts=experts,
@@ -129,22 +129,22 @@ def parse_moe_config(cfg: dict[str, Any], model_type: str, source: str) -> MoESp
         norm_topk_prob=norm_topk,
         block=block,
         expert_names=tuple(names.items()),
-        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", 0.0) or 0.0),
         layer_pattern=pattern,
         shared_expert_size=shared,
         shared_expert_gate=shared is not None,
-        dense_ffn_hidden_size=int(cfg["intermediate_size"]) if pattern else None,
+        dense_ffn_hidden_size=int(hf_config["intermediate_size"]) if pattern else None,
     )
 
 
-def _layer_pattern(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
+def _layer_pattern(hf_config: dict[str, Any], refuse) -> tuple[bool, ...]:
     """transformers' Qwen-MoE rule per layer (True = MoE); () when every layer is MoE."""
-    layers = int(cfg["num_hidden_layers"]) if "num_hidden_layers" in cfg else None
-    step = cfg.get("decoder_sparse_step", 1)
+    layers = int(hf_config["num_hidden_layers"]) if "num_hidden_layers" in hf_config else None
+    step = hf_config.get("decoder_sparse_step", 1)
     if step is None or int(step) < 1:
         refuse(f"decoder_sparse_step={step} must be a positive integer")
     step = int(step)
-    only = cfg.get("mlp_only_layers") or []
+    only = hf_config.get("mlp_only_layers") or []
     indices = isinstance(only, (list, tuple)) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in only
     )

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.models.moe_training import _routers
+
 __all__ = ["RoutingRecorder", "recording_routing", "routing_agreement", "top_k_choices"]
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,6 @@ class RoutingRecorder:
     """The routing of every real token of the forwards run while it is installed (see the module docstring)."""
 
     def __init__(self, chunks: list[torch.nn.Module]) -> None:
-        from megatron_rl.models.moe_training import _routers
-
         self.choices: Routing = {}
         self.unsupported: str | None = None  # why this rank could not record (its router saw partial rows)
         self._layout: tuple[list[int], torch.Tensor, bool] | None = None

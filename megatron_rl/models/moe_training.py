@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # megatron-core: this module imports it only inside the functions that run it
+    from megatron.core.transformer import TransformerConfig
 
 # Megatron's tracker name -> our metric name
 _TRACKED = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 
 
 @contextlib.contextmanager
-def router_loss_scaling(config: Any, num_microbatches: int, dp_size: int) -> Iterator[None]:
+def router_loss_scaling(config: TransformerConfig, num_microbatches: int, dp_size: int) -> Iterator[None]:
     """Router-loss coefficients of ``config`` divided by ``num_microbatches x dp_size`` inside the block."""
     if getattr(config, "num_moe_experts", None) is None:
         yield

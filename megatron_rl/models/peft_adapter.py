@@ -162,14 +162,14 @@ def _read_config(directory: Path, adapter: LoRAAdapter | None) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a PEFT adapter: no {CONFIG_FILE}")
     try:
-        config = json.loads(path.read_text())
+        adapter_config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not JSON ({err})") from None
 
     def refuse(key: str, why: str) -> None:
-        raise ValueError(f"{path}: {key}={config.get(key)!r} {why}")
+        raise ValueError(f"{path}: {key}={adapter_config.get(key)!r} {why}")
 
-    if config.get("peft_type", "LORA") != "LORA":
+    if adapter_config.get("peft_type", "LORA") != "LORA":
         refuse("peft_type", "is not a LoRA adapter")
     for key, off in (
         ("use_rslora", False),
@@ -177,22 +177,22 @@ def _read_config(directory: Path, adapter: LoRAAdapter | None) -> None:
         ("fan_in_fan_out", False),
         ("lora_bias", False),
     ):
-        if config.get(key, off) not in (off, None):
+        if adapter_config.get(key, off) not in (off, None):
             refuse(key, "is not supported (our adapters are plain LoRA: W + (lora_alpha / r) B A)")
-    if config.get("bias", "none") != "none":
+    if adapter_config.get("bias", "none") != "none":
         refuse("bias", "is not supported (adapters without bias only)")
     for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
+        if adapter_config.get(key):
             refuse(key, "is not supported: every adapter has one r and lora_alpha (lora.rank, lora.alpha)")
-    if config.get("layer_replication"):
+    if adapter_config.get("layer_replication"):
         refuse("layer_replication", "is not supported")
     if adapter is None:
         return
-    if config.get("r") != adapter.rank:
+    if adapter_config.get("r") != adapter.rank:
         refuse("r", f"but the model's adapters have rank {adapter.rank} (lora.rank)")
     alpha = adapter.scale * adapter.rank
-    if not isinstance(config.get("lora_alpha"), (int, float)) or abs(
-        config["lora_alpha"] - alpha
+    if not isinstance(adapter_config.get("lora_alpha"), (int, float)) or abs(
+        adapter_config["lora_alpha"] - alpha
     ) > 1e-6 * abs(alpha):
         refuse("lora_alpha", f"but the model's adapters have alpha {_alpha(adapter)} (lora.alpha)")
 

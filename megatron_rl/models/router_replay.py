@@ -26,9 +26,15 @@ forward order).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from megatron_rl.models.moe_training import _routers
+
+if TYPE_CHECKING:  # the schema imports Hydra, which this module does not need at run time
+    from megatron_rl.config.schema import MegatronParallelConfig
+    from megatron_rl.models.hf_config import HFModelConfig
 
 __all__ = [
     "MODES",
@@ -104,8 +110,6 @@ class RoutingReplay:
 
     def __init__(self, chunks: list[torch.nn.Module], topk: int) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        from megatron_rl.models.moe_training import _routers
 
         self.topk = topk
         self.routers = _routers(chunks)
@@ -211,7 +215,7 @@ class RoutingReplay:
         return hook
 
 
-def replay_mode(parallel: Any, where: str) -> str:
+def replay_mode(parallel: MegatronParallelConfig, where: str) -> str:
     """``<where>.router_replay.mode`` checked (verl's values; its file options are refused: not built)."""
     config = getattr(parallel, "router_replay", None)
     if config is None:
@@ -226,7 +230,9 @@ def replay_mode(parallel: Any, where: str) -> str:
     return mode
 
 
-def build_routing_replay(chunks: list[torch.nn.Module], parallel: Any, hf_config: Any, where: str) -> RoutingReplay | None:
+def build_routing_replay(
+    chunks: list[torch.nn.Module], parallel: MegatronParallelConfig, hf_config: HFModelConfig, where: str
+) -> RoutingReplay | None:
     """The engine's RoutingReplay when ``<where>.router_replay.mode`` is R2 or R3, else None; refused, naming the
     key, for a dense model and for layouts whose routers see tokens replay cannot place."""
     mode = replay_mode(parallel, where)
@@ -238,8 +244,6 @@ def build_routing_replay(chunks: list[torch.nn.Module], parallel: Any, hf_config
         raise ValueError(f"{where}.router_replay.mode={mode} is not supported with context_parallel_size > 1")
     if getattr(parallel, "share_prompts", False):
         raise ValueError(f"{where}.router_replay.mode={mode} is not supported with {where}.share_prompts=true")
-    from megatron_rl.models.moe_training import _routers
-
     if any(router.config.moe_router_fusion for router in _routers(chunks)):  # the routers as built
         # Megatron-Core 0.16.1 moe_utils.topk_routing_with_score_function returns the fused top-k before
         # compute_topk, the only call of the replay hook: the replay would be skipped without a word

@@ -18,7 +18,7 @@ BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (see docs/ke
 
 @functools.cache
 def _load() -> ModuleType | None:
-    try:
+    try:  # the compiled kernels are optional (an unbuilt checkout): loaded at first use, with one warning
         from megatron_rl import _C
     except ImportError as err:
         warnings.warn(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from megatron_rl.algos import (
     get_policy_loss,
 )
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.config.schema import ActorConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.weights.export import ExportPlan, export_hf_buckets
 from megatron_rl.models.moe_routing import recording_routing
@@ -56,7 +56,7 @@ class ActorRole(CheckpointedRole):
     def __init__(
         self,
         engine: MegatronEngine,
-        config: Any,
+        config: ActorConfig,
         *,
         rollout_n: int,
         log_prob_micro_batch_size: int | None = None,

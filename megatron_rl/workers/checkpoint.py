@@ -40,6 +40,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_rl.distributed.sharded_save import save_sharded
 from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
+from megatron_rl.models.layout import unwrap
+from megatron_rl.models.lora import LoRAAdapter
+from megatron_rl.models.value_head import ValueHead
 from megatron_rl.workers.checkpoint_optimizer import (
     chain_length,
     check_chain_change,
@@ -122,8 +125,6 @@ def _rng_sharded_object() -> ShardedObject:
 def _sharded_state(
     engine: MegatronEngine, with_optimizer: bool, is_loading: bool, sharding_type: str = OPTIMIZER_SHARDING_TYPE
 ) -> dict[str, Any]:
-    from megatron_rl.models.layout import unwrap
-
     state: dict[str, Any] = {}
     for i, chunk in enumerate(engine.model):
         model = unwrap(chunk)
@@ -147,9 +148,6 @@ def _sharded_state(
 def _trained_keys(model: torch.nn.Module) -> set[str]:
     """LoRA: the state-dict keys a checkpoint holds, those of the parameters LoRA trains (the adapters and a
     critic's value head: workers/engine.py freeze_all_but_adapters); the frozen base is not saved."""
-    from megatron_rl.models.lora import LoRAAdapter
-    from megatron_rl.models.value_head import ValueHead
-
     return {f"{module_name}.{name}".lstrip(".") for module_name, module in model.named_modules()
             if isinstance(module, (LoRAAdapter, ValueHead)) for name, _ in module.named_parameters()}
 
@@ -274,8 +272,6 @@ def load_checkpoint(engine: MegatronEngine, path: str | Path, load_optimizer: bo
     ``load_optimizer=False`` (or a frozen engine) restores the weights only. RNG states are
     restored when the TP/PP/CP/DP layout is the one that saved.
     """
-    from megatron_rl.models.layout import unwrap
-
     metadata = read_checkpoint_metadata(path)
     if metadata["value_head"] != engine.value_head:
         kinds = {True: "a critic (value head)", False: "a causal LM"}

@@ -8,11 +8,11 @@ are identical on every rank of a data-parallel group.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
 from megatron_rl.algos import GlobalBatchInfo, compute_value_loss
+from megatron_rl.config.schema import CriticConfig
 from megatron_rl.ops import masked_mean
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch
@@ -40,7 +40,7 @@ class CriticRole(CheckpointedRole):
     def __init__(
         self,
         engine: MegatronEngine,
-        config: Any,
+        config: CriticConfig,
         *,
         rollout_n: int,
         ppo_mini_batch_size: int | None = None,

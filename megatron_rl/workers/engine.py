@@ -19,15 +19,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.config.schema import LoRAConfig, MegatronParallelConfig, OptimConfig
+from megatron_rl.models import capabilities
+from megatron_rl.models.builder import build_gpt_model, transformer_overrides
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.models.loading import load_hf_weights
+from megatron_rl.models.lora import LoRAAdapter, LoRASpec
 from megatron_rl.models.moe_training import ExpertLoad, freeze_routers, moe_metrics, router_loss_scaling
+from megatron_rl.models.peft_adapter import load_peft_adapter
+from megatron_rl.models.rope_positions import check_rope_positions, rope_at_positions
+from megatron_rl.models.router_replay import build_routing_replay
+from megatron_rl.models.value_head import ValueHead
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
+from megatron_rl.workers.offload import EngineOffload
 from megatron_rl.workers.optimizer_device import optimizer_device_scope
 from megatron_rl.workers.packing import PackedMicroBatch
 
@@ -55,7 +66,7 @@ def resolve_params_dtype(name: str, prefix: str) -> torch.dtype:
     return dtype
 
 
-def check_parallel_state(parallel: Any, prefix: str) -> None:
+def check_parallel_state(parallel: MegatronParallelConfig, prefix: str) -> None:
     """The role's TP/PP/VPP/CP settings must be the ones Megatron's parallel state was set up with."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -85,8 +96,6 @@ def check_parallel_state(parallel: Any, prefix: str) -> None:
 
 def check_share_prompts(chunks: Sequence[torch.nn.Module], packed_sequences: bool, prefix: str) -> None:
     """``megatron.share_prompts`` needs padded micro-batches (its tree mask is a dense mask) and RoPE."""
-    from megatron_rl.models.rope_positions import check_rope_positions
-
     if packed_sequences:
         raise ValueError(f"{prefix}.share_prompts and {prefix}.packed_sequences cannot both be on: shared "
                          "prompts need a tree attention mask, which the packed (THD) kernels do not take")
@@ -100,9 +109,6 @@ def check_share_prompts(chunks: Sequence[torch.nn.Module], packed_sequences: boo
 def freeze_all_but_adapters(chunks: Sequence[torch.nn.Module]) -> None:
     """LoRA: only the adapters (and a critic's value head) train; the base weights get no gradient buffer,
     no optimizer state and no distributed-optimizer shard (DDP and the optimizer skip frozen parameters)."""
-    from megatron_rl.models.lora import LoRAAdapter
-    from megatron_rl.models.value_head import ValueHead
-
     for chunk in chunks:
         chunk.requires_grad_(False)
         for module in chunk.modules():
@@ -134,25 +140,59 @@ class MegatronEngine:
     def __init__(
         self,
         model_dir: str,
-        parallel: Any,
-        optim: Any | None = None,
+        parallel: MegatronParallelConfig,
+        optim: OptimConfig | None = None,
         *,
         value_head: bool = False,
         value_head_init: str = "normal",
         name: str = "actor",
-        override_config: Any = None,
-        lora: Any = None,
+        override_config: Mapping[str, Any] | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
-        from megatron_rl.models import build_gpt_model, load_hf_config, load_hf_weights
-        from megatron_rl.models.builder import transformer_overrides
-        from megatron_rl.models.lora import LoRASpec
-        from megatron_rl.models.peft_adapter import load_peft_adapter
-
         self.name = name
         check_parallel_state(parallel, f"{name}.megatron")
         self.params_dtype = resolve_params_dtype(parallel.params_dtype, f"{name}.megatron")
         # <role>.model.lora (rank > 0): adapters on the targeted linears, everything else frozen
         self.lora = LoRASpec.from_config(lora, self.params_dtype, seed=int(getattr(parallel, "seed", 0)))
+        chunks = self._build_model(model_dir, parallel, value_head, value_head_init, override_config,
+                                   getattr(lora, "adapter_path", None))
+        self.hf_config = chunks[0].hf_config
+        self.config = chunks[0].config
+        self._set_batch_layout(chunks, parallel)
+        self.value_head = value_head
+        # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
+        self.router_metrics: dict[str, float] = {}
+        self.expert_load: ExpertLoad | None = None
+        # set while a probe's routing is recorded (models/moe_routing.py: routing agreement with the rollout engine)
+        self.routing_recorder = None
+        # megatron.router_replay.mode R2/R3: the routers replay batch['routed_experts'] (models/router_replay.py)
+        self.routing_replay = build_routing_replay(chunks, parallel, self.hf_config, f"{name}.megatron")
+        self.optimizer = None
+        self.scheduler = None
+        self.use_distributed_optimizer = False
+        if optim is None:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.model: list[torch.nn.Module] = chunks
+        else:
+            self._set_up_training(chunks, parallel, optim)
+        # megatron.param_offload / optimizer_offload: the roles and the hybrid worker move the state
+        # between phases through this (workers/offload.py).
+        self.offload = EngineOffload(self, getattr(parallel, "param_offload", False),
+                                     getattr(parallel, "optimizer_offload", False))
+
+    # ------------------------------------------------------------------ construction
+    def _build_model(
+        self,
+        model_dir: str,
+        parallel: MegatronParallelConfig,
+        value_head: bool,
+        value_head_init: str,
+        override_config: Mapping[str, Any] | None,
+        adapter_path: str | None,
+    ) -> list[torch.nn.Module]:
+        """The model chunks from the HF directory, with the LoRA adapters (loaded from ``adapter_path`` if set)."""
         # init_weights=True although the weights are loaded next: Megatron marks tensor-parallel
         # parameters (``tensor_model_parallel``, read by the grad-norm and clipping) only while it
         # initialises them; without it the gradient norm under TP>1 misses half the shards.
@@ -165,65 +205,45 @@ class MegatronEngine:
             params_dtype=self.params_dtype,
             init_weights=True,
             lora=self.lora,
-            **transformer_overrides(parallel, f"{name}.megatron"),
+            **transformer_overrides(parallel, f"{self.name}.megatron"),
         )
         load_hf_weights(chunks, model_dir)
         if self.lora is not None:
-            if getattr(lora, "adapter_path", None):  # a PEFT adapter to start from (checked before launch: trainer/preflight.py)
-                load_peft_adapter(chunks, lora.adapter_path)
+            if adapter_path:  # a PEFT adapter to start from (checked before launch: trainer/preflight.py)
+                load_peft_adapter(chunks, adapter_path)
             freeze_all_but_adapters(chunks)
-        self.hf_config = chunks[0].hf_config
-        self.config = chunks[0].config
+        return chunks
+
+    def _set_batch_layout(self, chunks: list[torch.nn.Module], parallel: MegatronParallelConfig) -> None:
+        """How micro-batches reach the model: packed (THD) or padded rows, prompts shared or not."""
+        prefix = f"{self.name}.megatron"
         # megatron.packed_sequences: micro-batches as THD packs (PackedSeqParams), else padded rows.
         self.packed_sequences = bool(getattr(parallel, "packed_sequences", False))
         # megatron.share_prompts: rows with the same prompt as one [prompt | responses...] sequence (shared_prompts.py)
         self.share_prompts = bool(getattr(parallel, "share_prompts", False))
         if self.share_prompts:
-            check_share_prompts(chunks, self.packed_sequences, f"{name}.megatron")
+            check_share_prompts(chunks, self.packed_sequences, prefix)
         cp = parallel_state.get_context_parallel_world_size()
         if cp > 1 and not self.packed_sequences:  # (plan/validate.py refuses it before launch)
-            raise ValueError(f"{name}.megatron.context_parallel_size={cp} needs {name}.megatron.packed_sequences=true: "
+            raise ValueError(f"{prefix}.context_parallel_size={cp} needs {prefix}.packed_sequences=true: "
                              "padded micro-batches are not split over CP ranks")
-        self.value_head = value_head
-        # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
-        self.router_metrics: dict[str, float] = {}
-        self.expert_load: ExpertLoad | None = None
-        # set while a probe's routing is recorded (models/moe_routing.py: routing agreement with the rollout engine)
-        self.routing_recorder = None
-        # megatron.router_replay.mode R2/R3: the routers replay batch['routed_experts'] (models/router_replay.py)
-        from megatron_rl.models.router_replay import build_routing_replay
 
-        self.routing_replay = build_routing_replay(chunks, parallel, self.hf_config, f"{name}.megatron")
-        self.optimizer = None
-        self.scheduler = None
-        self.use_distributed_optimizer = False
-        if optim is None:
-            for chunk in chunks:
-                chunk.requires_grad_(False)
-                chunk.eval()
-            self.model: list[torch.nn.Module] = chunks
-        else:
-            if getattr(parallel, "freeze_router", False):
-                freeze_routers(chunks, f"{name}.megatron.freeze_router")
-            if self.hf_config.moe is not None:
-                self.expert_load = ExpertLoad(chunks, self.config.num_layers, self.hf_config.moe.num_experts)
-            self.model = self._wrap_ddp(chunks, parallel)
-            self.optimizer = self._build_optimizer(optim)
-            self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{name}.optim")
-        # megatron.param_offload / optimizer_offload: the roles and the hybrid worker move the state
-        # between phases through this (workers/offload.py).
-        from megatron_rl.workers.offload import EngineOffload
+    def _set_up_training(
+        self, chunks: list[torch.nn.Module], parallel: MegatronParallelConfig, optim: OptimConfig
+    ) -> None:
+        """A trainable engine: routers frozen if asked, expert load counted (MoE), DDP, optimizer, LR schedule."""
+        if getattr(parallel, "freeze_router", False):
+            freeze_routers(chunks, f"{self.name}.megatron.freeze_router")
+        if self.hf_config.moe is not None:
+            self.expert_load = ExpertLoad(chunks, self.config.num_layers, self.hf_config.moe.num_experts)
+        self.model = self._wrap_ddp(chunks, parallel)
+        self.optimizer = self._build_optimizer(optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, optim, f"{self.name}.optim")
 
-        self.offload = EngineOffload(self, getattr(parallel, "param_offload", False),
-                                     getattr(parallel, "optimizer_offload", False))
-
-    # ------------------------------------------------------------------ construction
-    def _use_distributed_optimizer(self, parallel: Any) -> bool:
+    def _use_distributed_optimizer(self, parallel: MegatronParallelConfig) -> bool:
         """Asked for and unavailable is an error, never a quiet fallback: the plan counted it (the
         planner refuses the same config before launch, with the plan it would get without it)."""
-        from megatron_rl.models.capabilities import distributed_optimizer_blocker
-
-        blocker = distributed_optimizer_blocker() if parallel.use_distributed_optimizer else None
+        blocker = capabilities.distributed_optimizer_blocker() if parallel.use_distributed_optimizer else None
         if blocker is not None:
             raise RuntimeError(
                 f"{self.name}.megatron.use_distributed_optimizer=true {blocker}. Install "
@@ -232,7 +252,7 @@ class MegatronEngine:
             )
         return bool(parallel.use_distributed_optimizer)
 
-    def _wrap_ddp(self, chunks: list[torch.nn.Module], parallel: Any) -> list[torch.nn.Module]:
+    def _wrap_ddp(self, chunks: list[torch.nn.Module], parallel: MegatronParallelConfig) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.use_distributed_optimizer = self._use_distributed_optimizer(parallel)
@@ -252,7 +272,7 @@ class MegatronEngine:
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         return model
 
-    def _build_optimizer(self, optim: Any) -> Any:
+    def _build_optimizer(self, optim: OptimConfig) -> Any:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         if len(optim.betas) != 2:
@@ -333,8 +353,6 @@ class MegatronEngine:
         every micro-batch, in order, on the last pipeline stage and [] elsewhere.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_rl.models.rope_positions import rope_at_positions
 
         if not forward_only and not self.trainable:
             raise RuntimeError(f"{self.name}: a frozen engine (no optim config) cannot run a backward pass")

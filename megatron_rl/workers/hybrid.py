@@ -16,10 +16,18 @@ from typing import Any
 
 import torch
 
+from megatron_rl.agent import AgentLoop
 from megatron_rl.config import PPOTrainerConfig
+from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
+from megatron_rl.distributed.device import rank_place
+from megatron_rl.distributed.model_parallel import init_model_parallel
+from megatron_rl.distributed.process_group import init_distributed
+from megatron_rl.models.moe_routing import recording_routing
 from megatron_rl.protocol import DataProto
-from megatron_rl.rollout.engines import engine_of
+from megatron_rl.rollout.engines import build_rollout_engine, engine_of
+from megatron_rl.rollout.mesh import build_rollout_mesh, server_mesh
+from megatron_rl.workers.routing_replay import reference_parallel
 
 # Megatron-Core warns on import, in every process, that Apex / Transformer Engine are absent and it uses
 # its torch fallbacks: expected on CPU machines (docs/models.md), and noise that buries the training log.
@@ -46,12 +54,10 @@ def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
         prepare()
 
 
-def setup_parallel_state(megatron_cfg: Any) -> None:
+def setup_parallel_state(megatron_cfg: MegatronParallelConfig) -> None:
     """Initialise torch.distributed (from the launcher's environment) and Megatron's parallel state once
     per process; colocated roles share it, so a second call must ask for the same layout."""
     from megatron.core import parallel_state
-
-    from megatron_rl.distributed import init_distributed, init_model_parallel
 
     init_distributed()
     wanted = (megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
@@ -84,6 +90,7 @@ class ActorRolloutRefWorker(Worker):
         """Build actor (+ reference) and this rank's part of its rollout replica, then sync version 0.
         ``probe_prompts``: the fixed verification batch; ``token_ids``: eos/pad ids (both from the driver).
         Returns the rollout mesh, described (which ranks form which engine, on which node and GPUs)."""
+        # megatron-core: the Ray driver imports this module for its worker classes only
         from megatron_rl.workers import ActorRole, MegatronEngine, ReferenceRole
 
         cfg = self.config
@@ -100,8 +107,6 @@ class ActorRolloutRefWorker(Worker):
             if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
                 self.ref = ReferenceRole(engine, arr.ref, adapters_off=True)
             else:
-                from megatron_rl.workers.routing_replay import reference_parallel
-
                 ref_engine = MegatronEngine(model_dir, reference_parallel(arr.actor.megatron, arr.ref.megatron), None,
                                             name="actor_rollout_ref.ref",
                                             override_config=arr.model.override_config)
@@ -121,11 +126,8 @@ class ActorRolloutRefWorker(Worker):
     def _build_rollout(self, probe_prompts: DataProto | None, token_ids: dict[str, Any]):
         import torch.distributed as dist
 
-        from megatron_rl.distributed.device import rank_place
-        from megatron_rl.rollout.engines import build_rollout_engine
-        from megatron_rl.rollout.hf_engine import resolve_dtype
-        from megatron_rl.rollout.mesh import build_rollout_mesh, server_mesh
-        from megatron_rl.weights.replica import RolloutReplica
+        from megatron_rl.rollout.hf_engine import resolve_dtype  # transformers: the HF engine's model classes
+        from megatron_rl.weights.replica import RolloutReplica  # megatron-core: the weight export
 
         cfg = self.config
         rollout = cfg.actor_rollout_ref.rollout
@@ -165,8 +167,7 @@ class ActorRolloutRefWorker(Worker):
     def _agent_loop(self):
         """The multi-turn agent loop over this replica's engine (built once; docs/rollout.md, "Agent loop")."""
         if getattr(self, "_agent", None) is None:
-            from megatron_rl.data.tokenizer import load_tokenizer
-            from megatron_rl.agent import AgentLoop
+            from megatron_rl.data.tokenizer import load_tokenizer  # transformers: the tokenizer classes
 
             cfg = self.config
             rollout = cfg.actor_rollout_ref.rollout
@@ -245,7 +246,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.RANK_ZERO)
     def save_hf(self, path: str) -> None:
         """Collective export; global rank 0 writes the directory."""
-        from megatron_rl.weights import save_hf_checkpoint
+        from megatron_rl.weights import save_hf_checkpoint  # megatron-core: the weight export
 
         save_hf_checkpoint(self.actor.engine.model, path, tokenizer_dir=self._tokenizer_dir())
 
@@ -259,8 +260,6 @@ class ActorRolloutRefWorker(Worker):
 
     def _record_routing(self) -> Any:
         """MoE: record the actor's routing in the forwards inside (the probe's log-prob pass)."""
-        from megatron_rl.models.moe_routing import recording_routing
-
         return recording_routing(self.actor.engine)
 
 
@@ -275,7 +274,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from megatron_rl.workers import CriticRole, MegatronEngine
+        from megatron_rl.workers import CriticRole, MegatronEngine  # megatron-core, as in ActorRolloutRefWorker
 
         cfg = self.config
         critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl.config.schema import OptimConfig
+
 LR_SCHEDULERS = ("constant", "cosine")
 
 
-def check_optim_config(optim: Any, prefix: str) -> None:
+def check_optim_config(optim: OptimConfig, prefix: str) -> None:
     """Raise ValueError naming ``<prefix>.<key>`` for settings the schedule cannot follow."""
     if optim.lr_scheduler not in LR_SCHEDULERS:
         raise ValueError(
@@ -34,7 +36,7 @@ def check_optim_config(optim: Any, prefix: str) -> None:
         )
 
 
-def build_lr_scheduler(optimizer: Any, optim: Any, prefix: str) -> Any:
+def build_lr_scheduler(optimizer: Any, optim: OptimConfig, prefix: str) -> Any:
     """An ``OptimizerParamScheduler`` driving ``optimizer``'s learning rate and weight decay."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

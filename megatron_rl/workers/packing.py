@@ -132,6 +132,7 @@ class PackedMicroBatch:
 
     def attention_blocked(self) -> torch.Tensor:
         """The [b', 1, W, W] bool mask (True = blocked) of the padded and shared-prompt layouts."""
+        # megatron-core (models/attention.py imports it): packing itself loads without it (workers/__init__.py)
         from megatron_rl.models.attention import causal_padding_mask, shared_prompt_mask
 
         if self.is_shared:

@@ -10,8 +10,8 @@ its base weights never train, so with the adapters switched off it is the initia
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
+from megatron_rl.config.schema import RefConfig
 from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.batch_checks import check_batch, read_temperature
@@ -28,7 +28,7 @@ class ReferenceRole:
 
     prefix = "actor_rollout_ref.ref"
 
-    def __init__(self, engine: MegatronEngine, config: Any, *, adapters_off: bool = False) -> None:
+    def __init__(self, engine: MegatronEngine, config: RefConfig, *, adapters_off: bool = False) -> None:
         if engine.value_head:
             raise ValueError("ReferenceRole needs a causal-LM engine, got a value-head (critic) engine")
         if adapters_off and engine.lora is None:

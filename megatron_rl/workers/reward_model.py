@@ -10,6 +10,8 @@ from omegaconf import DictConfig
 
 from megatron_rl.config import PPOTrainerConfig, typed_config
 from megatron_rl.controller import Dispatch, Worker, register
+from megatron_rl.controller.deadlines import call_deadlines
+from megatron_rl.controller.local_group import LocalWorkerGroup
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.hybrid import setup_parallel_state, trainer_config
 
@@ -24,8 +26,9 @@ class RewardModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from megatron_rl.workers.reward_model_role import RewardModelRole
+        # megatron-core: the driver imports this module to start the group (trainer/reward_setup.py)
         from megatron_rl.workers import MegatronEngine
+        from megatron_rl.workers.reward_model_role import RewardModelRole
 
         rm = self.config.reward_model
         setup_parallel_state(rm.megatron)
@@ -69,8 +72,6 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
         return None, lambda: None
     typed = typed_config(cfg)  # what the workers receive: the dataclass tree (pickled under Ray)
     if cfg.trainer.launcher == "torchrun":
-        from megatron_rl.controller.local_group import LocalWorkerGroup
-
         def start() -> LocalWorkerGroup:
             group = LocalWorkerGroup(RewardModelWorker(config=typed), "reward_model")
             group.init_model()
@@ -78,8 +79,8 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
 
         return StartedOnFirstCall(start), lambda: None
 
+    # Ray: a torchrun run never imports it
     from megatron_rl.controller import RayResourcePool, RayWorkerGroup, init_ray_from_config
-    from megatron_rl.controller.deadlines import call_deadlines
 
     init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up
     rm = cfg.reward_model

@@ -9,10 +9,9 @@ budget ``forward_max_token_len_per_gpu`` (``use_dynamic_bsz``), packed like ever
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from megatron_rl.config.schema import RewardModelConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.forward import pack_batch
@@ -51,7 +50,7 @@ class RewardModelRole:
         forward_max_token_len_per_gpu.
     """
 
-    def __init__(self, engine: MegatronEngine, config: Any) -> None:
+    def __init__(self, engine: MegatronEngine, config: RewardModelConfig) -> None:
         if engine.trainable or not engine.value_head:
             raise ValueError("RewardModelRole needs a frozen MegatronEngine built with value_head=True")
         self.engine = engine

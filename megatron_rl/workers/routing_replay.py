@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.models.router_replay import MODE_KEY, ROUTED_EXPERTS, replay_mode, routed_experts_from_choices
 from megatron_rl.protocol import DataProto
 
@@ -44,7 +45,9 @@ def recorded_routed_experts(engine: Any, recorder: Any, data: DataProto) -> torc
                                        engine.hf_config.moe.topk)
 
 
-def reference_parallel(actor_parallel: Any, ref_parallel: Any) -> Any:
+def reference_parallel(
+    actor_parallel: MegatronParallelConfig, ref_parallel: MegatronParallelConfig
+) -> MegatronParallelConfig:
     """The reference's megatron config with the actor's router_replay mode when its own is disabled."""
     from omegaconf import OmegaConf
 

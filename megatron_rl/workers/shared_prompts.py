@@ -26,6 +26,37 @@ from megatron_rl.models.attention import PAD_SEGMENT, PROMPT_SEGMENT
 from megatron_rl.workers.packing import PackedMicroBatch
 
 
+def _prompt_groups(
+    prompt_ids: torch.Tensor, prompt_real: torch.Tensor, prompt_tokens: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """(each row's prompt group, the number of groups): rows with the same real prompt tokens share one
+    sequence; a row without a prompt token is refused."""
+    if bool((prompt_tokens == 0).any()):
+        empty = (prompt_tokens == 0).nonzero().flatten().tolist()
+        raise ValueError(f"share_prompts: rows {rows[empty].tolist()} have no prompt token in attention_mask")
+    # pads set to -1 so padding cannot differ
+    prompt_key = prompt_ids.masked_fill(~prompt_real, -1)
+    keys, group = torch.unique(prompt_key, dim=0, return_inverse=True)
+    return group, keys.shape[0]
+
+
+def _response_starts(
+    group: torch.Tensor, num_groups: int, prompt_tokens: torch.Tensor, response_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each group's prompt length, where each row's response starts in its group's sequence): after the
+    prompt and the responses of the group's earlier rows (rows keep their order within a group)."""
+    device = group.device
+    group_prompt = torch.zeros(num_groups, dtype=torch.long, device=device)
+    group_prompt[group] = prompt_tokens
+    order = torch.sort(group, stable=True).indices
+    before = torch.cumsum(response_tokens[order], 0) - response_tokens[order]
+    group_start = torch.zeros(num_groups, dtype=torch.long, device=device)
+    group_start.scatter_reduce_(0, group[order], before, reduce="amin", include_self=False)
+    start = torch.empty_like(before)
+    start[order] = group_prompt[group[order]] + before - group_start[group[order]]
+    return group_prompt, start
+
+
 def pack_shared_prompts(
     batch: dict[str, torch.Tensor],
     rows: torch.Tensor,
@@ -45,26 +76,10 @@ def pack_shared_prompts(
 
     prompt_real = real[:, :prompt_len]
     prompt_tokens = prompt_real.sum(dim=1)
-    if bool((prompt_tokens == 0).any()):
-        empty = (prompt_tokens == 0).nonzero().flatten().tolist()
-        raise ValueError(f"share_prompts: rows {rows[empty].tolist()} have no prompt token in attention_mask")
-    # Rows with the same real prompt tokens share one sequence (pads set to -1 so padding cannot differ).
-    prompt_key = ids[:, :prompt_len].masked_fill(~prompt_real, -1)
-    keys, group = torch.unique(prompt_key, dim=0, return_inverse=True)
-    num_groups = keys.shape[0]
-
+    group, num_groups = _prompt_groups(ids[:, :prompt_len], prompt_real, prompt_tokens, rows)
     response_real = real[:, prompt_len:]
     response_tokens = response_real.sum(dim=1)
-    group_prompt = torch.zeros(num_groups, dtype=torch.long, device=device)
-    group_prompt[group] = prompt_tokens
-    # Where each row's response starts in its group's sequence: after the prompt and the responses of
-    # the group's earlier rows (rows keep their order within a group).
-    order = torch.sort(group, stable=True).indices
-    before = torch.cumsum(response_tokens[order], 0) - response_tokens[order]
-    group_start = torch.zeros(num_groups, dtype=torch.long, device=device)
-    group_start.scatter_reduce_(0, group[order], before, reduce="amin", include_self=False)
-    start = torch.empty_like(before)
-    start[order] = group_prompt[group[order]] + before - group_start[group[order]]
+    group_prompt, start = _response_starts(group, num_groups, prompt_tokens, response_tokens)
 
     lengths = group_prompt.clone().index_add_(0, group, response_tokens)
     longest = -(-max(int(lengths.max()), 1) // multiple) * multiple
