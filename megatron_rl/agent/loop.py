@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.agent.env import AgentEnv, StepResult, get_env
 from megatron_rl.agent.tools import Tool, build_tools, load_tool_config
@@ -60,7 +61,7 @@ class AgentLoopSettings:
     batch_window_s: float = 0.02
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "AgentLoopSettings":
+    def from_config(cls, cfg: MultiTurnConfig | AgentLoopSettings | Mapping[str, Any] | None) -> AgentLoopSettings:
         if cfg is None:
             return cls()
         if isinstance(cfg, cls):
@@ -113,7 +114,8 @@ class AgentLoop:
     thread only (thread-affine engines are safe). ``response_length``: the total budget of all turns
     (``meta_info['response_length']`` overrides it per call)."""
 
-    def __init__(self, generate_fn: GenerateFn, tokenizer: Any, settings: Any = None, *,
+    def __init__(self, generate_fn: GenerateFn, tokenizer: Any,
+                 settings: MultiTurnConfig | AgentLoopSettings | Mapping[str, Any] | None = None, *,
                  response_length: int, tools: Mapping[str, Tool] | None = None,
                  finish_token_ids: list[int] | None = None) -> None:
         self.generate_fn = generate_fn

@@ -19,7 +19,7 @@ import ast
 import importlib
 import operator
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from megatron_rl.agent.sandbox import (
@@ -242,7 +242,7 @@ def _resolve_class(class_name: str) -> type[Tool]:
     return getattr(importlib.import_module(module), attr)
 
 
-def build_tools(specs: Any) -> dict[str, Tool]:
+def build_tools(specs: Iterable[str | Mapping[str, Any]] | None) -> dict[str, Tool]:
     """Tools by name from a list of names (``["calculator"]``) or verl tool-config entries."""
     tools: dict[str, Tool] = {}
     for spec in specs or ():
@@ -261,7 +261,7 @@ def load_tool_config(path: str | os.PathLike) -> dict[str, Tool]:
     """Read verl's tool config YAML (``tools: [{class_name, config, tool_schema}]``)."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(cfg, dict) or "tools" not in cfg:
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(loaded, dict) or "tools" not in loaded:
         raise ValueError(f"{path}: a tool config needs a top-level 'tools' list")
-    return build_tools(cfg["tools"])
+    return build_tools(loaded["tools"])

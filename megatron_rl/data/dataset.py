@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.rows import MalformedRowError, SourceRow, check_row, read_rows
-
-if TYPE_CHECKING:
-    from megatron_rl.config.schema import DataConfig
 
 __all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
 

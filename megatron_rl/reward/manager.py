@@ -28,12 +28,13 @@ import numbers
 import pickle
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.custom import load_custom_scorer
 from megatron_rl.reward.overlong import OverlongPenalty
@@ -41,9 +42,6 @@ from megatron_rl.reward.placement import last_valid_positions, place_scores
 from megatron_rl.reward.pool import Call, InlineRunner, InlineTimeout, Outcome, ScoringPool
 from megatron_rl.reward.registry import Scorer, get_scorer
 from megatron_rl.reward.results import SampleResult, results_of
-
-if TYPE_CHECKING:
-    from megatron_rl.config.schema import RewardConfig
 
 __all__ = ["REWARD_MANAGERS", "RewardManager", "decode_responses"]
 

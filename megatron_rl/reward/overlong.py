@@ -9,9 +9,10 @@ its score: nothing up to ``max_resp_len - len`` tokens, then a penalty growing l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from megatron_rl.config.schema import RewardConfig
 
 __all__ = ["OverlongPenalty"]
 
@@ -26,7 +27,7 @@ class OverlongPenalty:
     log: bool
 
     @classmethod
-    def from_config(cls, reward: Any, response_length: int | None) -> OverlongPenalty | None:
+    def from_config(cls, reward: RewardConfig, response_length: int | None) -> OverlongPenalty | None:
         """The penalty ``reward`` (the ``reward`` config section) asks for, or None when it asks for none.
         ``response_length``: the longest response the rollout generates, which ``max_resp_len: null`` means and
         an explicit one must equal. Raises ValueError naming the key for a setting verl would assert on or that

@@ -10,13 +10,14 @@ trainer/disaggregated.py; the schema's ``RolloutEngineName`` lists the names).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
-
+from megatron_rl.config.access import plain
 from megatron_rl.config.errors import ConfigError, require
+from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
+from megatron_rl.models.hf_config import load_pretrained_config, plain_overrides
 from megatron_rl.rollout.memory import EngineMemory, EngineStart, hf_memory, sglang_memory, vllm_memory
 
 if TYPE_CHECKING:  # the engines import torch; validation does not need it
@@ -41,56 +42,55 @@ class EngineSpec:
     memory: Callable[[EngineStart], EngineMemory]  # its meaning of rollout.gpu_memory_utilization (rollout/memory.py)
     build: Callable[..., RolloutEngine]  # (rollout config, model path, **engine kwargs) -> the engine
     # (replica, run config, on GPU) -> the builder's kwargs that place a replica's engine
-    placement: Callable[[Any, Any, bool], dict[str, Any]]
-    check_config: Callable[[Any], None] = lambda cfg: None  # its own keys, in validation (also under --dry-run)
+    placement: Callable[[Any, PPOTrainerConfig, bool], dict[str, Any]]
+    # its own keys, in validation (also under --dry-run)
+    check_config: Callable[[PPOTrainerConfig], None] = lambda cfg: None
     # preflight of a start: (run config, a reader of the model's config.json) -> None, or ConfigError
-    check_here: Callable[[Any, Callable[[], dict[str, Any] | None]], None] = lambda cfg, read_model_config: None
+    check_here: Callable[[PPOTrainerConfig, Callable[[], dict[str, Any] | None]], None] = (
+        lambda cfg, read_model_config: None)
     prepare_process: Callable[[], None] | None = None  # colocated: what every rank sets before any communicator
     # (checkpoint path, device: auto | cpu | cuda) -> the builder's kwargs of an engine that serves a checkpoint as
     # loaded, in this process, and never receives weights (the reward model's judge)
     serve_checkpoint: Callable[[str, str], dict[str, Any]] = lambda path, device: {}
 
 
-def _build_hf(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
-              **kwargs: Any) -> RolloutEngine:
+def _build_hf(config: RolloutConfig, model_path: str | os.PathLike, *,
+              override_config: Mapping[str, Any] | None = None, **kwargs: Any) -> RolloutEngine:
     if config.mode == "server":  # the HF-engine servers (servers/hf_server.py) speak SGLang's routes and weights
-        from megatron_rl.rollout.sglang import build_sglang_engine
+        from megatron_rl.rollout.sglang import build_sglang_engine  # lazy: torch, transformers
 
         return build_sglang_engine(config, str(model_path), **kwargs, compute_device="cpu")
-    from megatron_rl.models.hf_config import load_pretrained_config
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.hf_engine import HFEngine  # lazy: torch, transformers' model classes
 
     model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
     return HFEngine(config, model_config, **kwargs)
 
 
-def _build_sglang(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
-                  **kwargs: Any) -> RolloutEngine:
-    from megatron_rl.models.hf_config import plain_overrides
-    from megatron_rl.rollout.sglang import build_sglang_engine
+def _build_sglang(config: RolloutConfig, model_path: str | os.PathLike, *,
+                  override_config: Mapping[str, Any] | None = None, **kwargs: Any) -> RolloutEngine:
+    from megatron_rl.rollout.sglang import build_sglang_engine  # lazy: torch, transformers
 
     overrides = plain_overrides(override_config)
     return build_sglang_engine(config, str(model_path), **({"model_override": overrides} if overrides else {}),
                                **kwargs)
 
 
-def _build_vllm(config: Any, model_path: str | os.PathLike, *, override_config: Any = None,
-                **kwargs: Any) -> RolloutEngine:
+def _build_vllm(config: RolloutConfig, model_path: str | os.PathLike, *,
+                override_config: Mapping[str, Any] | None = None, **kwargs: Any) -> RolloutEngine:
     if config.mode == "server":
-        from megatron_rl.rollout.vllm.server import build_vllm_server_engine
+        from megatron_rl.rollout.vllm.server import build_vllm_server_engine  # lazy: torch, transformers
 
         return build_vllm_server_engine(config, str(model_path), **kwargs)
-    from megatron_rl.models.hf_config import plain_overrides
-    from megatron_rl.rollout.vllm import VLLMEngine
+    from megatron_rl.rollout.vllm import VLLMEngine  # lazy: torch, transformers (vLLM when it starts)
 
     return VLLMEngine(config, model_path, model_override=plain_overrides(override_config) or None, **kwargs)
 
 
-def _sglang_placement(replica: Any, cfg: Any, on_gpu: bool) -> dict[str, Any]:
+def _sglang_placement(replica: Any, cfg: PPOTrainerConfig, on_gpu: bool) -> dict[str, Any]:
     return {"replica_index": replica.index, "base_gpu_id": replica.base_gpu_id}
 
 
-def _vllm_placement(replica: Any, cfg: Any, on_gpu: bool) -> dict[str, Any]:
+def _vllm_placement(replica: Any, cfg: PPOTrainerConfig, on_gpu: bool) -> dict[str, Any]:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode != "colocated":
         return {}  # servers: their own processes, placed where they start (servers/vllm_server.py)
@@ -112,28 +112,28 @@ def _vllm_serving(path: str, device: str) -> dict[str, Any]:
     return {"max_model_len": None, "device": "cuda" if cuda else "cpu"}
 
 
-def _check_sglang(cfg: Any) -> None:
-    given = OmegaConf.select(cfg, f"{ROLLOUT}.engine_kwargs.sglang", default=None)
-    require(not given, f"{ROLLOUT}.engine_kwargs.sglang={OmegaConf.to_container(given)}: the SGLang adapter passes "
+def _check_sglang(cfg: PPOTrainerConfig) -> None:
+    given = cfg.actor_rollout_ref.rollout.engine_kwargs.sglang
+    require(not given, f"{ROLLOUT}.engine_kwargs.sglang={plain(given)}: the SGLang adapter passes "
             "only the ServerArgs its contract names (rollout/sglang/contract.py) and would ignore these; set them "
             "through the rollout keys, or drop them")
 
 
-def _check_vllm(cfg: Any) -> None:
-    from megatron_rl.rollout.vllm.config_checks import check_config
+def _check_vllm(cfg: PPOTrainerConfig) -> None:
+    from megatron_rl.rollout.vllm.config_checks import check_config  # lazy: its package imports torch, transformers
 
     check_config(cfg)
 
 
-def _vllm_here(cfg: Any, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
-    from megatron_rl.rollout.vllm.config_checks import check_here
+def _vllm_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
+    from megatron_rl.rollout.vllm.config_checks import check_here  # lazy: its package imports torch, transformers
 
     check_here(cfg, read_model_config)
 
 
 def _sglang_process_env() -> None:
     # a colocated sglang.Engine sets NCCL variables in its leader only: every rank sets the same ones first
-    from megatron_rl.rollout.sglang.contract import set_agreed_process_env
+    from megatron_rl.rollout.sglang.contract import set_agreed_process_env  # lazy: its package imports torch
 
     set_agreed_process_env()
 
@@ -154,7 +154,7 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
 )}
 
 
-def engine_of(rollout: Any) -> EngineSpec:
+def engine_of(rollout: RolloutConfig) -> EngineSpec:
     """The spec of ``rollout.name`` (``rollout``: actor_rollout_ref.rollout)."""
     return engine_named(str(rollout.name), f"{ROLLOUT}.name")
 
@@ -167,13 +167,13 @@ def engine_named(name: str, key: str) -> EngineSpec:
 
 
 def build_rollout_engine(
-    config: Any,
+    config: RolloutConfig,
     model_path: str | os.PathLike,
     *,
     response_length: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
-    override_config: Any = None,
+    override_config: Mapping[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> RolloutEngine:
     """``config``: ``actor_rollout_ref.rollout``; ``model_path``: the actor's HF directory (config, and for
@@ -182,8 +182,6 @@ def build_rollout_engine(
     ``override_config``: actor_rollout_ref.model.override_config, applied to colocated engines as the Megatron
     builder applies it (models.load_pretrained_config); servers never see it (validation refuses it with them)."""
     if config.mode == "server" and override_config:
-        from megatron_rl.models.hf_config import plain_overrides
-
         raise ValueError(f"actor_rollout_ref.model.override_config={plain_overrides(override_config)} cannot reach "
                          f"{config.name} rollout servers (they load model.path): bake the fields into config.json or "
                          "use rollout.mode=colocated")

@@ -32,7 +32,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
+from megatron_rl.models.moe_routing import top_k_choices
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -66,7 +68,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class HFEngine(RolloutEngine):
     def __init__(
         self,
-        config: Any,
+        config: RolloutConfig,
         model_config: PretrainedConfig | str | os.PathLike,
         *,
         response_length: int | None = None,
@@ -237,8 +239,6 @@ class HFEngine(RolloutEngine):
         """MoE models: per layer and row of ``data``, the top-k experts ([tokens, experts] bool) transformers'
         routers pick for the row's real tokens (``attention_mask``), for the routing agreement with the trainer
         (models/moe_routing.py); None for a dense model. One row per forward, so no padding enters the routing."""
-        from megatron_rl.models.moe_routing import top_k_choices
-
         k = getattr(self.model.config, "num_experts_per_tok", None)
         if k is None:
             return None

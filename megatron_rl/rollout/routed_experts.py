@@ -13,9 +13,12 @@ sampled token, which no forward ever took as input).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # transformers only for the hint: the engines hand in their model's config
+    from transformers import PretrainedConfig
 
 __all__ = ["ROLLOUT_KEY", "RouterCapture", "check_can_report", "decode_sglang_routing", "empty_routing",
            "place_request_routing"]
@@ -23,7 +26,7 @@ __all__ = ["ROLLOUT_KEY", "RouterCapture", "check_can_report", "decode_sglang_ro
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
 
-def check_can_report(enabled: bool, engine: str, model_config: Any) -> bool:
+def check_can_report(enabled: bool, engine: str, model_config: PretrainedConfig) -> bool:
     """``enable_rollout_routing_replay`` for an engine: refused, naming the key, for a dense model."""
     if not enabled:
         return False

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.schema import RolloutConfig
+
 __all__ = ["SamplingParams", "mask_top_k_top_p", "resolve_sampling_params", "sample_next_token"]
 
 
@@ -54,7 +56,7 @@ def _as_id_tuple(value: int | Sequence[int] | None) -> tuple[int, ...]:
 
 
 def resolve_sampling_params(
-    cfg: Any,
+    cfg: RolloutConfig,
     meta_info: Mapping[str, Any],
     *,
     response_length: int,

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
 from megatron_rl.rollout.sampling import resolve_sampling_params
@@ -58,7 +59,7 @@ class ServerRolloutClient:
     ``pool``: the RolloutServerPool that started them (names a dead server's exit code), if any.
     ``restarts``: replaces the pool's dead servers (its pool is then ``pool``)."""
 
-    def __init__(self, config: Any, urls: Sequence[str], *, response_length: int, eos_token_id: Any,
+    def __init__(self, config: RolloutConfig, urls: Sequence[str], *, response_length: int, eos_token_id: Any,
                  pad_token_id: int | None, timeout_s: float = 600.0, pool: Any = None,
                  restarts: ServerRestarts | None = None) -> None:
         if not urls:

@@ -51,9 +51,12 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, MEMORY_TAGS, SGLANG_CONTRACT, SGLANG_PIN
 from megatron_rl.rollout.server_key import API_KEY_ENV, ensure_server_api_key
+from megatron_rl.rollout.update_group import init_weight_update_group
 
 __all__ = ["HFServerApp", "main"]
 
@@ -238,8 +241,6 @@ class HFServerApp:
         return _ok(f"serving weight version {self.served_version}")
 
     def init_weights_update_group(self, body: dict) -> dict:
-        from megatron_rl.rollout.update_group import init_weight_update_group
-
         missing = [k for k in ROUTES["/init_weights_update_group"][1] if k not in body]
         if missing:
             raise BadRequest(f"/init_weights_update_group: missing fields {missing}")
@@ -410,9 +411,6 @@ def _handler(app: HFServerApp, api_key: str | None = None) -> type[BaseHTTPReque
 
 def build_engine(model_path: str, dtype: str, seed: int, threads: int):
     """The server's HFEngine: the actor's architecture, random weights until the first sync."""
-    from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.rollout.hf_engine import HFEngine
-
     torch.set_num_threads(threads)
     return HFEngine(RolloutConfig(name="hf", dtype=dtype, seed=seed, response_length=1), model_path, device="cpu")
 

@@ -48,7 +48,7 @@ class HFServerActor:
 
     def __init__(self, model_path: str, dtype: str, seed: int, threads: int, chunk_tokens: int,
                  api_key: str, node_ip: bool) -> None:
-        from megatron_rl.servers.hf_server import listen
+        from megatron_rl.servers.hf_server import listen  # lazy: torch, transformers' model classes (actor only)
 
         # loopback unless the run spans nodes (the trainer or the driver may be on another one): the node's IP
         host = ray.util.get_node_ip_address() if node_ip else "127.0.0.1"

@@ -37,7 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
+from megatron_rl.distributed.device import visible_gpus
 from megatron_rl.distributed.ports import free_port
+from megatron_rl.models.hf_config import plain_overrides
+from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.server_key import ensure_server_api_key
 from megatron_rl.rollout.vllm.server import (
     SERVER_EXTENSION,
@@ -47,6 +51,7 @@ from megatron_rl.rollout.vllm.server import (
     map_bounded,
     parse_choice,
 )
+from megatron_rl.rollout.vllm.engine import engine_args
 from megatron_rl.servers.client import ServerRolloutClient, _Replaced
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
 from megatron_rl.servers.route_auth import KEY_ENV, MIDDLEWARE
@@ -98,14 +103,11 @@ class VLLMServerSettings:
         return int(dict(self.engine_args)["seed"])
 
     @classmethod
-    def from_rollout(cls, rollout: Any, model_path: str, *, max_model_len: int, model_override: Any = None,
+    def from_rollout(cls, rollout: RolloutConfig, model_path: str, *, max_model_len: int, model_override: Any = None,
                      start_timeout_s: float | None = None, on_cpu: bool | None = None) -> "VLLMServerSettings":
         """Servers of ``rollout`` (the rollout config) serving ``model_path``; ``on_cpu`` None: this process's
         device decides (``where_it_runs`` computes them again where each server starts)."""
         import torch
-
-        from megatron_rl.rollout.hf_engine import resolve_dtype
-        from megatron_rl.rollout.vllm.engine import engine_args
 
         recipe = {"rollout": rollout, "model_path": model_path, "max_model_len": max_model_len,
                   "model_override": model_override, "start_timeout_s": start_timeout_s}
@@ -126,10 +128,8 @@ class VLLMServerSettings:
                                          else start_timeout_s), recipe=recipe)
 
 
-def vllm_server_settings(cfg: Any) -> VLLMServerSettings:
+def vllm_server_settings(cfg: PPOTrainerConfig) -> VLLMServerSettings:
     """The servers' settings from the run's config (the same keys the colocated engine reads)."""
-    from megatron_rl.models.hf_config import plain_overrides
-
     rollout = cfg.actor_rollout_ref.rollout
     response = rollout.response_length or cfg.data.max_response_length
     return VLLMServerSettings.from_rollout(rollout, str(cfg.actor_rollout_ref.model.path),
@@ -260,8 +260,6 @@ def host_server_gpus(num_servers: int, tp: int, env: dict[str, str] | None = Non
     keys, when the host lacks them, and under a multi-rank torchrun (every rank would start servers on them)."""
     import torch
 
-    from megatron_rl.distributed.device import visible_gpus
-
     env = dict(os.environ) if env is None else env
     if not torch.cuda.is_available():
         return [()] * num_servers
@@ -350,7 +348,7 @@ def ray_vllm_server_pool() -> type:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    from megatron_rl.servers.ray_pool import RayRolloutServerPool, ServerActor
+    from megatron_rl.servers.ray_pool import RayRolloutServerPool, ServerActor  # lazy: Ray
 
     actor_class = ray.remote(max_restarts=0, max_concurrency=2)(VLLMServerActor)
 
@@ -429,7 +427,7 @@ def ray_vllm_server_pool() -> type:
 class VLLMServerRolloutClient(ServerRolloutClient):
     """servers/client.py's client over vLLM servers (see the module docstring for pauses and versions)."""
 
-    def __init__(self, config: Any, urls: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, config: RolloutConfig, urls: Sequence[str], **kwargs: Any) -> None:
         super().__init__(config, urls, **kwargs)
         self._servers = [VLLMServerHTTP(url, s.timeout_s) for url, s in zip(urls, self._servers)]
         self._models: list[str | None] = [None] * len(self._servers)

@@ -28,6 +28,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl import distributed  # by module: the tests replace its process starters
+from megatron_rl.distributed.collectives import backend_device
+from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
+from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.weights.convert_layout import ConvertLayout, check_convert_layout
 from megatron_rl.weights.convert_report import RankReport, expert_load, expert_summary, gather_reports, rank_report
 
@@ -80,7 +84,7 @@ def _mcore_dtype(mcore_dir: Path) -> torch.dtype:
 
 
 def _copy_hf_metadata(src: Path, dst: Path) -> None:
-    from megatron_rl.weights.export import TOKENIZER_FILES
+    from megatron_rl.weights.export import TOKENIZER_FILES  # lazy: megatron-core
 
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", *TOKENIZER_FILES):
@@ -89,16 +93,14 @@ def _copy_hf_metadata(src: Path, dst: Path) -> None:
 
 
 def _init_layout(args: argparse.Namespace) -> None:
-    from megatron_rl.distributed import init_model_parallel
-
-    init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    distributed.init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 
 
 def hf_to_mcore_rank(args: argparse.Namespace) -> list[RankReport]:
     """This rank's part of hf-to-mcore (collective); every rank's report."""
+    # lazy: megatron-core (the CLI checks its flags and the model before any rank loads one)
     from megatron_rl.distributed.sharded_save import save_sharded
     from megatron_rl.models.api import build_from_hf
-    from megatron_rl.models.hf_config import load_hf_config
 
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(args.hf_dir / "config.json")
     _init_layout(args)
@@ -163,14 +165,11 @@ def _load_mcore(
     (at EP > 1 the sharded state dict asks the checkpoint only for this rank's experts)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.models.builder import build_gpt_model  # lazy: megatron-core
 
     hf = load_hf_config(config_dir)
     chunks = build_gpt_model(hf, params_dtype=dtype, init_weights=False, value_head=hf.sequence_classifier)
     weights = _weights_dir(mcore_dir)
-    from megatron_rl.models.checkpoint_safety import check_checkpoint_metadata
-
     check_checkpoint_metadata(weights)  # refuse a .metadata pickle that would run code (issue 33)
     if weights == mcore_dir:  # a trainer checkpoint: the model under "model0" beside optimizer and scheduler state
         state = dist_checkpointing.load({"model0": chunks[0].sharded_state_dict()}, str(weights))["model0"]
@@ -182,7 +181,7 @@ def _load_mcore(
 
 def mcore_to_hf_rank(args: argparse.Namespace) -> list[RankReport]:
     """This rank's part of mcore-to-hf (collective); every rank's report."""
-    from megatron_rl.weights.export import save_hf_checkpoint
+    from megatron_rl.weights.export import save_hf_checkpoint  # lazy: megatron-core
 
     config_dir = _config_dir(args)
     dtype = DTYPES[args.dtype] if args.dtype else _mcore_dtype(config_dir)
@@ -212,8 +211,7 @@ def _verify(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rl.distributed.collectives import backend_device
-    from megatron_rl.models.api import compute_full_logits
+    from megatron_rl.models.api import compute_full_logits, position_ids_from_mask  # lazy: megatron-core
 
     hf = chunks[0].hf_config
     # NCCL moves only CUDA tensors: the model's inputs and the all-reduced difference live on the
@@ -227,8 +225,6 @@ def _verify(
     diff = torch.zeros(1, dtype=torch.float64, device=device)
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-        from megatron_rl.models.api import position_ids_from_mask
 
         model_cls = AutoModelForSequenceClassification if hf.sequence_classifier else AutoModelForCausalLM
         reference = model_cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
@@ -254,14 +250,10 @@ def _launched_world() -> int | None:
 
 def _run(rank_fn, args: argparse.Namespace, layout: ConvertLayout) -> list[RankReport]:
     if _launched_world() is not None:
-        from megatron_rl.distributed import init_distributed
-
-        init_distributed()
+        distributed.init_distributed()
         return rank_fn(args)
-    from megatron_rl.distributed import run_multiprocess
-
     world = layout.world_size
-    return run_multiprocess(
+    return distributed.run_multiprocess(
         rank_fn, world, args, timeout_s=24 * 3600, threads_per_rank=max(1, (os.cpu_count() or 1) // world)
     )[0]
 
@@ -269,8 +261,6 @@ def _run(rank_fn, args: argparse.Namespace, layout: ConvertLayout) -> list[RankR
 def _check_source(args: argparse.Namespace) -> ConvertLayout:
     """Fail fast, before any process starts, on an unsupported model or a TP/PP/EP/ETP that does not fit the
     model or the launched ranks; returns the layout."""
-    from megatron_rl.models.hf_config import load_hf_config
-
     try:
         source = args.hf_dir if args.command == "hf-to-mcore" else _config_dir(args)
         return check_convert_layout(load_hf_config(source), args.tp, args.pp, args.ep, args.etp, _launched_world())

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.moe import check_expert_parallel_fit
+from megatron_rl.models.sizes import check_parallel_fit
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,6 @@ def check_convert_layout(
 
     ``launched_world``: WORLD_SIZE under torchrun/srun; checked with Megatron-Core's rules (TP*PP divides it,
     EP*ETP divides the ranks of a pipeline stage)."""
-    from megatron_rl.models.moe import check_expert_parallel_fit
-    from megatron_rl.models.sizes import check_parallel_fit
-
     for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")

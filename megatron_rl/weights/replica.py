@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.device import release_cached_memory
 from megatron_rl.distributed.host_group import new_host_group, wait_for_all
+from megatron_rl.models.moe_routing import routing_agreement
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.engines import engine_of
@@ -87,6 +89,7 @@ class _PayloadGather:
     leader receives the replica's payloads ordered by engine TP rank."""
 
     def __init__(self, replica: EngineReplica, group: dist.ProcessGroup) -> None:
+        # lazy: SGLang's package imports transformers' model classes (the HF engine), which other engines skip
         from megatron_rl.rollout.sglang.payload import serialize_bucket
 
         self.replica, self.group, self.serialize = replica, group, serialize_bucket
@@ -158,7 +161,7 @@ class RolloutReplica:
 
     def __init__(
         self,
-        config: Any,
+        config: RolloutConfig,
         mesh: RolloutMesh,
         rank: int,
         build_engine: Callable[[EngineReplica], RolloutEngine],
@@ -348,8 +351,6 @@ class RolloutReplica:
     def _routing_agreement(self, probe: DataProto, trainer: Any) -> dict[str, float]:
         """MoE: ``trainer``'s routing of the probe (merged over every rank, or None) against this leader's
         engine's, when the engine reports its own (the HF engine; SGLang does not)."""
-        from megatron_rl.models.moe_routing import routing_agreement
-
         choices = getattr(self.engine, "expert_choices", None) if self.is_leader else None
         if trainer is None or choices is None:
             return {}

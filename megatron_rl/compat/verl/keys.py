@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.schema import DataConfig
 
 VERL_CONFIG = Path(__file__).with_name("verl_ppo_megatron_trainer.yaml")
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
@@ -166,8 +167,6 @@ def _setting(seen: Mapping[str, str], key: str, default: Any) -> str:
 
 
 def _prompt_length(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    from megatron_rl.config.schema import DataConfig
-
     prompt = _setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)
     if int(_bare(value)) != int(_bare(prompt)):
         _refuse(f"{key}={value} differs from data.max_prompt_length={prompt}: the rollout engines here take prompts "
@@ -176,8 +175,6 @@ def _prompt_length(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 
 def _max_model_len(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    from megatron_rl.config.schema import DataConfig
-
     if _is_null(value):
         return []
     prompt = int(_bare(_setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)))
@@ -334,8 +331,6 @@ def verl_config() -> DictConfig:
 
 @functools.lru_cache(maxsize=1)
 def _our_config() -> DictConfig:
-    from megatron_rl.config import load_config
-
     return load_config(overrides=[])
 
 

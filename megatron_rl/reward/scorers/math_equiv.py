@@ -302,7 +302,8 @@ def _relation_equal(x: Node, y: Node) -> bool | None:
 
 def value_equal(a: str, b: str) -> bool | None:
     """Two single values: normalised strings, exact fractions, then sympy at random points."""
-    from megatron_rl.reward.scorers.math import _as_fraction, normalize_answer  # noqa: PLC0415 - cycle
+    # lazy: a cycle, scorers.math imports this module
+    from megatron_rl.reward.scorers.math import _as_fraction, normalize_answer  # noqa: PLC0415
 
     na, nb = normalize_answer(a), normalize_answer(b)
     if na == nb or na.lower() == nb.lower() and na.isalpha():
@@ -360,7 +361,8 @@ def _mixed_number(s: str) -> str:
 
 
 def _strip_for_sympy(s: str) -> str:
-    from megatron_rl.reward.scorers.math import _strip_unit  # noqa: PLC0415 - cycle
+    # lazy: a cycle, scorers.math imports this module
+    from megatron_rl.reward.scorers.math import _strip_unit  # noqa: PLC0415
 
     s = _strip_unit(s.strip())
     for token in ("^{\\circ}", "^\\circ", "\\%", "%", "\\$"):

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
+from megatron_rl.rollout.sglang import engine_transport, server_transport
 from megatron_rl.rollout.sglang.adapter import SGLangEngine
 from megatron_rl.rollout.sglang.contract import (
     SGLANG_CONTRACT,
@@ -40,7 +42,7 @@ SGLANG_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torc
 
 
 def build_sglang_engine(
-    config: Any,
+    config: RolloutConfig,
     model_path: str,
     *,
     replica_index: int = 0,
@@ -68,9 +70,7 @@ def build_sglang_engine(
     # the checkpoint's dtype (fp16 for an fp32 one) while the trainer casts the synced buckets to bf16.
     dtype = resolve_dtype(str(config.dtype), torch.device(compute_device))
     if config.mode == "server":
-        from megatron_rl.rollout.sglang.server_transport import ServerTransport
-
-        transport = ServerTransport(
+        transport = server_transport.ServerTransport(
             list(config.server_urls),
             timeout_s=sgl.request_timeout_s,
             weight_transport=sgl.weight_transport,
@@ -80,9 +80,7 @@ def build_sglang_engine(
         )
         needs_sync = "the servers have not received the trainer's weights yet"
     else:
-        from megatron_rl.rollout.sglang.engine_transport import InProcessTransport
-
-        transport = InProcessTransport(
+        transport = engine_transport.InProcessTransport(
             {
                 "model_path": str(model_path),
                 "tp_size": int(config.tensor_model_parallel_size),
@@ -110,7 +108,7 @@ def build_sglang_engine(
     )
 
 
-def _routing_shape(config: Any, model_path: str) -> tuple[int, int] | None:
+def _routing_shape(config: RolloutConfig, model_path: str) -> tuple[int, int] | None:
     """(MoE layers, top-k) of the served model when ``rollout.enable_rollout_routing_replay``, else None."""
     if not bool(getattr(config, "enable_rollout_routing_replay", False)):
         return None

@@ -28,7 +28,9 @@ from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.routed_experts import decode_sglang_routing, empty_routing, place_request_routing
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.sglang.contract import MEMORY_TAGS, WEIGHT_UPDATE_SESSION_SINCE, checked
 from megatron_rl.rollout.sglang.payload import serialize_bucket
@@ -44,7 +46,7 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(
         self,
-        config: Any,
+        config: RolloutConfig,
         transport: Any,
         *,
         response_length: int | None = None,
@@ -126,8 +128,6 @@ class SGLangEngine(RolloutEngine):
     def _routed_experts(self, outputs: list[dict], responses: list[list[int]], prompts: DataProto,
                         out: DataProto) -> torch.Tensor:
         """Each result's ``meta_info.routed_experts`` (base64 int32 [prompt + output - 1, L, k]) at its row."""
-        from megatron_rl.rollout.routed_experts import decode_sglang_routing, empty_routing, place_request_routing
-
         routed = empty_routing(*out.batch["input_ids"].shape, *self.routing_shape)
         for row, (output, tokens) in enumerate(zip(outputs, responses)):
             payload = output["meta_info"].get("routed_experts")

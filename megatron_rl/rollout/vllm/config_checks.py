@@ -11,10 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from megatron_rl.config.access import plain
 from megatron_rl.config.errors import ConfigError, require
+from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
 from megatron_rl.distributed.device import rollout_on_cpu
+from megatron_rl.rollout.vllm import contract
+from megatron_rl.rollout.vllm.server import require_local_servers
 
 __all__ = ["check_config", "check_cpu_threads", "check_here"]
 
@@ -23,7 +25,7 @@ ROLLOUT = "actor_rollout_ref.rollout"
 _CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: PPOTrainerConfig) -> None:
     """vLLM's own keys and the engine arguments passed through to it."""
     rollout = cfg.actor_rollout_ref.rollout
     vllm = rollout.vllm
@@ -36,7 +38,7 @@ def check_config(cfg: DictConfig) -> None:
     require(0 < util <= 1, f"{ROLLOUT}.gpu_memory_utilization={util} must lie in (0, 1] with rollout.name=vllm (the "
             "fraction of GPU memory vLLM may take; on CPU rollout.vllm.cpu_kv_cache_mb sizes the KV cache)")
     for key in ("max_num_seqs", "max_num_batched_tokens"):
-        value = rollout[key]
+        value = getattr(rollout, key)
         require(isinstance(value, int) and value > 0, f"{ROLLOUT}.{key} must be a positive integer, got {value!r}")
     response = rollout.response_length or cfg.data.max_response_length
     model_len = cfg.data.max_prompt_length + response
@@ -54,23 +56,20 @@ def check_config(cfg: DictConfig) -> None:
     _check_engine_kwargs(rollout)
 
 
-def _check_engine_kwargs(rollout: DictConfig) -> None:
+def _check_engine_kwargs(rollout: RolloutConfig) -> None:
     """rollout.engine_kwargs.vllm: only vLLM's own engine arguments that megatron-rl does not set itself, and only
     where they reach the engine."""
-    section = OmegaConf.select(rollout, "engine_kwargs.vllm", default=None)
-    kwargs = OmegaConf.to_container(section, resolve=True) if section is not None else None
+    kwargs = plain(rollout.engine_kwargs.vllm)
     if not kwargs:
         return
     key = f"{ROLLOUT}.engine_kwargs.vllm"
     require(rollout.mode != "server" or not rollout.server_urls,
             f"{key}={kwargs} cannot reach vLLM servers started elsewhere ({ROLLOUT}.server_urls): start them with "
             "those arguments and drop the key, or let the run start its servers (rollout.num_servers)")
-    from megatron_rl.rollout.vllm.contract import check_engine_kwargs
-
-    check_engine_kwargs(kwargs, key=key)
+    contract.check_engine_kwargs(kwargs, key=key)
 
 
-def check_cpu_threads(cfg: DictConfig) -> None:
+def check_cpu_threads(cfg: PPOTrainerConfig) -> None:
     """A vLLM engine on CPU with rollout TP > 1 runs one worker process per TP rank, each pinned by
     rollout.vllm.cpu_threads_bind: 'auto' gives rank i the i-th NUMA node's CPUs, which a host with fewer NUMA
     nodes than ranks does not have (vLLM fails at start), so each rank's CPUs are named."""
@@ -87,21 +86,17 @@ def check_cpu_threads(cfg: DictConfig) -> None:
             f"{ROLLOUT}.tensor_model_parallel_size={rtp}: give one per TP rank, separated by '|'")
 
 
-def check_here(cfg: DictConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
+def check_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
     """The pinned vLLM is installed here, servers given by URL run on this host (weights reach them through its
     /dev/shm), and on CPU the model's head size is one vLLM's CPU attention runs (else the engine fails when it is
     built, after Ray and the trainer's model are up). ``read_model_config``: the model's config.json (None: no
     model given; validation names that)."""
-    from megatron_rl.rollout.vllm import contract
-
     try:
         contract.require_vllm()
     except contract.VLLMUnavailableError as err:
         raise ConfigError(str(err)) from None
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.mode == "server" and rollout.server_urls:
-        from megatron_rl.rollout.vllm.server import require_local_servers
-
         try:
             require_local_servers(list(rollout.server_urls))
         except ValueError as err:

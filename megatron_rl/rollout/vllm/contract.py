@@ -14,6 +14,8 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_rl.config.errors import ConfigError
+
 __all__ = [
     "COMPLETION_FIELDS",
     "CPU_HEAD_SIZES",
@@ -184,16 +186,12 @@ def check_engine_kwargs(kwargs: Mapping[str, Any], key: str = "actor_rollout_ref
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"{key}.{name} is not a vLLM {VLLM_PIN} engine argument{hint}")
     if problems:
-        from megatron_rl.config.errors import ConfigError
-
         raise ConfigError("; ".join(problems))
 
 
 def check_head_size(head_dim: int, *, on_cpu: bool, model_path: str = "the model") -> None:
     """vLLM's CPU attention runs only some head sizes; GPU backends take the usual ones."""
     if on_cpu and int(head_dim) not in CPU_HEAD_SIZES:
-        from megatron_rl.config.errors import ConfigError
-
         raise ConfigError(
             f"rollout.name=vllm on CPU: {model_path} has head size {head_dim} (hidden_size / num_attention_heads, "
             f"or head_dim), which vLLM's CPU attention cannot run; it runs {list(CPU_HEAD_SIZES)}. Use a model "

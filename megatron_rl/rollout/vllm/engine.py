@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.device import EngineDevices
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
 from megatron_rl.rollout.hf_engine import resolve_dtype
+from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report, empty_routing, place_request_routing
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING, check_engine_kwargs, require_vllm
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
@@ -51,7 +53,7 @@ EXTENSION = "megatron_rl.rollout.vllm.worker_extension.WorkerExtension"
 
 
 def engine_args(
-    config: Any, model_path: str, *, max_model_len: int | None, dtype: torch.dtype, on_cpu: bool,
+    config: RolloutConfig, model_path: str, *, max_model_len: int | None, dtype: torch.dtype, on_cpu: bool,
     model_override: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """vllm.LLM / EngineArgs keyword arguments from the rollout config (verl's key names) plus
@@ -101,8 +103,6 @@ def check_vllm_routing(model_path: Any, on_cpu: bool) -> None:
     AuxOutput connector otherwise), which needs Triton, so not on CPU: refused here, naming the key."""
     from transformers import AutoConfig
 
-    from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
-
     check_can_report(True, "vLLM", AutoConfig.from_pretrained(model_path))
     if on_cpu:
         raise ValueError(f"{ROLLOUT_KEY}=true: vLLM 0.32 on CPU cannot report routed experts (its routed-experts "
@@ -115,7 +115,7 @@ class VLLMEngine(StagedWeightsEngine):
 
     def __init__(
         self,
-        config: Any,
+        config: RolloutConfig,
         model_path: str | os.PathLike,
         *,
         max_model_len: int | None,
@@ -210,8 +210,6 @@ class VLLMEngine(StagedWeightsEngine):
 
     def _routed_experts(self, outputs: Any, responses: list[list[int]], prompts: DataProto, out: DataProto):
         """vLLM's per-request ``routed_experts`` ([prompt + output tokens - 1, L, k]) as the batch's tensor."""
-        from megatron_rl.rollout.routed_experts import empty_routing, place_request_routing
-
         first = next((o.outputs[0].routed_experts for o in outputs if o.outputs[0].routed_experts is not None), None)
         if first is None:
             raise RuntimeError("rollout.enable_rollout_routing_replay=true: vLLM returned no routed_experts "

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
@@ -208,7 +209,7 @@ class VLLMServerEngine(StagedWeightsEngine):
     """The rollout engine of trainer rank 0 over vLLM servers: generation (sync loop, verification probes),
     weight-update sessions and server replacement (servers/restarts.py)."""
 
-    def __init__(self, config: Any, server_urls: Sequence[str], *, response_length: int | None = None,
+    def __init__(self, config: RolloutConfig, server_urls: Sequence[str], *, response_length: int | None = None,
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  timeout_s: float | None = 600.0, compute_device: str = "cpu") -> None:
         length = config.response_length if config.response_length is not None else response_length
@@ -340,7 +341,7 @@ class VLLMServerEngine(StagedWeightsEngine):
         self._pool.shutdown(wait=False)
 
 
-def build_vllm_server_engine(config: Any, model_path: str, *, response_length: int | None = None,
+def build_vllm_server_engine(config: RolloutConfig, model_path: str, *, response_length: int | None = None,
                              eos_token_id: int | Sequence[int] | None = None,
                              pad_token_id: int | None = None) -> VLLMServerEngine:
     """Trainer rank 0's engine over ``rollout.server_urls`` (started by the run, or by the user with

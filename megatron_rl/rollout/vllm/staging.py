@@ -116,7 +116,7 @@ def host_staging_per_node(hf: Any, *, rollout_tp: int, gpus_per_node: int, bucke
     """Host bytes a colocated vLLM sync stages in one node's /dev/shm: ``before`` (issue 49: every rank a full
     copy of every bucket, all held to the end), ``written`` (now: one copy per replica) and ``peak`` (now: held
     at once). ``hf``: the model's ``HFModelConfig``."""
-    from megatron_rl.models.layout import hf_tensor_groups
+    from megatron_rl.models.layout import hf_tensor_groups  # lazy: megatron-core
 
     tensors = [(t.name, dtype_bytes * _numel(t.shape)) for group in hf_tensor_groups(hf) for t in group.tensors]
     model_bytes = sum(nbytes for _, nbytes in tensors)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+from megatron_rl import train
 from megatron_rl.compat.verl.defaults import verl_defaults
 from megatron_rl.compat.verl.keys import Translation, command_line_settings, ours_has, translate_key
 from megatron_rl.config import ConfigError
@@ -91,8 +92,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_CONFIG_ERROR)
     for note in translation.notes:
         print(f"[megatron_rl.compat.verl] {note}", file=sys.stderr)
-    from megatron_rl import train
-
     sys.argv = [sys.argv[0], *translation.overrides]
     train.main()
 
