@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from agent_support import CALL, run_scripted, segments, tiny_tokenizer
 
 from megatron_rl.trainer.metrics import multi_turn_metrics
 from megatron_rl.agent import (
@@ -17,6 +16,7 @@ from megatron_rl.agent import (
     observation_token_ids,
     register_env,
 )
+from megatron_rl_testing.agent_support import CALL, run_scripted, segments, tiny_tokenizer
 
 QUESTION = "What is 123456 * 654321? Use the calculator tool."
 

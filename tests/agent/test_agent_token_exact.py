@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_support import chat_prompts, tiny_tokenizer
-from rollout_models import make_engine, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.agent import AgentEnv, AgentLoop, StepResult, register_env
+from megatron_rl_testing.agent_support import chat_prompts, tiny_tokenizer
+from megatron_rl_testing.rollout_models import make_engine, source_model, tiny_qwen2_config, trainer_log_probs
 
 QUESTIONS = ["What is 12 * 34?", "Use the calculator: 5 + 6", "abc", "What is 123456 * 654321? Use the tool."]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from agent_support import CALL, run_scripted, tiny_tokenizer
 from omegaconf import OmegaConf
 
 from megatron_rl.algos import apply_kl_penalty, compute_advantage, compute_kl_loss, get_kl_controller
 from megatron_rl.algos.policy_loss import get_policy_loss
 from megatron_rl.reward.placement import place_scores
+from megatron_rl_testing.agent_support import CALL, run_scripted, tiny_tokenizer
 
 Q = "What is 123456 * 654321? Use the calculator tool."
 BAD = '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'

@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from agent_support import ScriptedEngine, chat_prompts
 
 from megatron_rl.data.tasks import make_rows, task_texts
 from megatron_rl.data.tasks.__main__ import main as write_main
@@ -19,6 +18,7 @@ from megatron_rl.data.tasks.tool_multiply import tool_call_text
 from megatron_rl.data.tokenizer import build_tiny_tokenizer
 from megatron_rl.reward import get_scorer
 from megatron_rl.agent import AgentLoop
+from megatron_rl_testing.agent_support import ScriptedEngine, chat_prompts
 
 
 def test_rows_and_writer(tmp_path):

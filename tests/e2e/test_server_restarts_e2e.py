@@ -46,7 +46,7 @@ def _kill_a_server_after_step(metrics: Path, step: int, killed: list[int]) -> No
 
 
 # The synchronous loop's replacement (re-sync, same samples) is tested at the rollout level
-# (tests/rollout/test_server_restarts.py); its e2e twin cost ~90 s of the suite for no path of its own.
+# (tests/servers/test_server_restarts.py); its e2e twin cost ~90 s of the suite for no path of its own.
 # Fully async with one batch ahead: batch k + 1 starts when step k takes batch k, as one step off's does; on top,
 # each sync pauses and continues both servers, the dead one included, and a batch's first tokens may come after
 # a sync (the rows sent again after the pause or the death), so its oldest version is bounded, not fixed.

@@ -129,7 +129,7 @@ def moe_sync_job(model_dir: str) -> dict[str, float]:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weights"))
     from test_megatron_sync import _prompts, _trainer_log_prob_fn
 
     from megatron_rl.config.schema import RolloutConfig

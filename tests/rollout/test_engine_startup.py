@@ -4,8 +4,9 @@ before a complete sync), yet computes its buffers, and serves the synced weights
 from __future__ import annotations
 
 import torch
-from rollout_models import make_engine, prompt_batch, source_model, trainer_log_probs
 from transformers import Qwen2PreTrainedModel
+
+from megatron_rl_testing.rollout_models import make_engine, prompt_batch, source_model, trainer_log_probs
 
 
 def test_no_random_init_before_the_first_sync(monkeypatch):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import PAD, make_engine, prompt_batch, source_model
 
 from megatron_rl.rollout.base import WeightUpdateError
+from megatron_rl_testing.rollout_models import PAD, make_engine, prompt_batch, source_model
 
 R = 8
 

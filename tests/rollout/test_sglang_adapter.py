@@ -11,12 +11,14 @@ import threading
 
 import pytest
 import torch
-from rollout_models import prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.sglang import build_sglang_engine
 from megatron_rl.weights.sync import WeightSyncError, sync_weights
 from megatron_rl.weights.verify import verify_sync
+from megatron_rl_testing.rollout_models import (
+    prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 
 @pytest.fixture

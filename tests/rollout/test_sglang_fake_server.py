@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig, SGLangConfig
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.sglang import SGLangEngine, SGLangServerError, build_sglang_engine
 from megatron_rl.rollout.sglang.contract import checked
 from megatron_rl.weights.sync import sync_weights
+from megatron_rl_testing.rollout_models import (
+    EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 R = 8
 pytestmark = pytest.mark.distributed  # three server processes and a gloo group across them

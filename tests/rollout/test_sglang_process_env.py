@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import prompt_batch, tiny_qwen2_config
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.rollout_models import prompt_batch, tiny_qwen2_config
 
 pytestmark = pytest.mark.distributed
 

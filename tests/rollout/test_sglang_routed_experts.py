@@ -9,12 +9,12 @@ import base64
 
 import pytest
 import torch
-from rollout_models import prompt_batch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.routed_experts import decode_sglang_routing
 from megatron_rl.rollout.sglang import build_sglang_engine
 from megatron_rl.weights.sync import sync_weights
+from megatron_rl_testing.rollout_models import prompt_batch
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.rollout_models import (
+    EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SERVER = Path(__file__).resolve().parents[1] / "stand_ins" / "sglang_server.py"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import source_model, tiny_qwen2_config
+
+from megatron_rl_testing.rollout_models import source_model, tiny_qwen2_config
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 # bound by the module fixture ``stand_in_root``: the stand-in is importable as ``sglang`` only while this

@@ -4,10 +4,10 @@ their KV-cache rows: the samples are those of the unshared prefill, the log-prob
 from __future__ import annotations
 
 import torch
-from rollout_models import make_engine, prompt_batch
 
 import megatron_rl.rollout.hf_engine as hf_engine
 from megatron_rl.protocol import DataProto
+from megatron_rl_testing.rollout_models import make_engine, prompt_batch
 
 
 def _repeated(n: int) -> DataProto:

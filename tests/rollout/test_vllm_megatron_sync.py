@@ -50,7 +50,7 @@ def sync_into_vllm(ckpt_dir: str, ep: int = 1) -> dict:
     from megatron_rl.ops import log_probs_from_logits
     from megatron_rl.rollout.vllm import VLLMEngine
     from megatron_rl.weights import export_hf_weights, sync_weights
-    from rollout_models import prompt_batch
+    from megatron_rl_testing.rollout_models import prompt_batch
 
     init_model_parallel(tp=2, pp=1, ep=ep, etp=1 if ep > 1 else None)
     chunks = build_from_hf(ckpt_dir)

@@ -12,12 +12,14 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.client import ServerRolloutClient
 from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl_testing.rollout_models import (
+    EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 pytestmark = [pytest.mark.distributed]
 

@@ -11,12 +11,14 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from rollout_models import EOS, PAD, make_engine, prompt_batch, source_model, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.servers.hf_server import HFServerApp, _handler
 from megatron_rl.servers.client import ServerRolloutClient
+from megatron_rl_testing.rollout_models import (
+    EOS, PAD, make_engine, prompt_batch, source_model, trainer_log_probs,
+)
 
 CHUNK, LENGTH = 2, 6
 

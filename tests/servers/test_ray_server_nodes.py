@@ -18,6 +18,7 @@ from megatron_rl.plan.validate import validate
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.rollout.server_key import API_KEY_ENV
 from megatron_rl.servers.pool import RolloutServerDied
+from megatron_rl_testing import SUPPORT
 
 pytestmark = [pytest.mark.distributed]
 
@@ -46,8 +47,10 @@ def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for ip in NODE_IPS:
         cluster.add_node(num_cpus=2, node_ip_address=ip)
-    # the sender task runs this module's functions: its workers import them as the test run does
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
+    # the sender task runs this module's functions: its workers import them (and the test tools they import,
+    # tests/support) as the test run does
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, SUPPORT])}})
     yield cluster
     shutdown_ray()
     cluster.shutdown()

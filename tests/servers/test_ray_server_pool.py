@@ -11,13 +11,13 @@ import signal
 import time
 
 import pytest
-from rollout_models import EOS
 from test_hf_server import _post, _sync_twice_and_generate
 
 from megatron_rl.config import load_config, ConfigError
 from megatron_rl.plan.validate import validate
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.pool import RolloutServerDied
+from megatron_rl_testing.rollout_models import EOS
 
 pytestmark = [pytest.mark.distributed]
 

@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config
 from test_hf_server import _post, server_replica
 
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl_testing.rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config
 
 pytestmark = [pytest.mark.distributed]
 

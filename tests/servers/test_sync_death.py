@@ -21,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 from test_hf_server import _post, server_replica
 from test_server_restarts import LENGTH, NEVER_EOS, _kill, _post_info, _ReplicaWorkers, _wait_until
 
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl_testing.rollout_models import (
+    PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 pytestmark = [pytest.mark.distributed]
 

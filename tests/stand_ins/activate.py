@@ -1,8 +1,8 @@
 """Make the SGLang stand-in (tests/stand_ins/sglang) the ``sglang`` of this process and of the processes it
 starts, for the duration of a test module or test; put everything back afterwards.
 
-Loaded from its file by tests/rollout/conftest.py (this folder is on sys.path only inside such a block, so no
-test picks the stand-in up by accident).
+Loaded from its file by tests/support/megatron_rl_testing/rollout_fixtures.py (this folder is on sys.path
+only inside such a block, so no test picks the stand-in up by accident).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from rollout_models import PAD, make_engine, prompt_batch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.servers.hf_server import HFServerApp, _handler
 from megatron_rl.servers.client import ServerRolloutClient
 from megatron_rl.trainer.fully_async import Rollouter
+from megatron_rl_testing.rollout_models import PAD, make_engine, prompt_batch
 
 LENGTH = 4
 WAIT_S = 60

@@ -82,7 +82,7 @@ def test_the_shared_ray_leaves_a_ray_that_replaced_it_alone():
     shared = SharedRay()
     shared.start()
     try:
-        shutdown_ray()  # a module shuts ours down and starts its own, as tests/rollout/test_ray_server_nodes.py
+        shutdown_ray()  # a module shuts ours down and starts its own, as tests/servers/test_ray_server_nodes.py
         init_ray(num_cpus=1)
         shared.stop()
         assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 1

@@ -1,6 +1,6 @@
 """The weight-sync traffic model: its per-rank figures follow the closed-form formulas of docs/rollout.md, and
 the planner prints it; the 70B preset's modelled shard-first sync is under 1 s (the previous path: > 2 s).
-(The model's byte counts against a real instrumented run: tests/rollout/test_weight_sync_traffic.py.)"""
+(The model's byte counts against a real instrumented run: tests/plan/test_weight_sync_traffic.py.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ LR = 0.5
 
 
 def _prompts():
-    from rollout_models import prompt_batch
+    from megatron_rl_testing.rollout_models import prompt_batch
 
     batch = prompt_batch([3, 6, 2, 5])  # token ids < 96 < the tiny checkpoint's 300
     batch.batch["input_ids"][batch.batch["attention_mask"] == 0] = 256  # the checkpoint's pad id

@@ -11,11 +11,13 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.distributed.device import DEVICE_INDEX_ENV
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl_testing.collective_timeouts import PG_TIMEOUT_S, short_timeout_while_waiting
+from megatron_rl_testing.rollout_models import (
+    prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 pytestmark = pytest.mark.distributed
 

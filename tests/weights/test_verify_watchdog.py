@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_models import make_engine, prompt_batch, source_model, trainer_log_probs
 
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl_testing.collective_timeouts import PG_TIMEOUT_S, WAIT_TIMEOUT_S, short_timeout_while_waiting
+from megatron_rl_testing.rollout_models import make_engine, prompt_batch, source_model, trainer_log_probs
 
 pytestmark = pytest.mark.distributed
 

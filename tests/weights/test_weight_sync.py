@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import make_engine, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs
 
 from megatron_rl.config.schema import RolloutConfig, WeightSyncConfig
 from megatron_rl.rollout import HFEngine, build_rollout_engine
@@ -15,6 +14,9 @@ from megatron_rl.bucket import WeightBucket
 from megatron_rl.rollout.checksum import tensor_checksum
 from megatron_rl.weights.sync import WeightSyncError, sync_weights
 from megatron_rl.weights.verify import verify_sync
+from megatron_rl_testing.rollout_models import (
+    make_engine, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
+)
 
 
 def test_bucket_round_trips_and_aligns():
