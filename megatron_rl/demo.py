@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rl.config import load_config
+from megatron_rl.data import build_tiny_tokenizer, load_tokenizer
+from megatron_rl.data.tasks import task_texts, write_task
+from megatron_rl.train import run
 from megatron_rl.trainer.tracking import plot_curves, read_metrics
 
 # Copy one digit, then stop: the longest copy a random 2-layer model learned by RL alone within the time
@@ -57,9 +60,6 @@ def prepare_assets(out: Path, seed: int = 0, *, task: str = "copy", n_train: int
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from megatron_rl.data import build_tiny_tokenizer
-    from megatron_rl.data.tasks import task_texts, write_task
-
     paths = write_task(task, out / "data", n_train=n_train, n_val=n_val, seed=seed)
     rows = [row for path in paths.values() for row in pq.read_table(path).to_pylist()]
     model_dir = out / "model"
@@ -81,8 +81,6 @@ def stop_token_ids(model_dir: Path) -> list[int]:
     without them, verl's rule) and bare whitespace (the scorer strips it). A response could pad itself with
     them for free and never stop; ending the response on them (`rollout.stop_token_ids`, SGLang's key, as
     evaluation harnesses stop one-line answers at a newline) leaves stopping as the only way to be short."""
-    from megatron_rl.data import load_tokenizer
-
     tokenizer = load_tokenizer(model_dir)
     return [i for i in range(len(tokenizer)) if i != tokenizer.eos_token_id
             and not tokenizer.decode([i], skip_special_tokens=True).strip()]
@@ -123,8 +121,6 @@ def learning_summary(metrics_path: Path) -> LearningSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rl.train import run
-
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="where data, model and run go")

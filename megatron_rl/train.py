@@ -12,9 +12,7 @@ import sys
 import traceback
 
 import hydra
-from omegaconf import DictConfig
-
-from megatron_rl.config import CONFIG_DIR, ConfigError, register_configs
+from megatron_rl.config import CONFIG_DIR, ConfigError, PPOTrainerConfig, load_config, register_configs
 from megatron_rl.controller.deferred_compile import deferred_compile
 from megatron_rl.plan.validate import validate  # Megatron-free: a refused config never imports Megatron-Core
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR, EXIT_FINISHED, EXIT_STOPPED_RESUMABLE
@@ -30,17 +28,18 @@ def _is_rank0() -> bool:
 
 def _planner():
     """megatron_rl.plan.planner, imported without TorchDynamo (issue 39, start-up): it imports Megatron-Core."""
-    with deferred_compile():
+    with deferred_compile():  # Megatron-Core
         from megatron_rl.plan import planner
     return planner
 
 
-def run(cfg: DictConfig, dry_run: bool = False):
+def run(cfg: PPOTrainerConfig, dry_run: bool = False):
     """Validate and check the files (the same checks for a dry run and a real start), then plan (dry run) or
     train. Returns the RunResult of a training run.
 
     A real start holds the output directory's run lock (trainer/run_lock.py) from before preflight reads the
     directory to the end of the run; a dry run takes nothing and writes nothing there."""
+    # torch and transformers: the CLI imports them only once Hydra composed a config (a bad override fails fast)
     from megatron_rl.trainer.preflight import check_start
 
     if dry_run:
@@ -50,20 +49,20 @@ def run(cfg: DictConfig, dry_run: bool = False):
     validate(cfg)  # a config that cannot run is refused before the lock creates the directory
     if not _is_rank0():  # under torchrun rank 0 holds the lock for every rank
         return _start(cfg)
-    from megatron_rl.trainer.run_lock import holding
+    from megatron_rl.trainer.run_lock import holding  # as check_start above
 
     with holding(cfg.trainer.default_local_dir):
         return _start(cfg)
 
 
-def _start(cfg: DictConfig):
-    from megatron_rl.trainer.preflight import check_start
+def _start(cfg: PPOTrainerConfig):
+    from megatron_rl.trainer.preflight import check_start  # as in run()
 
     sizes = check_start(cfg)  # the same check as --dry-run's
     _planner().check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
     if _is_rank0():
         print(sizes.summary(), flush=True)
-    from megatron_rl.trainer.runner import run_training
+    from megatron_rl.trainer.runner import run_training  # as in run()
 
     result = run_training(cfg, sizes)
     if _is_rank0():
@@ -96,8 +95,6 @@ def _output_dir_of(args: list[str]) -> str | None:
     own flags, a config that does not compose: Hydra reports those itself)."""
     if any(a.startswith("-") for a in args):
         return None
-    from megatron_rl.config import load_config
-
     try:
         cfg = load_config(overrides=[a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra"))])
         return str(cfg.trainer.default_local_dir)
@@ -140,7 +137,7 @@ def main() -> None:
     _before_hydra(dry_run)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base="1.3")
-    def _main(cfg: DictConfig) -> None:
+    def _main(cfg: PPOTrainerConfig) -> None:
         try:
             result = run(cfg, dry_run=dry_run)
         except ConfigError as err:

@@ -17,18 +17,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig, open_dict
-
-from megatron_rl.plan.validate import starts_servers
+from megatron_rl.config.schema import PPOTrainerConfig
+from megatron_rl.plan.validate import DerivedSizes, starts_servers
 from megatron_rl.rollout.engines import engine_of
+from megatron_rl.servers.client import ServerRolloutClient
 from megatron_rl.servers.pool import RolloutServerPool, ServerPool
 from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
+from megatron_rl.servers.vllm_server import (
+    VLLMServerPool,
+    VLLMServerRolloutClient,
+    ray_vllm_server_pool,
+    vllm_server_settings,
+)
+from megatron_rl.trainer.fully_async import FullyAsyncTrainer
+from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 from megatron_rl.trainer.rl_trainer import RLTrainer
 
 __all__ = ["build_trainer", "start_rollout_servers"]
 
 
-def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
+def start_rollout_servers(cfg: PPOTrainerConfig) -> ServerPool | None:
     """Start the rollout servers the config asks for (``starts_servers``) and point ``rollout.server_urls`` at them."""
     rollout = cfg.actor_rollout_ref.rollout
     if not starts_servers(rollout):
@@ -36,7 +44,7 @@ def start_rollout_servers(cfg: DictConfig) -> ServerPool | None:
     return SERVER_LAUNCHERS[engine_of(rollout).name](cfg)
 
 
-def _start_hf_servers(cfg: DictConfig) -> ServerPool:
+def _start_hf_servers(cfg: PPOTrainerConfig) -> ServerPool:
     rollout = cfg.actor_rollout_ref.rollout
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
     server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
@@ -46,6 +54,7 @@ def _start_hf_servers(cfg: DictConfig) -> ServerPool:
         pool: ServerPool = RolloutServerPool(model_path, num_servers, **server)
         master = "127.0.0.1"  # the servers listen on this host's loopback
     else:
+        # Ray: under torchrun nothing imports it
         from megatron_rl.controller import init_ray_from_config
         from megatron_rl.servers.ray_pool import RayRolloutServerPool
 
@@ -57,56 +66,40 @@ def _start_hf_servers(cfg: DictConfig) -> ServerPool:
         # null: the sender (trainer rank 0, a Ray actor maybe on another node than this driver) names its own
         # node's IP (rollout/sglang/server_transport.py update_group_address)
         master = None
-    with open_dict(cfg):
-        rollout.server_urls = pool.urls
-        rollout.sglang.update_group_backend = "gloo"
-        rollout.sglang.master_address = rollout.sglang.master_address or master
+    rollout.server_urls = pool.urls
+    rollout.sglang.update_group_backend = "gloo"
+    rollout.sglang.master_address = rollout.sglang.master_address or master
     return pool
 
 
-def _start_vllm_servers(cfg: DictConfig) -> ServerPool:
-    from megatron_rl.servers.vllm_server import VLLMServerPool, ray_vllm_server_pool, vllm_server_settings
-
+def _start_vllm_servers(cfg: PPOTrainerConfig) -> ServerPool:
     rollout = cfg.actor_rollout_ref.rollout
     settings, num_servers = vllm_server_settings(cfg), int(rollout.num_servers)
     if cfg.trainer.launcher == "torchrun":
         pool: ServerPool = VLLMServerPool(settings, num_servers)
     else:
-        from megatron_rl.controller import init_ray_from_config
+        from megatron_rl.controller import init_ray_from_config  # Ray: under torchrun nothing imports it
 
         init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
         cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
         pool = ray_vllm_server_pool()(settings, num_servers, cpus_per_server=float(cpus),
                                       servers_per_node=rollout.servers_per_node,
                                       start_timeout_s=float(cfg.ray_init.timeout_s))
-    with open_dict(cfg):
-        rollout.server_urls = pool.urls
+    rollout.server_urls = pool.urls
     return pool
 
 
 # engine (rollout/engines.py, EngineSpec.run_starts_servers) -> how the run starts its servers
-SERVER_LAUNCHERS: dict[str, Callable[[DictConfig], ServerPool]] = {"hf": _start_hf_servers, "vllm": _start_vllm_servers}
-
-
-def _sglang_route_client() -> type:
-    from megatron_rl.servers.client import ServerRolloutClient
-
-    return ServerRolloutClient
-
-
-def _openai_route_client() -> type:
-    from megatron_rl.servers.vllm_server import VLLMServerRolloutClient
-
-    return VLLMServerRolloutClient
+SERVER_LAUNCHERS: dict[str, Callable[[PPOTrainerConfig], ServerPool]] = {"hf": _start_hf_servers, "vllm": _start_vllm_servers}
 
 
 # engine -> the async loops' client of its servers: SGLang's routes (which the HF-engine servers speak too) or
 # vLLM's OpenAI-compatible ones
-ASYNC_CLIENTS: dict[str, Callable[[], type]] = {"hf": _sglang_route_client, "sglang": _sglang_route_client,
-                                                "vllm": _openai_route_client}
+ASYNC_CLIENTS: dict[str, type] = {"hf": ServerRolloutClient, "sglang": ServerRolloutClient,
+                                  "vllm": VLLMServerRolloutClient}
 
 
-def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, servers: ServerPool | None,
+def build_trainer(cfg: PPOTrainerConfig, sizes: DerivedSizes, actor_rollout: Any, *args: Any, servers: ServerPool | None,
                   token_ids: dict[str, Any], **kwargs: Any) -> Any:
     """The loop of ``async_training.mode`` (RLTrainer, OneStepOffPolicyTrainer, FullyAsyncTrainer). ``sizes``,
     ``actor_rollout``, ``args``, ``kwargs``: the loops' own. ``token_ids``: eos/pad ids for the driver's
@@ -120,11 +113,8 @@ def build_trainer(cfg: DictConfig, sizes: Any, actor_rollout: Any, *args: Any, s
     if cfg.async_training.mode == "sync":
         generate = restarting.generate_sequences if restarts is not None else None
         return RLTrainer(cfg, sizes, actor_rollout, *args, generate=generate, **kwargs)
-    from megatron_rl.trainer.fully_async import FullyAsyncTrainer
-    from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
-
     rollout = cfg.actor_rollout_ref.rollout
-    client_class = ASYNC_CLIENTS[engine_of(rollout).name]()
+    client_class = ASYNC_CLIENTS[engine_of(rollout).name]
     client = client_class(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
                           timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts, **token_ids)
     loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer

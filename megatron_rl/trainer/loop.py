@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.algos import get_kl_controller
+from megatron_rl.config.schema import OptimConfig, PPOTrainerConfig
 from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.overlap import OverlappedScoring
@@ -80,7 +81,7 @@ class TrainerState:
 class Run:
     """The parts every step of a run uses, and the run's state (what a checkpoint keeps)."""
 
-    cfg: DictConfig
+    cfg: PPOTrainerConfig
     sizes: DerivedSizes
     actor_rollout: ActorRolloutRef
     critic: Critic | None
@@ -99,11 +100,10 @@ class Run:
     state: TrainerState = field(default_factory=TrainerState)
 
 
-def build_run(cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutRef, critic: Critic | None,
+def build_run(cfg: PPOTrainerConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutRef, critic: Critic | None,
               reward_fn: RewardFn, train_loader, val_batches: Callable[[], Iterator[DataProto]] | None,
               stop: StopRequest | None = None, checkpointer: TrainerCheckpointer | None = None) -> Run:
-    algo = cfg.algorithm
-    overlap = OmegaConf.select(cfg, "reward.overlap")
+    algo, overlap = cfg.algorithm, cfg.reward.overlap
     return Run(cfg=cfg, sizes=sizes, actor_rollout=actor_rollout, critic=critic, reward_fn=reward_fn,
                train_loader=train_loader, val_batches=val_batches, stop=stop or StopRequest(),
                checkpointer=checkpointer or TrainerCheckpointer(
@@ -113,12 +113,12 @@ def build_run(cfg: DictConfig, sizes: DerivedSizes, actor_rollout: ActorRolloutR
                n=cfg.actor_rollout_ref.rollout.n, use_critic=sizes.uses_critic,
                use_reference=algo.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss,
                kl_ctrl=get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None,
-               overlap=OverlappedScoring(reward_fn, overlap.num_chunks) if overlap and overlap.enable else None,
-               reward_failures=RewardFailures(cfg.reward.get("max_failed_steps", 0)))
+               overlap=OverlappedScoring(reward_fn, overlap.num_chunks) if overlap.enable else None,
+               reward_failures=RewardFailures(cfg.reward.max_failed_steps))
 
 
 # ---------------------------------------------------------------------- the run's length
-def planned_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
+def planned_steps(cfg: PPOTrainerConfig, batches_per_epoch: int) -> int:
     """The run's step count: ``trainer.total_training_steps``, else epochs x batches per epoch (verl's rule)."""
     if cfg.trainer.total_training_steps is not None:
         return int(cfg.trainer.total_training_steps)
@@ -131,20 +131,24 @@ def planned_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
     return total
 
 
-def fill_optimizer_steps(cfg: DictConfig, batches_per_epoch: int) -> None:
+def optimizers(cfg: PPOTrainerConfig) -> dict[str, OptimConfig]:
+    """The optimizer sections by the key they are set under."""
+    return {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.optim, "critic": cfg.critic.optim}
+
+
+def fill_optimizer_steps(cfg: PPOTrainerConfig, batches_per_epoch: int) -> None:
     """An optimizer's ``total_training_steps: -1`` becomes the run's step count (as verl fills it), before the
     workers are built: the cosine schedule decays over it."""
     total = planned_steps(cfg, batches_per_epoch)
-    for role in ("actor_rollout_ref.actor", "critic"):
-        optim = OmegaConf.select(cfg, f"{role}.optim")
-        if optim is not None and optim.total_training_steps == -1:
+    for optim in optimizers(cfg).values():
+        if optim.total_training_steps == -1:
             optim.total_training_steps = total
 
 
-def total_steps(cfg: DictConfig, batches_per_epoch: int, use_critic: bool) -> int:
+def total_steps(cfg: PPOTrainerConfig, batches_per_epoch: int, use_critic: bool) -> int:
     total = planned_steps(cfg, batches_per_epoch)
-    for role in ("actor_rollout_ref.actor", "critic"):
-        warmup = OmegaConf.select(cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
+    for role, optim in optimizers(cfg).items():
+        warmup = optim.lr_warmup_steps
         if warmup > total and (role != "critic" or use_critic):
             raise ValueError(f"{role}.optim.lr_warmup_steps={warmup} is longer than the {total} training steps")
     return total
@@ -215,13 +219,14 @@ def log(tracking: Any, metrics: dict[str, float], step: int) -> None:
         tracking.log(metrics, step)
 
 
-def config_dict(cfg: DictConfig) -> dict[str, Any]:
+def config_dict(cfg: PPOTrainerConfig | DictConfig) -> dict[str, Any]:
     """The config as the trackers record it."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    tree = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(tree, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------- checkpoints and the final export
-def hf_final_dir(cfg: DictConfig) -> Path:
+def hf_final_dir(cfg: PPOTrainerConfig) -> Path:
     return Path(cfg.trainer.default_local_dir) / HF_FINAL_DIR
 
 

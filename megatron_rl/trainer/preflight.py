@@ -15,28 +15,43 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from megatron_rl.config import ConfigError
+from megatron_rl.config.access import is_unset, megatron_section, plain
+from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
+from megatron_rl.config.lora import ADAPTER_WEIGHTS, check_adapter_path, check_lora_model, lora_enabled
+from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
+from megatron_rl.data import RLDataset, load_tokenizer
+from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
+from megatron_rl.plan.model_facts import load_model_facts
+from megatron_rl.plan.validate import (
+    check_context_parallel_model,
+    context_parallel_roles,
+    cp_comm_type,
+    uses_critic,
+    validate,
+)
+from megatron_rl.reward.custom import load_custom_scorer
+from megatron_rl.reward.registry import missing_scorer_reason, registered_data_sources
 from megatron_rl.rollout.engines import engine_of
-from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TrainerCheckpointer
+from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TRAINER_STATE_FILE, TrainerCheckpointer
+from megatron_rl.trainer.loop import TrainerState, optimizers
+from megatron_rl.trainer.run_identity import check_resume, resume_checkpoint
+from megatron_rl.trainer.validation import check_validation_settings
 
 logger = logging.getLogger(__name__)
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-def check_start(cfg: DictConfig):
+def check_start(cfg: PPOTrainerConfig):
     """THE check of a start, run alike by ``--dry-run`` and a real start before anything starts (train.py):
     ``validate`` (the config) and ``preflight`` (the config against the world). Returns the derived sizes."""
-    from megatron_rl.plan.validate import validate
-
     sizes = validate(cfg)
     preflight(cfg)
     return sizes
 
 
-def preflight(cfg: DictConfig) -> None:
+def preflight(cfg: PPOTrainerConfig) -> None:
     """Every file-system check of a start; raises ConfigError on the first problem."""
     check_output_dir(cfg)
     check_loggers(cfg)
@@ -47,20 +62,16 @@ def preflight(cfg: DictConfig) -> None:
     check_lora_files(cfg)
     usable = check_training_prompts(cfg)
     check_schedule(cfg, rows if usable is None else usable)
-    from megatron_rl.trainer.run_identity import check_resume
 
     check_resume(cfg, usable)  # the checkpoint a resume takes: the same model, tokenizer and data-loader settings
     check_resume_state(cfg)
 
 
-def check_loggers(cfg: DictConfig) -> None:
+def check_loggers(cfg: PPOTrainerConfig) -> None:
     """trainer.logger: known backends (verl's values that do not run here are refused with what to use) whose
     packages import here (else refused only when logging starts), and the validation settings. (The planner CLI,
     which cannot know the launch machine, warns about a missing package instead: plan/cli.py.)"""
     import os
-
-    from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
-    from megatron_rl.trainer.validation import check_validation_settings
 
     problem = config_problem(cfg.trainer.logger)
     if problem is not None:
@@ -115,13 +126,13 @@ def _has_scalars(path: Path) -> bool:
     return False
 
 
-def check_output_dir(cfg: DictConfig) -> None:
+def check_output_dir(cfg: PPOTrainerConfig) -> None:
     """Refuse to start from step 0 in a directory holding a run's results, unless trainer.overwrite=true.
 
     Resuming (an intact checkpoint under resume_mode=auto, or resume_mode=resume_path) keeps the results."""
     trainer = cfg.trainer
     root = Path(trainer.default_local_dir)
-    if trainer.get("overwrite", False) or not root.is_dir():
+    if trainer.overwrite or not root.is_dir():
         return
     results = _results_in(root)
     if not results or trainer.resume_mode == "resume_path":
@@ -184,21 +195,20 @@ def _data_sources(key: str, path: Path) -> list[Any]:
         raise ConfigError(f"{key}: {path} cannot be read as {path.suffix.lstrip('.')}: {err}") from err
 
 
-def check_data(cfg: DictConfig) -> int:
+def check_data(cfg: PPOTrainerConfig) -> int:
     """Every train and val file exists, is a readable data file, and every data_source has a scorer (unless
     reward.custom_reward_function.path scores them all). Returns the number of training rows."""
     custom = cfg.reward.custom_reward_function.path
     if custom:
         _check_custom_reward(Path(custom), cfg.reward.custom_reward_function.name)
-    from megatron_rl.reward.registry import missing_scorer_reason, registered_data_sources
 
     registered = registered_data_sources()
     train_rows = 0
-    for key in ("data.train_files", "data.val_files"):
-        files = OmegaConf.select(cfg, key, throw_on_missing=False)
-        if files is None or OmegaConf.is_missing(cfg.data, key.split(".")[1]):
+    for files in ("train_files", "val_files"):
+        if is_unset(cfg.data, files) or getattr(cfg.data, files) is None:
             continue
-        for name in files:
+        key = f"data.{files}"
+        for name in getattr(cfg.data, files):
             path = Path(name).expanduser()
             _check_file(key, path)
             sources = _data_sources(key, path)
@@ -214,7 +224,7 @@ def check_data(cfg: DictConfig) -> int:
                     f"{key}: {path} has rows whose data_source has no scorer ({counts}); registered: {registered}. "
                     f"Register one with megatron_rl.reward.register_scorer, or score every row with "
                     f"reward.custom_reward_function.path")
-    if not OmegaConf.is_missing(cfg.data, "train_files") and not cfg.data.train_files:
+    if not is_unset(cfg.data, "train_files") and not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: nothing to train on")
     return train_rows
 
@@ -223,7 +233,6 @@ def _check_custom_reward(path: Path, name: str | None = None) -> None:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"reward.custom_reward_function.path: {path} {what}, expected a Python file")
-    from megatron_rl.reward.custom import load_custom_scorer
 
     try:  # the file imports and defines the function (what the reward manager does when the run starts)
         load_custom_scorer(str(path), name or "compute_score")
@@ -232,8 +241,8 @@ def _check_custom_reward(path: Path, name: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------- the model
-def _config_json(key: str, model: DictConfig) -> dict[str, Any] | None:
-    if OmegaConf.is_missing(model, "path"):
+def _config_json(key: str, model: ModelConfig) -> dict[str, Any] | None:
+    if is_unset(model, "path"):
         return None
     directory = Path(model.path).expanduser()
     if not directory.is_dir():
@@ -250,27 +259,19 @@ def _config_json(key: str, model: DictConfig) -> dict[str, Any] | None:
         raise ConfigError(f"{path} cannot be read: {err.strerror or err}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return {**raw, **OmegaConf.to_container(model.override_config, resolve=True)}
+    return {**raw, **plain(model.override_config)}
 
 
-def check_context_parallel_models(cfg: DictConfig, model) -> None:
+def check_context_parallel_models(cfg: PPOTrainerConfig, model) -> None:
     """CP > 1 against the model (issue 35): an MoE model, a2a's head counts, a sliding window with p2p are
     refused here as the dry run's plan refuses them (the model build would, after Ray started). ``model``:
     the actor's facts, which the reference shares; the critic's own config.json when it has one."""
-    from megatron_rl.plan.model_facts import load_model_facts
-    from megatron_rl.plan.validate import (
-        check_context_parallel_model,
-        context_parallel_roles,
-        cp_comm_type,
-        uses_critic,
-    )
-
     for role in context_parallel_roles(cfg, uses_critic(cfg)):
-        mcfg = OmegaConf.select(cfg, f"{role}.megatron")
+        mcfg = megatron_section(cfg, role)
         if mcfg.context_parallel_size == 1 or role == "reward_model":
             continue
         facts = model
-        if role == "critic" and not OmegaConf.is_missing(cfg.critic.model, "path") and \
+        if role == "critic" and not is_unset(cfg.critic.model, "path") and \
                 cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
             if _config_json("critic.model", cfg.critic.model) is None:
                 continue
@@ -279,34 +280,29 @@ def check_context_parallel_models(cfg: DictConfig, model) -> None:
                                      cp_comm_type(mcfg), te_attention=str(cfg.trainer.device) != "cpu")
 
 
-def check_lora_models(cfg: DictConfig, model) -> None:
+def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
     """LoRA against the model (issue 36): an MoE model is refused, as the dry run's plan refuses it. ``model``: the
     actor's facts; the critic's own config.json when it has one."""
-    from megatron_rl.config.lora import check_lora_model, lora_enabled
-    from megatron_rl.plan.model_facts import load_model_facts
-    from megatron_rl.plan.validate import uses_critic
-
     check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora)
     if not uses_critic(cfg) or not lora_enabled(cfg.critic.model.lora):
         return
     facts = model
-    if not OmegaConf.is_missing(cfg.critic.model, "path") and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+    if not is_unset(cfg.critic.model, "path") and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         if _config_json("critic.model", cfg.critic.model) is None:
             return
         facts = load_model_facts(cfg, "critic.model")
     check_lora_model(facts, "critic.model", cfg.critic.model.lora)
 
 
-def check_lora_files(cfg: DictConfig) -> None:
+def check_lora_files(cfg: PPOTrainerConfig) -> None:
     """``<model>.lora.adapter_path``: a PEFT adapter directory whose adapter_config.json agrees with the LoRA block
     (config/lora.py check_adapter_path) and whose weights parse and are finite (check_adapter_weights), for the actor
     and a running critic."""
-    from megatron_rl.config.lora import check_adapter_path, lora_enabled
-    from megatron_rl.plan.validate import uses_critic
-
-    roles = ["actor_rollout_ref.model", "critic.model"] if uses_critic(cfg) else ["actor_rollout_ref.model"]
-    for prefix in roles:
-        lora = OmegaConf.select(cfg, f"{prefix}.lora")
+    models = {"actor_rollout_ref.model": cfg.actor_rollout_ref.model}
+    if uses_critic(cfg):
+        models["critic.model"] = cfg.critic.model
+    for prefix, model in models.items():
+        lora = model.lora
         check_adapter_path(lora, prefix)
         if lora_enabled(lora) and lora.adapter_path:
             check_adapter_weights(f"{prefix}.lora.adapter_path", Path(str(lora.adapter_path)).expanduser())
@@ -317,8 +313,6 @@ def check_adapter_weights(key: str, directory: Path) -> None:
     values; refused naming the file and the tensor, where the workers would fail later with safetensors' own error
     (no file named) or train from NaN factors. Adapters are small (MBs): reading every tensor here is cheap."""
     from safetensors import SafetensorError, safe_open
-
-    from megatron_rl.config.lora import ADAPTER_WEIGHTS
 
     weights = directory / ADAPTER_WEIGHTS
     non_finite: list[tuple[str, int, int]] = []
@@ -338,13 +332,12 @@ def check_adapter_weights(key: str, directory: Path) -> None:
                           f"would train from them")
 
 
-def check_model(cfg: DictConfig) -> None:
+def check_model(cfg: PPOTrainerConfig) -> None:
     """config.json is readable, and the actor's and the rollout's TP split its heads and KV heads."""
     raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
     if raw is None:
         return
     source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
-    from megatron_rl.plan.model_facts import load_model_facts
 
     model = load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
     check_context_parallel_models(cfg, model)
@@ -370,8 +363,6 @@ def _model_positions(raw: dict[str, Any], source: str) -> tuple[int, str] | None
     max_position_embeddings, times the factor of a linear RoPE scaling; llama3 (and YaRN) configs hold the
     extended length already (vllm/config/model.py _get_and_verify_max_len, lines 2579-2616). None: no such key
     (check_model names a broken config)."""
-    from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
-
     if not isinstance(raw.get("max_position_embeddings"), int):
         return None
     try:
@@ -385,19 +376,17 @@ def _model_positions(raw: dict[str, Any], source: str) -> tuple[int, str] | None
     return base, f"max_position_embeddings={base}"
 
 
-def check_sequence_positions(cfg: DictConfig) -> None:
+def check_sequence_positions(cfg: PPOTrainerConfig) -> None:
     """The longest sequence a rollout makes (data.max_prompt_length + the response length) fits the positions of
     the actor's (and a critic's own) model, for every engine: vLLM refuses a longer max_model_len only once it
     starts, the HF engine and Megatron run past the trained positions without a word."""
-    from megatron_rl.plan.validate import uses_critic
-
     rollout = cfg.actor_rollout_ref.rollout
     response_key = ("actor_rollout_ref.rollout.response_length" if rollout.response_length is not None
                     else "data.max_response_length")
-    response = OmegaConf.select(cfg, response_key)
+    response = rollout.response_length if rollout.response_length is not None else cfg.data.max_response_length
     longest = cfg.data.max_prompt_length + response
     models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
-    if uses_critic(cfg) and not OmegaConf.is_missing(cfg.critic.model, "path") and \
+    if uses_critic(cfg) and not is_unset(cfg.critic.model, "path") and \
             cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         models.append(("critic.model", cfg.critic.model))
     for key, model in models:
@@ -418,7 +407,7 @@ def check_sequence_positions(cfg: DictConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- the rollout engine
-def check_rollout_engine(cfg: DictConfig) -> None:
+def check_rollout_engine(cfg: PPOTrainerConfig) -> None:
     """What the engine of rollout.name needs of the machine that starts the run (EngineSpec.check_here; vLLM: its
     pinned version installed, servers given by URL on this host, a head size its CPU attention runs), refused here
     rather than when the engine is built, after Ray and the trainer's model are up."""
@@ -427,22 +416,21 @@ def check_rollout_engine(cfg: DictConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- the prompts the run trains on
-def check_training_prompts(cfg: DictConfig) -> int | None:
+def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
     """Build the training dataset as the run does (tokenizer, chat template, overlong and malformed rows) and
     refuse data that gives no batch; returns the usable prompts (None when there is nothing to build it from)."""
     data = cfg.data
     model = cfg.actor_rollout_ref.model
-    if OmegaConf.is_missing(data, "train_files") or not data.train_files:
+    if is_unset(data, "train_files") or not data.train_files:
         return None
-    tokenizer_path = data.get("tokenizer") or (None if OmegaConf.is_missing(model, "path") else model.path)
+    tokenizer_path = data.tokenizer or (None if is_unset(model, "path") else model.path)
     if not tokenizer_path:
         return None
-    from megatron_rl.data import RLDataset, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(tokenizer_path)
     except Exception as err:  # noqa: BLE001 - transformers raises OSError / ValueError / others
-        key = "data.tokenizer" if data.get("tokenizer") else "actor_rollout_ref.model.path"
+        key = "data.tokenizer" if data.tokenizer else "actor_rollout_ref.model.path"
         raise ConfigError(f"{key}={tokenizer_path}: the tokenizer cannot be loaded ({type(err).__name__}: "
                           f"{err})") from None
     try:
@@ -458,13 +446,9 @@ def check_training_prompts(cfg: DictConfig) -> int | None:
 
 
 # ---------------------------------------------------------------------------- the checkpoint a resume takes
-def check_resume_state(cfg: DictConfig) -> None:
+def check_resume_state(cfg: PPOTrainerConfig) -> None:
     """The trainer_state.json of the checkpoint this start resumes has the keys the loop reads (TrainerState
     .from_saved, which the resume itself calls), refused here naming the file and key rather than after start-up."""
-    from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE
-    from megatron_rl.trainer.loop import TrainerState
-    from megatron_rl.trainer.run_identity import resume_checkpoint
-
     path = resume_checkpoint(cfg)
     if path is None or not (path / TRAINER_STATE_FILE).is_file():
         return  # the loop refuses a checkpoint without one, naming it
@@ -480,7 +464,7 @@ def check_resume_state(cfg: DictConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- the schedule
-def check_schedule(cfg: DictConfig, train_rows: int) -> None:
+def check_schedule(cfg: PPOTrainerConfig, train_rows: int) -> None:
     """Warm-up against the training length when that comes from the data (validate checks the explicit one)."""
     if cfg.trainer.total_training_steps is not None or train_rows == 0:
         return
@@ -488,13 +472,9 @@ def check_schedule(cfg: DictConfig, train_rows: int) -> None:
     if steps == 0:
         raise ConfigError(f"data.train_files hold {train_rows} rows, fewer than data.train_batch_size="
                           f"{cfg.data.train_batch_size}: not one training step")
-    for role in ("actor_rollout_ref.actor", "critic"):
-        warmup = OmegaConf.select(cfg, f"{role}.optim.lr_warmup_steps", default=0) or 0
-        from megatron_rl.algos import get_estimator_traits
-
-        uses_critic = (cfg.critic.enable if cfg.critic.enable is not None
-                       else get_estimator_traits(cfg.algorithm.adv_estimator).needs_critic)
-        if warmup > steps and (role != "critic" or uses_critic):
+    for role, optim in optimizers(cfg).items():
+        warmup = optim.lr_warmup_steps
+        if warmup > steps and (role != "critic" or uses_critic(cfg)):
             raise ConfigError(f"{role}.optim.lr_warmup_steps={warmup} is longer than the at most {steps} training "
                               f"steps the data gives ({train_rows} rows / data.train_batch_size x "
                               f"trainer.total_epochs)")

@@ -2,8 +2,9 @@
 since it is a Megatron role) or a generative judge, combined as ``reward_model.combine`` says."""
 from __future__ import annotations
 
-from typing import Any
+from transformers import PreTrainedTokenizerBase
 
+from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.data import load_tokenizer
 from megatron_rl.reward.manager import RewardManager
 from megatron_rl.reward.model.combine import CombinePlan
@@ -12,14 +13,14 @@ from megatron_rl.reward.model.reward_fn import ClassifierScorer, JudgeScorer, Mo
 from megatron_rl.workers.reward_model import start_reward_model_group
 
 
-def response_length(cfg: Any) -> int:
+def response_length(cfg: PPOTrainerConfig) -> int:
     """The longest response the rollout generates: actor_rollout_ref.rollout.response_length, null:
     data.max_response_length (what reward.reward_kwargs.max_resp_len: null stands for)."""
     length = cfg.actor_rollout_ref.rollout.response_length
     return int(length if length is not None else cfg.data.max_response_length)
 
 
-def build_reward_fn(cfg: Any, tokenizer: Any) -> RewardManager | ModelRewardFn:
+def build_reward_fn(cfg: PPOTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> RewardManager | ModelRewardFn:
     """``RewardManager`` (rule scorers, as reward.reward_manager says) unless ``reward_model.enable``; then the RM
     worker group is started (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
     if not cfg.reward_model.enable:

@@ -29,9 +29,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from megatron_rl.config import ConfigError
+from megatron_rl.config.access import is_unset, plain
+from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE, TrainerCheckpointer
 from megatron_rl.trainer.weights_fingerprint import fingerprint_differences, weights_fingerprint
 
@@ -52,14 +52,14 @@ def _sha256_bytes(chunks: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _model_path(cfg: DictConfig) -> Path | None:
+def _model_path(cfg: PPOTrainerConfig) -> Path | None:
     model = cfg.actor_rollout_ref.model
-    if OmegaConf.is_missing(model, "path") or not model.path:
+    if is_unset(model, "path") or not model.path:
         return None
     return Path(model.path).expanduser()
 
 
-def model_identity(cfg: DictConfig) -> dict[str, Any]:
+def model_identity(cfg: PPOTrainerConfig) -> dict[str, Any]:
     """The model and tokenizer this config trains, as recorded in a checkpoint."""
     path = _model_path(cfg)
     identity: dict[str, Any] = {"model_path": str(path.resolve()) if path is not None else None}
@@ -73,8 +73,8 @@ def model_identity(cfg: DictConfig) -> dict[str, Any]:
             identity["config"] = None
     if path is not None:
         identity["weights"] = weights_fingerprint(path)  # None: no weight files there (a hub name)
-    identity["override_config"] = OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config, resolve=True)
-    tokenizer = cfg.data.get("tokenizer") or (str(path) if path is not None else None)
+    identity["override_config"] = plain(cfg.actor_rollout_ref.model.override_config)
+    tokenizer = cfg.data.tokenizer or (str(path) if path is not None else None)
     tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
         files = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
@@ -87,7 +87,7 @@ def model_identity(cfg: DictConfig) -> dict[str, Any]:
     return identity
 
 
-def write_identity(directory: Path, cfg: DictConfig) -> None:
+def write_identity(directory: Path, cfg: PPOTrainerConfig) -> None:
     """Into a checkpoint being saved (before its manifest, which then holds its hash)."""
     (Path(directory) / IDENTITY_FILE).write_text(json.dumps(model_identity(cfg), indent=1, sort_keys=True))
 
@@ -120,7 +120,7 @@ def model_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     return "; ".join(problems) or None
 
 
-def check_weights(cfg: DictConfig, path: Path, saved: dict[str, Any], now: dict[str, Any], way_out: str) -> bool:
+def check_weights(cfg: PPOTrainerConfig, path: Path, saved: dict[str, Any], now: dict[str, Any], way_out: str) -> bool:
     """Compare the checkpoint's base weights with this start's: True when they are the same; other weights under
     LoRA refused (ConfigError), under full fine-tuning a warning; False (with a warning) where they cannot be
     compared."""
@@ -151,7 +151,7 @@ def check_weights(cfg: DictConfig, path: Path, saved: dict[str, Any], now: dict[
     return False
 
 
-def resume_checkpoint(cfg: DictConfig) -> Path | None:
+def resume_checkpoint(cfg: PPOTrainerConfig) -> Path | None:
     """The checkpoint this start would resume from (as ``loop.resume`` picks it), without logging or changing
     anything; None for a start from step 0 (the loop itself refuses a bad resume_from_path)."""
     trainer = cfg.trainer
@@ -163,7 +163,7 @@ def resume_checkpoint(cfg: DictConfig) -> Path | None:
     return TrainerCheckpointer(Path(trainer.default_local_dir), max(1, trainer.max_ckpt_to_keep)).newest_intact()[0]
 
 
-def check_resume(cfg: DictConfig, usable_rows: int | None = None) -> None:
+def check_resume(cfg: PPOTrainerConfig, usable_rows: int | None = None) -> None:
     """Refuse (ConfigError) a resume whose checkpoint was trained with another model or tokenizer, or whose data
     loader position cannot be continued with this config; ``usable_rows``: the training prompts this start has."""
     path = resume_checkpoint(cfg)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from omegaconf import DictConfig
-
-from megatron_rl.config import typed_config
+from megatron_rl.config import PPOTrainerConfig, typed_config
+from megatron_rl.controller.deferred_compile import deferred_compile
+from megatron_rl.controller.in_driver import enter_driver_rank, ray_needed_for
+from megatron_rl.controller.local_group import LocalWorkerGroup
+from megatron_rl.distributed import init_distributed
 from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.data import RLDataset, load_tokenizer, make_dataloader
 from megatron_rl.protocol import DataProto
@@ -43,7 +45,7 @@ class RunResult:
     rollout_engines: str = ""  # which ranks form which rollout engine, on which node and GPUs
 
 
-def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]] | None:
+def _val_batches(cfg: PPOTrainerConfig, tokenizer) -> Callable[[], Iterator[DataProto]] | None:
     if not cfg.data.val_files:
         return None
     dataset = RLDataset.from_config(list(cfg.data.val_files), tokenizer, cfg.data)
@@ -55,7 +57,7 @@ def _val_batches(cfg: DictConfig, tokenizer) -> Callable[[], Iterator[DataProto]
     return batches
 
 
-def _probe_prompts(cfg: DictConfig, dataset: RLDataset) -> DataProto:
+def _probe_prompts(cfg: PPOTrainerConfig, dataset: RLDataset) -> DataProto:
     """The fixed batch every weight sync is verified on: the first training prompts, in file order."""
     size = min(cfg.actor_rollout_ref.rollout.weight_sync.probe_batch_size, len(dataset))
     return next(iter(make_dataloader(dataset, size, shuffle=False, seed=0))).pop_for_generation()
@@ -65,7 +67,8 @@ def _token_ids(tokenizer) -> dict[str, Any]:
     return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 
 
-def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
+def _ray_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
+    # Ray, and Megatron-Core (compiled at first use): imported only by a run on Ray
     from megatron_rl.controller import (
         RayResourcePool,
         RayWorkerGroup,
@@ -76,7 +79,6 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
     from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
 
     init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up (rollout servers, judge)
-    typed = typed_config(cfg)  # the workers get the validated config as its dataclass tree (pickled by Ray)
     # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
     # an embedded Ray, which is how the CPU tests give each rank its own GPU id).
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
@@ -90,13 +92,13 @@ def _ray_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Ca
         workers["reward_model"] = RewardModelWorker
     if len(workers) > 1:
         cls = create_colocated_worker_cls(workers)
-        group = RayWorkerGroup(pool, cls, init_args={role: {"config": typed} for role in workers},
+        group = RayWorkerGroup(pool, cls, init_args={role: {"config": cfg} for role in workers},
                                name_prefix="hybrid", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg))
         roles = group.spawn()
         actor_rollout, critic, reward_model = (roles.get(r) for r in ("actor_rollout", "critic", "reward_model"))
     else:
-        group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": typed},
+        group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args={"config": cfg},
                                name_prefix="actor_rollout", timeout_s=cfg.ray_init.timeout_s,
                                method_timeouts=call_deadlines(cfg))
         actor_rollout, critic, reward_model = group, None, None
@@ -113,10 +115,8 @@ def _ray_is_up() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def _driver_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
+def _driver_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
     """The one rank's workers in this process, on a world-size-1 process group (then the torchrun path)."""
-    from megatron_rl.controller.in_driver import enter_driver_rank
-
     leave = enter_driver_rank()
     try:
         actor_rollout, critic, reward_model, _ = _torchrun_groups(cfg, sizes)
@@ -126,11 +126,7 @@ def _driver_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any,
     return actor_rollout, critic, reward_model, leave
 
 
-def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
-    from megatron_rl.controller.deferred_compile import deferred_compile
-    from megatron_rl.controller.local_group import LocalWorkerGroup
-    from megatron_rl.distributed import init_distributed
-
+def _torchrun_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
     with deferred_compile():  # Megatron-Core's models and fused kernels: compiled at first use, not at import
         from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
 
@@ -138,13 +134,12 @@ def _torchrun_groups(cfg: DictConfig, sizes: DerivedSizes) -> tuple[Any, Any, An
     if launch.world_size != sizes.world_size:
         raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                          f"trainer.n_gpus_per_node = {sizes.world_size}")
-    typed = typed_config(cfg)  # the same PPOTrainerConfig the Ray workers get
-    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=typed), "actor_rollout")
-    critic = LocalWorkerGroup(CriticWorker(config=typed), "critic") if sizes.uses_critic else None
+    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=cfg), "actor_rollout")
+    critic = LocalWorkerGroup(CriticWorker(config=cfg), "critic") if sizes.uses_critic else None
     return actor_rollout, critic, None, lambda: None  # the reward model joins these processes itself
 
 
-def _checkpointer(cfg: DictConfig, is_torchrun: bool) -> TrainerCheckpointer:
+def _checkpointer(cfg: PPOTrainerConfig, is_torchrun: bool) -> TrainerCheckpointer:
     root, keep = Path(cfg.trainer.default_local_dir), cfg.trainer.max_ckpt_to_keep
     hash_shards = bool(cfg.trainer.checkpoint_hash_shards)
     if not is_torchrun:
@@ -155,7 +150,7 @@ def _checkpointer(cfg: DictConfig, is_torchrun: bool) -> TrainerCheckpointer:
                                hash_shards=hash_shards)
 
 
-def _device(cfg: DictConfig) -> str:
+def _device(cfg: PPOTrainerConfig) -> str:
     import torch
 
     if cfg.trainer.device != "auto":
@@ -165,17 +160,16 @@ def _device(cfg: DictConfig) -> str:
 
 def _stop_ray_unless(was_up: bool) -> None:
     if _ray_is_up() and not was_up:
-        from megatron_rl.controller import shutdown_ray
+        from megatron_rl.controller import shutdown_ray  # Ray: imported only when it is up
 
         shutdown_ray()
 
 
-def run_training(cfg: DictConfig, sizes: DerivedSizes) -> RunResult:
+def run_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
     """Build everything, train, and return where the outputs are. Config must already be validated."""
+    cfg = typed_config(cfg)  # from here on the run, and every worker (pickled by Ray), reads the typed tree
     output_dir = Path(cfg.trainer.default_local_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    from megatron_rl.controller.in_driver import ray_needed_for
-
     in_driver = cfg.trainer.launcher == "ray" and ray_needed_for(cfg, sizes.world_size) is None
     # in the driver the workers are in-process, exactly as under torchrun: only their start differs
     is_torchrun = cfg.trainer.launcher == "torchrun" or in_driver

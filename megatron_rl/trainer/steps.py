@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.algos import (
     apply_kl_penalty,
@@ -26,6 +25,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.algos.seq_balance import balance_permutation, row_seqlens, seqlen_imbalance_metrics
+from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.protocol import DataProto, reduce_metrics
 from megatron_rl.trainer.metrics import StageTimer, multi_turn_metrics, rollout_probs_diff
 
@@ -43,18 +43,18 @@ def new_uids(step: int, count: int) -> np.ndarray:
     return np.array([f"{step}-{i}" for i in range(count)], dtype=object)
 
 
-def step_meta(cfg: DictConfig, step: int) -> dict[str, Any]:
+def step_meta(cfg: PPOTrainerConfig, step: int) -> dict[str, Any]:
     """What every generation of a step carries; temperature travels with the batch because log-probs
     must be computed at the sampling temperature."""
     rollout = cfg.actor_rollout_ref.rollout
     return {"global_steps": step, "seed": rollout.seed + step, "temperature": rollout.temperature}
 
 
-def pop_for_generation(cfg: DictConfig, batch: DataProto) -> DataProto:
+def pop_for_generation(cfg: PPOTrainerConfig, batch: DataProto) -> DataProto:
     """The prompt batch for the rollout; a multi-turn rollout also gets what picks and sets up each sample's
     environment (verl's agent_name, extra_info with tools_kwargs, the row's data_source and reward_model)."""
     gen = batch.pop_for_generation()
-    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False):
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         for key in ("agent_name", "extra_info", "data_source", "reward_model"):
             if key in batch.non_tensor_batch:
                 gen.non_tensor_batch[key] = batch.non_tensor_batch[key]
@@ -200,9 +200,9 @@ def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: Stag
     trainer.balance_batch, the batch is reordered for the actor's DP ranks (where verl does it: after the
     rollout, before the first pass dispatched to the DP ranks)."""
     release_rollout(run)
-    if run.cfg.trainer.get("balance_batch", False):
+    if run.cfg.trainer.balance_batch:
         batch = balance_batch(batch, run.sizes.actor.data_parallel_size, metrics)
-    correction = RolloutCorrection.from_config(run.cfg.algorithm.get("rollout_correction"))
+    correction = RolloutCorrection.from_config(run.cfg.algorithm.rollout_correction)
     if correction.bypass_mode:  # verl's bypass mode: the rollout's log-probs are the old policy's
         batch.require("rollout_log_probs", where="algorithm.rollout_correction.bypass_mode")
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]

@@ -18,9 +18,10 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from megatron_rl.config import ConfigError
+from megatron_rl.config.schema import PPOTrainerConfig
+from megatron_rl.data import load_tokenizer
 from megatron_rl.protocol import DataProto
 from megatron_rl.trainer.steps import Generate, pop_for_generation
 from megatron_rl.trainer.val_metrics import compute_validation_metrics
@@ -34,9 +35,9 @@ VAL_KWARGS = "actor_rollout_ref.rollout.val_kwargs"
 GENERATIONS_SEED = 42  # verl's fixed shuffle of the logged samples
 
 
-def check_validation_settings(cfg: Any) -> None:
+def check_validation_settings(cfg: PPOTrainerConfig) -> None:
     """``rollout.val_kwargs`` and ``trainer.log_val_generations``, refused before start-up naming the key."""
-    vk = OmegaConf.select(cfg, VAL_KWARGS)
+    vk = cfg.actor_rollout_ref.rollout.val_kwargs
     problems = []
     if not (isinstance(vk.n, int) and vk.n >= 1):
         problems.append(f"{VAL_KWARGS}.n={vk.n} must be an integer >= 1 (responses per validation prompt)")
@@ -46,7 +47,7 @@ def check_validation_settings(cfg: Any) -> None:
         problems.append(f"{VAL_KWARGS}.top_p={vk.top_p} must be in (0, 1]")
     if not (vk.top_k == -1 or vk.top_k >= 1):
         problems.append(f"{VAL_KWARGS}.top_k={vk.top_k} must be -1 (off) or >= 1")
-    shown = OmegaConf.select(cfg, "trainer.log_val_generations", default=0)
+    shown = cfg.trainer.log_val_generations
     if not (isinstance(shown, int) and shown >= 0):
         problems.append(f"trainer.log_val_generations={shown} must be an integer >= 0 (samples logged per validation)")
     if problems:
@@ -98,7 +99,7 @@ def validate(run: Run, generate: Generate, tracking: Any = None) -> dict[str, fl
     metrics. With ``trainer.log_val_generations`` > 0 and a ``tracking`` (the rank that logs), samples too."""
     cfg = run.cfg
     vk = cfg.actor_rollout_ref.rollout.val_kwargs
-    shown = int(OmegaConf.select(cfg, "trainer.log_val_generations", default=0) or 0)
+    shown = cfg.trainer.log_val_generations
     decode = _decoder(cfg) if shown > 0 and tracking is not None else None
     collected = _Collected()
     for index, batch in enumerate(run.val_batches()):
@@ -159,12 +160,10 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: str) -> Any:
-    from megatron_rl.data import load_tokenizer
-
     return load_tokenizer(path)
 
 
-def _decoder(cfg: Any):
+def _decoder(cfg: PPOTrainerConfig):
     """Token ids -> text, special tokens (padding) skipped, with the run's tokenizer (loaded once)."""
     tokenizer = _tokenizer(str(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path))
     return lambda ids: tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)

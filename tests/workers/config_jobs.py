@@ -10,7 +10,9 @@ def torchrun_groups_job(overrides: list[str]) -> dict[str, Any]:
     from megatron_rl.trainer import runner
 
     cfg = load_config(overrides=overrides)
-    actor_rollout, critic, reward_model, close = runner._torchrun_groups(cfg, validate(cfg))
+    sizes = validate(cfg)
+    # as run_training does: the config typed once, then the groups hand that tree to every worker
+    actor_rollout, critic, reward_model, close = runner._torchrun_groups(typed_config(cfg), sizes)
     try:
         actor_cfg, critic_cfg = actor_rollout.worker.config, critic.worker.config
         return {
