@@ -2,11 +2,12 @@
 mandatory path may still be unset) and from its typed tree (what the run and the workers hold)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING, OmegaConf
 
-from megatron_rl.config.schema import MegatronParallelConfig, PPOTrainerConfig
+if TYPE_CHECKING:  # the schema imports Hydra; reading a value needs only OmegaConf (models/ and controller/ use this)
+    from megatron_rl.config.schema import MegatronParallelConfig, PPOTrainerConfig
 
 
 def is_unset(section: Any, name: str) -> bool:

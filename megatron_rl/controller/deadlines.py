@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_rl.config.access import is_unset, plain
 from megatron_rl.models.hf_config import HFModelConfig, apply_override_config, parse_hf_config
 
 if TYPE_CHECKING:  # the schema imports Hydra, which the deadlines do not need at run time
@@ -94,7 +95,7 @@ def derived_deadlines(cfg: PPOTrainerConfig | None) -> dict[str, tuple[float, st
         turns = int(multi_turn.max_assistant_turns or 1) if multi_turn.enable else 1
         sequences = int(data.train_batch_size) * int(rollout.n)
         gpus = max(1, int(trainer.nnodes) * int(trainer.n_gpus_per_node))
-        epochs = max(int(cfg.actor_rollout_ref.actor.ppo_epochs), int(_select(cfg, "critic.ppo_epochs") or 1))
+        epochs = max(int(cfg.actor_rollout_ref.actor.ppo_epochs), int(cfg.critic.ppo_epochs or 1))
     except Exception:  # noqa: BLE001 - no model or batch facts (a missing path, a test config): no derivation
         return {}
     billions = params / 1e9
@@ -126,15 +127,14 @@ def model_params(cfg: PPOTrainerConfig) -> tuple[float, str]:
 
 def _hf_config(cfg: PPOTrainerConfig) -> HFModelConfig:
     model = cfg.actor_rollout_ref.model
-    path = Path(str(_select(cfg, "actor_rollout_ref.model.path") or "")).expanduser() / "config.json"
-    if path.is_file():
+    path = None if is_unset(model, "path") else Path(str(model.path or "")).expanduser() / "config.json"
+    if path is not None and path.is_file():
         raw, source = json.loads(path.read_text()), "config.json"
     else:
-        raw, source = _plain(_select(cfg, "plan.architecture")), "plan.architecture"
+        raw, source = plain(cfg.plan.architecture), "plan.architecture"
         if not raw:
             raise ValueError("no architecture")
-    return parse_hf_config(apply_override_config(raw, _plain(getattr(model, "override_config", None)) or {}),
-                           source=source)
+    return parse_hf_config(apply_override_config(raw, plain(model.override_config) or {}), source=source)
 
 
 def layer_params(hf: HFModelConfig, layer: int, active: bool) -> int:
@@ -157,24 +157,3 @@ def _params(hf: HFModelConfig, active: bool) -> int:
 
 def _round(seconds: float) -> float:
     return float(math.ceil(seconds / 60) * 60)  # whole minutes: a deadline, not a prediction
-
-
-def _select(cfg: PPOTrainerConfig, key: str) -> Any:
-    """The value at dotted ``key``, None where a part is missing (a partial test config)."""
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part, None) if node is not None else None
-    return node
-
-
-def _plain(value: Any) -> Any:
-    if value is None:
-        return None
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    return dict(value) if isinstance(value, dict) else value

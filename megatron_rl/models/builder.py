@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.config.access import plain
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
@@ -80,23 +81,12 @@ def _transformer_config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(TransformerConfig) if not f.name.startswith("_")}
 
 
-def _plain(value: Any) -> Any:
-    """OmegaConf containers -> dicts/lists (TransformerConfig wants plain values)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return value
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
 def check_transformer_overrides(overrides: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """``overrides`` as plain values, or a ValueError naming each unknown or derived field.
 
     ``prefix`` is the config key of the mapping (``actor_rollout_ref.actor.megatron.override_transformer_config``).
     """
-    overrides = dict(_plain(overrides) or {})
+    overrides = dict(plain(overrides) or {})
     known = _transformer_config_fields()
     problems = []
     for name in overrides:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.access import plain
 from megatron_rl.models.moe import MoESpec, parse_moe_config
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
@@ -225,16 +226,7 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
 
 
 def plain_overrides(override_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not override_config:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(override_config, DictConfig):
-            return OmegaConf.to_container(override_config, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return dict(override_config)
+    return dict(plain(override_config)) if override_config else {}
 
 
 def apply_override_config(raw: dict[str, Any], override_config: Mapping[str, Any] | None) -> dict[str, Any]:

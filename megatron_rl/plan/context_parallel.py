@@ -2,9 +2,7 @@
 CP > 1 needs from the config and from the model, refused before launch naming the key."""
 from __future__ import annotations
 
-from omegaconf import OmegaConf
-
-from megatron_rl.config.access import megatron_section
+from megatron_rl.config.access import megatron_section, plain
 from megatron_rl.config.errors import require as _require
 from megatron_rl.config.lora import lora_enabled
 from megatron_rl.config.schema import MegatronParallelConfig, PPOTrainerConfig
@@ -33,7 +31,7 @@ def cp_comm_type(mcfg: MegatronParallelConfig) -> str | list[str] | None:
     """``megatron.override_transformer_config.cp_comm_type`` as given (None: Megatron's default, p2p)."""
     overrides = mcfg.override_transformer_config or {}
     value = overrides.get("cp_comm_type") if hasattr(overrides, "get") else None
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return plain(value)
 
 
 def check_context_parallel(cfg: PPOTrainerConfig, uses_critic: bool) -> None:

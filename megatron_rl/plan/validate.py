@@ -315,7 +315,7 @@ def _check_engine(cfg: DictConfig) -> None:
     section = rollout.engine_kwargs or {}
     for engine in section:
         key = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
-        kwargs = OmegaConf.to_container(section[engine], resolve=True) if section[engine] is not None else None
+        kwargs = plain(section[engine])
         _require(kwargs is None or isinstance(kwargs, dict),
                  f"{key} must be a mapping of engine arguments, got {kwargs!r}")
         _require(not kwargs or engine == spec.name,
@@ -323,7 +323,7 @@ def _check_engine(cfg: DictConfig) -> None:
                  f"{spec.name}: they would do nothing; drop them or set rollout.name={engine}")
     override = cfg.actor_rollout_ref.model.override_config
     _require(rollout.mode != "server" or not override,
-             f"actor_rollout_ref.model.override_config={OmegaConf.to_container(override) if override else None} is "
+             f"actor_rollout_ref.model.override_config={plain(override) if override else None} is "
              f"applied to the Megatron model and to colocated engines, but {spec.name} rollout servers never see it "
              "(they load model.path): bake the fields into config.json, start servers of your own with the engine's "
              "override flag (SGLang --json-model-override-args, vLLM --hf-overrides), or use rollout.mode=colocated")

@@ -122,7 +122,7 @@ class HFEngine(RolloutEngine):
         self.weight_version = 0
         # rollout.enable_rollout_routing_replay: report each token's top-k experts (rollout/routed_experts.py)
         self._capture = (RouterCapture(self.model) if check_can_report(
-            bool(getattr(config, "enable_rollout_routing_replay", False)), "the HF engine", model_config) else None)
+            bool(config.enable_rollout_routing_replay), "the HF engine", model_config) else None)
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:

@@ -1,5 +1,5 @@
-"""The run's reward function: the rule scorers alone, or with a reward model (its worker group started here,
-since it is a Megatron role) or a generative judge, combined as ``reward_model.combine`` says."""
+"""The run's reward function: the rule scorers alone, or with a reward model (a Megatron role: its worker group
+is attached by the runner) or a generative judge, combined as ``reward_model.combine`` says."""
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
@@ -10,7 +10,6 @@ from megatron_rl.reward.manager import RewardManager
 from megatron_rl.reward.model.combine import CombinePlan
 from megatron_rl.reward.model.inputs import RewardModelInputs
 from megatron_rl.reward.model.reward_fn import ClassifierScorer, JudgeScorer, ModelRewardFn, build_judge
-from megatron_rl.workers.reward_model import start_reward_model_group
 
 
 def response_length(cfg: PPOTrainerConfig) -> int:
@@ -21,8 +20,10 @@ def response_length(cfg: PPOTrainerConfig) -> int:
 
 
 def build_reward_fn(cfg: PPOTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> RewardManager | ModelRewardFn:
-    """``RewardManager`` (rule scorers, as reward.reward_manager says) unless ``reward_model.enable``; then the RM
-    worker group is started (workers/reward_model.py) and wrapped with the rule manager as the combine plan needs."""
+    """``RewardManager`` (rule scorers, as reward.reward_manager says) unless ``reward_model.enable``; then the model
+    scorer with the rule manager as the combine plan needs: a generative judge, started here; or the classifier RM,
+    whose worker group the runner attaches once the trainer's groups exist (workers/reward_model.py
+    reward_model_group, the one place it is placed and started)."""
     if not cfg.reward_model.enable:
         return RewardManager(tokenizer, cfg.reward, response_length(cfg))
     rm = cfg.reward_model
@@ -35,9 +36,8 @@ def build_reward_fn(cfg: PPOTrainerConfig, tokenizer: PreTrainedTokenizerBase) -
             return ModelRewardFn(JudgeScorer(judge, tokenizer), plan, rule, close)
         input_tokenizer = load_tokenizer(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
         inputs = RewardModelInputs(load_tokenizer(rm.model.path), input_tokenizer, rm.max_length)
-        group, close = start_reward_model_group(cfg)
     except BaseException:
         if rule is not None:
             rule.close()
         raise
-    return ModelRewardFn(ClassifierScorer(group, inputs), plan, rule, close)
+    return ModelRewardFn(ClassifierScorer(None, inputs), plan, rule)

@@ -28,6 +28,7 @@ from megatron_rl.trainer.disaggregated import build_trainer, start_rollout_serve
 from megatron_rl.trainer.loop import config_dict, fill_optimizer_steps, hf_final_dir
 from megatron_rl.trainer.signals import StopRequest, keep_handlers_through_ray
 from megatron_rl.trainer.tracking import Tracking, plot_curves
+from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor, reward_model_group
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ def _ray_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any, A
         init_ray_from_config,
     )
     from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
-    from megatron_rl.workers.reward_model import RewardModelWorker, colocated_with_actor
 
     init_ray_from_config(cfg.ray_init)  # does nothing when Ray is already up (rollout servers, judge)
     # One bundle per rank, holding a GPU whenever the cluster has GPUs (ray_init.num_gpus declares them on
@@ -208,9 +208,9 @@ def run_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
             print(f"rollout engines: {meshes[0]}", flush=True)
         if critic is not None:
             critic.init_model()
-        if reward_model is not None:  # colocated with the actor (reward_model.enable_resource_pool=false)
-            reward_model.init_model()
-            reward_fn.attach(reward_model)
+        rm_group, close_rm = reward_model_group(cfg, colocated=reward_model)  # every placement of the RM
+        if rm_group is not None:
+            reward_fn.attach(rm_group, close_rm)
         if stop.requested:
             logger.warning("received %s before the first step; stopping (nothing trained, nothing to save)",
                            stop.reason)

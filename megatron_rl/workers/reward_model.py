@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
 
-from megatron_rl.config import PPOTrainerConfig, typed_config
+from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.controller import Dispatch, Worker, register
 from megatron_rl.controller.deadlines import call_deadlines
 from megatron_rl.controller.local_group import LocalWorkerGroup
@@ -56,24 +55,27 @@ class StartedOnFirstCall:
         return self._group.compute_rm_score(data)
 
 
-def colocated_with_actor(cfg: DictConfig) -> bool:
+def colocated_with_actor(cfg: PPOTrainerConfig) -> bool:
     """Whether the Ray run puts the RM in the hybrid engine's processes (verl's enable_resource_pool=false)."""
     rm = cfg.reward_model
     return bool(rm.enable and not rm.judge.enable and not rm.enable_resource_pool)
 
 
-def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], None]]:
-    """The RM's worker group, its model built; and what stops it. Under Ray with
-    ``reward_model.enable_resource_pool``: its own resource pool of ``reward_model.n_gpus_per_node`` x
-    ``reward_model.nnodes`` ranks (0: the trainer's); colocated with the actor: None (the runner builds it in the
-    hybrid engine's processes and attaches it); under torchrun: the trainer's processes, built at the first
-    scoring (the actor's parallel state exists by then)."""
-    if cfg.trainer.launcher != "torchrun" and colocated_with_actor(cfg):
+def reward_model_group(cfg: PPOTrainerConfig, colocated: Any | None) -> tuple[Any | None, Callable[[], None]]:
+    """THE place the reward model's worker group is made, for every placement, once the trainer's groups exist;
+    returns it (None without a classifier RM) and what stops it. Colocated with the actor (Ray,
+    ``reward_model.enable_resource_pool=false``): ``colocated``, the RM role of the hybrid engine's processes,
+    its model built here. Under Ray with ``enable_resource_pool``: its own resource pool of
+    ``reward_model.n_gpus_per_node`` x ``reward_model.nnodes`` ranks (0: the trainer's). Under torchrun: the
+    trainer's processes, built at the first scoring (the actor's parallel state exists by then)."""
+    if not cfg.reward_model.enable or cfg.reward_model.judge.enable:
         return None, lambda: None
-    typed = typed_config(cfg)  # what the workers receive: the dataclass tree (pickled under Ray)
+    if colocated is not None:
+        colocated.init_model()
+        return colocated, lambda: None
     if cfg.trainer.launcher == "torchrun":
         def start() -> LocalWorkerGroup:
-            group = LocalWorkerGroup(RewardModelWorker(config=typed), "reward_model")
+            group = LocalWorkerGroup(RewardModelWorker(config=cfg), "reward_model")
             group.init_model()
             return group
 
@@ -88,7 +90,7 @@ def start_reward_model_group(cfg: DictConfig) -> tuple[Any | None, Callable[[], 
     # As the trainer's pool: a GPU per rank on a CUDA run, else GPUs only where the cluster has them.
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     pool = RayResourcePool([per_node] * nodes, use_gpu=True if cuda else None, name="reward_model_pool")
-    group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": typed}, name_prefix="reward_model",
+    group = RayWorkerGroup(pool, RewardModelWorker, init_args={"config": cfg}, name_prefix="reward_model",
                            timeout_s=cfg.ray_init.timeout_s, method_timeouts=call_deadlines(cfg))
     try:
         group.init_model()

@@ -53,12 +53,13 @@ def test_grpo_with_a_reward_model_added_to_the_rule_score(tiny_assets, tiny_rm, 
 
 def test_reward_model_on_its_own_ray_pool_scores_like_transformers(tiny_assets, tiny_rm, tmp_path):
     from megatron_rl.controller import shutdown_ray
-    from megatron_rl.workers.reward_model import start_reward_model_group
+    from megatron_rl.config import typed_config
+    from megatron_rl.workers.reward_model import reward_model_group
 
     cfg = tiny_config(tiny_assets, tmp_path, "reward_model.enable=true", f"reward_model.model.path={tiny_rm}",
                       "reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1")
     rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-    group, close = start_reward_model_group(cfg)
+    group, close = reward_model_group(typed_config(cfg), colocated=None)  # as the runner calls it
     try:
         assert group.world_size == 1
         scores = group.compute_rm_score(right_padded(rows, pad_id=0)).batch["rm_scores"]

@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megatron_rl.config.schema import RewardCombineConfig
 
 MODES = ("rm", "sum", "gate")
 _FIELDS = ("mode", "weight", "gate_threshold")
@@ -47,8 +50,8 @@ class CombineRule:
 class CombinePlan:
     """The rule of each data source: ``reward_model.combine`` with its ``per_data_source`` overrides."""
 
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        cfg = dict(cfg)
+    def __init__(self, cfg: RewardCombineConfig | Mapping[str, Any]) -> None:
+        cfg = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)  # the typed section, or a dict
         per_source = dict(cfg.pop("per_data_source", None) or {})
         self.default = CombineRule.parse(cfg, "reward_model.combine")
         self.per_source = {

@@ -108,9 +108,10 @@ class ModelRewardFn:
         tensors = {"token_level_scores": place_scores(scores, mask), "rm_scores": place_scores(rm, mask)}
         return DataProto.from_dict(tensors, non_tensor, {"reward_metrics": metrics})
 
-    def attach(self, rm_group: Any) -> None:
-        """The RM worker group built later, in the actor's processes (colocated)."""
+    def attach(self, rm_group: Any, close: Callable[[], None] = lambda: None) -> None:
+        """The RM worker group, built once the trainer's groups exist, and what stops it."""
         self.model_scorer.rm_group = rm_group
+        self._close = close
 
     def close(self) -> None:
         if self.rule is not None:

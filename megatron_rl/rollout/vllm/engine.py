@@ -93,7 +93,7 @@ def engine_args(
         args["enable_sleep_mode"] = True  # sleep()/wake_up() in the colocation schedule
     if model_override:
         args["hf_overrides"] = dict(model_override)
-    if bool(getattr(config, "enable_rollout_routing_replay", False)):  # routing replay R3 (rollout/routed_experts.py)
+    if bool(config.enable_rollout_routing_replay):  # routing replay R3 (rollout/routed_experts.py)
         args["enable_return_routed_experts"] = True
     return {**args, **extra}
 
