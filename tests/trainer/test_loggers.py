@@ -1,7 +1,8 @@
 """trainer.logger takes verl's values: each either logs here (swanlab, clearml, trackio as sinks when their package
 imports; file = our jsonl) or is refused before start-up naming the value and what to use; a missing package is
 refused by preflight (the launch machine) and a warning in the planner (`python -m megatron_rl.plan`, which may
-run elsewhere). Validation samples (trainer.log_val_generations) reach the console, jsonl and TensorBoard."""
+run elsewhere). Validation samples (trainer.log_val_generations) reach the console, jsonl and TensorBoard. wandb logs
+for real (offline) when installed, as the test extra does."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from megatron_rl.config import ConfigError, load_config
 from megatron_rl.trainer.preflight import check_loggers
 from megatron_rl.config.loggers import backend_problem, logger_backends
 from megatron_rl.trainer.tracking import GENERATIONS_FILE, JsonlSink, Tracking, read_metrics
+from megatron_rl_testing.wandb_offline import read_offline_run
 
 VERL_VALUES = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio", "file")
 
@@ -186,3 +188,26 @@ def test_file_with_verls_file_logger_variables_warns_they_are_not_read(monkeypat
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "/tmp/x.jsonl")
     check_loggers(_cfg("[console,file]"))
     assert "VERL_FILE_LOGGER_PATH is not read" in caplog.text
+
+
+def test_wandb_logs_for_real_offline_with_verls_metric_names(monkeypatch, tmp_path):
+    """The real wandb package (the test extra installs it), as verl's scripts log (trainer.logger=[console,wandb])
+    with WANDB_MODE=offline: the run's project and experiment name and every step's metrics, under the names
+    metrics.jsonl gives them, land in the offline run file; the validation samples as a table."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    tracking = Tracking(["console", "jsonl", "wandb"], tmp_path / "run", "gsm8k_grpo", "qwen3_8b", total_steps=2,
+                        config={"actor_rollout_ref": {"rollout": {"n": 5}}})
+    for step in (1, 2):
+        tracking.log({"actor/pg_loss": -0.25 * step, "critic/score/mean": 0.5 + step / 10, "timing_s/step": 1.5}, step)
+    tracking.log_generations([("what is 1+1?", "2", 1.0)], 2)
+    tracking.close()
+    run = read_offline_run(tmp_path)
+    assert (run.project, run.name) == ("gsm8k_grpo", "qwen3_8b")
+    logged = {row["_step"]: row for row in run.history}
+    for record in read_metrics(tmp_path / "run" / "metrics.jsonl"):
+        step = record.pop("step")
+        assert {k: logged[step][k] for k in record} == record
+    assert logged[2]["val/generations/_type"] == "table-file"
