@@ -56,6 +56,10 @@ def choices_of(cls: type, name: str) -> list[str] | None:
 @dataclass
 class DataConfig:
     tokenizer: Optional[str] = None  # defaults to actor_rollout_ref.model.path
+    # verl's key: the user's explicit trust in their own tokenizer directory. True lets AutoTokenizer run the
+    # Python code that directory ships (custom tokenizers, e.g. Moonlight's); logged as a warning. The model itself
+    # is still built from config.json by megatron-rl's builders (model.trust_remote_code stays refused).
+    trust_remote_code: bool = False
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"

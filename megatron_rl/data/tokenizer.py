@@ -42,6 +42,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
             f"tokenizer directory {str(path)!r} does not exist (data.tokenizer or "
             f"actor_rollout_ref.model.path)"
         )
+    if trust_remote_code:
+        logger.warning("data.trust_remote_code=true: loading the tokenizer of %s runs the Python code that "
+                       "directory ships; set it only for a directory you trust", path)
     tokenizer = AutoTokenizer.from_pretrained(
         path, trust_remote_code=trust_remote_code, local_files_only=True
     )

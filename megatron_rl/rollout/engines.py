@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.config.access import plain
-from megatron_rl.config.errors import ConfigError, require
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
 from megatron_rl.models.hf_config import load_pretrained_config, plain_overrides
 from megatron_rl.rollout.memory import EngineMemory, EngineStart, hf_memory, sglang_memory, vllm_memory
@@ -113,10 +112,9 @@ def _vllm_serving(path: str, device: str) -> dict[str, Any]:
 
 
 def _check_sglang(cfg: PPOTrainerConfig) -> None:
-    given = cfg.actor_rollout_ref.rollout.engine_kwargs.sglang
-    require(not given, f"{ROLLOUT}.engine_kwargs.sglang={plain(given)}: the SGLang adapter passes "
-            "only the ServerArgs its contract names (rollout/sglang/contract.py) and would ignore these; set them "
-            "through the rollout keys, or drop them")
+    from megatron_rl.rollout.sglang.config_checks import check_config  # lazy: its package imports torch
+
+    check_config(cfg)
 
 
 def _check_vllm(cfg: PPOTrainerConfig) -> None:

@@ -69,7 +69,10 @@ def sglang_memory(start: EngineStart) -> EngineMemory:
     distributed init, before its weights), the fraction for weights and KV cache (model_runner:
     ``rest_memory = available - total x (1 - fraction)``, total = that free memory). Its activations and
     CUDA graphs live in the rest; release_memory_occupation gives back weights, KV cache and CUDA graphs
-    (rollout/sglang/contract.py, memory_tags), so a sleeping engine keeps only its context and NCCL."""
+    (rollout/sglang/contract.py, memory_tags), so a sleeping engine keeps only its context and NCCL.
+    Expert parallelism (engine_kwargs.sglang.ep_size) leaves ``start.weights`` as it is: SGLang splits the
+    engine's tp_size ranks into ep_size groups of tp_size // ep_size ranks (srt/runtime_context.py: moe_tp_size),
+    so each GPU holds 1/ep_size of the experts, each sharded 1/moe_tp_size: 1/tp_size of them, as without EP."""
     budget = start.fraction * start.free
     return EngineMemory("sglang", "mem_fraction_static, a fraction of the memory free at engine start", start,
                         base=start.free, base_label="free at engine start", budget=budget,

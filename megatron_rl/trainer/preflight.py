@@ -428,7 +428,7 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
         return None
 
     try:
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path, data.trust_remote_code)
     except Exception as err:  # noqa: BLE001 - transformers raises OSError / ValueError / others
         key = "data.tokenizer" if data.tokenizer else "actor_rollout_ref.model.path"
         raise ConfigError(f"{key}={tokenizer_path}: the tokenizer cannot be loaded ({type(err).__name__}: "

@@ -176,7 +176,7 @@ def run_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
     if in_driver:
         logger.info("one rank, no servers: the workers run in this process (no Ray; docs/launching.md)")
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
     train_dataset = RLDataset.from_config(list(cfg.data.train_files), tokenizer, cfg.data)
     train_loader = make_dataloader(train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed, drop_last=True,

@@ -159,11 +159,11 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer(path: str) -> Any:
-    return load_tokenizer(path)
+def _tokenizer(path: str, trust_remote_code: bool) -> Any:
+    return load_tokenizer(path, trust_remote_code)
 
 
 def _decoder(cfg: PPOTrainerConfig):
     """Token ids -> text, special tokens (padding) skipped, with the run's tokenizer (loaded once)."""
-    tokenizer = _tokenizer(str(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path))
+    tokenizer = _tokenizer(str(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path), cfg.data.trust_remote_code)
     return lambda ids: tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)

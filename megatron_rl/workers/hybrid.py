@@ -171,7 +171,7 @@ class ActorRolloutRefWorker(Worker):
 
             cfg = self.config
             rollout = cfg.actor_rollout_ref.rollout
-            tokenizer = load_tokenizer(self._tokenizer_dir())
+            tokenizer = load_tokenizer(self._tokenizer_dir(), cfg.data.trust_remote_code)
             eos = (getattr(self, "_token_ids", None) or {}).get("eos_token_id", tokenizer.eos_token_id)
             eos = [eos] if isinstance(eos, int) else list(eos)
             self._agent = AgentLoop(self.rollout.generate, tokenizer, rollout.multi_turn,

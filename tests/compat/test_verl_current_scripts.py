@@ -7,13 +7,22 @@ would run:
 - examples/grpo_trainer/run_qwen3_8b_megatron.sh (INFER_BACKEND=vllm, sglang), examples/ppo_trainer/run_qwen3_8b_
   megatron.sh (vllm, sglang), examples/gpg_trainer/run_qwen3_8b_megatron.sh, examples/gspo_trainer/run_qwen3_30b_a3b_
   megatron.sh, examples/grpo_trainer/run_qwen3_30b_a3b_megatron.sh (vllm, sglang) at NNODES=2: at its default one node
-  its layout (TP4 x PP2, EP2 with ETP = TP) does not factor 8 GPUs, which Megatron-Core refuses as we do.
+  its layout (TP4 x PP2, EP2 with ETP = TP) does not factor 8 GPUs, which Megatron-Core refuses as we do;
+- (issue 51, recorded the same way from the same commit, 1dda039b9, which the verl snapshot holds)
+  examples/router_replay/run_qwen3_30b_a3b_megatron.sh (INFER_BACKEND=vllm, R3), examples/tuning/scaling/
+  run_qwen2_5_32b_megatron.sh (both pass actor_rollout_ref.actor.model_engine=megatron) and examples/grpo_trainer/
+  run_qwen3_235b_a22b_megatron.sh (DEVICE=gpu, as its torch_npu probe finds on GPUs; it passes
+  actor_rollout_ref.nccl_timeout=7200, here ray_init.timeout_s).
 
 What the plan says (79.6 GiB per H100): the GPG and 30B GRPO scripts fit; the 8B GRPO (83.0 GiB), 8B PPO (102.1) and
 30B GSPO (88.1) scripts do not by our count, because verl's Megatron engine recomputes nothing by default
 (``model.enable_gradient_checkpointing`` is read by its FSDP engine only) and their 24-30k-token micro-batches keep two
 pipeline stages' activations; the refusal names recompute and the other options. The SGLang variant of the 30B script
 is refused at compose time: rollout expert parallelism is built for vLLM only.
+The router-replay script fits (55.7 GiB: offloaded, recomputed, 1k-token sequences); the Qwen2.5-32B one does not
+(141.3 GiB: no recompute, 32k-token micro-batches at DP 1); the 235B one is refused: megatron-rl splits layers evenly
+over the pipeline stages (models/sizes.py) and does not read its uneven split (override_transformer_config.
+num_layers_in_first/last_pipeline_stage=11 of 8 stages), so 94 layers over PP 8 do not factor.
 Before (issue 37) the first script failed on actor_rollout_ref.model.use_remove_padding."""
 from __future__ import annotations
 
@@ -39,19 +48,38 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                  "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                  "max_position_embeddings": 40960}
+QWEN2_5_32B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+               "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+               "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+               "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": True}
+QWEN3_235B_A22B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+                   "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+                   "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                   "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+                   "max_position_embeddings": 40960}
+# the model each script names -> its config.json facts (longest name first: one name can prefix another)
+MODELS = {"Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
+          "Qwen/Qwen3-235B-A22B": QWEN3_235B_A22B, "Qwen/Qwen3-8B": QWEN3_8B, "Qwen/Qwen2.5-32B": QWEN2_5_32B}
 # script -> peak GiB of the plan (None: refused before planning). vLLM's figures read gpu_memory_utilization as a
 # fraction of the GPU's total, with its CUDA graphs kept while it sleeps (rollout/memory.py; issue 49: 79.2,
 # 49.4, 83.0, 88.1 and 102.1 GiB when the planner read it as SGLang's fraction of the free memory)
 EXPECTED = {
     "gpg_qwen3_8b_megatron_vllm": ("too big", 80.2),
     "grpo_qwen3_30b_a3b_megatron_vllm_2nodes": ("fits", 51.8),
-    "grpo_qwen3_30b_a3b_megatron_sglang_2nodes": ("refused", "rollout.name=sglang has no expert parallelism"),
+    "grpo_qwen3_30b_a3b_megatron_sglang_2nodes": ("fits", 49.4),  # SGLang ep_size=2 in each engine of TP 4
     "grpo_qwen3_8b_megatron_vllm": ("too big", 84.0),
     "grpo_qwen3_8b_megatron_sglang": ("too big", 83.0),
     "gspo_qwen3_30b_a3b_megatron_vllm": ("too big", 89.1),
     # vLLM would refuse to start: 0.6 x 79.6 GiB > the 45.1 GiB free after the actor and the critic
     "ppo_qwen3_8b_megatron_vllm": ("engine refuses", "only 45.1 GiB will be free .* <= 0.56"),
     "ppo_qwen3_8b_megatron_sglang": ("engine refuses", "only 45.1 GiB will be free .* <= 0.56"),
+    "router_replay_qwen3_30b_a3b_megatron_vllm": ("fits", 55.7),
+    # no recompute, 32k-token micro-batches at TP 8 x DP 1: 60 GiB of activations over Adam's unsharded 45.8
+    "grpo_qwen2_5_32b_megatron_vllm": ("too big", 141.3),
+    # layers are split evenly here (models/sizes.py); the script's uneven split (num_layers_in_first/
+    # last_pipeline_stage=11) is not read, so 94 layers over PP 8 are refused
+    "grpo_qwen3_235b_a22b_megatron_vllm": ("plan refuses", "num_hidden_layers=94 is not divisible by PP\\*VPP=8"),
 }
 
 
@@ -60,14 +88,11 @@ def test_the_recorded_scripts_are_here():
 
 
 def script_args(script: Path, tmp_path: Path) -> list[str]:
-    models = {"Qwen/Qwen3-8B": QWEN3_8B, "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B}
     args = script.read_text().splitlines()
-    for name, facts in models.items():
-        if any(name in a for a in args):
-            (tmp_path / "model").mkdir(exist_ok=True)
-            (tmp_path / "model" / "config.json").write_text(json.dumps(facts))
-    return [a.replace("Qwen/Qwen3-8B", str(tmp_path / "model")).replace("Qwen/Qwen3-30B-A3B-Base", str(tmp_path / "model"))
-            .replace("/HOME/data", str(tmp_path / "data")) for a in args]
+    name, facts = next((n, f) for n, f in MODELS.items() if any(n in a for a in args))
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(facts))
+    return [a.replace(name, str(tmp_path / "model")).replace("/HOME/data", str(tmp_path / "data")) for a in args]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -84,8 +109,12 @@ def test_every_key_of_the_script_composes_validates_and_plans(script, tmp_path, 
     assert actor.megatron.packed_sequences and cfg.actor_rollout_ref.ref.megatron.packed_sequences
     assert actor.megatron.use_distributed_optimizer  # verl's default, applied by the compat entry
     assert actor.megatron.sequence_parallel == (actor.megatron.tensor_model_parallel_size > 1)
-    assert cfg.trainer.balance_batch and cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
-    if outcome == "engine refuses":
+    said = dict(a.split("=", 1) for a in args if "=" in a)
+    for key, value in (("trainer.balance_batch", cfg.trainer.balance_batch),  # on, unless the script says off
+                       ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+                        cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz)):
+        assert value is (said.get(key, "True") == "True"), key
+    if outcome in ("engine refuses", "plan refuses"):
         with pytest.raises(PlanError, match=figure):
             build_plan(cfg)
     elif outcome == "fits":

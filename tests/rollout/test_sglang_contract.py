@@ -236,3 +236,42 @@ def test_agreed_variables_are_the_ones_the_engine_leaves_alone_when_set(src):
     agreed = set(SGLANG_CONTRACT["agreed_env_vars"])
     assert agreed and agreed <= guarded, (f"sglang {SGLANG_PIN} sets no \"not in os.environ\" guard for "
                                           f"{sorted(agreed - guarded)}: they are not agreed values")
+
+
+def _server_arg_fields(src: Source) -> dict[str, ast.AST]:
+    """ServerArgs field -> its ``A[T, meta]`` annotation, from the namespaces in srt/arg_groups/fields/."""
+    return {
+        n.target.id: n.annotation
+        for p in src.paths("srt/arg_groups/fields")
+        for c in src.tree(p).body if isinstance(c, ast.ClassDef)
+        for n in c.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+
+
+def test_the_pinned_server_args_are_the_wheels(src):
+    """engine_kwargs.sglang is checked against server_args.py's lists: they are the pinned wheel's fields and types."""
+    from megatron_rl.rollout.sglang import server_args as pinned
+
+    fields = _server_arg_fields(src)
+    assert pinned.SERVER_ARG_NAMES == set(fields), (
+        f"missing here: {sorted(set(fields) - pinned.SERVER_ARG_NAMES)}, "
+        f"gone from SGLang: {sorted(pinned.SERVER_ARG_NAMES - set(fields))}")
+    assert set(pinned.OWNED_SERVER_ARGS) <= set(fields)
+    declared = {name: ast.unparse(ann.slice.elts[0] if isinstance(ann, ast.Subscript) and
+                                  isinstance(ann.slice, ast.Tuple) else ann) for name, ann in fields.items()}
+    for names, kind in ((pinned.BOOL_FIELDS, "bool"), (pinned.INT_FIELDS, "int"), (pinned.FLOAT_FIELDS, "float")):
+        wrong = sorted(n for n in names if declared[n] not in (kind, f"Optional[{kind}]"))
+        assert not wrong, f"not {kind} in sglang {SGLANG_PIN}: {[(n, declared[n]) for n in wrong]}"
+    assert {n for n in fields if declared[n].startswith("Optional[")} == pinned.OPTIONAL_FIELDS
+    assert declared["ep_size"] == "int"
+
+
+def test_the_pinned_moe_backend_choices_are_the_wheels(src):
+    from megatron_rl.rollout.sglang import server_args as pinned
+
+    choices = src.tree("srt/arg_groups/choices.py")
+    runner = next(n.value for n in choices.body if isinstance(n, ast.Assign)
+                  and ast.unparse(n.targets[0]) == "MOE_RUNNER_BACKEND_CHOICES")
+    assert pinned.CHOICES["moe_runner_backend"] == tuple(ast.literal_eval(runner))
+    a2a = _server_arg_fields(src)["moe_a2a_backend"].slice.elts[0]  # A[Literal[...], Arg(...)]
+    assert set(pinned.CHOICES["moe_a2a_backend"]) == set(ast.literal_eval(ast.unparse(a2a.slice)))

@@ -83,7 +83,7 @@ def test_an_engine_argument_megatron_rl_sets_is_refused_naming_the_key_that_sets
     (("actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.server_urls=[http://h:1]",
       f"+{KWARGS}.vllm.block_size=16"), rf"{KWARGS}.vllm=.* cannot reach vLLM servers started elsewhere"),
     (("actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda", f"+{KWARGS}.sglang.mem_fraction_static=0.5"),
-     rf"{KWARGS}.sglang=\{{'mem_fraction_static': 0.5\}}: the SGLang adapter passes only the ServerArgs"),
+     rf"{KWARGS}.sglang.mem_fraction_static is set by megatron-rl: actor_rollout_ref.rollout.gpu_memory_utilization"),
 ])
 def test_engine_kwargs_that_would_do_nothing_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

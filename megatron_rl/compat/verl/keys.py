@@ -32,6 +32,7 @@ from megatron_rl.config.schema import DataConfig
 
 VERL_CONFIG = Path(__file__).with_name("verl_ppo_megatron_trainer.yaml")
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+_NCCL_TIMEOUT_KEYS = ("actor_rollout_ref.nccl_timeout", "critic.nccl_timeout")
 
 
 class Fate(enum.StrEnum):
@@ -108,8 +109,29 @@ def _fused(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 def _model_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     if _bare(value) != "megatron":
-        _refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set model_engine=megatron or drop the key")
+        _refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set {key}=megatron or drop the key")
     return []
+
+
+def _nccl_timeout(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's collective timeout of a role's process groups (seconds). Here a hung collective is caught by the
+    driver's deadline on the call that waits on it: ray_init.timeout_s (controller/deadlines.py), which is 600 s
+    as verl's nccl_timeout by default. The actor's and the critic's keys share it: the longer one wins."""
+    if "ray_init.timeout_s" in seen:
+        _refuse(f"{key}={value} and ray_init.timeout_s={seen['ray_init.timeout_s']} both set the deadline of the "
+                "workers' collectives here; keep ray_init.timeout_s and drop the verl key")
+    seconds = [_seconds(k, seen[k]) for k in _NCCL_TIMEOUT_KEYS if k in seen] or [_seconds(key, value)]
+    return [f"ray_init.timeout_s={max(seconds)}"]
+
+
+def _seconds(key: str, value: str) -> float:
+    try:
+        seconds = float(_bare(value))
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        _refuse(f"{key}={value}: a timeout is a positive number of seconds")
+    return seconds
 
 
 def _py_executable(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
@@ -147,18 +169,20 @@ def _grad_offload(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 
 def _rollout_expert_parallel(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    """As verl's vLLM server: ``enable_expert_parallel`` (vLLM's EP then spans the engine's TP x DP ranks). The
-    SGLang adapter (verl: ``ep_size``) and the HF engine have none yet."""
+    """As verl's servers: vLLM's ``enable_expert_parallel`` (its EP then spans the engine's TP x DP ranks), SGLang's
+    ``ep_size`` (verl/workers/rollout/sglang_rollout/async_sglang_server.py; validation checks it divides the
+    engine's TP, rollout/sglang/server_args.py). The HF engine has none."""
     ep = int(_bare(value))
     if ep < 1:
         _refuse(f"{key}={value} must be >= 1")
     engine = _bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
     if engine == "vllm":
         return [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel={'true' if ep > 1 else 'false'}"]
+    if engine == "sglang" and ep > 1:
+        return [f"++actor_rollout_ref.rollout.engine_kwargs.sglang.ep_size={ep}"]
     if ep > 1:
-        _refuse(f"{key}={value}: rollout.name={engine} has no expert parallelism here (the SGLang adapter passes "
-                "tp_size only, rollout/sglang/contract.py); use actor_rollout_ref.rollout.name=vllm or "
-                "expert_parallel_size=1")
+        _refuse(f"{key}={value}: rollout.name={engine} has no expert parallelism here; use "
+                "actor_rollout_ref.rollout.name=vllm or sglang, or expert_parallel_size=1")
     return []
 
 
@@ -202,7 +226,12 @@ _NO_RECOMPUTE_HERE = ("verl's Megatron engine does not read it (its FSDP engine 
 
 RULES: tuple[Rule, ...] = (
     # --- launch and placement
-    Rule("model_engine", Fate.mapped, "megatron is the only engine here; others are refused", _model_engine),
+    # verl's scripts name the engine at the top level and on the actor: one rule for both
+    *(Rule(key, Fate.mapped, "megatron is the only engine here; others are refused", _model_engine)
+      for key in ("model_engine", "actor_rollout_ref.actor.model_engine")),
+    *(Rule(key, Fate.mapped, "the collective timeout (s) -> ray_init.timeout_s, the driver's deadline on the "
+           "workers' calls (the longer of the actor's and the critic's)", _nccl_timeout)
+      for key in _NCCL_TIMEOUT_KEYS),
     Rule("ray_kwargs.ray_init.runtime_env.py_executable", Fate.mapped,
          "Ray workers run the driver's Python; only null fits", _py_executable),
     Rule("ray_kwargs.ray_init.num_cpus", Fate.mapped, "-> ray_init.num_cpus", _to("ray_init.num_cpus")),
@@ -272,7 +301,7 @@ RULES: tuple[Rule, ...] = (
          "checked >= prompt + response; the engine's context here is data.max_prompt_length + the response length",
          _max_model_len),
     Rule("actor_rollout_ref.rollout.expert_parallel_size", Fate.mapped,
-         "as verl: vLLM enable_expert_parallel (EP over the engine's TP x DP); > 1 refused for sglang and hf here",
+         "as verl: vLLM enable_expert_parallel (EP over the engine's TP x DP); SGLang ep_size; > 1 refused for hf",
          _rollout_expert_parallel),
     Rule("actor_rollout_ref.rollout.moe_tensor_parallel_size", Fate.dropped,
          "read by verl's TensorRT-LLM rollout only; vLLM and SGLang split experts by TP / EP"),

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.access import plain
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
@@ -26,6 +27,7 @@ from megatron_rl.rollout.sglang.contract import (
     SGLangServerError,
     SGLangUnavailableError,
 )
+from megatron_rl.rollout.sglang.server_args import check_engine_kwargs
 
 __all__ = [
     "SGLANG_CONTRACT",
@@ -80,6 +82,9 @@ def build_sglang_engine(
         )
         needs_sync = "the servers have not received the trainer's weights yet"
     else:
+        engine_kwargs = plain(config.engine_kwargs.sglang) or {}
+        # validation checked them (config_checks.py); a builder called directly meets the same check
+        check_engine_kwargs(engine_kwargs, int(config.tensor_model_parallel_size))
         transport = engine_transport.InProcessTransport(
             {
                 "model_path": str(model_path),
@@ -99,6 +104,7 @@ def build_sglang_engine(
             replica_index=replica_index,
             port_base=int(sgl.port_base),
             port_stride=int(sgl.port_stride),
+            engine_kwargs=engine_kwargs,
         )
         needs_sync = "the engine starts with random weights (load_format=dummy)"
     return SGLangEngine(

@@ -46,7 +46,8 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "resume_memory_occupation": ("tags",),
         "shutdown": (),
     },
-    # srt/arg_groups/fields/*.py: ServerArgs fields we pass to sglang.Engine(**kwargs)
+    # srt/arg_groups/fields/*.py: ServerArgs fields we pass to sglang.Engine(**kwargs); the user's
+    # rollout.engine_kwargs.sglang go beside them, checked against all of SGLang's fields (server_args.py)
     "server_args": (
         "model_path",
         "tp_size",

@@ -29,7 +29,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from megatron_rl.distributed.ports import reserved_port
@@ -88,7 +88,10 @@ class InProcessTransport:
     #: the engine copies from our buffers after its calls return (CUDA IPC, asynchronous device copies)
     async_loads = True
 
-    def __init__(self, server_args: dict[str, Any], *, replica_index: int, port_base: int, port_stride: int) -> None:
+    def __init__(self, server_args: dict[str, Any], *, replica_index: int, port_base: int, port_stride: int,
+                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        """``server_args``: the ServerArgs the adapter sets (the contract's); ``engine_kwargs``: the user's
+        rollout.engine_kwargs.sglang, already checked against SGLang's own fields (server_args.py)."""
         for name, value in SGLANG_CONTRACT["env_vars"].items():
             os.environ.setdefault(name, value)
         args = dict(server_args)
@@ -105,7 +108,7 @@ class InProcessTransport:
             _without_launcher_store(),
         ):
             args.update(nccl_port=nccl_port, port=port)
-            self._engine = engine_cls(**checked("server_args", None, args))
+            self._engine = engine_cls(**checked("server_args", None, args), **(engine_kwargs or {}))
         self.nccl_port = nccl_port
         self.version = str(import_sglang("sglang", "__version__"))
         self.tp_size = int(args["tp_size"])

@@ -23,6 +23,9 @@ Stricter than SGLang (on purpose: what passes here must pass on a GPU cluster):
 - base_gpu_id + rank must be visible in CUDA_VISIBLE_DEVICES; the process's current device is
   ``visible[MEGATRON_RL_DEVICE_INDEX]`` (default 0: a process that never bound its device is on visible[0]);
 - unknown Engine kwargs, sampling params, weight names and shape mismatches are errors (SGLang may skip);
+- Engine() takes only the ServerArgs it emulates (SERVER_ARGS_DEFAULTS in srt/entrypoints/engine.py; other real
+  fields are refused); ep_size, moe_runner_backend and moe_a2a_backend are checked (ep_size must divide
+  tp_size: SGLang fails later, in its schedulers) and recorded (``stand_in_given_args``), not emulated;
 - release/resume need enable_memory_saver=True (SGLang silently frees nothing without it); releasing a tag
   twice is an error; a weight update while weights are released is refused; generation is refused while
   weights/kv_cache (or saver-managed cuda_graph memory) are released or any weight is NaN;

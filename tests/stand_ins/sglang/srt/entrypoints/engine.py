@@ -41,6 +41,23 @@ SERVER_ARGS_DEFAULTS: dict[str, Any] = {
     "gpu_id_step": 1,
     # MoE routing capture (srt/layers/moe/routed_experts_capturer.py); requests ask with return_routed_experts
     "enable_return_routed_experts": False,
+    # expert parallelism (srt/arg_groups/fields/parallel.py, exec_.py): checked and recorded, computed as TP
+    "ep_size": 1,
+    "moe_runner_backend": "auto",
+    "moe_a2a_backend": "none",
+}
+# srt/arg_groups/choices.py MOE_RUNNER_BACKEND_CHOICES and fields/exec_.py moe_a2a_backend's Literal (0.5.23)
+MOE_CHOICES = {
+    "moe_runner_backend": (
+        "auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm", "experimental_sgl_trtllm",
+        "flashinfer_trtllm_routed", "flashinfer_cutlass", "flashinfer_mxfp4", "flashinfer_cutedsl",
+        "flashinfer_megamoe", "cutlass", "aiter", "marlin", "humming", "experimental_sgl_marlin", "lora_cutedsl",
+        "lora_triton", "lora_marlin", "hpc_ops", "megamoe", "intel_xpu",
+    ),
+    "moe_a2a_backend": (
+        "none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe", "deepep_v2", "pplx",
+        "ascend_tp", "flashinfer_megamoe",
+    ),
 }
 SAMPLING_FIELDS = {
     "max_new_tokens",
@@ -75,6 +92,18 @@ def _set_envs_and_config() -> None:
     os.environ.setdefault("CUTE_DSL_LOG_TO_CONSOLE", "1")
     os.environ["SGLANG_RUN_ID"] = f"sglang-run-{time.time()}-{uuid.uuid4().int % 100000000}"
     multiprocessing.set_start_method("spawn", force=True)
+
+
+def _check_expert_parallel(args: dict[str, Any]) -> None:
+    """0.5.23 splits tp_size ranks into ep_size expert groups of tp_size // ep_size (srt/runtime_context.py
+    derive_parallel_widths) and builds its groups from that; with a remainder SGLang fails later, in its
+    schedulers: refused here at once (stricter). Choices as argparse would refuse them."""
+    ep, tp = args["ep_size"], args["tp_size"]
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or tp % ep:
+        raise ValueError(f"ep_size={ep!r} must be a positive int dividing tp_size={tp}")
+    for name, choices in MOE_CHOICES.items():
+        if args[name] not in choices:
+            raise ValueError(f"{name}={args[name]!r} is not one of {list(choices)}")
 
 
 class EngineDead(RuntimeError):
@@ -118,6 +147,8 @@ class Engine:
             raise ValueError(f"tp_size must be a positive int, got {tp!r}")
         if not 0.0 < float(args["mem_fraction_static"]) < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {args['mem_fraction_static']!r}")
+        _check_expert_parallel(args)
+        self._given = dict(kwargs)
         self._args = args
         self._tp = tp
         self._memory_saver = bool(args["enable_memory_saver"])
@@ -597,6 +628,10 @@ class Engine:
 
     def stand_in_port(self) -> int:
         return self._port
+
+    def stand_in_given_args(self) -> dict[str, Any]:
+        """The keyword arguments Engine() was given, as given."""
+        return dict(self._given)
 
     def stand_in_pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
