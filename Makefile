@@ -20,8 +20,12 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h csrc/*.h)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-deps --target $(VENV)/wandb-site wandb==0.30.0 xxhash==4.1.0
 	touch $(STAMP)
 
+# wandb goes beside the venv, on the path only of the tests that log to it (tests/support wandb_offline.py):
+# Megatron-Core imports wandb at import when it can (inference/contexts/dynamic_context.py), which costs every
+# rank process of the suite seconds.
 install: $(STAMP)
 
 # vLLM, the production rollout engine the suite runs for real (rollout.name=vllm). On a machine without an NVIDIA

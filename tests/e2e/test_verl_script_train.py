@@ -16,7 +16,7 @@ import pytest
 from megatron_rl.demo import prepare_assets
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl.trainer.tracking import read_metrics
-from megatron_rl_testing.wandb_offline import read_offline_run
+from megatron_rl_testing.wandb_offline import read_offline_run, use_wandb
 from e2e_support import assert_finite, run_module
 
 if vllm_missing() and not os.environ.get("CI"):
@@ -47,8 +47,8 @@ def test_verls_gpg_script_trains_two_steps_on_cpu(tmp_path_factory, tmp_path, mo
     args = [f"data.train_files=['{train}']" if a.startswith("data.train_files=") else
             f"data.val_files=['{val}']" if a.startswith("data.val_files=") else a for a in args]
     wandb_dir = tmp_path_factory.mktemp("wandb")
-    for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(wandb_dir)), ("WANDB_SILENT", "true")):
-        monkeypatch.setenv(name, value)
+    use_wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
     proc = run_module(["megatron_rl.compat.verl.trainer.main_ppo", *args, *SHRUNK,
                        f"trainer.default_local_dir={tmp_path}"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]

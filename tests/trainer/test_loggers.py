@@ -2,7 +2,7 @@
 imports; file = our jsonl) or is refused before start-up naming the value and what to use; a missing package is
 refused by preflight (the launch machine) and a warning in the planner (`python -m megatron_rl.plan`, which may
 run elsewhere). Validation samples (trainer.log_val_generations) reach the console, jsonl and TensorBoard. wandb logs
-for real (offline) when installed, as the test extra does."""
+for real (offline), from where `make install` puts it (beside the venv, off the path of other tests)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from megatron_rl.config import ConfigError, load_config
 from megatron_rl.trainer.preflight import check_loggers
 from megatron_rl.config.loggers import backend_problem, logger_backends
 from megatron_rl.trainer.tracking import GENERATIONS_FILE, JsonlSink, Tracking, read_metrics
-from megatron_rl_testing.wandb_offline import read_offline_run
+from megatron_rl_testing.wandb_offline import read_offline_run, use_wandb
 
 VERL_VALUES = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio", "file")
 
@@ -191,12 +191,11 @@ def test_file_with_verls_file_logger_variables_warns_they_are_not_read(monkeypat
 
 
 def test_wandb_logs_for_real_offline_with_verls_metric_names(monkeypatch, tmp_path):
-    """The real wandb package (the test extra installs it), as verl's scripts log (trainer.logger=[console,wandb])
+    """The real wandb package (`make install` puts it beside the venv), as verl's scripts log (trainer.logger=[console,wandb])
     with WANDB_MODE=offline: the run's project and experiment name and every step's metrics, under the names
     metrics.jsonl gives them, land in the offline run file; the validation samples as a table."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    use_wandb(monkeypatch)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
     tracking = Tracking(["console", "jsonl", "wandb"], tmp_path / "run", "gsm8k_grpo", "qwen3_8b", total_steps=2,
                         config={"actor_rollout_ref": {"rollout": {"n": 5}}})

@@ -5,12 +5,16 @@ blocks of chunks (crc32 u32, length u16, kind u8: 1 whole, 2 first, 3 middle, 4 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from wandb.proto import wandb_internal_pb2
+# `make install` puts wandb here, beside the venv and off its path: Megatron-Core imports wandb at import when it can
+# (inference/contexts/dynamic_context.py), seconds for every rank process of the suite.
+WANDB_SITE = Path(sys.prefix) / "wandb-site"
 
 BLOCK = 32 * 1024
 CHUNK_HEADER = 7
@@ -22,6 +26,17 @@ class OfflineRun:
     project: str
     name: str
     history: list[dict[str, object]]  # one row per logged step, values decoded from their JSON
+
+
+def use_wandb(monkeypatch) -> None:
+    """wandb importable in this process and the processes it starts (PYTHONPATH), offline, quiet; refused with the
+    command that installs it when it is not there."""
+    if not (WANDB_SITE / "wandb").is_dir():
+        raise AssertionError(f"wandb is not installed in {WANDB_SITE}: run `make install` (the Makefile puts it there)")
+    monkeypatch.syspath_prepend(str(WANDB_SITE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(WANDB_SITE), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
 
 
 def _chunks(raw: bytes) -> Iterator[bytes]:
@@ -54,6 +69,8 @@ def read_offline_run(wandb_dir: Path) -> OfflineRun:
     files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
     if len(files) != 1:
         raise AssertionError(f"expected one offline run under {wandb_dir}/wandb, found {[str(f) for f in files]}")
+    from wandb.proto import wandb_internal_pb2  # on the path only after use_wandb()
+
     project = name = ""
     history = []
     for data in _chunks(files[0].read_bytes()):
