@@ -10,11 +10,11 @@ tests/rollout/test_sglang_contract.py compares them with the wheel. sglang itsel
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.rollout.engine_args import name_problem
 
 __all__ = ["CHOICES", "OWNED_SERVER_ARGS", "SERVER_ARG_NAMES", "check_engine_kwargs"]
 
@@ -456,11 +456,9 @@ def check_engine_kwargs(kwargs: Mapping[str, Any], tp_size: int, key: str = f"{R
 
 
 def _problem(name: str, value: Any, key: str) -> str | None:
-    if name in OWNED_SERVER_ARGS:
-        return f"{key}.{name} is set by megatron-rl: {OWNED_SERVER_ARGS[name]}"
-    if name not in SERVER_ARG_NAMES:
-        close = difflib.get_close_matches(name, sorted(SERVER_ARG_NAMES), n=1)
-        return f"{key}.{name} is not an SGLang 0.5.23 ServerArgs field{f' (did you mean {close[0]}?)' if close else ''}"
+    problem = name_problem(name, key, SERVER_ARG_NAMES, OWNED_SERVER_ARGS, "an SGLang 0.5.23 ServerArgs field")
+    if problem is not None:
+        return problem
     if value is None:
         return None if name in OPTIONAL_FIELDS else f"{key}.{name}=None: SGLang's {name} may not be None"
     for names, types, what in _TYPES:

@@ -8,13 +8,13 @@ time. tests/rollout/test_vllm_contract.py compares it, and the worker methods we
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata
 import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.rollout.engine_args import name_problem
 
 __all__ = [
     "COMPLETION_FIELDS",
@@ -177,14 +177,9 @@ def require_vllm() -> None:
 
 def check_engine_kwargs(kwargs: Mapping[str, Any], key: str = "actor_rollout_ref.rollout.engine_kwargs.vllm") -> None:
     """Refuse keys that are not vLLM engine args (with the closest real name) and keys we set ourselves."""
-    problems = []
-    for name in sorted(kwargs):
-        if name in OWNED_ENGINE_ARGS:
-            problems.append(f"{key}.{name} is set by megatron-rl: {OWNED_ENGINE_ARGS[name]}")
-        elif name not in ENGINE_ARG_NAMES or name.startswith("_"):
-            close = difflib.get_close_matches(name, [n for n in ENGINE_ARG_NAMES if not n.startswith("_")], n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"{key}.{name} is not a vLLM {VLLM_PIN} engine argument{hint}")
+    known = {n for n in ENGINE_ARG_NAMES if not n.startswith("_")}
+    problems = [problem for name in sorted(kwargs)
+                if (problem := name_problem(name, key, known, OWNED_ENGINE_ARGS, f"a vLLM {VLLM_PIN} engine argument"))]
     if problems:
         raise ConfigError("; ".join(problems))
 
