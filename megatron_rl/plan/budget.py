@@ -20,6 +20,7 @@ from megatron_rl.plan.layout import (
     trained_role,
     transformer_config,
 )
+from megatron_rl.plan.accuracy import ACTIVATIONS, EXACT, RowError
 from megatron_rl.plan.lora import lora_dtype, lora_trainable_stage_params
 from megatron_rl.plan.memory import Layout, Stage, StateBytesPerParam
 from megatron_rl.plan.report import GIB, MemoryRow, RolloutShare
@@ -34,10 +35,11 @@ class PhaseTable:
         self.notes: list[str] = []
         self.at_engine_start = 0.0  # bytes resident when the rollout engine starts (end of init_model)
 
-    def add(self, label: str, nbytes: float, phases: tuple[str, ...], at_engine_start: float | None = None) -> None:
+    def add(self, label: str, nbytes: float, phases: tuple[str, ...], at_engine_start: float | None = None,
+            accuracy: RowError = EXACT) -> None:
         """``at_engine_start``: what of the row exists when the engine starts (default: all of it when
-        the row is resident during generation, else nothing)."""
-        self.rows.append(MemoryRow(label, {p: (nbytes if p in phases else 0.0) for p in self.phases}))
+        the row is resident during generation, else nothing); ``accuracy``: how far the row can be off."""
+        self.rows.append(MemoryRow(label, {p: (nbytes if p in phases else 0.0) for p in self.phases}, accuracy.error))
         if at_engine_start is None:
             at_engine_start = nbytes if "generate" in phases else 0.0
         self.at_engine_start += at_engine_start
@@ -143,7 +145,7 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
                                   recompute_of(tcfg))
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
-    table.add(f"{role} activations", act, (update_phase,))
+    table.add(f"{role} activations", act, (update_phase,), accuracy=ACTIVATIONS)
     if lora_enabled(lora):
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
         per_stage = model.num_layers // layout.pp
@@ -154,14 +156,14 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
             for i in range(first, first + per_stage))
         table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
             model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, recompute_of(tcfg)),
-            (update_phase,))
+            (update_phase,), accuracy=ACTIVATIONS)
     if layout.cp > 1:
         # CP attention (issue 35): Transformer Engine's with the TransformerConfig's cp_comm_type on CUDA
         comm = tcfg.cp_comm_type
         cp_kernel = memory.cp_attention_kernel(layout.cp, comm)
         stored, transient = memory.cp_attention_bytes(cp_kernel, model, layout, tokens,
                                                       role_sizes.grad_accumulation_steps, stage, recompute_of(tcfg))
-        table.add(f"{role} CP attention ({cp_kernel})", stored + transient, (update_phase,))
+        table.add(f"{role} CP attention ({cp_kernel})", stored + transient, (update_phase,), accuracy=ACTIVATIONS)
         table.notes.append(_cp_note(role, layout, sequence_length(cfg), tokens, cp_kernel, comm))
         return
     # the attention kernel that runs (models/attention.py), if it keeps more than flash does (issue 32)
@@ -172,7 +174,7 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     kernel_bytes = memory.attention_kernel_bytes(kernel, model, layout, tokens, sequence_length(cfg),
                                                  role_sizes.grad_accumulation_steps, stage, recompute_of(tcfg))
     if kernel_bytes:
-        table.add(f"{role} attention kernel ({kernel})", kernel_bytes, (update_phase,))
+        table.add(f"{role} attention kernel ({kernel})", kernel_bytes, (update_phase,), accuracy=ACTIVATIONS)
 
 
 def build_table(cfg: PPOTrainerConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,

@@ -123,7 +123,10 @@ def check_factors(model: HFModelConfig, prefix: str, layout: Layout, cfg: PPOTra
         check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp)
         if (layout.tp * layout.cp * layout.dp) % layout.expert_shards:
             raise ValueError(f"EP*ETP = {layout.expert_shards} does not divide the "
-                             f"{layout.tp * layout.cp * layout.dp} ranks of a pipeline stage")
+                             f"{layout.tp * layout.cp * layout.dp} ranks of a pipeline stage. Megatron-Core's "
+                             "initialize_model_parallel refuses the same layout, so verl's own run of this config "
+                             "fails at start too: more nodes, or a smaller expert_model_parallel_size / "
+                             "expert_tensor_parallel_size")
     except ValueError as err:
         raise PlanError(f"{prefix}.megatron (TP={layout.tp}, PP={layout.pp}, EP={layout.ep}) does not factor this "
                         f"model: {err}") from err

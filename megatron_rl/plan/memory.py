@@ -207,15 +207,42 @@ def state_bytes_per_param(params_dtype: str, distributed_optimizer: bool, optimi
 
 
 def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, dtype_bytes: int = BF16) -> float:
-    """Bytes one layer saves for backward per token (bf16, flash attention, no dropout).
+    """Bytes one layer saves for backward per token (bf16, flash attention, no dropout), the mean over the model's
+    layers (an MoE model may have dense ones).
 
     Replicated over TP unless sequence parallel: the inputs and outputs of the two RMSNorms, 4 x h x 2 B.
-    Split over TP: q, k, v and the attention output (2q + 2kv) x 2 B, and the SwiGLU gate, up and
-    product 3 x ffn x 2 B. ``dtype_bytes`` = 4 for an fp32 (CPU) run: the same tensors, twice the bytes.
+    Split over TP: q, k, v and the attention output (2q + 2kv) x 2 B, the inputs of Qwen3's q/k norms (q + kv)
+    x 2 B, and the MLP's (``mlp_activation_bytes_per_token``). ``dtype_bytes`` = 4 for an fp32 (CPU) run: the
+    same tensors, twice the bytes. tests/plan/test_estimate_references.py holds it against Megatron-Core's
+    theoretical-memory report and Korthikanti et al.'s per-layer formula (plan/accuracy.py).
     """
     replicated = 4 * model.hidden_size * dtype_bytes
-    split = (2 * model.q_size + 2 * model.kv_size + 3 * model.intermediate_size) * dtype_bytes
-    return replicated / (layout.tp if layout.sequence_parallel else 1) + split / layout.tp
+    qk_norm = (model.q_size + model.kv_size) if model.qk_norm else 0
+    attention = (2 * model.q_size + 2 * model.kv_size + qk_norm) * dtype_bytes
+    mlp = sum(mlp_activation_bytes_per_token(model, layout, i, dtype_bytes) for i in range(model.num_layers))
+    return (replicated / (layout.tp if layout.sequence_parallel else 1) + attention / layout.tp
+            + mlp / model.num_layers)
+
+
+def mlp_activation_bytes_per_token(model: HFModelConfig, layout: Layout, layer: int, dtype_bytes: int = BF16) -> float:
+    """What a layer's MLP saves per token of the rank. Dense: the SwiGLU's gate, up and product, 3 x ffn x 2 B,
+    split over TP. MoE (Megatron's token dispatcher): each token reaches top-k experts, so per token the rank holds
+    top-k x ETP / TP (token, expert) pairs (with ETP = TP every rank of the TP group sees its group's pairs, each
+    with a slice of the expert); each pair keeps the dispatched input and the expert's output (h x 2 B each, the
+    latter for the gradient of its routing weight in the weighted combine) and the expert's gate, up and product
+    (3 x ffn_e / ETP x 2 B); the router keeps its logits and scores over the experts in fp32; a shared expert is a
+    dense SwiGLU of its size."""
+    if not _is_moe(model, layer):
+        ffn = model.intermediate_size if model.moe is None else (model.moe.dense_ffn_hidden_size
+                                                                 or model.intermediate_size)
+        return 3 * ffn * dtype_bytes / layout.tp
+    moe, h = model.moe, model.hidden_size
+    etp = layout.tp if layout.etp is None else layout.etp
+    pairs = moe.topk * etp / layout.tp
+    experts = pairs * (2 * h + 3 * moe.ffn_hidden_size / etp) * dtype_bytes
+    router = 2 * moe.num_experts * FP32 / (layout.tp if layout.sequence_parallel else 1)
+    shared = 3 * (moe.shared_expert_size or 0) * dtype_bytes / layout.tp
+    return experts + router + shared
 
 
 # ---------------------------------------------------------------------------- context parallelism (issue 35)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -187,13 +188,8 @@ def build_plan(cfg: DictConfig) -> Plan:
     slower = slower_layout_note(cfg, plan) if plan.fits else None
     if slower is not None:
         plan = dataclasses.replace(plan, notes=plan.notes + (slower,))
-    if not plan.fits:
-        raise PlanError(
-            f"the plan does not fit in {cfg.plan.gpu_memory_gib} GiB per GPU (plan.gpu_memory_gib):\n{plan.format()}\n"
-            f"options: more nodes (the distributed optimizer shards Adam over DP), a larger TP or PP, a smaller "
-            f"ppo_micro_batch_size_per_gpu, megatron.override_transformer_config.recompute_granularity=full "
-            f"(with recompute_method and recompute_num_layers), megatron.param_offload / optimizer_offload "
-            f"(state off the GPU while generating), or a lower {ROLLOUT}.gpu_memory_utilization")
+    if plan.over_beyond_error:
+        raise PlanError(plan.refusal())
     return plan
 
 
@@ -261,8 +257,13 @@ def check_launch(cfg: DictConfig) -> None:
         raise PlanError(problem)
     if not rollout_on_cpu(cfg):  # the run's device, as the engines will see it
         # the engine's own start-up memory check (vLLM refuses when less than its share of the total is free) on
-        # the memory the plan has in use when the engine starts: refused here, not after the workers built the actor
-        _plan(cfg)
+        # the memory the plan has in use when the engine starts: refused here, not after the workers built the actor;
+        # and a plan over the GPU by more than its estimate's error (a warning when by less: it starts)
+        plan = _plan(cfg)
+        if plan.over_beyond_error:
+            raise PlanError(plan.refusal())
+        if plan.edge_warning() is not None:
+            print(plan.edge_warning(), file=sys.stderr, flush=True)
     for prefix in (ACTOR, REF, "critic"):
         _check_kernels_here(cfg, prefix)
 
@@ -319,6 +320,8 @@ def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
     if title:
         print(title)
     print(plan.format())
+    if plan.edge_warning() is not None:
+        print(plan.edge_warning())
     print(plan_sync_traffic(cfg, plan))  # issue 16: the weight-sync traffic model
     print(checkpoint_host_ram(cfg))
     problem = distributed_optimizer_problem(cfg)

@@ -7,11 +7,17 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.sizes import padded_vocab_size
 from megatron_rl.plan import memory
+from megatron_rl.plan.accuracy import ACTIVATIONS
 from megatron_rl.plan.memory import Layout, Stage
 from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.rollout.memory import EngineMemory
 
 GIB = 2**30
+FIT_OPTIONS = ("more nodes (the distributed optimizer shards Adam over DP), a larger TP or PP, a smaller "
+               "ppo_micro_batch_size_per_gpu (ppo_max_token_len_per_gpu with dynamic batch sizes), "
+               "megatron.override_transformer_config.recompute_granularity=full (with recompute_method and "
+               "recompute_num_layers), megatron.param_offload / optimizer_offload (state off the GPU while "
+               "generating), or a lower actor_rollout_ref.rollout.gpu_memory_utilization")
 
 
 class PlanError(ConfigError):
@@ -24,6 +30,7 @@ class MemoryRow:
 
     label: str
     per_phase: dict[str, float]
+    error: float = 0.0  # the estimate's relative error (plan/accuracy.py): 0 for counts, ACTIVATIONS for activations
 
 
 @dataclass(frozen=True)
@@ -75,9 +82,43 @@ class Plan:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.total)
 
+    def margin(self, phase: str) -> float:
+        """Bytes the phase's estimate can be off by: each row's bytes times its measured error (plan/accuracy.py)."""
+        return sum(row.per_phase.get(phase, 0.0) * row.error for row in self.rows)
+
     @property
     def fits(self) -> bool:
         return self.total(self.peak_phase()) <= self.gpu_memory
+
+    @property
+    def over_beyond_error(self) -> bool:
+        """Some phase needs more than the GPU even at the low end of its estimate: the plan is refused. A plan over
+        the GPU by less than its error is warned about and starts (``edge_warning``)."""
+        return any(self.total(p) - self.margin(p) > self.gpu_memory for p in self.phases)
+
+    def _verdict(self) -> str:
+        peak = self.peak_phase()
+        over, margin = self.total(peak) - self.gpu_memory, self.margin(peak)
+        if over <= 0:
+            return "fits"
+        if self.over_beyond_error:
+            return f"DOES NOT FIT, over by {in_gib(over)} GiB, more than the estimate's error ({in_gib(margin)} GiB)"
+        return f"OVER by {in_gib(over)} GiB, within the estimate's error ({in_gib(margin)} GiB): warned, not refused"
+
+    def edge_warning(self) -> str | None:
+        """The loud warning of a plan over the GPU by less than its estimate's error (it starts), None otherwise."""
+        if self.fits or self.over_beyond_error:
+            return None
+        peak = self.peak_phase()
+        return (f"WARNING: the plan's {peak} phase needs {in_gib(self.total(peak))} GiB of the {in_gib(self.gpu_memory)} "
+                f"GiB per GPU (plan.gpu_memory_gib): over by {in_gib(self.total(peak) - self.gpu_memory)} GiB, less "
+                f"than the estimate's error of {in_gib(self.margin(peak))} GiB, so it starts, and may run out of memory "
+                f"in that phase. The error: {ACTIVATIONS.evidence}. To be safe: {FIT_OPTIONS}")
+
+    def refusal(self) -> str:
+        """Why a plan over the GPU by more than its error cannot run, with the table and the options."""
+        return (f"the plan does not fit in {self.gpu_memory / GIB:g} GiB per GPU (plan.gpu_memory_gib), even at the "
+                f"low end of its estimate ({ACTIVATIONS.evidence}):\n{self.format()}\noptions: {FIT_OPTIONS}")
 
     def format(self) -> str:
         model, layout, rollout = self.model, self.actor_layout, self.rollout
@@ -104,8 +145,8 @@ class Plan:
                          + "".join(f"{in_gib(row.per_phase.get(p, 0.0)):>15}" for p in self.phases))
         lines.append(f"  {'total':<{width}}" + "".join(f"{in_gib(self.total(p)):>15}" for p in self.phases))
         peak = self.peak_phase()
-        verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"peak: {peak}, {in_gib(self.total(peak))} of {in_gib(self.gpu_memory)} GiB per GPU: {verdict}")
+        lines.append(f"peak: {peak}, {in_gib(self.total(peak))} of {in_gib(self.gpu_memory)} GiB per GPU: "
+                     f"{self._verdict()}")
         return "\n".join(lines)
 
 

@@ -259,3 +259,35 @@ def test_cli_prints_the_plan_and_exits_1_on_rejection(capsys):
     assert "GPUs: 32 = actor TP 8 x PP 2 x CP 1 x DP 2" in out and ": fits" in out
     assert plan_cli(["+experiment=grpo_32b", "trainer.nnodes=3"]) == 1
     assert "rejected:" in capsys.readouterr().err
+
+
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+
+
+@pytest.mark.parametrize("overrides, refused", [([f"{MICRO}=4", "plan.reserved_gib=19"], False), ([f"{MICRO}=8"], True)])
+def test_a_plan_over_the_gpu_is_refused_only_beyond_its_estimates_error(monkeypatch, capsys, overrides, refused):
+    """Issue 51: activations are the plan's one estimate (plan/accuracy.py: +-10%). grpo_70b with micro-batches of 4
+    and 19 GiB reserved needs 80.0 GiB in its update, 31.4 of them activations: over the 79.6 GiB H100 by 0.4 GiB,
+    within the error (3.1): the dry run and a real start warn, with the evidence and the options, and go on. With
+    micro-batches of 8 it is over by 16.8 GiB, beyond the error (6.3): both refuse. Before, the dry run refused both
+    and a real start refused neither."""
+    from megatron_rl.models import capabilities
+    from megatron_rl.plan import check_launch, print_plan
+
+    monkeypatch.setattr(capabilities, "distributed_optimizer_blocker", lambda: None)
+    cfg = load_config(overrides=["+experiment=grpo_70b", "trainer.device=cuda", *overrides])  # a start on GPUs
+    if refused:
+        for start in (build_plan, check_launch):
+            with pytest.raises(PlanError, match=r"actor update, 96.4 of 79.6 GiB per GPU: DOES NOT FIT, over by 16.8 "
+                                                r"GiB, more than the estimate's error \(6.3 GiB\)") as err:
+                start(cfg)
+            assert "twice that, 10%" in str(err.value) and "recompute_granularity=full" in str(err.value)
+        return
+    plan = print_plan(cfg)
+    out = capsys.readouterr().out
+    assert "actor update, 80.0 of 79.6 GiB per GPU: OVER by 0.4 GiB, within the estimate's error (3.1 GiB)" in out
+    assert "WARNING: the plan's actor update phase needs 80.0 GiB of the 79.6 GiB per GPU" in out
+    assert not plan.fits and not plan.over_beyond_error
+    check_launch(cfg)  # a real start on GPUs: the same warning, on stderr, and no refusal
+    err = capsys.readouterr().err
+    assert "WARNING: the plan's actor update phase needs 80.0 GiB" in err and "recompute_granularity=full" in err

@@ -226,7 +226,7 @@ def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, monkeypatch, caps
             return ["fake engine mesh"]
 
     actor = SignalledActor()
-    monkeypatch.setattr(runner, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runner, "load_tokenizer", lambda path, trust_remote_code=False: None)
     monkeypatch.setattr(runner.RLDataset, "from_config", classmethod(lambda cls, *a, **k: list(range(8))))
     monkeypatch.setattr(runner, "build_reward_fn", lambda cfg, tok: type("R", (), {"close": lambda self: None})())
     monkeypatch.setattr(runner, "_probe_prompts", lambda *a: None, raising=False)

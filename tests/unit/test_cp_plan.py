@@ -235,5 +235,7 @@ def test_long_context_preset_fits_80gb_at_32k_and_at_64k_with_cp8():
                                              f"{ACTOR}.context_parallel_size=8"]))
     assert long.fits and long.actor_layout.dp == 1
     assert round(long.total("generate") / GIB, 1) == 65.8 and round(long.total("actor update") / GIB, 1) == 60.5
-    with pytest.raises(PlanError, match=r"does not fit in 79.6 GiB"):  # 64k at CP 4: 81.1 GiB in the update
-        build_plan(load_config(overrides=["+experiment=grpo_8b_long_context", "data.max_response_length=65536"]))
+    # 64k at CP 4: 81.1 GiB in the update, over by less than its activations' error: warned, not refused (issue 51)
+    edge = build_plan(load_config(overrides=["+experiment=grpo_8b_long_context", "data.max_response_length=65536"]))
+    assert round(edge.total("actor update") / GIB, 1) == 81.1 and not edge.fits and not edge.over_beyond_error
+    assert "WARNING: the plan's actor update phase needs 81.1 GiB" in edge.edge_warning()
