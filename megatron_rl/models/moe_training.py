@@ -59,6 +59,25 @@ def router_loss_scaling(config: TransformerConfig, num_microbatches: int, dp_siz
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
+def moe_padding(model: torch.nn.Module, padding: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The ``padding_mask`` keyword of a model chunk's forward: True at a micro-batch's pad positions ([b, s] as
+    the input ids), which Megatron's MoE routers leave out of the load-balancing and z losses. Pad tokens appear
+    where a pack is rounded up (2 x CP per sequence under context parallelism, TP under sequence parallelism) or
+    in the padded layout; counting them made the router losses differ from an unpadded run. Megatron's GPTModel
+    splits the mask over TP (sequence parallelism) on the first pipeline stage only, so a later stage's chunk gets
+    its TP rank's slice here, as its hidden states are. ``{}`` without padding (a dense model: None)."""
+    if padding is None:
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if get_attr_wrapped_model(model, "pre_process") or not get_attr_wrapped_model(model, "config").sequence_parallel:
+        return {"padding_mask": padding}
+    width = padding.shape[1] // parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    return {"padding_mask": padding[:, start : start + width]}
+
+
 def moe_metrics(num_layers: int, num_microbatches: int) -> dict[str, float]:
     """``moe_aux_loss`` (and ``moe_z_loss`` when on), layer means, plus ``moe_aux_loss/layer_<i>``,
     per micro-batch, from Megatron's tracker since the last call (which it then clears; it sums over the

@@ -78,11 +78,9 @@ def check_context_parallel_model(model: HFModelConfig, role: str, cp: int, tp: i
     if cp == 1:
         return
     key = f"{role}.megatron.context_parallel_size={cp}"
-    _require(model.moe is None,
-             f"{key} with an MoE model ({model.source}: {model.architecture}, "
-             f"{model.moe.num_experts if model.moe is not None else 0} experts) is not built: the token routing, "
-             "its load-balancing loss and the routing replay count a sequence's tokens on one rank; set CP to 1 "
-             "and split the model with expert / tensor parallelism")
+    # An MoE model splits its tokens over CP like a dense one: each router sees its rank's chunks, Megatron reduces
+    # the expert counts over TP x CP, and the engine masks the split's pad tokens out of the router losses (issue
+    # 51; tests/workers/test_context_parallel_moe.py). Routing replay with CP is refused by config/router_replay.py.
     if not te_attention:
         return
     window = getattr(model, "sliding_window", None)

@@ -32,7 +32,7 @@ from megatron_rl.models.builder import build_gpt_model, transformer_overrides
 from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.loading import load_hf_weights
 from megatron_rl.models.lora import LoRAAdapter, LoRASpec
-from megatron_rl.models.moe_training import ExpertLoad, freeze_routers, moe_metrics, router_loss_scaling
+from megatron_rl.models.moe_training import ExpertLoad, freeze_routers, moe_metrics, moe_padding, router_loss_scaling
 from megatron_rl.models.peft_adapter import load_peft_adapter
 from megatron_rl.models.rope_positions import check_rope_positions, rope_at_positions
 from megatron_rl.models.router_replay import build_routing_replay
@@ -366,9 +366,9 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
+            padding = micro_batch.padding if self.hf_config.moe is not None else None
             if count_valid:  # the expert load leaves this micro-batch's pad tokens out (moe_training.ExpertLoad)
-                thd = micro_batch.is_thd
-                self.expert_load.valid = None if thd else micro_batch.attention_mask.t().bool()
+                self.expert_load.valid = None if padding is None else ~padding.t()
             if self.routing_recorder is not None:
                 self.routing_recorder.expect(micro_batch)
             if self.routing_replay is not None:
@@ -379,13 +379,15 @@ class MegatronEngine:
                     micro_batch.position_ids,
                     None,
                     packed_seq_params=micro_batch.packed_seq_params(),
+                    **moe_padding(model, padding),
                 )
             else:
                 # shared prompts: responses continue their prompt's RoPE positions (models/rope_positions.py)
                 positions = (rope_at_positions(model, micro_batch.position_ids) if micro_batch.is_shared
                              else contextlib.nullcontext())
                 with positions:
-                    output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked())
+                    output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked(),
+                                   **moe_padding(model, padding))
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:

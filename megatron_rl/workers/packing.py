@@ -63,6 +63,9 @@ class PackedMicroBatch:
     # thd_index stay global (each sequence padded at its end to a multiple of 2 x CP).
     last_index: torch.Tensor | None = None
     cp: ContextParallelShard | None = None
+    # THD only: [1, T] (under CP this rank's [1, T / CP]) True at the pack's pad positions (the CP / TP rounding of
+    # each sequence, the trailing pad sequence), which an MoE router must not count (``padding``)
+    thd_padding: torch.Tensor | None = None
 
     @property
     def is_thd(self) -> bool:
@@ -129,6 +132,15 @@ class PackedMicroBatch:
         if self.is_shared:
             return output[self.predictor_rows, self.predictor_cols]
         return output[self.token_rows, self.predictor_cols]
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        """[b', W] ([1, T] THD) bool, True at positions that hold no token: what Megatron's MoE router leaves out of
+        its load-balancing and z losses and its expert-bias counts (``padding_mask``). None with shared prompts,
+        whose rows have no padding of their own to leave out."""
+        if self.is_thd:
+            return self.thd_padding
+        return None if self.is_shared else ~self.attention_mask.bool()
 
     def attention_blocked(self) -> torch.Tensor:
         """The [b', 1, W, W] bool mask (True = blocked) of the padded and shared-prompt layouts."""
@@ -245,6 +257,8 @@ def to_thd(
     ids = torch.zeros(1, size, dtype=micro_batch.input_ids.dtype, device=device)
     row, col = real.nonzero(as_tuple=True)  # row-major: row 0's tokens, then row 1's, ...
     ids[0, starts[row] + col] = micro_batch.input_ids[real]
+    padding = torch.ones(1, size, dtype=torch.bool, device=device)
+    padding[0, starts[row] + col] = False
     bounds = [0] + torch.cumsum(padded, 0).tolist()
     if size > bounds[-1]:
         bounds.append(size)  # the pad sequence: attends only to itself, predicts nothing
@@ -258,7 +272,7 @@ def to_thd(
         local_of = torch.full((size,), -1, dtype=torch.long, device=device)
         local_of[positions] = torch.arange(len(positions), device=device)
         shard = ContextParallelShard(cp_group, cp_size, cp_rank, local_of, positions)
-        ids = ids[:, positions]
+        ids, padding = ids[:, positions], padding[:, positions]
     return PackedMicroBatch(
         rows=micro_batch.rows,
         input_ids=ids,
@@ -273,4 +287,5 @@ def to_thd(
         thd_index=starts[micro_batch.token_rows] + micro_batch.predictor_cols,
         last_index=starts[:num_rows] + lengths[:num_rows] - 1,
         cp=shard,
+        thd_padding=padding,
     )

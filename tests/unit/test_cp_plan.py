@@ -87,8 +87,18 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num
        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}
 
 
+def test_cp_on_an_moe_model_is_accepted_by_the_preflight_and_planned(tmp_path):
+    """Issue 51: CP x MoE is built (tests/workers/test_context_parallel_moe.py); it was refused by name."""
+    from megatron_rl.trainer.preflight import check_context_parallel_models
+
+    model_dir = _write_model(tmp_path / "model", **MOE)
+    cfg = cfg_with(*CP2, f"actor_rollout_ref.model.path={model_dir}")
+    validate(cfg)
+    check_context_parallel_models(cfg, load_model_facts(cfg))
+    assert build_plan(cfg).actor_layout.cp == 2
+
+
 @pytest.mark.parametrize("fields, extra, message", [
-    (MOE, (), r"actor_rollout_ref.actor.megatron.context_parallel_size=2 with an MoE model .*4 experts\) is not built"),
     ({}, (f"+{ACTOR}.override_transformer_config.cp_comm_type=a2a", f"{ACTOR}.context_parallel_size=4"),
      r"cp_comm_type=a2a with actor_rollout_ref.actor.megatron.context_parallel_size=4 splits each TP rank's heads .* "
      r"4 query and 2 KV heads"),

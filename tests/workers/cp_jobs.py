@@ -114,3 +114,34 @@ def activation_job(model_dir: str, cp: int) -> dict[str, Any]:
         update(actor, data)
     destroy_model_parallel()
     return {"bytes": saved.nbytes, "lengths": data.batch["attention_mask"].sum(dim=1).tolist()}
+
+
+def moe_cp_job(model_dir: str, cp: int, ep: int) -> dict[str, Any]:
+    """An MoE actor at CP=``cp`` x EP=``ep`` (the experts split over the CP ranks' expert-parallel group), the
+    load-balancing loss on: log-probs, one update's metrics, every gradient (experts named by their global index),
+    the update's change of each HF weight, the log-probs after it."""
+    import re
+
+    from megatron.core import parallel_state
+
+    from workers_jobs import weights
+
+    init_model_parallel(cp=cp, ep=ep)
+    layout = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
+              "override_transformer_config": {"moe_aux_loss_coeff": 0.01}}
+    data = cp_batch()
+    actor = make_actor(model_dir, _megatron(actor_config(), layout))
+    out: dict[str, Any] = {"log_probs": actor.compute_log_prob(data).batch["old_log_probs"]}
+    before = weights(actor)
+    out["metrics"] = update(actor, data)
+    local = actor.engine.model[0].module.decoder.layers[0].mlp.experts.num_local_experts
+    first = parallel_state.get_expert_model_parallel_rank() * local
+
+    def global_name(name: str) -> str:
+        return re.sub(r"local_experts\.(\d+)", lambda m: f"experts.{first + int(m.group(1))}", name)
+
+    out["grads"] = {global_name(name): grad for name, grad in _grads(actor).items()}
+    out["step"] = {name: tensor - before[name] for name, tensor in weights(actor).items()}
+    out["log_probs_after"] = actor.compute_log_prob(data).batch["old_log_probs"]
+    destroy_model_parallel()
+    return out
