@@ -175,7 +175,8 @@ def make_transformer_config(
     tp, pp, vpp, cp, ep, etp = _parallel_sizes(layout, expert_layout)
     # refused before launch: the planner builds this config too
     check_grouped_gemm_override(overrides.get("moe_grouped_gemm"))
-    check_parallel_fit(hf, tp, pp, vpp, ep=ep, etp=etp)
+    check_parallel_fit(hf, tp, pp, vpp, ep=ep, etp=etp, first=overrides.get("num_layers_in_first_pipeline_stage"),
+                       last=overrides.get("num_layers_in_last_pipeline_stage"))
     kwargs: dict[str, Any] = dict(
         **_architecture_kwargs(hf),
         tensor_model_parallel_size=tp,

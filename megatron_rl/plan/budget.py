@@ -148,12 +148,10 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     table.add(f"{role} activations", act, (update_phase,), accuracy=ACTIVATIONS)
     if lora_enabled(lora):
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
-        per_stage = model.num_layers // layout.pp
-        first = 0 if (stage == "first" or layout.pp == 1) else (layout.pp - 1) * per_stage
         per_token_layer = max(memory.lora_activation_bytes_per_token_layer(
             model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
             memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel))
-            for i in range(first, first + per_stage))
+            for i in memory.stage_layers(model, layout, stage))
         table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
             model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, recompute_of(tcfg)),
             (update_phase,), accuracy=ACTIVATIONS)

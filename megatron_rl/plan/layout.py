@@ -42,9 +42,12 @@ def role_layout(cfg: PPOTrainerConfig, prefix: str, world: int) -> Layout:
     if world % (tp * pp * cp):  # validate() checks the trained roles; the reference is checked here
         raise PlanError(f"{prefix}.megatron: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
                         f"world size {world}")
+    overrides = mcfg.override_transformer_config or {}
     return Layout(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp),
                   vpp=mcfg.virtual_pipeline_model_parallel_size, sequence_parallel=mcfg.sequence_parallel,
-                  ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size)
+                  ep=mcfg.expert_model_parallel_size, etp=mcfg.expert_tensor_parallel_size,
+                  first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
+                  last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"))
 
 
 def params_dtype(cfg: PPOTrainerConfig, mcfg: MegatronParallelConfig) -> str:
@@ -120,7 +123,8 @@ def check_factors(model: HFModelConfig, prefix: str, layout: Layout, cfg: PPOTra
         check_context_parallel_model(model, prefix, layout.cp, layout.tp, cp_comm_type(megatron_section(cfg, prefix)),
                                      te_attention=str(cfg.trainer.device) != "cpu")
     try:
-        check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp)
+        check_parallel_fit(model, layout.tp, layout.pp, layout.vpp, ep=layout.ep, etp=layout.etp,
+                           first=layout.first_stage_layers, last=layout.last_stage_layers)
         if (layout.tp * layout.cp * layout.dp) % layout.expert_shards:
             raise ValueError(f"EP*ETP = {layout.expert_shards} does not divide the "
                              f"{layout.tp * layout.cp * layout.dp} ranks of a pipeline stage. Megatron-Core's "

@@ -18,7 +18,7 @@ from megatron_rl.models.attention import (
     SDPA_MATH,
     padded_attention_plan,
 )
-from megatron_rl.models.sizes import padded_vocab_size
+from megatron_rl.models.sizes import padded_vocab_size, stage_layer_counts
 from megatron_rl.models.hf_config import HFModelConfig
 
 BF16 = 2
@@ -38,6 +38,9 @@ class Layout:
     sequence_parallel: bool = False
     ep: int = 1  # MoE: experts split over EP ranks ...
     etp: Optional[int] = None  # ... and each expert over ETP ranks (None: = TP)
+    # an uneven pipeline (override_transformer_config.num_layers_in_first/last_pipeline_stage; None: even)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @property
     def expert_shards(self) -> int:
@@ -140,8 +143,13 @@ def active_params(model: HFModelConfig) -> int:
 
 def stage_layers(model: HFModelConfig, layout: Layout, stage: Stage) -> list[int]:
     """Global indices of the layers on the first or last pipeline stage, as Megatron cuts them: evenly over
-    PP, and with a virtual pipeline (VPP) in PP x VPP chunks dealt round-robin, so the first stage holds
-    chunks 0, PP, 2 PP, ... (with dense-first MoE models that decides how many experts a stage holds)."""
+    PP, or with the layout's first / last stage sizes and the rest evenly between (models/sizes.py
+    stage_layer_counts); with a virtual pipeline (VPP) in PP x VPP chunks dealt round-robin, so the first stage
+    holds chunks 0, PP, 2 PP, ... (with dense-first MoE models that decides how many experts a stage holds)."""
+    if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
+        counts = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+        return list(range(counts[0])) if stage == "first" else list(range(model.num_layers - counts[-1],
+                                                                           model.num_layers))
     chunks = layout.pp * (layout.vpp or 1)
     per_chunk = model.num_layers // chunks
     rank = 0 if stage == "first" else layout.pp - 1
@@ -334,7 +342,7 @@ def cp_attention_bytes(kernel: Optional[str], model: HFModelConfig, layout: Layo
         raise ValueError(f"unknown context-parallel attention kernel {kernel!r}")
     if recompute.granularity == "selective":
         return 0.0, transient
-    layers = model.num_layers // layout.pp
+    layers = len(stage_layers(model, layout, stage))
     if recompute.granularity == "full":
         return min(recompute.num_layers, layers) * per_layer, transient
     return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage), transient
@@ -388,7 +396,7 @@ def activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batc
     """
     tokens = tokens_per_micro_batch / layout.cp
     per_layer = activation_bytes_per_token_layer(model, layout, dtype_bytes) * tokens
-    layers = model.num_layers // layout.pp
+    layers = len(stage_layers(model, layout, stage))
     if recompute.granularity == "full":
         checkpoint = model.hidden_size * dtype_bytes * tokens / (layout.tp if layout.sequence_parallel else 1)
         chunk = min(recompute.num_layers, layers)
@@ -448,7 +456,7 @@ def attention_kernel_bytes(kernel: str, model: HFModelConfig, layout: Layout, to
         per_layer += copies
     elif kernel == SDPA_MATH:
         per_layer += copies + q_rank * rows * sequence_length * sequence_length * FP32
-    layers = model.num_layers // layout.pp
+    layers = len(stage_layers(model, layout, stage))
     if recompute.granularity == "full":
         return min(recompute.num_layers, layers) * per_layer
     return layers * per_layer * micro_batches_in_flight(layout, micro_batches, stage)
@@ -528,10 +536,8 @@ def lora_input_size(model: HFModelConfig, linear: str, tp: int = 1) -> float:
 def lora_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, rank: int, targets_of_layer) -> float:
     """Adapter parameters on one GPU of the first or last pipeline stage; ``targets_of_layer(i)`` names the
     linears of global layer i that get adapters (config/lora.py lora_targets)."""
-    per_stage = model.num_layers // layout.pp
-    first = 0 if (stage == "first" or layout.pp == 1) else (layout.pp - 1) * per_stage
     return sum(sum(lora_linear_params(model, linear, rank, layout.tp))
-               for i in range(first, first + per_stage) for linear in targets_of_layer(i))
+               for i in stage_layers(model, layout, stage) for linear in targets_of_layer(i))
 
 
 def lora_activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, rank: int, dropout: float,
@@ -558,7 +564,7 @@ def lora_activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro
     """The LoRA path's saved tensors at the peak of a step, held like activation_bytes holds a layer's: every
     layer of the stage for each micro-batch in flight; under full recompute only the chunk being recomputed."""
     tokens = tokens_per_micro_batch / layout.cp
-    layers = model.num_layers // layout.pp
+    layers = len(stage_layers(model, layout, stage))
     if recompute.granularity == "full":
         return min(recompute.num_layers, layers) * per_token_layer * tokens
     return layers * per_token_layer * tokens * micro_batches_in_flight(layout, micro_batches, stage)

@@ -32,12 +32,13 @@ into the sync's bucket + the engine's load.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import Kind, TensorGroup, hf_tensor_groups
-from megatron_rl.models.sizes import padded_vocab_size
+from megatron_rl.models.sizes import padded_vocab_size, stage_layer_counts
 from megatron_rl.plan.report import Plan
 from megatron_rl.weights.export import plan_export_buckets
 
@@ -88,17 +89,23 @@ class SyncTraffic:
         return max(self.seconds_of(rank) for rank in range(len(self.per_rank)))
 
 
-def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_head: bool = False) -> list[_Group]:
-    """The exported parameters in checkpoint order with their stage, shard and HF sizes (even layer split)."""
-    if hf.num_layers % pp:
-        raise ValueError(f"num_hidden_layers={hf.num_layers} is not divisible by PP={pp}")
+def layer_stages(hf: HFModelConfig, pp: int, stage_counts: Sequence[int] | None = None) -> list[int]:
+    """The pipeline stage of each layer: ``stage_counts`` layers per stage (an uneven split), else even."""
+    counts = list(stage_counts) if stage_counts is not None else stage_layer_counts(hf.num_layers, pp)
+    return [stage for stage, count in enumerate(counts) for _ in range(count)]
+
+
+def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_head: bool = False,
+                 stage_counts: Sequence[int] | None = None) -> list[_Group]:
+    """The exported parameters in checkpoint order with their stage, shard and HF sizes (``stage_counts``
+    layers per stage; None: even)."""
+    stages = layer_stages(hf, pp, stage_counts)
     h, f, b = hf.hidden_size, hf.intermediate_size, dtype_bytes
     vocab_padded = padded_vocab_size(hf.vocab_size, tp)
-    per_stage = hf.num_layers // pp
     groups = [_Group(0, "split", vocab_padded // tp * h * b, (hf.vocab_size * h * b,))]
     qkv_rows = hf.q_size + 2 * hf.kv_size
     for layer in range(hf.num_layers):
-        s = layer // per_stage
+        s = stages[layer]
         groups.append(_Group(s, "replicated", h * b, (h * b,)))
         groups.append(_Group(s, "split", qkv_rows // tp * h * b, (hf.q_size * h * b, hf.kv_size * h * b, hf.kv_size * h * b)))
         if hf.qkv_bias:
@@ -136,11 +143,12 @@ def _buckets(groups: list[_Group], tp: int, bucket_bytes: int) -> list[tuple[int
     return [(s, n) for s, n in out]
 
 
-def _stage_of(hf: HFModelConfig, group: TensorGroup, pp: int) -> int:
-    """The pipeline stage holding ``group`` (layers split evenly; embedding first, final norm and head last)."""
+def _stage_of(group: TensorGroup, stages: list[int], pp: int) -> int:
+    """The pipeline stage holding ``group`` (``stages``: each layer's; embedding first, final norm and head
+    last)."""
     layer = re.match(r"model\.layers\.(\d+)\.", group.key)
     if layer:
-        return int(layer.group(1)) // (hf.num_layers // pp)
+        return stages[int(layer.group(1))]
     return 0 if group.key == "model.embed_tokens.weight" else pp - 1
 
 
@@ -157,14 +165,13 @@ def _shard_shape(hf: HFModelConfig, group: TensorGroup, split: int, tp: int) -> 
 
 
 def moe_export_buckets(hf: HFModelConfig, tp: int, pp: int, ep: int, etp: int, dtype_bytes: int,
-                       bucket_bytes: int, value_head: bool = False):
+                       bucket_bytes: int, value_head: bool = False, stage_counts: Sequence[int] | None = None):
     """The export's buckets of an MoE model at this layout (``plan_export_buckets`` on the HF groups, experts
     split over ETP and owned by EP rank ``expert // (num_experts / EP)``), as every rank plans them."""
-    if hf.num_layers % pp:
-        raise ValueError(f"num_hidden_layers={hf.num_layers} is not divisible by PP={pp}")
+    stages = layer_stages(hf, pp, stage_counts)
     dtype = {2: "bfloat16", 4: "float32"}[dtype_bytes]
     groups = hf_tensor_groups(hf, value_head)
-    owner = {g.key: (_stage_of(hf, g, pp), dtype, _shard_shape(hf, g, tp if g.expert is None else etp, tp))
+    owner = {g.key: (_stage_of(g, stages, pp), dtype, _shard_shape(hf, g, tp if g.expert is None else etp, tp))
              for g in groups}
     per_rank = hf.moe.num_experts // ep
     ep_owner = {g.key: g.expert // per_rank for g in groups if g.expert is not None} if ep > 1 else None
@@ -218,10 +225,10 @@ class _Ledger:
 
 
 def _count_moe(ledger: _Ledger, hf: HFModelConfig, ep: int, etp: int, dtype_bytes: int, bucket_bytes: int,
-               rollout_tp: int | None, value_head: bool) -> None:
+               rollout_tp: int | None, value_head: bool, stage_counts: Sequence[int] | None = None) -> None:
     """Shard-first of an MoE model: expert buckets first go from their EP rank to the stage's other EP ranks."""
     tp, pp, dp = ledger.tp, ledger.pp, ledger.dp
-    buckets = moe_export_buckets(hf, tp, pp, ep, etp, dtype_bytes, bucket_bytes, value_head)
+    buckets = moe_export_buckets(hf, tp, pp, ep, etp, dtype_bytes, bucket_bytes, value_head, stage_counts)
     stage_size, edp = tp * dp, tp * dp // (ep * etp)
 
     def expert_rank(et: int, e: int, d: int, s: int) -> int:  # Megatron's expert order tp-ep-dp-pp
@@ -284,9 +291,11 @@ def model_sync_traffic(
     bandwidths: Bandwidths | None = None,
     ep: int = 1,
     etp: int | None = None,
+    stage_counts: Sequence[int] | None = None,
 ) -> SyncTraffic:
     """Per-rank bytes (by link class), collectives and local copies of one sync, every rank feeding an engine.
-    ``ep`` / ``etp`` (MoE models; ``etp`` None = TP): expert parallel and expert tensor parallel sizes."""
+    ``ep`` / ``etp`` (MoE models; ``etp`` None = TP): expert parallel and expert tensor parallel sizes;
+    ``stage_counts``: layers per pipeline stage of an uneven split (None: even)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     etp = tp if etp is None else etp
@@ -298,9 +307,9 @@ def model_sync_traffic(
         raise ValueError(f"TP x DP = {tp * dp} ranks per stage is not divisible by EP x ETP = {ep * etp}")
     ledger = _Ledger(tp, pp, dp, gpus_per_node)
     if hf.moe is not None:
-        _count_moe(ledger, hf, ep, etp, dtype_bytes, bucket_bytes, rollout_tp, value_head)
+        _count_moe(ledger, hf, ep, etp, dtype_bytes, bucket_bytes, rollout_tp, value_head, stage_counts)
         return SyncTraffic(path, tp, pp, dp, gpus_per_node, ledger.per_rank, bandwidths or Bandwidths(), ep, etp)
-    groups = shard_groups(hf, tp, pp, dtype_bytes, value_head)
+    groups = shard_groups(hf, tp, pp, dtype_bytes, value_head, stage_counts)
     full = sum(sum(g.hf_bytes) for g in groups)
     engine_load = full // (rollout_tp or tp)
     if path == "shard_first":
@@ -312,7 +321,8 @@ def model_sync_traffic(
 
 def format_sync_traffic(hf: HFModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, *, name: str = "",
                         dtype_bytes: int = 2, bucket_bytes: int = 512 << 20, rollout_tp: int | None = None,
-                        bandwidths: Bandwidths | None = None, ep: int = 1, etp: int | None = None) -> str:
+                        bandwidths: Bandwidths | None = None, ep: int = 1, etp: int | None = None,
+                        stage_counts: Sequence[int] | None = None) -> str:
     """The planner's weight-sync lines: both paths (MoE: shard-first only), worst GPU, at the stated bandwidths."""
     bw = bandwidths or Bandwidths()
     experts = f" x EP {ep} x ETP {tp if etp is None else etp}" if hf.moe is not None else ""
@@ -324,7 +334,8 @@ def format_sync_traffic(hf: HFModelConfig, tp: int, pp: int, dp: int, gpus_per_n
     ]
     for path in PATHS if hf.moe is None else ("shard_first",):
         t = model_sync_traffic(hf, tp, pp, dp, gpus_per_node, path=path, dtype_bytes=dtype_bytes,
-                               bucket_bytes=bucket_bytes, rollout_tp=rollout_tp, bandwidths=bw, ep=ep, etp=etp)
+                               bucket_bytes=bucket_bytes, rollout_tp=rollout_tp, bandwidths=bw, ep=ep, etp=etp,
+                               stage_counts=stage_counts)
         label = "today (tensorwise)" if path == "tensorwise" else "shard-first"
         lines.append(
             f"  {label:<20} inter-node in {t.worst('inter_recv') / 1e9:7.2f} GB, NVLink in "
@@ -346,4 +357,6 @@ def plan_sync_traffic(cfg: PPOTrainerConfig, plan: Plan) -> str:
         plan.model, layout.tp, layout.pp, layout.dp * layout.cp, int(cfg.trainer.n_gpus_per_node),
         dtype_bytes=dtype_bytes, bucket_bytes=int(rollout.weight_sync.bucket_size_mb) << 20,
         rollout_tp=int(rollout.tensor_model_parallel_size), ep=layout.ep, etp=layout.etp,
+        stage_counts=stage_layer_counts(plan.model.num_layers, layout.pp, layout.first_stage_layers,
+                                        layout.last_stage_layers),
     )

@@ -22,9 +22,9 @@ default (``model.enable_gradient_checkpointing`` is read by its FSDP engine only
 keep two pipeline stages' activations; the refusal names recompute and the other options. The SGLang variant of the
 30B script plans with rollout expert parallelism (ep_size).
 The router-replay script fits (55.7 GiB: offloaded, recomputed, 1k-token sequences); the Qwen2.5-32B one does not
-(141.3 GiB: no recompute, 32k-token micro-batches at DP 1); the 235B one is refused: megatron-rl splits layers evenly
-over the pipeline stages (models/sizes.py) and does not read its uneven split (override_transformer_config.
-num_layers_in_first/last_pipeline_stage=11 of 8 stages), so 94 layers over PP 8 do not factor.
+(141.3 GiB: no recompute, 32k-token micro-batches at DP 1); the 235B one's uneven split (override_transformer_config.
+num_layers_in_first/last_pipeline_stage=11 of 8 stages) is built, and at its 8 nodes its experts (EP 4 x ETP 4) do not
+divide a stage's ranks, which Megatron refuses too; at 16 nodes it fits.
 Before (issue 37) the first script failed on actor_rollout_ref.model.use_remove_padding."""
 from __future__ import annotations
 
@@ -80,9 +80,11 @@ EXPECTED = {
     "router_replay_qwen3_30b_a3b_megatron_vllm": ("fits", 55.7),
     # no recompute, 32k-token micro-batches at TP 8 x DP 1: 60 GiB of activations over Adam's unsharded 45.8
     "grpo_qwen2_5_32b_megatron_vllm": ("too big", 141.3),
-    # layers are split evenly here (models/sizes.py); the script's uneven split (num_layers_in_first/
-    # last_pipeline_stage=11) is not read, so 94 layers over PP 8 are refused
-    "grpo_qwen3_235b_a22b_megatron_vllm": ("plan refuses", "num_hidden_layers=94 is not divisible by PP\\*VPP=8"),
+    # its uneven split (num_layers_in_first/last_pipeline_stage=11, 12 on each stage between) is built (issue 51);
+    # at its 8 nodes EP 4 x ETP 4 (= TP, verl passes ETP null) does not divide a stage's 8 ranks, which Megatron
+    # refuses too; at 16 nodes it plans (test below)
+    "grpo_qwen3_235b_a22b_megatron_vllm": ("plan refuses", "EP\\*ETP = 16 does not divide the 8 ranks of a pipeline "
+                                           "stage. Megatron-Core's initialize_model_parallel refuses the same layout"),
 }
 
 
@@ -148,3 +150,18 @@ def test_the_30b_script_at_its_default_one_node_is_refused_as_megatron_refuses_i
                                         r"initialize_model_parallel refuses the same layout, so verl's own run of this "
                                         r"config fails at start too"):
         build_plan(cfg)
+
+
+def test_the_235b_script_on_16_nodes_plans_its_uneven_pipeline(tmp_path):
+    """grpo/run_qwen3_235b_a22b with NNODES=16: 11 layers on the first and last of its 8 stages, 12 on each between
+    (Megatron's cut, models/sizes.py stage_layer_counts), EP 4 x ETP 4 over a stage's 16 ranks: it fits."""
+    from megatron_rl.plan.memory import stage_layers
+
+    script = next(s for s in SCRIPTS if s.stem == "grpo_qwen3_235b_a22b_megatron_vllm")
+    args = [a.replace("trainer.nnodes=8", "trainer.nnodes=16") for a in script_args(script, tmp_path)]
+    plan = build_plan(load_config(overrides=translate(args)))
+    layout = plan.actor_layout
+    assert (layout.pp, layout.first_stage_layers, layout.last_stage_layers) == (8, 11, 11)
+    assert stage_layers(plan.model, layout, "first") == list(range(11))
+    assert stage_layers(plan.model, layout, "last") == list(range(83, 94))
+    assert "63.7 of 79.6 GiB per GPU: fits" in plan.format()

@@ -249,3 +249,35 @@ def test_long_context_preset_fits_80gb_at_32k_and_at_64k_with_cp8():
     edge = build_plan(load_config(overrides=["+experiment=grpo_8b_long_context", "data.max_response_length=65536"]))
     assert round(edge.total("actor update") / GIB, 1) == 81.1 and not edge.fits and not edge.over_beyond_error
     assert "WARNING: the plan's actor update phase needs 81.1 GiB" in edge.edge_warning()
+
+
+# ---------------------------------------------------------------------------- uneven pipeline stages (issue 51)
+@pytest.mark.parametrize("layers, pp, first, last, counts", [
+    (94, 8, 11, 11, [11, 12, 12, 12, 12, 12, 12, 11]), (3, 2, 1, None, [1, 2]), (7, 3, None, 1, [3, 3, 1]),
+    (8, 4, None, None, [2, 2, 2, 2]),
+])
+def test_stage_layer_counts_cut_as_megatron_does(layers, pp, first, last, counts):
+    from megatron_rl.models.sizes import stage_layer_counts
+
+    assert stage_layer_counts(layers, pp, first, last) == counts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["first=10", "last=10"], r"num_layers_in_first/last_pipeline_stage=10/10 leave 74 of num_hidden_layers=94 for "
+                              r"the 6 stages between, which do not split them evenly"),
+    (["first=11", "last=11", "vpp=2"], r"num_layers_in_first/last_pipeline_stage with a virtual pipeline \(VPP=2\) "
+                                       r"is not built here"),
+    (["first=0"], r"num_layers_in_first_pipeline_stage=0 must lie in \[1, 93\]"),
+])
+def test_an_uneven_split_that_megatron_cannot_cut_is_refused_naming_it(overrides, message):
+    from megatron_rl.models.sizes import check_parallel_fit
+
+    class Facts:
+        source, num_attention_heads, num_key_value_heads, head_dim, intermediate_size = "m", 64, 4, 128, 12288
+        num_layers, moe = 94, None
+
+    kwargs = dict(o.split("=") for o in overrides)
+    with pytest.raises(ValueError, match=message):
+        check_parallel_fit(Facts(), 4, 8, int(kwargs["vpp"]) if "vpp" in kwargs else None,
+                           first=int(kwargs["first"]) if "first" in kwargs else None,
+                           last=int(kwargs["last"]) if "last" in kwargs else None)
