@@ -591,6 +591,9 @@ class RayInitConfig:
     generate_timeout_s: Optional[float] = None  # generate_sequences; null: derived (response length, model size)
     update_timeout_s: Optional[float] = None  # update_actor, update_critic; null: derived (batch, model size)
     save_timeout_s: Optional[float] = 1800.0  # save_checkpoint, save_hf
+    # the workers' process groups (NCCL's watchdog, gloo): a collective waiting longer fails its rank (verl's
+    # nccl_timeout); null: the longest of the call deadlines above, as a collective may wait as long as its call
+    collective_timeout_s: Optional[float] = None
 
 
 @dataclass

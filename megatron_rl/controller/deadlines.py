@@ -9,6 +9,9 @@ ranks, building the engines) share the bound of a 10 s log-prob pass. Each kind 
     ray_init.save_timeout_s      save_checkpoint, save_hf (the final HF export)
     ray_init.timeout_s           everything else (log-probs, values, weight sync, small calls)
 
+The workers' collectives wait as long as the longest of these (``ray_init.collective_timeout_s`` to say otherwise:
+:func:`collective_timeout_s`).
+
 A fixed 600 s failed long-CoT rollouts and a 70B step (issue 32). So the calls whose work grows with the run
 are bounded by what the run asks for, derived from the response length, the batch and the model's size
 (:func:`derived_deadlines`): generate and update when their key is null (the default), and the log-prob,
@@ -77,6 +80,16 @@ def call_deadlines(cfg: PPOTrainerConfig) -> dict[str, tuple[float, str]]:
             seconds, key = timeout_s, "ray_init.timeout_s"
         out.update({method: (seconds, key) for method in methods})
     return out
+
+
+def collective_timeout_s(cfg: PPOTrainerConfig) -> float:
+    """How long the workers' process groups let a collective wait (NCCL's watchdog, gloo's timeout):
+    ``ray_init.collective_timeout_s``, else the longest deadline of any call, so that a rank waiting in a collective
+    for another still inside a long call (a 70B load under ``init_timeout_s``, a save under ``save_timeout_s``) is
+    not killed before the call's own deadline; at least BASE_S (Megatron's and verl's 10 minutes)."""
+    if cfg.ray_init.collective_timeout_s is not None:
+        return float(cfg.ray_init.collective_timeout_s)
+    return max([BASE_S, *(seconds for seconds, _ in call_deadlines(cfg).values())])
 
 
 def derived_deadlines(cfg: PPOTrainerConfig | None) -> dict[str, tuple[float, str]]:

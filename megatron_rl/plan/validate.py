@@ -458,6 +458,11 @@ def _check_ray_init(cfg: PPOTrainerConfig) -> None:
     _require(not (cfg.ray_init.address and cfg.ray_init.num_cpus),
              f"ray_init.address={cfg.ray_init.address!r} joins an existing cluster whose size is fixed; "
              f"ray_init.num_cpus={cfg.ray_init.num_cpus} applies only to an embedded Ray: unset one")
+    for key in ("timeout_s", "init_timeout_s", "generate_timeout_s", "update_timeout_s", "save_timeout_s",
+                "collective_timeout_s"):  # (the calls' deadlines refused them only when the workers started)
+        seconds = getattr(cfg.ray_init, key)
+        _require(seconds is None or seconds > 0, f"ray_init.{key}={seconds} must be > 0 seconds (or null where "
+                 "its default is null)")
 
 
 # The settings' rules, in the order a config meets them: the first refusal is the one it reports.

@@ -11,7 +11,9 @@ config as its dataclass tree (``PPOTrainerConfig``, ``megatron_rl.config.typed_c
 """
 from __future__ import annotations
 
+import math
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
 from megatron_rl.distributed.device import rank_place
 from megatron_rl.distributed.model_parallel import init_model_parallel
-from megatron_rl.distributed.process_group import init_distributed
+from megatron_rl.distributed.process_group import DEFAULT_TIMEOUT, init_distributed
 from megatron_rl.models.moe_routing import recording_routing
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.engines import build_rollout_engine, engine_of
@@ -54,12 +56,15 @@ def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
         prepare()
 
 
-def setup_parallel_state(megatron_cfg: MegatronParallelConfig) -> None:
+def setup_parallel_state(megatron_cfg: MegatronParallelConfig, collective_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (from the launcher's environment) and Megatron's parallel state once
-    per process; colocated roles share it, so a second call must ask for the same layout."""
+    per process; colocated roles share it, so a second call must ask for the same layout.
+    ``collective_timeout_s``: how long a collective of these groups may wait (``ray_init.collective_timeout_s``,
+    which the driver resolves: controller/deadlines.py; None: 10 minutes)."""
     from megatron.core import parallel_state
 
-    init_distributed()
+    timeout = DEFAULT_TIMEOUT if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+    init_distributed(timeout=timeout)
     wanted = (megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
               megatron_cfg.context_parallel_size)
     if parallel_state.model_parallel_is_initialized():
@@ -71,7 +76,7 @@ def setup_parallel_state(megatron_cfg: MegatronParallelConfig) -> None:
                              f"{have} already set up in this process")
         return
     init_model_parallel(tp=wanted[0], pp=wanted[1], vpp=megatron_cfg.virtual_pipeline_model_parallel_size,
-                        cp=wanted[2], seed=megatron_cfg.seed,
+                        cp=wanted[2], seed=megatron_cfg.seed, timeout_minutes=math.ceil(timeout.total_seconds() / 60),
                         ep=megatron_cfg.expert_model_parallel_size,
                         etp=megatron_cfg.expert_tensor_parallel_size)
 
@@ -96,7 +101,7 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         arr = cfg.actor_rollout_ref
         model_dir = arr.model.path
-        setup_parallel_state(arr.actor.megatron)
+        setup_parallel_state(arr.actor.megatron, cfg.ray_init.collective_timeout_s)
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
                                 override_config=arr.model.override_config, lora=arr.model.lora)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
@@ -278,7 +283,7 @@ class CriticWorker(Worker):
 
         cfg = self.config
         critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
-        setup_parallel_state(critic_cfg.megatron)
+        setup_parallel_state(critic_cfg.megatron, cfg.ray_init.collective_timeout_s)
         engine = MegatronEngine(critic_cfg.model.path, critic_cfg.megatron, critic_cfg.optim, value_head=True,
                                 value_head_init=critic_cfg.value_head_init, name="critic",
                                 override_config=critic_cfg.model.override_config, lora=critic_cfg.model.lora)

@@ -30,7 +30,7 @@ class RewardModelWorker(Worker):
         from megatron_rl.workers.reward_model_role import RewardModelRole
 
         rm = self.config.reward_model
-        setup_parallel_state(rm.megatron)
+        setup_parallel_state(rm.megatron, self.config.ray_init.collective_timeout_s)
         engine = MegatronEngine(rm.model.path, rm.megatron, None, value_head=True, name="reward_model",
                                 override_config=rm.model.override_config)
         self.role = RewardModelRole(engine, rm)
