@@ -72,8 +72,10 @@ def _rollout_share(cfg: PPOTrainerConfig, model: HFModelConfig, world: int, gpu_
     if mem.refusal is not None:
         raise PlanError(mem.refusal)
     kv_tokens = int(max(mem.kv_cache, 0.0) // memory.kv_cache_bytes_per_token(model, tp))
-    # The same function the workers build their engines with (rollout/mesh.py), on the launchers' rank layout.
-    engines = build_rollout_mesh(default_places(world, cfg.trainer.n_gpus_per_node), tp).num_engines
+    # Colocated: the same function the workers build their engines with (rollout/mesh.py), on the launchers' rank
+    # layout; server mode: the servers the run starts, or those it is given
+    engines = (build_rollout_mesh(default_places(world, cfg.trainer.n_gpus_per_node), tp).num_engines
+               if rcfg.mode == "colocated" else rcfg.num_servers or len(rcfg.server_urls))
     seq = sequence_length(cfg)
     if kv_tokens < seq:
         raise PlanError(

@@ -570,10 +570,26 @@ def uses_critic(cfg: PPOTrainerConfig) -> bool:
     return get_estimator_traits(cfg.algorithm.adv_estimator).needs_critic
 
 
+def _check_packing(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
+    """share_prompts needs padded micro-batches (its tree mask is a dense mask the packed kernels do not take): the
+    engine refused it only in init_model (workers/engine.py check_share_prompts), after Ray and the models were up,
+    and the refusal guard missed it (its key is an f-string). A preset that shares prompts meets verl's default
+    packed_sequences=true through the compat entry."""
+    roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if uses_critic else [])
+    roles += ["reward_model"] if cfg.reward_model.enable else []
+    for role in roles:
+        megatron = megatron_section(cfg, role)
+        _require(not (megatron.share_prompts and megatron.packed_sequences),
+                 f"{role}.megatron.share_prompts=true and {role}.megatron.packed_sequences=true cannot both be on: "
+                 "shared prompts need a tree attention mask, which the packed (THD) kernels do not take; set one "
+                 "false (packed sequences: no padding; shared prompts: each prompt computed once per group)")
+
+
 def check_refused_at_run_time(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
     """Settings the workers, the model build or the first step would refuse after Ray and the model are up
     (issue 33 items 7 and 10), refused here instead, naming the key."""
     check_context_parallel(cfg, uses_critic)
+    _check_packing(cfg, uses_critic)
     check_router_replay(cfg)  # MoE routing replay's keys (config/router_replay.py)
     rollout, estimator = cfg.actor_rollout_ref.rollout, cfg.algorithm.adv_estimator
     _require(rollout.temperature > 0,

@@ -12,7 +12,7 @@ would run:
   examples/router_replay/run_qwen3_30b_a3b_megatron.sh (INFER_BACKEND=vllm, R3), examples/tuning/scaling/
   run_qwen2_5_32b_megatron.sh (both pass actor_rollout_ref.actor.model_engine=megatron) and examples/grpo_trainer/
   run_qwen3_235b_a22b_megatron.sh (DEVICE=gpu, as its torch_npu probe finds on GPUs; it passes
-  actor_rollout_ref.nccl_timeout=7200, here ray_init.timeout_s).
+  actor_rollout_ref.nccl_timeout=7200, here ray_init.collective_timeout_s).
 
 What the plan says (79.6 GiB per H100; issue 51 item 1: a plan is refused only when it exceeds the GPU by more than
 its activation estimate's error, plan/accuracy.py, and warned about otherwise): the 30B GRPO scripts fit; the GPG script

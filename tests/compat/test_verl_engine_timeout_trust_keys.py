@@ -6,7 +6,8 @@ data.trust_remote_code=True likewise:
 - actor_rollout_ref.actor.model_engine (router_replay/run_qwen3_30b_a3b_megatron.sh,
   tuning/scaling/run_qwen2_5_32b_megatron.sh) follows the top-level model_engine: megatron only;
 - actor_rollout_ref.nccl_timeout (grpo_trainer/run_qwen3_235b_a22b_megatron.sh) and critic.nccl_timeout, the
-  collective timeout in seconds, become ray_init.timeout_s, the driver's deadline on the workers' calls;
+  collective timeout in seconds, become ray_init.collective_timeout_s, the timeout of the workers' process groups
+  (before it, ray_init.timeout_s: the driver's deadline, while the groups kept Megatron's 10 minutes);
 - data.trust_remote_code (the Moonlight and MiMo scripts) is honoured: the tokenizer loads with it, and says so."""
 from __future__ import annotations
 
@@ -29,24 +30,25 @@ def test_another_engine_on_the_actor_is_refused_naming_the_key():
         translate(["actor_rollout_ref.actor.model_engine=fsdp"])
 
 
-def test_nccl_timeout_becomes_the_drivers_deadline_and_is_logged():
+def test_nccl_timeout_becomes_the_workers_collective_timeout_and_is_logged():
     result = translate_with_notes(["actor_rollout_ref.nccl_timeout=7200"], with_verl_defaults=False)
-    assert result.overrides == ["ray_init.timeout_s=7200.0"]
-    assert any("actor_rollout_ref.nccl_timeout=7200 -> ray_init.timeout_s=7200.0" in n for n in result.notes)
-    assert load_config(overrides=result.overrides).ray_init.timeout_s == 7200
+    assert result.overrides == ["ray_init.collective_timeout_s=7200.0"]
+    assert any("actor_rollout_ref.nccl_timeout=7200 -> ray_init.collective_timeout_s=7200.0" in n
+               for n in result.notes)
+    assert load_config(overrides=result.overrides).ray_init.collective_timeout_s == 7200
 
 
 def test_the_longer_of_the_actors_and_the_critics_nccl_timeout_wins():
     args = translate(["actor_rollout_ref.nccl_timeout=7200", "critic.nccl_timeout=9600"], with_verl_defaults=False)
-    assert load_config(overrides=args).ray_init.timeout_s == 9600
+    assert load_config(overrides=args).ray_init.collective_timeout_s == 9600
 
 
 @pytest.mark.parametrize("args, message", [
     (["actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout=0: a timeout is a positive number"),
     (["actor_rollout_ref.nccl_timeout=long"], "actor_rollout_ref.nccl_timeout=long: a timeout is a positive"),
     (["critic.nccl_timeout=-5"], "critic.nccl_timeout=-5: a timeout is a positive number"),
-    (["actor_rollout_ref.nccl_timeout=7200", "ray_init.timeout_s=900"],
-     "actor_rollout_ref.nccl_timeout=7200 and ray_init.timeout_s=900 both set"),
+    (["actor_rollout_ref.nccl_timeout=7200", "ray_init.collective_timeout_s=900"],
+     "actor_rollout_ref.nccl_timeout=7200 and ray_init.collective_timeout_s=900 both set"),
 ])
 def test_bad_nccl_timeouts_are_refused_naming_the_key(args, message):
     with pytest.raises(ConfigError, match=message):

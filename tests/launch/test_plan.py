@@ -291,3 +291,11 @@ def test_a_plan_over_the_gpu_is_refused_only_beyond_its_estimates_error(monkeypa
     check_launch(cfg)  # a real start on GPUs: the same warning, on stderr, and no refusal
     err = capsys.readouterr().err
     assert "WARNING: the plan's actor update phase needs 80.0 GiB" in err and "recompute_granularity=full" in err
+
+
+def test_server_mode_plans_the_servers_it_starts():
+    """rollout.mode=server: the engines are the servers the run starts (num_servers), on GPUs of their own; the plan
+    counted colocated engines over the trainer's ranks (4 for grpo_7b, whatever num_servers)."""
+    plan = plan_for("+experiment=grpo_7b", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=server",
+                    "actor_rollout_ref.rollout.num_servers=3")
+    assert plan.rollout.engines == 3 and "rollout: 3 vllm engines of TP" in plan.format()

@@ -44,6 +44,10 @@ def test_gae_turns_the_critic_on():
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"], r"ppo_micro_batch_size_per_gpu=32 is larger than the 16"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], r"=3 does not divide the 16"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0"], r"must be a positive integer, got 0"),
+        # refused only by the workers' init_model before (issue 56 item 6)
+        (["actor_rollout_ref.ref.megatron.share_prompts=true", "actor_rollout_ref.ref.megatron.packed_sequences=true"],
+         r"actor_rollout_ref.ref.megatron.share_prompts=true and actor_rollout_ref.ref.megatron.packed_sequences=true "
+         r"cannot both be on"),
         (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"], r"TP\*PP\*CP = 2\*3\*1 = 6 does not divide the world size 8"),
         (["algorithm.adv_estimator=magic"], r"adv_estimator='magic' is unknown; known: \[.*'grpo'"),
         (["actor_rollout_ref.actor.policy_loss=magic"], r"policy_loss='magic' is unknown"),

@@ -114,14 +114,14 @@ def _model_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 
 def _nccl_timeout(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    """verl's collective timeout of a role's process groups (seconds). Here a hung collective is caught by the
-    driver's deadline on the call that waits on it: ray_init.timeout_s (controller/deadlines.py), which is 600 s
-    as verl's nccl_timeout by default. The actor's and the critic's keys share it: the longer one wins."""
-    if "ray_init.timeout_s" in seen:
-        _refuse(f"{key}={value} and ray_init.timeout_s={seen['ray_init.timeout_s']} both set the deadline of the "
-                "workers' collectives here; keep ray_init.timeout_s and drop the verl key")
+    """verl's collective timeout of a role's process groups (seconds): ray_init.collective_timeout_s, the timeout
+    of every worker's process groups here (controller/deadlines.py). The actor's and the critic's keys share it:
+    the longer one wins."""
+    if "ray_init.collective_timeout_s" in seen:
+        _refuse(f"{key}={value} and ray_init.collective_timeout_s={seen['ray_init.collective_timeout_s']} both set "
+                "the workers' collective timeout; keep ray_init.collective_timeout_s and drop the verl key")
     seconds = [_seconds(k, seen[k]) for k in _NCCL_TIMEOUT_KEYS if k in seen] or [_seconds(key, value)]
-    return [f"ray_init.timeout_s={max(seconds)}"]
+    return [f"ray_init.collective_timeout_s={max(seconds)}"]
 
 
 def _seconds(key: str, value: str) -> float:
@@ -229,8 +229,8 @@ RULES: tuple[Rule, ...] = (
     # verl's scripts name the engine at the top level and on the actor: one rule for both
     *(Rule(key, Fate.mapped, "megatron is the only engine here; others are refused", _model_engine)
       for key in ("model_engine", "actor_rollout_ref.actor.model_engine")),
-    *(Rule(key, Fate.mapped, "the collective timeout (s) -> ray_init.timeout_s, the driver's deadline on the "
-           "workers' calls (the longer of the actor's and the critic's)", _nccl_timeout)
+    *(Rule(key, Fate.mapped, "the collective timeout (s) -> ray_init.collective_timeout_s, the timeout of the "
+           "workers' process groups (the longer of the actor's and the critic's)", _nccl_timeout)
       for key in _NCCL_TIMEOUT_KEYS),
     Rule("ray_kwargs.ray_init.runtime_env.py_executable", Fate.mapped,
          "Ray workers run the driver's Python; only null fits", _py_executable),
@@ -390,13 +390,13 @@ def ours_has(key: str) -> bool:
     return True
 
 
-def rule_for(key: str) -> Rule | None:
-    return next((rule for rule in RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
+def rule_for(key: str, rules: tuple[Rule, ...] = RULES) -> Rule | None:
+    return next((rule for rule in rules if fnmatch.fnmatchcase(key, rule.pattern)), None)
 
 
-def fate_of(key: str) -> tuple[Fate, str]:
-    """What happens to ``key`` and why: the table's row."""
-    rule = rule_for(key)
+def fate_of(key: str, rules: tuple[Rule, ...] = RULES) -> tuple[Fate, str]:
+    """What happens to ``key`` and why: the table's row (``rules``: an entry's own table, e.g. the async entries')."""
+    rule = rule_for(key, rules)
     if rule is not None and not (rule.fate is Fate.default and ours_has(key)):
         return rule.fate, rule.why
     if ours_has(key):
@@ -427,10 +427,12 @@ class Translation:
     notes: list[str]  # one line per verl key rewritten, dropped or accepted at its default
 
 
-def translate_key(key: str, value: str, seen: Mapping[str, str]) -> tuple[list[str] | None, str | None]:
-    """(megatron-rl overrides, log note) for one verl ``key=value``; None overrides: pass it on as it is."""
-    rule = rule_for(key)
-    fate, why = fate_of(key)
+def translate_key(key: str, value: str, seen: Mapping[str, str],
+                  rules: tuple[Rule, ...] = RULES) -> tuple[list[str] | None, str | None]:
+    """(megatron-rl overrides, log note) for one verl ``key=value``; None overrides: pass it on as it is.
+    ``rules``: the table to read (an entry's own, e.g. compat/verl/experimental's async entries')."""
+    rule = rule_for(key, rules)
+    fate, why = fate_of(key, rules)
     if fate is Fate.same:
         return None, None
     if fate is Fate.mapped:

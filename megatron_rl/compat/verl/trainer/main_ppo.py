@@ -17,6 +17,7 @@ starts.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from megatron_rl import train
 from megatron_rl.compat.verl.defaults import verl_defaults
@@ -24,7 +25,8 @@ from megatron_rl.compat.verl.keys import Translation, command_line_settings, our
 from megatron_rl.config import ConfigError
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
 
-_CONFIG_NAMES = ("ppo_megatron_trainer", "ppo_megatron_trainer.yaml", "ppo_trainer", "ppo_trainer.yaml")
+BASE_CONFIG_NAME = "ppo_megatron_trainer"  # verl's config that megatron-rl's base config stands for
+_CONFIG_NAMES = (BASE_CONFIG_NAME, f"{BASE_CONFIG_NAME}.yaml", "ppo_trainer", "ppo_trainer.yaml")
 _CONFIG_FLAGS = ("--config-path", "--config-name", "-cp", "-cn")
 
 
@@ -84,9 +86,16 @@ def translate(argv: list[str], with_verl_defaults: bool = True) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    launch(translate_with_notes, argv)
+
+
+def launch(translator: Callable[[list[str]], Translation], argv: list[str] | None = None) -> None:
+    """A verl entry's main (this one's, the async entries' in compat/verl/experimental): ``translator`` turns its
+    arguments into megatron_rl.train's (a refusal exits with the config-error code), the notes are logged, then
+    megatron_rl.train runs."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        translation = translate_with_notes(argv)
+        translation = translator(argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)

@@ -1,0 +1,313 @@
+"""verl's async Megatron shells (verl-project/verl at 1dda039b9) through the compat entries of the module paths they
+call: ``python3 -m megatron_rl.compat.verl.experimental.one_step_off_policy.main_ppo`` and ``python -m
+megatron_rl.compat.verl.experimental.fully_async_policy.fully_async_main`` (docs/configuration.md, "verl's async
+entries"). Arguments recorded as in test_verl_current_scripts.py (the shell run with a stub python3/python that
+writes its argv, VERL_USE_UV=0, HOME=/HOME; tests/compat/verl_scripts/experimental/*.args, one argument a line):
+
+- one_step_off_policy/shell/dapo_7b_math_megatron_4_12.sh: at its default NNODES=2 the rollout's 2 GPUs per node
+  span two nodes, which vLLM servers cannot here (weights through /dev/shm of trainer rank 0's host): refused,
+  saying so. Then its ``+actor_rollout_ref.model.override_config`` is refused (servers load model.path; the shell's
+  own comment says to edit config.json, which the test's model has). Its layout on one node (trainer 4 GPUs,
+  rollout 4 = 2 vLLM servers of TP 2) plans and fits (78.3 GiB).
+- one_step_off_policy/shell/dapo_7b_math_megatron_colocate.sh calls verl.trainer.main_ppo (not the one-step-off
+  entry): through that entry it plans colocated (67.7 GiB).
+- fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32.sh (and _mis): refused first by core keys
+  (use_fused_kernels=False, optim.lr_decay_steps, override_optimizer_config: verl's CPU Adam), then rollout.nnodes
+  = 12 for vLLM; with those dropped and the rollout on one node, every async key maps (the batch per sync, the
+  staleness bound, the steps, the servers) and the plan is refused for memory (85.6 GiB) without verl's CPU Adam.
+  The _mis variant's rollout_rs with bypass_mode=True (verl's async config) is refused by our validation.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.compat.verl.experimental import async_keys
+from megatron_rl.compat.verl.experimental.fully_async_policy import fully_async_main
+from megatron_rl.compat.verl.experimental.one_step_off_policy import main_ppo as one_step_off
+from megatron_rl.compat.verl.trainer import main_ppo
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan import PlanError, build_plan
+from megatron_rl.plan.validate import validate
+from test_verl_current_scripts import QWEN3_30B_A3B
+
+SHELLS = Path(__file__).with_name("verl_scripts") / "experimental"
+QWEN2_5_MATH_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                   "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "vocab_size": 152064,
+                   # the shell: "modify the max_position_embeddings in config.json to 32768 after downloading"
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": True}
+MODELS = {"/HOME/verl/models/Qwen2.5-Math-7B": QWEN2_5_MATH_7B, "/HOME/verl/models/Qwen3-30B-A3B-Base": QWEN3_30B_A3B}
+ONE_STEP_OFF = "dapo_7b_math_megatron_4_12"
+COLOCATE = "dapo_7b_math_megatron_colocate"
+FULLY_ASYNC = "grpo_30b_a3b_base_math_megatron_96_32"
+FULLY_ASYNC_MIS = "grpo_30b_a3b_base_math_megatron_96_32_mis"
+# the core keys the fully async shells pass that megatron-rl refuses (compat/verl/keys.py), in the shell's order
+FULLY_ASYNC_REFUSED = ("actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.optim.lr_decay_steps",
+                       "+actor_rollout_ref.actor.optim.override_optimizer_config.",
+                       "+actor_rollout_ref.model.override_config.")
+
+
+def test_the_recorded_shells_are_here():
+    assert sorted(p.stem for p in SHELLS.glob("*.args")) == sorted([ONE_STEP_OFF, COLOCATE, FULLY_ASYNC,
+                                                                   FULLY_ASYNC_MIS])
+
+
+def shell_args(name: str, tmp_path: Path, set_: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> list[str]:
+    """The recorded arguments, the model a config.json of its facts in tmp_path; ``set_`` replaces values as the
+    shell's variables would, ``drop`` removes the arguments starting so."""
+    args = (SHELLS / f"{name}.args").read_text().splitlines()
+    path, facts = next((p, f) for p, f in MODELS.items() if any(p in a for a in args))
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(facts))
+    set_ = set_ or {}
+    out = []
+    for arg in args:
+        key = arg.partition("=")[0]
+        if drop and arg.startswith(drop):
+            continue
+        out.append(f"{key}={set_[key]}" if key in set_ else arg.replace(path, str(tmp_path / "model")))
+    return out
+
+
+def composed(translate, args: list[str]):
+    cfg = load_config(overrides=translate(args))
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- one step off
+
+ONE_NODE = {"trainer.nnodes": "1", "trainer.n_gpus_per_node": "4",
+            "rollout.nnodes": "1", "rollout.n_gpus_per_node": "4"}
+
+
+def test_one_step_off_shell_at_two_nodes_is_refused_for_vllm_servers_across_nodes(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout.nnodes=2: rollout.name=vllm servers here take their weights "
+                                          r"through /dev/shm of trainer rank 0's host.*set rollout.nnodes=1"):
+        one_step_off.translate(shell_args(ONE_STEP_OFF, tmp_path))
+
+
+def test_one_step_off_shell_override_config_is_refused_for_servers(tmp_path):
+    cfg = load_config(overrides=one_step_off.translate(shell_args(ONE_STEP_OFF, tmp_path, ONE_NODE)))
+    with pytest.raises(ConfigError, match=r"override_config=.*vllm rollout servers never see it.*config.json"):
+        validate(cfg)
+
+
+def test_one_step_off_shell_on_one_node_composes_maps_and_plans(tmp_path):
+    args = shell_args(ONE_STEP_OFF, tmp_path, ONE_NODE, drop=("+actor_rollout_ref.model.override_config.",))
+    translation = one_step_off.translate_with_notes(args)
+    cfg = composed(one_step_off.translate, args)
+    assert cfg.async_training.mode == "one_step_off" and cfg.async_training.max_staleness == 1
+    rollout = cfg.actor_rollout_ref.rollout
+    assert (rollout.mode, rollout.name, rollout.num_servers, rollout.tensor_model_parallel_size) == ("server", "vllm",
+                                                                                                      2, 2)
+    assert rollout.servers_per_node is None  # one node
+    assert cfg.algorithm.rollout_correction.bypass_mode  # verl's one-step-off config
+    assert cfg.data.train_batch_size == 512 and cfg.trainer.n_gpus_per_node == 4
+    notes = "\n".join(translation.notes)
+    assert "verl key rollout.n_gpus_per_node=4 -> actor_rollout_ref.rollout.num_servers=2" in notes
+    assert "verl key actor_rollout_ref.hybrid_engine=False -> (nothing)" in notes
+    assert ("verl one_step_off entry sets actor_rollout_ref.rollout.mode=async -> actor_rollout_ref.rollout.mode=server"
+            in notes)
+    assert "verl one_step_off config algorithm.rollout_correction.bypass_mode=True" in notes
+    text = build_plan(cfg).format()
+    assert "2 vllm engines of TP 2" in text and "78.3 of 79.6 GiB per GPU: fits" in text, text
+
+
+def test_the_colocate_shell_runs_through_verls_own_main_ppo_entry(tmp_path):
+    """dapo_7b_math_megatron_colocate.sh calls `python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer`:
+    colocated and synchronous, through the trainer entry; the one-step-off entry refuses its config name."""
+    args = shell_args(COLOCATE, tmp_path)
+    cfg = composed(main_ppo.translate, args)
+    assert cfg.async_training.mode == "sync" and cfg.actor_rollout_ref.rollout.mode == "colocated"
+    assert "67.7 of 79.6 GiB per GPU: fits" in build_plan(cfg).format()
+    with pytest.raises(ConfigError, match=r"--config-name=ppo_megatron_trainer.yaml: .*one_step_off_ppo_megatron_"
+                                          r"trainer.*megatron_rl.compat.verl.trainer.main_ppo"):
+        one_step_off.translate(args)
+
+
+@pytest.mark.parametrize("translate, name", [(one_step_off.translate, "one_step_off_ppo_megatron_trainer"),
+                                             (one_step_off.translate, "'one_step_off_ppo_trainer.yaml'"),
+                                             (fully_async_main.translate, "fully_async_ppo_megatron_trainer.yaml")])
+def test_each_entry_takes_its_own_config_names(translate, name):
+    out = translate(["--config-path=config", "--config-name", name, "rollout.total_rollout_steps=4096"])
+    assert not [a for a in out if a.startswith("--config")]
+    with pytest.raises(ConfigError, match="config-name"):
+        (fully_async_main if translate is one_step_off.translate else one_step_off).translate([f"--config-name={name}"])
+    with pytest.raises(ConfigError, match="config-name"):
+        main_ppo.translate([f"--config-name={name}"])  # verl's core entry does not take the async configs
+
+
+def test_the_entry_mode_and_placement_cannot_be_overridden():
+    with pytest.raises(ConfigError, match=r"^async_training.mode=fully_async: this entry runs "
+                                          r"async_training.mode=one_step_off"):
+        one_step_off.translate(["async_training.mode=fully_async"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.hybrid_engine=True: verl's async trainers run the "
+                                          r"rollout on GPUs of its own.*compat.verl.trainer.main_ppo"):
+        one_step_off.translate(["actor_rollout_ref.hybrid_engine=True"])
+    with pytest.raises(ConfigError, match=r"^rollout.n_gpus_per_node=8: the run does not start rollout.name=sglang "
+                                          r"servers here.*server_urls"):
+        one_step_off.translate(["actor_rollout_ref.rollout.name=sglang"])  # verl's default: 8 rollout GPUs
+    with pytest.raises(ConfigError, match=r"^rollout.n_gpus_per_node=3 is not a multiple of "
+                                          r"actor_rollout_ref.rollout.tensor_model_parallel_size=2"):
+        one_step_off.translate(["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=3"])
+
+
+def test_hf_servers_over_nodes_get_servers_per_node():
+    out = one_step_off.translate(["actor_rollout_ref.rollout.name=hf", "rollout.nnodes=2", "rollout.n_gpus_per_node=3"])
+    assert out[-2:] == ["actor_rollout_ref.rollout.num_servers=6", "actor_rollout_ref.rollout.servers_per_node=3"]
+
+
+# ---------------------------------------------------------------------------------------------- fully async
+
+def test_fully_async_shells_are_refused_first_by_the_core_keys_megatron_rl_refuses(tmp_path):
+    for name in (FULLY_ASYNC, FULLY_ASYNC_MIS):
+        with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.use_fused_kernels=False: megatron-rl always "
+                                              r"computes log-probs with its fused kernel"):
+            fully_async_main.translate(shell_args(name, tmp_path))
+    drop = FULLY_ASYNC_REFUSED[:1]
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.lr_decay_steps=204800: the optimizer here"):
+        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
+    drop = FULLY_ASYNC_REFUSED[:2]
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.override_optimizer_config."
+                                          r"optimizer_offload_fraction=1.: the optimizer here"):
+        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
+    drop = FULLY_ASYNC_REFUSED[:3]
+    with pytest.raises(ConfigError, match=r"^rollout.nnodes=12: rollout.name=vllm servers here"):
+        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
+
+
+def test_fully_async_shell_maps_every_async_key_and_plans(tmp_path):
+    args = shell_args(FULLY_ASYNC, tmp_path, {"rollout.nnodes": "1"}, drop=FULLY_ASYNC_REFUSED)
+    translation = fully_async_main.translate_with_notes(args)
+    cfg = composed(fully_async_main.translate, args)
+    run = cfg.async_training
+    assert (run.mode, run.partial_rollout) == ("fully_async", True)
+    # staleness_threshold=0.5: up to 1.5 syncs' worth of prompts ahead in verl -> 2 whole batches, 2 versions
+    assert (run.buffer_batches, run.max_staleness) == (2, 2)
+    # ppo_mini_batch_size 128 x require_batches 1 x trigger_parameter_sync_step 4 = 512 prompts per sync
+    assert cfg.data.train_batch_size == 512
+    assert cfg.trainer.total_training_steps == 204800 // 512
+    rollout = cfg.actor_rollout_ref.rollout
+    assert (rollout.mode, rollout.num_servers, rollout.tensor_model_parallel_size) == ("server", 2, 4)
+    assert cfg.algorithm.rollout_correction.bypass_mode
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (4, 8)
+    notes = "\n".join(translation.notes)
+    for line in ("verl key async_training.staleness_threshold=0.5 -> async_training.buffer_batches=2 "
+                 "async_training.max_staleness=2: verl lets the rollouter run up to 1 + threshold syncs' worth",
+                 "verl key data.train_batch_size=0 -> data.train_batch_size=512",
+                 "verl key rollout.total_rollout_steps=204800 -> trainer.total_training_steps=400",
+                 "verl key rollout.n_gpus_per_node=8 -> actor_rollout_ref.rollout.num_servers=2",
+                 "verl key async_training.trigger_parameter_sync_step=4 -> (nothing)",
+                 "verl key actor_rollout_ref.rollout.mode=async -> actor_rollout_ref.rollout.mode=server"):
+        assert line in notes, notes
+    with pytest.raises(PlanError) as err:
+        build_plan(cfg)
+    assert "85.6 of 79.6 GiB per GPU: DOES NOT FIT" in str(err.value)
+    assert "recompute_granularity=full" in str(err.value)
+
+
+def test_fully_async_mis_shell_bypass_with_rollout_rs_is_refused(tmp_path):
+    args = shell_args(FULLY_ASYNC_MIS, tmp_path, {"rollout.nnodes": "1"}, drop=FULLY_ASYNC_REFUSED)
+    cfg = load_config(overrides=fully_async_main.translate(args))
+    assert cfg.algorithm.rollout_correction.rollout_rs == "seq_mean_k1" and cfg.algorithm.rollout_correction.bypass_mode
+    with pytest.raises(ConfigError, match=r"bypass_mode=true with rollout_is/rollout_rs set"):
+        validate(cfg)
+
+
+def test_fully_async_defaults_are_verls_config_file():
+    """Unset, the entry's keys take verl's fully_async_ppo_megatron_trainer.yaml values: threshold 0.1 -> 2 batches
+    ahead, 256 x 1 x 4 = 1024 prompts per sync, and its total_rollout_steps=100 is fewer: refused as verl would
+    train 0 steps."""
+    with pytest.raises(ConfigError, match=r"^rollout.total_rollout_steps=100: fewer prompts than one sync's 1024"):
+        fully_async_main.translate([])
+    out = fully_async_main.translate(["rollout.total_rollout_steps=4096", "actor_rollout_ref.rollout.name=hf"])
+    cfg = load_config(overrides=out)
+    assert (cfg.async_training.mode, cfg.async_training.buffer_batches, cfg.async_training.max_staleness) == (
+        "fully_async", 2, 2)
+    assert (cfg.data.train_batch_size, cfg.trainer.total_training_steps) == (1024, 4)
+    assert cfg.actor_rollout_ref.rollout.num_servers == 8  # rollout.n_gpus_per_node 8, the HF engine has no TP
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("data.train_batch_size=64", r"requires data.train_batch_size=0 .*= 1024 prompts per sync"),
+    ("data.gen_batch_size=4", r"requires data.gen_batch_size=1"),
+    ("async_training.staleness_threshold=-1", r"must be >= 0"),
+    ("async_training.trigger_parameter_sync_step=0", r"must be an integer >= 1"),
+    ("async_training.use_trainer_do_validate=True", r"runs on the rollout servers"),
+    ("async_training.use_dynamic_resource_scheduling=True", r"dynamic resource scheduling\) are not built here"),
+    ("async_training.concurrent_samples_per_replica=32", r"actor_rollout_ref.rollout.max_num_seqs"),
+])
+def test_fully_async_refusals_say_what_to_use(arg, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(arg)}:? .*{message}"):
+        fully_async_main.translate([arg, "rollout.total_rollout_steps=4096"])
+
+
+def test_fully_async_accepted_keys_and_their_mappings():
+    t = fully_async_main.translate_with_notes([
+        "rollout.total_rollout_steps=4096", "actor_rollout_ref.rollout.name=hf", "data.gen_batch_size=1",
+        "async_training.staleness_threshold=0", "async_training.require_batches=2", "rollout.n=4",
+        "async_training.use_trainer_do_validate=False", "async_training.dynamic_schedule_policy=default",
+        "actor_rollout_ref.rollout.standalone_gpu_memory_utilization=0.6",
+        "actor_rollout_ref.actor.use_rollout_log_probs=False", "async_training.partial_rollout=False"])
+    cfg = load_config(overrides=t.overrides)
+    assert (cfg.async_training.buffer_batches, cfg.async_training.max_staleness) == (1, 1)
+    assert cfg.data.train_batch_size == 256 * 2 * 4 and cfg.trainer.total_training_steps == 2
+    assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == 0.6
+    assert not cfg.algorithm.rollout_correction.bypass_mode and not cfg.async_training.partial_rollout
+    notes = "\n".join(t.notes)
+    assert "verl key data.gen_batch_size=1 -> (nothing)" in notes
+    assert "verl key rollout.n=4 accepted, no effect" in notes
+
+
+def test_the_docs_name_every_rule_of_the_async_entries():
+    text = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    section = text.split("### verl's async entries", 1)[1].split("\n## ", 1)[0]
+    for rule in (*async_keys.FULLY_ASYNC_RULES, *async_keys.ONE_STEP_OFF_RULES):
+        assert f"`{rule.pattern}`" in section, rule.pattern
+
+
+# ---------------------------------------------------------------------------------------------- a real run
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_one_step_off_entry_trains_two_steps_on_an_hf_server(tmp_path_factory, tmp_path):
+    """verl's one-step-off launch line, sized for CPU: one trainer rank, rollout.n_gpus_per_node=1 -> one HF-engine
+    server the run starts, one step off (staleness 0 then 1), every sync verified."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from megatron_rl.demo import prepare_assets
+    from megatron_rl.trainer.tracking import read_metrics
+
+    train, val, model = prepare_assets(tmp_path_factory.mktemp("assets"))
+    args = ["--config-path=config", "--config-name=one_step_off_ppo_megatron_trainer.yaml", "+experiment=grpo_tiny_cpu",
+            f"data.train_files=[{train}]", f"data.val_files=[{val}]", f"actor_rollout_ref.model.path={model}",
+            "trainer.device=cpu", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+            "trainer.val_before_train=False", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.megatron.share_prompts=false",  # verl's packed sequences take no shared prompts
+            "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.logger=[jsonl]",
+            "trainer.save_hf_at_end=false", "trainer.save_freq=-1", "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.hybrid_engine=False", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "trainer.nnodes=1", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
+            f"trainer.default_local_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.compat.verl.experimental.one_step_off_policy.main_ppo",
+                           *args], cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "verl key rollout.n_gpus_per_node=1 -> actor_rollout_ref.rollout.num_servers=1" in proc.stderr
+    steps = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2]
+    assert [steps[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
+    for record in steps.values():
+        assert all(math.isfinite(v) for v in record.values() if isinstance(v, float))
+        assert record["rollout/logprob_diff_max"] < 1e-4  # the server serves the synced weights
