@@ -11,8 +11,9 @@ writes its argv, VERL_USE_UV=0, HOME=/HOME; tests/compat/verl_scripts/experiment
   rollout 4 = 2 vLLM servers of TP 2) plans and fits (78.3 GiB).
 - one_step_off_policy/shell/dapo_7b_math_megatron_colocate.sh calls verl.trainer.main_ppo (not the one-step-off
   entry): through that entry it plans colocated (67.7 GiB).
-- fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32.sh (and _mis): refused first by core keys
-  (use_fused_kernels=False, optim.lr_decay_steps, override_optimizer_config: verl's CPU Adam), then rollout.nnodes
+- fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32.sh (and _mis): refused first by a core key
+  (override_optimizer_config: verl's CPU Adam; use_fused_kernels=False and optim.lr_decay_steps with the constant
+  decay style are accepted, no effect), then rollout.nnodes
   = 12 for vLLM; with those dropped and the rollout on one node, every async key maps (the batch per sync, the
   staleness bound, the steps, the servers) and the plan is refused for memory (85.6 GiB) without verl's CPU Adam.
   The _mis variant's rollout_rs with bypass_mode=True (verl's async config) is refused by our validation.
@@ -46,7 +47,8 @@ ONE_STEP_OFF = "dapo_7b_math_megatron_4_12"
 COLOCATE = "dapo_7b_math_megatron_colocate"
 FULLY_ASYNC = "grpo_30b_a3b_base_math_megatron_96_32"
 FULLY_ASYNC_MIS = "grpo_30b_a3b_base_math_megatron_96_32_mis"
-# the core keys the fully async shells pass that megatron-rl refuses (compat/verl/keys.py), in the shell's order
+# core keys the fully async shells pass, in the shell's order, that the tests below drop: the first two are accepted
+# with no effect, the last two refused (compat/verl/keys.py)
 FULLY_ASYNC_REFUSED = ("actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.optim.lr_decay_steps",
                        "+actor_rollout_ref.actor.optim.override_optimizer_config.",
                        "+actor_rollout_ref.model.override_config.")
@@ -166,20 +168,18 @@ def test_hf_servers_over_nodes_get_servers_per_node():
 # ---------------------------------------------------------------------------------------------- fully async
 
 def test_fully_async_shells_are_refused_first_by_the_core_keys_megatron_rl_refuses(tmp_path):
+    """use_fused_kernels=False (verl's default) and optim.lr_decay_steps with lr_decay_style=constant do nothing here
+    and are accepted (both were refused before); verl's CPU Adam (override_optimizer_config) is not built."""
     for name in (FULLY_ASYNC, FULLY_ASYNC_MIS):
-        with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.use_fused_kernels=False: megatron-rl always "
-                                              r"computes log-probs with its fused kernel"):
+        with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.override_optimizer_config."
+                                              r"optimizer_offload_fraction=1.: the optimizer here"):
             fully_async_main.translate(shell_args(name, tmp_path))
-    drop = FULLY_ASYNC_REFUSED[:1]
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.lr_decay_steps=204800: the optimizer here"):
-        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
-    drop = FULLY_ASYNC_REFUSED[:2]
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.override_optimizer_config."
-                                          r"optimizer_offload_fraction=1.: the optimizer here"):
-        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
-    drop = FULLY_ASYNC_REFUSED[:3]
     with pytest.raises(ConfigError, match=r"^rollout.nnodes=12: rollout.name=vllm servers here"):
-        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=drop))
+        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=FULLY_ASYNC_REFUSED[2:3]))
+    notes = "\n".join(fully_async_main.translate_with_notes(
+        shell_args(FULLY_ASYNC, tmp_path, {"rollout.nnodes": "1"}, drop=FULLY_ASYNC_REFUSED[2:3])).notes)
+    assert "actor_rollout_ref.model.use_fused_kernels=False accepted, no effect" in notes, notes
+    assert "actor_rollout_ref.actor.optim.lr_decay_steps=204800 accepted, no effect" in notes, notes
 
 
 def test_fully_async_shell_maps_every_async_key_and_plans(tmp_path):

@@ -88,7 +88,7 @@ def test_verl_launch_line_runs(tiny_assets, tmp_path):
 
 
 @pytest.mark.parametrize("replace, named, code", [
-    ("actor_rollout_ref.model.use_fused_kernels=False", "actor_rollout_ref.model.use_fused_kernels=False",
+    ("actor_rollout_ref.actor.optim.lr_decay_style=cosine", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
      EXIT_CONFIG_ERROR),
     # a key the schema lacks: Hydra's own refusal (exit 1), naming the key, before anything starts
     ("actor_rollout_ref.actor.use_torch_compile_nonexistent=True", "use_torch_compile_nonexistent", 1),

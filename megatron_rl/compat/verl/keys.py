@@ -101,12 +101,6 @@ def _packed(*roles: str) -> Rewrite:
     return packed
 
 
-def _fused(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if not _truthy(value):
-        _refuse(f"{key}={value}: megatron-rl always computes log-probs with its fused kernel; drop the key")
-    return []
-
-
 def _model_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     if _bare(value) != "megatron":
         _refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set {key}=megatron or drop the key")
@@ -252,8 +246,12 @@ RULES: tuple[Rule, ...] = (
     Rule("critic.model.use_remove_padding", Fate.mapped, "-> critic.megatron.packed_sequences", _packed("critic")),
     *(Rule(f"{role}.megatron.use_remove_padding", Fate.mapped, f"-> {role}.megatron.packed_sequences",
            _packed(role)) for role in _ROLES),
-    Rule("actor_rollout_ref.model.use_fused_kernels", Fate.mapped,
-         "the fused log-prob kernel is always used; False is refused", _fused),
+    Rule("actor_rollout_ref.model.use_fused_kernels", Fate.dropped,
+         "log-probs and entropies always come from megatron-rl's fused vocab-parallel kernel, the same numbers as "
+         "verl's unfused path (its default, false) and its fused one"),
+    Rule("*.optim.lr_decay_steps", Fate.dropped,
+         "a decay schedule's length; the learning rate here follows optim.lr_scheduler over the run's steps, and "
+         "verl's only style accepted here, lr_decay_style=constant, does not decay"),
     Rule("*.model.enable_gradient_checkpointing", Fate.dropped, _NO_RECOMPUTE_HERE),
     Rule("*.megatron.use_mbridge", Fate.dropped,
          "megatron-rl converts HF <-> Megatron weights with its own layout (models/layout.py); either value loads "
