@@ -10,7 +10,7 @@ ranks, building the engines) share the bound of a 10 s log-prob pass. Each kind 
     ray_init.timeout_s           everything else (log-probs, values, weight sync, small calls)
 
 The workers' collectives wait as long as the longest of these (``ray_init.collective_timeout_s`` to say otherwise:
-:func:`collective_timeout_s`).
+:func:`collective_timeout_s`, which every worker computes from the run's config as the driver does its deadlines).
 
 A fixed 600 s failed long-CoT rollouts and a 70B step (issue 32). So the calls whose work grows with the run
 are bounded by what the run asks for, derived from the response length, the batch and the model's size

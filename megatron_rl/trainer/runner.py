@@ -7,7 +7,6 @@ to place runs as a one-process torchrun job would, in the driver (controller/in_
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -132,7 +131,8 @@ def _torchrun_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, A
     with deferred_compile():  # Megatron-Core's models and fused kernels: compiled at first use, not at import
         from megatron_rl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
 
-    launch = init_distributed(timeout=timedelta(seconds=cfg.ray_init.collective_timeout_s))
+    # the process groups wait as long as the longest call may take (controller/deadlines.py)
+    launch = init_distributed(timeout=timedelta(seconds=collective_timeout_s(cfg)))
     if launch.world_size != sizes.world_size:
         raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                          f"trainer.n_gpus_per_node = {sizes.world_size}")
@@ -170,9 +170,6 @@ def _stop_ray_unless(was_up: bool) -> None:
 def run_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
     """Build everything, train, and return where the outputs are. Config must already be validated."""
     cfg = typed_config(cfg)  # from here on the run, and every worker (pickled by Ray), reads the typed tree
-    # the workers' process groups wait as long as the longest call may take (controller/deadlines.py)
-    cfg = dataclasses.replace(cfg, ray_init=dataclasses.replace(cfg.ray_init,
-                                                                collective_timeout_s=collective_timeout_s(cfg)))
     output_dir = Path(cfg.trainer.default_local_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     in_driver = cfg.trainer.launcher == "ray" and ray_needed_for(cfg, sizes.world_size) is None

@@ -22,6 +22,7 @@ from megatron_rl.agent import AgentLoop
 from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
+from megatron_rl.controller.deadlines import collective_timeout_s
 from megatron_rl.distributed.device import rank_place
 from megatron_rl.distributed.model_parallel import init_model_parallel
 from megatron_rl.distributed.process_group import DEFAULT_TIMEOUT, init_distributed
@@ -59,8 +60,8 @@ def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
 def setup_parallel_state(megatron_cfg: MegatronParallelConfig, collective_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (from the launcher's environment) and Megatron's parallel state once
     per process; colocated roles share it, so a second call must ask for the same layout.
-    ``collective_timeout_s``: how long a collective of these groups may wait (``ray_init.collective_timeout_s``,
-    which the driver resolves: controller/deadlines.py; None: 10 minutes)."""
+    ``collective_timeout_s``: how long a collective of these groups may wait (controller/deadlines.py
+    ``collective_timeout_s`` of the run's config; None: 10 minutes)."""
     from megatron.core import parallel_state
 
     timeout = DEFAULT_TIMEOUT if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
@@ -101,7 +102,7 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         arr = cfg.actor_rollout_ref
         model_dir = arr.model.path
-        setup_parallel_state(arr.actor.megatron, cfg.ray_init.collective_timeout_s)
+        setup_parallel_state(arr.actor.megatron, collective_timeout_s(cfg))
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
                                 override_config=arr.model.override_config, lora=arr.model.lora)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
@@ -283,7 +284,7 @@ class CriticWorker(Worker):
 
         cfg = self.config
         critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
-        setup_parallel_state(critic_cfg.megatron, cfg.ray_init.collective_timeout_s)
+        setup_parallel_state(critic_cfg.megatron, collective_timeout_s(cfg))
         engine = MegatronEngine(critic_cfg.model.path, critic_cfg.megatron, critic_cfg.optim, value_head=True,
                                 value_head_init=critic_cfg.value_head_init, name="critic",
                                 override_config=critic_cfg.model.override_config, lora=critic_cfg.model.lora)

@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.controller import Dispatch, Worker, register
-from megatron_rl.controller.deadlines import call_deadlines
+from megatron_rl.controller.deadlines import call_deadlines, collective_timeout_s
 from megatron_rl.controller.local_group import LocalWorkerGroup
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.hybrid import setup_parallel_state, trainer_config
@@ -30,7 +30,7 @@ class RewardModelWorker(Worker):
         from megatron_rl.workers.reward_model_role import RewardModelRole
 
         rm = self.config.reward_model
-        setup_parallel_state(rm.megatron, self.config.ray_init.collective_timeout_s)
+        setup_parallel_state(rm.megatron, collective_timeout_s(self.config))
         engine = MegatronEngine(rm.model.path, rm.megatron, None, value_head=True, name="reward_model",
                                 override_config=rm.model.override_config)
         self.role = RewardModelRole(engine, rm)
