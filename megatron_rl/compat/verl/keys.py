@@ -427,8 +427,19 @@ class Translation:
 
 def translate_key(key: str, value: str, seen: Mapping[str, str],
                   rules: tuple[Rule, ...] = RULES) -> tuple[list[str] | None, str | None]:
-    """(megatron-rl overrides, log note) for one verl ``key=value``; None overrides: pass it on as it is.
-    ``rules``: the table to read (an entry's own, e.g. compat/verl/experimental's async entries')."""
+    """(megatron-rl overrides, log note) for one verl ``key=value``; None overrides: pass it on as it is. A refusal
+    is a ConfigError naming the key (a rewrite's own ValueError included). ``rules``: the table to read (an entry's
+    own, e.g. compat/verl/experimental's async entries')."""
+    try:
+        return _translate_key(key, value, seen, rules)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{key}={value}: {err}") from None
+
+
+def _translate_key(key: str, value: str, seen: Mapping[str, str],
+                   rules: tuple[Rule, ...]) -> tuple[list[str] | None, str | None]:
     rule = rule_for(key, rules)
     fate, why = fate_of(key, rules)
     if fate is Fate.same:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from megatron_rl.compat.verl.experimental import async_keys
@@ -29,6 +28,18 @@ class AsyncEntry:
     rules: tuple[Rule, ...]  # the entry's own keys (async_keys.py)
     implied: tuple[tuple[str, str, str], ...]  # (key, value, why): entry keys unset on the command line
     config_defaults: tuple[tuple[str, str, str], ...]  # (key, value, why): core keys verl's config sets
+
+    def translate_with_notes(self, argv: list[str], with_verl_defaults: bool = True) -> Translation:
+        """verl's arguments of this entry -> megatron_rl.train arguments and the log lines saying what changed
+        (ConfigError naming a refused key)."""
+        return _translate_with_notes(self, argv, with_verl_defaults)
+
+    def translate(self, argv: list[str], with_verl_defaults: bool = True) -> list[str]:
+        return self.translate_with_notes(argv, with_verl_defaults).overrides
+
+    def main(self, argv: list[str] | None = None) -> None:
+        """The entry's main: main_ppo's launch with this entry's translation."""
+        main_ppo.launch(self.translate_with_notes, argv)
 
 
 def _names(stem: str) -> tuple[str, ...]:
@@ -68,9 +79,8 @@ def _own(entry: AsyncEntry, arg: str) -> bool:
     return bool(sep) and not key.startswith(("-", "~")) and rule_for(key.lstrip("+"), entry.rules) is not None
 
 
-def translate_with_notes(entry: AsyncEntry, argv: list[str], with_verl_defaults: bool = True) -> Translation:
-    """verl's async entry arguments -> megatron_rl.train arguments and the log lines saying what changed
-    (ConfigError naming a refused key)."""
+def _translate_with_notes(entry: AsyncEntry, argv: list[str], with_verl_defaults: bool = True) -> Translation:
+    """AsyncEntry.translate_with_notes."""
     args = _as_base_config(entry, list(argv))
     user = command_line_settings(args)
     implied = [(key, value, why) for key, value, why in entry.implied if key not in user]
@@ -85,21 +95,7 @@ def translate_with_notes(entry: AsyncEntry, argv: list[str], with_verl_defaults:
     for prefix, arg, why in own:
         key, _, value = arg.partition("=")
         bare = key.lstrip("+")
-        try:
-            replaced, note = translate_key(bare, value, seen, entry.rules)
-        except ValueError as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"{bare}={value}: {err}") from None
+        replaced, note = translate_key(bare, value, seen, entry.rules)
         out.extend(replaced or [])
         notes.append(f"{prefix}{note}" + (f" ({why})" if why else ""))
     return Translation(out, notes)
-
-
-def translate(entry: AsyncEntry, argv: list[str], with_verl_defaults: bool = True) -> list[str]:
-    return translate_with_notes(entry, argv, with_verl_defaults).overrides
-
-
-def run(entry: AsyncEntry, argv: list[str] | None = None) -> None:
-    """The entry's main: main_ppo's launch with this entry's translation."""
-    main_ppo.launch(functools.partial(translate_with_notes, entry), argv)

@@ -63,12 +63,7 @@ def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Tr
         if not sep or key.startswith("~"):
             out.append(arg)
             continue
-        try:
-            replaced, note = translate_key(bare, value, seen)
-        except ValueError as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"{bare}={value}: {err}") from None
+        replaced, note = translate_key(bare, value, seen)
         if note:
             notes.append(f"verl key {note}")
         if replaced is not None:

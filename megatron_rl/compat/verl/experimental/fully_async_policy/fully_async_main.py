@@ -7,23 +7,10 @@ docs/configuration.md, "verl's async entries")."""
 from __future__ import annotations
 
 from megatron_rl.compat.verl.experimental import entry
-from megatron_rl.compat.verl.keys import Translation
 
 ENTRY = entry.FULLY_ASYNC
+translate_with_notes, translate, main = ENTRY.translate_with_notes, ENTRY.translate, ENTRY.main
 __all__ = ["ENTRY", "main", "translate", "translate_with_notes"]
-
-
-def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Translation:
-    return entry.translate_with_notes(ENTRY, argv, with_verl_defaults)
-
-
-def translate(argv: list[str], with_verl_defaults: bool = True) -> list[str]:
-    return entry.translate(ENTRY, argv, with_verl_defaults)
-
-
-def main(argv: list[str] | None = None) -> None:
-    entry.run(ENTRY, argv)
-
 
 if __name__ == "__main__":
     main()
