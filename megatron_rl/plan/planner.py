@@ -264,8 +264,8 @@ def check_launch(cfg: DictConfig) -> None:
         plan = _plan(cfg)
         if plan.over_beyond_error:
             raise PlanError(plan.refusal())
-        if plan.edge_warning() is not None:
-            print(plan.edge_warning(), file=sys.stderr, flush=True)
+        if (warning := plan.edge_warning()) is not None:
+            print(warning, file=sys.stderr, flush=True)
     for prefix in (ACTOR, REF, "critic"):
         _check_kernels_here(cfg, prefix)
 
@@ -322,8 +322,8 @@ def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
     if title:
         print(title)
     print(plan.format())
-    if plan.edge_warning() is not None:
-        print(plan.edge_warning())
+    if (warning := plan.edge_warning()) is not None:
+        print(warning)
     print(plan_sync_traffic(cfg, plan))  # issue 16: the weight-sync traffic model
     print(checkpoint_host_ram(cfg))
     problem = distributed_optimizer_problem(cfg)

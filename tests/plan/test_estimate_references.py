@@ -29,6 +29,7 @@ for _sub in ("compat", "workers"):  # the config.json facts; the worker jobs (sp
     if os.path.join(TESTS, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(TESTS, _sub))
 
+from cp_jobs import ACTIVATION_SHAPE, activation_job  # noqa: E402
 from test_verl_current_scripts import QWEN2_5_32B, QWEN3_8B, QWEN3_30B_A3B  # noqa: E402
 
 from megatron_rl.plan import memory  # noqa: E402
@@ -226,39 +227,14 @@ def test_every_term_is_within_its_bound_of_the_references(tmp_path):
 
 
 # -------------------------------------------------------------------------------- CPU autograd at TP 2 + SP
-SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384,
-         "vocab_size": 512}
-
-
-def tp_activation_job(model_dir: str, tp: int) -> dict:
-    """Autograd's saved tensors of one actor update of one micro-batch per rank at TP=``tp`` (+ SP at TP > 1),
-    packed sequences; the pattern of tests/workers/cp_jobs.py activation_job."""
-    from cp_jobs import _megatron
-    from workers_batches import make_rl_batch
-    from workers_jobs import actor_config, make_actor, update
-
-    from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
-    from megatron_rl_testing.saved_activations import SavedActivations
-
-    init_model_parallel(tp=tp)
-    data = make_rl_batch(4, prompt_len=32, response_len=480, seed=3)
-    layout = {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}
-    config = _megatron(actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4), layout)
-    actor = make_actor(model_dir, config)  # rollout n 2: 4 responses, one mini-batch, one micro-batch
-    with SavedActivations([p for chunk in actor.engine.model for p in chunk.parameters()]) as saved:
-        update(actor, data)
-    destroy_model_parallel()
-    return {"bytes": saved.nbytes, "lengths": data.batch["attention_mask"].sum(dim=1).tolist()}
-
-
 @pytest.mark.distributed
 def test_saved_activations_at_tp2_sp_scale_as_planned(tmp_path):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
-    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", with_tokenizer=False, **SHAPE))
-    tp1 = run_multiprocess(tp_activation_job, 1, model, 1, timeout_s=600)[0]
-    tp2 = max(run_multiprocess(tp_activation_job, 2, model, 2, timeout_s=600), key=lambda rank: rank["bytes"])
+    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", with_tokenizer=False, **ACTIVATION_SHAPE))
+    tp1 = run_multiprocess(activation_job, 1, model, 1, 1, timeout_s=600)[0]
+    tp2 = max(run_multiprocess(activation_job, 2, model, 1, 2, timeout_s=600), key=lambda rank: rank["bytes"])
     hf = load_hf_config(model)
 
     def planned(tp: int) -> float:

@@ -99,16 +99,22 @@ def window_job(model_dir: str, cp: int) -> torch.Tensor:
     return log_probs
 
 
-def activation_job(model_dir: str, cp: int) -> dict[str, Any]:
-    """The activations one training step of one micro-batch keeps per rank at CP=``cp`` (measured: autograd's
-    saved tensors) and the real lengths of its sequences."""
+# the tiny Qwen2 the activation measurements run (the planner's tests of CP and TP scaling)
+ACTIVATION_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384,
+                    "vocab_size": 512}
+
+
+def activation_job(model_dir: str, cp: int, tp: int = 1) -> dict[str, Any]:
+    """The activations one training step of one micro-batch keeps per rank at CP=``cp`` x TP=``tp`` (sequence
+    parallel at TP > 1; measured: autograd's saved tensors) and the real lengths of its sequences."""
     from workers_batches import make_rl_batch
 
     from megatron_rl_testing.saved_activations import SavedActivations
 
-    init_model_parallel(cp=cp)
+    init_model_parallel(cp=cp, tp=tp)
     data = make_rl_batch(4, prompt_len=32, response_len=480, seed=3)
-    config = _megatron(actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4), {"context_parallel_size": cp})
+    layout = {"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}
+    config = _megatron(actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4), layout)
     actor = make_actor(model_dir, config)  # rollout n 2: 4 responses, one mini-batch, one micro-batch
     with SavedActivations([p for chunk in actor.engine.model for p in chunk.parameters()]) as saved:
         update(actor, data)

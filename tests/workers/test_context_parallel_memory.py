@@ -5,13 +5,11 @@ all-gather): CP halves everything but the gathered K/V, measured as planned."""
 from __future__ import annotations
 
 import pytest
-from cp_jobs import activation_job
+from cp_jobs import ACTIVATION_SHAPE, activation_job
 
 from megatron_rl.distributed import run_multiprocess
 
 pytestmark = pytest.mark.distributed
-SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384,
-         "vocab_size": 512}
 
 
 def test_planned_activations_at_cp2_scale_as_measured(tmp_path):
@@ -19,7 +17,7 @@ def test_planned_activations_at_cp2_scale_as_measured(tmp_path):
     from megatron_rl.plan import memory
     from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
-    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", with_tokenizer=False, **SHAPE))
+    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", with_tokenizer=False, **ACTIVATION_SHAPE))
     cp1 = run_multiprocess(activation_job, 1, model, 1, timeout_s=600)[0]
     cp2 = max(run_multiprocess(activation_job, 2, model, 2, timeout_s=600), key=lambda rank: rank["bytes"])
     hf = load_hf_config(model)
