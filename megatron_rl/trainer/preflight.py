@@ -22,6 +22,7 @@ from megatron_rl.config.lora import ADAPTER_WEIGHTS, check_adapter_path, check_l
 from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
 from megatron_rl.data import RLDataset, load_tokenizer
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
+from megatron_rl.models.sizes import check_parallel_fit
 from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.plan.validate import (
     check_context_parallel_model,
@@ -332,6 +333,24 @@ def check_adapter_weights(key: str, directory: Path) -> None:
                           f"would train from them")
 
 
+def _check_actor_split(cfg: PPOTrainerConfig, model: Any) -> None:
+    """The actor's TP/PP/VPP/EP/ETP and its pipeline stages' layers (an uneven split's too) against config.json, as
+    the model builder checks them (models/sizes.py check_parallel_fit): a real start on CPU refused them only in the
+    workers' init_model (the dry run's plan refused them)."""
+    mcfg = cfg.actor_rollout_ref.actor.megatron
+    overrides = mcfg.override_transformer_config or {}
+    try:
+        check_parallel_fit(model, mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
+                           mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
+                           etp=mcfg.expert_tensor_parallel_size,
+                           first=overrides.get("num_layers_in_first_pipeline_stage"),
+                           last=overrides.get("num_layers_in_last_pipeline_stage"))
+    except ValueError as err:
+        raise ConfigError(f"actor_rollout_ref.actor.megatron (TP={mcfg.tensor_model_parallel_size}, "
+                          f"PP={mcfg.pipeline_model_parallel_size}, EP={mcfg.expert_model_parallel_size}) does not "
+                          f"factor this model: {err}") from None
+
+
 def check_model(cfg: PPOTrainerConfig) -> None:
     """config.json is readable, and the actor's and the rollout's TP split its heads and KV heads."""
     raw = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
@@ -351,6 +370,7 @@ def check_model(cfg: PPOTrainerConfig) -> None:
         if heads % tp or kv_heads % tp:
             raise ConfigError(f"{key}={tp} does not divide the model's num_attention_heads={heads} and "
                               f"num_key_value_heads={kv_heads} ({source}); Megatron splits both over TP")
+    _check_actor_split(cfg, model)
     rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads):
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "

@@ -279,6 +279,26 @@ def test_tp_must_divide_heads_and_kv_heads_before_ray(tmp_path):
         preflight(cfg)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+      "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=2"],
+     r"num_layers_in_first_pipeline_stage=2 must lie in \[1, 1\]"),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
+     r"expert_model_parallel_size=2 needs an MoE model"),
+])
+def test_the_actors_split_of_the_model_is_refused_before_ray(tmp_path, overrides, message):
+    """Layers over the pipeline stages (an uneven split too) and experts against config.json: a real start on CPU
+    refused them only in the workers' model build."""
+    from megatron_rl.trainer.preflight import preflight
+
+    train = _write_jsonl(tmp_path / "train.jsonl", ["synthetic/copy"])
+    cfg = preflight_cfg(tmp_path, f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={_model(tmp_path)}",
+                        *overrides)
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron \(TP=.*\) does not factor this model: .*"
+                                          + message):
+        preflight(cfg)
+
+
 def test_dry_run_reports_the_same_errors_as_the_real_start(tmp_path, monkeypatch):
     from megatron_rl import train
 
