@@ -9,7 +9,9 @@ from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_rl.config.optimizer_overrides import check_optimizer_overrides
 from megatron_rl.config.schema import PPOTrainerConfig, choices_of
+from megatron_rl.distributed.device import rollout_on_cpu
 
 
 class CheckError(ValueError):
@@ -177,6 +179,11 @@ def check_optimizer(cfg: DictConfig, prefix: str, total_steps: int | None) -> No
         raise CheckError(f"{key}.min_lr_ratio must lie in [0, 1], got {optim.min_lr_ratio}")
     if optim.lr_warmup_steps < 0:
         raise CheckError(f"{key}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
+    # Megatron's OptimizerConfig fields (verl's CPU Adam): unknown, owned or unrunnable ones refused, naming the key
+    check_optimizer_overrides(optim.get("override_optimizer_config"), f"{key}.override_optimizer_config",
+                              on_cpu=rollout_on_cpu(cfg),  # trainer.device=cpu, or auto without CUDA
+                              distributed_optimizer=bool(OmegaConf.select(
+                                  cfg, f"{prefix}.megatron.use_distributed_optimizer", default=False)))
     steps = optim.total_training_steps if optim.total_training_steps != -1 else total_steps
     if steps is not None and optim.lr_warmup_steps > steps:
         raise CheckError(f"{key}.lr_warmup_steps={optim.lr_warmup_steps} is longer than the {steps} training steps "

@@ -180,6 +180,16 @@ def lora_targets(lora: LoRAConfig | None, layer: int) -> list[str]:
     return chosen
 
 
+def lora_on_experts(lora: Any, model: Any) -> bool:
+    """Whether any MoE layer of ``model`` (HFModelConfig facts) gets adapters on its experts: a targeted
+    linear_fc1 / linear_fc2 of an MoE layer means every routed expert's (and the shared expert's)."""
+    moe = getattr(model, "moe", None)
+    if moe is None or not lora_enabled(lora):
+        return False
+    return any(moe.is_moe_layer(i) and {"linear_fc1", "linear_fc2"} & set(lora_targets(lora, i))
+               for i in range(model.num_layers))
+
+
 # ---------------------------------------------------------------------------- checks of the block (validate)
 def _check_module_list(values: Iterable[str], key: str, targets: bool) -> None:
     for entry in values:
@@ -262,21 +272,33 @@ def check_lora(cfg: DictConfig, uses_critic: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- the model (preflight, planner)
-def check_lora_model(model: Any, prefix: str, lora: LoRAConfig | None) -> None:
+def check_lora_model(model: Any, prefix: str, lora: LoRAConfig | None, megatron: Any = None,
+                     megatron_key: str = "") -> None:
     """What LoRA needs from the model itself (``model``: HFModelConfig facts from config.json or
-    plan.architecture); raises ConfigError naming the key."""
+    plan.architecture; ``megatron``: the role's megatron section at ``megatron_key``); raises ConfigError naming
+    the key."""
     if not lora_enabled(lora):
         return
-    if getattr(model, "moe", None) is not None:
-        raise ConfigError(f"{prefix}.lora.rank={lora.rank} with an MoE model ({model.source}: {model.architecture}, "
-                          f"{model.moe.num_experts} experts) is not built: LoRA on MoE experts (grouped expert "
-                          f"linears, expert parallelism) is not built, nor LoRA on the attention of an MoE model; "
-                          f"set {prefix}.lora.rank=0")
-    smallest = min(model.hidden_size, model.head_dim, model.intermediate_size)
+    overrides = _plain(getattr(megatron, "override_transformer_config", None)) or {}
+    if overrides.get("moe_grouped_gemm") is True and lora_on_experts(lora, model):
+        raise ConfigError(f"{megatron_key}.override_transformer_config.moe_grouped_gemm=true with LoRA on the "
+                          f"experts ({prefix}.lora.target_modules names linear_fc1 / linear_fc2 of an MoE model): "
+                          f"the adapters sit on each expert's own linears, which Transformer Engine's grouped layer "
+                          f"does not have; drop it (SequentialMLP is chosen), or put linear_fc1 and linear_fc2 in "
+                          f"{prefix}.lora.exclude_modules")
+    sizes = {"hidden_size": model.hidden_size, "head_dim": model.head_dim}
+    moe = getattr(model, "moe", None)
+    if moe is None or moe.dense_ffn_hidden_size is not None:
+        sizes["intermediate_size"] = model.intermediate_size
+    if lora_on_experts(lora, model):  # the experts' (and the shared expert's) widths are adapted too
+        sizes["moe_intermediate_size"] = moe.ffn_hidden_size
+        if moe.shared_expert_size is not None:
+            sizes["shared_expert_intermediate_size"] = moe.shared_expert_size
+    smallest = min(sizes.values())
     if lora.rank > smallest:
+        named = ", ".join(f"{name} {size}" for name, size in sizes.items())
         raise ConfigError(f"{prefix}.lora.rank={lora.rank} is larger than the model's smallest adapted dimension "
-                          f"({smallest}: hidden_size {model.hidden_size}, head_dim {model.head_dim}, "
-                          f"intermediate_size {model.intermediate_size}; {model.source}): not low-rank")
+                          f"({smallest}: {named}; {model.source}): not low-rank")
 
 
 # ---------------------------------------------------------------------------- a PEFT adapter to start from (preflight)

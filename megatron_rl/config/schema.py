@@ -186,6 +186,11 @@ class OptimConfig:
     lr_scheduler: LRScheduler = LRScheduler.constant
     total_training_steps: int = -1  # filled from trainer.total_training_steps when -1
     clip_grad: float = 1.0
+    # Megatron-Core OptimizerConfig fields, set on it as verl does (verl's CPU Adam: optimizer_cpu_offload,
+    # optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d, use_precision_aware_optimizer); unknown fields,
+    # those set from the keys above or megatron.*, and those that cannot run here are refused
+    # (config/optimizer_overrides.py; docs/workers.md, "CPU Adam")
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

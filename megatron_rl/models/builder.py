@@ -29,6 +29,7 @@ from megatron_rl.config.access import plain
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.config.lora import lora_on_experts
 from megatron_rl.models.lora import LoRASpec, attach_lora
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
 from megatron_rl.models.moe_compat import bind_missing_te_names
@@ -370,7 +371,8 @@ def build_gpt_model(
     experts = None
     if hf.moe is not None:  # override_transformer_config.moe_grouped_gemm is decided here, once
         experts = choose_expert_layer(
-            config_overrides.pop("moe_grouped_gemm", None), cuda=torch.cuda.is_available(), te=use_te
+            config_overrides.pop("moe_grouped_gemm", None), cuda=torch.cuda.is_available(), te=use_te,
+            lora_on_experts=lora is not None and lora_on_experts(lora, hf),
         )
         log_expert_layer(experts)
     config = make_transformer_config(
@@ -416,7 +418,7 @@ def build_gpt_model(
         if value_head and model.post_process:
             attach_value_head(model, init=value_head_init, bias=not hf.sequence_classifier)
         if lora is not None:
-            attach_lora(model, lora)
+            attach_lora(model, lora, hf)
         model.hf_config = hf
         chunks.append(model)
     return chunks

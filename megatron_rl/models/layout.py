@@ -206,6 +206,21 @@ def _moe_params(mlp: torch.nn.Module, experts: range) -> dict[str, torch.nn.Para
     return params
 
 
+def _mlp_adapters(mlp: torch.nn.Module, role_prefix: str) -> dict[str, LoRAAdapter | None]:
+    """The LoRA adapters of an MLP's fc1 / fc2 by the roles of ``_layer_groups`` / ``_moe_groups``."""
+    return {f"{role_prefix}gate_up": adapter_of(mlp, "linear_fc1"), f"{role_prefix}down": adapter_of(mlp, "linear_fc2")}
+
+
+def _moe_adapters(mlp: torch.nn.Module, experts: range) -> dict[str, LoRAAdapter | None]:
+    """The adapters of an MoE layer's local experts (SequentialMLP: grouped experts have none) and shared expert."""
+    adapters: dict[str, LoRAAdapter | None] = {}
+    for local, expert_mlp in enumerate(getattr(mlp.experts, "local_experts", ())):
+        adapters |= _mlp_adapters(expert_mlp, f"expert{experts[local]}.")
+    if mlp.shared_experts is not None:
+        adapters |= _mlp_adapters(mlp.shared_experts, "shared.")
+    return adapters
+
+
 def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     """Mappings for the parameters this model chunk holds (of MoE layers: the local experts), in checkpoint order."""
     model = unwrap(chunk)
@@ -241,8 +256,7 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
             params["gate_up"] = mlp.linear_fc1.weight
             params["down"] = mlp.linear_fc2.weight
         adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
-        if not moe_layer:
-            adapters |= {"gate_up": adapter_of(mlp, "linear_fc1"), "down": adapter_of(mlp, "linear_fc2")}
+        adapters |= _moe_adapters(mlp, experts) if moe_layer else _mlp_adapters(mlp, "")
         mappings += [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
     if model.post_process:
         mappings.append(

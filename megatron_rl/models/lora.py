@@ -17,6 +17,16 @@ of a row-parallel one under sequence parallelism) is marked ``sequence_parallel`
 per factor seeded by the layer and part, drawn at full size and then sliced, so every TP/PP layout starts
 from the same adapter.
 
+MoE layers: the attention is adapted as above; a targeted ``linear_fc1`` / ``linear_fc2`` means an adapter on
+every routed expert's fc1 / fc2 (one per local expert of SequentialMLP, each MLP of the experts) and on the
+shared expert's. An expert adapter is split over the expert-tensor-parallel group (ETP) the way its expert is,
+and does no communication of its own: inside the experts Megatron's token dispatcher has already gathered each
+expert's tokens over ETP and sums the experts' partial outputs and input gradients over ETP itself. Only the
+replicated factor's gradient (A of fc1, B of fc2), which each ETP rank sees a part of, is summed over ETP in the
+backward. Its parameters are expert-parallel (``allreduce = False``): DDP reduces their gradients over the
+expert-data-parallel group and the distributed optimizer shards them there, as it does the experts' own.
+Each expert's adapter is seeded by its global expert index, so every EP/ETP layout starts from the same one.
+
 The adapter is a child of the attention / MLP module (``linear_qkv_lora`` next to ``linear_qkv``), not of
 the linear itself, whose checkpoint code would save it as replicated; it joins the linear's output through
 a forward hook. ``adapters_disabled`` switches every adapter off: the reference policy is the actor without
@@ -47,17 +57,36 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_rl.config.lora import lora_targets
 from megatron_rl.config.schema import LORA_TARGET_MODULES, LoRAConfig
+from megatron_rl.models.moe import local_experts
+from megatron_rl.models.moe_experts import is_grouped
 
 TARGETS = LORA_TARGET_MODULES
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
-# HF module of each part of a target (PEFT's names)
+# the parts of each target, and the HF module of each part inside ``model.layers.<i>.`` (PEFT's names) of a
+# dense layer; an MoE layer's expert and shared-expert parts are named by the model's MoESpec (expert_hf_modules)
+PARTS = {"linear_qkv": ("q", "k", "v"), "linear_proj": ("",), "linear_fc1": ("gate", "up"), "linear_fc2": ("",)}
 HF_PARTS = {
-    "linear_qkv": (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj")),
-    "linear_proj": (("", "self_attn.o_proj"),),
-    "linear_fc1": (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj")),
-    "linear_fc2": (("", "mlp.down_proj"),),
+    "linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "linear_proj": ("self_attn.o_proj",),
+    "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "linear_fc2": ("mlp.down_proj",),
 }
+_EXPERT_ROLES = {"linear_fc1": ("gate", "up"), "linear_fc2": ("down",)}
+
+
+def _hf_module(tensor_name: str, layer: int) -> str:
+    """``model.layers.<layer>.<module>.weight`` -> ``<module>``."""
+    return tensor_name.removeprefix(f"model.layers.{layer}.").removesuffix(".weight")
+
+
+def expert_hf_modules(moe, layer: int, target: str, expert: int | None) -> tuple[str, ...]:
+    """HF modules (inside ``model.layers.<layer>.``) of the parts of an MoE layer's ``target`` (linear_fc1 /
+    linear_fc2): routed expert ``expert``'s, or the shared expert's when ``expert`` is None."""
+    roles = _EXPERT_ROLES[target]
+    if expert is None:
+        return tuple(_hf_module(moe.shared_expert_name(layer, role), layer) for role in roles)
+    return tuple(_hf_module(moe.expert_name(layer, expert, role), layer) for role in roles)
 
 
 @dataclass(frozen=True)
@@ -112,28 +141,49 @@ def _init(method: str, shape: tuple[int, int], seed: int, dtype: torch.dtype) ->
     return out.to(dtype)
 
 
-def _seed(spec: LoRASpec, layer: int, target: str, part: str, factor: str) -> int:
-    return (spec.seed * 1_000_003 + zlib.crc32(f"{layer}.{target}.{part}.{factor}".encode())) % (2**63)
+def _seed(spec: LoRASpec, layer: int, target: str, part: str, factor: str, expert: int | None = None) -> int:
+    where = f"{layer}.{target}.{part}.{factor}" if expert is None else f"{layer}.expert{expert}.{target}.{part}.{factor}"
+    return (spec.seed * 1_000_003 + zlib.crc32(where.encode())) % (2**63)
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group`` (an expert adapter's replicated factor,
+    of whose gradient each ETP rank computes a part)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class LoRAAdapter(torch.nn.Module):
-    """The adapter of one base linear; ``forward(x)`` is what it adds to the linear's output."""
+    """The adapter of one base linear; ``forward(x)`` is what it adds to the linear's output.
+
+    ``hf_modules``: the HF module of each part (PEFT's names, inside ``model.layers.<layer>.``); ``expert``: the
+    global index of the routed expert whose linear it adapts (split over ETP, expert-parallel), else None."""
 
     def __init__(self, spec: LoRASpec, target: str, layer: int, config, full_in: int, full_outs: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device, hf_modules: Sequence[str] | None = None, expert: int | None = None) -> None:
         super().__init__()
-        self.target, self.layer = target, layer
+        self.target, self.layer, self.expert = target, layer, expert
         self.column = target in COLUMN_PARALLEL
-        self.parts = tuple(part for part, _ in HF_PARTS[target])
+        self.parts = PARTS[target]
+        self.hf_modules = tuple(hf_modules or HF_PARTS[target])
         self.rank, self.scale, self.dropout = spec.rank, spec.scale, spec.dropout
-        self.sequence_parallel = bool(config.sequence_parallel)
+        # inside the experts the dispatcher does the sequence-parallel and ETP communication
+        self.sequence_parallel = bool(config.sequence_parallel) and expert is None
         self.enabled = True
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp, tp_rank = self.split_size(), self.split_rank()
         dtype = spec.dtype
         for part, full_out in zip(self.parts, full_outs):
-            a = _init(spec.a_init, (spec.rank, full_in), _seed(spec, layer, target, part, "A"), dtype)
-            b = _init(spec.b_init, (full_out, spec.rank), _seed(spec, layer, target, part, "B"), dtype)
+            a = _init(spec.a_init, (spec.rank, full_in), _seed(spec, layer, target, part, "A", expert), dtype)
+            b = _init(spec.b_init, (full_out, spec.rank), _seed(spec, layer, target, part, "B", expert), dtype)
             if self.column:  # B split like the output rows
                 b = b.chunk(tp, dim=0)[tp_rank]
             else:  # A split like the input columns
@@ -144,9 +194,33 @@ class LoRAAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if self.column else 1, stride=1)
             # the factor each TP rank sees a part of the gradient of under SP: summed over TP by finalize_model_grads
             whole.sequence_parallel = self.sequence_parallel
+            if expert is not None:  # DDP: reduced over expert-DP, sharded there by the distributed optimizer
+                a_param.allreduce = b_param.allreduce = False
             self.register_parameter(self._name("A", part), a_param)
             self.register_parameter(self._name("B", part), b_param)
         self.layout = None  # set by attach: how the parts' outputs interleave into the fused output
+
+    def split_size(self) -> int:
+        """Ranks the split factor is cut over: ETP for an expert's adapter, TP otherwise."""
+        if self.expert is not None:
+            return parallel_state.get_expert_tensor_parallel_world_size()
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    def split_rank(self) -> int:
+        if self.expert is not None:
+            return parallel_state.get_expert_tensor_parallel_rank()
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def split_group(self):
+        if self.expert is not None:
+            return parallel_state.get_expert_tensor_parallel_group()
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def _replicated(self, factor: torch.Tensor) -> torch.Tensor:
+        """An expert adapter's replicated factor, its gradient summed over ETP in the backward."""
+        if self.expert is None or self.split_size() == 1:
+            return factor
+        return _SumGradOver.apply(factor, self.split_group())
 
     @staticmethod
     def _name(factor: str, part: str) -> str:
@@ -163,6 +237,8 @@ class LoRAAdapter(torch.nn.Module):
         return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            return self._expert_forward(x)
         if self.column:
             factors = [self.factors(part) for part in self.parts]
             # one pass over x for every part's A (x is the large operand at small r)
@@ -190,6 +266,19 @@ class LoRAAdapter(torch.nn.Module):
                   else reduce_from_tensor_model_parallel_region(hidden))
         return F.linear(hidden, b) * self.scale
 
+    def _expert_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """No communication: x holds this expert's tokens on every ETP rank (fc1) or this rank's columns of
+        them (fc2); the dispatcher sums fc2's partial outputs and fc1's partial input gradients over ETP."""
+        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        if self.column:
+            pieces = []
+            for part in self.parts:
+                a, b = self.factors(part)
+                pieces.append(F.linear(F.linear(x, self._replicated(a)), b))
+            return self._combine(pieces) * self.scale
+        a, b = self.factors("")
+        return F.linear(F.linear(x, a), self._replicated(b)) * self.scale
+
     @torch.no_grad()
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` (this rank's shard of the base linear) + scale x B A, in the same layout."""
@@ -206,14 +295,20 @@ class LoRAAdapter(torch.nn.Module):
 
         state = self.state_dict(prefix="", keep_vars=True)
         axis = {self._name("B" if self.column else "A", part): 0 if self.column else 1 for part in self.parts}
-        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
+        if self.expert is None:
+            return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
+        # an expert's: split over ETP; SequentialMLP adds the expert axis and the expert-DP replica ids
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, axis, sharded_offsets, tp_group=self.split_group(),
+            dp_cp_group=parallel_state.get_expert_data_parallel_group())
 
 
-def _target_sizes(target: str, config) -> tuple[int, list[int]]:
-    """(full input size, full output size of each part) of a target linear."""
+def _target_sizes(target: str, config, ffn: int | None = None) -> tuple[int, list[int]]:
+    """(full input size, full output size of each part) of a target linear (an MLP's of width ``ffn``: an
+    expert's or the shared expert's; default the dense MLP's)."""
     h, d = config.hidden_size, config.kv_channels
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-    ffn = config.ffn_hidden_size
+    ffn = ffn or config.ffn_hidden_size
     return {
         "linear_qkv": (h, [heads * d, groups * d, groups * d]),
         "linear_proj": (heads * d, [h]),
@@ -232,30 +327,68 @@ def _hook(adapter: LoRAAdapter):
     return add_adapter
 
 
-def attach_lora(model: torch.nn.Module, spec: LoRASpec) -> list[LoRAAdapter]:
-    """Add adapters to the targeted linears of ``model`` (one GPTModel chunk, before DDP); returns them."""
+def _input_requires_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output made to require grad: Megatron's full recompute runs each layer chunk in a
+    reentrant autograd Function, whose backward (the only place the adapters inside get their gradients) runs
+    only if an input requires grad; with the base frozen none would, and the adapters would train on zeros."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
+def _attach(parent: torch.nn.Module, target: str, adapter: LoRAAdapter) -> LoRAAdapter:
+    parent.add_module(f"{target}_lora", adapter)
+    getattr(parent, target).register_forward_hook(_hook(adapter))
+    return adapter
+
+
+def _moe_mlps(mlp: torch.nn.Module, hf) -> Iterator[tuple[torch.nn.Module, int | None, int]]:
+    """(MLP module, global expert index or None for the shared expert, its width) of an MoE layer's experts."""
+    if is_grouped(mlp.experts):
+        raise ValueError("LoRA on MoE experts needs one MLP per expert (SequentialMLP); the grouped experts "
+                         "(moe_grouped_gemm=true) have no per-expert linear to adapt")
+    experts = local_experts(hf.moe, parallel_state.get_expert_model_parallel_world_size(),
+                            parallel_state.get_expert_model_parallel_rank())
+    for expert_mlp, expert in zip(mlp.experts.local_experts, experts, strict=True):
+        yield expert_mlp, expert, hf.moe.ffn_hidden_size
+    if mlp.shared_experts is not None:
+        yield mlp.shared_experts, None, hf.moe.shared_expert_size
+
+
+def attach_lora(model: torch.nn.Module, spec: LoRASpec, hf) -> list[LoRAAdapter]:
+    """Add adapters to the targeted linears of ``model`` (one GPTModel chunk, before DDP; ``hf`` its
+    HFModelConfig); returns them. On an MoE layer a targeted linear_fc1 / linear_fc2 is adapted in every local
+    expert and in the shared expert."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     adapters = []
     config = model.config
     groups_local = (config.num_query_groups or config.num_attention_heads) \
         // parallel_state.get_tensor_model_parallel_world_size()
+    if model.pre_process:  # later stages receive their input with requires_grad set (Megatron's p2p)
+        model.embedding.register_forward_hook(_input_requires_grad)
     for layer in model.decoder.layers:
-        chosen = lora_targets(spec, layer.layer_number - 1)  # the global layer number, as the planner counts
-        for parent in (layer.self_attention, layer.mlp):
-            if isinstance(parent, MoELayer):
-                raise ValueError("LoRA on MoE experts is not built (trainer/preflight.py refuses it before launch)")
-            for target in TARGETS:
-                linear = getattr(parent, target, None)
-                if linear is None or target not in chosen:
-                    continue
-                full_in, full_outs = _target_sizes(target, config)
-                adapter = LoRAAdapter(spec, target, layer.layer_number - 1, config, full_in, full_outs,
-                                      linear.weight.device)
+        index = layer.layer_number - 1  # the global layer number, as the planner counts
+        chosen = lora_targets(spec, index)
+        device = layer.self_attention.linear_qkv.weight.device
+        for target in ("linear_qkv", "linear_proj"):
+            if target in chosen:
+                adapter = LoRAAdapter(spec, target, index, config, *_target_sizes(target, config), device)
                 adapter.layout = groups_local
-                parent.add_module(f"{target}_lora", adapter)
-                linear.register_forward_hook(_hook(adapter))
-                adapters.append(adapter)
+                adapters.append(_attach(layer.self_attention, target, adapter))
+        mlp_targets = [t for t in ("linear_fc1", "linear_fc2") if t in chosen]
+        if not mlp_targets:
+            continue
+        if not isinstance(layer.mlp, MoELayer):
+            for target in mlp_targets:
+                adapter = LoRAAdapter(spec, target, index, config, *_target_sizes(target, config), device)
+                adapters.append(_attach(layer.mlp, target, adapter))
+            continue
+        for mlp, expert, ffn in _moe_mlps(layer.mlp, hf):
+            for target in mlp_targets:
+                adapter = LoRAAdapter(spec, target, index, config, *_target_sizes(target, config, ffn), device,
+                                      hf_modules=expert_hf_modules(hf.moe, index, target, expert), expert=expert)
+                adapters.append(_attach(mlp, target, adapter))
     return adapters
 
 

@@ -51,11 +51,20 @@ def check_grouped_gemm_override(value: object, key: str = OVERRIDE_KEY) -> bool 
                      "Transformer Engine are there, SequentialMLP otherwise)")
 
 
-def choose_expert_layer(override: object, *, cuda: bool, te: bool, key: str = OVERRIDE_KEY) -> ExpertLayer:
+def choose_expert_layer(override: object, *, cuda: bool, te: bool, key: str = OVERRIDE_KEY,
+                        lora_on_experts: bool = False) -> ExpertLayer:
     """Grouped experts where they can run (a CUDA device and Transformer Engine's layer spec), SequentialMLP
     otherwise; ``override`` (the user's moe_grouped_gemm) wins where it can run. ``true`` where grouped cannot
-    run is refused naming ``key`` (the launch checks refuse it earlier when TE does not import)."""
+    run is refused naming ``key`` (the launch checks refuse it earlier when TE does not import).
+    ``lora_on_experts``: LoRA adapters on the experts' linears need one MLP per expert (SequentialMLP)."""
     override = check_grouped_gemm_override(override, key)
+    if lora_on_experts:
+        if override is True:
+            raise ValueError(f"{key}=true with LoRA on the experts (lora.target_modules names linear_fc1 / "
+                             "linear_fc2): the adapters sit on each expert's own linears, which TE's grouped "
+                             "layer does not have; set it false (or leave it unset), or exclude linear_fc1 and "
+                             "linear_fc2 (lora.exclude_modules)")
+        return ExpertLayer(False, "LoRA on the experts: one MLP per local expert, each with its adapters")
     missing = [what for what, here in (("no CUDA device", cuda), ("Transformer Engine does not import", te))
                if not here]
     if override is True:

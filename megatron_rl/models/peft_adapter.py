@@ -6,7 +6,10 @@ PEFT keeps one (A, B) pair per HF module (``model.layers.{i}.self_attn.q_proj`` 
 ([out, r]) and scales ``B A`` by ``lora_alpha / r``, as our adapters do (models/lora.py keeps the parts of a
 fused linear as separate pairs for this reason). The full tensors are our factors gathered over tensor
 parallelism (B of a column-parallel adapter on dim 0, A of a row-parallel one on dim 1) and over the pipeline
-stages (each stage holds its layers' adapters); loading slices them back for this rank.
+stages (each stage holds its layers' adapters); loading slices them back for this rank. An MoE model's expert
+adapters are PEFT's per-expert modules (``model.layers.{i}.mlp.experts.{e}.gate_proj``, the names of the
+model's own expert weights), gathered over the expert-tensor-parallel group and the expert-parallel group (each
+EP rank holds its experts').
 
 Both functions are collectives: every rank of the model calls them.
 """
@@ -22,8 +25,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import unwrap
-from megatron_rl.models.lora import HF_PARTS, LoRAAdapter, adapters_of
+from megatron_rl.models.lora import HF_PARTS, LoRAAdapter, adapters_of, expert_hf_modules
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -53,22 +57,33 @@ def peft_key(layer: int, hf_module: str, factor: str) -> str:
 
 
 def _factors(adapter: LoRAAdapter):
-    """(hf_module, factor, parameter, TP-split dim or None) of each factor of ``adapter``."""
-    for part, hf_module in HF_PARTS[adapter.target]:
+    """(hf_module, factor, parameter, split dim or None) of each factor of ``adapter``; the split is over TP, or
+    over ETP for an expert's adapter (``adapter.split_size()``)."""
+    for part, hf_module in zip(adapter.parts, adapter.hf_modules):
         a, b = adapter.factors(part)
         yield hf_module, "A", a, None if adapter.column else 1
         yield hf_module, "B", b, 0 if adapter.column else None
 
 
-def _gather_tp(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if dim is None or tp == 1:
+def _gather_split(adapter: LoRAAdapter, tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+    size = adapter.split_size()
+    if dim is None or size == 1:
         return tensor.detach().clone()
-    shards = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(
-        shards, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
-    )
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=adapter.split_group())
     return torch.cat(shards, dim=dim)
+
+
+def _gather_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every EP rank's expert-adapter tensors, on the first rank of this rank's expert-parallel group (None on
+    the others)."""
+    group = parallel_state.get_expert_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return tensors
+    first = dist.get_global_rank(group, 0)
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(tensors, gathered, dst=first, group=group)
+    return {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
 
 
 def _alpha(adapter: LoRAAdapter) -> float | int:
@@ -76,17 +91,26 @@ def _alpha(adapter: LoRAAdapter) -> float | int:
     return round(alpha) if abs(alpha - round(alpha)) < 1e-9 else alpha
 
 
-def _target_modules(names: set[str], num_layers: int) -> list[str]:
-    """PEFT's ``target_modules``: the HF leaf names when every layer has the same adapters, else the full
-    module names (PEFT matches a list entry against a module name's end)."""
+def _hf_linears(hf: HFModelConfig) -> set[str]:
+    """Every HF linear of the model an adapter can sit on (of an MoE layer: each expert's and the shared one's)."""
+    names = set()
+    for i in range(hf.num_layers):
+        mlp_targets = ("linear_fc1", "linear_fc2")
+        if hf.moe is not None and hf.moe.is_moe_layer(i):
+            experts = [*range(hf.moe.num_experts)] + ([None] if hf.moe.shared_expert_size is not None else [])
+            modules = [m for t in mlp_targets for e in experts for m in expert_hf_modules(hf.moe, i, t, e)]
+        else:
+            modules = [m for t in mlp_targets for m in HF_PARTS[t]]
+        modules += [*HF_PARTS["linear_qkv"], *HF_PARTS["linear_proj"]]
+        names |= {f"model.layers.{i}.{m}" for m in modules}
+    return names
+
+
+def _target_modules(names: set[str], hf: HFModelConfig) -> list[str]:
+    """PEFT's ``target_modules``: the HF leaf names when every linear of the model with those leaves has an
+    adapter, else the full module names (PEFT matches a list entry against a module name's end)."""
     leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
-    everywhere = {
-        f"model.layers.{i}.{hf_module}"
-        for i in range(num_layers)
-        for _, parts in HF_PARTS.items()
-        for _, hf_module in parts
-        if hf_module.rsplit(".", 1)[-1] in leaves
-    }
+    everywhere = {name for name in _hf_linears(hf) if name.rsplit(".", 1)[-1] in leaves}
     return leaves if names == everywhere else sorted(names)
 
 
@@ -104,11 +128,15 @@ def save_peft_adapter(
 
     adapters = adapters_of(chunks)
     tensors: dict[str, torch.Tensor] = {}
-    modules: set[str] = set()
+    expert_tensors: dict[str, torch.Tensor] = {}
     for adapter in adapters:
         for hf_module, factor, param, dim in _factors(adapter):
-            tensors[peft_key(adapter.layer, hf_module, factor)] = _gather_tp(param, dim).cpu()
-            modules.add(f"model.layers.{adapter.layer}.{hf_module}")
+            held = tensors if adapter.expert is None else expert_tensors
+            held[peft_key(adapter.layer, hf_module, factor)] = _gather_split(adapter, param, dim).cpu()
+    if expert_tensors:  # every rank of a stage holds the same layers: all of an EP group take this branch
+        expert_tensors = _gather_experts(expert_tensors)
+        tensors |= expert_tensors or {}
+    modules = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in tensors}
     local: dict[str, Any] = {"tensors": tensors, "modules": modules, "spec": None}
     if adapters:
         first = adapters[0]
@@ -119,6 +147,9 @@ def save_peft_adapter(
         and parallel_state.get_data_parallel_rank() == 0
         and parallel_state.get_context_parallel_rank() == 0
     )
+    if holds_rank_zero and expert_tensors is None:
+        raise RuntimeError("save_peft_adapter: the rank that writes its stage's adapters is not the first of its "
+                           "expert-parallel group, so it does not hold every expert's adapters")
     stages = [local]
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if holds_rank_zero and dist.get_world_size(pp_group) > 1:
@@ -138,12 +169,11 @@ def save_peft_adapter(
             raise ValueError(
                 "save_peft_adapter: the model has no LoRA adapters (<role>.model.lora.rank is 0)"
             )
-        num_layers = int(unwrap(chunks[0]).config.num_layers)
         config = {
             **_DEFAULT_PEFT_CONFIG,
             **spec,
             "base_model_name_or_path": str(base_model_path),
-            "target_modules": _target_modules(names, num_layers),
+            "target_modules": _target_modules(names, unwrap(chunks[0]).hf_config),
         }
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -219,8 +249,6 @@ def load_peft_adapter(chunks: Sequence[torch.nn.Module], adapter_dir: str | Path
             )
         raise FileNotFoundError(f"{directory} is not a PEFT adapter: no {WEIGHTS_FILE}")
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     expected: set[str] = set()
     errors: list[str] = []
     try:
@@ -237,7 +265,7 @@ def load_peft_adapter(chunks: Sequence[torch.nn.Module], adapter_dir: str | Path
                 expected.add(key)
                 shape = list(param.shape)
                 if dim is not None:
-                    shape[dim] *= tp
+                    shape[dim] *= adapter.split_size()
                 if key not in present:
                     errors.append(
                         f"{weights}: no tensor {key!r} (expected shape {shape}): the adapter of "
@@ -255,14 +283,15 @@ def load_peft_adapter(chunks: Sequence[torch.nn.Module], adapter_dir: str | Path
                         f"(r={adapter.rank})"
                     )
                     continue
-                param.data.copy_(full if dim is None else full.chunk(tp, dim=dim)[tp_rank])
-    everyone: list[Any] = [(expected, errors)]
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    if dist.is_initialized() and dist.get_world_size(pp_group) > 1:
-        everyone = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(everyone, (expected, errors), group=pp_group)
-    expected = set().union(*(keys for keys, _ in everyone))
-    errors = [error for _, stage_errors in everyone for error in stage_errors]
+                split = full if dim is None else full.chunk(adapter.split_size(), dim=dim)[adapter.split_rank()]
+                param.data.copy_(split)
+    # the keys every stage (and every EP rank of a stage: its own experts) expects, and their errors
+    for group in (parallel_state.get_expert_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()):
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, (expected, errors), group=group)
+            expected = set().union(*(keys for keys, _ in everyone))
+            errors = list(dict.fromkeys(error for _, rank_errors in everyone for error in rank_errors))
     unused = sorted(present - expected)
     if unused:
         errors.append(

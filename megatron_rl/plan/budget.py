@@ -7,6 +7,7 @@ import dataclasses
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.config.lora import lora_enabled, lora_targets
+from megatron_rl.config.optimizer_overrides import HostAdam, host_adam
 from megatron_rl.config.schema import ActorConfig, CriticConfig, LoRAConfig, MegatronParallelConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.plan import memory
@@ -21,7 +22,7 @@ from megatron_rl.plan.layout import (
     transformer_config,
 )
 from megatron_rl.plan.accuracy import ACTIVATIONS, EXACT, RowError
-from megatron_rl.plan.lora import lora_dtype, lora_trainable_stage_params
+from megatron_rl.plan.lora import lora_dtype, lora_expert_stage_params, lora_trainable_stage_params
 from megatron_rl.plan.memory import Layout, Stage, StateBytesPerParam
 from megatron_rl.plan.report import GIB, MemoryRow, RolloutShare
 from megatron_rl.plan.validate import DerivedSizes, RoleSizes
@@ -96,43 +97,59 @@ def _trained_role_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role
     grads_phases = (update_phase,) if mcfg.param_offload else table.phases
     optim_phases = (update_phase,) if mcfg.optimizer_offload else table.phases
     shards = f", /{layout.dp * layout.cp} shards" if mcfg.use_distributed_optimizer else ""
+    host = host_adam(role_cfg.optim)  # Megatron's CPU Adam: a share of Adam's state in host memory
     lora = role_model(cfg, role).lora
     if lora_enabled(lora):  # issue 36: the base frozen in its dtype, adapters trained with their grads and Adam
         table.add(f"{role} weights ({dtype}, frozen)", params * per_param.params, weights_phases)
         trainable = lora_trainable_stage_params(model, layout, stage, lora, lm_head)
+        # MoE: the routed experts' adapters are expert-parallel, their Adam state sharded over expert-DP
+        experts = lora_expert_stage_params(model, layout, stage, lora)
         adapter_dtype = lora_dtype(lora, dtype)
         per_adapter = memory.state_bytes_per_param(adapter_dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
+        optimizer, at_start, shards = _adam_bytes(trainable, experts, adapter_dtype, mcfg, layout, shards, host)
         what = "adapters" if lm_head else "adapters + value head"
         table.add(f"{role} LoRA {what} (rank {lora.rank}, {adapter_dtype})", trainable * per_adapter.params,
                   weights_phases)
         table.add(f"{role} grads (fp32, {what})", trainable * per_adapter.grads, grads_phases)
-        table.add(f"{role} optimizer (Adam, {what}{shards})", trainable * per_adapter.optimizer, optim_phases,
-                  at_engine_start=trainable * per_adapter.optimizer_at_start if "generate" in optim_phases else 0.0)
+        table.add(f"{role} optimizer (Adam, {what}{shards})", optimizer, optim_phases,
+                  at_engine_start=at_start if "generate" in optim_phases else 0.0)
     else:
         _full_state_rows(table, role, dtype, params, per_param, model, layout, stage, mcfg, shards, weights_phases,
-                         grads_phases, optim_phases)
+                         grads_phases, optim_phases, host)
     _activation_rows(table, cfg, role, role_cfg, role_sizes, model, layout, stage, tcfg, dtype, lm_head, lora)
 
 
 def _full_state_rows(table: PhaseTable, role: str, dtype: str, params: int, per_param: StateBytesPerParam,
                      model: HFModelConfig, layout: Layout, stage: Stage, mcfg: MegatronParallelConfig, shards: str,
                      weights_phases: tuple[str, ...], grads_phases: tuple[str, ...],
-                     optim_phases: tuple[str, ...]) -> None:
+                     optim_phases: tuple[str, ...], host: HostAdam = HostAdam()) -> None:
     """Full fine-tuning: weights, grads and Adam state of every parameter."""
     table.add(f"{role} weights ({dtype})", params * per_param.params, weights_phases)
     table.add(f"{role} grads (fp32)", params * per_param.grads, grads_phases)
-    # MoE: the experts' Adam state is sharded over the expert-DP group only; the experts of this stage (a
-    # dense-first model's first stage holds fewer)
+    # MoE: the experts of this stage (a dense-first model's first stage holds fewer)
     experts = memory.stage_expert_params(model, layout, stage)
+    optimizer, at_start, shards = _adam_bytes(params, experts, dtype, mcfg, layout, shards, host)
+    table.add(f"{role} optimizer (Adam{shards})", optimizer, optim_phases,
+              at_engine_start=at_start if "generate" in optim_phases else 0.0)
+    # (m, v come at the first step, after the engine has sized itself)
+
+
+def _adam_bytes(params: float, experts: float, dtype: str, mcfg: MegatronParallelConfig, layout: Layout,
+                shards: str, host: HostAdam = HostAdam()) -> tuple[float, float, str]:
+    """Adam state of ``params`` trained parameters on one GPU, ``experts`` of them expert-parallel (MoE experts or
+    their LoRA adapters): the distributed optimizer shards the others over DP x CP and the experts' over the
+    expert-DP group only. Returns (bytes, bytes that exist when the engine starts, the row's shards label).
+    ``host``: with Megatron's CPU Adam (optim.override_optimizer_config) its share of the state (master weights, m,
+    v; m, v only without the precision-aware optimizer) is in host memory, not on the GPU; the label says so."""
+    dense = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, layout.dp * layout.cp)
     expert_dp = memory.expert_data_parallel(layout)
     per_expert = memory.state_bytes_per_param(dtype, mcfg.use_distributed_optimizer, expert_dp)
     if experts and mcfg.use_distributed_optimizer:
         shards += f", experts /{expert_dp}"
-    optimizer = (params - experts) * per_param.optimizer + experts * per_expert.optimizer
-    at_start = (params - experts) * per_param.optimizer_at_start + experts * per_expert.optimizer_at_start
-    table.add(f"{role} optimizer (Adam{shards})", optimizer, optim_phases,
-              at_engine_start=at_start if "generate" in optim_phases else 0.0)
-    # (m, v come at the first step, after the engine has sized itself)
+    optimizer = (params - experts) * dense.optimizer + experts * per_expert.optimizer
+    at_start = (params - experts) * dense.optimizer_at_start + experts * per_expert.optimizer_at_start
+    # (at_start is the master weights: what the GPU keeps of them is host.gpu_bytes(master, master))
+    return host.gpu_bytes(optimizer, at_start), host.gpu_bytes(at_start, at_start), shards + host.label()
 
 
 def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_cfg: ActorConfig | CriticConfig,
@@ -150,7 +167,7 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
         per_token_layer = max(memory.lora_activation_bytes_per_token_layer(
             model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
-            memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel))
+            memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel), layer=i)
             for i in memory.stage_layers(model, layout, stage))
         table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
             model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, recompute_of(tcfg)),

@@ -30,10 +30,35 @@ def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Sta
     return adapters + value_head
 
 
+def lora_expert_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: LoRAConfig) -> float:
+    """Of ``lora_trainable_stage_params``, the routed experts' adapters: expert-parallel parameters, whose Adam
+    state the distributed optimizer shards over the expert-DP group (0 for a dense model)."""
+    return memory.lora_stage_expert_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+
+
+# the whole model on one GPU: no TP, PP or EP split
+_WHOLE_MODEL = Layout(tp=1, pp=1, cp=1, dp=1)
+
+
 def lora_trainable_params(model: HFModelConfig, lora: LoRAConfig) -> int:
-    """Adapter parameters of the whole model (no TP split)."""
-    return int(sum(sum(memory.lora_linear_params(model, linear, lora.rank))
-                   for i in range(model.num_layers) for linear in lora_targets(lora, i)))
+    """Adapter parameters of the whole model (no TP split; an MoE model's on every routed expert too)."""
+    return int(memory.lora_stage_params(model, _WHOLE_MODEL, "first", lora.rank, lambda i: lora_targets(lora, i)))
+
+
+def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
+    """The trainable note's aside when adapters sit on an MoE model's experts (a targeted linear_fc1 / linear_fc2
+    of an MoE layer): " (and every routed expert's fc1/fc2: E experts x L layers)"; else ""."""
+    if model.moe is None:
+        return ""
+    per_layer = [[t for t in lora_targets(lora, i) if t in memory.MLP_LINEARS]
+                 for i in range(model.num_layers) if model.moe.is_moe_layer(i)]
+    layers = sum(bool(linears) for linears in per_layer)
+    if not layers:
+        return ""
+    names = "/".join(sorted({t.removeprefix("linear_") for linears in per_layer for t in linears}))
+    shared = "the shared expert's and " if model.moe.shared_expert_size else ""
+    return (f" (and {shared}every routed expert's {names}: {model.moe.num_experts} experts x {layers} "
+            f"layer{'s' if layers != 1 else ''})")
 
 
 def without_lora(cfg: DictConfig) -> DictConfig:
@@ -61,7 +86,8 @@ def trainable_notes(cfg: PPOTrainerConfig, plan: Plan) -> list[str]:
                          key=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index)
         extra = "; the value head (hidden -> 1) is trained in full" if role == "critic" else ""
         notes.append(f"{role} LoRA rank {lora.rank} (alpha {float(lora.alpha or 16):g}, scale "
-                     f"{float(lora.alpha or 16) / lora.rank:g}) on {', '.join(targets)}: trainable "
+                     f"{float(lora.alpha or 16) / lora.rank:g}) on {', '.join(targets)}"
+                     f"{_expert_targets_note(model, lora)}: trainable "
                      f"{short_count(trainable)} params ({100 * trainable / total:.2f}% of {short_count(total)}); the "
                      f"base is frozen: no grads, no Adam state{extra}")
     return notes

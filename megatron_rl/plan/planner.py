@@ -91,7 +91,8 @@ def _check_model_factors(cfg: PPOTrainerConfig, model: HFModelConfig, uses_criti
                          world: int) -> HFModelConfig:
     """Every role's layout against its model (refused naming the key); returns the critic's model."""
     check_factors(model, ACTOR, role_layout(cfg, ACTOR, world), cfg)
-    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora)
+    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora,
+                     cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
     if REF in context_parallel_roles(cfg, uses_critic):
         check_factors(model, REF, role_layout(cfg, REF, world), cfg)
     elif lora_enabled(cfg.actor_rollout_ref.model.lora):
@@ -103,7 +104,8 @@ def _check_model_factors(cfg: PPOTrainerConfig, model: HFModelConfig, uses_criti
         if not is_unset(cfg.critic.model, "path"):  # else the critic starts from the actor's model
             critic_model = load_model_facts(cfg, "critic.model")
         check_factors(critic_model, "critic", role_layout(cfg, "critic", world), cfg)
-        check_lora_model(critic_model, "critic.model", cfg.critic.model.lora)
+        check_lora_model(critic_model, "critic.model", cfg.critic.model.lora, cfg.critic.megatron,
+                         "critic.megatron")
     return critic_model
 
 

@@ -282,9 +282,10 @@ def check_context_parallel_models(cfg: PPOTrainerConfig, model) -> None:
 
 
 def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
-    """LoRA against the model (issue 36): an MoE model is refused, as the dry run's plan refuses it. ``model``: the
-    actor's facts; the critic's own config.json when it has one."""
-    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora)
+    """LoRA against the model (issue 36), as the dry run's plan checks it. ``model``: the actor's facts; the
+    critic's own config.json when it has one."""
+    check_lora_model(model, "actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora,
+                     cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
     if not uses_critic(cfg) or not lora_enabled(cfg.critic.model.lora):
         return
     facts = model
@@ -292,7 +293,7 @@ def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
         if _config_json("critic.model", cfg.critic.model) is None:
             return
         facts = load_model_facts(cfg, "critic.model")
-    check_lora_model(facts, "critic.model", cfg.critic.model.lora)
+    check_lora_model(facts, "critic.model", cfg.critic.model.lora, cfg.critic.megatron, "critic.megatron")
 
 
 def check_lora_files(cfg: PPOTrainerConfig) -> None:

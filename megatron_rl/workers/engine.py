@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.config.optimizer_overrides import optimizer_overrides
 from megatron_rl.config.schema import LoRAConfig, MegatronParallelConfig, OptimConfig
 from megatron_rl.models import capabilities
 from megatron_rl.models.builder import build_gpt_model, transformer_overrides
@@ -277,6 +278,10 @@ class MegatronEngine:
 
         if len(optim.betas) != 2:
             raise ValueError(f"{self.name}.optim.betas must have two values, got {list(optim.betas)}")
+        # optim.override_optimizer_config: Megatron's own OptimizerConfig fields (verl's CPU Adam), checked as the
+        # validation before launch checks them (a CPU engine refuses HybridDeviceOptimizer: it takes CUDA streams)
+        overrides = optimizer_overrides(optim, f"{self.name}.optim", on_cpu=not torch.cuda.is_available(),
+                                        distributed_optimizer=self.use_distributed_optimizer)
         config = OptimizerConfig(
             optimizer="adam",  # decoupled weight decay: AdamW
             lr=optim.lr,
@@ -288,6 +293,7 @@ class MegatronEngine:
             bf16=self.params_dtype == torch.bfloat16,
             params_dtype=self.params_dtype,
             use_distributed_optimizer=self.use_distributed_optimizer,
+            **overrides,
         )
         with optimizer_device_scope():
             return get_megatron_optimizer(config, self.model)

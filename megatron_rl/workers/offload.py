@@ -103,7 +103,11 @@ class EngineOffload:
                 out.extend(group["params"])  # fp32 master weights (the model's own with fp32 params: excluded)
             for state in inner.state.values():
                 out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return out
+        # Megatron's CPU Adam (optim.override_optimizer_config.optimizer_cpu_offload) keeps its share of the state
+        # in host memory already: with the weights on the GPU only the state on the GPU moves. On a CPU machine
+        # everything is "device" and moves, as before.
+        weights_on_gpu = any(p.is_cuda for p in self._weights())
+        return [t for t in out if not weights_on_gpu or not isinstance(t, torch.Tensor) or t.is_cuda]
 
     def _storages(self, kind: str) -> list[torch.Tensor]:
         weights = _unique_storages(self._weights(), set())

@@ -11,11 +11,14 @@ writes its argv, VERL_USE_UV=0, HOME=/HOME; tests/compat/verl_scripts/experiment
   rollout 4 = 2 vLLM servers of TP 2) plans and fits (78.3 GiB).
 - one_step_off_policy/shell/dapo_7b_math_megatron_colocate.sh calls verl.trainer.main_ppo (not the one-step-off
   entry): through that entry it plans colocated (67.7 GiB).
-- fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32.sh (and _mis): refused first by a core key
-  (override_optimizer_config: verl's CPU Adam; use_fused_kernels=False and optim.lr_decay_steps with the constant
-  decay style are accepted, no effect), then rollout.nnodes
-  = 12 for vLLM; with those dropped and the rollout on one node, every async key maps (the batch per sync, the
-  staleness bound, the steps, the servers) and the plan is refused for memory (85.6 GiB) without verl's CPU Adam.
+- fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32.sh (and _mis): verl's CPU Adam
+  (optim.override_optimizer_config: optimizer_cpu_offload, optimizer_offload_fraction=1, overlap_cpu_optimizer_d2h_h2d,
+  use_precision_aware_optimizer) maps onto the same keys, set on Megatron's OptimizerConfig as in verl
+  (config/optimizer_overrides.py); use_fused_kernels=False and optim.lr_decay_steps with the constant decay style are
+  accepted, no effect. Refused first by rollout.nnodes = 12 for vLLM servers, then, on one node, by its
+  ``+actor_rollout_ref.model.override_config`` (servers load model.path). With that dropped every async key maps (the
+  batch per sync, the staleness bound, the steps, the servers) and the plan fits (75.0 GiB) with Adam's state in host
+  memory; without the CPU Adam keys it would not (85.6 GiB).
   The _mis variant's rollout_rs with bypass_mode=True (verl's async config) is refused by our validation.
 """
 from __future__ import annotations
@@ -47,11 +50,10 @@ ONE_STEP_OFF = "dapo_7b_math_megatron_4_12"
 COLOCATE = "dapo_7b_math_megatron_colocate"
 FULLY_ASYNC = "grpo_30b_a3b_base_math_megatron_96_32"
 FULLY_ASYNC_MIS = "grpo_30b_a3b_base_math_megatron_96_32_mis"
-# core keys the fully async shells pass, in the shell's order, that the tests below drop: the first two are accepted
-# with no effect, the last two refused (compat/verl/keys.py)
-FULLY_ASYNC_REFUSED = ("actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.optim.lr_decay_steps",
-                       "+actor_rollout_ref.actor.optim.override_optimizer_config.",
-                       "+actor_rollout_ref.model.override_config.")
+# the fully async shells' key that vLLM servers cannot honour (validation refuses it), dropped by the tests below
+FULLY_ASYNC_REFUSED = ("+actor_rollout_ref.model.override_config.",)
+# verl's CPU Adam in the fully async shells
+CPU_ADAM = "+actor_rollout_ref.actor.optim.override_optimizer_config."
 
 
 def test_the_recorded_shells_are_here():
@@ -167,19 +169,27 @@ def test_hf_servers_over_nodes_get_servers_per_node():
 
 # ---------------------------------------------------------------------------------------------- fully async
 
-def test_fully_async_shells_are_refused_first_by_the_core_keys_megatron_rl_refuses(tmp_path):
-    """use_fused_kernels=False (verl's default) and optim.lr_decay_steps with lr_decay_style=constant do nothing here
-    and are accepted (both were refused before); verl's CPU Adam (override_optimizer_config) is not built."""
+def test_fully_async_shells_take_verls_cpu_adam_and_are_refused_for_vllm_servers(tmp_path):
+    """verl's CPU Adam keys (override_optimizer_config, refused before) map onto megatron-rl's same keys;
+    use_fused_kernels=False (verl's default) and optim.lr_decay_steps with lr_decay_style=constant do nothing here
+    and are accepted. The shells stop at rollout.nnodes=12 (vLLM servers on one node here), then, on one node, at
+    model.override_config, which servers never see."""
     for name in (FULLY_ASYNC, FULLY_ASYNC_MIS):
-        with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.optim.override_optimizer_config."
-                                              r"optimizer_offload_fraction=1.: the optimizer here"):
+        with pytest.raises(ConfigError, match=r"^rollout.nnodes=12: rollout.name=vllm servers here"):
             fully_async_main.translate(shell_args(name, tmp_path))
-    with pytest.raises(ConfigError, match=r"^rollout.nnodes=12: rollout.name=vllm servers here"):
-        fully_async_main.translate(shell_args(FULLY_ASYNC, tmp_path, drop=FULLY_ASYNC_REFUSED[2:3]))
-    notes = "\n".join(fully_async_main.translate_with_notes(
-        shell_args(FULLY_ASYNC, tmp_path, {"rollout.nnodes": "1"}, drop=FULLY_ASYNC_REFUSED[2:3])).notes)
+    args = shell_args(FULLY_ASYNC, tmp_path, {"rollout.nnodes": "1"})
+    translation = fully_async_main.translate_with_notes(args)
+    notes = "\n".join(translation.notes)
     assert "actor_rollout_ref.model.use_fused_kernels=False accepted, no effect" in notes, notes
     assert "actor_rollout_ref.actor.optim.lr_decay_steps=204800 accepted, no effect" in notes, notes
+    optim = "actor_rollout_ref.actor.optim.override_optimizer_config"
+    for name, value in (("optimizer_offload_fraction", "1."), ("overlap_cpu_optimizer_d2h_h2d", "True"),
+                        ("use_precision_aware_optimizer", "True"), ("optimizer_cpu_offload", "True")):
+        assert f"verl key {optim}.{name}={value} -> ++{optim}.{name}={value}: Megatron-Core OptimizerConfig" in notes
+        assert f"++{optim}.{name}={value}" in translation.overrides
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.override_config=.*vllm rollout servers never "
+                                          r"see it"):
+        composed(fully_async_main.translate, args)
 
 
 def test_fully_async_shell_maps_every_async_key_and_plans(tmp_path):
@@ -206,8 +216,20 @@ def test_fully_async_shell_maps_every_async_key_and_plans(tmp_path):
                  "verl key async_training.trigger_parameter_sync_step=4 -> (nothing)",
                  "verl key actor_rollout_ref.rollout.mode=async -> actor_rollout_ref.rollout.mode=server"):
         assert line in notes, notes
+    # verl's CPU Adam: Adam's state (master weights, m, v: use_precision_aware_optimizer) all in host memory
+    assert dict(cfg.actor_rollout_ref.actor.optim.override_optimizer_config) == {
+        "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True,
+        "use_precision_aware_optimizer": True, "optimizer_cpu_offload": True}
+    plan = build_plan(cfg).format()
+    assert "75.0 of 79.6 GiB per GPU: fits" in plan, plan
+    row = next(line for line in plan.splitlines() if "actor optimizer" in line)
+    assert "(Adam, /16 shards, experts /4; CPU Adam: 100% in host memory)" in row and row.split()[-2:] == [
+        "0.0", "0.0"], row
+    # without it Adam's state would be on the GPUs (sharded) and the step would not fit
+    without = composed(fully_async_main.translate, shell_args(FULLY_ASYNC, tmp_path, {"rollout.nnodes": "1"},
+                                                              drop=FULLY_ASYNC_REFUSED + (CPU_ADAM,)))
     with pytest.raises(PlanError) as err:
-        build_plan(cfg)
+        build_plan(without)
     assert "85.6 of 79.6 GiB per GPU: DOES NOT FIT" in str(err.value)
     assert "recompute_granularity=full" in str(err.value)
 

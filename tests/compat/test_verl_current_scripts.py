@@ -12,7 +12,9 @@ would run:
   examples/router_replay/run_qwen3_30b_a3b_megatron.sh (INFER_BACKEND=vllm, R3), examples/tuning/scaling/
   run_qwen2_5_32b_megatron.sh (both pass actor_rollout_ref.actor.model_engine=megatron) and examples/grpo_trainer/
   run_qwen3_235b_a22b_megatron.sh (DEVICE=gpu, as its torch_npu probe finds on GPUs; it passes
-  actor_rollout_ref.nccl_timeout=7200, here ray_init.collective_timeout_s).
+  actor_rollout_ref.nccl_timeout=7200, here ray_init.collective_timeout_s), examples/tuning/lora/run_qwen3_30b_a3b_
+  megatron.sh (LoRA on Qwen3-30B-A3B's attention and experts at TP 2 x PP 2 x CP 2 x EP 4; it names
+  Qwen3-30B-A3B-Instruct-2507).
 
 What the plan says (79.6 GiB per H100; issue 51 item 1: a plan is refused only when it exceeds the GPU by more than
 its activation estimate's error, plan/accuracy.py, and warned about otherwise): the 30B GRPO scripts fit; the GPG script
@@ -61,7 +63,7 @@ QWEN3_235B_A22B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen
                    "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                    "max_position_embeddings": 40960}
 # the model each script names -> its config.json facts (longest name first: one name can prefix another)
-MODELS = {"Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
+MODELS = {"Qwen/Qwen3-30B-A3B-Instruct-2507": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
           "Qwen/Qwen3-235B-A22B": QWEN3_235B_A22B, "Qwen/Qwen3-8B": QWEN3_8B, "Qwen/Qwen2.5-32B": QWEN2_5_32B}
 # script -> peak GiB of the plan (None: refused before planning). vLLM's figures read gpu_memory_utilization as a
 # fraction of the GPU's total, with its CUDA graphs kept while it sleeps (rollout/memory.py; issue 49: 79.2,
@@ -78,6 +80,8 @@ EXPECTED = {
     "ppo_qwen3_8b_megatron_vllm": ("engine refuses", "only 45.1 GiB will be free .* <= 0.56"),
     "ppo_qwen3_8b_megatron_sglang": ("engine refuses", "only 45.1 GiB will be free .* <= 0.56"),
     "router_replay_qwen3_30b_a3b_megatron_vllm": ("fits", 55.7),
+    # tuning/lora: LoRA rank 32 on the attention and every expert (1.69 B trainable), CP 2 x EP 4, all offloaded
+    "lora_qwen3_30b_a3b_megatron_vllm": ("fits", 23.9),
     # no recompute, 32k-token micro-batches at TP 8 x DP 1: 60 GiB of activations over Adam's unsharded 45.8
     "grpo_qwen2_5_32b_megatron_vllm": ("too big", 141.3),
     # its uneven split (num_layers_in_first/last_pipeline_stage=11, 12 on each stage between) is built (issue 51);

@@ -188,13 +188,33 @@ def _model_dir(tmp_path, **extra):
     return d
 
 
-def test_lora_on_an_moe_model_is_refused_before_launch(tmp_path):
+def test_lora_on_an_moe_model_is_checked_before_launch(tmp_path):
+    """LoRA on an MoE model builds (adapters on every expert's fc1 / fc2: tests/workers/test_lora_moe.py); before
+    launch, a rank above the experts' width and TE's grouped experts (no per-expert linear) are refused by name."""
     d = _model_dir(tmp_path, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
-                   moe_intermediate_size=32, head_dim=16)
-    with pytest.raises(ConfigError, match=rf"{L}.rank=8 with an MoE model .*4 experts.* is not built: LoRA on MoE "
-                                          r"experts"):
-        preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=8"))
-    preflight.check_model(cfg_with(f"{M}.path={d}"))  # without LoRA it builds
+                   moe_intermediate_size=12, head_dim=16)
+    preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=8"))
+    with pytest.raises(ConfigError, match=rf"{L}.rank=14 is larger than the model's smallest adapted dimension "
+                                          r"\(12: .*moe_intermediate_size 12"):
+        preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=14"))
+    # the experts left out, their width does not bound the rank
+    preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=14", f"{L}.exclude_modules=[linear_fc1,linear_fc2]"))
+    grouped = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=true"
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron.override_transformer_config."
+                                          r"moe_grouped_gemm=true with LoRA on the experts"):
+        preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=8", grouped))
+    preflight.check_model(cfg_with(f"{M}.path={d}", f"{L}.rank=8", grouped,
+                                   f"{L}.exclude_modules=[linear_fc1,linear_fc2]"))
+
+
+def test_lora_on_the_experts_chooses_one_mlp_per_expert():
+    from megatron_rl.models.moe_experts import choose_expert_layer
+
+    assert choose_expert_layer(None, cuda=True, te=True).grouped  # where grouped can run, it is the default
+    choice = choose_expert_layer(None, cuda=True, te=True, lora_on_experts=True)
+    assert not choice.grouped and "LoRA on the experts" in choice.reason
+    with pytest.raises(ValueError, match="moe_grouped_gemm=true with LoRA on the experts"):
+        choose_expert_layer(True, cuda=True, te=True, lora_on_experts=True)
 
 
 def test_a_rank_above_the_models_dimensions_is_refused(tmp_path):

@@ -87,9 +87,11 @@ def test_critic_lora_trains_adapters_and_the_value_head():
     assert any("critic LoRA rank 4" in n and "value head (hidden -> 1) is trained in full" in n for n in plan.notes)
 
 
-def test_lora_on_an_moe_preset_is_refused_by_the_plan():
-    with pytest.raises(ConfigError, match=rf"{L}.rank=8 with an MoE model .* is not built: LoRA on MoE experts"):
-        plan_for("+experiment=grpo_qwen3_30b_a3b", f"{L}.rank=8")
+def test_lora_on_an_moe_preset_plans_and_refuses_grouped_experts():
+    plan_for("+experiment=grpo_qwen3_30b_a3b", f"{L}.rank=8")  # counts: tests/plan/test_lora_moe_plan.py
+    with pytest.raises(ConfigError, match=r"moe_grouped_gemm=true with LoRA on the experts"):
+        plan_for("+experiment=grpo_qwen3_30b_a3b", f"{L}.rank=8",
+                 "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=true")
 
 
 @pytest.mark.parametrize("preset, trainable, full_peak, lora_peak, full_update, lora_update", [

@@ -78,14 +78,14 @@ def _merged_in_hf_layout(model_dir: str, adapters: dict[str, torch.Tensor], scal
     """The base checkpoint with W + scale B A merged per HF module, computed in HF's layout (not the exporter's)."""
     from safetensors.torch import load_file
 
-    from megatron_rl.models.lora import HF_PARTS
+    from megatron_rl.models.lora import HF_PARTS, PARTS
 
     weights = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update(load_file(str(path)))
     for key in {k.rsplit(".", 1)[0] for k in adapters}:
         layer, target = key.split(".")
-        for part, module in HF_PARTS[target]:
+        for part, module in zip(PARTS[target], HF_PARTS[target]):
             suffix = f"_{part}" if part else ""
             a, b = adapters[f"{key}.A{suffix}"], adapters[f"{key}.B{suffix}"]
             name = f"model.layers.{layer}.{module}.weight"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from megatron_rl.compat.verl.keys import _bare
+from megatron_rl.compat.verl.keys import bare
 
 _ACTOR = "actor_rollout_ref.actor"
 _REF = "actor_rollout_ref.ref"
@@ -44,7 +44,7 @@ def _gpu_run(seen: Mapping[str, str]) -> bool:
     """verl runs on GPUs (trainer.device defaults to cuda there and here under this entry); only trainer.device=cpu
     is not one. A dry run on a CPU login node so plans what the cluster runs; a real start where the distributed
     optimizer cannot be had is refused by the launch check, naming the key (plan/planner.py check_launch)."""
-    return _bare(seen.get("trainer.device", "cuda")) != "cpu"
+    return bare(seen.get("trainer.device", "cuda")) != "cpu"
 
 
 def verl_defaults(seen: Mapping[str, str]) -> tuple[list[str], list[str]]:
@@ -54,7 +54,7 @@ def verl_defaults(seen: Mapping[str, str]) -> tuple[list[str], list[str]]:
     notes = [f"{key}={value}: {why}" for key, value, why in FIXED]
     for role in (_ACTOR, "critic"):
         # verl's McoreEngineConfig turns sequence parallelism off at TP=1, on otherwise
-        tp = int(_bare(seen.get(f"{role}.megatron.tensor_model_parallel_size", "1")))
+        tp = int(bare(seen.get(f"{role}.megatron.tensor_model_parallel_size", "1")))
         out.append(f"{role}.megatron.sequence_parallel={'true' if tp > 1 else 'false'}")
         notes.append(f"{out[-1]}: verl's default (sequence parallel when TP > 1)")
         if _gpu_run(seen):

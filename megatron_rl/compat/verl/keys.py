@@ -57,16 +57,18 @@ class Rule:
     accepts: tuple[str, ...] = ()  # default: values accepted besides verl's default
 
 
-def _bare(value: str) -> str:
+# bare, truthy, is_null, refuse and ABSENT are shared with the async entries' table (experimental/async_keys.py)
+# and compat/verl/defaults.py.
+def bare(value: str) -> str:
     return value.strip().strip("'\"")
 
 
-def _truthy(value: str) -> bool:
-    return _bare(value).lower() in ("true", "1", "yes")
+def truthy(value: str) -> bool:
+    return bare(value).lower() in ("true", "1", "yes")
 
 
-def _is_null(value: str) -> bool:
-    return _bare(value).lower() in ("null", "none", "~", "")
+def is_null(value: str) -> bool:
+    return bare(value).lower() in ("null", "none", "~", "")
 
 
 def _to(target: str) -> Rewrite:
@@ -78,32 +80,32 @@ def _under(prefix: str, target: str) -> Rewrite:
     return lambda key, value, seen: [f"++{target}{key[len(prefix):]}={value}"]
 
 
-def _refuse(message: str) -> None:
+def refuse(message: str) -> None:
     raise ConfigError(message)
 
 
 # ---------------------------------------------------------------------------------------------- rewrites
 
 def _rollout_mode(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    v = _bare(value)
+    v = bare(value)
     return [f"{key}={'colocated' if v in ('async', 'sync') else v}"]
 
 
 def _load_format(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    v = _bare(value)
+    v = bare(value)
     return [f"{key}={'dummy' if v in ('dummy_dtensor', 'dummy_megatron', 'dummy_hf') else v}"]
 
 
 def _packed(*roles: str) -> Rewrite:
     def packed(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-        return [f"{role}.megatron.packed_sequences={'true' if _truthy(value) else 'false'}" for role in roles]
+        return [f"{role}.megatron.packed_sequences={'true' if truthy(value) else 'false'}" for role in roles]
 
     return packed
 
 
 def _model_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _bare(value) != "megatron":
-        _refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set {key}=megatron or drop the key")
+    if bare(value) != "megatron":
+        refuse(f"{key}={value}: megatron-rl trains with Megatron-Core only; set {key}=megatron or drop the key")
     return []
 
 
@@ -112,7 +114,7 @@ def _nccl_timeout(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     of every worker's process groups here (controller/deadlines.py). The actor's and the critic's keys share it:
     the longer one wins."""
     if "ray_init.collective_timeout_s" in seen:
-        _refuse(f"{key}={value} and ray_init.collective_timeout_s={seen['ray_init.collective_timeout_s']} both set "
+        refuse(f"{key}={value} and ray_init.collective_timeout_s={seen['ray_init.collective_timeout_s']} both set "
                 "the workers' collective timeout; keep ray_init.collective_timeout_s and drop the verl key")
     seconds = [_seconds(k, seen[k]) for k in _NCCL_TIMEOUT_KEYS if k in seen] or [_seconds(key, value)]
     return [f"ray_init.collective_timeout_s={max(seconds)}"]
@@ -120,17 +122,17 @@ def _nccl_timeout(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 def _seconds(key: str, value: str) -> float:
     try:
-        seconds = float(_bare(value))
+        seconds = float(bare(value))
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        _refuse(f"{key}={value}: a timeout is a positive number of seconds")
+        refuse(f"{key}={value}: a timeout is a positive number of seconds")
     return seconds
 
 
 def _py_executable(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if not _is_null(value):
-        _refuse(f"{key}={value}: megatron-rl's Ray workers run the driver's Python; launch the command inside that "
+    if not is_null(value):
+        refuse(f"{key}={value}: megatron-rl's Ray workers run the driver's Python; launch the command inside that "
                 "environment (e.g. `uv run ... python3 -m megatron_rl.compat.verl.trainer.main_ppo ...`) and drop the "
                 "key, or set it to null")
     return []
@@ -144,20 +146,20 @@ def _policy_loss(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 def _files(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     """verl takes one path or a list; megatron-rl's data.*_files is always a list."""
     v = value.strip()
-    return [f"{key}={v}" if v.startswith("[") else f"{key}=['{_bare(v)}']"]
+    return [f"{key}={v}" if v.startswith("[") else f"{key}=['{bare(v)}']"]
 
 
 def _logger(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     """verl's scripts also write one sink bare (trainer.logger=console); megatron-rl's key is a list."""
     v = value.strip()
-    return [f"{key}={v}" if v.startswith("[") else f"{key}=[{_bare(v)}]"]
+    return [f"{key}={v}" if v.startswith("[") else f"{key}=[{bare(v)}]"]
 
 
 def _grad_offload(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     """Here ``param_offload`` moves a role's weights and its gradient buffers together (workers/offload.py)."""
     role = key[: -len(".megatron.grad_offload")]
-    if _truthy(value) and not _truthy(seen.get(f"{role}.megatron.param_offload", "false")):
-        _refuse(f"{key}=True without {role}.megatron.param_offload=True: megatron-rl offloads the gradient buffers "
+    if truthy(value) and not truthy(seen.get(f"{role}.megatron.param_offload", "false")):
+        refuse(f"{key}=True without {role}.megatron.param_offload=True: megatron-rl offloads the gradient buffers "
                 f"together with the weights; set {role}.megatron.param_offload=True (or grad_offload=False)")
     return []
 
@@ -166,16 +168,16 @@ def _rollout_expert_parallel(key: str, value: str, seen: Mapping[str, str]) -> l
     """As verl's servers: vLLM's ``enable_expert_parallel`` (its EP then spans the engine's TP x DP ranks), SGLang's
     ``ep_size`` (verl/workers/rollout/sglang_rollout/async_sglang_server.py; validation checks it divides the
     engine's TP, rollout/sglang/server_args.py). The HF engine has none."""
-    ep = int(_bare(value))
+    ep = int(bare(value))
     if ep < 1:
-        _refuse(f"{key}={value} must be >= 1")
-    engine = _bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
+        refuse(f"{key}={value} must be >= 1")
+    engine = bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
     if engine == "vllm":
         return [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel={'true' if ep > 1 else 'false'}"]
     if engine == "sglang" and ep > 1:
         return [f"++actor_rollout_ref.rollout.engine_kwargs.sglang.ep_size={ep}"]
     if ep > 1:
-        _refuse(f"{key}={value}: rollout.name={engine} has no expert parallelism here; use "
+        refuse(f"{key}={value}: rollout.name={engine} has no expert parallelism here; use "
                 "actor_rollout_ref.rollout.name=vllm or sglang, or expert_parallel_size=1")
     return []
 
@@ -186,28 +188,28 @@ def _setting(seen: Mapping[str, str], key: str, default: Any) -> str:
 
 def _prompt_length(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     prompt = _setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)
-    if int(_bare(value)) != int(_bare(prompt)):
-        _refuse(f"{key}={value} differs from data.max_prompt_length={prompt}: the rollout engines here take prompts "
+    if int(bare(value)) != int(bare(prompt)):
+        refuse(f"{key}={value} differs from data.max_prompt_length={prompt}: the rollout engines here take prompts "
                 "of data.max_prompt_length; set that key (and drop this one)")
     return []
 
 
 def _max_model_len(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _is_null(value):
+    if is_null(value):
         return []
-    prompt = int(_bare(_setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)))
-    response = int(_bare(seen.get("actor_rollout_ref.rollout.response_length")
+    prompt = int(bare(_setting(seen, "data.max_prompt_length", DataConfig.max_prompt_length)))
+    response = int(bare(seen.get("actor_rollout_ref.rollout.response_length")
                          or _setting(seen, "data.max_response_length", DataConfig.max_response_length)))
-    if int(_bare(value)) < prompt + response:
-        _refuse(f"{key}={value} is shorter than a prompt and its response ({prompt} + {response}): the engine would "
+    if int(bare(value)) < prompt + response:
+        refuse(f"{key}={value} is shorter than a prompt and its response ({prompt} + {response}): the engine would "
                 "cut responses; megatron-rl sizes the engine's context as data.max_prompt_length + the response "
                 "length, so drop the key or lower those")
     return []
 
 
 def _reward_manager_source(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _bare(value) != "register":
-        _refuse(f"{key}={value}: megatron-rl's reward managers are its registered ones (reward.reward_manager: naive, "
+    if bare(value) != "register":
+        refuse(f"{key}={value}: megatron-rl's reward managers are its registered ones (reward.reward_manager: naive, "
                 "batch, dapo, prime); a custom scorer is reward.custom_reward_function.path/name")
     return []
 
@@ -252,6 +254,14 @@ RULES: tuple[Rule, ...] = (
     Rule("*.optim.lr_decay_steps", Fate.dropped,
          "a decay schedule's length; the learning rate here follows optim.lr_scheduler over the run's steps, and "
          "verl's only style accepted here, lr_decay_style=constant, does not decay"),
+    # verl sets each entry on Megatron-Core's OptimizerConfig (verl/utils/megatron/optimizer.py); so does megatron-rl
+    *(Rule(f"{role}.optim.override_optimizer_config.*", Fate.mapped,
+           "Megatron-Core OptimizerConfig fields, set on it as in verl (its CPU Adam: optimizer_cpu_offload, "
+           "optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d, use_precision_aware_optimizer; GPU runs) -> "
+           f"++{role}.optim.override_optimizer_config.* (set or add), checked against Megatron's fields "
+           "(docs/workers.md, 'CPU Adam')",
+           _under(f"{role}.optim.override_optimizer_config", f"{role}.optim.override_optimizer_config"))
+      for role in ("actor_rollout_ref.actor", "critic")),
     Rule("*.model.enable_gradient_checkpointing", Fate.dropped, _NO_RECOMPUTE_HERE),
     Rule("*.megatron.use_mbridge", Fate.dropped,
          "megatron-rl converts HF <-> Megatron weights with its own layout (models/layout.py); either value loads "
@@ -361,17 +371,17 @@ def _our_config() -> DictConfig:
     return load_config(overrides=[])
 
 
-_ABSENT = object()
+ABSENT = object()
 
 
 def verl_default(key: str) -> Any:
-    """verl's default for ``key``, its interpolations resolved within verl's config (``_ABSENT`` when verl has no
+    """verl's default for ``key``, its interpolations resolved within verl's config (``ABSENT`` when verl has no
     such key; None for a required ``???`` one)."""
     cfg = verl_config()
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key, throw_on_resolution_failure=False) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # keys(): `in` misses '???' values
-        return _ABSENT
+        return ABSENT
     return OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
 
 
@@ -403,20 +413,20 @@ def fate_of(key: str, rules: tuple[Rule, ...] = RULES) -> tuple[Fate, str]:
 
 
 def _same_value(value: str, default: Any) -> bool:
-    if default is _ABSENT or isinstance(default, (DictConfig, ListConfig)):
-        return isinstance(default, (DictConfig, ListConfig)) and _bare(value) in ("{}", "[]") and not len(default)
+    if default is ABSENT or isinstance(default, (DictConfig, ListConfig)):
+        return isinstance(default, (DictConfig, ListConfig)) and bare(value) in ("{}", "[]") and not len(default)
     if isinstance(default, str) and default.startswith("${"):
         return False
     if default is None:
-        return _is_null(value)
+        return is_null(value)
     if isinstance(default, bool):
-        return _bare(value).lower() in (("true", "1") if default else ("false", "0"))
+        return bare(value).lower() in (("true", "1") if default else ("false", "0"))
     if isinstance(default, (int, float)):
         try:
-            return float(_bare(value)) == float(default)
+            return float(bare(value)) == float(default)
         except ValueError:
             return False
-    return _bare(value) == str(default)
+    return bare(value) == str(default)
 
 
 @dataclass(frozen=True)
@@ -450,16 +460,16 @@ def _translate_key(key: str, value: str, seen: Mapping[str, str],
     if fate is Fate.dropped:
         return [], f"{key}={value} accepted, no effect: {why}"
     if fate is Fate.refused:
-        _refuse(f"{key}={value}: {why}")
+        refuse(f"{key}={value}: {why}")
     default = verl_default(key)
-    if default is _ABSENT and rule is None:
+    if default is ABSENT and rule is None:
         return None, None  # neither verl's key nor ours: megatron-rl's checks name it and the nearest keys
     accepts = rule.accepts if rule is not None else ()
     if _same_value(value, default) or any(_same_value(value, a) for a in accepts):
         return [], f"{key}={value} accepted (verl's default): {why}"
-    shown = "none" if default is _ABSENT else OmegaConf.to_yaml(default).strip() if isinstance(
+    shown = "none" if default is ABSENT else OmegaConf.to_yaml(default).strip() if isinstance(
         default, (DictConfig, ListConfig)) else repr(default)
-    _refuse(f"{key}={value}: {why}; only verl's default ({shown}) is accepted here")
+    refuse(f"{key}={value}: {why}; only verl's default ({shown}) is accepted here")
     return None, None  # unreachable
 
 

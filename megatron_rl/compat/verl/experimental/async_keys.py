@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from megatron_rl.compat.verl.keys import Fate, Rewrite, Rule, _ABSENT, _bare, _is_null, _refuse, _truthy, verl_default
+from megatron_rl.compat.verl.keys import ABSENT, Fate, Rewrite, Rule, bare, is_null, refuse, truthy, verl_default
 from megatron_rl.rollout.engines import ENGINES
 
 _TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -40,11 +40,11 @@ _MINI = "actor_rollout_ref.actor.ppo_mini_batch_size"
 
 def _int(key: str, value: str, low: int) -> int:
     try:
-        number = int(_bare(value))
+        number = int(bare(value))
     except ValueError:
         number = low - 1
     if number < low:
-        _refuse(f"{key}={value} must be an integer >= {low}")
+        refuse(f"{key}={value} must be an integer >= {low}")
     return number
 
 
@@ -53,15 +53,15 @@ def _setting(seen: Mapping[str, str], key: str) -> str:
     if key in seen:
         return seen[key]
     default = verl_default(key)
-    return "" if default is _ABSENT or default is None else str(default)
+    return "" if default is ABSENT or default is None else str(default)
 
 
 # ---------------------------------------------------------------------------------------------- both entries
 
 def _mode(mode: str) -> Rewrite:
     def rewrite(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-        if _bare(value) != mode:
-            _refuse(f"{key}={value}: this entry runs async_training.mode={mode}; drop the key (or use "
+        if bare(value) != mode:
+            refuse(f"{key}={value}: this entry runs async_training.mode={mode}; drop the key (or use "
                     "megatron_rl.compat.verl.trainer.main_ppo with async_training.mode=...)")
         return [f"async_training.mode={mode}"]
 
@@ -69,22 +69,22 @@ def _mode(mode: str) -> Rewrite:
 
 
 def _hybrid_engine(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _truthy(value):
-        _refuse(f"{key}={value}: verl's async trainers run the rollout on GPUs of its own (they assert "
+    if truthy(value):
+        refuse(f"{key}={value}: verl's async trainers run the rollout on GPUs of its own (they assert "
                 "hybrid_engine=False); here that is rollout servers. For a colocated rollout use "
                 "`python3 -m megatron_rl.compat.verl.trainer.main_ppo`")
     return []
 
 
 def _server_mode(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _bare(value) not in ("async", "server"):
-        _refuse(f"{key}={value}: verl's async trainers drive the rollout replicas as servers (mode async); "
+    if bare(value) not in ("async", "server"):
+        refuse(f"{key}={value}: verl's async trainers drive the rollout replicas as servers (mode async); "
                 "here that is actor_rollout_ref.rollout.mode=server: drop the key or set it to async")
     return ["actor_rollout_ref.rollout.mode=server"]
 
 
 def _engine(seen: Mapping[str, str]) -> str:
-    return _bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
+    return bare(seen.get("actor_rollout_ref.rollout.name", "hf"))
 
 
 def _rollout_nodes(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
@@ -92,7 +92,7 @@ def _rollout_nodes(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     spec = ENGINES.get(_engine(seen))
     if nodes > 1 and spec is not None and spec.servers_on_trainer_host and not seen.get(
             "actor_rollout_ref.rollout.server_urls"):
-        _refuse(f"{key}={value}: rollout.name={spec.name} servers here take their weights through /dev/shm of "
+        refuse(f"{key}={value}: rollout.name={spec.name} servers here take their weights through /dev/shm of "
                 "trainer rank 0's host, so they all run on one node (docs/rollout.md, 'vLLM servers'; NCCL weight "
                 "transfer to other nodes is not built): set rollout.nnodes=1 with rollout.n_gpus_per_node = the "
                 "rollout's GPUs on that node")
@@ -107,12 +107,12 @@ def _rollout_gpus(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     name = _engine(seen)
     spec = ENGINES.get(name)
     if spec is not None and not spec.run_starts_servers:
-        _refuse(f"{key}={value}: the run does not start rollout.name={name} servers here; start them on the "
+        refuse(f"{key}={value}: the run does not start rollout.name={name} servers here; start them on the "
                 "rollout's GPUs yourself, give their URLs as actor_rollout_ref.rollout.server_urls and drop "
                 "rollout.nnodes / rollout.n_gpus_per_node (docs/rollout.md)")
     tp = _int(_TP, _setting(seen, _TP) or "1", 1) if spec is None or spec.tensor_parallel else 1
     if per_node % tp:
-        _refuse(f"{key}={value} is not a multiple of {_TP}={tp}: a rollout server (one replica of TP GPUs) "
+        refuse(f"{key}={value} is not a multiple of {_TP}={tp}: a rollout server (one replica of TP GPUs) "
                 "does not span nodes")
     out = [f"actor_rollout_ref.rollout.num_servers={nodes * per_node // tp}"]
     if nodes > 1:
@@ -121,11 +121,11 @@ def _rollout_gpus(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 
 
 def _standalone_memory(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    return [] if _is_null(value) else [f"actor_rollout_ref.rollout.gpu_memory_utilization={_bare(value)}"]
+    return [] if is_null(value) else [f"actor_rollout_ref.rollout.gpu_memory_utilization={bare(value)}"]
 
 
 def _rollout_log_probs(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    return [f"algorithm.rollout_correction.bypass_mode={'true' if _truthy(value) else 'false'}"]
+    return [f"algorithm.rollout_correction.bypass_mode={'true' if truthy(value) else 'false'}"]
 
 
 _PLACEMENT = (
@@ -165,11 +165,11 @@ def _per_sync(seen: Mapping[str, str]) -> int:
 
 def _staleness(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     try:
-        threshold = float(_bare(value))
+        threshold = float(bare(value))
     except ValueError:
         threshold = -1.0
     if not threshold >= 0:
-        _refuse(f"{key}={value} must be >= 0 (a fraction of a sync's samples)")
+        refuse(f"{key}={value} must be >= 0 (a fraction of a sync's samples)")
     ahead = math.ceil(1 + threshold)
     return [f"async_training.buffer_batches={ahead}", f"async_training.max_staleness={ahead}"]
 
@@ -183,27 +183,27 @@ def _train_batch_size(key: str, value: str, seen: Mapping[str, str]) -> list[str
     per_sync = _per_sync(seen)
     given = _int(key, value, 0)
     if given not in (0, per_sync):
-        _refuse(f"{key}={value}: verl's fully async rollouter requires data.train_batch_size=0 (its batch is "
+        refuse(f"{key}={value}: verl's fully async rollouter requires data.train_batch_size=0 (its batch is "
                 f"ppo_mini_batch_size x require_batches x trigger_parameter_sync_step = {per_sync} prompts per sync, "
                 "one step here); drop the key or set it to 0")
     return [f"data.train_batch_size={per_sync}"]
 
 
 def _total_rollout_steps(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-    if _is_null(value):
+    if is_null(value):
         return []  # verl: the dataset x trainer.total_epochs, as here
     prompts = _int(key, value, 1)
     per_sync = _per_sync(seen)
     steps = prompts // per_sync
     if steps < 1:
-        _refuse(f"{key}={value}: fewer prompts than one sync's {per_sync} (ppo_mini_batch_size x require_batches x "
+        refuse(f"{key}={value}: fewer prompts than one sync's {per_sync} (ppo_mini_batch_size x require_batches x "
                 "trigger_parameter_sync_step), so verl trains 0 steps; raise it")
     return [f"trainer.total_training_steps={steps}"]
 
 
 def _gen_batch_size(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     if _int(key, value, 1) != 1:
-        _refuse(f"{key}={value}: verl's fully async rollouter requires data.gen_batch_size=1; here the rollouter "
+        refuse(f"{key}={value}: verl's fully async rollouter requires data.gen_batch_size=1; here the rollouter "
                 "generates whole batches of data.train_batch_size prompts; drop the key")
     return []
 
@@ -211,8 +211,8 @@ def _gen_batch_size(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
 def _only(accepted: str, what: str) -> Rewrite:
     """verl's config-file value is accepted (no effect here), another is refused with ``what``."""
     def rewrite(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-        if _bare(value).lower() != accepted.lower():
-            _refuse(f"{key}={value}: {what}; only verl's default ({accepted}) is accepted here")
+        if bare(value).lower() != accepted.lower():
+            refuse(f"{key}={value}: {what}; only verl's default ({accepted}) is accepted here")
         return []
 
     return rewrite
