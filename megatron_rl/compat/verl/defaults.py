@@ -1,7 +1,12 @@
 """verl's defaults where megatron-rl's differ and the difference changes memory or numbers: the compat entry
 places these before the user's arguments (which win), so a verl command line plans and trains as it does
 under verl. Defaults that only name things (project, output directory, loggers) or guard a run (save_freq)
-stay megatron-rl's. Each entry says why; the entry logs them."""
+stay megatron-rl's. Each entry says why; the entry logs them.
+
+A command line that picks one of megatron-rl's presets (``+experiment=<name>``) gets none of them: Hydra applies
+command-line values after a preset, so verl's defaults would silently replace the preset's own choices (a GRPO
+preset would train GAE with a critic). A preset is a whole megatron-rl recipe; the entry says that verl's defaults
+were left out, and the user's own arguments still win over the preset."""
 
 from __future__ import annotations
 
@@ -67,3 +72,19 @@ def verl_defaults(seen: Mapping[str, str]) -> tuple[list[str], list[str]]:
     notes.append(f"{out[-1]}: the actor's, as the layout")
     return out, notes
 
+
+def chosen_preset(args: list[str]) -> str | None:
+    """The megatron-rl preset a command line picks (``+experiment=<name>`` / ``experiment=<name>``), if any."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") == "experiment":
+            return bare(value)
+    return None
+
+
+def preset_note(preset: str) -> str:
+    """The log line of a command line with a preset: which verl defaults it does not get."""
+    return (f"+experiment={preset}: the preset's values and megatron-rl's defaults stand; verl's defaults are not "
+            f"applied (they would override the preset: {', '.join(key for key, _, _ in FIXED[:3])}, ... "
+            f"{len(FIXED)} keys, and sequence_parallel / use_distributed_optimizer per role); set any of them on the "
+            "command line to choose it")

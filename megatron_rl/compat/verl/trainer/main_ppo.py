@@ -5,7 +5,8 @@ arguments of ``python3 -m verl.trainer.main_ppo`` unchanged.
    megatron-rl's base config is the analogue of both; other config names are refused.
 2. verl's defaults where megatron-rl's differ in memory or numbers come first (compat/verl/defaults.py:
    packed sequences, sequence parallelism, the distributed optimizer, the ref's layout following the actor's,
-   balance_batch, ...), so the user's arguments override them as they would verl's.
+   balance_batch, ...), so the user's arguments override them as they would verl's. With one of megatron-rl's
+   presets (``+experiment=<name>``) they are left out: the preset's values stand (logged).
 3. Every argument then meets its fate (compat/verl/keys.py, the table in docs/configuration.md): rewritten onto
    megatron-rl's keys, accepted without effect, accepted at verl's default, refused with the reason, or passed on
    as is under verl's own name. verl's ``+key=`` on a key megatron-rl has becomes ``++key=`` (Hydra refuses to
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from megatron_rl import train
-from megatron_rl.compat.verl.defaults import verl_defaults
+from megatron_rl.compat.verl.defaults import chosen_preset, preset_note, verl_defaults
 from megatron_rl.compat.verl.keys import Translation, command_line_settings, ours_has, translate_key
 from megatron_rl.config import ConfigError
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
@@ -57,6 +58,8 @@ def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Tr
     seen = command_line_settings(args)
     out, notes = verl_defaults(seen) if with_verl_defaults else ([], [])
     notes = [f"verl default {n}" for n in notes]
+    if with_verl_defaults and (preset := chosen_preset(args)) is not None:  # the preset's values win over verl's
+        out, notes = [], [preset_note(preset)]
     for arg in args:
         key, sep, value = arg.partition("=")
         bare = key.lstrip("+~")
