@@ -104,6 +104,13 @@ def optimizer_config_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(OptimizerConfig) if not f.name.startswith("_"))
 
 
+def _megatron_default(name: str) -> Any:
+    """The installed OptimizerConfig's default of field ``name`` (verl's test scripts write the defaults out)."""
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    return next(f.default for f in dataclasses.fields(OptimizerConfig) if f.name == name)
+
+
 def _name_problem(name: str, value: Any, key: str) -> str | None:
     if name in OWNED_FIELDS:
         return f"{key}.{name} is set by megatron-rl: use {OWNED_FIELDS[name]}"
@@ -131,7 +138,7 @@ def check_optimizer_overrides(overrides: Mapping[str, Any] | None, key: str, *, 
     offload = overrides.get("optimizer_cpu_offload", False)
     for name in ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_torch_optimizer_for_cpu_offload",
                  "pin_cpu_grads", "pin_cpu_params"):
-        if name in overrides and not offload:
+        if name in overrides and not offload and overrides[name] != _megatron_default(name):  # its default: says nothing
             problems.append(f"{key}.{name}={overrides[name]!r} has no effect without {key}.optimizer_cpu_offload=true "
                             "(Megatron reads it only for its CPU-offloaded optimizer); set both or drop it")
     if on_cpu and offload:  # (its companions are refused above without it)

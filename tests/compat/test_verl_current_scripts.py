@@ -14,7 +14,8 @@ would run:
   run_qwen3_235b_a22b_megatron.sh (DEVICE=gpu, as its torch_npu probe finds on GPUs; it passes
   actor_rollout_ref.nccl_timeout=7200, here ray_init.collective_timeout_s), examples/tuning/lora/run_qwen3_30b_a3b_
   megatron.sh (LoRA on Qwen3-30B-A3B's attention and experts at TP 2 x PP 2 x CP 2 x EP 4; it names
-  Qwen3-30B-A3B-Instruct-2507).
+  Qwen3-30B-A3B-Instruct-2507), examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh and verl's CI script
+  tests/special_e2e/run_ppo_trainer_megatron.sh (its defaults; its device probe answered cuda).
 
 What the plan says (79.6 GiB per H100; issue 51 item 1: a plan is refused only when it exceeds the GPU by more than
 its activation estimate's error, plan/accuracy.py, and warned about otherwise): the 30B GRPO scripts fit; the GPG script
@@ -62,8 +63,18 @@ QWEN3_235B_A22B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen
                    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
                    "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                    "max_position_embeddings": 40960}
+QWEN2_5_05B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+               "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+               "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+               "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": True}
+SKYWORK_RM_1B = {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "hidden_size": 2048,
+                 "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "num_labels": 1,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                 "tie_word_embeddings": True}
 # the model each script names -> its config.json facts (longest name first: one name can prefix another)
-MODELS = {"Qwen/Qwen3-30B-A3B-Instruct-2507": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
+MODELS = {"/HOME/models/Qwen/Qwen2.5-0.5B": QWEN2_5_05B,
+          "/HOME/models/Skywork/Skywork-Reward-V2-Llama-3.2-1B": SKYWORK_RM_1B,"Qwen/Qwen3-30B-A3B-Instruct-2507": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
           "Qwen/Qwen3-235B-A22B": QWEN3_235B_A22B, "Qwen/Qwen3-8B": QWEN3_8B, "Qwen/Qwen2.5-32B": QWEN2_5_32B}
 # script -> peak GiB of the plan (None: refused before planning). vLLM's figures read gpu_memory_utilization as a
 # fraction of the GPU's total, with its CUDA graphs kept while it sleeps (rollout/memory.py; issue 49: 79.2,
@@ -82,6 +93,12 @@ EXPECTED = {
     "router_replay_qwen3_30b_a3b_megatron_vllm": ("fits", 55.7),
     # tuning/lora: LoRA rank 32 on the attention and every expert (1.69 B trainable), CP 2 x EP 4, all offloaded
     "lora_qwen3_30b_a3b_megatron_vllm": ("fits", 23.9),
+    # dppo_trainer: EP 8 over the 8 GPUs leaves expert-DP 1, so each rank keeps its experts' whole Adam state
+    # (42.7 GiB) beside 30k-token micro-batches
+    "dppo_qwen3_30b_a3b_megatron_vllm": ("too big", 90.2),
+    # verl's own CI script: PPO with a critic and a reward model (Skywork-Reward-V2, served on Megatron here at the
+    # actor's layout), TP 2 x PP 2 x VPP 2 x CP 2 on padded batches (packed here under CP: the same numbers)
+    "special_e2e_ppo_trainer_megatron_vllm": ("fits", 52.1),
     # no recompute, 32k-token micro-batches at TP 8 x DP 1: 60 GiB of activations over Adam's unsharded 45.8
     "grpo_qwen2_5_32b_megatron_vllm": ("too big", 141.3),
     # its uneven split (num_layers_in_first/last_pipeline_stage=11, 12 on each stage between) is built (issue 51);
@@ -97,11 +114,15 @@ def test_the_recorded_scripts_are_here():
 
 
 def script_args(script: Path, tmp_path: Path) -> list[str]:
+    """The script's arguments with each model it names (the policy, a reward model) replaced by a directory holding
+    that model's config.json, and the data under tmp_path."""
     args = script.read_text().splitlines()
-    name, facts = next((n, f) for n, f in MODELS.items() if any(n in a for a in args))
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text(json.dumps(facts))
-    return [a.replace(name, str(tmp_path / "model")).replace("/HOME/data", str(tmp_path / "data")) for a in args]
+    for index, (name, facts) in enumerate((n, f) for n, f in MODELS.items() if any(n in a for a in args)):
+        model = tmp_path / ("model" if index == 0 else f"model{index}")
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps(facts))
+        args = [a.replace(name, str(model)) for a in args]
+    return [a.replace("/HOME/data", str(tmp_path / "data")) for a in args]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -120,8 +141,9 @@ def test_every_key_of_the_script_composes_validates_and_plans(script, tmp_path, 
     assert actor.megatron.sequence_parallel == (actor.megatron.tensor_model_parallel_size > 1)
     said = dict(a.split("=", 1) for a in args if "=" in a)
     for key, value in (("trainer.balance_batch", cfg.trainer.balance_batch),  # on, unless the script says off
-                       ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-                        cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz)):
+                       ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",  # null: the actor's, as verl's
+                        cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+                        if cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz)):
         assert value is (said.get(key, "True") == "True"), key
     if outcome in ("engine refuses", "plan refuses"):
         with pytest.raises(PlanError, match=figure):

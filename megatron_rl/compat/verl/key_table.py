@@ -139,9 +139,9 @@ def _spans(keys: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def table_rows() -> list[Row]:
-    """The rows of verl's config: ``same`` and ``mapped`` keys one a row; a run of consecutive keys with the same
-    other fate and reason as ``prefix.*`` where it is everything under the prefix, else as ``parent.{a, b, ...}``
-    (or a row each, see ``_group``)."""
+    """The rows of verl's config: ``same`` keys and keys a rule maps by name one a row; a run of consecutive keys
+    with the same other fate (a rule's pattern mapping them too) and reason as ``prefix.*`` where it is everything
+    under the prefix, else as ``parent.{a, b, ...}`` (or a row each, see ``_group``)."""
     leaves = verl_leaves()
     keys = [leaf.key for leaf in leaves]
     fates = [_fate(key) for key in keys]
@@ -150,7 +150,8 @@ def table_rows() -> list[Row]:
     i = 0
     while i < len(keys):
         fate, why = fates[i]
-        if fate in (Fate.same, Fate.mapped):
+        rule = rule_for(keys[i])
+        if fate is Fate.same or (fate is Fate.mapped and (rule is None or "*" not in rule.pattern)):
             rows.append(Row(f"`{keys[i]}`", (keys[i],), _show(leaves[i].default), fate, why))
             i += 1
             continue

@@ -71,6 +71,76 @@ def is_null(value: str) -> bool:
     return bare(value).lower() in ("null", "none", "~", "")
 
 
+def _dist_checkpointing_path(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's path of a Megatron checkpoint to start from: nothing when use_dist_checkpointing is off (verl's
+    scripts set the path either way), refused when it is on."""
+    switch = key.rsplit(".", 1)[0] + ".use_dist_checkpointing"
+    if truthy(seen.get(switch, "False")):
+        raise ValueError(f"with {switch}=True verl starts from that Megatron checkpoint; megatron-rl starts from the "
+                         "HF checkpoint in model.path and resumes its own torch_dist checkpoints (docs/trainer.md)")
+    return []
+
+
+def _lr_warmup_steps(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    if not is_null(value) and int(bare(value)) >= 0:
+        return [f"{key}={bare(value)}"]
+    ratio = float(bare(seen.get(key + "_ratio", "0.0")))
+    if ratio:
+        raise ValueError(f"verl would warm up for {key}_ratio={ratio} of the steps; give {key} as a number of steps")
+    return [f"{key}=0"]
+
+
+def _lora_key(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """<model>.lora.*: as given while LoRA is on, but fully_sharded_loras; nothing when it is off (rank 0)."""
+    prefix, leaf = key.rsplit(".", 1)
+    if leaf == "fully_sharded_loras" or int(bare(seen.get(f"{prefix}.rank", "0")) or 0) == 0:
+        return []
+    return [f"{key}={value}"]
+
+
+_RM_ON_MEGATRON = ("the reward model runs on Megatron here, in the trainer's processes (reward_model.megatron.*), "
+                   "not in a rollout engine")
+_RM_ROLLOUT = "reward.reward_model.rollout"
+
+
+def _rm_layout(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    return [f"reward_model.megatron.{name}=${{actor_rollout_ref.actor.megatron.{name}}}"
+            for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                         "packed_sequences")]
+
+
+def _rm_max_length(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's RM engine lengths -> the rows the Megatron RM reads: prompt + response (verl's defaults fill the other)."""
+    lengths = [int(bare(seen.get(f"{_RM_ROLLOUT}.{name}", str(verl_default(f"{_RM_ROLLOUT}.{name}")))))
+               for name in ("prompt_length", "response_length")]
+    return [f"reward_model.max_length={sum(lengths)}"]
+
+
+_NO_PROFILER = "no built-in profiler hooks here; run the workers under nsys or torch.profiler"
+
+
+def _profiler(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's profiler settings: nothing while no role's profiler is enabled (verl's test scripts set ranks, tool
+    and steps with enable=False); refused when one is."""
+    enabled = sorted(k for k, v in seen.items() if k.endswith(".profiler.enable") and truthy(v))
+    if enabled:
+        raise ValueError(f"{_NO_PROFILER} ({', '.join(f'{k}=True' for k in enabled)})")
+    return []
+
+
+_SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def _save_contents(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's list of what a checkpoint holds: ours holds model, optimizer and extra whatever the list says (a
+    resume needs them); hf_model asks for HF weights, which the run exports once, at the end."""
+    items = [bare(item) for item in bare(value).strip("[]").split(",") if bare(item)]
+    unknown = [item for item in items if item not in _SAVE_CONTENTS]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} unknown; verl's are {', '.join(_SAVE_CONTENTS)}")
+    return ["trainer.save_hf_at_end=true"] if "hf_model" in items else []
+
+
 def _to(target: str) -> Rewrite:
     return lambda key, value, seen: [f"{target}={value}"]
 
@@ -96,9 +166,21 @@ def _load_format(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     return [f"{key}={'dummy' if v in ('dummy_dtensor', 'dummy_megatron', 'dummy_hf') else v}"]
 
 
+_PACKED_UNDER_CP = ("; with context_parallel_size > 1 it stays true: CP is built on packed sequences here, which give "
+                    "the same log-probs and loss as verl's padded (bshd) CP layout")
+
+
+def _context_parallel(role: str, seen: Mapping[str, str]) -> int:
+    """A role's CP on the command line (the ref's follows the actor's unless given)."""
+    actor = seen.get("actor_rollout_ref.actor.megatron.context_parallel_size", "1")
+    default = actor if role == "actor_rollout_ref.ref" else "1"
+    return int(bare(seen.get(f"{role}.megatron.context_parallel_size", default)))
+
+
 def _packed(*roles: str) -> Rewrite:
     def packed(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
-        return [f"{role}.megatron.packed_sequences={'true' if truthy(value) else 'false'}" for role in roles]
+        return [f"{role}.megatron.packed_sequences="
+                f"{'true' if truthy(value) or _context_parallel(role, seen) > 1 else 'false'}" for role in roles]
 
     return packed
 
@@ -243,11 +325,12 @@ RULES: tuple[Rule, ...] = (
          "raw prompts always travel in non_tensor_batch['raw_prompt'] here"),
     # --- model and packing
     Rule("actor_rollout_ref.model.use_remove_padding", Fate.mapped,
-         "verl's packed (THD) layout: -> <actor, ref>.megatron.packed_sequences",
+         f"verl's packed (THD) layout: -> <actor, ref>.megatron.packed_sequences{_PACKED_UNDER_CP}",
          _packed("actor_rollout_ref.actor", "actor_rollout_ref.ref")),
-    Rule("critic.model.use_remove_padding", Fate.mapped, "-> critic.megatron.packed_sequences", _packed("critic")),
-    *(Rule(f"{role}.megatron.use_remove_padding", Fate.mapped, f"-> {role}.megatron.packed_sequences",
-           _packed(role)) for role in _ROLES),
+    Rule("critic.model.use_remove_padding", Fate.mapped, f"-> critic.megatron.packed_sequences{_PACKED_UNDER_CP}",
+         _packed("critic")),
+    *(Rule(f"{role}.megatron.use_remove_padding", Fate.mapped,
+           f"-> {role}.megatron.packed_sequences{_PACKED_UNDER_CP}", _packed(role)) for role in _ROLES),
     Rule("actor_rollout_ref.model.use_fused_kernels", Fate.dropped,
          "log-probs and entropies always come from megatron-rl's fused vocab-parallel kernel, the same numbers as "
          "verl's unfused path (its default, false) and its fused one"),
@@ -270,25 +353,39 @@ RULES: tuple[Rule, ...] = (
     Rule("*.megatron.grad_offload", Fate.mapped,
          "gradient buffers leave the GPU with <role>.megatron.param_offload here; True needs param_offload=True",
          _grad_offload),
+    Rule("*.model.lora.rank", Fate.same, ""),
+    Rule("*.model.lora.*", Fate.mapped,
+         "verl's LoRA block, as given while LoRA is on (fully_sharded_loras, vLLM's LoRA sharding, does nothing with "
+         "merged adapters); with lora.rank=0 verl ignores its other keys: accepted without effect", _lora_key),
     # verl keeps a second router_replay block on the role itself; its engine reads the megatron one
     Rule("actor_rollout_ref.*.router_replay.*", Fate.default,
          "routing replay here is <role>.megatron.router_replay.* (docs/models.md, 'Routing replay')"),
     Rule("*.megatron.qat.*", Fate.default, "quantization-aware training is not built here"),
     Rule("*.qat.*", Fate.default, "quantization-aware training is not built here"),
+    Rule("*.megatron.dist_checkpointing_path", Fate.mapped,
+         "read by verl only with <role>.megatron.use_dist_checkpointing=True (a Megatron checkpoint to start from); "
+         "megatron-rl loads HF checkpoints", _dist_checkpointing_path),
     Rule("*.megatron.*checkpointing*", Fate.default,
          "megatron-rl loads HF checkpoints and writes its own torch_dist checkpoints (docs/trainer.md)"),
     Rule("*.megatron.dist_ckpt_*", Fate.default, "megatron-rl writes its own torch_dist checkpoints (docs/trainer.md)"),
     Rule("*.megatron.distrib_optim_*", Fate.default,
          "megatron-rl writes its own torch_dist checkpoints (docs/trainer.md)"),
+    Rule("*.checkpoint.save_contents", Fate.mapped,
+         "a checkpoint here always holds the model, the optimizer and the rest of the run's state; verl's hf_model "
+         "(an HF copy at every save) becomes one HF export at the end, trainer.save_hf_at_end", _save_contents),
     Rule("*.checkpoint.*", Fate.default,
          "a checkpoint here always holds the model, the optimizer and the rest of the run's state, so that a resume "
          "continues exactly; the HF export is trainer.save_hf_at_end (docs/trainer.md)"),
+    Rule("*.optim.lr_warmup_steps", Fate.mapped,
+         "verl's null or -1 means lr_warmup_steps_ratio x the steps; with that ratio at its default 0.0 no warm-up",
+         _lr_warmup_steps),
     Rule("*.optim.*", Fate.default,
          "the optimizer here is Adam(W) with optim.lr, min_lr_ratio, lr_warmup_steps, lr_scheduler, weight_decay, "
          "betas and clip_grad (docs/configuration.md)"),
-    Rule("*.profiler.*", Fate.default, "no built-in profiler hooks here; run the workers under nsys or torch.profiler"),
-    Rule("global_profiler.*", Fate.default,
-         "no built-in profiler hooks here; run the workers under nsys or torch.profiler"),
+    Rule("*.profiler.*", Fate.mapped, f"{_NO_PROFILER}; settings of a role whose profiler.enable is false do "
+         "nothing", _profiler),
+    Rule("global_profiler.*", Fate.mapped, f"{_NO_PROFILER}; verl profiles only roles with profiler.enable=True",
+         _profiler),
     Rule("actor_rollout_ref.model.mtp.*", Fate.default, "multi-token prediction is not built here"),
     # --- the policy loss: verl nests it, megatron-rl keeps its name and parameters on the actor
     Rule("actor_rollout_ref.actor.policy_loss.*", Fate.mapped,
@@ -344,6 +441,20 @@ RULES: tuple[Rule, ...] = (
          _under("reward_model.reward_kwargs", "reward.reward_kwargs")),
     Rule("reward.reward_kwargs.*", Fate.mapped, "set or add", _under("reward.reward_kwargs", "reward.reward_kwargs")),
     Rule("reward_model.num_workers", Fate.mapped, "-> reward.num_workers", _to("reward.num_workers")),
+    # verl's newer layout of the reward model (reward.reward_model.*), which serves it in a rollout engine; here it
+    # runs on Megatron (reward_model.*, docs/data_and_rewards.md)
+    Rule("reward.reward_model.enable", Fate.mapped, "-> reward_model.enable", _to("reward_model.enable")),
+    Rule("reward.reward_model.model_path", Fate.mapped, "-> reward_model.model.path", _to("reward_model.model.path")),
+    Rule("reward.reward_model.rollout.tensor_model_parallel_size", Fate.mapped,
+         f"{_RM_ON_MEGATRON}, at the actor's TP / PP / CP and packing (the processes it shares); verl's engine TP "
+         "does not apply",
+         _rm_layout),
+    Rule("reward.reward_model.rollout.prompt_length", Fate.mapped,
+         "with rollout.response_length -> reward_model.max_length (their sum: the RM reads prompt and response)",
+         _rm_max_length),
+    Rule("reward.reward_model.rollout.response_length", Fate.mapped, "as rollout.prompt_length", _rm_max_length),
+    Rule("reward.reward_model.rollout.name", Fate.dropped, _RM_ON_MEGATRON),
+    Rule("reward.reward_model.rollout.gpu_memory_utilization", Fate.dropped, _RM_ON_MEGATRON),
     Rule("reward.reward_model.*", Fate.default,
          "a reward model here is configured under reward_model.* (docs/data_and_rewards.md)"),
     Rule("reward_model.rollout.*", Fate.default,
