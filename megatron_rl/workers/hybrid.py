@@ -254,7 +254,11 @@ class ActorRolloutRefWorker(Worker):
         """Collective export; global rank 0 writes the directory."""
         from megatron_rl.weights import save_hf_checkpoint  # megatron-core: the weight export
 
+        # megatron.param_offload: the weights are on the host between syncs; read on the host they crash (SIGSEGV on
+        # CPU), so they come back for the export and leave again as after a sync
+        self.actor.engine.offload.enter("compute")
         save_hf_checkpoint(self.actor.engine.model, path, tokenizer_dir=self._tokenizer_dir())
+        self._offload_for_generation()
 
     # ------------------------------------------------------------------ helpers
     def _tokenizer_dir(self) -> str:

@@ -20,6 +20,13 @@ writes its argv, VERL_USE_UV=0, HOME=/HOME; tests/compat/verl_scripts/experiment
   batch per sync, the staleness bound, the steps, the servers) and the plan fits (75.0 GiB) with Adam's state in host
   memory; without the CPU Adam keys it would not (85.6 GiB).
   The _mis variant's rollout_rs with bypass_mode=True (verl's async config) is refused by our validation.
+
+Two real CPU runs, two steps each, every sync verified: the one-step-off entry on verl's launch line sized down
+(one trainer rank, one HF-engine server; staleness 0 then 1), and the fully async shell itself through its entry,
+every recorded argument kept but those scaled for a CPU machine (FULLY_ASYNC_SCALED: the tiny task and the demo's
+tiny dense model, sizes, one rank, one HF-engine server, Transformer Engine's fusions and DeepEP off, jsonl) and those
+a CPU run refuses (FULLY_ASYNC_DROPPED: verl's CPU Adam, model.override_config; the test asserts both refusals):
+8 prompts x 16 responses per sync, 2 batches ahead, staleness 0 then 1.
 """
 from __future__ import annotations
 
@@ -333,3 +340,123 @@ def test_the_one_step_off_entry_trains_two_steps_on_an_hf_server(tmp_path_factor
     for record in steps.values():
         assert all(math.isfinite(v) for v in record.values() if isinstance(v, float))
         assert record["rollout/logprob_diff_max"] < 1e-4  # the server serves the synced weights
+
+
+# The fully async shell (grpo_30b_a3b_base_math_megatron_96_32) scaled to a CPU machine: every recorded argument is
+# kept but these. key -> (value, why); "{train}", "{val}", "{model}" are the tiny task's files and the demo's model.
+_ONE_RANK = "the layout on one CPU rank (the tiny model has no experts: EP 1)"
+_NO_TE = "a fused kernel of Transformer Engine, which does not import on CPU (the launch refuses True, naming it)"
+FULLY_ASYNC_SCALED: dict[str, tuple[str, str]] = {
+    "data.train_files": ("{train}", "the tiny task (copy 3-5 digits, synthetic/copy scorer): no downloads"),
+    "data.val_files": ("{val}", "the tiny task's validation prompts"),
+    "actor_rollout_ref.model.path": ("{model}", "the demo's tiny dense model (2 layers, 64 wide, 64 positions): the "
+                                                "30B MoE does not run on CPU"),
+    "data.max_prompt_length": ("16", "the tiny task's prompts (the model has 64 positions)"),
+    "data.max_response_length": ("6", "the tiny task's answers (3-5 digits + EOS)"),
+    "+reward.reward_kwargs.overlong_buffer_cfg.len": ("3", "half the response length, as the shell's 4096 of 8192"),
+    "+reward.reward_kwargs.max_resp_len": ("6", "data.max_response_length, as in the shell"),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": ("2", "x require_batches 1 x trigger_parameter_sync_step 4 = 8 "
+                                                         "prompts per sync (one step here) instead of 512"),
+    "rollout.total_rollout_steps": ("16", "two syncs' worth of prompts: trainer.total_training_steps=2"),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": ("1", "validation refuses a warmup longer than the 2 steps"),
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": ("1", _ONE_RANK),
+    "actor_rollout_ref.actor.megatron.context_parallel_size": ("1", _ONE_RANK),
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": ("1", _ONE_RANK),
+    "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": ("1", _ONE_RANK),
+    "actor_rollout_ref.ref.megatron.context_parallel_size": ("1", _ONE_RANK),
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size": ("1", _ONE_RANK),
+    "trainer.nnodes": ("1", _ONE_RANK),
+    "trainer.n_gpus_per_node": ("1", _ONE_RANK),
+    **{f"+actor_rollout_ref.actor.megatron.override_transformer_config.{name}": ("False", _NO_TE) for name in (
+        "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+        "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion")},
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep": (
+        "False", "DeepEP is CUDA only (the launch refuses it)"),
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type": (
+        "alltoall", "flex runs on DeepEP; alltoall gives the same numbers"),
+    "actor_rollout_ref.rollout.name": ("hf", "vLLM does not run on this machine: the HF engine's server"),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ("1", "one rollout rank (validation: TP divides the "
+                                                                  "world)"),
+    "rollout.nnodes": ("1", "one machine"),
+    "rollout.n_gpus_per_node": ("1", "one rollout server (the HF engine has no TP)"),
+    "trainer.logger": ("[console,jsonl]", "the metrics read back here instead of tensorboard"),
+}
+# prefixes of the recorded arguments left out, and why
+FULLY_ASYNC_DROPPED: dict[str, str] = {
+    CPU_ADAM: "verl's CPU Adam: Megatron's HybridDeviceOptimizer takes CUDA streams; validation refuses it on a CPU "
+              "run (on CPU Adam's state is in host memory already)",
+    FULLY_ASYNC_REFUSED[0]: "rollout servers load model.path and never see it (validation refuses it); the tiny "
+                            "model's config.json is its own",
+}
+# added: the CPU device and a weight-sync check every step (every sync verified). The final HF export stays on: with
+# the shell's megatron.param_offload=True it crashed (workers/hybrid.py save_hf read the weights while they were
+# offloaded to the host: SIGSEGV on CPU); the test checks the exported weights
+FULLY_ASYNC_ADDED = ("trainer.device=cpu", "actor_rollout_ref.rollout.weight_sync.verify_freq=1")
+
+
+def scaled_fully_async_args(out: Path, keep: tuple[str, ...] = (), **paths: Path) -> list[str]:
+    """The recorded fully async shell, scaled (FULLY_ASYNC_SCALED), FULLY_ASYNC_DROPPED left out but for ``keep``."""
+    dropped = tuple(p for p in FULLY_ASYNC_DROPPED if p not in keep)
+    args = []
+    for arg in (SHELLS / f"{FULLY_ASYNC}.args").read_text().splitlines():
+        key = arg.partition("=")[0]
+        if not arg.startswith(dropped):
+            args.append(f"{key}={FULLY_ASYNC_SCALED[key][0].format(**paths)}" if key in FULLY_ASYNC_SCALED else arg)
+    assert set(FULLY_ASYNC_SCALED) <= {a.partition("=")[0] for a in args}  # each scaled key is one the shell sets
+    return [*args, *FULLY_ASYNC_ADDED, f"trainer.default_local_dir={out}"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_fully_async_entry_trains_two_steps(tmp_path_factory, tmp_path):
+    """verl's fully async shell through its compat entry, scaled to CPU (FULLY_ASYNC_SCALED / _DROPPED): one
+    trainer rank and rollout.n_gpus_per_node=1 -> one HF-engine server the run starts, staleness_threshold 0.5 ->
+    2 batches ahead, 8 prompts x 16 responses per sync, validation before training, two steps, every sync verified."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from megatron_rl.demo import prepare_assets
+    from megatron_rl.trainer.tracking import read_metrics
+
+    train, val, model = prepare_assets(tmp_path_factory.mktemp("assets"))
+    paths = {"train": train, "val": val, "model": model}
+    # what is dropped is what a CPU run refuses
+    with pytest.raises(ConfigError, match=r"override_optimizer_config.optimizer_cpu_offload=true cannot run on CPU "
+                                          r"\(trainer.device=cpu.*HybridDeviceOptimizer takes CUDA streams"):
+        composed(fully_async_main.translate, scaled_fully_async_args(tmp_path, keep=(CPU_ADAM,), **paths))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.override_config=.*hf rollout servers never see "
+                                          r"it \(they load model.path\)"):
+        composed(fully_async_main.translate, scaled_fully_async_args(tmp_path, keep=FULLY_ASYNC_REFUSED, **paths))
+
+    args = scaled_fully_async_args(tmp_path, **paths)
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.compat.verl.experimental.fully_async_policy."
+                           "fully_async_main", *args], cwd=Path(__file__).parents[2],
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for line in ("verl fully_async entry sets async_training.mode=fully_async",
+                 "verl key actor_rollout_ref.rollout.mode=async -> actor_rollout_ref.rollout.mode=server",
+                 "verl key rollout.n_gpus_per_node=1 -> actor_rollout_ref.rollout.num_servers=1",
+                 "verl key data.train_batch_size=0 -> data.train_batch_size=8",
+                 "verl key rollout.total_rollout_steps=16 -> trainer.total_training_steps=2",
+                 "verl key async_training.staleness_threshold=0.5 -> async_training.buffer_batches=2 "
+                 "async_training.max_staleness=2",
+                 "verl key async_training.trigger_parameter_sync_step=4 -> (nothing)",
+                 "verl key async_training.require_batches=1 -> (nothing)",
+                 "verl fully_async config algorithm.rollout_correction.bypass_mode=True"):
+        assert line in proc.stderr, line
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert any("val-core/synthetic/copy/acc/mean@1" in r for r in records if r["step"] == 0)  # val_before_train
+    steps = {r["step"]: r for r in records if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2]
+    # the first batch was generated by the initial weights and trained by them; the second, generated ahead while
+    # step 1 trained, is one version old (within max_staleness 2: nothing dropped)
+    assert [steps[s]["async/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
+    assert [steps[s]["weight_sync/version"] for s in (1, 2)] == [1.0, 2.0]  # a sync after each step
+    for record in steps.values():
+        assert all(math.isfinite(v) for v in record.values() if isinstance(v, float)), record
+        assert record["async/dropped_samples_total"] == 0.0
+        assert record["rollout/logprob_diff_max"] < 1e-4  # each sync verified: the server serves the synced weights
+    # the final HF export, with the weights offloaded between syncs (megatron.param_offload=True): it crashed before
+    assert list((tmp_path / "hf_final").glob("*.safetensors")), sorted(p.name for p in tmp_path.iterdir())
