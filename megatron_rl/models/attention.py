@@ -220,6 +220,8 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,  # MLA: q/k heads are wider than v heads; SDPA takes both as they come
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         # CP > 1 runs on packed sequences only (plan/validate.py refuses padded batches before launch)
@@ -278,8 +280,8 @@ class SDPAttention(MegatronModule):
             enable_gqa=not plan.expand_kv,
             **mask_kwargs,
         )
-        # [b, h, s, d] -> [s, b, h*d]
-        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * dim)
+        # [b, h, s, d_v] -> [s, b, h*d_v] (d_v: value's head dim, MLA's differs from q/k's)
+        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, -1)
 
     def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params):
         """Packed sequences (THD, ``PackedSeqParams`` with ``cu_seqlens``): [t, heads, dim] q/k/v of
@@ -291,11 +293,10 @@ class SDPAttention(MegatronModule):
         if not torch.equal(cu_q, cu_k):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
         dropout_p = self.dropout_p if self.training else 0.0
-        heads, dim = query.shape[1], query.shape[2]
         if self.cp_size > 1:
             _announce("packed", CP_ALL_GATHER, f"context parallel {self.cp_size}: K/V all-gathered over the CP group")
             out = self._context_parallel(query, key, value, cu_q, packed_seq_params.cp_group, dropout_p)
-            return out.reshape(out.shape[0], heads * dim)
+            return out.reshape(out.shape[0], -1)
         kernel, why = packed_attention_kernel(query, dropout_p)
         varlen = None
         if kernel == FLASH_VARLEN:
@@ -309,7 +310,7 @@ class SDPAttention(MegatronModule):
             out = self._flash_varlen(query, key, value, cu_q, packed_seq_params.max_seqlen_q, varlen)
         else:
             out = self._sdpa_per_sequence(query, key, value, cu_q.tolist(), dropout_p)
-        return out.reshape(out.shape[0], heads * dim)
+        return out.reshape(out.shape[0], -1)
 
     def _varlen_plan(self, query: torch.Tensor, key: torch.Tensor) -> VarlenPlan:
         try:
@@ -354,7 +355,7 @@ class SDPAttention(MegatronModule):
         cp_rank = dist.get_rank(group)
         keys, values = gather_over_cp(key, group), gather_over_cp(value, group)  # [CP, t, kv_heads, d]
         bounds = cu_seqlens.tolist()
-        out = query.new_empty(query.shape)
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])  # value's head dim (MLA: not q's)
         local = 0
         for start, end in zip(bounds[:-1], bounds[1:]):
             length = end - start
@@ -382,7 +383,7 @@ class SDPAttention(MegatronModule):
     def _sdpa_per_sequence(self, query, key, value, bounds: list[int], dropout_p: float) -> torch.Tensor:
         """The varlen twin: one SDPA call per sequence without a mask, token for token the padded
         path's numbers (the CPU kernel, and the fallback where flash cannot run)."""
-        out = query.new_empty(query.shape)
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])  # value's head dim (MLA: not q's)
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end <= start:
                 continue

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config.access import plain
 from megatron_rl.config.schema import MegatronParallelConfig
@@ -31,8 +31,9 @@ from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.config.lora import lora_on_experts
 from megatron_rl.models.lora import LoRASpec, attach_lora
+from megatron_rl.models.mla import MLA_DERIVED_FIELDS, mla_transformer_kwargs
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
-from megatron_rl.models.moe_compat import bind_missing_te_names
+from megatron_rl.models.moe_compat import bind_missing_te_names, disable_mla_te_check_without_te
 from megatron_rl.models.moe_experts import (
     ExpertLayer,
     check_grouped_gemm_override,
@@ -64,6 +65,7 @@ DERIVED_FIELDS = {
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
             "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
             "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size", *MOE_DERIVED_FIELDS,
+            *MLA_DERIVED_FIELDS,
         )
     },
     **{name: f"megatron.{name}" for name in MOE_PARALLEL_FIELDS},
@@ -210,8 +212,10 @@ def make_transformer_config(
     )
     if hf.moe is not None:
         kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp, experts))
+    if hf.mla is not None:
+        kwargs.update(mla_transformer_kwargs(hf.mla, hf.rope_theta))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if hf.mla is not None else TransformerConfig)(**kwargs)
 
 
 def te_available() -> bool:
@@ -230,6 +234,15 @@ class LocalRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+class LatentRMSNorm(LocalRMSNorm):
+    """MLA's q_a / kv_a norms: transformers' (and DeepSeek's own) DeepseekV3Attention builds them as
+    ``DeepseekV3RMSNorm(rank)``, eps 1e-6 whatever ``rms_norm_eps`` says; Megatron would pass
+    ``layernorm_epsilon`` (equal for DeepSeek-V3's own config, not for every checkpoint)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused: Any) -> None:
+        super().__init__(config, hidden_size, eps=1e-6)
 
 
 def _unfuse_te_norms(spec: ModuleSpec) -> None:
@@ -271,19 +284,29 @@ def gpt_layer_spec(
         # the local spec's grouped layer is Megatron's legacy GroupedMLP (another layout, another package)
         raise ValueError("grouped experts (moe_grouped_gemm=true) need Transformer Engine's layer spec "
                          "(use_te)")
+    mla = hf.mla is not None
+    if mla:
+        disable_mla_te_check_without_te()
+    # MLA: Megatron's MLASelfAttention; its q_layernorm / kv_layernorm (the q_a / kv_a norms) are built only
+    # with qk_layernorm
+    qk_norm = hf.qk_norm or mla
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=grouped_experts, qk_layernorm=hf.qk_norm
+            num_experts=experts, moe_grouped_gemm=grouped_experts, qk_layernorm=qk_norm,
+            multi_latent_attention=mla,
         )
     else:
         spec = get_gpt_layer_local_spec(
-            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=hf.qk_norm, normalization="RMSNorm"
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm",
+            multi_latent_attention=mla,
         )
         spec.submodules.input_layernorm = LocalRMSNorm
         spec.submodules.pre_mlp_layernorm = LocalRMSNorm
-        if hf.qk_norm:
-            spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
-            spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
+        attention = spec.submodules.self_attention.submodules
+        if mla:
+            attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
+        elif hf.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if not (use_te and context_parallel):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if use_te and lora:
@@ -368,6 +391,8 @@ def build_gpt_model(
     """
     if use_te is None:
         use_te = te_available()
+    if lora is not None and hf.mla is not None:
+        raise ValueError(f"{hf.source}: LoRA on multi-latent attention ({hf.architecture}) is not built here")
     experts = None
     if hf.moe is not None:  # override_transformer_config.moe_grouped_gemm is decided here, once
         experts = choose_expert_layer(

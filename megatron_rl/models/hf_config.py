@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.access import plain
+from megatron_rl.models.mla import MLASpec, parse_mla_config
 from megatron_rl.models.moe import MoESpec, parse_moe_config
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
 # (Qwen2-MoE: Qwen2's attention, Qwen3-MoE: Qwen3's, Mixtral: Mistral's) replace the MLP of their MoE layers
-# by routed SwiGLU experts, Qwen2-MoE's plus a gated shared expert (models/moe.py).
+# by routed SwiGLU experts, Qwen2-MoE's plus a gated shared expert (models/moe.py). DeepSeek-V3 (also R1, Kimi-K2,
+# Moonlight) replaces the attention by multi-latent attention (models/mla.py) and routes with sigmoid scores,
+# an expert bias and expert groups, plus ungated shared experts; its first layers are dense (models/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -22,11 +25,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-# MoE architectures refused by name with the reason (their attention is not the GPT attention built here).
+# Architectures refused by name with the reason.
 _REFUSED_ARCHITECTURES = {
-    name: "it needs multi-latent attention (MLA), which is not built here"
-    for name in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    "DeepseekV2ForCausalLM": "its softmax routing with greedy / group-limited top-k is not built here "
+    "(DeepseekV3ForCausalLM's multi-latent attention and sigmoid routing are)",
+    "DeepseekV32ForCausalLM": "it needs DeepSeek sparse attention (DSA, a lightning indexer over MLA), "
+    "which is not built here (DeepseekV3ForCausalLM is)",
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
@@ -72,6 +78,7 @@ class HFModelConfig:
     moe: MoESpec | None = None  # the routed experts of every layer; None for dense models
     # <Family>ForSequenceClassification (a reward model): its score head has no bias.
     sequence_classifier: bool = False
+    mla: MLASpec | None = None  # multi-latent attention (DeepSeek-V3); None = GPT attention (q/k/v)
 
     @property
     def q_size(self) -> int:
@@ -199,7 +206,9 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
     )
     sequence_classifier = _is_reward_model(hf_config, source)
-    theta, scaling = _rope(hf_config, source)
+    mla, mla_theta = parse_mla_config(hf_config, model_type, source)
+    # MLA reads its own RoPE (YaRN) into the MLASpec
+    theta, scaling = (mla_theta, None) if mla is not None else _rope(hf_config, source)
     return HFModelConfig(
         architecture=arch,
         model_type=model_type,
@@ -222,6 +231,7 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         raw=dict(hf_config),
         moe=parse_moe_config(hf_config, model_type, source),
         sequence_classifier=sequence_classifier,
+        mla=mla,
     )
 
 

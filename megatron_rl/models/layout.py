@@ -15,6 +15,9 @@ Rules (REFERENCE.md §3):
   (TEGroupedMLP), the same shard either way (models/moe_experts.py: ``expert_weight``). A shared expert
   (Qwen2-MoE) is split over TP like a dense MLP (Megatron's ``SharedExpertMLP``) and its sigmoid gate
   [1, hidden] is replicated. Dense layers of an MoE model (``MoESpec.is_moe_layer``) map like a dense model's.
+  DeepSeek-V3's router bias (``e_score_correction_bias``) is the router's ``expert_bias`` buffer, replicated.
+* Multi-latent attention (models/mla.py): one HF tensor per Megatron weight, the same row order; the projections
+  column-parallel (the down projections replicated under TE's spec, which keeps them whole), o_proj row-parallel.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.lora import LoRAAdapter, adapter_of
+from megatron_rl.models.mla import mla_attention_tensors
 from megatron_rl.models.moe import local_experts
 from megatron_rl.models.moe_experts import expert_weight
 from megatron_rl.models.value_head import ValueHead
@@ -80,6 +84,8 @@ def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGr
     """Router and the ``experts``' fc1/fc2 groups of MoE layer ``i``, keyed by role."""
     moe, h, f = hf.moe, hf.hidden_size, hf.moe.ffn_hidden_size
     groups = {"router": TensorGroup(Kind.REPLICATED, (HFTensor(moe.router_name(i), (moe.num_experts, h)),))}
+    if moe.expert_bias:  # DeepSeek-V3's e_score_correction_bias: Megatron's Router.expert_bias buffer
+        groups["router_bias"] = _single(Kind.REPLICATED, moe.router_bias_name(i), (moe.num_experts,))
     for e in experts:
         gate, up = (HFTensor(moe.expert_name(i, e, role), (f, h)) for role in ("gate", "up"))
         groups[f"expert{e}.gate_up"] = TensorGroup(Kind.GATE_UP, (gate, up), expert=e)
@@ -100,13 +106,17 @@ def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGr
 def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> dict[str, TensorGroup]:
     """HF groups of layer ``i`` keyed by role, in HF's own order; of an MoE layer's experts only
     ``experts`` (default all)."""
-    p, h, f = f"model.layers.{i}.", hf.hidden_size, hf.intermediate_size
+    p, h = f"model.layers.{i}.", hf.hidden_size
 
     def qkv(suffix: str, *rest: int) -> tuple[HFTensor, ...]:
         sizes = (("q_proj", hf.q_size), ("k_proj", hf.kv_size), ("v_proj", hf.kv_size))
         return tuple(HFTensor(f"{p}self_attn.{proj}.{suffix}", (size, *rest)) for proj, size in sizes)
 
     groups = {"input_norm": TensorGroup(Kind.REPLICATED, (HFTensor(f"{p}input_layernorm.weight", (h,)),))}
+    if hf.mla is not None:
+        for role, name, shape, split in mla_attention_tensors(hf.mla, i, h, hf.num_attention_heads):
+            groups[role] = _single(Kind(split), name, shape)
+        return _mlp_groups(hf, i, experts, groups)
     groups["qkv"] = TensorGroup(Kind.QKV, qkv("weight", h))
     if hf.qkv_bias:
         groups["qkv_bias"] = TensorGroup(Kind.QKV, qkv("bias"))
@@ -118,6 +128,14 @@ def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> di
             Kind.REPLICATED, (HFTensor(f"{p}self_attn.k_norm.weight", (hf.head_dim,)),)
         )
     groups["o_proj"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}self_attn.o_proj.weight", (h, hf.q_size)),))
+    return _mlp_groups(hf, i, experts, groups)
+
+
+def _mlp_groups(
+    hf: HFModelConfig, i: int, experts: range | None, groups: dict[str, TensorGroup]
+) -> dict[str, TensorGroup]:
+    """``groups`` (layer ``i``'s attention) followed by its post-attention norm and MLP (dense or MoE)."""
+    p, h, f = f"model.layers.{i}.", hf.hidden_size, hf.intermediate_size
     groups["post_norm"] = TensorGroup(
         Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),)
     )
@@ -191,6 +209,8 @@ def _moe_params(mlp: torch.nn.Module, experts: range) -> dict[str, torch.nn.Para
     """The router, local experts (SequentialMLP or TEGroupedMLP) and shared expert of a Megatron MoELayer,
     by the roles of ``_moe_groups``."""
     params = {"router": mlp.router.weight}
+    if mlp.router.expert_bias is not None:  # a buffer: loaded and exported, never given a gradient
+        params["router_bias"] = mlp.router.expert_bias
     held = mlp.experts.num_local_experts
     if held != len(experts):
         raise ValueError(f"{type(mlp.experts).__name__} holds {held} local experts, this EP rank owns "
@@ -221,6 +241,38 @@ def _moe_adapters(mlp: torch.nn.Module, experts: range) -> dict[str, LoRAAdapter
     return adapters
 
 
+def _mla_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """An MLASelfAttention layer's weights by the roles of ``mla_attention_tensors``. The local spec has separate
+    norm modules; TE's fuses q_layernorm / kv_layernorm into linear_q_up_proj / linear_kv_up_proj."""
+    attn = layer.self_attention
+    params = {"input_norm": layer.input_layernorm.weight}
+    if attn.config.q_lora_rank is None:
+        params["q_proj"] = attn.linear_q_proj.weight
+    else:
+        params["q_down"] = attn.linear_q_down_proj.weight
+        params["q_norm"] = _norm_weight(attn.q_layernorm, attn.linear_q_up_proj)
+        params["q_up"] = attn.linear_q_up_proj.weight
+    params["kv_down"] = attn.linear_kv_down_proj.weight
+    params["kv_norm"] = _norm_weight(attn.kv_layernorm, attn.linear_kv_up_proj)
+    params["kv_up"] = attn.linear_kv_up_proj.weight
+    params["o_proj"] = attn.linear_proj.weight
+    return params
+
+
+def _whole_down_projections(
+    groups: dict[str, TensorGroup], params: dict[str, torch.nn.Parameter]
+) -> dict[str, TensorGroup]:
+    """TE's MLA spec keeps the down projections whole on every TP rank (TELinear, ``duplicated``), the local
+    spec splits them (ColumnParallelLinear, gathered inside MLA): a column group whose parameter has all the
+    rows is replicated."""
+    return {
+        role: _single(Kind.REPLICATED, g.key, g.tensors[0].shape)
+        if g.kind is Kind.COLUMN and role in ("q_down", "kv_down") and params[role].shape[0] == g.tensors[0].shape[0]
+        else g
+        for role, g in groups.items()
+    }
+
+
 def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     """Mappings for the parameters this model chunk holds (of MoE layers: the local experts), in checkpoint order."""
     model = unwrap(chunk)
@@ -240,14 +292,18 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
         groups = _layer_groups(hf, index, experts)
         attn, mlp = layer.self_attention, layer.mlp
         moe_layer = experts is not None and hf.moe.is_moe_layer(index)
-        params = {
-            "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
-            "qkv": attn.linear_qkv.weight,
-            "qkv_bias": attn.linear_qkv.bias if hf.qkv_bias else None,
-            "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
-            "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
-            "o_proj": attn.linear_proj.weight,
-        }
+        if hf.mla is not None:
+            params = _mla_params(layer)
+            groups = _whole_down_projections(groups, params)
+        else:
+            params = {
+                "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
+                "qkv": attn.linear_qkv.weight,
+                "qkv_bias": attn.linear_qkv.bias if hf.qkv_bias else None,
+                "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
+                "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
+                "o_proj": attn.linear_proj.weight,
+            }
         if moe_layer:
             params["post_norm"] = layer.pre_mlp_layernorm.weight  # never fused into the MoE layer
             params.update(_moe_params(mlp, experts))

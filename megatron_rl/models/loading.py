@@ -9,7 +9,16 @@ from megatron.core import parallel_state
 from tqdm import tqdm
 
 from megatron_rl.models.hf_checkpoint import CheckpointMismatchError, HFCheckpointReader
+from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import chunk_mappings, hf_tensor_groups, is_value_model, shard_from_hf, unwrap
+
+
+def _multi_token_prediction_tensors(hf: HFModelConfig, names: set[str]) -> set[str]:
+    """DeepSeek-V3's multi-token-prediction modules, stored as layers ``num_hidden_layers`` .. (+
+    ``num_nextn_predict_layers``): not built here, nor by transformers (which skips them on load)."""
+    extra = int(hf.raw.get("num_nextn_predict_layers") or 0)
+    mtp_prefixes = tuple(f"model.layers.{hf.num_layers + i}." for i in range(extra))
+    return {name for name in names if mtp_prefixes and name.startswith(mtp_prefixes)}
 
 
 def load_hf_weights(
@@ -38,6 +47,7 @@ def load_hf_weights(
     }
     # Tied checkpoints may still store lm_head; a critic initialised from a causal LM drops it.
     ignorable = {"lm_head.weight"} if hf.tie_word_embeddings or value_model else set()
+    ignorable |= _multi_token_prediction_tensors(hf, names)
     reader.validate(expected, frozenset(ignorable))
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -19,6 +19,15 @@ Dense layers between MoE layers (Qwen2-MoE, Qwen3-MoE): layer i (0-based) is MoE
 ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule); a dense layer is a plain
 SwiGLU MLP of ``intermediate_size``. Megatron-Core takes the pattern as ``moe_layer_freq`` (a 0/1 list).
 
+DeepSeek-V3 (transformers' DeepseekV3TopkRouter): s = sigmoid(router logits); the choice ranks
+s + e_score_correction_bias, restricted to the ``topk_group`` best of ``n_group`` expert groups (a group's score:
+its two best biased scores); the weights are the chosen s (without the bias), renormalised (norm_topk_prob) and
+times ``routed_scaling_factor``. Megatron-Core: ``moe_router_score_function="sigmoid"``, the bias in
+``Router.expert_bias`` (``moe_router_enable_expert_bias``, a buffer, never trained by gradient),
+``moe_router_num_groups`` / ``moe_router_group_topk`` (a group's score: its top topk/group_topk scores: equal
+when that is 2) and ``moe_router_topk_scaling_factor``. ``n_shared_experts`` ungated shared experts are one
+SharedExpertMLP of n_shared_experts x moe_intermediate_size; the first ``first_k_dense_replace`` layers dense.
+
 Expert placement: Megatron gives EP rank r the experts ``[r * E / EP, (r + 1) * E / EP)`` (contiguous);
 each expert's fc1 (gate|up) and fc2 are split over the expert-tensor-parallel group (ETP) like a dense
 MLP's over TP.
@@ -36,6 +45,7 @@ _HF_NAMES = {
     "qwen2_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "deepseek_v3": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 MOE_MODEL_TYPES = tuple(_HF_NAMES)
 # Families whose configs place dense layers with decoder_sparse_step / mlp_only_layers (transformers' rule).
@@ -58,6 +68,14 @@ class MoESpec:
     shared_expert_size: int | None = None  # shared_expert_intermediate_size; None = no shared expert
     shared_expert_gate: bool = False  # sigmoid(shared_expert_gate . x) scales the shared expert's output
     dense_ffn_hidden_size: int | None = None  # intermediate_size of the dense layers; None = no dense layer
+    # DeepSeek-V3 routing (see the module docstring): sigmoid scores, a selection bias, group-limited top-k,
+    # a scale on the combined weights; the shared experts live under ``shared_experts``, ungated.
+    score_function: str = "softmax"
+    expert_bias: bool = False  # mlp.gate.e_score_correction_bias: added to the scores for the choice only
+    num_groups: int | None = None
+    group_topk: int | None = None
+    topk_scaling_factor: float | None = None
+    shared_expert_block: str = "shared_expert"
 
     def is_moe_layer(self, layer: int) -> bool:
         return not self.layer_pattern or self.layer_pattern[layer]
@@ -70,10 +88,13 @@ class MoESpec:
         """HF name of the shared expert's ``role`` (gate, up, down), or of its sigmoid gate (``"gate_score"``)."""
         if role == "gate_score":
             return f"model.layers.{layer}.{self.block}.shared_expert_gate.weight"
-        return f"model.layers.{layer}.{self.block}.shared_expert.{role}_proj.weight"
+        return f"model.layers.{layer}.{self.block}.{self.shared_expert_block}.{role}_proj.weight"
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.block}.gate.weight"
+
+    def router_bias_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.block}.gate.e_score_correction_bias"
 
     def expert_name(self, layer: int, expert: int, role: str) -> str:
         return f"model.layers.{layer}.{self.block}.experts.{expert}.{dict(self.expert_names)[role]}.weight"
@@ -90,7 +111,7 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
         raise UnsupportedModelError(f"{source}: {message}")
 
     # Qwen3-MoE writes num_experts, Mixtral (and transformers 5 for both) num_local_experts.
-    experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
+    experts = hf_config.get("num_experts", hf_config.get("num_local_experts", hf_config.get("n_routed_experts")))
     if experts is None:
         refuse("missing required field 'num_experts' (or 'num_local_experts')")
     topk = hf_config.get("num_experts_per_tok")
@@ -99,6 +120,8 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
     experts, topk = int(experts), int(topk)
     if not 1 <= topk <= experts:
         refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_moe(hf_config, experts_per_token=topk, refuse=refuse)
     shared, pattern = None, ()
     if model_type in _SPARSE_STEP_TYPES:
         ffn = hf_config.get("moe_intermediate_size")
@@ -134,6 +157,61 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
         shared_expert_size=shared,
         shared_expert_gate=shared is not None,
         dense_ffn_hidden_size=int(hf_config["intermediate_size"]) if pattern else None,
+    )
+
+
+def _deepseek_v3_moe(hf_config: dict[str, Any], experts_per_token: int, refuse) -> MoESpec:
+    """DeepSeek-V3's MoE (transformers' DeepseekV3MoE / DeepseekV3TopkRouter) as Megatron's router computes it."""
+    for key in ("n_routed_experts", "moe_intermediate_size", "num_hidden_layers"):
+        if hf_config.get(key) is None:
+            refuse(f"missing required field {key!r}")
+    experts, layers, ffn = (
+        int(hf_config[k]) for k in ("n_routed_experts", "num_hidden_layers", "moe_intermediate_size")
+    )
+    # transformers: layer i is MoE iff i >= first_k_dense_replace (it ignores moe_layer_freq; refuse other values)
+    if int(hf_config.get("moe_layer_freq") or 1) != 1:
+        refuse(f"moe_layer_freq={hf_config['moe_layer_freq']} is not supported (only 1)")
+    dense = int(hf_config.get("first_k_dense_replace") or 0)
+    if not 0 <= dense < layers:
+        refuse(f"first_k_dense_replace={dense} leaves no MoE layer among num_hidden_layers={layers}")
+    pattern = tuple(i >= dense for i in range(layers))
+    norm_topk = bool(hf_config.get("norm_topk_prob", True))
+    if not norm_topk and experts_per_token > 1:
+        # Megatron's sigmoid routing always renormalises the top-k (moe_utils.topk_routing_with_score_function)
+        refuse("norm_topk_prob=false with sigmoid routing is not supported (Megatron-Core always renormalises)")
+    if hf_config.get("topk_method", "noaux_tc") != "noaux_tc":
+        refuse(f"topk_method={hf_config['topk_method']!r} is not supported (only 'noaux_tc', transformers' rule)")
+    if hf_config.get("scoring_func", "sigmoid") != "sigmoid":
+        refuse(f"scoring_func={hf_config['scoring_func']!r} is not supported (only 'sigmoid')")
+    groups, group_topk = int(hf_config.get("n_group") or 1), int(hf_config.get("topk_group") or 1)
+    if groups > 1:
+        if experts % groups or not 1 <= group_topk <= groups:
+            refuse(f"n_group={groups} / topk_group={group_topk} do not split n_routed_experts={experts}")
+        # transformers ranks groups by their top-2 scores, Megatron by their top-(topk / topk_group)
+        if experts_per_token // group_topk != 2:
+            refuse(f"num_experts_per_tok={experts_per_token} / topk_group={group_topk} must be 2 "
+                   "(groups are ranked by their two best experts)")
+    shared = int(hf_config.get("n_shared_experts") or 0)
+    names = _HF_NAMES["deepseek_v3"][1]
+    return MoESpec(
+        num_experts=experts,
+        topk=experts_per_token,
+        ffn_hidden_size=ffn,
+        norm_topk_prob=norm_topk,
+        block="mlp",
+        expert_names=tuple(names.items()),
+        router_aux_loss_coef=float(hf_config.get("aux_loss_alpha", 0.0) or 0.0),
+        layer_pattern=() if all(pattern) else pattern,
+        shared_expert_size=shared * ffn if shared else None,
+        shared_expert_gate=False,
+        dense_ffn_hidden_size=int(hf_config["intermediate_size"]) if not all(pattern) else None,
+        score_function="sigmoid",
+        expert_bias=True,
+        # one group selects every expert: no group limit
+        num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None,
+        topk_scaling_factor=float(hf_config.get("routed_scaling_factor", 1.0) or 1.0),
+        shared_expert_block="shared_experts",
     )
 
 
@@ -196,6 +274,15 @@ def moe_transformer_kwargs(
         moe_shared_expert_intermediate_size=moe.shared_expert_size,
         moe_shared_expert_gate=moe.shared_expert_gate,
         moe_shared_expert_overlap=False,  # the overlap runs the shared expert on a CUDA side stream
+        moe_router_score_function=moe.score_function,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        # the bias is a buffer (no gradient); Megatron's aux-loss-free update would move it after every step
+        # (finalize_model_grads): off, so routing changes only with the trained weights
+        # (override_transformer_config.moe_router_bias_update_rate turns it on)
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
     )
 
 
@@ -203,7 +290,9 @@ def moe_transformer_kwargs(
 # may not change them: the checkpoint's routing would no longer be the model's).
 MOE_DERIVED_FIELDS = (
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
-    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
 )
 MOE_PARALLEL_FIELDS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 

@@ -19,6 +19,10 @@ def _rotary(model: torch.nn.Module):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.utils import get_attr_wrapped_model
 
+    if getattr(get_attr_wrapped_model(model, "config"), "multi_latent_attention", False):
+        # MLA (DeepSeek-V3) builds its RoPE inside every attention layer, not on the GPTModel
+        raise ValueError("RoPE at given positions is not built for multi-latent attention (its RoPE lives in "
+                         "each MLASelfAttention layer)")
     rotary = get_attr_wrapped_model(model, "rotary_pos_emb")
     if type(rotary) is not RotaryEmbedding:  # YaRN / mRoPE tables are built differently
         kind = type(rotary).__name__ if rotary is not None else "no RoPE"

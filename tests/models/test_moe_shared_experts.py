@@ -75,10 +75,14 @@ def test_bad_layer_placement_and_shared_expert_fields_are_refused_by_name(family
         parse_hf_config(raw, source="/ckpt/config.json")
 
 
-@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
-def test_deepseek_is_refused_by_name_for_its_attention(arch):
+@pytest.mark.parametrize(
+    "arch, reason",
+    [("DeepseekV2ForCausalLM", "softmax routing"), ("DeepseekV32ForCausalLM", "DeepSeek sparse attention \\(DSA")],
+)
+def test_deepseek_v2_and_v32_are_refused_by_name_with_the_reason(arch, reason):
+    # DeepseekV3ForCausalLM is built (tests/models/test_deepseek_v3.py)
     raw = {**_config("qwen2_moe"), "architectures": [arch], "first_k_dense_replace": 1}
-    with pytest.raises(UnsupportedModelError, match=f"architecture {arch} is not supported: .*multi-latent attention"):
+    with pytest.raises(UnsupportedModelError, match=f"architecture {arch} is not supported: .*{reason}"):
         parse_hf_config(raw, source="/ckpt/config.json")
 
 

@@ -14,7 +14,17 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+# DeepSeek-V3 at toy size: multi-latent attention with q compression (q_lora_rank=None: Moonlight's variant) and
+# YaRN, a dense first layer, 8 sigmoid-routed experts in 2 groups (top-1 group), one shared expert.
+TINY_DEEPSEEK_V3 = dict(
+    hidden_size=64, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, head_dim=8,
+    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+    routed_scaling_factor=2.5, norm_topk_prob=True,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+)
 # Expert counts etc. of the MoE families at toy size (any of them may be overridden).
 TINY_MOE = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
@@ -22,6 +32,7 @@ TINY_MOE = {
     # a gated shared expert, and a dense layer first (decoder_sparse_step=2: layer 1 is the MoE one)
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
                       shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[]),
+    "deepseek_v3": TINY_DEEPSEEK_V3,
 }
 
 CHAT_TEMPLATE = (
@@ -70,11 +81,12 @@ def tiny_hf_config(
     **overrides: Any,
 ):
     """A transformers config of ``family`` (one of FAMILIES) at toy size."""
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig}
+               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
+               "deepseek_v3": DeepseekV3Config}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     kwargs: dict[str, Any] = dict(
@@ -114,13 +126,18 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def perturb_norms_and_biases(model: torch.nn.Module) -> None:
-    """Norm weights 1 + noise, biases noise (in place): a layout bug in any of them changes the outputs."""
+    """Norm weights 1 + noise, biases noise (in place): a layout bug in any of them changes the outputs.
+    DeepSeek-V3's router bias (e_score_correction_bias, a buffer, zero at init) too, so that it moves the
+    expert choice."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
 
 
 def make_tiny_hf_checkpoint(
