@@ -11,6 +11,7 @@ from typing import Any
 from megatron_rl.config.access import plain
 from megatron_rl.models.mla import MLASpec, parse_mla_config
 from megatron_rl.models.moe import MoESpec, parse_moe_config
+from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
 # (Qwen2-MoE: Qwen2's attention, Qwen3-MoE: Qwen3's, Mixtral: Mistral's) replace the MLP of their MoE layers
@@ -26,13 +27,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-# Architectures refused by name with the reason.
-_REFUSED_ARCHITECTURES = {
-    "DeepseekV2ForCausalLM": "its softmax routing with greedy / group-limited top-k is not built here "
-    "(DeepseekV3ForCausalLM's multi-latent attention and sigmoid routing are)",
-    "DeepseekV32ForCausalLM": "it needs DeepSeek sparse attention (DSA, a lightning indexer over MLA), "
-    "which is not built here (DeepseekV3ForCausalLM is)",
 }
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
@@ -118,7 +112,7 @@ def _reject(cond: bool, where: str, message: str) -> None:
         raise UnsupportedModelError(f"{where}: {message}")
 
 
-def _causal_lm_architecture(hf_config: dict[str, Any], source: str) -> str:
+def causal_lm_architecture(hf_config: dict[str, Any], source: str) -> str:
     """The supported causal-LM architecture the config declares. A saved critic is
     <Family>ForTokenClassification, a reward model <Family>ForSequenceClassification: same backbone, read as
     its causal-LM family."""
@@ -128,10 +122,10 @@ def _causal_lm_architecture(hf_config: dict[str, Any], source: str) -> str:
     ]
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    refused = next((a for a in architectures if a in _REFUSED_ARCHITECTURES), None)
+    refused = next((a for a in architectures if a in UNBUILT_ARCHITECTURES), None)
     if arch is None and refused is not None:
         raise UnsupportedModelError(
-            f"{source}: architecture {refused} is not supported: {_REFUSED_ARCHITECTURES[refused]}; "
+            f"{source}: architecture {refused} is not supported: {UNBUILT_ARCHITECTURES[refused]}; "
             f"supported: {supported}"
         )
     if arch is None:
@@ -193,7 +187,7 @@ def _is_reward_model(hf_config: dict[str, Any], source: str) -> bool:
 
 def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
     """Validate a config.json dict and normalise it; every refusal says which field and value."""
-    arch = _causal_lm_architecture(hf_config, source)
+    arch = causal_lm_architecture(hf_config, source)
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _check_block(hf_config, model_type, source)
     qwen2_moe_bias = model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))

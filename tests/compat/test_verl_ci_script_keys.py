@@ -42,6 +42,8 @@ def _overrides(*args: str) -> list[str]:
     (("actor_rollout_ref.model.use_remove_padding=False", f"{A}.megatron.context_parallel_size=2"),
      [f"{A}.megatron.packed_sequences=true", "actor_rollout_ref.ref.megatron.packed_sequences=true",
       f"{A}.megatron.context_parallel_size=2"]),
+    (("actor_rollout_ref.model.trust_remote_code=True",), ["data.trust_remote_code=true"]),
+    (("actor_rollout_ref.model.trust_remote_code=False",), []),
     (("actor_rollout_ref.model.use_remove_padding=False",),
      [f"{A}.megatron.packed_sequences=false", "actor_rollout_ref.ref.megatron.packed_sequences=false"]),
 ])

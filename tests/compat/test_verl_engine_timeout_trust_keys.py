@@ -61,9 +61,14 @@ def test_data_trust_remote_code_is_honoured_and_false_by_default():
     assert cfg.data.trust_remote_code is True
 
 
-def test_model_trust_remote_code_stays_refused():
+def test_model_trust_remote_code_means_the_tokenizers_through_the_verl_entry():
+    """verl's model.trust_remote_code lets the tokenizer run its shipped code (verl/workers/config/model.py builds the
+    tokenizer with it; Moonlight's script sets it): through the entry it becomes data.trust_remote_code; the model is
+    built from config.json whatever it says. In megatron-rl's own config the model key stays refused."""
     from megatron_rl.config.checks import check_verl_values
 
     cfg = load_config(overrides=translate(["actor_rollout_ref.model.trust_remote_code=True"]))
+    assert cfg.data.trust_remote_code and not cfg.actor_rollout_ref.model.trust_remote_code
+    check_verl_values(cfg)
     with pytest.raises(ValueError, match="actor_rollout_ref.model.trust_remote_code=true"):
-        check_verl_values(cfg)
+        check_verl_values(load_config(overrides=["actor_rollout_ref.model.trust_remote_code=true"]))

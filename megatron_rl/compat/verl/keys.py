@@ -81,6 +81,10 @@ def _dist_checkpointing_path(key: str, value: str, seen: Mapping[str, str]) -> l
     return []
 
 
+def _trust_remote_code(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    return ["data.trust_remote_code=true"] if truthy(value) else []
+
+
 def _lr_warmup_steps(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     if not is_null(value) and int(bare(value)) >= 0:
         return [f"{key}={bare(value)}"]
@@ -353,6 +357,11 @@ RULES: tuple[Rule, ...] = (
     Rule("*.megatron.grad_offload", Fate.mapped,
          "gradient buffers leave the GPU with <role>.megatron.param_offload here; True needs param_offload=True",
          _grad_offload),
+    *(Rule(f"{role}.model.trust_remote_code", Fate.mapped,
+           "verl runs the tokenizer's shipped code with it (workers/config/model.py hf_tokenizer) -> "
+           "data.trust_remote_code (logged as a warning); the model is built from config.json by megatron-rl's "
+           "builders either way, so no model code runs", _trust_remote_code)
+      for role in ("actor_rollout_ref", "critic")),
     Rule("*.model.lora.rank", Fate.same, ""),
     Rule("*.model.lora.*", Fate.mapped,
          "verl's LoRA block, as given while LoRA is on (fully_sharded_loras, vLLM's LoRA sharding, does nothing with "

@@ -17,13 +17,16 @@ starts.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from megatron_rl import train
 from megatron_rl.compat.verl.defaults import chosen_preset, preset_note, verl_defaults
-from megatron_rl.compat.verl.keys import Translation, command_line_settings, ours_has, translate_key
+from megatron_rl.compat.verl.keys import Translation, bare, command_line_settings, ours_has, translate_key
 from megatron_rl.config import ConfigError
+from megatron_rl.models.hf_config import UnsupportedModelError, causal_lm_architecture
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
 
 BASE_CONFIG_NAME = "ppo_megatron_trainer"  # verl's config that megatron-rl's base config stands for
@@ -51,11 +54,26 @@ def _config_flags(argv: list[str]) -> list[str]:
     return rest
 
 
+def _check_model_family(seen: dict[str, str]) -> None:
+    """The model first: a family megatron-rl does not build (models/unbuilt.py) is refused by its architecture,
+    with what is missing, before its script's keys are read (they would otherwise be refused one by one)."""
+    key = "actor_rollout_ref.model.path"
+    config = Path(bare(seen.get(key, ""))).expanduser() / "config.json"
+    if not seen.get(key) or not config.is_file():
+        return  # preflight reads the model when it is there
+    try:
+        causal_lm_architecture(json.loads(config.read_text()), f"{key}={config.parent}")
+    except (UnsupportedModelError, ValueError) as err:  # (ValueError: config.json that is not JSON: preflight's)
+        if isinstance(err, UnsupportedModelError):
+            raise ConfigError(str(err)) from None
+
+
 def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Translation:
     """verl's main_ppo arguments -> megatron_rl.train arguments and the log lines saying what changed
     (ConfigError naming a refused key). ``with_verl_defaults=False``: the arguments' own rewrites only."""
     args = _config_flags(list(argv))
     seen = command_line_settings(args)
+    _check_model_family(seen)
     out, notes = verl_defaults(seen) if with_verl_defaults else ([], [])
     notes = [f"verl default {n}" for n in notes]
     if with_verl_defaults and (preset := chosen_preset(args)) is not None:  # the preset's values win over verl's

@@ -1,0 +1,44 @@
+"""Model families verl's current examples train that megatron-rl does not build, refused by architecture name before
+anything starts, each with what is missing (docs/models.md, "Families not built"). The reasons name the piece
+Megatron-Core 0.16.1 lacks, or the kernels its version of the piece needs that do not run on this stack (no
+GPU-only package is installed here: flash-linear-attention, mamba_ssm, causal_conv1d, fast_hadamard_transform).
+
+No import beyond the standard library: the checks before launch read it."""
+
+from __future__ import annotations
+
+_GATED_DELTANET = ("hybrid layers: Gated DeltaNet linear attention beside gated full attention. Megatron-Core 0.16.1 "
+                   "builds Gated DeltaNet (megatron/core/ssm/gated_delta_net.py) only on flash-linear-attention's "
+                   "Triton kernels (the fla package), which need a GPU; the full-attention layers' output gate "
+                   "(attention_output_gate) is not built here either")
+_VISION = "a vision-language model: its vision encoder and image inputs are not built here"
+
+UNBUILT_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "its softmax routing with greedy / group-limited top-k is not built here "
+                             "(DeepseekV3ForCausalLM's multi-latent attention and sigmoid routing are)",
+    "DeepseekV32ForCausalLM": "it needs DeepSeek sparse attention (DSA, a lightning indexer over MLA), which is not "
+                              "built here (DeepseekV3ForCausalLM is); Megatron-Core 0.16.1's experimental DSA "
+                              "(transformer/experimental_attention_variant/dsa.py) needs fast_hadamard_transform's "
+                              "CUDA kernel",
+    "DeepseekV4ForCausalLM": "compressed sparse and heavily compressed attention (layer_types) and sqrtsoftplus "
+                             "routing, which Megatron-Core 0.16.1 does not have",
+    "GlmMoeDsaForCausalLM": "GLM-5's DeepSeek sparse attention (DSA: an indexer choosing index_topk tokens per query), "
+                            "which is not built here (see DeepseekV32ForCausalLM)",
+    "Glm4MoeForCausalLM": "GLM-4.5's partial rotary embedding (partial_rotary_factor) with sigmoid routing is not "
+                          "built yet",
+    "HYV3ForCausalLM": "Hy3's family (GQA with q/k norms, sigmoid-routed experts with a correction bias, shared "
+                       "experts, a per-layer dense/MoE pattern) is not mapped yet: its pieces exist here (Qwen3's "
+                       "attention, DeepSeek-V3's routing), its weight names and config are not read",
+    "MiMoForCausalLM": "MiMo's multi-token-prediction layers (num_nextn_predict_layers) are not built: neither "
+                       "trained nor kept in sync for the engines' speculative decoding",
+    "NemotronHForCausalLM": "hybrid Mamba-2 / attention / MLP layers: Megatron-Core builds Mamba layers "
+                            "(megatron/core/ssm/mamba_mixer.py) on mamba_ssm's and causal_conv1d's CUDA kernels, "
+                            "and megatron-rl's model build and weight layout cover transformer layers only",
+    "Qwen3NextForCausalLM": _GATED_DELTANET,
+    "Qwen3_5ForCausalLM": _GATED_DELTANET,
+    "Qwen3_5MoeForCausalLM": _GATED_DELTANET,
+    "Qwen3_5ForConditionalGeneration": f"{_VISION}; its text layers are {_GATED_DELTANET}",
+    "Qwen3_5MoeForConditionalGeneration": f"{_VISION}; its text layers are {_GATED_DELTANET}",
+    "Kimi_K25ForConditionalGeneration": f"{_VISION} (Kimi-K2.5 / K2.6: a vision encoder before DeepSeek-V3 text "
+                                        "layers; the text-only Kimi-K2 is DeepseekV3ForCausalLM, which is built)",
+}

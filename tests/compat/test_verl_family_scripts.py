@@ -1,0 +1,105 @@
+"""verl's example scripts for the model families of issue 52 (verl-project/verl at 1dda039b9, recorded with a stub
+python3 as tests/compat/test_verl_current_scripts.py records its scripts; VERL_USE_UV=0, HOME=/HOME, and for the
+scripts that require them MODEL_PATH / HDFS_ROOT / DATA_ROOT / RAY_DATA_HOME set to /HOME paths): through the verl
+entry with each model's config.json facts, a family megatron-rl does not build is refused first, by its
+architecture, with what is missing (models/unbuilt.py; before, the scripts stopped at the first of their keys
+instead), and the DeepSeek-V3 ones reach the layout and key checks:
+
+- grpo_trainer/run_deepseek_v3_671b_megatron.sh: its rollout engines of TP 32 span four nodes, which colocated
+  engines here cannot;
+- grpo_trainer/run_moonlight_16b_a3b_megatron.sh: it starts from a converted Megatron checkpoint
+  (use_dist_checkpointing=True); megatron-rl loads the HF checkpoint, and without that key the script plans.
+- refused by architecture: mtp_trainer/run_mimo_7b_mtp_megatron.sh (MiMo's MTP layers), grpo_trainer/
+  run_qwen3_5_35b_megatron.sh (Gated DeltaNet, a VL model), run_hy_v3_megatron.sh (Hy3 not mapped),
+  run_kimi_k2_6_glm5_1_megatron_lite.sh (both variants: Kimi-K2.6 is a VL model, GLM-5.1 needs DSA),
+  run_nemotron_nano_v3_30b_a3b_megatron.sh (Mamba layers), run_deepseek_v4_flash_megatron.sh (compressed sparse
+  attention)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.compat.verl.trainer.main_ppo import translate
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.plan import build_plan
+from megatron_rl.plan.validate import validate
+
+SCRIPTS = Path(__file__).with_name("verl_scripts") / "families"
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+               "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+               "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+               "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+               "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+               "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "tie_word_embeddings": False, "vocab_size": 129280, "attention_bias": False}
+MOONLIGHT_16B = {**DEEPSEEK_V3, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+                 "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+                 "n_routed_experts": 64, "routed_scaling_factor": 2.446, "q_lora_rank": None, "n_group": 1,
+                 "topk_group": 1, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "max_position_embeddings": 8192,
+                 "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "vocab_size": 163840,
+                 "num_nextn_predict_layers": 0}
+
+
+def _declared(architecture: str) -> dict:
+    """A family refused by name: only its declared architecture is read before the refusal."""
+    return {"architectures": [architecture], "hidden_size": 4096, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "vocab_size": 151936}
+
+
+# script -> (its model's config.json facts, the refusal it meets)
+EXPECTED = {
+    "deepseek_v3_671b": (DEEPSEEK_V3, r"rollout.tensor_model_parallel_size=32 does not divide trainer.n_gpus_per_node="
+                                      r"8: a colocated engine cannot span two nodes"),
+    "moonlight_16b_a3b": (MOONLIGHT_16B, r"megatron.use_dist_checkpointing=True: megatron-rl loads HF checkpoints"),
+    "mimo_7b_mtp": (_declared("MiMoForCausalLM"), r"architecture MiMoForCausalLM is not supported: MiMo's "
+                                                  r"multi-token-prediction layers"),
+    "qwen3_5_35b": (_declared("Qwen3_5MoeForConditionalGeneration"),
+                    r"Qwen3_5MoeForConditionalGeneration is not supported: a vision-language model.*Gated DeltaNet.*"
+                    r"flash-linear-attention's Triton kernels"),
+    "hy_v3": (_declared("HYV3ForCausalLM"), r"HYV3ForCausalLM is not supported: Hy3's family .* is not mapped yet"),
+    "kimi_k2_6_lite": (_declared("Kimi_K25ForConditionalGeneration"),
+                       r"Kimi_K25ForConditionalGeneration is not supported: a vision-language model"),
+    "glm5_1_lite": (_declared("GlmMoeDsaForCausalLM"), r"GlmMoeDsaForCausalLM is not supported: GLM-5's DeepSeek "
+                                                       r"sparse attention"),
+    "nemotron_nano_v3_30b_a3b": (_declared("NemotronHForCausalLM"),
+                                 r"NemotronHForCausalLM is not supported: hybrid Mamba-2 .* mamba_ssm"),
+    "deepseek_v4_flash": (_declared("DeepseekV4ForCausalLM"),
+                          r"DeepseekV4ForCausalLM is not supported: compressed sparse and heavily compressed attention"),
+}
+
+
+def script_args(name: str, tmp_path: Path, facts: dict) -> list[str]:
+    args = (SCRIPTS / f"{name}.args").read_text().splitlines()
+    model = next(a.split("=", 1)[1] for a in args if a.startswith("actor_rollout_ref.model.path="))
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(facts))
+    return [a.replace(model, str(tmp_path / "model")).replace("/HOME/data", str(tmp_path / "data")) for a in args]
+
+
+def test_the_recorded_scripts_are_here():
+    assert sorted(p.stem for p in SCRIPTS.glob("*.args")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_script_meets_its_named_refusal_first(name, tmp_path):
+    facts, message = EXPECTED[name]
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(overrides=translate(script_args(name, tmp_path, facts))))
+
+
+def test_moonlight_from_its_hf_checkpoint_plans(tmp_path):
+    """Without verl's converted-checkpoint switch (megatron-rl starts from model.path's HF weights) the Moonlight
+    script composes, validates and plans: DeepSeek-V3's architecture with multi-latent attention and no q
+    compression, 64 experts over EP 8."""
+    args = [a for a in script_args("moonlight_16b_a3b", tmp_path, MOONLIGHT_16B)
+            if "use_dist_checkpointing" not in a and "dist_checkpointing_path" not in a]
+    cfg = load_config(overrides=translate(args))
+    validate(cfg)
+    text = build_plan(cfg).format()
+    assert "DeepseekV3ForCausalLM" in text, text
