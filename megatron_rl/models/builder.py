@@ -33,7 +33,11 @@ from megatron_rl.config.lora import lora_on_experts
 from megatron_rl.models.lora import LoRASpec, attach_lora
 from megatron_rl.models.mla import MLA_DERIVED_FIELDS, mla_transformer_kwargs
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
-from megatron_rl.models.moe_compat import bind_missing_te_names, disable_mla_te_check_without_te
+from megatron_rl.models.moe_compat import (
+    bind_missing_te_names,
+    count_expert_bias_tokens_without_pads,
+    disable_mla_te_check_without_te,
+)
 from megatron_rl.models.moe_experts import (
     ExpertLayer,
     check_grouped_gemm_override,
@@ -280,6 +284,8 @@ def gpt_layer_spec(
     experts = hf.moe.num_experts if hf.moe is not None and not dense else None
     if experts is not None:
         bind_missing_te_names()
+        if hf.moe.expert_bias:
+            count_expert_bias_tokens_without_pads()
     if grouped_experts and not use_te:
         # the local spec's grouped layer is Megatron's legacy GroupedMLP (another layout, another package)
         raise ValueError("grouped experts (moe_grouped_gemm=true) need Transformer Engine's layer spec "

@@ -1,5 +1,5 @@
-"""Megatron-Core 0.16.1's MoE and MLA code without Transformer Engine: one name it leaves undefined, one flag
-it sets wrongly.
+"""Megatron-Core 0.16.1's MoE and MLA code: without Transformer Engine one name it leaves undefined and one flag it
+sets wrongly; and one shape error of the expert bias's token count under a padding mask.
 
 ``moe_utils.RouterGatingLinearFunction`` (the router's matmul) tests ``te_general_gemm is not None``, but
 ``te_general_gemm`` is only bound when Transformer Engine imports; without TE the test raises NameError
@@ -30,3 +30,26 @@ def disable_mla_te_check_without_te() -> None:
 
     if not transformer_engine.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+def count_expert_bias_tokens_without_pads() -> None:
+    """Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` (router.py) counts each expert's tokens for the
+    expert-bias update as ``routing_map & ~padding_mask``: [tokens, experts] against the flattened [tokens] pad mask,
+    a shape error whenever a router with an expert bias (DeepSeek-V3's) trains on a micro-batch with pads (the
+    engine passes its pad mask: models/moe_training.py moe_padding). Rebound to the same count with the mask
+    broadcast over the experts. Idempotent."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "counts_without_pads", False):
+        return
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():  # not in evaluation or recomputation (Megatron's)
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias.counts_without_pads = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias

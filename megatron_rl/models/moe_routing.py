@@ -28,18 +28,12 @@ import torch
 
 from megatron_rl.models.moe_training import _routers
 
-__all__ = ["RoutingRecorder", "recording_routing", "routing_agreement", "top_k_choices"]
+__all__ = ["RoutingRecorder", "recording_routing", "routing_agreement"]
 
 log = logging.getLogger(__name__)
 
 # layer (0-based, global) -> batch row -> [tokens of the row, experts] bool (True: the token's top-k experts)
 Routing = dict[int, dict[int, torch.Tensor]]
-
-
-def top_k_choices(router_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """[tokens, experts] logits -> [tokens, experts] bool, True at each token's k largest (softmax keeps the order)."""
-    top = router_logits.float().topk(k, dim=-1).indices
-    return torch.zeros(router_logits.shape, dtype=torch.bool, device=top.device).scatter_(1, top, True).cpu()
 
 
 class RoutingRecorder:

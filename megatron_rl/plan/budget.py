@@ -10,7 +10,7 @@ from megatron_rl.config.lora import lora_enabled, lora_targets
 from megatron_rl.config.optimizer_overrides import HostAdam, host_adam
 from megatron_rl.config.schema import ActorConfig, CriticConfig, LoRAConfig, MegatronParallelConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
-from megatron_rl.plan import memory
+from megatron_rl.plan import lora_memory, memory
 from megatron_rl.plan.layout import (
     REF,
     ROLE_PREFIX,
@@ -165,11 +165,11 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     table.add(f"{role} activations", act, (update_phase,), accuracy=ACTIVATIONS)
     if lora_enabled(lora):
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
-        per_token_layer = max(memory.lora_activation_bytes_per_token_layer(
+        per_token_layer = max(lora_memory.lora_activation_bytes_per_token_layer(
             model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
             memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel), layer=i)
             for i in memory.stage_layers(model, layout, stage))
-        table.add(f"{role} LoRA activations", memory.lora_activation_bytes(
+        table.add(f"{role} LoRA activations", lora_memory.lora_activation_bytes(
             model, layout, tokens, role_sizes.grad_accumulation_steps, stage, per_token_layer, recompute_of(tcfg)),
             (update_phase,), accuracy=ACTIVATIONS)
     if layout.cp > 1:
@@ -182,10 +182,11 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
         table.notes.append(_cp_note(role, layout, sequence_length(cfg), tokens, cp_kernel, comm))
         return
     # the attention kernel that runs (models/attention.py), if it keeps more than flash does (issue 32)
+    kv_heads, head_dim = memory.core_attention_heads(model)  # MLA: k and v per query head, q/k of nope + rope
     kernel = memory.attention_kernel(
         packed=bool(mcfg.packed_sequences), shared_prompts=bool(mcfg.share_prompts), dtype=dtype,
         dropout=float(tcfg.attention_dropout), q_heads=model.num_attention_heads,
-        kv_heads=model.num_key_value_heads, head_dim=model.head_dim, tp=layout.tp, window=bool(model.sliding_window))
+        kv_heads=kv_heads, head_dim=head_dim, tp=layout.tp, window=bool(model.sliding_window))
     kernel_bytes = memory.attention_kernel_bytes(kernel, model, layout, tokens, sequence_length(cfg),
                                                  role_sizes.grad_accumulation_steps, stage, recompute_of(tcfg))
     if kernel_bytes:

@@ -10,7 +10,7 @@ from megatron_rl.config.access import is_unset
 from megatron_rl.config.lora import lora_enabled, lora_targets
 from megatron_rl.config.schema import LoRAConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
-from megatron_rl.plan import memory
+from megatron_rl.plan import lora_memory, memory
 from megatron_rl.plan.memory import Layout, Stage
 from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.plan.report import Plan, in_gib, short_count
@@ -25,7 +25,7 @@ def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Sta
                                 lm_head: bool) -> float:
     """Trainable parameters on one GPU of the stage: the adapters, and the critic's value head (hidden -> 1,
     trained in full, on the last stage)."""
-    adapters = memory.lora_stage_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    adapters = lora_memory.lora_stage_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
     value_head = model.hidden_size if not lm_head and (stage == "last" or layout.pp == 1) else 0
     return adapters + value_head
 
@@ -33,7 +33,7 @@ def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Sta
 def lora_expert_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: LoRAConfig) -> float:
     """Of ``lora_trainable_stage_params``, the routed experts' adapters: expert-parallel parameters, whose Adam
     state the distributed optimizer shards over the expert-DP group (0 for a dense model)."""
-    return memory.lora_stage_expert_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    return lora_memory.lora_stage_expert_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
 
 
 # the whole model on one GPU: no TP, PP or EP split
@@ -42,7 +42,7 @@ _WHOLE_MODEL = Layout(tp=1, pp=1, cp=1, dp=1)
 
 def lora_trainable_params(model: HFModelConfig, lora: LoRAConfig) -> int:
     """Adapter parameters of the whole model (no TP split; an MoE model's on every routed expert too)."""
-    return int(memory.lora_stage_params(model, _WHOLE_MODEL, "first", lora.rank, lambda i: lora_targets(lora, i)))
+    return int(lora_memory.lora_stage_params(model, _WHOLE_MODEL, "first", lora.rank, lambda i: lora_targets(lora, i)))
 
 
 def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
@@ -50,7 +50,7 @@ def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
     of an MoE layer): " (and every routed expert's fc1/fc2: E experts x L layers)"; else ""."""
     if model.moe is None:
         return ""
-    per_layer = [[t for t in lora_targets(lora, i) if t in memory.MLP_LINEARS]
+    per_layer = [[t for t in lora_targets(lora, i) if t in lora_memory.MLP_LINEARS]
                  for i in range(model.num_layers) if model.moe.is_moe_layer(i)]
     layers = sum(bool(linears) for linears in per_layer)
     if not layers:

@@ -7,7 +7,8 @@ docs/launching.md derives each formula.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Optional
+from math import prod
+from typing import Literal, Optional
 
 import torch
 
@@ -20,6 +21,7 @@ from megatron_rl.models.attention import (
 )
 from megatron_rl.models.sizes import padded_vocab_size, stage_layer_counts
 from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.mla import mla_attention_tensors
 
 BF16 = 2
 FP32 = 4
@@ -73,23 +75,51 @@ class StateBytesPerParam:
     optimizer_at_start: float = 0.0
 
 
+def _mla_shapes(model: HFModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of one layer's MLA tensors (the same in every layer), from models/mla.py's list."""
+    return [shape for _, _, shape, _ in mla_attention_tensors(model.mla, 0, model.hidden_size,
+                                                               model.num_attention_heads)]
+
+
 def attention_params(model: HFModelConfig) -> int:
-    """q, k, v, o projections of one layer (the weight matrices; norms and biases: ``small_params``)."""
+    """The weight matrices of one layer's attention (norms and biases: ``small_params``): GQA's q, k, v, o
+    projections; MLA's q_a / q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj (models/mla.py
+    mla_attention_tensors). Every one is split over TP (column-parallel, o_proj row-parallel: /TP exactly,
+    check_mla_parallel_fit), so ``stage_params``' attention // TP holds for both."""
+    if model.mla is not None:
+        return sum(prod(shape) for shape in _mla_shapes(model) if len(shape) == 2)
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
     return h * (q + 2 * kv) + q * h
 
 
+def attention_small_params(model: HFModelConfig) -> int:
+    """The vectors of one layer's attention: MLA's latent RMSNorms (q_a_layernorm, kv_a_layernorm, replicated
+    over TP); GQA's q/k/v biases and Qwen3's q/k norms."""
+    if model.mla is not None:
+        return sum(prod(shape) for shape in _mla_shapes(model) if len(shape) == 1)
+    biases = model.q_size + 2 * model.kv_size if model.qkv_bias else 0
+    return biases + (2 * model.head_dim if model.qk_norm else 0)
+
+
+def router_bias_params(model: HFModelConfig) -> int:
+    """DeepSeek-V3's router bias (e_score_correction_bias), E per MoE layer: a buffer in transformers and in
+    Megatron (Router.expert_bias: no gradient, no Adam state), but a tensor of the checkpoint."""
+    if model.moe is None or not model.moe.expert_bias:
+        return 0
+    return model.moe.moe_layers(model.num_layers) * model.moe.num_experts
+
+
 def small_params(model: HFModelConfig) -> int:
-    """What the memory rows leave out (< 0.01 % of a real model): every RMSNorm weight and the q/k/v biases.
-    ``total_params + small_params`` is the HF model's numel."""
+    """What the memory rows leave out (< 0.01 % of a real model): every RMSNorm weight, the q/k/v biases and
+    the router bias. ``total_params + small_params`` is the HF model's numel."""
     h = model.hidden_size
-    per_layer = 2 * h + (model.q_size + 2 * model.kv_size if model.qkv_bias else 0)
-    per_layer += 2 * model.head_dim if model.qk_norm else 0
-    return model.num_layers * per_layer + h
+    per_layer = 2 * h + attention_small_params(model)
+    return model.num_layers * per_layer + h + router_bias_params(model)
 
 
 def numel(model: HFModelConfig) -> int:
-    """Every parameter of the HF causal LM, as ``sum(p.numel() for p in model.parameters())`` counts them."""
+    """Every tensor element of the HF checkpoint: ``sum(p.numel() for p in model.parameters())`` of the causal
+    LM, plus DeepSeek-V3's router bias (a buffer there: ``router_bias_params``)."""
     return total_params(model) + small_params(model)
 
 
@@ -117,14 +147,14 @@ def moe_dense_params(model: HFModelConfig) -> int:
     return moe.num_experts * h + shared
 
 
-def _is_moe(model: HFModelConfig, layer: int) -> bool:
+def is_moe_layer(model: HFModelConfig, layer: int) -> bool:
     return model.moe is not None and model.moe.is_moe_layer(layer)
 
 
 def layer_params(model: HFModelConfig, layer: int = 0) -> int:
     """Weight matrices of transformer layer ``layer``: attention, and its dense MLP or its router, shared
     expert (with its gate) and all routed experts."""
-    if _is_moe(model, layer):
+    if is_moe_layer(model, layer):
         return attention_params(model) + moe_dense_params(model) + mlp_params(model)
     return attention_params(model) + dense_mlp_params(model)
 
@@ -175,7 +205,7 @@ def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bo
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
     layers = 0
     for i in stage_layers(model, layout, stage):
-        if _is_moe(model, i):
+        if is_moe_layer(model, i):
             layers += (attention_params(model) + moe_dense_params(model)) // layout.tp
             layers += mlp_params(model) // layout.expert_shards
         else:
@@ -193,7 +223,7 @@ def stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage = "fi
     model)."""
     if model.moe is None:
         return 0
-    moe_layers = sum(_is_moe(model, i) for i in stage_layers(model, layout, stage))
+    moe_layers = sum(is_moe_layer(model, i) for i in stage_layers(model, layout, stage))
     return moe_layers * (mlp_params(model) // layout.expert_shards)
 
 
@@ -223,18 +253,51 @@ def activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, dtype
     """Bytes one layer saves for backward per token (bf16, flash attention, no dropout), the mean over the model's
     layers (an MoE model may have dense ones).
 
-    Replicated over TP unless sequence parallel: the inputs and outputs of the two RMSNorms, 4 x h x 2 B.
-    Split over TP: q, k, v and the attention output (2q + 2kv) x 2 B, the inputs of Qwen3's q/k norms (q + kv)
-    x 2 B, and the MLP's (``mlp_activation_bytes_per_token``). ``dtype_bytes`` = 4 for an fp32 (CPU) run: the
-    same tensors, twice the bytes. tests/plan/test_estimate_references.py holds it against Megatron-Core's
-    theoretical-memory report and Korthikanti et al.'s per-layer formula (plan/accuracy.py).
+    Replicated over TP unless sequence parallel: the inputs and outputs of the two RMSNorms, 4 x h x 2 B (and
+    MLA's latents). Split over TP: the attention's (``attention_activation_widths``) and the MLP's
+    (``mlp_activation_bytes_per_token``). ``dtype_bytes`` = 4 for an fp32 (CPU) run: the same tensors, twice
+    the bytes. tests/plan/test_estimate_references.py holds it against Megatron-Core's theoretical-memory
+    report and Korthikanti et al.'s per-layer formula (plan/accuracy.py).
     """
-    replicated = 4 * model.hidden_size * dtype_bytes
-    qk_norm = (model.q_size + model.kv_size) if model.qk_norm else 0
-    attention = (2 * model.q_size + 2 * model.kv_size + qk_norm) * dtype_bytes
+    latents, split = attention_activation_widths(model)
+    replicated = (4 * model.hidden_size + latents) * dtype_bytes
+    attention = split * dtype_bytes
     mlp = sum(mlp_activation_bytes_per_token(model, layout, i, dtype_bytes) for i in range(model.num_layers))
     return (replicated / (layout.tp if layout.sequence_parallel else 1) + attention / layout.tp
             + mlp / model.num_layers)
+
+
+def attention_activation_widths(model: HFModelConfig) -> tuple[int, int]:
+    """(replicated, split over TP) elements one layer's attention saves for backward per token, beyond the
+    layer's two RMSNorms (flash attention: its fp32 log-sum-exp left out; the kernel's extras:
+    ``attention_kernel_bytes``).
+
+    GQA: (0, 2q + 2kv + (q + kv if qk_norm)): q, k, v, the core attention's output, and the inputs of
+    Qwen3's q/k norms, all split over TP.
+    MLA (Megatron-Core's MLASelfAttention, unfused RoPE): split over TP by head, the core attention's
+    contiguous q and k of nope + rope dims, v and the output of v_head_dim: heads x (2 (nope + rope) + 2 v).
+    Replicated (Megatron gathers the down projections' TP-split outputs whole, and scatters them along the
+    sequence again under sequence parallelism: split like the layer norms'), the q and kv latents, each its
+    RMSNorm's input and output (the up projection's input): 2 q_lora_rank + 2 kv_lora_rank + qk_rope_head_dim
+    (the kv norm's input is a view of kv_a_proj_with_mqa's output, which keeps its rope columns alive; no q
+    latent without q_lora_rank: q_proj reads the layer norm's output). Left out: RoPE's cos / sin for q and k
+    (4 x qk_rope_head_dim a token: 0.2 % of DeepSeek-V3's layer at TP 1); the rotated parts are concatenated into the new q
+    and k and the up projections' outputs only split and copied, so neither is kept.
+    tests/plan/test_mla_plan.py matches autograd's saved tensors byte for byte with the omissions named."""
+    if model.mla is None:
+        qk_norm = (model.q_size + model.kv_size) if model.qk_norm else 0
+        return 0, 2 * model.q_size + 2 * model.kv_size + qk_norm
+    mla = model.mla
+    latents = 2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+    return latents, model.num_attention_heads * (2 * mla.q_head_dim + 2 * mla.v_head_dim)
+
+
+def core_attention_heads(model: HFModelConfig) -> tuple[int, int]:
+    """(K/V heads, q/k head dim) of the core attention: GQA's KV heads of head_dim; MLA expands its k and v to
+    every query head, of nope + rope dims (v's head dim, v_head_dim, is the output's)."""
+    if model.mla is not None:
+        return model.num_attention_heads, model.mla.q_head_dim
+    return model.num_key_value_heads, model.head_dim
 
 
 def mlp_activation_bytes_per_token(model: HFModelConfig, layout: Layout, layer: int, dtype_bytes: int = BF16) -> float:
@@ -245,7 +308,7 @@ def mlp_activation_bytes_per_token(model: HFModelConfig, layout: Layout, layer: 
     latter for the gradient of its routing weight in the weighted combine) and the expert's gate, up and product
     (3 x ffn_e / ETP x 2 B); the router keeps its logits and scores over the experts in fp32; a shared expert is a
     dense SwiGLU of its size."""
-    if not _is_moe(model, layer):
+    if not is_moe_layer(model, layer):
         ffn = model.intermediate_size if model.moe is None else (model.moe.dense_ffn_hidden_size
                                                                  or model.intermediate_size)
         return 3 * ffn * dtype_bytes / layout.tp
@@ -458,9 +521,10 @@ def attention_kernel_bytes(kernel: str, model: HFModelConfig, layout: Layout, to
     tokens = tokens_per_micro_batch / layout.cp
     rows = max(tokens / sequence_length, 1.0)
     q_rank = model.num_attention_heads // layout.tp
-    kv_rank = max(1, model.num_key_value_heads // layout.tp)
+    kv_heads, head_dim = core_attention_heads(model)
+    kv_rank = max(1, kv_heads // layout.tp)
     mask = rows * sequence_length * (-(-sequence_length // 16) * 16) * dtype_bytes
-    copies = (q_rank - kv_rank) * model.head_dim * 2 * dtype_bytes * tokens
+    copies = (q_rank - kv_rank) * head_dim * 2 * dtype_bytes * tokens
     per_layer = mask
     if kernel == SDPA_EFFICIENT_EXPANDED_KV:
         per_layer += copies
@@ -485,7 +549,15 @@ def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:
 
 
 def kv_cache_bytes_per_token(model: HFModelConfig, rollout_tp: int) -> float:
-    """K and V of every layer for one token on one engine rank; KV heads replicate when TP > KV heads."""
+    """K and V of every layer for one token on one engine rank; KV heads replicate when TP > KV heads.
+
+    MLA: the engines cache the compressed latent, kv_lora_rank + qk_rope_head_dim per layer and token (one
+    "KV head", no separate V), whole on every TP rank: vLLM 0.32 vllm/model_executor/layers/attention/
+    mla_attention.py (``head_size = kv_lora_rank + qk_rope_head_dim``; get_kv_cache_spec: num_kv_heads=1) and
+    vllm/v1/kv_cache_interface.py (MLAAttentionSpec: "MLA stores a single latent vector per state; there is no
+    separate V")."""
+    if model.mla is not None:
+        return model.num_layers * (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * BF16
     kv_heads_per_rank = -(-model.num_key_value_heads // rollout_tp)
     return 2 * model.num_layers * kv_heads_per_rank * model.head_dim * BF16
 
@@ -509,146 +581,3 @@ def checkpoint_save_host_bytes(params: int, params_dtype: str, distributed_optim
     if distributed_optimizer and sharding_type != "fully_reshardable":
         return full / optimizer_shards
     return full
-
-
-# ---------------------------------------------------------------------------- LoRA (issue 36)
-# An MoE layer's targeted linear_fc1 / linear_fc2 puts an adapter on every routed expert's fc1 / fc2 (and on the
-# shared expert's, if any); its attention is adapted as a dense layer's.
-MLP_LINEARS = ("linear_fc1", "linear_fc2")
-COLUMN_PARALLEL_LINEARS = ("linear_qkv", "linear_fc1")
-TargetsOfLayer = Callable[[int], Iterable[str]]
-
-
-def lora_linear_params(model: HFModelConfig, linear: str, rank: int, tp: int = 1,
-                       ffn: Optional[int] = None) -> tuple[float, float]:
-    """(A, B) parameters of the adapters on one Megatron linear of one layer, on one TP rank.
-
-    linear_qkv: three adapters (q, k, v), each A [r, h] and B [part, r]; linear_fc1: two (gate, up), A [r, h],
-    B [ffn, r]; linear_proj: A [r, q], B [h, r]; linear_fc2: A [r, ffn], B [h, r]. Sharded as the base
-    linear: column-parallel (qkv, fc1) A replicated, B split over TP; row-parallel (proj, fc2) A split over TP,
-    B replicated. ``ffn``: the MLP's width (default intermediate_size; an expert's, or the shared expert's),
-    ``tp`` then the ranks it is split over (ETP for a routed expert)."""
-    h, q, kv = model.hidden_size, model.q_size, model.kv_size
-    ffn = model.intermediate_size if ffn is None else ffn
-    if linear == "linear_qkv":
-        return 3 * rank * h, (q + 2 * kv) * rank / tp
-    if linear == "linear_fc1":
-        return 2 * rank * h, 2 * ffn * rank / tp
-    if linear == "linear_proj":
-        return rank * q / tp, h * rank
-    if linear == "linear_fc2":
-        return rank * ffn / tp, h * rank
-    raise ValueError(f"no LoRA adapter is built for {linear!r}")
-
-
-def _is_expert_linear(model: HFModelConfig, layer: int, linear: str) -> bool:
-    """Whether ``linear`` of ``layer`` is the MLP of an MoE layer: its adapters sit on the experts."""
-    return linear in MLP_LINEARS and _is_moe(model, layer)
-
-
-def lora_layer_params(model: HFModelConfig, layout: Layout, layer: int, linear: str, rank: int) -> tuple[float, float]:
-    """(non-expert, routed-expert) adapter parameters of ``linear`` of global layer ``layer`` on one GPU.
-
-    A dense layer's linears and every layer's attention: split over TP (lora_linear_params). An MoE layer's fc1 /
-    fc2: the GPU's E / EP routed experts, each adapter of width moe_intermediate_size split over ETP, and the
-    shared expert's (if any) split over TP like a dense MLP. The routed part is kept apart: its Adam state is
-    sharded over the expert-DP group, not DP x CP."""
-    if not _is_expert_linear(model, layer, linear):
-        return sum(lora_linear_params(model, linear, rank, layout.tp)), 0.0
-    moe = model.moe
-    per_expert = sum(lora_linear_params(model, linear, rank, layout.expert_tp, moe.ffn_hidden_size))
-    shared = sum(lora_linear_params(model, linear, rank, layout.tp, moe.shared_expert_size)) \
-        if moe.shared_expert_size else 0.0
-    return shared, moe.num_experts // layout.ep * per_expert
-
-
-def _lora_stage_parts(model: HFModelConfig, layout: Layout, stage: Stage, rank: int,
-                      targets_of_layer: TargetsOfLayer) -> list[tuple[float, float]]:
-    """lora_layer_params of every targeted linear of the stage's layers."""
-    return [lora_layer_params(model, layout, i, linear, rank)
-            for i in stage_layers(model, layout, stage) for linear in targets_of_layer(i)]
-
-
-def lora_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, rank: int,
-                      targets_of_layer: TargetsOfLayer) -> float:
-    """Adapter parameters on one GPU of the first or last pipeline stage (routed experts' included);
-    ``targets_of_layer(i)`` names the linears of global layer i that get adapters (config/lora.py lora_targets).
-    With a one-GPU layout (TP = PP = EP = 1) the whole model's."""
-    return sum(dense + experts for dense, experts in _lora_stage_parts(model, layout, stage, rank, targets_of_layer))
-
-
-def lora_stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage, rank: int,
-                             targets_of_layer: TargetsOfLayer) -> float:
-    """Of ``lora_stage_params``, the routed experts' adapters (0 for a dense model)."""
-    return sum(experts for _, experts in _lora_stage_parts(model, layout, stage, rank, targets_of_layer))
-
-
-def lora_adapter_count(linear: str) -> int:
-    """Adapters on one linear: q, k, v on linear_qkv; gate, up on linear_fc1; one on the others."""
-    return {"linear_qkv": 3, "linear_fc1": 2}.get(linear, 1)
-
-
-def lora_input_size(model: HFModelConfig, linear: str, tp: int = 1, ffn: Optional[int] = None) -> float:
-    """The input width an adapter's A reads on one TP rank: the whole h for column-parallel linears (the
-    sequence-parallel input is gathered), the rank's split of q or ffn (default intermediate_size) for
-    row-parallel ones."""
-    ffn = model.intermediate_size if ffn is None else ffn
-    return {"linear_qkv": model.hidden_size, "linear_fc1": model.hidden_size,
-            "linear_proj": model.q_size / tp, "linear_fc2": ffn / tp}[linear]
-
-
-def _lora_linear_saved_bytes(model: HFModelConfig, linear: str, rank: int, dropout: float, tp: int, ax_split: int,
-                             dtype_bytes: int, ffn: Optional[int] = None) -> float:
-    """Per token (or routed pair), what one adapted linear saves: each adapter's A x ([r], / ``ax_split``), and
-    with dropout > 0 its dropped-out input (width on the rank, ``dtype_bytes``) and the mask (1 B)."""
-    saved = lora_adapter_count(linear) * rank * dtype_bytes / ax_split
-    if dropout > 0:
-        saved += lora_input_size(model, linear, tp, ffn) * (dtype_bytes + 1)
-    return saved
-
-
-def lora_expert_activation_bytes_per_token(model: HFModelConfig, layout: Layout, linear: str, rank: int,
-                                           dropout: float, dtype_bytes: int = BF16) -> float:
-    """What the routed experts' adapters on ``linear`` (fc1 or fc2) of one MoE layer save per token of the rank:
-    per (token, expert) pair (routed_pairs_per_token, the count mlp_activation_bytes_per_token uses) A x (2 x r for
-    fc1, r for fc2; not split), with dropout the input (h, or ffn_e / ETP) and its mask."""
-    per_pair = _lora_linear_saved_bytes(model, linear, rank, dropout, layout.expert_tp, 1, dtype_bytes,
-                                        model.moe.ffn_hidden_size)
-    return routed_pairs_per_token(model, layout) * per_pair
-
-
-def lora_activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, rank: int, dropout: float,
-                                          linears: Iterable[str], dtype_bytes: int = BF16,
-                                          sequence_parallel: bool = False, layer: Optional[int] = None) -> float:
-    """What the LoRA path of one layer saves for backward per token, modelled simply: each adapter's A x
-    ([tokens, r], which B's weight gradient reads; not split over TP: a row-parallel A's output is all-reduced,
-    or reduce-scattered along the sequence under sequence parallelism), and with dropout > 0 each adapted
-    linear's dropped-out input (its width on the rank, ``dtype_bytes``) and the mask (1 B). A's own input is the
-    base linear's input, already counted by activation_bytes: under sequence parallelism a column-parallel adapter
-    without dropout saves the rank's slice and gathers it again in the backward, as the base linear does
-    (models/lora.py; tests/unit/test_lora_sp_memory.py measures it). ``layer`` (global index) given and an MoE
-    layer: its fc1 / fc2 adapters are the routed experts' (lora_expert_activation_bytes_per_token) and the shared
-    expert's (a dense MLP of its width), if any."""
-    split = sequence_parallel and layout.tp > 1
-    total = 0.0
-    for linear in linears:
-        ax_split = layout.tp if split and linear not in COLUMN_PARALLEL_LINEARS else 1
-        if layer is None or not _is_expert_linear(model, layer, linear):
-            total += _lora_linear_saved_bytes(model, linear, rank, dropout, layout.tp, ax_split, dtype_bytes)
-            continue
-        total += lora_expert_activation_bytes_per_token(model, layout, linear, rank, dropout, dtype_bytes)
-        if model.moe.shared_expert_size:
-            total += _lora_linear_saved_bytes(model, linear, rank, dropout, layout.tp, ax_split, dtype_bytes,
-                                              model.moe.shared_expert_size)
-    return total
-
-
-def lora_activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int, micro_batches: int,
-                          stage: Stage, per_token_layer: float, recompute: Recompute = Recompute()) -> float:
-    """The LoRA path's saved tensors at the peak of a step, held like activation_bytes holds a layer's: every
-    layer of the stage for each micro-batch in flight; under full recompute only the chunk being recomputed."""
-    tokens = tokens_per_micro_batch / layout.cp
-    layers = len(stage_layers(model, layout, stage))
-    if recompute.granularity == "full":
-        return min(recompute.num_layers, layers) * per_token_layer * tokens
-    return layers * per_token_layer * tokens * micro_batches_in_flight(layout, micro_batches, stage)

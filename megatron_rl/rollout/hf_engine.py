@@ -34,7 +34,6 @@ from transformers.initialization import no_init_weights
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
-from megatron_rl.models.moe_routing import top_k_choices
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -123,6 +122,7 @@ class HFEngine(RolloutEngine):
         # rollout.enable_rollout_routing_replay: report each token's top-k experts (rollout/routed_experts.py)
         self._capture = (RouterCapture(self.model) if check_can_report(
             bool(config.enable_rollout_routing_replay), "the HF engine", model_config) else None)
+        self._probe_capture: RouterCapture | None = None  # expert_choices' hooks when routing replay is off
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:
@@ -239,18 +239,28 @@ class HFEngine(RolloutEngine):
         """MoE models: per layer and row of ``data``, the top-k experts ([tokens, experts] bool) transformers'
         routers pick for the row's real tokens (``attention_mask``), for the routing agreement with the trainer
         (models/moe_routing.py); None for a dense model. One row per forward, so no padding enters the routing."""
-        k = getattr(self.model.config, "num_experts_per_tok", None)
-        if k is None:
+        if getattr(self.model.config, "num_experts_per_tok", None) is None:
             return None
         self._check_servable()
         data.require("input_ids", "attention_mask", where="expert_choices")
+        # the routers' own choices, by decoder layer (a router's top-k of its logits is not DeepSeek-V3's choice,
+        # and its logits come only for the MoE layers, which the first dense layers would shift)
+        capture = self._capture or self._choices_capture()
         out: dict[int, dict[int, torch.Tensor]] = {}
         for row, (ids, mask) in enumerate(zip(data.batch["input_ids"], data.batch["attention_mask"].bool())):
             tokens = ids[mask].unsqueeze(0).to(self.device)
-            router_logits = self.model(input_ids=tokens, output_router_logits=True).router_logits
-            for layer, logits in enumerate(router_logits):
-                out.setdefault(layer, {})[row] = top_k_choices(logits.reshape(tokens.shape[1], -1), int(k))
+            self.model(input_ids=tokens)
+            chosen = capture.take(tokens.shape)[0].long()  # [tokens, L, k]
+            for layer in capture.layers:
+                choice = torch.zeros(tokens.shape[1], capture.num_experts, dtype=torch.bool)
+                out.setdefault(layer, {})[row] = choice.scatter_(1, chosen[:, layer], True)
         return out
+
+    def _choices_capture(self) -> RouterCapture:
+        """The routers' hooks for expert_choices when routing replay did not install them (once: hooks stay)."""
+        if self._probe_capture is None:
+            self._probe_capture = RouterCapture(self.model)
+        return self._probe_capture
 
     def _check_servable(self) -> None:
         if self._asleep:

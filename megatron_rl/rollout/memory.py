@@ -121,10 +121,19 @@ def vllm_activation_bytes(start: EngineStart, dtype_bytes: int = 2) -> float:
     whole vocabulary the sampler holds twice (logits and the sorted copy of top-p/top-k)
     (vllm/v1/worker/gpu_model_runner.py, profile_run and _dummy_sampler_run)."""
     model = start.model
-    per_token = ((model.q_size + 2 * model.kv_size + 2 * model.intermediate_size) / start.tp
+    per_token = ((_qkv_width(model) + 2 * model.intermediate_size) / start.tp
                  + 2 * model.hidden_size) * dtype_bytes
     rows = min(start.max_num_seqs, start.max_num_batched_tokens)
     return start.max_num_batched_tokens * per_token + 2 * rows * model.vocab_size * FP32
+
+
+def _qkv_width(model: HFModelConfig) -> int:
+    """q, k and v of one token, all heads: GQA's q + 2 kv; MLA's per-head q and k of qk_nope + qk_rope dims
+    and v of v_head_dim (vLLM's prefill up-projects them; its KV cache keeps only the latent: plan/memory.py
+    kv_cache_bytes_per_token)."""
+    if model.mla is None:
+        return model.q_size + 2 * model.kv_size
+    return model.num_attention_heads * (2 * model.mla.q_head_dim + model.mla.v_head_dim)
 
 
 def _gib(nbytes: float) -> str:

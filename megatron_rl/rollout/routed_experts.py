@@ -82,7 +82,9 @@ class RouterCapture:
 
     def __init__(self, model: torch.nn.Module) -> None:
         # decoder layer of each router (model.layers.<i>....): dense layers between MoE layers report -1
-        found = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        # Qwen/Mixtral name theirs ...TopKRouter, DeepSeek-V3 and GLM-4.5 ...TopkRouter; each returns (logits,
+        # weights, indices) with the indices its own rule chose (DeepSeek-V3's: sigmoid + bias + groups)
+        found = [(name, m) for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
         if not found:
             raise ValueError(f"{ROLLOUT_KEY}=true: {type(model).__name__} has no top-k router to report")
         self.num_layers = int(model.config.num_hidden_layers)
@@ -96,6 +98,10 @@ class RouterCapture:
         def hook(module, inputs, output) -> None:
             self._seen[layer] = output[2].detach()
         return hook
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.routers[0].weight.shape[0])
 
     def take(self, shape: Sequence[int]) -> torch.Tensor:
         """The last forward's choices as [*shape, L, k] (``shape``: the forward's [rows, tokens])."""

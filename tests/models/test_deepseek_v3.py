@@ -260,3 +260,24 @@ def test_multi_token_prediction_layers_are_skipped_on_load(setup):
     _, results = setup
     for result in results:
         assert torch.equal(result["logits"]["q_lora_mtp"], result["logits"]["q_lora", 1, 1, 1])
+
+
+def test_expert_bias_counts_leave_pads_out():
+    """Megatron-Core 0.16.1 masked the expert bias's token counts ([tokens, experts]) with the flattened [tokens] pad
+    mask: a shape error on every training micro-batch with pads (tests/e2e/test_deepseek_v3_train.py failed with
+    "size of tensor a (4) must match the size of tensor b (168)"). The rebound count leaves the pads out."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_rl.models.moe_compat import count_expert_bias_tokens_without_pads
+
+    count_expert_bias_tokens_without_pads()
+    router = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+    routing_map = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    pads = torch.tensor([[False, False], [False, True]])  # [seq, batch]: the last token is a pad
+    TopKRouter._apply_expert_bias(router, routing_map, pads.reshape(-1))
+    assert router.local_tokens_per_expert.tolist() == [2.0, 2.0, 2.0]
+    with torch.no_grad():  # evaluation and recomputation do not count (Megatron's rule, kept)
+        TopKRouter._apply_expert_bias(router, routing_map, None)
+    assert router.local_tokens_per_expert.tolist() == [2.0, 2.0, 2.0]

@@ -10,7 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from megatron_rl.models.moe_routing import RoutingRecorder, routing_agreement, top_k_choices
+from megatron_rl.models.moe_routing import RoutingRecorder, routing_agreement
+
+
+def top_k_choices(router_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, experts] logits -> [tokens, experts] bool, True at each token's k largest."""
+    top = router_logits.float().topk(k, dim=-1).indices
+    return torch.zeros(router_logits.shape, dtype=torch.bool).scatter_(1, top, True)
 
 EXPERTS, K = 4, 2
 

@@ -12,7 +12,7 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.models.hf_config import parse_hf_config
-from megatron_rl.plan import build_plan, memory
+from megatron_rl.plan import build_plan, lora_memory, memory
 from megatron_rl.plan.lora import lora_trainable_params
 from megatron_rl.plan.memory import Layout
 
@@ -69,8 +69,8 @@ def test_stage_adapters_against_the_shapes(tp, ep, etp, shared):
     model, r = tiny(shared), 4
     layout = Layout(tp=tp, pp=1, cp=1, dp=8 // tp, ep=ep, etp=etp)
     dense, experts = hand(range(LAYERS), r, tp, ep, etp, shared)
-    assert memory.lora_stage_params(model, layout, "first", r, lambda i: ALL) == dense + experts
-    assert memory.lora_stage_expert_params(model, layout, "first", r, lambda i: ALL) == experts
+    assert lora_memory.lora_stage_params(model, layout, "first", r, lambda i: ALL) == dense + experts
+    assert lora_memory.lora_stage_expert_params(model, layout, "first", r, lambda i: ALL) == experts
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -80,8 +80,8 @@ def test_pipeline_stages_hold_their_own_layers(shared):
     layout = Layout(tp=2, pp=2, cp=1, dp=2, ep=2, etp=1)
     for stage, layers in (("first", [0, 1]), ("last", [2, 3])):
         dense, experts = hand(layers, r, 2, 2, 1, shared)
-        assert memory.lora_stage_params(model, layout, stage, r, lambda i: ALL) == dense + experts
-        assert memory.lora_stage_expert_params(model, layout, stage, r, lambda i: ALL) == experts
+        assert lora_memory.lora_stage_params(model, layout, stage, r, lambda i: ALL) == dense + experts
+        assert lora_memory.lora_stage_expert_params(model, layout, stage, r, lambda i: ALL) == experts
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -123,14 +123,14 @@ def test_activation_bytes_of_an_moe_layer(tp, etp, dropout, shared):
     pairs = TOPK * etp / tp  # the (token, expert) pairs mlp_activation_bytes_per_token counts per token
     fc1 = 2 * r * b + (H * (b + 1) if dropout else 0)
     fc2 = r * b + (FFN_E / etp * (b + 1) if dropout else 0)
-    assert memory.lora_expert_activation_bytes_per_token(model, layout, "linear_fc1", r, dropout) == pairs * fc1
-    assert memory.lora_expert_activation_bytes_per_token(model, layout, "linear_fc2", r, dropout) == pairs * fc2
+    assert lora_memory.lora_expert_activation_bytes_per_token(model, layout, "linear_fc1", r, dropout) == pairs * fc1
+    assert lora_memory.lora_expert_activation_bytes_per_token(model, layout, "linear_fc2", r, dropout) == pairs * fc2
     attention = 4 * r * b + ((H + Q / tp) * (b + 1) if dropout else 0)
     shared_mlp = 3 * r * b + ((H + SHARED / tp) * (b + 1) if dropout else 0) if shared else 0
-    moe_layer = memory.lora_activation_bytes_per_token_layer(model, layout, r, dropout, ALL, b, False, layer=1)
+    moe_layer = lora_memory.lora_activation_bytes_per_token_layer(model, layout, r, dropout, ALL, b, False, layer=1)
     assert moe_layer == attention + pairs * (fc1 + fc2) + shared_mlp
     # the dense layer 0 of the same model: a dense MLP of intermediate_size
-    dense_layer = memory.lora_activation_bytes_per_token_layer(model, layout, r, dropout, ALL, b, False, layer=0)
+    dense_layer = lora_memory.lora_activation_bytes_per_token_layer(model, layout, r, dropout, ALL, b, False, layer=0)
     assert dense_layer == attention + 3 * r * b + ((H + FFN / tp) * (b + 1) if dropout else 0)
 
 
@@ -219,12 +219,12 @@ def test_a_dense_model_is_counted_as_before():
     assert lora_trainable_params(model, LoRAConfig(rank=8)) == 35_840
     for layout, first in ((Layout(tp=2, pp=1, cp=1, dp=2), 25_088), (Layout(tp=2, pp=2, cp=1, dp=1), 12_544),
                           (Layout(tp=1, pp=1, cp=1, dp=4), 35_840)):
-        assert memory.lora_stage_params(model, layout, "first", 8, lambda i: ALL) == first
-        assert memory.lora_stage_expert_params(model, layout, "first", 8, lambda i: ALL) == 0
+        assert lora_memory.lora_stage_params(model, layout, "first", 8, lambda i: ALL) == first
+        assert lora_memory.lora_stage_expert_params(model, layout, "first", 8, lambda i: ALL) == 0
     tp2 = Layout(tp=2, pp=1, cp=1, dp=2)
     for sp, dropout, before in ((False, 0.0, 112.0), (False, 0.1, 832.0), (True, 0.0, 96.0), (True, 0.1, 816.0)):
-        assert memory.lora_activation_bytes_per_token_layer(model, tp2, 8, dropout, ALL, 2, sp) == before
-        assert memory.lora_activation_bytes_per_token_layer(model, tp2, 8, dropout, ALL, 2, sp, layer=1) == before
+        assert lora_memory.lora_activation_bytes_per_token_layer(model, tp2, 8, dropout, ALL, 2, sp) == before
+        assert lora_memory.lora_activation_bytes_per_token_layer(model, tp2, 8, dropout, ALL, 2, sp, layer=1) == before
 
 
 def test_the_7b_preset_rows_are_as_before():

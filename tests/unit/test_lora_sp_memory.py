@@ -10,7 +10,7 @@ from lora_sp_jobs import saved_bytes_job
 from test_lora_plan import TINY, L, plan_for, row
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.plan import memory
+from megatron_rl.plan import lora_memory, memory
 
 SP = "actor_rollout_ref.actor.megatron.sequence_parallel=true"
 
@@ -29,6 +29,6 @@ def test_the_planner_figure_is_what_autograd_saves_in_an_adapter(target):
     seq, batch, rank = 10, 3, 4  # 30 tokens, 15 a rank: no A's row count (4, 8, 12)
     plan = plan_for(*TINY, SP, f"{L}.rank={rank}")
     measured = run_multiprocess(saved_bytes_job, 2, target, seq, batch, 64, 128, rank, timeout_s=300)
-    planned = memory.lora_activation_bytes_per_token_layer(plan.model, plan.actor_layout, rank, 0.0, [target],
+    planned = lora_memory.lora_activation_bytes_per_token_layer(plan.model, plan.actor_layout, rank, 0.0, [target],
                                                            memory.BF16, sequence_parallel=True) * seq * batch
     assert measured == [planned, planned]
