@@ -374,6 +374,18 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
                 break
 
 
+def _rope_kwargs(hf: HFModelConfig) -> dict[str, Any]:
+    """GPTModel's RoPE arguments beyond the base: scaling, and the share of each head rotated."""
+    # GLM-4.5: RoPE on the first rotary_percent of each head; rotary_interleaved stays False (rotate_half),
+    # transformers' layout (hf_config._rotary_percent)
+    kwargs: dict[str, Any] = dict(rotary_percent=hf.rotary_percent)
+    if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
+        kwargs.update(rope_scaling=True, rope_scaling_factor=hf.rope_scaling.factor)
+    elif hf.rope_scaling is not None and hf.rope_scaling.kind == "linear":
+        kwargs.update(seq_len_interpolation_factor=hf.rope_scaling.factor)
+    return kwargs
+
+
 def build_gpt_model(
     hf: HFModelConfig,
     *,
@@ -420,11 +432,7 @@ def build_gpt_model(
             hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None, dense=True
         )
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
-    rope_kwargs: dict[str, Any] = {}
-    if hf.rope_scaling is not None and hf.rope_scaling.kind == "llama3":
-        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=hf.rope_scaling.factor)
-    elif hf.rope_scaling is not None and hf.rope_scaling.kind == "linear":
-        rope_kwargs = dict(seq_len_interpolation_factor=hf.rope_scaling.factor)
+    rope_kwargs = _rope_kwargs(hf)
 
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []

@@ -18,6 +18,8 @@ from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
 # by routed SwiGLU experts, Qwen2-MoE's plus a gated shared expert (models/moe.py). DeepSeek-V3 (also R1, Kimi-K2,
 # Moonlight) replaces the attention by multi-latent attention (models/mla.py) and routes with sigmoid scores,
 # an expert bias and expert groups, plus ungated shared experts; its first layers are dense (models/moe.py).
+# GLM-4.5 (and -Air) is GQA attention (q/k/v bias, optional q/k norms, RoPE on the first part of each head) with
+# DeepSeek-V3's MoE.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -27,7 +29,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
+# Families whose attention_bias puts a bias on q/k/v only (o_proj has none): Megatron's add_qkv_bias.
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "glm4_moe")
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -73,6 +78,8 @@ class HFModelConfig:
     # <Family>ForSequenceClassification (a reward model): its score head has no bias.
     sequence_classifier: bool = False
     mla: MLASpec | None = None  # multi-latent attention (DeepSeek-V3); None = GPT attention (q/k/v)
+    # share of each head's dims RoPE rotates (the first ones, rotate_half layout): GLM-4.5's partial_rotary_factor
+    rotary_percent: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -105,6 +112,47 @@ def _rope(hf_config: dict[str, Any], where: str) -> tuple[float, RopeScaling | N
     raise UnsupportedModelError(
         f"{where}: rope type {rope_type!r} is not supported; supported: default, linear, llama3"
     )
+
+
+def _rotary_percent(
+    hf_config: dict[str, Any], model_type: str, head_dim: int, scaling: RopeScaling | None, where: str
+) -> float:
+    """GLM-4.5's partial_rotary_factor (transformers 5: in rope_parameters) as Megatron's rotary_percent. Both rotate
+    the first int(head_dim * factor) dims of each head in the rotate_half layout (transformers' Glm4Moe
+    apply_rotary_pos_emb; Megatron's rope_utils._apply_rotary_pos_emb_bshd with rotary_interleaved=False) with
+    inv_freq = theta^(-2i / that dim). The other families' attention rotates whole heads."""
+    if model_type != "glm4_moe":
+        return 1.0
+    params = hf_config.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 0.5)))
+    rotary_dim = int(head_dim * factor)
+    _reject(
+        not 0.0 < factor <= 1.0 or rotary_dim % 2,
+        where,
+        f"partial_rotary_factor={factor} gives {rotary_dim} rotary dims of head_dim={head_dim}; "
+        "only a positive even number is supported",
+    )
+    # transformers' scaled RoPE types compute their frequencies over that dim too, Megatron's llama3 / linear
+    # scaling were not checked against them with a partial rotation
+    if scaling is not None and factor < 1.0:
+        raise UnsupportedModelError(
+            f"{where}: rope type {scaling.kind!r} with partial_rotary_factor={factor} is not supported"
+        )
+    return factor
+
+
+def _qkv_bias(hf_config: dict[str, Any], model_type: str) -> bool:
+    """Whether q/k/v have a bias (Megatron's add_qkv_bias)."""
+    if model_type == "qwen2_moe":
+        return bool(hf_config.get("qkv_bias", True))
+    if model_type == "glm4_moe":
+        return bool(hf_config.get("attention_bias", False))
+    return model_type == "qwen2"
+
+
+def _qk_norm(hf_config: dict[str, Any], model_type: str) -> bool:
+    """Whether q and k are RMS-normalised per head before RoPE (Megatron's qk_layernorm)."""
+    return model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf_config.get("use_qk_norm")))
 
 
 def _reject(cond: bool, where: str, message: str) -> None:
@@ -146,11 +194,12 @@ def _check_block(hf_config: dict[str, Any], model_type: str, source: str) -> Non
         f"hidden_act={hf_config.get('hidden_act')!r}, only 'silu' (SwiGLU) is supported",
     )
     _reject(bool(hf_config.get("mlp_bias", False)), source, "mlp_bias=true is not supported")
-    # Qwen2 always has q/k/v bias and no o_proj bias, Qwen2-MoE has them when qkv_bias (default true). For the
-    # others attention_bias adds an o_proj bias too, which Megatron can only express together with MLP biases.
+    # Qwen2 always has q/k/v bias and no o_proj bias, Qwen2-MoE has them when qkv_bias (default true), GLM-4.5 when
+    # attention_bias. For the others attention_bias adds an o_proj bias too, which Megatron can only express
+    # together with MLP biases.
     attention_bias = bool(hf_config.get("attention_bias", False))
     _reject(
-        model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+        model_type not in _QKV_BIAS_TYPES and attention_bias,
         source,
         "attention_bias=true (o_proj bias) is not supported",
     )
@@ -190,8 +239,7 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
     arch = causal_lm_architecture(hf_config, source)
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _check_block(hf_config, model_type, source)
-    qwen2_moe_bias = model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))
-    qkv_bias = model_type == "qwen2" or qwen2_moe_bias
+    qkv_bias = _qkv_bias(hf_config, model_type)
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     _reject(
@@ -200,6 +248,7 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
     )
     sequence_classifier = _is_reward_model(hf_config, source)
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     mla, mla_theta = parse_mla_config(hf_config, model_type, source)
     # MLA reads its own RoPE (YaRN) into the MLASpec
     theta, scaling = (mla_theta, None) if mla is not None else _rope(hf_config, source)
@@ -212,12 +261,12 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         num_layers=int(hf_config["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=qkv_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=_qk_norm(hf_config, model_type),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         sliding_window=hf_config.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
@@ -226,6 +275,7 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         moe=parse_moe_config(hf_config, model_type, source),
         sequence_classifier=sequence_classifier,
         mla=mla,
+        rotary_percent=_rotary_percent(hf_config, model_type, head_dim, scaling, source),
     )
 
 

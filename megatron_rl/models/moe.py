@@ -1,4 +1,5 @@
-"""Mixture-of-experts facts of an HF config (Qwen2-MoE, Qwen3-MoE, Mixtral) and how they map to Megatron-Core.
+"""Mixture-of-experts facts of an HF config (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) and how they map
+to Megatron-Core.
 
 No Megatron import: the planner and hf_config read this module before any worker starts.
 
@@ -19,7 +20,7 @@ Dense layers between MoE layers (Qwen2-MoE, Qwen3-MoE): layer i (0-based) is MoE
 ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule); a dense layer is a plain
 SwiGLU MLP of ``intermediate_size``. Megatron-Core takes the pattern as ``moe_layer_freq`` (a 0/1 list).
 
-DeepSeek-V3 (transformers' DeepseekV3TopkRouter): s = sigmoid(router logits); the choice ranks
+DeepSeek-V3 (transformers' DeepseekV3TopkRouter; GLM-4.5's Glm4MoeTopkRouter is the same): s = sigmoid(router logits); the choice ranks
 s + e_score_correction_bias, restricted to the ``topk_group`` best of ``n_group`` expert groups (a group's score:
 its two best biased scores); the weights are the chosen s (without the bias), renormalised (norm_topk_prob) and
 times ``routed_scaling_factor``. Megatron-Core: ``moe_router_score_function="sigmoid"``, the bias in
@@ -46,10 +47,19 @@ _HF_NAMES = {
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
     "deepseek_v3": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "glm4_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 MOE_MODEL_TYPES = tuple(_HF_NAMES)
 # Families whose configs place dense layers with decoder_sparse_step / mlp_only_layers (transformers' rule).
 _SPARSE_STEP_TYPES = ("qwen2_moe", "qwen3_moe")
+# Families routed as DeepSeek-V3 routes (transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter are the same code),
+# with the defaults of their transformers config classes for fields a config.json may leave out.
+_SIGMOID_ROUTED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(first_k_dense_replace=3, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+                        topk_group=4, norm_topk_prob=True),
+    "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1,
+                     topk_group=1, norm_topk_prob=True),
+}
 
 
 @dataclass(frozen=True)
@@ -120,8 +130,8 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
     experts, topk = int(experts), int(topk)
     if not 1 <= topk <= experts:
         refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
-    if model_type == "deepseek_v3":
-        return _deepseek_v3_moe(hf_config, experts_per_token=topk, refuse=refuse)
+    if model_type in _SIGMOID_ROUTED_DEFAULTS:
+        return _sigmoid_routed_moe(hf_config, model_type, experts_per_token=topk, refuse=refuse)
     shared, pattern = None, ()
     if model_type in _SPARSE_STEP_TYPES:
         ffn = hf_config.get("moe_intermediate_size")
@@ -160,8 +170,15 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
     )
 
 
-def _deepseek_v3_moe(hf_config: dict[str, Any], experts_per_token: int, refuse) -> MoESpec:
-    """DeepSeek-V3's MoE (transformers' DeepseekV3MoE / DeepseekV3TopkRouter) as Megatron's router computes it."""
+def _sigmoid_routed_moe(hf_config: dict[str, Any], model_type: str, experts_per_token: int, refuse) -> MoESpec:
+    """DeepSeek-V3's MoE (transformers' DeepseekV3MoE / DeepseekV3TopkRouter; GLM-4.5's Glm4MoeMoE /
+    Glm4MoeTopkRouter is the same code) as Megatron's router computes it."""
+    defaults = _SIGMOID_ROUTED_DEFAULTS[model_type]
+
+    def field(key: str) -> Any:
+        value = hf_config.get(key)
+        return defaults[key] if value is None else value
+
     for key in ("n_routed_experts", "moe_intermediate_size", "num_hidden_layers"):
         if hf_config.get(key) is None:
             refuse(f"missing required field {key!r}")
@@ -171,19 +188,20 @@ def _deepseek_v3_moe(hf_config: dict[str, Any], experts_per_token: int, refuse) 
     # transformers: layer i is MoE iff i >= first_k_dense_replace (it ignores moe_layer_freq; refuse other values)
     if int(hf_config.get("moe_layer_freq") or 1) != 1:
         refuse(f"moe_layer_freq={hf_config['moe_layer_freq']} is not supported (only 1)")
-    dense = int(hf_config.get("first_k_dense_replace") or 0)
+    dense = int(field("first_k_dense_replace"))
     if not 0 <= dense < layers:
         refuse(f"first_k_dense_replace={dense} leaves no MoE layer among num_hidden_layers={layers}")
     pattern = tuple(i >= dense for i in range(layers))
-    norm_topk = bool(hf_config.get("norm_topk_prob", True))
+    norm_topk = bool(field("norm_topk_prob"))
     if not norm_topk and experts_per_token > 1:
         # Megatron's sigmoid routing always renormalises the top-k (moe_utils.topk_routing_with_score_function)
         refuse("norm_topk_prob=false with sigmoid routing is not supported (Megatron-Core always renormalises)")
+    # DeepSeek's own config fields (transformers' routers implement only these values)
     if hf_config.get("topk_method", "noaux_tc") != "noaux_tc":
         refuse(f"topk_method={hf_config['topk_method']!r} is not supported (only 'noaux_tc', transformers' rule)")
     if hf_config.get("scoring_func", "sigmoid") != "sigmoid":
         refuse(f"scoring_func={hf_config['scoring_func']!r} is not supported (only 'sigmoid')")
-    groups, group_topk = int(hf_config.get("n_group") or 1), int(hf_config.get("topk_group") or 1)
+    groups, group_topk = int(field("n_group")), int(field("topk_group"))
     if groups > 1:
         if experts % groups or not 1 <= group_topk <= groups:
             refuse(f"n_group={groups} / topk_group={group_topk} do not split n_routed_experts={experts}")
@@ -191,8 +209,8 @@ def _deepseek_v3_moe(hf_config: dict[str, Any], experts_per_token: int, refuse) 
         if experts_per_token // group_topk != 2:
             refuse(f"num_experts_per_tok={experts_per_token} / topk_group={group_topk} must be 2 "
                    "(groups are ranked by their two best experts)")
-    shared = int(hf_config.get("n_shared_experts") or 0)
-    names = _HF_NAMES["deepseek_v3"][1]
+    shared = int(field("n_shared_experts"))
+    names = _HF_NAMES[model_type][1]
     return MoESpec(
         num_experts=experts,
         topk=experts_per_token,
@@ -210,7 +228,7 @@ def _deepseek_v3_moe(hf_config: dict[str, Any], experts_per_token: int, refuse) 
         # one group selects every expert: no group limit
         num_groups=groups if groups > 1 else None,
         group_topk=group_topk if groups > 1 else None,
-        topk_scaling_factor=float(hf_config.get("routed_scaling_factor", 1.0) or 1.0),
+        topk_scaling_factor=float(field("routed_scaling_factor")),
         shared_expert_block="shared_experts",
     )
 

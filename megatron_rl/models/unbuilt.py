@@ -24,8 +24,6 @@ UNBUILT_ARCHITECTURES: dict[str, str] = {
                              "routing, which Megatron-Core 0.16.1 does not have",
     "GlmMoeDsaForCausalLM": "GLM-5's DeepSeek sparse attention (DSA: an indexer choosing index_topk tokens per query), "
                             "which is not built here (see DeepseekV32ForCausalLM)",
-    "Glm4MoeForCausalLM": "GLM-4.5's partial rotary embedding (partial_rotary_factor) with sigmoid routing is not "
-                          "built yet",
     "HYV3ForCausalLM": "Hy3's family (GQA with q/k norms, sigmoid-routed experts with a correction bias, shared "
                        "experts, a per-layer dense/MoE pattern) is not mapped yet: its pieces exist here (Qwen3's "
                        "attention, DeepSeek-V3's routing), its weight names and config are not read",

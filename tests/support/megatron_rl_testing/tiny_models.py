@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")
 # DeepSeek-V3 at toy size: multi-latent attention with q compression (q_lora_rank=None: Moonlight's variant) and
 # YaRN, a dense first layer, 8 sigmoid-routed experts in 2 groups (top-1 group), one shared expert.
 TINY_DEEPSEEK_V3 = dict(
@@ -25,6 +25,15 @@ TINY_DEEPSEEK_V3 = dict(
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
 )
+# GLM-4.5 at toy size: GQA with q/k/v bias and q/k norms, RoPE on the first half of each head (partial_rotary_factor),
+# a dense first layer, DeepSeek-V3's routing (8 sigmoid-routed experts in 2 groups, top-1 group, a correction bias
+# set by perturb_norms_and_biases), one shared expert.
+TINY_GLM4_MOE = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, first_k_dense_replace=1,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+    routed_scaling_factor=2.5, norm_topk_prob=True,
+)
 # Expert counts etc. of the MoE families at toy size (any of them may be overridden).
 TINY_MOE = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
@@ -33,6 +42,7 @@ TINY_MOE = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
                       shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[]),
     "deepseek_v3": TINY_DEEPSEEK_V3,
+    "glm4_moe": TINY_GLM4_MOE,
 }
 
 CHAT_TEMPLATE = (
@@ -81,12 +91,12 @@ def tiny_hf_config(
     **overrides: Any,
 ):
     """A transformers config of ``family`` (one of FAMILIES) at toy size."""
-    from transformers import (DeepseekV3Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
-               "deepseek_v3": DeepseekV3Config}
+               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     kwargs: dict[str, Any] = dict(
@@ -127,7 +137,7 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def perturb_norms_and_biases(model: torch.nn.Module) -> None:
     """Norm weights 1 + noise, biases noise (in place): a layout bug in any of them changes the outputs.
-    DeepSeek-V3's router bias (e_score_correction_bias, a buffer, zero at init) too, so that it moves the
+    DeepSeek-V3's and GLM-4.5's router bias (e_score_correction_bias, a buffer, zero at init) too, so that it moves the
     expert choice."""
     with torch.no_grad():
         for name, param in model.named_parameters():
