@@ -62,6 +62,10 @@ class HFCheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F32", "F8_E4M3", ...), from the header."""
+        return self._slice(name).get_dtype()
+
     def read(
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:

@@ -38,6 +38,9 @@ class EngineSpec:
     servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host: one node
     members_send_shards: bool  # colocated at TP > 1: every rank sends its shard (else the leader's full copy serves)
     reports_routed_experts: bool  # per generated token, for routing replay R3 (rollout/routed_experts.py)
+    # builds its layers as config.json's quantization_config says (FP8 layers for an FP8 checkpoint), where the
+    # trainer syncs the weights it dequantised on load (models/fp8_checkpoint.py)
+    builds_quantized_layers: bool
     memory: Callable[[EngineStart], EngineMemory]  # its meaning of rollout.gpu_memory_utilization (rollout/memory.py)
     build: Callable[..., RolloutEngine]  # (rollout config, model path, **engine kwargs) -> the engine
     # (replica, run config, on GPU) -> the builder's kwargs that place a replica's engine
@@ -138,15 +141,17 @@ def _sglang_process_env() -> None:
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
-               members_send_shards=True, reports_routed_experts=True, memory=hf_memory, build=_build_hf,
+               members_send_shards=True, reports_routed_experts=True, builds_quantized_layers=False, memory=hf_memory,
+               build=_build_hf,
                placement=lambda replica, cfg, on_gpu: {}, serve_checkpoint=_hf_serving),
     EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
                servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
-               memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
+               builds_quantized_layers=True, memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
                prepare_process=_sglang_process_env),
     # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
     EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
-               members_send_shards=False, reports_routed_experts=True, memory=vllm_memory, build=_build_vllm,
+               members_send_shards=False, reports_routed_experts=True, builds_quantized_layers=True,
+               memory=vllm_memory, build=_build_vllm,
                placement=_vllm_placement, check_config=_check_vllm, check_here=_vllm_here,
                serve_checkpoint=_vllm_serving),
 )}

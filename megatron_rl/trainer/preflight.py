@@ -21,6 +21,7 @@ from megatron_rl.config.loggers import config_problem, logger_backends, package_
 from megatron_rl.config.lora import ADAPTER_WEIGHTS, check_adapter_path, check_lora_model, lora_enabled
 from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
 from megatron_rl.data import RLDataset, load_tokenizer
+from megatron_rl.models.fp8_checkpoint import check_fp8_quantization
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.sizes import check_parallel_fit
 from megatron_rl.plan.model_facts import load_model_facts
@@ -360,6 +361,7 @@ def check_model(cfg: PPOTrainerConfig) -> None:
     source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
 
     model = load_model_facts(cfg)  # an architecture the model builders do not know: refused here, as the dry run's plan does
+    check_quantization(raw, source, cfg.actor_rollout_ref.rollout)
     check_context_parallel_models(cfg, model)
     check_lora_models(cfg, model)
     heads = raw.get("num_attention_heads")
@@ -377,6 +379,23 @@ def check_model(cfg: PPOTrainerConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not factor the "
                           f"model: num_attention_heads={heads} must split over it and num_key_value_heads="
                           f"{kv_heads} must split over it or be replicated ({source})")
+
+
+def check_quantization(raw: dict[str, Any], source: Path, rollout: Any = None) -> None:
+    """config.json's quantization_config: absent, or FP8 block-scaled (dequantised on load); else refused by
+    ``quantization_config.<field>`` (models/fp8_checkpoint.py). With it, an engine that builds quantised layers
+    from config.json (``rollout``'s; EngineSpec.builds_quantized_layers) is refused: it would take the trainer's
+    dequantised weights into FP8 layers."""
+    try:
+        block = check_fp8_quantization(raw, str(source))
+    except UnsupportedModelError as err:
+        raise ConfigError(str(err)) from err
+    if block is not None and rollout is not None and engine_of(rollout).builds_quantized_layers:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={engine_of(rollout).name} with an FP8 checkpoint "
+                          f"({source}: quantization_config): the engine builds FP8 layers from it, while the trainer "
+                          "dequantises the weights on load and syncs them unquantised; not built here. Use the HF "
+                          "engine (rollout.name=hf), or a dequantised copy of the checkpoint without "
+                          "quantization_config (megatron-rl's HF exports are such copies)")
 
 
 def _model_positions(raw: dict[str, Any], source: str) -> tuple[int, str] | None:

@@ -573,6 +573,8 @@ def _config_for_export(hf: HFModelConfig, value_model: bool, dtype: torch.dtype)
     config = dict(hf.raw)
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
+    # An FP8 block-scaled source (DeepSeek-V3) was dequantised on load; the saved weights are ``dtype``.
+    config.pop("quantization_config", None)
     # A reward model stays <Family>ForSequenceClassification: its config.json already says so.
     if value_model and not hf.sequence_classifier:
         # Loadable as transformers' <Family>ForTokenClassification with one label: the critic.
