@@ -32,8 +32,10 @@ from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.config.lora import lora_on_experts
 from megatron_rl.models.lora import LoRASpec, attach_lora
 from megatron_rl.models.mla import MLA_DERIVED_FIELDS, mla_transformer_kwargs
+from megatron_rl.models.mla_layers import DuplicatedLinear
 from megatron_rl.models.moe import MOE_DERIVED_FIELDS, MOE_PARALLEL_FIELDS, moe_transformer_kwargs
 from megatron_rl.models.moe_compat import (
+    accept_whole_mla_down_projections,
     bind_missing_te_names,
     count_expert_bias_tokens_without_pads,
     disable_mla_te_check_without_te,
@@ -311,6 +313,9 @@ def gpt_layer_spec(
         attention = spec.submodules.self_attention.submodules
         if mla:
             attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
+            # whole on every TP rank, as TE's spec has them: the split ones lose the RoPE key's gradient at TP > 1
+            accept_whole_mla_down_projections()
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = DuplicatedLinear
         elif hf.qk_norm:
             attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if not (use_te and context_parallel):

@@ -17,7 +17,8 @@ Rules (REFERENCE.md §3):
   [1, hidden] is replicated. Dense layers of an MoE model (``MoESpec.is_moe_layer``) map like a dense model's.
   DeepSeek-V3's router bias (``e_score_correction_bias``) is the router's ``expert_bias`` buffer, replicated.
 * Multi-latent attention (models/mla.py): one HF tensor per Megatron weight, the same row order; the projections
-  column-parallel (the down projections replicated under TE's spec, which keeps them whole), o_proj row-parallel.
+  column-parallel but the down projections (q_a, kv_a: whole on every TP rank, models/mla_layers.py), o_proj
+  row-parallel.
 """
 
 from __future__ import annotations
@@ -259,20 +260,6 @@ def _mla_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return params
 
 
-def _whole_down_projections(
-    groups: dict[str, TensorGroup], params: dict[str, torch.nn.Parameter]
-) -> dict[str, TensorGroup]:
-    """TE's MLA spec keeps the down projections whole on every TP rank (TELinear, ``duplicated``), the local
-    spec splits them (ColumnParallelLinear, gathered inside MLA): a column group whose parameter has all the
-    rows is replicated."""
-    return {
-        role: _single(Kind.REPLICATED, g.key, g.tensors[0].shape)
-        if g.kind is Kind.COLUMN and role in ("q_down", "kv_down") and params[role].shape[0] == g.tensors[0].shape[0]
-        else g
-        for role, g in groups.items()
-    }
-
-
 def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     """Mappings for the parameters this model chunk holds (of MoE layers: the local experts), in checkpoint order."""
     model = unwrap(chunk)
@@ -294,7 +281,6 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
         moe_layer = experts is not None and hf.moe.is_moe_layer(index)
         if hf.mla is not None:
             params = _mla_params(layer)
-            groups = _whole_down_projections(groups, params)
         else:
             params = {
                 "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),

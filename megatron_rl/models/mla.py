@@ -169,7 +169,8 @@ def mla_attention_tensors(
     mla: MLASpec, layer: int, hidden: int, heads: int
 ) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(role, HF name, shape, TP split: "column" / "row" / "replicated") of layer ``layer``'s attention, in
-    HF's module order."""
+    HF's module order. The down projections are whole on every TP rank, on TE's spec (TELinear, duplicated) and on
+    the local one (models/mla_layers.py)."""
     p = f"model.layers.{layer}.self_attn."
     q_rows = heads * mla.q_head_dim
     tensors = []
@@ -178,24 +179,15 @@ def mla_attention_tensors(
     else:
         r = mla.q_lora_rank
         tensors += [
-            ("q_down", f"{p}q_a_proj.weight", (r, hidden), "column"),
+            ("q_down", f"{p}q_a_proj.weight", (r, hidden), "replicated"),
             ("q_norm", f"{p}q_a_layernorm.weight", (r,), "replicated"),
             ("q_up", f"{p}q_b_proj.weight", (q_rows, r), "column"),
         ]
     c = mla.kv_lora_rank
     tensors += [
-        ("kv_down", f"{p}kv_a_proj_with_mqa.weight", (c + mla.qk_rope_head_dim, hidden), "column"),
+        ("kv_down", f"{p}kv_a_proj_with_mqa.weight", (c + mla.qk_rope_head_dim, hidden), "replicated"),
         ("kv_norm", f"{p}kv_a_layernorm.weight", (c,), "replicated"),
         ("kv_up", f"{p}kv_b_proj.weight", (heads * (mla.qk_nope_head_dim + mla.v_head_dim), c), "column"),
         ("o_proj", f"{p}o_proj.weight", (hidden, heads * mla.v_head_dim), "row"),
     ]
     return tensors
-
-
-def check_mla_parallel_fit(mla: MLASpec, tp: int, where: str) -> None:
-    """Refuse TP sizes that do not split the (column-parallel) down projections evenly."""
-    kv_rows = mla.kv_lora_rank + mla.qk_rope_head_dim
-    if kv_rows % tp:
-        raise ValueError(f"{where}: kv_lora_rank + qk_rope_head_dim = {kv_rows} is not divisible by TP={tp}")
-    if mla.q_lora_rank is not None and mla.q_lora_rank % tp:
-        raise ValueError(f"{where}: q_lora_rank={mla.q_lora_rank} is not divisible by TP={tp}")

@@ -32,6 +32,18 @@ def disable_mla_te_check_without_te() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+def accept_whole_mla_down_projections() -> None:
+    """The local spec's MLA down projections are kept whole on every TP rank (models/mla_layers.py says why).
+    MLASelfAttention accepts a whole projection only as the class its module calls ``Linear`` (modelopt's, imported
+    beside TE's names: torch's init, a checkpoint entry that needs metadata this engine does not pass); that name
+    is bound to ``DuplicatedLinear``. The TE spec uses TELinear and never reads it. Idempotent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    from megatron_rl.models.mla_layers import DuplicatedLinear  # lazy: it imports Megatron, as this module does
+
+    multi_latent_attention.Linear = DuplicatedLinear
+
+
 def count_expert_bias_tokens_without_pads() -> None:
     """Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` (router.py) counts each expert's tokens for the
     expert-bias update as ``routing_map & ~padding_mask``: [tokens, experts] against the flattened [tokens] pad mask,

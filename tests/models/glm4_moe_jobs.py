@@ -7,7 +7,8 @@ from typing import Any
 
 from megatron_rl_testing.tiny_models import padded_batch as batch
 
-from deepseek_v3_jobs import _packed_logits
+# layer_grads: the gradient comparison across layouts is DeepSeek-V3's (the same MoE block, GQA attention for MLA)
+from deepseek_v3_jobs import GRAD_LAYER, _packed_logits, gradient_loss, layer_grads  # noqa: F401
 
 
 def glm4_moe_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]]) -> dict[str, Any]:

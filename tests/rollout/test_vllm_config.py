@@ -138,6 +138,21 @@ def test_head_size_16_on_cpu_is_refused_naming_the_model_and_the_sizes(tmp_path,
     check_rollout_engine(start_cfg(tmp_path, model, "trainer.device=cuda"))  # GPU attention takes 16
 
 
+def test_an_mla_latent_vllm_cpu_cannot_run_is_refused(tmp_path, vllm_installed):
+    """MLA (DeepSeek-V3): vLLM's CPU MLA kernel attends over the latent, kv_lora_rank + qk_rope_head_dim, and is
+    compiled for 576 only (DeepSeek's 512 + 64); another latent failed when the engine started."""
+    from megatron_rl.trainer.preflight import check_rollout_engine
+
+    model = _model(tmp_path, hidden=64, heads=2)
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**raw, "kv_lora_rank": 16, "qk_rope_head_dim": 8}))
+    with pytest.raises(ConfigError, match=r"kv_lora_rank=16, qk_rope_head_dim=8\)\) has latent size .*24.*CPU MLA "
+                                          r"attention cannot run; it runs \[576\]"):
+        check_rollout_engine(start_cfg(tmp_path, model))
+    (model / "config.json").write_text(json.dumps({**raw, "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    check_rollout_engine(start_cfg(tmp_path, model))
+
+
 def test_vllm_not_installed_is_refused_before_ray_starts(tmp_path, monkeypatch):
     """Through the start itself (dry run and real start alike): the refusal comes before Ray is initialised."""
     import ray

@@ -43,6 +43,12 @@ def test_cpu_head_sizes_are_the_cpu_attentions():
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == contract.CPU_HEAD_SIZES
 
 
+def test_cpu_mla_latent_sizes_are_the_cpu_mla_backends():
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    assert tuple(CPUMLABackend.get_supported_head_sizes()) == contract.CPU_MLA_HEAD_SIZES
+
+
 def test_server_routes_and_completion_fields_exist():
     import pathlib
 

@@ -110,6 +110,11 @@ def check_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, 
         return
     source = Path(cfg.actor_rollout_ref.model.path) / "config.json"
     head_dim, heads, hidden = (model_config.get(k) for k in ("head_dim", "num_attention_heads", "hidden_size"))
+    latent, rope = model_config.get("kv_lora_rank"), model_config.get("qk_rope_head_dim")
+    if isinstance(latent, int) and isinstance(rope, int):  # MLA: vLLM caches and attends over the latent
+        contract.check_head_size(latent + rope, on_cpu=True, mla=True, model_path=(
+            f"actor_rollout_ref.model.path={source.parent} ({source}: kv_lora_rank={latent}, qk_rope_head_dim={rope})"))
+        return
     if isinstance(head_dim, int) and head_dim >= 1:
         sizes = f"head_dim={head_dim}"
     elif isinstance(heads, int) and heads >= 1 and isinstance(hidden, int):

@@ -146,6 +146,9 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "t
 
 # vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes: the CPU attention backend refuses others
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm/v1/attention/backends/mla/cpu_mla.py get_supported_head_sizes: its decode kernel is compiled for DeepSeek's
+# latent only (kv_lora_rank 512 + qk_rope_head_dim 64)
+CPU_MLA_HEAD_SIZES = (576,)
 
 
 class VLLMUnavailableError(RuntimeError):
@@ -184,11 +187,14 @@ def check_engine_kwargs(kwargs: Mapping[str, Any], key: str = "actor_rollout_ref
         raise ConfigError("; ".join(problems))
 
 
-def check_head_size(head_dim: int, *, on_cpu: bool, model_path: str = "the model") -> None:
-    """vLLM's CPU attention runs only some head sizes; GPU backends take the usual ones."""
-    if on_cpu and int(head_dim) not in CPU_HEAD_SIZES:
+def check_head_size(head_dim: int, *, on_cpu: bool, model_path: str = "the model", mla: bool = False) -> None:
+    """vLLM's CPU attention runs only some head sizes (its MLA backend: one latent size); GPU backends take the
+    usual ones."""
+    sizes, what = ((CPU_MLA_HEAD_SIZES, f"latent size {head_dim} (kv_lora_rank + qk_rope_head_dim)") if mla else
+                   (CPU_HEAD_SIZES, f"head size {head_dim} (hidden_size / num_attention_heads, or head_dim)"))
+    if on_cpu and int(head_dim) not in sizes:
         raise ConfigError(
-            f"rollout.name=vllm on CPU: {model_path} has head size {head_dim} (hidden_size / num_attention_heads, "
-            f"or head_dim), which vLLM's CPU attention cannot run; it runs {list(CPU_HEAD_SIZES)}. Use a model "
-            "shape with one of those, or rollout.name=hf"
+            f"rollout.name=vllm on CPU: {model_path} has {what}, which vLLM's CPU "
+            f"{'MLA ' if mla else ''}attention cannot run; it runs {list(sizes)}. Use a model shape with one of "
+            "those, or rollout.name=hf"
         )
