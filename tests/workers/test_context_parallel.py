@@ -64,7 +64,11 @@ def test_losses_gradients_and_the_step_equal_cp1(reference, layout, mode):
     out = ranks[-1]
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
         assert out[f"{mode}/metrics"][key] == pytest.approx(reference[f"{mode}/metrics"][key], rel=ATOL, abs=ATOL), key
-    _close(out[f"{mode}/log_probs_after"], reference[f"{mode}/log_probs_after"], f"{name} {mode} after the step")
+    # after Adam's step: Adam divides each gradient by its own running scale, so the float noise of a near-zero
+    # gradient (equal to 1e-5 here, checked below) moves its weight by up to ~lr (1e-2). On 2026-12-07's machines one
+    # log-prob of 80 moved 1.3e-4 apart (the same at the code of 2026-12-06, which passed at 1e-5 then)
+    torch.testing.assert_close(out[f"{mode}/log_probs_after"], reference[f"{mode}/log_probs_after"], atol=5e-4,
+                               rtol=0, msg=lambda m: f"{name} {mode} after the step: {m}")
     if name == "tp1_cp2":  # unsharded weights: each parameter's gradient, on both CP ranks
         for rank in ranks:
             assert rank[f"{mode}/grads"].keys() == reference[f"{mode}/grads"].keys()
