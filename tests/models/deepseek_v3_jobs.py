@@ -1,10 +1,13 @@
-"""Rank jobs of test_deepseek_v3.py (importable by spawned ranks): logits, export and the router bias of tiny
-DeepSeek-V3 models at several (TP, EP) layouts; of test_deepseek_v3_grads.py and test_glm4_moe_grads.py: one MoE
+"""Rank jobs of test_deepseek_v3.py and test_glm4_moe.py (importable by spawned ranks): logits and export of tiny
+checkpoints at several (TP, EP) layouts (``layout_checks``, with each family's own checks at the first), the router
+bias of DeepSeek-V3, and transformers' reference logits; of test_deepseek_v3_grads.py and test_glm4_moe_grads.py: one MoE
 layer's gradients at several (TP, EP) layouts (``layer_grads``), and the helpers those tests run in their own process
 (transformers' gradients, the comparison)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,22 +31,18 @@ def _packed_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         return model(tokens, positions, None, packed_seq_params=params)[0, :, : model.hf_config.vocab_size]
 
 
-def deepseek_checks(
-    dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]], with_mtp: str
-) -> dict[str, Any]:
-    """For each (TP, PP, EP, ETP) layout (ETP None = TP) and each checkpoint whose layer count PP divides:
-    gathered logits (last stage), every exported tensor; at TP=2 the logits under sequence parallelism; at the
-    first layout the THD-packed logits, how the router bias is held (requires_grad, gradient after a training
-    backward), the shared-prompt RoPE refusal, and the logits of ``with_mtp`` (the q_lora checkpoint plus
-    stored multi-token-prediction tensors)."""
+def layout_checks(dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]],
+                  first_layout: Callable[[str, list, dict[str, Any]], None]) -> dict[str, Any]:
+    """For each (TP, PP, EP, ETP) layout (ETP None = TP) and each checkpoint whose layer count PP divides: gathered
+    logits (last stage) and every exported tensor; at TP=2 the logits under sequence parallelism; at the first
+    layout ``first_layout(name, chunks, out)`` records a family's own checks (and the THD-packed logits here)."""
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, causal_padding_mask, compute_full_logits, position_ids_from_mask
+    from megatron_rl.models import build_from_hf, compute_full_logits
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.models.rope_positions import check_rope_positions
     from megatron_rl.weights import export_hf_weights
 
     input_ids, attention_mask = batch()
-    out: dict[str, Any] = {"logits": {}, "export": {}, "router_bias": {}, "rope_positions": {}, "packed": {}}
+    out: dict[str, Any] = {"logits": {}, "export": {}, "packed": {}}
     for tp, pp, ep, etp in layouts:
         init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
         for name, directory in dirs.items():
@@ -58,26 +57,71 @@ def deepseek_checks(
                 sp_chunks = build_from_hf(directory, sequence_parallel=True)
                 out["logits"][name, tp, pp, ep, "sp"] = compute_full_logits(sp_chunks, input_ids, attention_mask)
             if (tp, pp, ep, etp) == layouts[0]:
-                if name == "q_lora":  # the same checkpoint with a multi-token-prediction layer stored
-                    mtp_chunks = build_from_hf(with_mtp)
-                    out["logits"]["q_lora_mtp"] = compute_full_logits(mtp_chunks, input_ids, attention_mask)
-                model = chunks[0]
-                out["packed"][name] = _packed_logits(model, input_ids, attention_mask)
-                model.train()
-                logits = model(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
-                (logits * attention_mask[..., None]).sum().backward()
-                try:  # shared prompts (RoPE at given positions) are refused by name
-                    check_rope_positions(model)
-                except ValueError as err:
-                    out["rope_positions"][name] = str(err)
-                router = model.decoder.layers[1].mlp.router
-                out["router_bias"][name] = dict(
-                    is_parameter=any(p is router.expert_bias for p in model.parameters()),
-                    requires_grad=router.expert_bias.requires_grad,
-                    grad=router.expert_bias.grad,
-                    router_weight_grad_nonzero=bool(router.weight.grad.abs().sum() > 0),
-                )
+                out["packed"][name] = _packed_logits(chunks[0], input_ids, attention_mask)
+                first_layout(name, chunks, out)
     return out
+
+
+def deepseek_checks(
+    dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]], with_mtp: str
+) -> dict[str, Any]:
+    """``layout_checks``, and at the first layout how the router bias is held (requires_grad, gradient after a
+    training backward), the shared-prompt RoPE refusal, and the logits of ``with_mtp`` (the q_lora checkpoint
+    plus stored multi-token-prediction tensors)."""
+    from megatron_rl.models import build_from_hf, causal_padding_mask, compute_full_logits, position_ids_from_mask
+    from megatron_rl.models.rope_positions import check_rope_positions
+
+    input_ids, attention_mask = batch()
+
+    def first_layout(name: str, chunks: list, out: dict[str, Any]) -> None:
+        if name == "q_lora":  # the same checkpoint with a multi-token-prediction layer stored
+            out["logits"]["q_lora_mtp"] = compute_full_logits(build_from_hf(with_mtp), input_ids, attention_mask)
+        model = chunks[0]
+        model.train()
+        logits = model(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
+        (logits * attention_mask[..., None]).sum().backward()
+        try:  # shared prompts (RoPE at given positions) are refused by name
+            check_rope_positions(model)
+        except ValueError as err:
+            out.setdefault("rope_positions", {})[name] = str(err)
+        router = model.decoder.layers[1].mlp.router
+        out.setdefault("router_bias", {})[name] = dict(
+            is_parameter=any(p is router.expert_bias for p in model.parameters()),
+            requires_grad=router.expert_bias.requires_grad,
+            grad=router.expert_bias.grad,
+            router_weight_grad_nonzero=bool(router.weight.grad.abs().sum() > 0),
+        )
+
+    return layout_checks(dirs, layouts, first_layout)
+
+
+@functools.cache
+def hf_logits(directory: str) -> torch.Tensor:
+    """transformers' fp32 logits of the test batch for the checkpoint in ``directory`` (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.models.api import position_ids_from_mask
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    input_ids, attention_mask = batch()
+    with torch.no_grad():
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).logits
+
+
+def assert_logits_match(dirs: dict[str, str], results: list[dict[str, Any]], name: str, tp: int, pp: int, ep: int,
+                        tolerance: float) -> None:
+    """Every last-stage rank's logits of ``name`` at (TP, PP, EP) equal transformers' over the real tokens."""
+    expected = hf_logits(dirs[name])
+    valid = batch()[1].bool()
+    last_stage = [r["logits"][name, tp, pp, ep] for r in results if (name, tp, pp, ep) in r["logits"]]
+    assert len(last_stage) == 2 // pp
+    for logits in last_stage:
+        assert logits.shape == expected.shape
+        diff = (logits - expected)[valid].abs().max().item()
+        print(f"{name} TP={tp} PP={pp} EP={ep}: max |logit diff| {diff:.2e}")
+        assert diff <= tolerance, f"{name} TP={tp} PP={pp} EP={ep}: max |logit diff| {diff:.2e}"
 
 
 # ---------------------------------------------------------------- gradients of one MoE layer across layouts

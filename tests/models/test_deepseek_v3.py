@@ -9,7 +9,6 @@ here.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +22,7 @@ from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl_testing.tiny_models import TINY_DEEPSEEK_V3, make_tiny_hf_checkpoint, padded_batch as batch, \
     tiny_hf_config
 
-from deepseek_v3_jobs import deepseek_checks
+from deepseek_v3_jobs import assert_logits_match, deepseek_checks, hf_logits
 
 TOLERANCE = 1e-5
 # the tiny checkpoints: q compression (DeepSeek-V3 / Kimi-K2), none (Moonlight / V2-Lite), and no YaRN
@@ -140,33 +139,10 @@ def _with_multi_token_prediction_layer(src: Path, dst: Path) -> Path:
     return dst
 
 
-@functools.cache
-def hf_logits(directory: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    from megatron_rl.models.api import position_ids_from_mask
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    input_ids, attention_mask = batch()
-    with torch.no_grad():
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        ).logits
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, tp, pp, ep", _cases())
 def test_logits_match_transformers(setup, name, tp, pp, ep):
-    dirs, results = setup
-    expected = hf_logits(dirs[name])
-    valid = batch()[1].bool()
-    last_stage = [r["logits"][name, tp, pp, ep] for r in results if (name, tp, pp, ep) in r["logits"]]
-    assert len(last_stage) == 2 // pp
-    for logits in last_stage:
-        assert logits.shape == expected.shape
-        diff = (logits - expected)[valid].abs().max().item()
-        print(f"{name} TP={tp} PP={pp} EP={ep}: max |logit diff| {diff:.2e}")
-        assert diff <= TOLERANCE, f"{name} TP={tp} PP={pp} EP={ep}: max |logit diff| {diff:.2e}"
+    assert_logits_match(*setup, name, tp, pp, ep, TOLERANCE)
 
 
 def test_router_bias_and_yarn_move_the_reference_logits(setup):
