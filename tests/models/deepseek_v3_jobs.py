@@ -253,3 +253,24 @@ def max_grad_diffs(reference: dict[str, torch.Tensor], ranks: list[dict[str, Any
             assert grad.abs().max() > 0, f"{name}: zero gradient"
             diffs[name] = max(diffs.get(name, 0.0), (grad - reference[name]).abs().max().item())
     return diffs
+
+
+def assert_gradients_close(reference: dict[str, torch.Tensor], ranks: list[dict[str, Any]], label: str,
+                           tolerance: float) -> None:
+    """Every gradient ``ranks`` hold (full tensors by checkpoint name) equals ``reference``'s within ``tolerance``."""
+    diffs = max_grad_diffs(reference, ranks)
+    worst = max(diffs, key=diffs.get)
+    print(f"{label}: {len(diffs)} gradients, max |grad diff| {diffs[worst]:.2e} ({worst})")
+    assert diffs[worst] <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
+
+
+def assert_layout_gradients_equal(expected: dict[str, Any], ranks: list[dict[str, Any]], label: str,
+                                  tolerance: float) -> None:
+    """One layout's ranks against the TP 1 reference: every parameter covered, the same loss, the router bias a
+    buffer without gradient, every gradient equal."""
+    for held in ranks:
+        assert held["uncovered"] == []
+        assert abs(held["loss"] - expected["loss"]) <= tolerance
+        bias = held["expert_bias"]
+        assert not bias["is_parameter"] and not bias["requires_grad"] and bias["grad"] is None
+    assert_gradients_close(expected["grads"], ranks, label, tolerance)

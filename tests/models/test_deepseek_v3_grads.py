@@ -16,7 +16,13 @@ import pytest
 from megatron_rl.distributed import run_multiprocess
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
-from deepseek_v3_jobs import GRAD_LAYER, hf_layer_grads, layer_grads, max_grad_diffs
+from deepseek_v3_jobs import (
+    GRAD_LAYER,
+    assert_gradients_close,
+    assert_layout_gradients_equal,
+    hf_layer_grads,
+    layer_grads,
+)
 
 TOLERANCE = 1e-5
 MODELS = {"q_lora": {}, "no_q_lora": dict(q_lora_rank=None)}  # q compressed (V3 / Kimi-K2) or not (V2-Lite)
@@ -72,24 +78,13 @@ def test_reference_gradients_cover_the_whole_layer(setup, name):
 @pytest.mark.parametrize("tp, ep", _layouts())
 def test_layer_gradients_equal_across_layouts(setup, name, tp, ep):
     _, reference, results = setup
-    expected = reference[name, 1, 1]
     ranks = [result[name, tp, ep] for result in results]
-    for held in ranks:
-        assert held["uncovered"] == []
-        assert abs(held["loss"] - expected["loss"]) <= TOLERANCE
-        bias = held["expert_bias"]
-        assert not bias["is_parameter"] and not bias["requires_grad"] and bias["grad"] is None
-    diffs = max_grad_diffs(expected["grads"], ranks)
-    worst = max(diffs, key=diffs.get)
-    print(f"{name} TP={tp} EP={ep}: {len(diffs)} gradients, max |grad diff| {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] <= TOLERANCE, {k: v for k, v in diffs.items() if v > TOLERANCE}
+    assert_layout_gradients_equal(reference[name, 1, 1], ranks, f"{name} TP={tp} EP={ep}", TOLERANCE)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(MODELS))
 def test_reference_gradients_match_transformers(setup, name):
     dirs, reference, _ = setup
-    diffs = max_grad_diffs(hf_layer_grads(dirs[name]), [reference[name, 1, 1]])
-    worst = max(diffs, key=diffs.get)
-    print(f"{name} TP=1 vs transformers: {len(diffs)} gradients, max |grad diff| {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] <= TOLERANCE, {k: v for k, v in diffs.items() if v > TOLERANCE}
+    assert_gradients_close(hf_layer_grads(dirs[name]), [reference[name, 1, 1]], f"{name} TP=1 vs transformers",
+                           TOLERANCE)

@@ -17,7 +17,7 @@ from megatron_rl.distributed import run_multiprocess
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
 from glm4_moe_jobs import GRAD_LAYER, layer_grads
-from deepseek_v3_jobs import hf_layer_grads, max_grad_diffs
+from deepseek_v3_jobs import assert_gradients_close, assert_layout_gradients_equal, hf_layer_grads
 
 TOLERANCE = 1e-5
 # GLM-4.5's attention (q/k/v bias, q/k norms, half of each head rotated, expert groups) and GLM-4.5-Air's (none)
@@ -69,24 +69,13 @@ def test_reference_gradients_cover_the_whole_layer(setup, name):
 @pytest.mark.parametrize("tp, ep", LAYOUTS)
 def test_layer_gradients_equal_across_layouts(setup, name, tp, ep):
     _, reference, results = setup
-    expected = reference[name, 1, 1]
     ranks = [result[name, tp, ep] for result in results]
-    for held in ranks:
-        assert held["uncovered"] == []
-        assert abs(held["loss"] - expected["loss"]) <= TOLERANCE
-        bias = held["expert_bias"]
-        assert not bias["is_parameter"] and not bias["requires_grad"] and bias["grad"] is None
-    diffs = max_grad_diffs(expected["grads"], ranks)
-    worst = max(diffs, key=diffs.get)
-    print(f"{name} TP={tp} EP={ep}: {len(diffs)} gradients, max |grad diff| {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] <= TOLERANCE, {k: v for k, v in diffs.items() if v > TOLERANCE}
+    assert_layout_gradients_equal(reference[name, 1, 1], ranks, f"{name} TP={tp} EP={ep}", TOLERANCE)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(MODELS))
 def test_reference_gradients_match_transformers(setup, name):
     dirs, reference, _ = setup
-    diffs = max_grad_diffs(hf_layer_grads(dirs[name]), [reference[name, 1, 1]])
-    worst = max(diffs, key=diffs.get)
-    print(f"{name} TP=1 vs transformers: {len(diffs)} gradients, max |grad diff| {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] <= TOLERANCE, {k: v for k, v in diffs.items() if v > TOLERANCE}
+    assert_gradients_close(hf_layer_grads(dirs[name]), [reference[name, 1, 1]], f"{name} TP=1 vs transformers",
+                           TOLERANCE)
