@@ -118,6 +118,25 @@ class LoRAConfig:
 
 
 @dataclass
+class MTPConfig:
+    """``actor_rollout_ref.model.mtp``: the checkpoint's multi-token-prediction layers (verl's keys; models/mtp.py,
+    docs/models.md "Multi-token prediction"). Checked before launch (config/mtp.py)."""
+
+    enable: bool = False  # build and load the MTP layers, carry them through checkpoints and the HF export
+    enable_train: bool = False  # add their loss (Megatron-Core's MTP loss) to the actor's; false: frozen
+    enable_rollout: bool = False  # speculative decoding with them in the engines: not built, refused
+    detach_encoder: bool = False  # their loss reaches the MTP layers only (the main model's output detached)
+    mtp_loss_scaling_factor: float = 0.1  # the loss weight, split over the layers as Megatron does
+    # the engines' speculative-decoding settings (verl's; used only with enable_rollout)
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+
+@dataclass
 class ModelConfig:
     path: str = "???"
     # verl's key. Models are built by megatron-rl's own Megatron builders from config.json and tokenizers load
@@ -125,6 +144,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     # verl's older flat LoRA keys (its FSDP spelling), folded into ``lora`` at load time and then null
     # (config/lora.py fold_lora_aliases): HF module names (q_proj, ..., all-linear) map to Megatron's. Setting a
     # key in both spellings is refused. Read ``lora``, never these.

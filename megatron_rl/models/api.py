@@ -14,13 +14,15 @@ from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.layout import unwrap
 from megatron_rl.models.loading import load_hf_weights
+from megatron_rl.models.mtp import with_mtp
 
 
 def build_from_hf(
-    model_dir: str | Path, progress: bool = False, **build_kwargs: Any
+    model_dir: str | Path, progress: bool = False, mtp: bool = False, **build_kwargs: Any
 ) -> list[torch.nn.Module]:
-    """``build_gpt_model`` for ``model_dir``'s config, then ``load_hf_weights`` from it."""
-    chunks = build_gpt_model(load_hf_config(model_dir), init_weights=False, **build_kwargs)
+    """``build_gpt_model`` for ``model_dir``'s config (with its multi-token-prediction layers if ``mtp``), then
+    ``load_hf_weights`` from it."""
+    chunks = build_gpt_model(with_mtp(load_hf_config(model_dir), mtp), init_weights=False, **build_kwargs)
     load_hf_weights(chunks, model_dir, progress=progress)
     return chunks
 

@@ -22,6 +22,11 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -40,6 +45,8 @@ from megatron_rl.models.moe_compat import (
     count_expert_bias_tokens_without_pads,
     disable_mla_te_check_without_te,
 )
+from megatron_rl.models.mtp import MTP_DERIVED_FIELDS, mtp_transformer_kwargs
+from megatron_rl.models.mtp_model import MTPGPTModel
 from megatron_rl.models.moe_experts import (
     ExpertLayer,
     check_grouped_gemm_override,
@@ -74,6 +81,7 @@ DERIVED_FIELDS = {
             *MLA_DERIVED_FIELDS,
         )
     },
+    **{name: "actor_rollout_ref.model.mtp" for name in MTP_DERIVED_FIELDS},
     **{name: f"megatron.{name}" for name in MOE_PARALLEL_FIELDS},
     **{
         name: f"megatron.{name}"
@@ -364,6 +372,24 @@ def _block_spec(
     )
 
 
+def _mtp_block_spec(layer_spec: ModuleSpec, num_layers: int, use_te: bool):
+    """Megatron's MTP block of ``num_layers`` layers around ``layer_spec`` (models/mtp.py), with the local spec's
+    norms (LocalRMSNorm, as the decoder's) or TE's."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+        norm, linear = TENorm, TEColumnParallelLinear
+    else:
+        norm, linear = LocalRMSNorm, ColumnParallelLinear
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=linear, transformer_layer=layer_spec, layer_norm=norm
+        ),
+    )
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
+
+
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
     """Megatron-Core 0.16.1 tags TP-sharded weights (``tensor_model_parallel``, ``partition_dim``) only
     inside its random initialisation. Without it (weights loaded afterwards) every sharded weight looks
@@ -391,6 +417,30 @@ def _rope_kwargs(hf: HFModelConfig) -> dict[str, Any]:
     return kwargs
 
 
+def _check_buildable(hf: HFModelConfig, lora: LoRASpec | None, value_head: bool) -> None:
+    """The combinations the builder does not build (refused before launch by validation too)."""
+    if lora is not None and hf.mla is not None:
+        raise ValueError(f"{hf.source}: LoRA on multi-latent attention ({hf.architecture}) is not built here")
+    if lora is not None and hf.mtp is not None:
+        raise ValueError(f"{hf.source}: LoRA with the multi-token-prediction layers (model.mtp.enable) is not built here")
+    if value_head and hf.mtp is not None:
+        raise ValueError(f"{hf.source}: a value model does not build multi-token-prediction layers")
+
+
+def _layer_specs(hf: HFModelConfig, config: TransformerConfig, use_te: bool, lora: bool, grouped: bool):
+    """(the layer spec, that of an MoE model's dense layers or None, the MTP block's or None)."""
+    cp = config.context_parallel_size > 1
+    spec = gpt_layer_spec(hf, use_te, context_parallel=cp, lora=lora, grouped_experts=grouped)
+    dense_spec = None
+    if hf.moe is not None and hf.moe.layer_pattern:  # dense layers between the MoE layers
+        dense_spec = gpt_layer_spec(hf, use_te, context_parallel=cp, lora=lora, dense=True)
+    mtp_spec = None
+    if hf.mtp is not None:
+        mtp_layer = spec if hf.mtp.moe_layer or dense_spec is None else dense_spec
+        mtp_spec = _mtp_block_spec(mtp_layer, hf.mtp.num_layers, use_te)
+    return spec, dense_spec, mtp_spec
+
+
 def build_gpt_model(
     hf: HFModelConfig,
     *,
@@ -402,6 +452,7 @@ def build_gpt_model(
     init_weights: bool = True,
     parallel_output: bool = True,
     lora: LoRASpec | None = None,
+    mtp_loss_scaling_factor: float = 0.1,
     **config_overrides: Any,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage, else a list of one).
@@ -411,11 +462,14 @@ def build_gpt_model(
     builds the critic: untied embeddings and a ValueHead (hidden -> 1) on the last stage.
     ``init_weights=False`` skips random initialisation when weights are loaded right after.
     ``lora``: LoRA adapters on the targeted linears (models/lora.py); the engine freezes the rest.
+    ``hf.mtp`` (models/mtp.py ``with_mtp``): the multi-token-prediction layers, on the last stage, in an
+    ``MTPGPTModel`` (models/mtp_model.py) whose MTP loss weighs ``mtp_loss_scaling_factor``.
     """
     if use_te is None:
         use_te = te_available()
-    if lora is not None and hf.mla is not None:
-        raise ValueError(f"{hf.source}: LoRA on multi-latent attention ({hf.architecture}) is not built here")
+    _check_buildable(hf, lora, value_head)
+    if hf.mtp is not None:
+        config_overrides.update(mtp_transformer_kwargs(hf.mtp, mtp_loss_scaling_factor))
     experts = None
     if hf.moe is not None:  # override_transformer_config.moe_grouped_gemm is decided here, once
         experts = choose_expert_layer(
@@ -426,16 +480,8 @@ def build_gpt_model(
     config = make_transformer_config(
         hf, params_dtype=params_dtype, init_weights=init_weights, experts=experts, **config_overrides
     )
-    grouped = experts is not None and experts.grouped
-    spec = gpt_layer_spec(
-        hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None,
-        grouped_experts=grouped,
-    )
-    dense_spec = None
-    if hf.moe is not None and hf.moe.layer_pattern:  # dense layers between the MoE layers
-        dense_spec = gpt_layer_spec(
-            hf, use_te, context_parallel=config.context_parallel_size > 1, lora=lora is not None, dense=True
-        )
+    spec, dense_spec, mtp_spec = _layer_specs(hf, config, use_te, lora is not None,
+                                              experts is not None and experts.grouped)
     vocab = padded_vocab_size(hf.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     rope_kwargs = _rope_kwargs(hf)
 
@@ -443,19 +489,24 @@ def build_gpt_model(
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
-        model = GPTModel(
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model_cls, mtp_kwargs = GPTModel, {}
+        if mtp_spec is not None:
+            model_cls, mtp_kwargs = MTPGPTModel, {"mtp_block_spec": mtp_spec if last else None}
+        model = model_cls(
             config=config,
             transformer_layer_spec=_block_spec(spec, config, vp_stage, use_te, dense_spec),
             vocab_size=vocab,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=last,
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=hf.tie_word_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=hf.rope_theta,
             vp_stage=vp_stage,
             **rope_kwargs,
+            **mtp_kwargs,
         )
         if not init_weights:
             mark_tensor_parallel_weights(model)

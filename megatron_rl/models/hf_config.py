@@ -11,6 +11,7 @@ from typing import Any
 from megatron_rl.config.access import plain
 from megatron_rl.models.mla import MLASpec, parse_mla_config
 from megatron_rl.models.moe import MoESpec, parse_moe_config
+from megatron_rl.models.mtp import MTPSpec, parse_mtp_config
 from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
@@ -19,7 +20,8 @@ from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
 # Moonlight) replaces the attention by multi-latent attention (models/mla.py) and routes with sigmoid scores,
 # an expert bias and expert groups, plus ungated shared experts; its first layers are dense (models/moe.py).
 # GLM-4.5 (and -Air) is GQA attention (q/k/v bias, optional q/k norms, RoPE on the first part of each head) with
-# DeepSeek-V3's MoE.
+# DeepSeek-V3's MoE. MiMo is Qwen2's block plus multi-token-prediction layers (models/mtp.py), which DeepSeek-V3 and
+# GLM-4.5 checkpoints carry too.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -30,9 +32,10 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiMoForCausalLM": "mimo",
 }
 # Families whose attention_bias puts a bias on q/k/v only (o_proj has none): Megatron's add_qkv_bias.
-_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "glm4_moe")
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "glm4_moe", "mimo")
 # Megatron's llama3 RoPE scaling hard-codes these; configs with other values are refused.
 _MEGATRON_LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -80,6 +83,10 @@ class HFModelConfig:
     mla: MLASpec | None = None  # multi-latent attention (DeepSeek-V3); None = GPT attention (q/k/v)
     # share of each head's dims RoPE rotates (the first ones, rotate_half layout): GLM-4.5's partial_rotary_factor
     rotary_percent: float = 1.0
+    # the checkpoint's multi-token-prediction layers (num_nextn_predict_layers); ``mtp``: those the model builds
+    # (model.mtp.enable: models/mtp.py with_mtp), None = skipped on load
+    checkpoint_mtp: MTPSpec | None = None
+    mtp: MTPSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -147,7 +154,7 @@ def _qkv_bias(hf_config: dict[str, Any], model_type: str) -> bool:
         return bool(hf_config.get("qkv_bias", True))
     if model_type == "glm4_moe":
         return bool(hf_config.get("attention_bias", False))
-    return model_type == "qwen2"
+    return model_type in ("qwen2", "mimo")
 
 
 def _qk_norm(hf_config: dict[str, Any], model_type: str) -> bool:
@@ -252,6 +259,8 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
     mla, mla_theta = parse_mla_config(hf_config, model_type, source)
     # MLA reads its own RoPE (YaRN) into the MLASpec
     theta, scaling = (mla_theta, None) if mla is not None else _rope(hf_config, source)
+    moe = parse_moe_config(hf_config, model_type, source)
+    moe_last_layer = moe is not None and moe.is_moe_layer(int(hf_config["num_hidden_layers"]) - 1)
     return HFModelConfig(
         architecture=arch,
         model_type=model_type,
@@ -272,10 +281,11 @@ def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") ->
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         source=source,
         raw=dict(hf_config),
-        moe=parse_moe_config(hf_config, model_type, source),
+        moe=moe,
         sequence_classifier=sequence_classifier,
         mla=mla,
         rotary_percent=_rotary_percent(hf_config, model_type, head_dim, scaling, source),
+        checkpoint_mtp=parse_mtp_config(hf_config, model_type, moe_last_layer),
     )
 
 
@@ -310,12 +320,25 @@ def load_hf_config(model_dir: str | Path, override_config: Mapping[str, Any] | N
     return parse_hf_config(raw, source=source)
 
 
+def needs_rebuilt_config(model_dir: str | Path) -> bool:
+    """Whether transformers cannot read ``model_dir``'s config.json by itself (MiMo: ``load_pretrained_config``)."""
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and json.loads(path.read_text()).get("model_type") == "mimo"
+
+
 def load_pretrained_config(model_dir: str | Path, override_config: Mapping[str, Any] | None = None):
     """transformers' ``PretrainedConfig`` of ``model_dir`` with ``override_config`` applied: what the HF
     rollout engine builds from, so it computes the same model as the Megatron side."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if raw.get("model_type") == "mimo":
+        # transformers has no MiMo: its main model is Qwen2's (the MTP layers are not served, models/mtp.py)
+        fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "auto_map")}
+        config = AutoConfig.for_model("qwen2", **fields)
+        config.architectures = ["Qwen2ForCausalLM"]
+    else:
+        config = AutoConfig.from_pretrained(str(model_dir))
     overrides = plain_overrides(override_config)
     if overrides:
         config.update(overrides)

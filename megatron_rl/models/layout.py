@@ -46,6 +46,9 @@ class Kind(Enum):
     VOCAB = "vocab"  # dim 0 split across TP, padded past the real vocabulary
     QKV = "qkv"
     GATE_UP = "gate_up"
+    # dim 0 split across TP, the two halves of dim 1 swapped: MiMo's MTP input_proj takes [hidden | embedding],
+    # Megatron's eh_proj [embedding | hidden] (models/mtp.py)
+    COLUMN_SWAPPED_INPUTS = "column_swapped_inputs"
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class ParamMapping:
     param: torch.nn.Parameter
     group: TensorGroup
     export: bool = True  # False for the tied output-layer copy on the last stage
+    load: bool = True  # False for the checkpoint's copies of a weight held once (DeepSeek's MTP embed / head)
     adapter: LoRAAdapter | None = None  # a LoRA adapter on this (frozen) weight: exported merged
 
     def value(self) -> torch.Tensor:
@@ -104,10 +108,13 @@ def _moe_groups(hf: HFModelConfig, i: int, experts: range) -> dict[str, TensorGr
     return groups
 
 
-def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> dict[str, TensorGroup]:
+def _layer_groups(
+    hf: HFModelConfig, i: int, experts: range | None = None, prefix: str | None = None, moe: bool | None = None
+) -> dict[str, TensorGroup]:
     """HF groups of layer ``i`` keyed by role, in HF's own order; of an MoE layer's experts only
-    ``experts`` (default all)."""
-    p, h = f"model.layers.{i}.", hf.hidden_size
+    ``experts`` (default all). ``prefix`` (default ``model.layers.{i}.``) and ``moe`` (default: the model's
+    layer pattern) for an MTP layer's decoder layer (models/mtp.py)."""
+    p, h = prefix or f"model.layers.{i}.", hf.hidden_size
 
     def qkv(suffix: str, *rest: int) -> tuple[HFTensor, ...]:
         sizes = (("q_proj", hf.q_size), ("k_proj", hf.kv_size), ("v_proj", hf.kv_size))
@@ -117,7 +124,7 @@ def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> di
     if hf.mla is not None:
         for role, name, shape, split in mla_attention_tensors(hf.mla, i, h, hf.num_attention_heads):
             groups[role] = _single(Kind(split), name, shape)
-        return _mlp_groups(hf, i, experts, groups)
+        return _mlp_groups(hf, i, experts, groups, p, moe)
     groups["qkv"] = TensorGroup(Kind.QKV, qkv("weight", h))
     if hf.qkv_bias:
         groups["qkv_bias"] = TensorGroup(Kind.QKV, qkv("bias"))
@@ -129,18 +136,20 @@ def _layer_groups(hf: HFModelConfig, i: int, experts: range | None = None) -> di
             Kind.REPLICATED, (HFTensor(f"{p}self_attn.k_norm.weight", (hf.head_dim,)),)
         )
     groups["o_proj"] = TensorGroup(Kind.ROW, (HFTensor(f"{p}self_attn.o_proj.weight", (h, hf.q_size)),))
-    return _mlp_groups(hf, i, experts, groups)
+    return _mlp_groups(hf, i, experts, groups, p, moe)
 
 
 def _mlp_groups(
-    hf: HFModelConfig, i: int, experts: range | None, groups: dict[str, TensorGroup]
+    hf: HFModelConfig, i: int, experts: range | None, groups: dict[str, TensorGroup], p: str, moe: bool | None
 ) -> dict[str, TensorGroup]:
     """``groups`` (layer ``i``'s attention) followed by its post-attention norm and MLP (dense or MoE)."""
-    p, h, f = f"model.layers.{i}.", hf.hidden_size, hf.intermediate_size
+    h, f = hf.hidden_size, hf.intermediate_size
     groups["post_norm"] = TensorGroup(
         Kind.REPLICATED, (HFTensor(f"{p}post_attention_layernorm.weight", (h,)),)
     )
-    if hf.moe is not None and hf.moe.is_moe_layer(i):
+    if moe is None:
+        moe = hf.moe is not None and hf.moe.is_moe_layer(i)
+    if moe:
         return {**groups, **_moe_groups(hf, i, range(hf.moe.num_experts) if experts is None else experts)}
     groups["gate_up"] = TensorGroup(
         Kind.GATE_UP,
@@ -169,13 +178,37 @@ def head_groups(hf: HFModelConfig, value_head: bool) -> list[TensorGroup]:
     return [_single(Kind.VOCAB, "lm_head.weight", (hf.vocab_size, hf.hidden_size))]
 
 
-def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False) -> list[TensorGroup]:
-    """Every HF tensor group of the model in checkpoint order (embedding, layers, norm, head)."""
+def _mtp_groups(hf: HFModelConfig, k: int, experts: range | None = None) -> dict[str, TensorGroup]:
+    """HF groups of MTP layer ``k`` keyed by role (models/mtp.py): its norms and projection, its decoder layer
+    (roles ``layer.<role>``), its final norm, then the checkpoint's copies of the embedding and lm_head."""
+    mtp, h = hf.mtp, hf.hidden_size
+    names = mtp.tensor_names(k)
+    eh_kind = Kind.COLUMN_SWAPPED_INPUTS if mtp.mimo_naming else Kind.COLUMN
+    groups = {
+        "enorm": _single(Kind.REPLICATED, names["enorm"], (h,)),
+        "hnorm": _single(Kind.REPLICATED, names["hnorm"], (h,)),
+        "eh_proj": _single(eh_kind, names["eh_proj"], (h, 2 * h)),
+    }
+    layer = _layer_groups(hf, mtp.hf_index(k), experts, prefix=mtp.prefix(k), moe=mtp.moe_layer)
+    groups |= {f"layer.{role}": group for role, group in layer.items()}
+    groups["final_norm"] = _single(Kind.REPLICATED, names["final_norm"], (h,))
+    copies = mtp.shared_copies(k, hf.tie_word_embeddings)
+    groups |= {f"copy.{role}": _single(Kind.VOCAB, name, (hf.vocab_size, h)) for role, name in copies.items()}
+    return groups
+
+
+def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False, mtp: bool = True) -> list[TensorGroup]:
+    """Every HF tensor group of the model in checkpoint order (embedding, layers, norm, head, then the MTP layers
+    the model builds, unless ``mtp=False``: what the engines that do not draft with them get)."""
     groups = [embedding_group(hf)]
     for i in range(hf.num_layers):
         groups += _layer_groups(hf, i).values()
     groups.append(_single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))
-    return groups + head_groups(hf, value_head)
+    groups += head_groups(hf, value_head)
+    if mtp and hf.mtp is not None and not value_head:
+        for k in range(hf.mtp.num_layers):
+            groups += _mtp_groups(hf, k).values()
+    return groups
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -277,49 +310,87 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     for layer in model.decoder.layers:
         index = layer.layer_number - 1
         groups = _layer_groups(hf, index, experts)
-        attn, mlp = layer.self_attention, layer.mlp
         moe_layer = experts is not None and hf.moe.is_moe_layer(index)
-        if hf.mla is not None:
-            params = _mla_params(layer)
-        else:
-            params = {
-                "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
-                "qkv": attn.linear_qkv.weight,
-                "qkv_bias": attn.linear_qkv.bias if hf.qkv_bias else None,
-                "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
-                "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
-                "o_proj": attn.linear_proj.weight,
-            }
-        if moe_layer:
-            params["post_norm"] = layer.pre_mlp_layernorm.weight  # never fused into the MoE layer
-            params.update(_moe_params(mlp, experts))
-        else:
-            params["post_norm"] = _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1)
-            params["gate_up"] = mlp.linear_fc1.weight
-            params["down"] = mlp.linear_fc2.weight
-        adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
-        adapters |= _moe_adapters(mlp, experts) if moe_layer else _mlp_adapters(mlp, "")
-        mappings += [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
+        mappings += _decoder_layer_mappings(hf, layer, groups, experts, moe_layer)
     if model.post_process:
-        mappings.append(
-            ParamMapping(
-                model.decoder.final_layernorm.weight,
-                _single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)),
-            )
-        )
-        head = model.output_layer
-        if isinstance(head, ValueHead):
-            params = (head.weight,) if head.bias is None else (head.weight, head.bias)
-            mappings += [ParamMapping(p, g) for p, g in zip(params, head_groups(hf, value_head=True), strict=True)]
-        elif not hf.tie_word_embeddings:
-            mappings.append(ParamMapping(head.weight, head_groups(hf, value_head=False)[0]))
-        elif head.weight is not None:
-            # Tied, on a later stage than the embedding: a copy that loads but is not exported.
-            mappings.append(ParamMapping(head.weight, embedding_group(hf), export=False))
+        mappings += _head_mappings(model, hf)
+    if getattr(model, "mtp_process", False):
+        mappings += _mtp_mappings(model, hf, experts)
+    return mappings
+
+
+def _decoder_layer_mappings(
+    hf: HFModelConfig, layer: torch.nn.Module, groups: dict[str, TensorGroup], experts: range | None, moe_layer: bool
+) -> list[ParamMapping]:
+    """A Megatron TransformerLayer's parameters against ``groups`` (its HF groups by role)."""
+    attn, mlp = layer.self_attention, layer.mlp
+    if hf.mla is not None:
+        params = _mla_params(layer)
+    else:
+        params = {
+            "input_norm": _norm_weight(layer.input_layernorm, attn.linear_qkv),
+            "qkv": attn.linear_qkv.weight,
+            "qkv_bias": attn.linear_qkv.bias if hf.qkv_bias else None,
+            "q_norm": attn.q_layernorm.weight if hf.qk_norm else None,
+            "k_norm": attn.k_layernorm.weight if hf.qk_norm else None,
+            "o_proj": attn.linear_proj.weight,
+        }
+    if moe_layer:
+        params["post_norm"] = layer.pre_mlp_layernorm.weight  # never fused into the MoE layer
+        params.update(_moe_params(mlp, experts))
+    else:
+        params["post_norm"] = _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1)
+        params["gate_up"] = mlp.linear_fc1.weight
+        params["down"] = mlp.linear_fc2.weight
+    adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
+    adapters |= _moe_adapters(mlp, experts) if moe_layer else _mlp_adapters(mlp, "")
+    return [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
+
+
+def _head_mappings(model: torch.nn.Module, hf: HFModelConfig) -> list[ParamMapping]:
+    """The last stage's final norm and head."""
+    mappings = [ParamMapping(model.decoder.final_layernorm.weight,
+                             _single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))]
+    head = model.output_layer
+    if isinstance(head, ValueHead):
+        params = (head.weight,) if head.bias is None else (head.weight, head.bias)
+        mappings += [ParamMapping(p, g) for p, g in zip(params, head_groups(hf, value_head=True), strict=True)]
+    elif not hf.tie_word_embeddings:
+        mappings.append(ParamMapping(head.weight, head_groups(hf, value_head=False)[0]))
+    elif head.weight is not None:
+        # Tied, on a later stage than the embedding: a copy that loads but is not exported.
+        mappings.append(ParamMapping(head.weight, embedding_group(hf), export=False))
+    return mappings
+
+
+def _mtp_mappings(model: torch.nn.Module, hf: HFModelConfig, experts: range | None) -> list[ParamMapping]:
+    """The MTP layers (Megatron's ``model.mtp.layers``, on the last stage) against their HF groups. The
+    checkpoint's embedding / lm_head copies export the shared weights under their names and load nothing."""
+    mappings = []
+    for k, mtp_layer in enumerate(model.mtp.layers):
+        groups = _mtp_groups(hf, k, experts)
+        own = {"enorm": mtp_layer.enorm.weight, "hnorm": mtp_layer.hnorm.weight, "eh_proj": mtp_layer.eh_proj.weight,
+               "final_norm": mtp_layer.final_layernorm.weight}
+        mappings += [ParamMapping(own[role], groups[role]) for role in own]
+        layer_groups = {role.removeprefix("layer."): g for role, g in groups.items() if role.startswith("layer.")}
+        moe_layer = experts is not None and hf.mtp.moe_layer
+        mappings += _decoder_layer_mappings(hf, mtp_layer.transformer_layer, layer_groups, experts, moe_layer)
+        shared = {"embedding": model.embedding.word_embeddings.weight,
+                  "head": model.embedding.word_embeddings.weight if hf.tie_word_embeddings else model.output_layer.weight}
+        mappings += [ParamMapping(shared[role.removeprefix("copy.")], g, load=False)
+                     for role, g in groups.items() if role.startswith("copy.")]
+    if not model.pre_process:  # Megatron's copy of the embedding on the MTP stage, kept equal to the first stage's
+        mappings.append(ParamMapping(model.embedding.word_embeddings.weight, embedding_group(hf), export=False))
     return mappings
 
 
 # ---------------------------------------------------------------- HF -> local shard
+
+
+def _swap_input_halves(weight: torch.Tensor) -> torch.Tensor:
+    """[out, 2h] with inputs [a | b] -> [b | a] (its own inverse)."""
+    a, b = weight.chunk(2, dim=1)
+    return torch.cat([b, a], dim=1)
 
 Reader = Callable[[str, int | None, int, int | None], torch.Tensor]
 
@@ -364,6 +435,9 @@ def shard_from_hf(
         return torch.cat([read(t.name, 0, rank * rows, (rank + 1) * rows) for t in group.tensors])
     if kind is Kind.QKV:
         return _qkv_shard(hf, group, read, rank, size)
+    if kind is Kind.COLUMN_SWAPPED_INPUTS:
+        rows = first.shape[0] // size
+        return _swap_input_halves(read(first.name, 0, rank * rows, (rank + 1) * rows))
     raise AssertionError(kind)
 
 
@@ -381,6 +455,8 @@ def hf_from_shards(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Ten
         return [torch.cat(shards, dim=1)]
     if kind is Kind.VOCAB:
         return [torch.cat(shards, dim=0)[: group.tensors[0].shape[0]]]
+    if kind is Kind.COLUMN_SWAPPED_INPUTS:
+        return [_swap_input_halves(torch.cat(shards, dim=0))]
     if kind is Kind.GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]

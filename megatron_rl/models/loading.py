@@ -13,14 +13,7 @@ from megatron_rl.models.fp8_checkpoint import FP8BlockDequantizer, check_fp8_qua
 from megatron_rl.models.hf_checkpoint import CheckpointMismatchError, HFCheckpointReader
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import chunk_mappings, hf_tensor_groups, is_value_model, shard_from_hf, unwrap
-
-
-def _multi_token_prediction_tensors(hf: HFModelConfig, names: set[str]) -> set[str]:
-    """DeepSeek-V3's multi-token-prediction modules, stored as layers ``num_hidden_layers`` .. (+
-    ``num_nextn_predict_layers``): not built here, nor by transformers (which skips them on load)."""
-    extra = int(hf.raw.get("num_nextn_predict_layers") or 0)
-    mtp_prefixes = tuple(f"model.layers.{hf.num_layers + i}." for i in range(extra))
-    return {name for name in names if mtp_prefixes and name.startswith(mtp_prefixes)}
+from megatron_rl.models.mtp import checkpoint_mtp_tensors, shared_copy_names
 
 
 def load_hf_weights(
@@ -48,12 +41,16 @@ def load_hf_weights(
 
     groups = hf_tensor_groups(hf, value_head=value_model)
     has_score = value_model and "score.weight" in names
+    copies = shared_copy_names(hf)
     expected = {
-        t.name: t.shape for g in groups if has_score or not g.key.startswith("score.") for t in g.tensors
+        t.name: t.shape for g in groups if (has_score or not g.key.startswith("score.")) and g.key not in copies
+        for t in g.tensors
     }
     # Tied checkpoints may still store lm_head; a critic initialised from a causal LM drops it.
     ignorable = {"lm_head.weight"} if hf.tie_word_embeddings or value_model else set()
-    ignorable |= _multi_token_prediction_tensors(hf, names)
+    # the multi-token-prediction layers the model does not build (models/mtp.py), and the copies of the embedding
+    # and lm_head in those it builds: not read
+    ignorable |= checkpoint_mtp_tensors(hf, names) - set(expected)
     if fp8 is not None:
         ignorable |= fp8.scale_names()  # consumed by their weights
     reader.validate(expected, frozenset(ignorable))
@@ -68,7 +65,7 @@ def load_hf_weights(
     mappings = [m for chunk in chunks for m in chunk_mappings(chunk)]
     show = progress and torch.distributed.get_rank() == 0
     for mapping in tqdm(mappings, desc=f"loading {reader.model_dir.name}", unit="tensor", disable=not show):
-        if mapping.group.key.startswith("score.") and not has_score:
+        if (mapping.group.key.startswith("score.") and not has_score) or not mapping.load:
             continue
         param = mapping.param
         rank, size = (tp_rank, tp_size) if mapping.group.expert is None else (etp_rank, etp_size)

@@ -27,8 +27,6 @@ UNBUILT_ARCHITECTURES: dict[str, str] = {
     "HYV3ForCausalLM": "Hy3's family (GQA with q/k norms, sigmoid-routed experts with a correction bias, shared "
                        "experts, a per-layer dense/MoE pattern) is not mapped yet: its pieces exist here (Qwen3's "
                        "attention, DeepSeek-V3's routing), its weight names and config are not read",
-    "MiMoForCausalLM": "MiMo's multi-token-prediction layers (num_nextn_predict_layers) are not built: neither "
-                       "trained nor kept in sync for the engines' speculative decoding",
     "NemotronHForCausalLM": "hybrid Mamba-2 / attention / MLP layers: Megatron-Core builds Mamba layers "
                             "(megatron/core/ssm/mamba_mixer.py) on mamba_ssm's and causal_conv1d's CUDA kernels, "
                             "and megatron-rl's model build and weight layout cover transformer layers only",

@@ -163,6 +163,9 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,), accuracy=ACTIVATIONS)
+    if lm_head and cfg.actor_rollout_ref.model.mtp.enable_train and (stage == "last" or layout.pp == 1):
+        table.add(f"{role} MTP layers' activations", memory.mtp_activation_bytes(model, layout, tokens),
+                  (update_phase,), accuracy=ACTIVATIONS)
     if lora_enabled(lora):
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
         per_token_layer = max(lora_memory.lora_activation_bytes_per_token_layer(
@@ -209,7 +212,8 @@ def build_table(cfg: PPOTrainerConfig, sizes: DerivedSizes, model: HFModelConfig
     elif kl:
         ref_mcfg = cfg.actor_rollout_ref.ref.megatron
         ref_layout = role_layout(cfg, REF, sizes.world_size)
-        ref_params = max(memory.stage_params(model, ref_layout, s) for s in ("first", "last"))
+        ref_model = dataclasses.replace(model, mtp=None)  # the reference builds no MTP layers
+        ref_params = max(memory.stage_params(ref_model, ref_layout, s) for s in ("first", "last"))
         dtype = params_dtype(cfg, ref_mcfg)
         per_param = memory.state_bytes_per_param(dtype, False, 1).params
         # offloaded for generation, back only for its own log-probs (not for the actor's weight export)

@@ -168,12 +168,36 @@ def layer_params(model: HFModelConfig, layer: int = 0) -> int:
     return attention_params(model) + dense_mlp_params(model)
 
 
+def mtp_layer_params(model: HFModelConfig) -> int:
+    """Weight matrices of one multi-token-prediction layer the model builds (models/mtp.py): its projection
+    [h, 2h] and its decoder layer (MoE as the model's last layer for DeepSeek-V3 / GLM-4.5); 0 without MTP."""
+    if model.mtp is None:
+        return 0
+    decoder = layer_params(model, model.num_layers - 1) if model.mtp.moe_layer else (
+        attention_params(model) + dense_mlp_params(model))
+    return 2 * model.hidden_size * model.hidden_size + decoder
+
+
 def total_params(model: HFModelConfig) -> int:
-    """The weight matrices of the HF model: embeddings, layers, lm_head unless tied (norms and biases:
-    ``small_params``; ``numel`` counts both)."""
+    """The weight matrices of the HF model: embeddings, layers, lm_head unless tied, the MTP layers it builds
+    (norms and biases: ``small_params``; ``numel`` counts both)."""
     vocab_matrices = 1 if model.tie_word_embeddings else 2
     layers = sum(layer_params(model, i) for i in range(model.num_layers))
-    return layers + vocab_matrices * model.vocab_size * model.hidden_size
+    mtp = model.mtp.num_layers * mtp_layer_params(model) if model.mtp is not None else 0
+    return layers + vocab_matrices * model.vocab_size * model.hidden_size + mtp
+
+
+def mtp_stage_params(model: HFModelConfig, layout: Layout) -> int:
+    """Of the last stage's parameters on one GPU, the MTP layers (models/mtp.py): the projection and decoder layer
+    split over TP (routed experts over EP x ETP), and under PP > 1 Megatron's copy of the embedding there."""
+    if model.mtp is None:
+        return 0
+    whole = attention_replicated_params(model)
+    experts = mlp_params(model) if model.mtp.moe_layer else 0
+    split = mtp_layer_params(model) - experts - whole
+    per_layer = split // layout.tp + whole + experts // layout.expert_shards
+    embedding = padded_vocab_size(model.vocab_size, layout.tp) * model.hidden_size // layout.tp if layout.pp > 1 else 0
+    return model.mtp.num_layers * per_layer + embedding
 
 
 def active_params(model: HFModelConfig) -> int:
@@ -222,10 +246,11 @@ def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bo
             layers += (layer_params(model, i) - whole) // layout.tp + whole
     if layout.pp == 1:
         shared = model.tie_word_embeddings and lm_head
-        return layers + vocab_shard * (1 if shared or not lm_head else 2)
+        return layers + vocab_shard * (1 if shared or not lm_head else 2) + (mtp_stage_params(model, layout)
+                                                                              if lm_head else 0)
     if stage == "first":
         return layers + vocab_shard
-    return layers + (vocab_shard if lm_head else 0)
+    return layers + (vocab_shard + mtp_stage_params(model, layout) if lm_head else 0)
 
 
 def stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage = "first") -> int:
@@ -553,9 +578,23 @@ def logits_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: i
     return tokens_per_micro_batch / layout.cp * vocab * (dtype_bytes + FP32)
 
 
+def mtp_activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_batch: int,
+                         dtype_bytes: int = BF16) -> float:
+    """What the MTP layers add to the last stage's activations when they train (model.mtp.enable_train), per
+    depth: the concatenated [embedding | hidden] input (2h), one decoder layer's activations and its logits."""
+    if model.mtp is None:
+        return 0.0
+    tokens = tokens_per_micro_batch / layout.cp
+    concat = 2 * model.hidden_size * dtype_bytes / (layout.tp if layout.sequence_parallel else 1)
+    per_depth = tokens * (concat + activation_bytes_per_token_layer(model, layout, dtype_bytes))
+    return model.mtp.num_layers * (per_depth + logits_bytes(model, layout, tokens_per_micro_batch, dtype_bytes))
+
+
 def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:
-    """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks."""
-    return total_params(model) * BF16 / rollout_tp
+    """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks (the MTP layers
+    stay with the trainer: the engines do not draft with them)."""
+    mtp = model.mtp.num_layers * mtp_layer_params(model) if model.mtp is not None else 0
+    return (total_params(model) - mtp) * BF16 / rollout_tp
 
 
 def kv_cache_bytes_per_token(model: HFModelConfig, rollout_tp: int) -> float:

@@ -14,6 +14,7 @@ from megatron_rl.models.hf_config import (
     apply_override_config,
     parse_hf_config,
 )
+from megatron_rl.models.mtp import with_mtp
 
 # the model sections a planner reads, by the key its messages name
 MODEL_SECTIONS = {"actor_rollout_ref.model": lambda cfg: cfg.actor_rollout_ref.model,
@@ -58,6 +59,9 @@ def load_model_facts(cfg: PPOTrainerConfig, model_key: str = "actor_rollout_ref.
         source = "plan.architecture"
     raw = apply_override_config(raw, model.override_config)  # what load_hf_config does for the builder
     try:
-        return parse_hf_config(raw, source=source)
+        facts = parse_hf_config(raw, source=source)
+        if model_key == "actor_rollout_ref.model":  # the actor builds the MTP layers model.mtp.enable asks for
+            facts = with_mtp(facts, cfg.actor_rollout_ref.model.mtp.enable)
+        return facts
     except UnsupportedModelError as err:
         raise ConfigError(str(err)) from err

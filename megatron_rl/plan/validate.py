@@ -20,6 +20,7 @@ from megatron_rl.config import checks
 from megatron_rl.config.access import megatron_section, plain
 from megatron_rl.config.errors import ConfigError, require as _require
 from megatron_rl.config.lora import check_lora, lora_enabled
+from megatron_rl.config.mtp import check_mtp_settings
 from megatron_rl.config.router_replay import check_router_replay
 from megatron_rl.config.schema import PPOTrainerConfig, RewardJudgeConfig, RolloutConfig, RolloutCorrectionConfig
 from megatron_rl.plan.context_parallel import (  # noqa: F401  (the preflight and tests import these from here)
@@ -469,7 +470,7 @@ def _check_ray_init(cfg: PPOTrainerConfig) -> None:
 SETTINGS_RULES: tuple[Callable[[DictConfig], None], ...] = (
     _check_keys_and_counts, _check_algorithm_names, _check_choices, _check_rollout_servers, _check_server_restarts,
     _check_server_pool, _check_async, _check_tools, _check_engine, _check_reward, _check_reward_overlap,
-    _check_sampling_and_advantages, _check_ray_init,
+    _check_sampling_and_advantages, _check_ray_init, check_mtp_settings,
 )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
-from megatron_rl.models.hf_config import load_pretrained_config, plain_overrides
+from megatron_rl.models.hf_config import load_pretrained_config, needs_rebuilt_config, plain_overrides
 from megatron_rl.rollout.memory import EngineMemory, EngineStart, hf_memory, sglang_memory, vllm_memory
 
 if TYPE_CHECKING:  # the engines import torch; validation does not need it
@@ -64,7 +64,9 @@ def _build_hf(config: RolloutConfig, model_path: str | os.PathLike, *,
         return build_sglang_engine(config, str(model_path), **kwargs, compute_device="cpu")
     from megatron_rl.rollout.hf_engine import HFEngine  # lazy: torch, transformers' model classes
 
-    model_config = load_pretrained_config(model_path, override_config) if override_config else model_path
+    # a config object where transformers cannot read the directory's own (MiMo) or it is overridden
+    rebuilt = override_config or needs_rebuilt_config(model_path)
+    model_config = load_pretrained_config(model_path, override_config) if rebuilt else model_path
     return HFEngine(config, model_config, **kwargs)
 
 

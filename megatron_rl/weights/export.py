@@ -93,6 +93,9 @@ class ExportPlan:
     consumers: frozenset[int] | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     dtype: torch.dtype | None = None
+    # the multi-token-prediction layers the model builds (models/mtp.py): in the HF export; the engines do not
+    # draft with them (model.mtp.enable_rollout is refused), so the weight sync leaves them out
+    with_mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
@@ -187,6 +190,12 @@ def _write_hf(hf: HFModelConfig, group: TensorGroup, shards: list[torch.Tensor],
         cols = shards[0].shape[1]
         for r, shard in enumerate(shards):
             dests[0][:, r * cols : (r + 1) * cols].copy_(shard)
+        return
+    if kind is Kind.COLUMN_SWAPPED_INPUTS:  # Megatron's [embedding | hidden] inputs back to MiMo's [hidden | embedding]
+        rows, half = shards[0].shape[0], shards[0].shape[1] // 2
+        for r, shard in enumerate(shards):
+            dests[0][r * rows : (r + 1) * rows, :half].copy_(shard[:, half:])
+            dests[0][r * rows : (r + 1) * rows, half:].copy_(shard[:, :half])
         return
     if kind is Kind.VOCAB:
         rows, vocab = shards[0].shape[0], dests[0].shape[0]
@@ -471,7 +480,8 @@ def export_hf_buckets(model_chunks: list[torch.nn.Module], plan: ExportPlan = Ex
     chunks = [unwrap(c) for c in model_chunks]
     ctx, owner, value_model = _export_context(chunks, plan.dtype, plan.consumers)
     buckets = plan_export_buckets(
-        hf_tensor_groups(ctx.hf, value_head=value_model), owner, ctx.tp_size, plan.bucket_bytes, ctx.ep_owner
+        hf_tensor_groups(ctx.hf, value_head=value_model, mtp=plan.with_mtp), owner, ctx.tp_size, plan.bucket_bytes,
+        ctx.ep_owner
     )
     if not buckets:
         return

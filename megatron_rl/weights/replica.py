@@ -249,6 +249,7 @@ class RolloutReplica:
         return ExportPlan(
             consumers=None if every_rank else frozenset(self.mesh.leaders),
             bucket_bytes=int(self.config.weight_sync.bucket_size_mb) << 20,
+            with_mtp=False,
         )
 
     def sync(

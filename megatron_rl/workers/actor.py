@@ -187,7 +187,8 @@ class ActorRole(CheckpointedRole):
                 lambda global_batch: functools.partial(self._policy_step, global_batch, temperature),
                 f"{self.prefix}.ppo_max_token_len_per_gpu",
             )
-            router = {f"actor/{name}": value for name, value in self.engine.router_metrics.items()}  # MoE
+            router = {f"actor/{name}": value  # MoE router losses, the MTP loss
+                      for name, value in (self.engine.router_metrics | self.engine.mtp_metrics).items()}
             steps.append(metrics | {"actor/grad_norm": grad_norm} | router)
         metrics = mean_over_steps(steps) | {"actor/lr": self.engine.lr}
         if self.config.use_kl_loss:

@@ -27,18 +27,21 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.config.optimizer_overrides import optimizer_overrides
-from megatron_rl.config.schema import LoRAConfig, MegatronParallelConfig, OptimConfig
+from megatron_rl.config.schema import LoRAConfig, MegatronParallelConfig, MTPConfig, OptimConfig
 from megatron_rl.models import capabilities
 from megatron_rl.models.builder import build_gpt_model, transformer_overrides
 from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.models.layout import unwrap
 from megatron_rl.models.loading import load_hf_weights
 from megatron_rl.models.lora import LoRAAdapter, LoRASpec
 from megatron_rl.models.moe_training import ExpertLoad, freeze_routers, moe_metrics, moe_padding, router_loss_scaling
+from megatron_rl.models.mtp import with_mtp
 from megatron_rl.models.peft_adapter import load_peft_adapter
 from megatron_rl.models.rope_positions import check_rope_positions, rope_at_positions
 from megatron_rl.models.router_replay import build_routing_replay
 from megatron_rl.models.value_head import ValueHead
 from megatron_rl.workers.lr_schedule import build_lr_scheduler
+from megatron_rl.workers.mtp_loss import MTPTraining
 from megatron_rl.workers.offload import EngineOffload
 from megatron_rl.workers.optimizer_device import optimizer_device_scope
 from megatron_rl.workers.packing import PackedMicroBatch
@@ -136,6 +139,9 @@ class MegatronEngine:
         name: config prefix used in error messages, e.g. ``actor_rollout_ref.actor``.
         override_config: ``<role>.model.override_config``, HF config.json fields applied on top of the
             checkpoint's config before the model is built (the rollout engine gets the same).
+        mtp: ``actor_rollout_ref.model.mtp`` (the actor's): with ``enable`` the checkpoint's multi-token-prediction
+            layers are built and loaded, trained with their loss under ``enable_train`` (workers/mtp_loss.py),
+            else frozen.
     """
 
     def __init__(
@@ -149,8 +155,10 @@ class MegatronEngine:
         name: str = "actor",
         override_config: Mapping[str, Any] | None = None,
         lora: LoRAConfig | None = None,
+        mtp: MTPConfig | None = None,
     ) -> None:
         self.name = name
+        self.mtp = mtp if mtp is not None and mtp.enable else None
         check_parallel_state(parallel, f"{name}.megatron")
         self.params_dtype = resolve_params_dtype(parallel.params_dtype, f"{name}.megatron")
         # <role>.model.lora (rank > 0): adapters on the targeted linears, everything else frozen
@@ -163,6 +171,11 @@ class MegatronEngine:
         self.value_head = value_head
         # MoE router losses and expert load of the last training run (models/moe_training.py); {} for dense models
         self.router_metrics: dict[str, float] = {}
+        # the MTP loss of the last training run (workers/mtp_loss.py); {} without it
+        self.mtp_metrics: dict[str, float] = {}
+        self.mtp_training = None
+        if self.mtp is not None and optim is not None and self.mtp.enable_train:
+            self.mtp_training = MTPTraining(self.mtp, self.hf_config.mtp.num_layers)
         self.expert_load: ExpertLoad | None = None
         # set while a probe's routing is recorded (models/moe_routing.py: routing agreement with the rollout engine)
         self.routing_recorder = None
@@ -200,15 +213,20 @@ class MegatronEngine:
         # sequence_parallel and override_transformer_config reach the TransformerConfig here (checked:
         # an unknown field is refused by name); the planner builds its config from the same function.
         chunks = build_gpt_model(
-            load_hf_config(model_dir, override_config),
+            with_mtp(load_hf_config(model_dir, override_config), self.mtp is not None),
             value_head=value_head,
             value_head_init=value_head_init,
             params_dtype=self.params_dtype,
             init_weights=True,
             lora=self.lora,
+            mtp_loss_scaling_factor=self.mtp.mtp_loss_scaling_factor if self.mtp is not None else 0.1,
             **transformer_overrides(parallel, f"{self.name}.megatron"),
         )
         load_hf_weights(chunks, model_dir)
+        if self.mtp is not None and not self.mtp.enable_train:  # loaded, synced and exported, never trained
+            for chunk in chunks:
+                if getattr(chunk, "mtp_process", False):
+                    chunk.mtp.requires_grad_(False)
         if self.lora is not None:
             if adapter_path:  # a PEFT adapter to start from (checked before launch: trainer/preflight.py)
                 load_peft_adapter(chunks, adapter_path)
@@ -379,6 +397,7 @@ class MegatronEngine:
                 self.routing_recorder.expect(micro_batch)
             if self.routing_replay is not None:
                 self.routing_replay.expect(micro_batch)
+            self._set_mtp_targets(unwrap(model), micro_batch, len(micro_batches), forward_only)
             if micro_batch.is_thd:
                 output = model(
                     micro_batch.input_ids,
@@ -417,12 +436,24 @@ class MegatronEngine:
             )
         if replay is not None:
             replay.end()
+        if self.mtp_training is not None and not forward_only:
+            self.mtp_metrics = self.mtp_training.metrics([unwrap(c) for c in self.model], self.dp_group, self.device)
         if not forward_only and self.hf_config.moe is not None:
             losses = moe_metrics(self.config.num_layers, len(micro_batches))
             self.router_metrics = losses | self.expert_load.metrics()
             if replay is not None:
                 self.router_metrics |= replay.metrics()
         return outputs
+
+    def _set_mtp_targets(self, chunk: torch.nn.Module, micro_batch: PackedMicroBatch, micro_batches: int,
+                         forward_only: bool) -> None:
+        """The MTP loss's targets on the chunk that holds the MTP layers, in training micro-batches only."""
+        if not getattr(chunk, "mtp_process", False):
+            return
+        chunk.mtp_targets = None
+        if self.mtp_training is not None and not forward_only:
+            self.mtp_training.set_targets(chunk, micro_batch, micro_batches,
+                                          parallel_state.get_data_parallel_world_size())
 
     def zero_grad(self) -> None:
         for chunk in self.model:

@@ -9,7 +9,9 @@ instead), and the DeepSeek-V3 ones reach the layout and key checks:
   engines here cannot;
 - grpo_trainer/run_moonlight_16b_a3b_megatron.sh: it starts from a converted Megatron checkpoint
   (use_dist_checkpointing=True); megatron-rl loads the HF checkpoint, and without that key the script plans.
-- refused by architecture: mtp_trainer/run_mimo_7b_mtp_megatron.sh (MiMo's MTP layers), grpo_trainer/
+- mtp_trainer/run_mimo_7b_mtp_megatron.sh: it trains the MTP layer (detach_encoder) at CP 2, where the MTP loss is
+  not built; at CP 1 it plans, the MTP layer counted.
+- refused by architecture: grpo_trainer/
   run_qwen3_5_35b_megatron.sh (Gated DeltaNet, a VL model), run_hy_v3_megatron.sh (Hy3 not mapped),
   run_kimi_k2_6_glm5_1_megatron_lite.sh (both variants: Kimi-K2.6 is a VL model, GLM-5.1 needs DSA),
   run_nemotron_nano_v3_30b_a3b_megatron.sh (Mamba layers), run_deepseek_v4_flash_megatron.sh (compressed sparse
@@ -45,6 +47,13 @@ MOONLIGHT_16B = {**DEEPSEEK_V3, "hidden_size": 2048, "intermediate_size": 11264,
                  "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "vocab_size": 163840,
                  "num_nextn_predict_layers": 0}
 
+# MiMo-7B: Qwen2's block (q/k/v bias) and one multi-token-prediction layer
+MIMO_7B = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "attention_bias": True, "hidden_act": "silu",
+           "hidden_size": 4096, "intermediate_size": 11008, "max_position_embeddings": 32768,
+           "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+           "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 640000, "tie_word_embeddings": False,
+           "use_sliding_window": False, "vocab_size": 151680}
+
 
 def _declared(architecture: str) -> dict:
     """A family refused by name: only its declared architecture is read before the refusal."""
@@ -57,8 +66,8 @@ EXPECTED = {
     "deepseek_v3_671b": (DEEPSEEK_V3, r"rollout.tensor_model_parallel_size=32 does not divide trainer.n_gpus_per_node="
                                       r"8: a colocated engine cannot span two nodes"),
     "moonlight_16b_a3b": (MOONLIGHT_16B, r"megatron.use_dist_checkpointing=True: megatron-rl loads HF checkpoints"),
-    "mimo_7b_mtp": (_declared("MiMoForCausalLM"), r"architecture MiMoForCausalLM is not supported: MiMo's "
-                                                  r"multi-token-prediction layers"),
+    "mimo_7b_mtp": (MIMO_7B, r"mtp.enable_train=true with actor_rollout_ref.actor.megatron.context_parallel_size=2: "
+                             r"the MTP loss under context parallelism is not built here"),
     "qwen3_5_35b": (_declared("Qwen3_5MoeForConditionalGeneration"),
                     r"Qwen3_5MoeForConditionalGeneration is not supported: a vision-language model.*Gated DeltaNet.*"
                     r"flash-linear-attention's Triton kernels"),
@@ -103,3 +112,15 @@ def test_moonlight_from_its_hf_checkpoint_plans(tmp_path):
     validate(cfg)
     text = build_plan(cfg).format()
     assert "DeepseekV3ForCausalLM" in text, text
+
+
+def test_mimo_mtp_script_plans_at_cp_1_with_its_mtp_layer(tmp_path):
+    """At CP 1 the MiMo script composes, validates and plans: the MTP layer built (model.mtp.enable), trained alone
+    (detach_encoder), its weights on the last stage and its activations in the actor's update."""
+    cp1 = [f"actor_rollout_ref.{role}.megatron.context_parallel_size=1" for role in ("actor", "ref")]
+    cfg = load_config(overrides=translate(script_args("mimo_7b_mtp", tmp_path, MIMO_7B) + cp1))
+    mtp = cfg.actor_rollout_ref.model.mtp
+    assert (mtp.enable, mtp.enable_train, mtp.detach_encoder, mtp.mtp_loss_scaling_factor) == (True, True, True, 0.1)
+    validate(cfg)
+    text = build_plan(cfg).format()
+    assert "MiMoForCausalLM" in text and "actor MTP layers' activations" in text, text

@@ -395,7 +395,8 @@ RULES: tuple[Rule, ...] = (
          "nothing", _profiler),
     Rule("global_profiler.*", Fate.mapped, f"{_NO_PROFILER}; verl profiles only roles with profiler.enable=True",
          _profiler),
-    Rule("actor_rollout_ref.model.mtp.*", Fate.default, "multi-token prediction is not built here"),
+    Rule("critic.model.mtp.*", Fate.dropped, "a critic builds no multi-token-prediction layers (verl's value model "
+         "does not either); the actor's are actor_rollout_ref.model.mtp"),
     # --- the policy loss: verl nests it, megatron-rl keeps its name and parameters on the actor
     Rule("actor_rollout_ref.actor.policy_loss.*", Fate.mapped,
          "loss_mode -> actor.policy_loss; <param> -> actor.<param>", _policy_loss),

@@ -118,7 +118,8 @@ def host_staging_per_node(hf: Any, *, rollout_tp: int, gpus_per_node: int, bucke
     at once). ``hf``: the model's ``HFModelConfig``."""
     from megatron_rl.models.layout import hf_tensor_groups  # lazy: megatron-core
 
-    tensors = [(t.name, dtype_bytes * _numel(t.shape)) for group in hf_tensor_groups(hf) for t in group.tensors]
+    tensors = [(t.name, dtype_bytes * _numel(t.shape)) for group in hf_tensor_groups(hf, mtp=False)
+               for t in group.tensors]
     model_bytes = sum(nbytes for _, nbytes in tensors)
     replicas = gpus_per_node // rollout_tp
     return {"before": gpus_per_node * model_bytes, "written": replicas * model_bytes,
