@@ -21,11 +21,10 @@ def check_mtp_settings(cfg: PPOTrainerConfig) -> None:
         if getattr(mtp, key) and not mtp.enable:
             raise ConfigError(f"{PREFIX}.{key}=true needs {PREFIX}.enable=true (the MTP layers built and loaded)")
     if mtp.enable_rollout:
-        raise ConfigError(
-            f"{PREFIX}.enable_rollout=true: speculative decoding with the MTP layers is not built here (the engines' "
-            "drafter would need the MTP weights at every weight sync, which only the trainer's HF export carries). "
-            f"Set it false: the rollout decodes without drafting, and {PREFIX}.enable / enable_train still load, "
-            "train and export the MTP layers")
+        _check_rollout_log_probs_unused(cfg)
+    if mtp.enable_rollout and (mtp.method != "mtp" or mtp.num_speculative_tokens < 1):
+        raise ConfigError(f"{PREFIX}.method={mtp.method!r} / num_speculative_tokens={mtp.num_speculative_tokens}: "
+                          "drafting with the model's MTP layers is vLLM's method 'mtp' with >= 1 token")
     factor = mtp.mtp_loss_scaling_factor
     if not factor >= 0:
         raise ConfigError(f"{PREFIX}.mtp_loss_scaling_factor={factor} must be >= 0 (the MTP loss's weight)")
@@ -43,3 +42,22 @@ def check_mtp_settings(cfg: PPOTrainerConfig) -> None:
             f"{PREFIX}.enable_train=true with actor_rollout_ref.actor.megatron.share_prompts=true: the MTP loss "
             "over shared-prompt rows is not built here; set share_prompts=false or enable_train=false")
 
+
+
+def _check_rollout_log_probs_unused(cfg: PPOTrainerConfig) -> None:
+    """Drafting while it samples, vLLM 0.32 returns no true per-token log-probs (rollout/vllm/engine.py drops them):
+    what reads the rollout's log-probs is refused with enable_rollout."""
+    corr = cfg.algorithm.rollout_correction
+    users = {
+        "algorithm.rollout_correction.bypass_mode": corr.bypass_mode,
+        "algorithm.rollout_correction.rollout_is": corr.rollout_is is not None,
+        "algorithm.rollout_correction.rollout_rs": corr.rollout_rs is not None,
+        "actor_rollout_ref.actor.tis_imp_ratio_cap": cfg.actor_rollout_ref.actor.tis_imp_ratio_cap is not None,
+        "actor_rollout_ref.rollout.multi_turn.enable": cfg.actor_rollout_ref.rollout.multi_turn.enable,
+    }
+    for key, used in users.items():
+        if used:
+            raise ConfigError(
+                f"{PREFIX}.enable_rollout=true with {key} set: it reads the rollout engine's per-token log-probs, "
+                "which vLLM 0.32 does not return true while it drafts and samples (0 for an accepted draft, "
+                "log(1 / vocab) or NaN after it); unset one of them (the update uses the trainer's own old log-probs)")

@@ -124,10 +124,11 @@ class MTPConfig:
 
     enable: bool = False  # build and load the MTP layers, carry them through checkpoints and the HF export
     enable_train: bool = False  # add their loss (Megatron-Core's MTP loss) to the actor's; false: frozen
-    enable_rollout: bool = False  # speculative decoding with them in the engines: not built, refused
+    enable_rollout: bool = False  # colocated vLLM drafts with them (speculative decoding); every sync carries them
     detach_encoder: bool = False  # their loss reaches the MTP layers only (the main model's output detached)
     mtp_loss_scaling_factor: float = 0.1  # the loss weight, split over the layers as Megatron does
-    # the engines' speculative-decoding settings (verl's; used only with enable_rollout)
+    # the engines' speculative-decoding settings (verl's; with enable_rollout vLLM reads method and
+    # num_speculative_tokens, the speculative_* keys are SGLang's)
     speculative_algorithm: str = "EAGLE"
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1

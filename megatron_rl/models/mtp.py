@@ -118,6 +118,21 @@ def with_mtp(hf: HFModelConfig, enable: bool, key: str = "actor_rollout_ref.mode
     return replace(hf, mtp=hf.checkpoint_mtp)
 
 
+def check_drafting(hf: HFModelConfig, speculative_tokens: int, key: str) -> None:
+    """vLLM's MTP drafter for ``hf`` can draft ``speculative_tokens`` per step: MiMo's predicts one
+    (vllm/model_executor/models/mimo_mtp.py asserts spec_step_idx == 0), DeepSeek-V3's a multiple of its MTP layers
+    beyond them (vllm/config/speculative.py: num_speculative_tokens divisible by n_predict)."""
+    from megatron_rl.models.hf_config import UnsupportedModelError  # import cycle: hf_config imports this module
+
+    layers = hf.mtp.num_layers
+    if hf.mtp.mimo_naming and speculative_tokens != 1:
+        raise UnsupportedModelError(f"{key}={speculative_tokens}: vLLM's MiMo drafter predicts one token per step; "
+                                    "set it to 1")
+    if speculative_tokens > layers and speculative_tokens % layers:
+        raise UnsupportedModelError(f"{key}={speculative_tokens}: vLLM needs a multiple of the model's "
+                                    f"{layers} MTP layers (num_nextn_predict_layers) beyond them")
+
+
 def mtp_transformer_kwargs(mtp: MTPSpec, loss_scaling_factor: float) -> dict[str, Any]:
     """TransformerConfig fields of the MTP layers."""
     return dict(mtp_num_layers=mtp.num_layers, mtp_loss_scaling_factor=loss_scaling_factor)

@@ -590,10 +590,10 @@ def mtp_activation_bytes(model: HFModelConfig, layout: Layout, tokens_per_micro_
     return model.mtp.num_layers * (per_depth + logits_bytes(model, layout, tokens_per_micro_batch, dtype_bytes))
 
 
-def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int) -> float:
-    """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks (the MTP layers
-    stay with the trainer: the engines do not draft with them)."""
-    mtp = model.mtp.num_layers * mtp_layer_params(model) if model.mtp is not None else 0
+def rollout_weight_bytes(model: HFModelConfig, rollout_tp: int, drafts: bool = False) -> float:
+    """bf16 weights of one rollout engine rank: the engine shards every matrix over its TP ranks; the MTP layers
+    only when it drafts with them (``drafts``: model.mtp.enable_rollout), else they stay with the trainer."""
+    mtp = model.mtp.num_layers * mtp_layer_params(model) if model.mtp is not None and not drafts else 0
     return (total_params(model) - mtp) * BF16 / rollout_tp
 
 

@@ -14,7 +14,7 @@ from megatron_rl.models.hf_config import (
     apply_override_config,
     parse_hf_config,
 )
-from megatron_rl.models.mtp import with_mtp
+from megatron_rl.models.mtp import check_drafting, with_mtp
 
 # the model sections a planner reads, by the key its messages name
 MODEL_SECTIONS = {"actor_rollout_ref.model": lambda cfg: cfg.actor_rollout_ref.model,
@@ -61,7 +61,10 @@ def load_model_facts(cfg: PPOTrainerConfig, model_key: str = "actor_rollout_ref.
     try:
         facts = parse_hf_config(raw, source=source)
         if model_key == "actor_rollout_ref.model":  # the actor builds the MTP layers model.mtp.enable asks for
-            facts = with_mtp(facts, cfg.actor_rollout_ref.model.mtp.enable)
+            mtp = cfg.actor_rollout_ref.model.mtp
+            facts = with_mtp(facts, mtp.enable)
+            if mtp.enable_rollout:  # and the engines draft with them
+                check_drafting(facts, mtp.num_speculative_tokens, "actor_rollout_ref.model.mtp.num_speculative_tokens")
         return facts
     except UnsupportedModelError as err:
         raise ConfigError(str(err)) from err

@@ -64,7 +64,8 @@ def _rollout_share(cfg: PPOTrainerConfig, model: HFModelConfig, world: int, gpu_
     rcfg = cfg.actor_rollout_ref.rollout
     tp = rcfg.tensor_model_parallel_size
     check_rollout_factors(model, tp)
-    start = EngineStart(total=gpu_memory, held=held, weights=memory.rollout_weight_bytes(model, tp),
+    drafts = bool(cfg.actor_rollout_ref.model.mtp.enable_rollout)  # the engine holds the MTP layers it drafts with
+    start = EngineStart(total=gpu_memory, held=held, weights=memory.rollout_weight_bytes(model, tp, drafts),
                         fraction=float(rcfg.gpu_memory_utilization), model=model, tp=tp,
                         max_num_seqs=int(rcfg.max_num_seqs), max_num_batched_tokens=int(rcfg.max_num_batched_tokens),
                         enforce_eager=bool(rcfg.enforce_eager))

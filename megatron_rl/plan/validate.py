@@ -332,6 +332,12 @@ def _check_engine(cfg: DictConfig) -> None:
              "actor_rollout_ref.rollout.enable_rollout_routing_replay=true: actor_rollout_ref.rollout.name="
              f"{spec.name} cannot report routed experts (engines that can: "
              f"{', '.join(n for n, other in ENGINES.items() if other.reports_routed_experts)})")
+    _require(not cfg.actor_rollout_ref.model.mtp.enable_rollout or (spec.drafts_with_mtp and rollout.mode == "colocated"),
+             f"actor_rollout_ref.model.mtp.enable_rollout=true: speculative decoding with the MTP layers is built for "
+             f"colocated engines that draft with them ({', '.join(n for n, o in ENGINES.items() if o.drafts_with_mtp)}"
+             f"; here {spec.name}, mode={rollout.mode}): the others' drafters do not receive the MTP weights at each "
+             "sync. Set it false (the rollout decodes without drafting; model.mtp.enable / enable_train still load, "
+             "train and export the MTP layers)")
     spec.check_config(cfg)
 
 

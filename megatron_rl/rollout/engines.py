@@ -38,6 +38,9 @@ class EngineSpec:
     servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host: one node
     members_send_shards: bool  # colocated at TP > 1: every rank sends its shard (else the leader's full copy serves)
     reports_routed_experts: bool  # per generated token, for routing replay R3 (rollout/routed_experts.py)
+    # colocated, decodes speculatively with the model's MTP layers, which every sync then carries
+    # (model.mtp.enable_rollout: models/mtp.py, rollout/vllm/worker_extension.py)
+    drafts_with_mtp: bool
     # builds its layers as config.json's quantization_config says (FP8 layers for an FP8 checkpoint), where the
     # trainer syncs the weights it dequantised on load (models/fp8_checkpoint.py)
     builds_quantized_layers: bool
@@ -100,6 +103,9 @@ def _vllm_placement(replica: Any, cfg: PPOTrainerConfig, on_gpu: bool) -> dict[s
         return {}  # servers: their own processes, placed where they start (servers/vllm_server.py)
     response = rollout.response_length or cfg.data.max_response_length
     extra = {"max_model_len": cfg.data.max_prompt_length + response, "device": "cuda" if on_gpu else "cpu"}
+    mtp = cfg.actor_rollout_ref.model.mtp
+    if mtp.enable_rollout:  # drafting with the model's MTP layers (verl's vLLM keys; config/mtp.py)
+        extra["speculative"] = {"method": str(mtp.method), "num_speculative_tokens": int(mtp.num_speculative_tokens)}
     if on_gpu:  # vLLM's processes see exactly the replica's GPUs (its own default: GPUs 0..TP-1)
         extra.update(gpus=replica.gpus, replica_index=replica.index)
     return extra
@@ -143,17 +149,17 @@ def _sglang_process_env() -> None:
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
-               members_send_shards=True, reports_routed_experts=True, builds_quantized_layers=False, memory=hf_memory,
-               build=_build_hf,
+               members_send_shards=True, reports_routed_experts=True, drafts_with_mtp=False,
+               builds_quantized_layers=False, memory=hf_memory, build=_build_hf,
                placement=lambda replica, cfg, on_gpu: {}, serve_checkpoint=_hf_serving),
     EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
                servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
-               builds_quantized_layers=True, memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
+               drafts_with_mtp=False, builds_quantized_layers=True, memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
                prepare_process=_sglang_process_env),
     # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
     EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
-               members_send_shards=False, reports_routed_experts=True, builds_quantized_layers=True,
-               memory=vllm_memory, build=_build_vllm,
+               members_send_shards=False, reports_routed_experts=True, drafts_with_mtp=True,
+               builds_quantized_layers=True, memory=vllm_memory, build=_build_vllm,
                placement=_vllm_placement, check_config=_check_vllm, check_here=_vllm_here,
                serve_checkpoint=_vllm_serving),
 )}

@@ -157,7 +157,9 @@ class RolloutReplica:
     called on the replica's leader only. ``trainer_log_prob_fn`` (DataProto -> [B, R]) must be callable on
     every rank; it is called on all ranks with the same batch. ``record_trainer_routing`` (MoE) opens a
     ``models.moe_routing.RoutingRecorder`` around that call, so the same forward also gives the trainer's routing
-    of the probe, which a leader whose engine reports its own compares (``rollout/moe_routing_agreement``)."""
+    of the probe, which a leader whose engine reports its own compares (``rollout/moe_routing_agreement``).
+    ``drafts_with_mtp``: the engine decodes speculatively with the model's MTP layers, which every sync then carries
+    (else they stay with the trainer)."""
 
     def __init__(
         self,
@@ -171,6 +173,7 @@ class RolloutReplica:
         trainer_log_prob_fn: Callable[[DataProto], torch.Tensor] | None = None,
         record_trainer_routing: Callable[[], Any] | None = None,
         trainer_dtype: torch.dtype | None = None,
+        drafts_with_mtp: bool = False,
     ) -> None:
         sync_cfg = config.weight_sync
         if sync_cfg.bucket_size_mb <= 0:
@@ -188,6 +191,8 @@ class RolloutReplica:
         self.probe_prompts, self.trainer_log_prob_fn = probe_prompts, trainer_log_prob_fn
         self.record_trainer_routing = record_trainer_routing
         self.trainer_dtype = trainer_dtype  # the actor's params dtype: with the engines' it picks the null threshold
+        # the engine drafts with the model's MTP layers (model.mtp.enable_rollout): every sync sends them too
+        self.drafts_with_mtp = drafts_with_mtp
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         self.colocated = config.mode == "colocated"
@@ -249,7 +254,7 @@ class RolloutReplica:
         return ExportPlan(
             consumers=None if every_rank else frozenset(self.mesh.leaders),
             bucket_bytes=int(self.config.weight_sync.bucket_size_mb) << 20,
-            with_mtp=False,
+            with_mtp=self.drafts_with_mtp,
         )
 
     def sync(

@@ -157,7 +157,8 @@ class ActorRolloutRefWorker(Worker):
                               member_dtype=resolve_dtype(str(rollout.dtype), torch.device("cuda" if on_gpu else "cpu")),
                               probe_prompts=probe_prompts, trainer_log_prob_fn=self._trainer_log_probs,
                               record_trainer_routing=self._record_routing if self.actor.engine.hf_config.moe else None,
-                              trainer_dtype=self.actor.engine.params_dtype)
+                              trainer_dtype=self.actor.engine.params_dtype,
+                              drafts_with_mtp=bool(cfg.actor_rollout_ref.model.mtp.enable_rollout))
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.ROLLOUT_COMPUTE_PROTO)

@@ -53,7 +53,8 @@ def test_enable_without_mtp_layers_is_refused(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"enable_train": True}, r"mtp.enable_train=true needs actor_rollout_ref.model.mtp.enable=true"),
-    ({"enable": True, "enable_rollout": True}, r"mtp.enable_rollout=true: speculative decoding .* not built"),
+    ({"enable": True, "enable_rollout": True, "tis_imp_ratio_cap": 2.0},
+     r"enable_rollout=true with actor_rollout_ref.actor.tis_imp_ratio_cap set: it reads the rollout engine's"),
     ({"enable": True, "mtp_loss_scaling_factor": -0.1}, r"mtp_loss_scaling_factor=-0.1 must be >= 0"),
     ({"enable": True, "enable_train": True, "context_parallel_size": 2},
      r"enable_train=true with actor_rollout_ref.actor.megatron.context_parallel_size=2"),
@@ -65,13 +66,32 @@ def test_mtp_settings_are_refused_by_name(overrides, message):
     from megatron_rl.config.mtp import check_mtp_settings
 
     keys = {"context_parallel_size": "actor_rollout_ref.actor.megatron", "rank": "actor_rollout_ref.model.lora",
-            "critic": None}
+            "critic": None, "tis_imp_ratio_cap": "actor_rollout_ref.actor"}
     args = [f"{keys.get(k, 'actor_rollout_ref.model.mtp')}.{k}={v}" for k, v in overrides.items() if k != "critic"]
     args += ["critic.model.mtp.enable=true"] if "critic" in overrides else []
     args += ["actor_rollout_ref.model.path=/nonexistent", "data.train_files=[/nonexistent.parquet]"]
     cfg = typed_config(load_config(overrides=args))
     with pytest.raises(ConfigError, match=message):
         check_mtp_settings(cfg)
+
+
+def test_drafting_is_refused_on_engines_that_do_not_draft_and_checked_against_the_model(tmp_path):
+    """enable_rollout: refused by name on the HF engine (validation), and vLLM's MiMo drafter takes one token per step
+    (the planner's model facts)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.plan.model_facts import load_model_facts
+    from megatron_rl.plan.validate import validate
+
+    model = make_mtp_checkpoint(tmp_path / "mimo", "mimo")
+    base = [f"actor_rollout_ref.model.path={model}", "data.train_files=[/nonexistent.parquet]",
+            "actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_rollout=true"]
+    with pytest.raises(ConfigError, match=r"mtp.enable_rollout=true: speculative decoding .* colocated engines that "
+                                          r"draft with them \(vllm; here hf"):
+        validate(load_config(overrides=base + ["actor_rollout_ref.rollout.name=hf"]))
+    cfg = load_config(overrides=base + ["actor_rollout_ref.rollout.name=vllm",
+                                        "actor_rollout_ref.model.mtp.num_speculative_tokens=2"])
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens=2: vLLM's MiMo drafter predicts one token"):
+        load_model_facts(cfg)
 
 
 # ---------------------------------------------------------------- Megatron vs transformers (2 gloo ranks)

