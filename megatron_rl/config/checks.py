@@ -1,5 +1,7 @@
-"""Checks of ``validate()`` that read the schema itself: unknown keys (what ``+key=value`` slips past
-OmegaConf), optimizer and schedule values, and settings that would silently do nothing."""
+"""Checks of ``validate()`` that read the schema itself. Those that walk the composed DictConfig by its keys'
+strings (unknown keys, what ``+key=value`` slips past OmegaConf; closed choices; verl's values) run on it before
+it becomes the typed tree (config/loader.py ``checked_typed_config``); the optimizer and schedule values, and
+settings that would silently do nothing, are read from the typed tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +12,7 @@ from typing import Any, Iterable, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config.optimizer_overrides import check_optimizer_overrides
-from megatron_rl.config.schema import PPOTrainerConfig, choices_of
+from megatron_rl.config.schema import ActorConfig, CriticConfig, PPOTrainerConfig, choices_of
 from megatron_rl.distributed.device import rollout_on_cpu
 
 
@@ -161,8 +163,10 @@ def check_known_keys(cfg: DictConfig) -> None:
                      "see docs/configuration.md)")
 
 
-def check_optimizer(cfg: DictConfig, prefix: str, total_steps: int | None) -> None:
-    optim = OmegaConf.select(cfg, f"{prefix}.optim")
+def check_optimizer(cfg: PPOTrainerConfig, role: ActorConfig | CriticConfig, prefix: str,
+                    total_steps: int | None) -> None:
+    """``<prefix>.optim`` of a trained role (``role``: its section, the actor's or the critic's)."""
+    optim = role.optim
     key = f"{prefix}.optim"
     if not optim.lr > 0:
         raise CheckError(f"{key}.lr must be > 0, got {optim.lr}")
@@ -180,25 +184,24 @@ def check_optimizer(cfg: DictConfig, prefix: str, total_steps: int | None) -> No
     if optim.lr_warmup_steps < 0:
         raise CheckError(f"{key}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
     # Megatron's OptimizerConfig fields (verl's CPU Adam): unknown, owned or unrunnable ones refused, naming the key
-    check_optimizer_overrides(optim.get("override_optimizer_config"), f"{key}.override_optimizer_config",
+    check_optimizer_overrides(optim.override_optimizer_config, f"{key}.override_optimizer_config",
                               on_cpu=rollout_on_cpu(cfg),  # trainer.device=cpu, or auto without CUDA
-                              distributed_optimizer=bool(OmegaConf.select(
-                                  cfg, f"{prefix}.megatron.use_distributed_optimizer", default=False)))
+                              distributed_optimizer=bool(role.megatron.use_distributed_optimizer))
     steps = optim.total_training_steps if optim.total_training_steps != -1 else total_steps
     if steps is not None and optim.lr_warmup_steps > steps:
         raise CheckError(f"{key}.lr_warmup_steps={optim.lr_warmup_steps} is longer than the {steps} training steps "
                      f"(trainer.total_training_steps); the learning rate would never reach {key}.lr")
 
 
-def check_run_settings(cfg: DictConfig, uses_critic: bool) -> None:
+def check_run_settings(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
     trainer, reward = cfg.trainer, cfg.reward
     total = trainer.total_training_steps
     if total is not None and total < 1:
         raise CheckError(f"trainer.total_training_steps={total} would train nothing; set it >= 1, or to null for "
                      f"trainer.total_epochs over the data")
-    check_optimizer(cfg, "actor_rollout_ref.actor", total)
+    check_optimizer(cfg, cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor", total)
     if uses_critic:
-        check_optimizer(cfg, "critic", total)
+        check_optimizer(cfg, cfg.critic, "critic", total)
     if reward.max_failed_steps < 0:
         raise CheckError(f"reward.max_failed_steps must be >= 0 (0: never stop), got {reward.max_failed_steps}")
     if trainer.max_ckpt_to_keep < 1:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
 
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.schema import LORA_TARGET_MODULES, LoRAConfig
+from megatron_rl.config.schema import LORA_TARGET_MODULES, LoRAConfig, PPOTrainerConfig
 
 LORA_MODEL_KEYS = ("actor_rollout_ref.model", "critic.model")
 DEFAULT_ALPHA = 16.0  # verl's lora_alpha default
@@ -209,7 +209,7 @@ def _check_module_list(values: Iterable[str], key: str, targets: bool) -> None:
                               f"names such as 'decoder.layers.3.self_attention.linear_qkv'")
 
 
-def check_lora_section(lora: DictConfig, prefix: str) -> None:
+def check_lora_section(lora: LoRAConfig, prefix: str) -> None:
     """The block ``<prefix>.lora`` on its own; raises ConfigError naming the key."""
     key = f"{prefix}.lora"
     rank = lora.rank
@@ -217,10 +217,10 @@ def check_lora_section(lora: DictConfig, prefix: str) -> None:
         raise ConfigError(f"{key}.rank={rank!r} must be an integer >= 0 (0: LoRA off)")
     if rank == 0:
         defaults = LoRAConfig()
-        changed = [f"{key}.{name}={_plain(lora[name])!r}" for name in
+        changed = [f"{key}.{name}={_plain(getattr(lora, name))!r}" for name in
                    ("alpha", "type", "dropout", "dropout_position", "target_modules", "exclude_modules",
                     "lora_A_init_method", "lora_B_init_method", "merge", "adapter_path", "dtype")
-                   if _plain(lora[name]) != getattr(defaults, name)]
+                   if _plain(getattr(lora, name)) != getattr(defaults, name)]
         if changed:
             raise ConfigError(f"{', '.join(changed)} set, but LoRA is off because {key}.rank=0: set {key}.rank > 0 "
                               f"(e.g. 32) to train adapters, or drop {'them' if len(changed) > 1 else 'it'}")
@@ -257,14 +257,12 @@ def check_lora_section(lora: DictConfig, prefix: str) -> None:
     _check_module_list(_plain(lora.exclude_modules) or [], f"{key}.exclude_modules", targets=False)
 
 
-def check_lora(cfg: DictConfig, uses_critic: bool) -> None:
-    """Every LoRA refusal that needs only the config (validate() runs it): the actor's block, and the critic's
-    when a critic runs (set without one, it would do nothing)."""
-    fold_lora_aliases(cfg)
+def check_lora(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
+    """Every LoRA refusal that needs only the config (validate() runs it, on the typed tree, whose flat verl keys
+    typed_config folded): the actor's block, and the critic's when a critic runs (set without one, it would do
+    nothing)."""
     check_lora_section(cfg.actor_rollout_ref.model.lora, "actor_rollout_ref.model")
-    critic_lora = OmegaConf.select(cfg, "critic.model.lora", default=None)
-    if critic_lora is None:
-        return
+    critic_lora = cfg.critic.model.lora
     if not uses_critic and lora_enabled(critic_lora):
         raise ConfigError(f"critic.model.lora.rank={critic_lora.rank} but no critic runs (critic.enable / "
                           f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}): it would do nothing; drop it")

@@ -7,8 +7,6 @@ engines are built (models/router_replay.py, rollout/routed_experts.py). docs/mod
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
-
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import PPOTrainerConfig
 
@@ -20,14 +18,14 @@ MODES = ("disabled", "R2", "R3")
 def check_router_replay(cfg: PPOTrainerConfig) -> None:
     """Raise ConfigError naming the keys for a routing-replay setting the run cannot honour."""
     arr = cfg.actor_rollout_ref
-    replay = OmegaConf.select(arr, "actor.megatron.router_replay", default=None)
-    mode = str(replay.mode) if replay is not None else "disabled"
-    enabled = bool(OmegaConf.select(arr, "rollout.enable_rollout_routing_replay", default=False))
+    replay = arr.actor.megatron.router_replay
+    mode = str(replay.mode)
+    enabled = bool(arr.rollout.enable_rollout_routing_replay)
     if mode not in MODES:
         raise ConfigError(f"{MODE}.mode={mode!r} must be one of {', '.join(MODES)}")
     for key in ("record_file", "replay_file"):
-        if replay is not None and replay.get(key):
-            raise ConfigError(f"{MODE}.{key}={replay.get(key)!r}: routing to or from files is not built (the routing "
+        if getattr(replay, key):
+            raise ConfigError(f"{MODE}.{key}={getattr(replay, key)!r}: routing to or from files is not built (the routing "
                               "travels with the batch); leave it null")
     if mode == "R3" and not enabled:
         raise ConfigError(f"{MODE}.mode=R3 replays the rollout engine's routing: set {ROLLOUT}=true")
@@ -39,16 +37,16 @@ def check_router_replay(cfg: PPOTrainerConfig) -> None:
     megatron = arr.actor.megatron
     for role in ("actor", "ref"):  # the reference replays the actor's mode (workers/routing_replay.py)
         fusion = f"actor_rollout_ref.{role}.megatron.override_transformer_config.moe_router_fusion"
-        if OmegaConf.select(cfg, fusion, default=False):
+        if (getattr(arr, role).megatron.override_transformer_config or {}).get("moe_router_fusion", False):
             raise ConfigError(f"{MODE}.mode={mode} with {fusion}=true: Megatron's fused router takes its top-k "
                               "before the replay hook, so the routing would not be replayed; set it false")
-    if megatron.get("context_parallel_size", 1) > 1:
+    if megatron.context_parallel_size > 1:
         raise ConfigError(f"{MODE}.mode={mode} with actor_rollout_ref.actor.megatron.context_parallel_size="
                           f"{megatron.context_parallel_size} is not built (a router sees part of each sequence)")
-    if megatron.get("share_prompts", False):
+    if megatron.share_prompts:
         raise ConfigError(f"{MODE}.mode={mode} with actor_rollout_ref.actor.megatron.share_prompts=true is not built "
                           "(a shared prompt is routed once for its whole group)")
-    if mode == "R2" and OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_mode", default=False):
+    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(f"{MODE}.mode=R2 records the routing in the old-log-prob pass, which "
                           "algorithm.rollout_correction.bypass_mode=true skips: use R3 or disabled")
     if mode == "R3":
@@ -56,6 +54,6 @@ def check_router_replay(cfg: PPOTrainerConfig) -> None:
         if str(rollout.mode) == "server":
             raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server is not built (the servers' "
                               "replies carry no routing); use mode=colocated")
-        if OmegaConf.select(rollout, "multi_turn.enable", default=False):
+        if rollout.multi_turn.enable:
             raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.multi_turn.enable=true is not built "
                               "(the agent loop does not stitch the turns' routing)")

@@ -2,17 +2,14 @@
 for it, and whether the model factors over them."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import warnings
 from typing import Any
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
-from omegaconf import DictConfig, OmegaConf
-
 from megatron_rl.config import ConfigError
-from megatron_rl.config.access import megatron_section
+from megatron_rl.config.access import megatron_section, replace_path
 from megatron_rl.config.schema import ActorConfig, CriticConfig, MegatronParallelConfig, ModelConfig, PPOTrainerConfig
 from megatron_rl.models.builder import make_transformer_config, transformer_overrides
 from megatron_rl.models.hf_config import HFModelConfig
@@ -103,12 +100,12 @@ def transformer_engine_here() -> bool:
     return importable("transformer_engine")
 
 
-def transformer_config_without(cfg: DictConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str,
+def transformer_config_without(cfg: PPOTrainerConfig, prefix: str, model: HFModelConfig, layout: Layout, dtype: str,
                                kernels: list[str]) -> TransformerConfig:
-    without = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(without, False)
+    """``transformer_config`` with the fused-kernel flags ``kernels`` of the role's overrides set false."""
+    without = cfg
     for key in kernels:
-        OmegaConf.update(without, f"{prefix}.megatron.override_transformer_config.{key}", False, merge=False)
+        without = replace_path(without, f"{prefix}.megatron.override_transformer_config.{key}", False)
     return transformer_config(without, prefix, model, layout, dtype)
 
 

@@ -2,11 +2,7 @@
 a LoRA run with the same run fully fine-tuned."""
 from __future__ import annotations
 
-import copy
-
-from omegaconf import DictConfig, OmegaConf
-
-from megatron_rl.config.access import is_unset
+from megatron_rl.config.access import is_unset, replace_path
 from megatron_rl.config.lora import lora_enabled, lora_targets
 from megatron_rl.config.schema import LoRAConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
@@ -61,13 +57,13 @@ def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
             f"layer{'s' if layers != 1 else ''})")
 
 
-def without_lora(cfg: DictConfig) -> DictConfig:
-    """The same config with LoRA off for the actor and the critic: full fine-tuning."""
-    full = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(full, False)
-    for model in (full.actor_rollout_ref.model, full.critic.model):
+def without_lora(cfg: PPOTrainerConfig) -> PPOTrainerConfig:
+    """The same config with LoRA off for the actor and the critic (their blocks as the schema's defaults): full
+    fine-tuning."""
+    full = cfg
+    for key, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
         if model.lora is not None:
-            model.lora = OmegaConf.structured(LoRAConfig())
+            full = replace_path(full, f"{key}.lora", LoRAConfig())
     return full
 
 

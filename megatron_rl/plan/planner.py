@@ -2,18 +2,22 @@
 
 ``build_plan(cfg)`` raises ``PlanError`` (a ConfigError) when the layout does not factor for this model
 or a phase of a step needs more memory than the GPU has; ``print_plan(cfg)`` is what ``--dry-run`` runs.
+The entries (``build_plan``, ``print_plan``, ``check_launch``) take the composed DictConfig or the typed tree
+and convert a DictConfig once (config/loader.py ``checked_typed_config``); everything below them reads the typed
+tree, and a what-if plan (without LoRA, without the distributed optimizer, unsplit) is a copy of it with values
+replaced (config/access.py ``replace_path``).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from megatron_rl.config import ConfigError
-from megatron_rl.config.access import is_unset, megatron_section
+from megatron_rl.config.access import is_unset, megatron_section, replace_path
+from megatron_rl.config.loader import checked_typed_config
 from megatron_rl.config.lora import check_lora_model, lora_enabled
 from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.distributed.device import rollout_on_cpu
@@ -130,7 +134,7 @@ def _plan(cfg: PPOTrainerConfig) -> Plan:
     return max(candidates, key=lambda p: p.total(p.peak_phase()))
 
 
-def _lora_notes(cfg: DictConfig, plan: Plan) -> tuple[str, ...]:
+def _lora_notes(cfg: PPOTrainerConfig, plan: Plan) -> tuple[str, ...]:
     """With LoRA: the trainable parameters, and the saving against full fine-tuning (the same config with rank 0)."""
     notes = trainable_notes(cfg, plan)
     if not notes:
@@ -153,7 +157,7 @@ _SPLIT_KEYS = (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_s
                ("context_parallel_size", "cp"))
 
 
-def slower_layout_note(cfg: DictConfig, plan: Plan) -> Optional[str]:
+def slower_layout_note(cfg: PPOTrainerConfig, plan: Plan) -> Optional[str]:
     """A note when the actor's model-parallel split (TP, PP or CP > 1) is slower than no split would be: the model
     is narrower than SPLIT_MIN_HIDDEN and the same job with TP = PP = CP = 1 fits in plan.gpu_memory_gib. None
     otherwise (a wide model, no split, or one that needs the split to fit)."""
@@ -161,12 +165,9 @@ def slower_layout_note(cfg: DictConfig, plan: Plan) -> Optional[str]:
              if getattr(plan.actor_layout, attr) > 1}
     if not split or plan.model.hidden_size >= SPLIT_MIN_HIDDEN:
         return None
-    unsplit = copy.deepcopy(cfg)
-    megatron = unsplit.actor_rollout_ref.actor.megatron
-    for key in split:
-        megatron[key] = 1
-    megatron.virtual_pipeline_model_parallel_size = None
-    megatron.sequence_parallel = False
+    unsplit = replace_path(cfg, f"{ACTOR}.megatron", dataclasses.replace(
+        cfg.actor_rollout_ref.actor.megatron, **dict.fromkeys(split, 1), virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False))
     try:
         other = _plan(unsplit)
     except ConfigError:
@@ -184,8 +185,9 @@ def slower_layout_note(cfg: DictConfig, plan: Plan) -> Optional[str]:
             f"(docs/launching.md, 'Layouts slower than a smaller one')")
 
 
-def build_plan(cfg: DictConfig) -> Plan:
+def build_plan(cfg: DictConfig | PPOTrainerConfig) -> Plan:
     """Resolve sizes and memory per GPU; raise ConfigError/PlanError naming the key when it cannot run."""
+    cfg = checked_typed_config(cfg)
     plan = _plan(cfg)
     lora_notes = _lora_notes(cfg, plan)
     if lora_notes:
@@ -205,19 +207,18 @@ def _distributed_optimizer_keys(cfg: PPOTrainerConfig) -> list[str]:
             if megatron_section(cfg, p).use_distributed_optimizer]
 
 
-def plan_without_distributed_optimizer(cfg: DictConfig, keys: list[str]) -> str:
+def plan_without_distributed_optimizer(cfg: PPOTrainerConfig, keys: list[str]) -> str:
     """The plan with ``keys`` set to false, formatted (or why that one does not run either)."""
-    without = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(without, False)
+    without = cfg
     for key in keys:
-        OmegaConf.update(without, key, False)
+        without = replace_path(without, key, False)
     try:
         return build_plan(without).format()
     except ConfigError as err:
         return f"that does not run either: {err}"
 
 
-def distributed_optimizer_problem(cfg: DictConfig) -> Optional[str]:
+def distributed_optimizer_problem(cfg: PPOTrainerConfig) -> Optional[str]:
     """Why this environment cannot give the distributed optimizer the config asks for, with the plan
     without it; None when it is not asked for or is available."""
     keys = _distributed_optimizer_keys(cfg)
@@ -252,11 +253,12 @@ def _check_kernels_here(cfg: PPOTrainerConfig, prefix: str) -> None:
                         "(the alltoall dispatcher gives the same numbers)")
 
 
-def check_launch(cfg: DictConfig) -> None:
+def check_launch(cfg: DictConfig | PPOTrainerConfig) -> None:
     """What only the launching environment can tell, checked before any worker starts (train.py): a
     distributed optimizer asked for but not available here is refused with the reason and the plan
     without it (the engine would refuse it too, after minutes of start-up); on GPUs, a rollout engine that
     would refuse to start on the memory free when it starts (rollout/memory.py)."""
+    cfg = checked_typed_config(cfg)
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)
@@ -316,11 +318,12 @@ def checkpoint_host_ram(cfg: PPOTrainerConfig) -> str:
     return "\n".join(lines)
 
 
-def print_plan(cfg: DictConfig, title: Optional[str] = None) -> Plan:
+def print_plan(cfg: DictConfig | PPOTrainerConfig, title: Optional[str] = None) -> Plan:
     """Print the plan (what ``--dry-run`` shows) and return it; raises PlanError when it cannot run.
 
     The plan is of the target cluster; what this environment lacks for it (TE/Apex for the distributed
     optimizer) is printed as a note, and a real start from here is refused (``check_launch``)."""
+    cfg = checked_typed_config(cfg)
     plan = build_plan(cfg)
     if title:
         print(title)

@@ -140,6 +140,20 @@ def _vllm_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, 
     check_here(cfg, read_model_config)
 
 
+def _servers_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
+    """Servers started elsewhere (rollout.server_urls) answer the client's first request, made here by preflight
+    (before: refused when trainer rank 0 built its engine under Ray, its message naming SGLang whatever the engine)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "server" or not rollout.server_urls:
+        return
+    from megatron_rl.rollout.sglang.server_transport import check_servers_answer  # lazy: its package imports torch
+
+    try:
+        check_servers_answer(list(rollout.server_urls), str(rollout.name), rollout.sglang.request_timeout_s)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _sglang_process_env() -> None:
     # a colocated sglang.Engine sets NCCL variables in its leader only: every rank sets the same ones first
     from megatron_rl.rollout.sglang.contract import set_agreed_process_env  # lazy: its package imports torch
@@ -151,11 +165,11 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
                members_send_shards=True, reports_routed_experts=True, drafts_with_mtp=False,
                builds_quantized_layers=False, memory=hf_memory, build=_build_hf,
-               placement=lambda replica, cfg, on_gpu: {}, serve_checkpoint=_hf_serving),
+               placement=lambda replica, cfg, on_gpu: {}, check_here=_servers_here, serve_checkpoint=_hf_serving),
     EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
                servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
                drafts_with_mtp=False, builds_quantized_layers=True, memory=sglang_memory, build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
-               prepare_process=_sglang_process_env),
+               check_here=_servers_here, prepare_process=_sglang_process_env),
     # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
     EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
                members_send_shards=False, reports_routed_experts=True, drafts_with_mtp=True,

@@ -12,9 +12,10 @@ from typing import Any
 
 from megatron_rl.rollout.server_key import server_api_key
 
-__all__ = ["REQUEST_TIMEOUT_KEY", "ServerHTTPBase"]
+__all__ = ["REQUEST_TIMEOUT_KEY", "SERVER_URLS_KEY", "ServerHTTPBase", "check_reachable"]
 
 REQUEST_TIMEOUT_KEY = "actor_rollout_ref.rollout.sglang.request_timeout_s"  # bounds one HTTP request, any engine
+SERVER_URLS_KEY = "actor_rollout_ref.rollout.server_urls"
 
 
 class ServerHTTPBase:
@@ -54,3 +55,21 @@ class ServerHTTPBase:
             return json.loads(raw)
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
+
+
+def check_reachable(servers: list[ServerHTTPBase], route: str) -> None:
+    """Each server answers ``route`` (GET) at all: the first request a run's client makes of servers started
+    elsewhere, made by preflight too (rollout/engines.py, EngineSpec.check_here), so a URL nothing listens at is
+    refused before launch rather than when trainer rank 0 builds its engine under Ray. An HTTP error is an answer
+    (the client's own request checks what it says); a connection refused, a name that does not resolve or no
+    answer within the server's timeout is refused with a ValueError naming the key, each URL and the engine."""
+    problems = []
+    for server in servers:
+        try:
+            server.request(route, method="GET")
+        except server.error as err:
+            if not isinstance(err.__cause__, urllib.error.HTTPError):
+                problems.append(str(err))
+    if problems:
+        raise ValueError(f"{SERVER_URLS_KEY}: {'; '.join(problems)}. Start the servers before the run (they are "
+                         f"started elsewhere), or fix {SERVER_URLS_KEY}")

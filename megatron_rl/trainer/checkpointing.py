@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from megatron_rl.config.worker_rules import check_resume_setting
 from megatron_rl.trainer.file_hashes import sha256_of_files
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,24 @@ def write_manifest(directory: Path, step: int, hash_shards: bool = False) -> Non
     tmp = directory / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps({"global_step": step, "files": files, "sha256": hashes}, indent=1))
     os.replace(tmp, directory / MANIFEST_FILE)
+
+
+def check_resume_from_path(explicit: str) -> bool:
+    """trainer.resume_from_path is a checkpoint the loop can resume: the rule the loop's resume and preflight
+    (trainer/run_identity.py check_resume) both run. FileNotFoundError naming the key when it is not a directory
+    or an incomplete save; True when it is resumed unverified (a save from before manifests: no manifest, but its
+    trainer state)."""
+    path = Path(explicit)
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise FileNotFoundError(f"trainer.resume_from_path={explicit} {what} (trainer.resume_mode=resume_path "
+                                "resumes a global_step_N directory of a run)")
+    problem = checkpoint_problem(path)
+    if problem is not None and not (path / MANIFEST_FILE).exists() and (path / TRAINER_STATE_FILE).is_file():
+        return True
+    if problem is not None:
+        raise FileNotFoundError(f"trainer.resume_from_path={explicit} is incomplete: {problem}")
+    return False
 
 
 def checkpoint_problem(directory: Path) -> str | None:
@@ -197,23 +216,14 @@ class TrainerCheckpointer:
 
     def resume_path(self, mode: str, explicit: str | None) -> Path | None:
         """trainer.resume_mode: auto (newest intact here, if any) | disable | resume_path (trainer.resume_from_path)."""
+        check_resume_setting(mode, explicit)
         if mode == "disable":
             return None
         if mode == "resume_path":
-            if not explicit:
-                raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-            path = Path(explicit)
-            if not path.is_dir():
-                raise FileNotFoundError(f"trainer.resume_from_path={explicit} is not a directory")
-            problem = checkpoint_problem(path)
-            if problem is not None and not (path / MANIFEST_FILE).exists() and (path / TRAINER_STATE_FILE).is_file():
+            if check_resume_from_path(str(explicit)):
                 logger.warning("trainer.resume_from_path=%s has no %s (written before manifests?): resuming from it "
                                "unverified", explicit, MANIFEST_FILE)
-            elif problem is not None:
-                raise FileNotFoundError(f"trainer.resume_from_path={explicit} is incomplete: {problem}")
-            return path
-        if mode != "auto":
-            raise ValueError(f"trainer.resume_mode={mode!r} is unknown; known: ['auto', 'disable', 'resume_path']")
+            return Path(str(explicit))
         path, skipped = self.newest_intact()
         for bad, why in skipped:
             logger.warning("auto-resume: skipping %s: %s", bad, why)

@@ -15,9 +15,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from megatron_rl.config import ConfigError
 from megatron_rl.config.access import is_unset, megatron_section, plain
 from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
+from megatron_rl.config.loader import checked_typed_config
 from megatron_rl.config.lora import ADAPTER_WEIGHTS, check_adapter_path, check_lora_model, lora_enabled
 from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
 from megatron_rl.data import RLDataset, load_tokenizer
@@ -45,9 +48,11 @@ logger = logging.getLogger(__name__)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-def check_start(cfg: PPOTrainerConfig):
+def check_start(cfg: DictConfig | PPOTrainerConfig):
     """THE check of a start, run alike by ``--dry-run`` and a real start before anything starts (train.py):
-    ``validate`` (the config) and ``preflight`` (the config against the world). Returns the derived sizes."""
+    ``validate`` (the config) and ``preflight`` (the config against the world), both on the typed tree (a
+    DictConfig converted here, once). Returns the derived sizes."""
+    cfg = checked_typed_config(cfg)
     sizes = validate(cfg)
     preflight(cfg)
     return sizes

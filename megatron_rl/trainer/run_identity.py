@@ -32,7 +32,8 @@ from typing import Any
 from megatron_rl.config import ConfigError
 from megatron_rl.config.access import is_unset, plain
 from megatron_rl.config.schema import PPOTrainerConfig
-from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE, TrainerCheckpointer
+from megatron_rl.config.worker_rules import check_resume_setting
+from megatron_rl.trainer.checkpointing import TRAINER_STATE_FILE, TrainerCheckpointer, check_resume_from_path
 from megatron_rl.trainer.weights_fingerprint import fingerprint_differences, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -153,11 +154,17 @@ def check_weights(cfg: PPOTrainerConfig, path: Path, saved: dict[str, Any], now:
 
 def resume_checkpoint(cfg: PPOTrainerConfig) -> Path | None:
     """The checkpoint this start would resume from (as ``loop.resume`` picks it), without logging or changing
-    anything; None for a start from step 0 (the loop itself refuses a bad resume_from_path)."""
+    anything; None for a start from step 0. A trainer.resume_from_path the loop would refuse (missing, not a
+    directory, an incomplete save) is refused here, by the loop's own rule (checkpointing.check_resume_from_path),
+    so preflight refuses it before launch."""
     trainer = cfg.trainer
     if trainer.resume_mode == "resume_path":
-        path = Path(trainer.resume_from_path) if trainer.resume_from_path else None
-        return path if path is not None and path.is_dir() else None
+        try:
+            check_resume_setting(trainer.resume_mode, trainer.resume_from_path)
+            check_resume_from_path(str(trainer.resume_from_path))
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(str(err)) from None
+        return Path(str(trainer.resume_from_path))
     if trainer.resume_mode != "auto":
         return None
     return TrainerCheckpointer(Path(trainer.default_local_dir), max(1, trainer.max_ckpt_to_keep)).newest_intact()[0]

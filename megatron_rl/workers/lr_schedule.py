@@ -16,11 +16,16 @@ from megatron_rl.config.schema import OptimConfig
 LR_SCHEDULERS = ("constant", "cosine")
 
 
-def check_optim_config(optim: OptimConfig, prefix: str) -> None:
-    """Raise ValueError naming ``<prefix>.<key>`` for settings the schedule cannot follow."""
+def check_optim_config(optim: OptimConfig, prefix: str, run_steps: int | None = None, *,
+                       before_start: bool = False) -> None:
+    """Raise ValueError naming ``<prefix>.<key>`` for settings the schedule cannot follow: the rule the engine runs
+    when it builds the schedule and validation runs before launch (plan/validate.py, ``before_start=True``).
+    ``run_steps``: the run's step count (trainer.total_training_steps), used where ``total_training_steps`` is -1
+    because the trainer fills it in at start; before the start without it (null: counted from the data) the cosine
+    schedule's length is not checked here."""
     if optim.lr_scheduler not in LR_SCHEDULERS:
         raise ValueError(
-            f"{prefix}.lr_scheduler={optim.lr_scheduler!r} is unknown; known: {list(LR_SCHEDULERS)}"
+            f"{prefix}.lr_scheduler={str(optim.lr_scheduler)!r} is unknown; known: {list(LR_SCHEDULERS)}"
         )
     if not optim.lr > 0:
         raise ValueError(f"{prefix}.lr must be > 0, got {optim.lr}")
@@ -28,11 +33,15 @@ def check_optim_config(optim: OptimConfig, prefix: str) -> None:
         raise ValueError(f"{prefix}.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
     if optim.lr_warmup_steps < 0:
         raise ValueError(f"{prefix}.lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
-    if optim.lr_scheduler == "cosine" and optim.total_training_steps <= optim.lr_warmup_steps:
+    total = optim.total_training_steps
+    filled = total == -1 and run_steps is not None
+    total = run_steps if filled else total
+    unknown = before_start and total == -1
+    if optim.lr_scheduler == "cosine" and not unknown and total <= optim.lr_warmup_steps:
         raise ValueError(
             f"{prefix}.lr_scheduler=cosine needs {prefix}.total_training_steps > lr_warmup_steps; got "
-            f"total_training_steps={optim.total_training_steps}, lr_warmup_steps={optim.lr_warmup_steps} "
-            "(-1 means the trainer did not fill it in)"
+            f"total_training_steps={total}{' (trainer.total_training_steps)' if filled else ''}, "
+            f"lr_warmup_steps={optim.lr_warmup_steps}{' (-1: the trainer did not fill it in)' if total == -1 else ''}"
         )
 
 

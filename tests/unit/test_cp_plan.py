@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, load_config, typed_config
 from megatron_rl.plan import PlanError, build_plan
 from megatron_rl.plan import memory
 from megatron_rl.plan.memory import Layout, Recompute
@@ -94,7 +94,8 @@ def test_cp_on_an_moe_model_is_accepted_by_the_preflight_and_planned(tmp_path):
     model_dir = _write_model(tmp_path / "model", **MOE)
     cfg = cfg_with(*CP2, f"actor_rollout_ref.model.path={model_dir}")
     validate(cfg)
-    check_context_parallel_models(cfg, load_model_facts(cfg))
+    typed = typed_config(cfg)
+    check_context_parallel_models(typed, load_model_facts(typed))
     assert build_plan(cfg).actor_layout.cp == 2
 
 
@@ -114,12 +115,13 @@ def test_cp_against_the_model_is_refused_by_the_preflight_and_the_plan(tmp_path,
     model_dir = _write_model(tmp_path / "model", **fields)
     cfg = cfg_with(*CP2, *extra, f"actor_rollout_ref.model.path={model_dir}")
     validate(cfg)
+    typed = typed_config(cfg)
     with pytest.raises(ConfigError, match=message):
-        check_context_parallel_models(cfg, load_model_facts(cfg))
+        check_context_parallel_models(typed, load_model_facts(typed))
     with pytest.raises(ConfigError, match=message):
         build_plan(cfg)
-    fine = cfg_with(f"actor_rollout_ref.model.path={model_dir}", *extra[:1])  # CP 1: the same model is fine
-    check_context_parallel_models(fine, load_model_facts(fine))
+    fine = typed_config(cfg_with(f"actor_rollout_ref.model.path={model_dir}", *extra[:1]))
+    check_context_parallel_models(fine, load_model_facts(fine))  # CP 1: the same model is fine
 
 
 def test_a_sliding_window_at_cp_is_accepted_on_cpu(tmp_path):
@@ -129,7 +131,7 @@ def test_a_sliding_window_at_cp_is_accepted_on_cpu(tmp_path):
 
     model_dir = _write_model(tmp_path / "model", architectures=["MistralForCausalLM"], model_type="mistral",
                              sliding_window=32)
-    cfg = cfg_with(*CP2, "trainer.device=cpu", f"actor_rollout_ref.model.path={model_dir}")
+    cfg = typed_config(cfg_with(*CP2, "trainer.device=cpu", f"actor_rollout_ref.model.path={model_dir}"))
     check_context_parallel_models(cfg, load_model_facts(cfg))
     build_plan(cfg)
 
@@ -150,7 +152,7 @@ def test_cp_split_pads_each_sequence_to_2cp_times_tp_under_sequence_parallelism(
 
 
 def test_cp_attention_kernel_and_its_bytes():
-    model = load_model_facts(load_config(overrides=["+experiment=grpo_8b_long_context"]))
+    model = load_model_facts(typed_config(load_config(overrides=["+experiment=grpo_8b_long_context"])))
     assert memory.cp_attention_kernel(1, None) is None
     assert memory.cp_attention_kernel(4, None) == memory.cp_attention_kernel(4, "p2p") == memory.TE_CP_P2P
     assert memory.cp_attention_kernel(4, "a2a") == memory.TE_CP_A2A
@@ -176,7 +178,7 @@ def test_cp_attention_kernel_and_its_bytes():
 
 def test_micro_batch_activation_estimate_counts_the_split_and_scales_to_fp32():
     """memory.micro_batch_activation_bytes: the estimate a measured CP = 2 peak is compared with."""
-    model = load_model_facts(load_config(overrides=["+experiment=grpo_8b_long_context"]))
+    model = load_model_facts(typed_config(load_config(overrides=["+experiment=grpo_8b_long_context"])))
     lengths = [1000, 37, 5]
     cp2 = Layout(tp=1, pp=1, cp=2, dp=1)
     per_rank = memory.cp_rank_tokens(lengths, cp2)

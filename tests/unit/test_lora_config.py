@@ -166,8 +166,8 @@ def test_folding_twice_changes_nothing():
 # ---------------------------------------------------------------------------- the reference is the actor
 def test_with_actor_lora_no_reference_model_is_built():
     kl = ["actor_rollout_ref.actor.use_kl_loss=true"]
-    assert "actor_rollout_ref.ref" in context_parallel_roles(cfg_with(*kl), False)
-    cfg = cfg_with(*kl, f"{L}.rank=8")
+    assert "actor_rollout_ref.ref" in context_parallel_roles(typed_config(cfg_with(*kl)), False)
+    cfg = typed_config(cfg_with(*kl, f"{L}.rank=8"))
     assert "actor_rollout_ref.ref" not in context_parallel_roles(cfg, False)
     # the reference's layout is not used: not required to match the actor's
     validate(cfg_with(*kl, f"{L}.rank=8", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, load_config, typed_config
 from megatron_rl.plan import build_plan, memory
 from megatron_rl.plan.planner import checkpoint_host_ram, lora_trainable_params
 
@@ -115,7 +115,7 @@ def test_preset_figures_with_lora(preset, trainable, full_peak, lora_peak, full_
     assert f"update {full_update} GiB -> {lora_update} GiB" in line
     assert f"KV cache per engine {full.rollout.kv_tokens:,} -> {plan.rollout.kv_tokens:,} tokens" in line
     assert plan.rollout.kv_tokens > full.rollout.kv_tokens
-    assert "Adam state: 0." in checkpoint_host_ram(cfg)
+    assert "Adam state: 0." in checkpoint_host_ram(typed_config(cfg))
 
 
 def test_70b_adapters_per_gpu_by_hand():

@@ -1,66 +1,284 @@
-"""Every config-derived refusal of worker or engine code has its twin in validation (issue 33 item 11).
+"""Every config-derived refusal of worker or engine code has its twin in validation (issue 33 item 11, issue 56 item 6).
 
-A ``raise ValueError(...)`` / ``raise ConfigError(...)`` in ``workers/``, ``rollout/``, ``weights/`` or ``servers/``
-whose message names a config key comes after Ray and the model build, minutes to hours into a start. Each such
-key must also be refused before start-up: named in a refusal of ``plan/validate.py``, ``config/checks.py`` or
-``trainer/preflight.py`` (a string of a ``raise``, ``_require``, ``_positive``, ``ConfigError``/``CheckError``/
-``PlanError`` call there), or a closed choice of the schema (refused at compose time), or listed in ALLOWED
-below with the reason it can only be known at run time. Found by reading the code (ast), so a new refusal in
-worker code fails this test until validation has its twin.
+A ``raise`` of ``ValueError`` / ``ConfigError`` / ``RuntimeError`` / ``TypeError`` / ``KeyError`` / ``CheckError`` /
+``PlanError`` in ``workers/``, ``rollout/``, ``weights/`` or ``servers/`` whose message names a config key comes after
+Ray and the model build, minutes to hours into a start. Each such key must also be refused before start-up:
+
+* by construction: the raise sits in a function that validation or preflight calls itself (imported into
+  ``plan/validate.py``, ``config/checks.py`` or ``trainer/preflight.py`` and called there; one rule, two callers), or
+* named in a refusal of those files (a string of a ``raise``, ``_require``, ``_positive``, ``ConfigError``/
+  ``CheckError``/``PlanError`` call there), or
+* a closed choice of the schema (refused at compose time), or
+* listed in ALLOWED below with the reason it can only be known at run time.
+
+Keys are read from the code (ast), f-strings included: ``f"{role}.megatron.share_prompts"`` is the pattern
+``*.megatron.share_prompts``, matched against the schema's keys (a name bound to a string constant of the module or
+to a string earlier in the function is read as its value), so a new refusal in worker code fails this test until
+validation has its twin.
 """
 from __future__ import annotations
 
 import ast
 import re
+import typing
+from fnmatch import fnmatchcase
+from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 SCANNED = ("workers", "rollout", "weights", "servers")
 VALIDATION = ("plan/validate.py", "config/checks.py", "trainer/preflight.py")
-KEY = re.compile(r"\b(?:actor_rollout_ref|rollout|critic|data|trainer|algorithm|reward_model)\.[A-Za-z_][\w.]*\w")
-REFUSING_CALLS = {"_require", "_positive", "ConfigError", "CheckError", "PlanError"}
-RAISED = {"ValueError", "ConfigError"}
+WILDCARD = "*"  # a formatted part of an f-string whose value the scan cannot tell
+KEY = re.compile(r"(?:\*|\b(?:actor_rollout_ref|rollout|critic|data|trainer|algorithm|reward_model))"
+                 r"\.[A-Za-z_*][\w.*]*[\w*]")
+REFUSING_CALLS = {"_require", "require", "_positive", "ConfigError", "CheckError", "PlanError"}
+RAISED = {"ValueError", "ConfigError", "RuntimeError", "TypeError", "KeyError", "CheckError", "PlanError"}
+SHORT_SECTIONS = ("rollout", "actor", "ref", "model")  # keys written without their actor_rollout_ref. prefix
 
 # (file, key) -> why validation cannot refuse it before start-up.
 ALLOWED = {
     ("rollout/sglang/server_transport.py", "actor_rollout_ref.rollout.sglang.master_address"):
         "null means this host's address, resolved on the trainer's rank-0 node when the update group forms; only "
         "there is it known whether it is loopback while the servers are on other hosts",
+    ("workers/engine.py", "*.megatron.use_distributed_optimizer"):
+        "whether Transformer Engine / Apex import is a fact of the machine, not of the config: a real start refuses "
+        "it before launch (plan/planner.py check_launch, the same capabilities.distributed_optimizer_blocker) and a "
+        "dry run, which plans for the target cluster, prints it as a note",
 }
 
 
-def _strings(node: ast.AST) -> str:
-    return " ".join(n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str))
-
-
+# ---------------------------------------------------------------------------- reading strings out of the code
 def _name(func: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+
+
+def render(node: ast.AST, names: dict[str, str]) -> str:
+    """The text ``node`` builds: constants as they are, an f-string's formatted parts as their value where ``names``
+    holds it (a string constant of the module or the function), else ``*``."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else ""
+    if isinstance(node, ast.JoinedStr):
+        return "".join(render(value, names) for value in node.values)
+    if isinstance(node, ast.FormattedValue):
+        inner = node.value
+        return names[inner.id] if isinstance(inner, ast.Name) and inner.id in names else WILDCARD
+    if isinstance(node, ast.Name):
+        return names.get(node.id, "")
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return render(node.left, names) + render(node.right, names)
+    return " ".join(render(child, names) for child in ast.iter_child_nodes(node))
+
+
+def _string_assignments(body: list[ast.stmt] | ast.AST, names: dict[str, str]) -> dict[str, str]:
+    """``names`` and the names bound (first binding) to a string or f-string in ``body``."""
+    names = dict(names)
+    nodes = body if isinstance(body, list) else [body]
+    for top in nodes:
+        for node in ([top] if isinstance(body, list) else ast.walk(top)):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, (ast.JoinedStr, ast.Constant))
+                    and (not isinstance(node.value, ast.Constant) or isinstance(node.value.value, str))):
+                names.setdefault(node.targets[0].id, render(node.value, names))
+    return names
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function of a module by its name, a method by ``Class.method``."""
+    found: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{item.name}": item for item in node.body
+                          if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))})
+    methods = {id(fn) for fn in found.values()}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in methods:
+            found.setdefault(node.name, node)
+    return found
+
+
+@lru_cache(maxsize=None)
+def _parsed(path: Path) -> tuple[ast.Module, dict[str, str]]:
+    tree = ast.parse(path.read_text())
+    return tree, _string_assignments(tree.body, {})
+
+
+# ---------------------------------------------------------------------------- the schema's keys
+@lru_cache(maxsize=1)
+def schema_paths() -> dict[str, bool]:
+    """Every key of the schema -> whether it is free-form (a dict / Any field that takes keys of its own)."""
+    from megatron_rl.config.checks import _dataclass_of, _is_free_form
+    from megatron_rl.config.schema import PPOTrainerConfig
+
+    paths: dict[str, bool] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, hint in typing.get_type_hints(cls).items():
+            paths[prefix + name] = _is_free_form(hint)
+            inner = _dataclass_of(hint)
+            if inner is not None:
+                walk(inner, f"{prefix}{name}.")
+
+    walk(PPOTrainerConfig, "")
+    return paths
+
+
+def _literal_tail(key: str) -> bool:
+    """A key that ends in a named field (``*.megatron.share_prompts``), not in a part the scan cannot tell."""
+    return re.fullmatch(r"[A-Za-z_]\w*", key.rsplit(".", 1)[-1]) is not None
+
+
+def config_keys(key: str) -> list[str]:
+    """The schema keys a key named in a message stands for: itself (``rollout.x`` -> ``actor_rollout_ref.rollout.x``)
+    or, for a pattern, every schema key it matches; a key below a free-form field as it is; [] for text that only
+    looks like a key (a module path, a file name)."""
+    paths = schema_paths()
+    if key.split(".", 1)[0] in SHORT_SECTIONS:
+        key = f"actor_rollout_ref.{key}"
+    if WILDCARD in key:
+        if not _literal_tail(key):
+            return []
+        return sorted(path for path in paths if fnmatchcase(path, key))
+    if key in paths:
+        return [key]
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:end])
+        if above in paths:
+            return [key] if paths[above] else []
+    return []
 
 
 def _short(key: str) -> str:
     return key.removeprefix("actor_rollout_ref.")
 
 
+# ---------------------------------------------------------------------------- the worker side and the validation side
+def _module_file(module: str) -> str | None:
+    """``megatron_rl.workers.lr_schedule`` -> ``workers/lr_schedule.py`` (or its package's __init__.py)."""
+    if not module.startswith("megatron_rl."):
+        return None
+    rel = Path(*module.split(".")[1:])
+    for candidate in (rel.with_suffix(".py"), rel / "__init__.py"):
+        if (PACKAGE / candidate).is_file():
+            return str(candidate)
+    return None
+
+
+def _imports(scope: ast.AST) -> dict[str, tuple[str, str | None]]:
+    """Names ``scope`` imports from megatron_rl (lazy imports inside functions too): local name -> (file, function),
+    or (file, None) for a module."""
+    found: dict[str, tuple[str, str | None]] = {}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if (module := _module_file(f"{node.module}.{alias.name}")) is not None:
+                    found[local] = (module, None)
+                elif (source := _module_file(node.module)) is not None:
+                    found[local] = (source, alias.name)
+    return found
+
+
+def _calls(scope: ast.AST, imported: dict[str, tuple[str, str | None]], source: str, defined: set[str],
+           owner: str | None = None) -> set[tuple[str, str]]:
+    """(file, function) of megatron_rl that ``scope`` (a method of class ``owner``, if one) calls: imported functions,
+    what building an imported class runs (its ``__init__`` / ``__post_init__``), ``module.function`` of an imported
+    module, ``Class.method`` of an imported class, and functions and methods of its own module."""
+    def built(file: str, cls: str) -> set[tuple[str, str]]:
+        return {(file, f"{cls}.{init}") for init in ("__init__", "__post_init__")}
+
+    called = set()
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.Call):
+            continue
+        for func in (node.func, *node.args):  # a function called, or handed to a call (``refused(rule, ...)``)
+            if isinstance(func, ast.Name) and func.id in imported and imported[func.id][1] is not None:
+                file, name = imported[func.id]
+                called |= {(file, name), *built(file, name)}
+            elif isinstance(func, ast.Name) and func.id in defined:
+                called.add((source, func.id))
+            elif isinstance(func, ast.Name) and (func.id == "cls" and owner or f"{func.id}.__init__" in defined):
+                called |= built(source, owner if func.id == "cls" else func.id)
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                base = func.value.id
+                if base in imported:  # module.function, or Class.method (a classmethod such as from_config)
+                    file, name = imported[base]
+                    called.add((file, func.attr if name is None else f"{name}.{func.attr}"))
+                elif base in ("self", "cls") and owner:
+                    called.add((source, f"{owner}.{func.attr}"))
+    return called
+
+
+def _engine_hooks() -> set[tuple[str, str]]:
+    """The EngineSpec hooks of rollout/engines.py (check_config: validation calls it; check_here: preflight)."""
+    source = "rollout/engines.py"
+    tree, _ = _parsed(PACKAGE / source)
+    return {(source, keyword.value.id) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and _name(node.func) == "EngineSpec" for keyword in node.keywords
+            if keyword.arg in ("check_config", "check_here") and isinstance(keyword.value, ast.Name)}
+
+
+@lru_cache(maxsize=1)
+def shared_rules() -> frozenset[tuple[str, str]]:
+    """(file, function) of megatron_rl that validation or preflight calls, and all they call in turn: a refusal
+    there runs before start-up by construction (one rule, called by the worker and by validation)."""
+    shared: set[tuple[str, str]] = set(_engine_hooks())
+    for name in VALIDATION:
+        tree, _ = _parsed(PACKAGE / name)
+        shared |= _calls(tree, _imports(tree), name, set())
+    pending = list(shared)
+    while pending:
+        source, function = pending.pop()
+        tree, _ = _parsed(PACKAGE / source)
+        defined = _functions(tree)
+        if function not in defined:
+            continue
+        imported = _imports(tree) | _imports(defined[function])
+        owner = function.split(".")[0] if "." in function else None
+        for call in _calls(defined[function], imported, source, set(defined), owner) - shared:
+            shared.add(call)
+            pending.append(call)
+    return frozenset(shared)
+
+
 def raised_keys() -> dict[tuple[str, str], int]:
-    """(file, key) -> line of each config key named by a ValueError / ConfigError raised in the scanned packages."""
+    """(file, key as the message names it) -> line of each config key named by an exception of RAISED raised in the
+    scanned packages outside the shared rules. A key may be a pattern (``*.megatron.share_prompts``)."""
     found: dict[tuple[str, str], int] = {}
+    shared = shared_rules()
     for package in SCANNED:
         for path in sorted((PACKAGE / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and _name(node.exc.func) in RAISED:
-                    for key in KEY.findall(_strings(node.exc)):
-                        found.setdefault((str(path.relative_to(PACKAGE)), key), node.lineno)
+            source = str(path.relative_to(PACKAGE))
+            tree, constants = _parsed(path)
+            for qualname, function in _functions(tree).items():
+                if (source, qualname) in shared:
+                    continue
+                names = _string_assignments(function, constants)
+                for node in ast.walk(function):
+                    raised = isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    if raised and _name(node.exc.func) in RAISED:
+                        for key in KEY.findall(render(node.exc, names)):
+                            if config_keys(key):
+                                found.setdefault((source, key), node.lineno)
     return found
 
 
 def validation_messages() -> str:
+    """The refusals of validation and preflight: their files' and those of every function they call."""
     texts = []
-    for name in VALIDATION:
-        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
-            if isinstance(node, ast.Raise) and node.exc is not None:
-                texts.append(_strings(node.exc))
-            elif isinstance(node, ast.Call) and _name(node.func) in REFUSING_CALLS:
-                texts.append(_strings(node))
+    shared = shared_rules()
+    sources = {*VALIDATION, *(source for source, _ in shared)}
+    for name in sorted(sources):
+        tree, constants = _parsed(PACKAGE / name)
+        for qualname, function in _functions(tree).items():
+            if name not in VALIDATION and (name, qualname) not in shared:
+                continue
+            names = _string_assignments(function, constants)
+            for node in ast.walk(function):
+                if isinstance(node, ast.Raise) and node.exc is not None:
+                    texts.append(render(node.exc, names))
+                elif isinstance(node, ast.Call) and _name(node.func) in REFUSING_CALLS:
+                    texts.append(render(node, names))
     return "\n".join(texts)
 
 
@@ -71,23 +289,62 @@ def schema_choices() -> set[str]:
     return {_short(key) for key, _ in _choice_fields(PPOTrainerConfig)}
 
 
+def refused_by_validation(key: str, messages: str, choices: set[str]) -> bool:
+    """Every schema key ``key`` stands for is named by a validation message (its text, or an f-string pattern of it
+    there that ends in a named field) or is a closed choice."""
+    patterns = [p for p in set(KEY.findall(messages)) if WILDCARD in p and _literal_tail(p)]
+    return all(_short(full) in messages or _short(full) in choices
+               or any(fnmatchcase(full, pattern) for pattern in patterns) for full in config_keys(key))
+
+
+# ---------------------------------------------------------------------------- the tests
 def test_the_scan_finds_the_refusals_it_is_about():
     keys = raised_keys()
     assert ("weights/replica.py", "rollout.weight_sync.verify_freq") in keys
     assert ("rollout/hf_engine.py", "rollout.response_length") in keys
+    # f-string keys (the guard missed workers/engine.py's share_prompts refusal while its key was an f-string)
+    assert ("workers/engine.py", "*.share_prompts") in keys
+    assert ("workers/engine.py", "*.megatron.context_parallel_size") in keys
+    # a RuntimeError naming keys
+    assert ("workers/hybrid.py", "algorithm.use_kl_in_reward") in keys
     assert len(keys) >= 10
+
+
+def test_f_string_keys_read_as_patterns_of_schema_keys():
+    tree = ast.parse('def f(role):\n    prefix = f"{role}.megatron"\n'
+                     '    raise ValueError(f"{prefix}.share_prompts and {WHERE}.x.packed_sequences")\n')
+    function = tree.body[0]
+    text = render(function.body[1].exc, _string_assignments(function, {"WHERE": "critic.megatron"}))
+    assert KEY.findall(text) == ["*.megatron.share_prompts", "critic.megatron.x.packed_sequences"]
+    assert "actor_rollout_ref.actor.megatron.share_prompts" in config_keys("*.megatron.share_prompts")
+    assert "critic.megatron.share_prompts" in config_keys("*.megatron.share_prompts")
+    assert config_keys("rollout.mode") == ["actor_rollout_ref.rollout.mode"]
+    assert config_keys("*.tmp") == [] and config_keys("rollout.vllm.server.ServerWorkerExtension") == []
+    assert config_keys("actor_rollout_ref.rollout.engine_kwargs.vllm.block_size")  # below a free-form field
+    assert config_keys("*.megatron.*") == []  # names no field
+
+
+def test_a_validation_pattern_covers_the_keys_it_matches():
+    messages = "*.megatron.share_prompts=true and *.megatron.packed_sequences=true cannot both be on"
+    assert refused_by_validation("*.share_prompts", messages, set())
+    assert not refused_by_validation("*.megatron.freeze_router", messages, set())
+
+
+def test_shared_rules_are_the_functions_validation_calls():
+    shared = shared_rules()
+    assert ("workers/lr_schedule.py", "check_optim_config") in shared
 
 
 def test_every_config_refusal_in_worker_code_is_refused_by_validation_first():
     messages, choices = validation_messages(), schema_choices()
     missing = []
     for (path, key), line in sorted(raised_keys().items()):
-        if (path, key) in ALLOWED or _short(key) in messages or _short(key) in choices:
+        if (path, key) in ALLOWED or refused_by_validation(key, messages, choices):
             continue
         missing.append(f"megatron_rl/{path}:{line} refuses {key}")
     assert not missing, ("refused only after start-up; add the check to plan/validate.py (or preflight) naming the "
-                         "key, or an ALLOWED entry with the reason it can only be known at run time:\n  "
-                         + "\n  ".join(missing))
+                         "key, or call the worker's own rule from there, or an ALLOWED entry with the reason it can "
+                         "only be known at run time:\n  " + "\n  ".join(missing))
 
 
 def test_allowed_entries_are_still_needed():

@@ -79,6 +79,7 @@ def build_sglang_engine(
             update_group_backend=sgl.update_group_backend,
             master_address=sgl.master_address,
             broken_group_wait_s=sgl.broken_group_wait_s,
+            engine=server_transport.server_engine_name(config.name),
         )
         needs_sync = "the servers have not received the trainer's weights yet"
     else:

@@ -43,7 +43,7 @@ from megatron_rl.rollout.sglang.contract import (
 )
 from megatron_rl.rollout.sglang.payload import serialize_bucket
 from megatron_rl.rollout.base import WeightUpdateError
-from megatron_rl.rollout.server_http import ServerHTTPBase
+from megatron_rl.rollout.server_http import ServerHTTPBase, check_reachable
 from megatron_rl.rollout.update_group import init_weight_update_group
 
 __all__ = ["ServerTransport", "UpdateGroupBroken", "update_group_address"]
@@ -64,6 +64,10 @@ class ServerHTTP(ServerHTTPBase):
 
     engine, error = "SGLang", SGLangServerError
 
+    def __init__(self, url: str, timeout_s: float | None, engine: str = "SGLang") -> None:
+        super().__init__(url, timeout_s)
+        self.engine = engine  # the HF-engine servers speak SGLang's routes: their errors name them, not SGLang
+
     def checked_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         return checked("route", route, body)
 
@@ -71,6 +75,23 @@ class ServerHTTP(ServerHTTPBase):
         if route not in SGLANG_CONTRACT["http_routes"]:
             raise AssertionError(f"route {route} is not declared in SGLANG_CONTRACT")
         return super().request(route, body, method)
+
+
+# rollout.name -> the servers' name in errors: the HF-engine servers (servers/hf_server.py) speak SGLang's routes
+SERVER_ENGINE_NAMES = {"sglang": "SGLang", "hf": "HF-engine"}
+PROBE_TIMEOUT_S = 10.0  # preflight's wait for a server's first answer (rollout.sglang.request_timeout_s if shorter)
+
+
+def server_engine_name(rollout_name: str) -> str:
+    return SERVER_ENGINE_NAMES.get(str(rollout_name), str(rollout_name))
+
+
+def check_servers_answer(server_urls: list[str], rollout_name: str, timeout_s: float | None) -> None:
+    """The servers of rollout.server_urls answer the client's first request (``/server_info``, what
+    ``ServerTransport`` reads when it is built): preflight's check (rollout/engines.py), ValueError naming the key."""
+    wait = PROBE_TIMEOUT_S if timeout_s is None else min(float(timeout_s), PROBE_TIMEOUT_S)
+    engine = server_engine_name(rollout_name)
+    check_reachable([ServerHTTP(url, wait, engine) for url in server_urls], "/server_info")
 
 
 def _is_loopback(host: str) -> bool:
@@ -117,9 +138,11 @@ class ServerTransport:
         update_group_backend: str,
         master_address: str | None,
         broken_group_wait_s: float = 30.0,
+        engine: str = "SGLang",
     ) -> None:
+        self._engine = engine  # SGLang, or the HF-engine servers (rollout.name=hf), which speak its routes
         if not server_urls:
-            raise ValueError("rollout.mode=server needs rollout.server_urls (the SGLang servers' http://host:port)")
+            raise ValueError(f"rollout.mode=server needs rollout.server_urls (the {engine} servers' http://host:port)")
         if weight_transport not in ("distributed", "tensor"):
             raise ValueError(f"rollout.sglang.weight_transport must be distributed or tensor, got {weight_transport!r}")
         if broken_group_wait_s <= 0:
@@ -127,7 +150,7 @@ class ServerTransport:
         self._timeout_s, self._broken_wait_s = timeout_s, float(broken_group_wait_s)
         self._stuck: set[str] = set()  # URLs of servers blocked in a broken broadcast: no request waits on them
         self._abandoned: list[dist.ProcessGroup] = []  # broken groups, kept alive (see the module docstring)
-        self._servers = [ServerHTTP(url, timeout_s) for url in server_urls]
+        self._servers = [ServerHTTP(url, timeout_s, engine) for url in server_urls]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._servers)), thread_name_prefix="sglang-http")
         self._read_server_info()
         self.weight_transport = weight_transport
@@ -143,7 +166,7 @@ class ServerTransport:
         infos = [s.request("/server_info", method="GET") for s in self._servers]
         versions = {info["version"] for info in infos}
         if len(versions) != 1:
-            raise ValueError(f"SGLang servers run different versions {sorted(versions)}: {urls}")
+            raise ValueError(f"{self._engine} servers run different versions {sorted(versions)}: {urls}")
         self.version = versions.pop()
         # The update group spans every server's TP ranks, as the servers themselves report them.
         missing = [url for url, info in zip(urls, infos) if "tp_size" not in info]
@@ -164,7 +187,7 @@ class ServerTransport:
         self._leave_update_group(survivors)
         self._stuck &= set(urls)
         stuck = [url for url in urls if url in self._stuck]
-        self._servers = [ServerHTTP(url, self._timeout_s) for url in urls]
+        self._servers = [ServerHTTP(url, self._timeout_s, self._engine) for url in urls]
         if not stuck:
             self._read_server_info()
         return stuck

@@ -2,7 +2,8 @@
 
 ``check_config`` runs in validation (plan/validate.py, also under ``--dry-run``); ``check_here`` in the preflight
 of a real start, on the machine that starts the run (vLLM installed, the servers' host, CPU attention's head
-sizes). Neither imports vllm.
+sizes; the values of rollout.engine_kwargs.vllm against vLLM's own field types, which imports vLLM only then).
+``check_config`` does not import vllm.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from megatron_rl.distributed.device import rollout_on_cpu
 from megatron_rl.rollout.vllm import contract
 from megatron_rl.rollout.vllm.server import require_local_servers
 
-__all__ = ["check_config", "check_cpu_threads", "check_here"]
+__all__ = ["check_config", "check_cpu_kv_cache", "check_cpu_threads", "check_here"]
 
 ROLLOUT = "actor_rollout_ref.rollout"
 # one CPU list of VLLM_CPU_OMP_THREADS_BIND, e.g. 0-3,8
@@ -96,6 +97,10 @@ def check_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, 
     except contract.VLLMUnavailableError as err:
         raise ConfigError(str(err)) from None
     rollout = cfg.actor_rollout_ref.rollout
+    # the values of rollout.engine_kwargs.vllm against the installed vLLM's own field types and choices (validation
+    # checked their names without importing vLLM; vLLM itself checks the values only when the engine starts)
+    contract.check_engine_kwarg_values(plain(rollout.engine_kwargs.vllm) or {}, key=f"{ROLLOUT}.engine_kwargs.vllm")
+    contract.check_load_format(str(rollout.load_format), key=f"{ROLLOUT}.load_format")
     if rollout.mode == "server" and rollout.server_urls:
         try:
             require_local_servers(list(rollout.server_urls))
@@ -123,3 +128,36 @@ def check_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, 
         return  # the model check names the broken field
     contract.check_head_size(head_dim, on_cpu=True,
                              model_path=f"actor_rollout_ref.model.path={source.parent} ({source}: {sizes})")
+    check_cpu_kv_cache(cfg, model_config, head_dim, source)
+
+
+# config.json fields of models whose KV cache vLLM sizes otherwise (a window, state of a recurrent layer): the
+# lower bound below does not hold for them, so they are left to vLLM
+_OTHER_KV_LAYOUTS = ("sliding_window", "layer_types", "attention_chunk_size", "mamba_d_state", "linear_num_key_heads")
+
+
+def check_cpu_kv_cache(cfg: PPOTrainerConfig, model_config: dict[str, Any], head_dim: int, source: Path) -> None:
+    """rollout.vllm.cpu_kv_cache_mb holds one sequence of the engine's max_model_len (data.max_prompt_length + the
+    response length), as vLLM requires when it starts (vllm/v1/core/kv_cache_utils.py
+    check_enough_kv_cache_memory); refused here by a lower bound of what it needs (K and V of every layer, the
+    KV heads of one TP rank, at the dtype the engine serves: rollout.dtype, auto = fp32 on CPU; 1 byte when
+    engine_kwargs.vllm.kv_cache_dtype quantises it), so only a cache vLLM surely refuses is refused."""
+    rollout = cfg.actor_rollout_ref.rollout
+    layers, kv_heads = model_config.get("num_hidden_layers"), (model_config.get("num_key_value_heads")
+                                                              or model_config.get("num_attention_heads"))
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and layers >= 1 and kv_heads >= 1):
+        return
+    if any(model_config.get(name) for name in _OTHER_KV_LAYOUTS):
+        return
+    kv_dtype = str((plain(rollout.engine_kwargs.vllm) or {}).get("kv_cache_dtype", "auto"))
+    element = 1 if kv_dtype != "auto" else {"auto": 4, "fp32": 4, "float32": 4}.get(str(rollout.dtype), 2)
+    per_rank_heads = max(1, kv_heads // int(rollout.tensor_model_parallel_size))
+    per_token = 2 * layers * per_rank_heads * head_dim * element
+    model_len = cfg.data.max_prompt_length + (rollout.response_length or cfg.data.max_response_length)
+    need, have = model_len * per_token, int(rollout.vllm.cpu_kv_cache_mb) << 20
+    require(need <= have,
+            f"{ROLLOUT}.vllm.cpu_kv_cache_mb={rollout.vllm.cpu_kv_cache_mb} cannot hold one sequence of the engine's "
+            f"max_model_len={model_len} (data.max_prompt_length + the response length): {source} needs at least "
+            f"{per_token} bytes per token ({layers} layers x K and V x {per_rank_heads} KV heads per TP rank x "
+            f"head size {head_dim} x {element} bytes), {-(-need // (1 << 20))} MiB; vLLM refuses to start below "
+            f"that. Raise {ROLLOUT}.vllm.cpu_kv_cache_mb or shorten the sequences")

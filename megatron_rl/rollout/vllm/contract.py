@@ -8,10 +8,14 @@ time. tests/rollout/test_vllm_contract.py compares it, and the worker methods we
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
+import sys
+import types
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.rollout.engine_args import name_problem
@@ -26,8 +30,10 @@ __all__ = [
     "VLLM_PIN",
     "WORKER_METHODS",
     "VLLMUnavailableError",
+    "check_engine_kwarg_values",
     "check_engine_kwargs",
     "check_head_size",
+    "check_load_format",
     "require_vllm",
     "vllm_missing",
 ]
@@ -185,6 +191,122 @@ def check_engine_kwargs(kwargs: Mapping[str, Any], key: str = "actor_rollout_ref
                 if (problem := name_problem(name, key, known, OWNED_ENGINE_ARGS, f"a vLLM {VLLM_PIN} engine argument"))]
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+# vLLM's config classes whose pydantic fields hold the constraints of the engine arguments of the same name
+# (CacheConfig.block_size: an int > 0, ...): EngineArgs itself is a plain dataclass and checks nothing
+ENGINE_CONFIG_CLASSES = ("CacheConfig", "SchedulerConfig", "ParallelConfig", "LoadConfig", "ModelConfig")
+
+
+def _plain_type(hint: Any) -> bool:
+    """An annotation of plain values (numbers, strings, bools, None, Literal choices, lists / dicts of them), whose
+    check cannot refuse a value vLLM would convert itself (an enum given by name, a config object given as dict)."""
+    if hint in (int, float, bool, str, type(None), Any):
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return True
+    if origin in (typing.Union, types.UnionType, list, tuple, dict, set, frozenset):
+        return all(_plain_type(arg) for arg in typing.get_args(hint) if arg is not Ellipsis)
+    return False
+
+
+def _type_text(hint: Any) -> str:
+    """``int | None``, ``list[int]``: an annotation as the user reads it."""
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(arg) for arg in typing.get_args(hint))
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _describe(hint: Any, metadata: list[Any]) -> str:
+    choices = [arg for part in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                else (hint,))
+               if typing.get_origin(part) is Literal for arg in typing.get_args(part)]
+    text = f"one of {choices}" if choices else _type_text(hint)
+    bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    limits = [f"{sign} {getattr(m, name)}" for m in metadata for name, sign in bounds.items()
+              if getattr(m, name, None) is not None]
+    return text + (f" ({', '.join(limits)})" if limits else "")
+
+
+def engine_kwarg_value_problems(kwargs: Mapping[str, Any], key: str, engine_args: type,
+                                config_classes: typing.Sequence[type] = ()) -> list[str]:
+    """Why values of ``kwargs`` are not ones vLLM takes: each checked (pydantic, as vLLM's config classes check
+    them when the engine starts) against its ``EngineArgs`` field's type and the constraints of the field of that name
+    in ``config_classes``, where those types are plain (see ``_plain_type``; other fields are left to vLLM)."""
+    import pydantic  # lazy: vLLM's dependency, which only this check of vLLM's values needs
+
+    fields = {f.name: f for f in dataclasses.fields(engine_args)}
+    namespace = vars(sys.modules[engine_args.__module__]) if engine_args.__module__ in sys.modules else {}
+    problems = []
+    for name, value in sorted(kwargs.items()):
+        field = fields.get(name)
+        hint = field.type if field is not None else None
+        if isinstance(hint, str):  # a postponed annotation: its type where the module's names resolve it
+            try:
+                hint = eval(hint, dict(namespace), {})  # noqa: S307 - an annotation of the installed package
+            except Exception:  # noqa: BLE001 - a name only a type checker sees: leave it to vLLM
+                hint = None
+        if field is None or hint is None or not _plain_type(hint):
+            continue  # unknown names: check_engine_kwargs; objects (enums, config classes): vLLM's own check
+        if value is None and (hint is type(None) or type(None) in typing.get_args(hint)):
+            continue
+        checks = [(hint, [])]
+        for cls in config_classes:
+            info = getattr(cls, "__pydantic_fields__", {}).get(name)
+            if info is not None and _plain_type(info.annotation):
+                checks.append((info.annotation, list(info.metadata)))
+                break
+        for annotation, metadata in checks:
+            try:
+                pydantic.TypeAdapter(typing.Annotated[annotation, *metadata] if metadata else annotation
+                                     ).validate_python(value)
+            except pydantic.ValidationError as err:
+                allowed = _describe(annotation, metadata)
+                reason = "" if allowed.startswith("one of") else f" ({err.errors()[0].get('msg', err)})"
+                problems.append(f"{key}.{name}={value!r} is not a value vLLM {VLLM_PIN} takes: it takes "
+                                f"{allowed}{reason}")
+                break
+            except (pydantic.PydanticSchemaGenerationError, TypeError):
+                continue
+    return problems
+
+
+def check_engine_kwarg_values(kwargs: Mapping[str, Any], key: str = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+                              ) -> None:
+    """Refuse values of ``rollout.engine_kwargs.vllm`` that vLLM would refuse only after start-up (when it builds
+    its config from EngineArgs): checked against the installed vLLM's own field types and choices (kv_cache_dtype's
+    CacheDType, CacheConfig.block_size > 0, ...). Imports vLLM (seconds): call it where vLLM must be installed
+    anyway (preflight of a rollout.name=vllm start) and only with kwargs."""
+    if not kwargs or importlib.util.find_spec("vllm") is None:
+        return  # (no vLLM: require_vllm refuses the start; a test's stand-in for it has no fields to read)
+    from vllm import config as vllm_config  # lazy: seconds
+    from vllm.engine.arg_utils import EngineArgs
+
+    classes = [getattr(vllm_config, name) for name in ENGINE_CONFIG_CLASSES if hasattr(vllm_config, name)]
+    problems = engine_kwarg_value_problems(kwargs, key, EngineArgs, classes)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_load_format(load_format: str, key: str = "actor_rollout_ref.rollout.load_format") -> None:
+    """``rollout.load_format`` is a loader vLLM has (its LoadFormats and the loaders registered with it), which vLLM
+    checks only when it loads the model (vllm/model_executor/model_loader get_model_loader: "Load format ... is not
+    supported"). Imports vLLM's loaders (seconds) unless it is one every vLLM has."""
+    name = str(load_format).lower()  # vLLM lower-cases it (LoadConfig)
+    if name in ("auto", "dummy") or importlib.util.find_spec("vllm") is None:
+        return
+    from vllm.model_executor import model_loader  # lazy: seconds
+
+    known = set(typing.get_args(getattr(model_loader, "LoadFormats", None)))
+    known |= set(getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}))  # plugins registered in this process
+    if known and name not in known:
+        raise ConfigError(f"{key}={load_format!r} is not a load format vLLM {VLLM_PIN} has; it has {sorted(known)} "
+                          "(dummy: random weights until the first weight sync, what the run needs)")
 
 
 def check_head_size(head_dim: int, *, on_cpu: bool, model_path: str = "the model", mla: bool = False) -> None:
