@@ -78,6 +78,12 @@ def check_context_parallel_model(model: HFModelConfig, role: str, cp: int, tp: i
     if cp == 1:
         return
     key = f"{role}.megatron.context_parallel_size={cp}"
+    # Megatron-Core 0.16.1's MLA builds its YaRN rotary table in pinned memory under CP (a CUDA-only allocator) and
+    # its CP attention is Transformer Engine's; the CPU path (SDPAttention's all-gather) does not cover MLA
+    _require(model.mla is None,
+             f"{key} with multi-latent attention ({model.source}: {model.architecture}) is not built here: "
+             "Megatron-Core 0.16.1's MLA runs context parallelism only inside Transformer Engine's attention, untested "
+             "here; set context_parallel_size=1")
     # An MoE model splits its tokens over CP like a dense one: each router sees its rank's chunks, Megatron reduces
     # the expert counts over TP x CP, and the engine masks the split's pad tokens out of the router losses (issue
     # 51; tests/workers/test_context_parallel_moe.py). Routing replay with CP is refused by config/router_replay.py.

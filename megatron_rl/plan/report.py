@@ -20,6 +20,20 @@ FIT_OPTIONS = ("more nodes (the distributed optimizer shards Adam over DP), a la
                "generating), or a lower actor_rollout_ref.rollout.gpu_memory_utilization")
 
 
+
+def _attention(model: HFModelConfig) -> str:
+    """The report's attention: GQA's heads / KV heads, or MLA's latent widths (its KV cache is the latent)."""
+    mla = model.mla
+    if mla is None:
+        return f"{model.num_attention_heads} heads / {model.num_key_value_heads} KV heads"
+    q = f"q latent {mla.q_lora_rank}" if mla.q_lora_rank is not None else "no q latent"
+    return (f"{model.num_attention_heads} heads of multi-latent attention ({q}, kv latent {mla.kv_lora_rank} + rope "
+            f"{mla.qk_rope_head_dim})")
+
+
+def _mtp_layers(model: HFModelConfig) -> str:
+    return f" + {model.mtp.num_layers} MTP" if model.mtp is not None else ""
+
 class PlanError(ConfigError):
     """The plan cannot run: the layout does not factor for this model, or it does not fit in memory."""
 
@@ -129,8 +143,8 @@ class Plan:
                   if moe is not None else "")
         lines = [
             f"model ({model.source}): {model.architecture}, {short_count(params)} params{active}; hidden "
-            f"{model.hidden_size}, {model.num_layers} layers, {model.num_attention_heads} heads / "
-            f"{model.num_key_value_heads} KV heads, ffn {model.intermediate_size}, vocab {model.vocab_size} (padded to "
+            f"{model.hidden_size}, {model.num_layers} layers{_mtp_layers(model)}, {_attention(model)}, ffn "
+            f"{model.intermediate_size}, vocab {model.vocab_size} (padded to "
             f"{padded_vocab_size(model.vocab_size, layout.tp)} at TP={layout.tp})",
             f"GPUs: {self.sizes.world_size} = actor TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}",
             self.sizes.summary(),

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
@@ -100,28 +100,39 @@ def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_he
     """The exported parameters in checkpoint order with their stage, shard and HF sizes (``stage_counts``
     layers per stage; None: even)."""
     stages = layer_stages(hf, pp, stage_counts)
-    h, f, b = hf.hidden_size, hf.intermediate_size, dtype_bytes
+    h, b = hf.hidden_size, dtype_bytes
     vocab_padded = padded_vocab_size(hf.vocab_size, tp)
     groups = [_Group(0, "split", vocab_padded // tp * h * b, (hf.vocab_size * h * b,))]
-    qkv_rows = hf.q_size + 2 * hf.kv_size
     for layer in range(hf.num_layers):
-        s = stages[layer]
-        groups.append(_Group(s, "replicated", h * b, (h * b,)))
-        groups.append(_Group(s, "split", qkv_rows // tp * h * b, (hf.q_size * h * b, hf.kv_size * h * b, hf.kv_size * h * b)))
-        if hf.qkv_bias:
-            groups.append(_Group(s, "split", qkv_rows // tp * b, (hf.q_size * b, hf.kv_size * b, hf.kv_size * b)))
-        if hf.qk_norm:
-            groups += [_Group(s, "replicated", hf.head_dim * b, (hf.head_dim * b,))] * 2
-        groups.append(_Group(s, "split", h * hf.q_size // tp * b, (h * hf.q_size * b,)))
-        groups.append(_Group(s, "replicated", h * b, (h * b,)))
-        groups.append(_Group(s, "split", 2 * f // tp * h * b, (f * h * b, f * h * b)))
-        groups.append(_Group(s, "split", h * f // tp * b, (h * f * b,)))
+        groups += _dense_layer_groups(hf, stages[layer], tp, b)
     last = pp - 1
     groups.append(_Group(last, "replicated", h * b, (h * b,)))
     if value_head:
         groups += [_Group(last, "replicated", h * b, (h * b,)), _Group(last, "replicated", b, (b,))]
     elif not hf.tie_word_embeddings:
         groups.append(_Group(last, "split", vocab_padded // tp * h * b, (hf.vocab_size * h * b,)))
+    for _ in range(hf.mtp.num_layers if hf.mtp is not None and not value_head else 0):  # on the last stage
+        groups += [_Group(last, "replicated", h * b, (h * b,))] * 2  # enorm, hnorm
+        groups.append(_Group(last, "split", 2 * h // tp * h * b, (2 * h * h * b,)))  # eh_proj
+        groups += _dense_layer_groups(hf, last, tp, b)
+        groups.append(_Group(last, "replicated", h * b, (h * b,)))  # final norm
+    return groups
+
+
+def _dense_layer_groups(hf: HFModelConfig, s: int, tp: int, b: int) -> list[_Group]:
+    """One dense decoder layer's groups on stage ``s``: norms, q/k/v (and bias, q/k norms), o_proj, gate/up, down."""
+    h, f = hf.hidden_size, hf.intermediate_size
+    qkv_rows = hf.q_size + 2 * hf.kv_size
+    groups = [_Group(s, "replicated", h * b, (h * b,)),
+              _Group(s, "split", qkv_rows // tp * h * b, (hf.q_size * h * b, hf.kv_size * h * b, hf.kv_size * h * b))]
+    if hf.qkv_bias:
+        groups.append(_Group(s, "split", qkv_rows // tp * b, (hf.q_size * b, hf.kv_size * b, hf.kv_size * b)))
+    if hf.qk_norm:
+        groups += [_Group(s, "replicated", hf.head_dim * b, (hf.head_dim * b,))] * 2
+    groups.append(_Group(s, "split", h * hf.q_size // tp * b, (h * hf.q_size * b,)))
+    groups.append(_Group(s, "replicated", h * b, (h * b,)))
+    groups.append(_Group(s, "split", 2 * f // tp * h * b, (f * h * b, f * h * b)))
+    groups.append(_Group(s, "split", h * f // tp * b, (h * f * b,)))
     return groups
 
 
@@ -147,8 +158,9 @@ def _stage_of(group: TensorGroup, stages: list[int], pp: int) -> int:
     """The pipeline stage holding ``group`` (``stages``: each layer's; embedding first, final norm and head
     last)."""
     layer = re.match(r"model\.layers\.(\d+)\.", group.key)
-    if layer:
+    if layer and int(layer.group(1)) < len(stages):
         return stages[int(layer.group(1))]
+    # the final norm, the head and the MTP layers (DeepSeek's numbered past the model's layers) are last
     return 0 if group.key == "model.embed_tokens.weight" else pp - 1
 
 
@@ -353,8 +365,10 @@ def plan_sync_traffic(cfg: PPOTrainerConfig, plan: Plan) -> str:
     dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
     if rollout.mode != "colocated":
         return "weight sync: server mode (one sender per server group) is not modelled; see docs/rollout.md"
+    # the MTP layers travel only to engines that draft with them (weights/replica.py export_plan)
+    model = plan.model if cfg.actor_rollout_ref.model.mtp.enable_rollout else replace(plan.model, mtp=None)
     return format_sync_traffic(
-        plan.model, layout.tp, layout.pp, layout.dp * layout.cp, int(cfg.trainer.n_gpus_per_node),
+        model, layout.tp, layout.pp, layout.dp * layout.cp, int(cfg.trainer.n_gpus_per_node),
         dtype_bytes=dtype_bytes, bucket_bytes=int(rollout.weight_sync.bucket_size_mb) << 20,
         rollout_tp=int(rollout.tensor_model_parallel_size), ep=layout.ep, etp=layout.etp,
         stage_counts=stage_layer_counts(plan.model.num_layers, layout.pp, layout.first_stage_layers,

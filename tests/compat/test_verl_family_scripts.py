@@ -112,6 +112,8 @@ def test_moonlight_from_its_hf_checkpoint_plans(tmp_path):
     validate(cfg)
     text = build_plan(cfg).format()
     assert "DeepseekV3ForCausalLM" in text, text
+    # the report names MLA's latents (its KV cache), not "16 KV heads"
+    assert "16 heads of multi-latent attention (no q latent, kv latent 512 + rope 64)" in text, text
 
 
 def test_mimo_mtp_script_plans_at_cp_1_with_its_mtp_layer(tmp_path):
@@ -124,3 +126,4 @@ def test_mimo_mtp_script_plans_at_cp_1_with_its_mtp_layer(tmp_path):
     validate(cfg)
     text = build_plan(cfg).format()
     assert "MiMoForCausalLM" in text and "actor MTP layers' activations" in text, text
+    assert "36 layers + 1 MTP" in text, text

@@ -106,12 +106,18 @@ def test_cp_on_an_moe_model_is_accepted_by_the_preflight_and_planned(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}, (),
      r"context_parallel_size=2 with a sliding-window model .*sliding_window=32\) needs "
      r"actor_rollout_ref.actor.megatron.override_transformer_config.cp_comm_type=a2a"),
+    # MLA under CP: a raw pin_memory RuntimeError in the workers' model build on CPU before it was refused here
+    ("deepseek_v3", (), r"context_parallel_size=2 with multi-latent attention .*DeepseekV3ForCausalLM\) is not built"),
 ])
 def test_cp_against_the_model_is_refused_by_the_preflight_and_the_plan(tmp_path, fields, extra, message):
     """The model's own limits: refused by the start's preflight (config.json at the model path) and by the
     dry run's plan, before Ray; with plan.architecture alone, by the plan."""
     from megatron_rl.trainer.preflight import check_context_parallel_models
 
+    if fields == "deepseek_v3":
+        from megatron_rl_testing.tiny_models import tiny_hf_config
+
+        fields = {**tiny_hf_config("deepseek_v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
     model_dir = _write_model(tmp_path / "model", **fields)
     cfg = cfg_with(*CP2, *extra, f"actor_rollout_ref.model.path={model_dir}")
     validate(cfg)

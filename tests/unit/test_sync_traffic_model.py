@@ -50,3 +50,30 @@ def test_the_planner_prints_both_paths(capsys):
                                            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false"]))
     out = capsys.readouterr().out
     assert "weight sync (TP 8 x PP 4 x DP 2" in out and "today (tensorwise)" in out and "shard-first" in out
+
+
+@pytest.mark.parametrize("family", ["mimo", "deepseek_v3"])
+def test_mtp_layers_are_counted_when_the_engines_draft_with_them(tmp_path, family):
+    """The traffic model's groups carry what the export sends: the MTP layers (on the last stage) only when the
+    engines draft with them (the dense model's hand-written groups against the export's own list; an MoE model
+    (DeepSeek-V3) goes through the export's list, its MTP layer numbered past the model's layers)."""
+    import dataclasses
+
+    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.models.layout import hf_tensor_groups
+    from megatron_rl.models.mtp import with_mtp
+    from megatron_rl_testing.mtp_models import make_mtp_checkpoint
+
+    hf = with_mtp(load_hf_config(make_mtp_checkpoint(tmp_path / family, family, num_layers=2)), True)
+    bare = dataclasses.replace(hf, mtp=None)
+    exported = sum(t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for g in hf_tensor_groups(hf)
+                   for t in g.tensors) * 2
+    if hf.moe is None:
+        groups = shard_groups(hf, 2, 2, 2)
+        assert sum(sum(g.hf_bytes) for g in groups) == exported
+        mtp_groups = groups[len(shard_groups(bare, 2, 2, 2)):]
+        assert mtp_groups and {g.stage for g in mtp_groups} == {1}
+    with_layers = model_sync_traffic(hf, 2, 2, 1, 4, path="shard_first")
+    without = model_sync_traffic(bare, 2, 2, 1, 4, path="shard_first")
+    assert with_layers.per_rank[0]["inter_recv"] + with_layers.per_rank[0]["intra_recv"] > \
+        without.per_rank[0]["inter_recv"] + without.per_rank[0]["intra_recv"]
