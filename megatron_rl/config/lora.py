@@ -35,6 +35,21 @@ HF_TO_MEGATRON = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "lin
 FUSED_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
 HF_PATH_PARTS = {"model": "decoder", "self_attn": "self_attention", "mlp": "mlp"}
 ALL_LINEAR = "all-linear"
+# Multi-latent attention (DeepSeek-V3 / Kimi-K2 / Moonlight, models/mla.py) has no fused q/k/v: its attention's input
+# linears, by Megatron's names, are the query's (linear_q_proj, or linear_q_down_proj + linear_q_up_proj when
+# q_lora_rank is set) and the key/value latent's (linear_kv_down_proj, linear_kv_up_proj); its output projection is
+# linear_proj, as GPT attention's. On an MLA model ``linear_qkv`` (verl's default target, and what 'all-linear'
+# folds to) means all of the model's query and key/value linears (``mla_linears``), so the default adapts the whole
+# attention as on a GPT model; Megatron's MLA names select a subset.
+MLA_QKV_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                   "linear_kv_up_proj")
+KNOWN_TARGETS = LORA_TARGET_MODULES + MLA_QKV_LINEARS
+MODULE_PATHS.update({linear: f"self_attention.{linear}" for linear in MLA_QKV_LINEARS})
+# HF (PEFT) names of an MLA model's attention linears -> Megatron's
+MLA_HF_TO_MEGATRON = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj",
+                      "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
+                      "o_proj": "linear_proj"}
+_MLA_ONLY_HF = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # verl's defaults of its flat keys: a verl config that carries them with LoRA off says nothing
 VERL_FLAT_DEFAULTS = {"lora_rank": 0, "lora_alpha": 16, "target_modules": ALL_LINEAR, "exclude_modules": None,
                       "lora_adapter_path": None}
@@ -68,19 +83,26 @@ def hf_modules_to_megatron(value: Any, key: str) -> list[str]:
         raise ConfigError(f"{key}={value!r} must be '{ALL_LINEAR}' or a list of module names")
     if ALL_LINEAR in value:
         return list(LORA_TARGET_MODULES) + [v for v in value if v != ALL_LINEAR and v not in HF_TO_MEGATRON
-                                            and v not in LORA_TARGET_MODULES]
+                                            and v not in MLA_HF_TO_MEGATRON and v not in KNOWN_TARGETS]
     mapped: list[str] = []
     parts_seen: dict[str, set[str]] = {}
+    # an MLA model's names (kv_a_proj_with_mqa, ...) in the list: q_proj is MLA's uncompressed query (linear_q_proj)
+    mla = any(v.rsplit(".", 1)[-1] in (*_MLA_ONLY_HF, *MLA_QKV_LINEARS) for v in value)
     for name in value:
         *path, last = name.split(".")
-        if last in LORA_TARGET_MODULES:
+        if last in KNOWN_TARGETS:
             megatron_last = last
+        elif mla and last in MLA_HF_TO_MEGATRON:
+            megatron_last = MLA_HF_TO_MEGATRON[last]
         elif last in HF_TO_MEGATRON:
             megatron_last = HF_TO_MEGATRON[last]
+        elif last in MLA_HF_TO_MEGATRON:
+            megatron_last = MLA_HF_TO_MEGATRON[last]
         else:
             raise ConfigError(f"{key}: {name!r} is not a linear an adapter is built for; known: "
-                              f"{', '.join(HF_TO_MEGATRON)} (HF names), {', '.join(LORA_TARGET_MODULES)} "
-                              f"(Megatron's) or '{ALL_LINEAR}'")
+                              f"{', '.join(HF_TO_MEGATRON)}, {', '.join(_MLA_ONLY_HF)} (HF names; the last four "
+                              f"multi-latent attention's), {', '.join(KNOWN_TARGETS)} (Megatron's) or "
+                              f"'{ALL_LINEAR}'")
         full = ".".join([HF_PATH_PARTS.get(p, p) for p in path] + [megatron_last])
         if full not in mapped:
             mapped.append(full)
@@ -94,7 +116,8 @@ def hf_modules_to_megatron(value: Any, key: str) -> list[str]:
             raise ConfigError(
                 f"{key} names {', '.join(given)} without {', '.join(missing)}: Megatron fuses "
                 f"{' / '.join(fused)} into one linear ({full.rsplit('.', 1)[-1]}), and its adapter covers all "
-                f"{len(fused)} parts, so a subset is not built; name all of {', '.join(fused)} (or none)")
+                f"{len(fused)} parts, so a subset is not built; name all of {', '.join(fused)} (or none); on a "
+                f"multi-latent attention model name q_proj with kv_a_proj_with_mqa / kv_b_proj")
     return mapped
 
 
@@ -165,15 +188,36 @@ def _matches(name: str, entry: str) -> bool:
     return name == entry or name.rsplit(".", 1)[-1] == entry or name.endswith("." + entry)
 
 
-def lora_targets(lora: LoRAConfig | None, layer: int) -> list[str]:
+def mla_linears(mla: Any) -> tuple[str, ...]:
+    """An MLA model's attention linears (``mla``: its MLASpec): the query's, the key/value latent's, linear_proj."""
+    q = ("linear_q_proj",) if mla.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
+def _mla_entries(entries: list[str], mla: Any) -> list[str]:
+    """``entries`` with ``linear_qkv`` standing for the MLA model's query and key/value linears."""
+    qkv = mla_linears(mla)[:-1]
+    out = []
+    for entry in entries:
+        out += [entry.replace("linear_qkv", linear) for linear in qkv] if "linear_qkv" in entry else [entry]
+    return out
+
+
+def lora_targets(lora: LoRAConfig | None, layer: int, mla: Any = None) -> list[str]:
     """The linears of layer ``layer`` (global number, 0-based) that get an adapter: named by a target_modules entry
     (a plain name matches the module's short name or a suffix of its full name; a pattern, fnmatch on the full
-    name) and by no exclude_modules entry. The planner counts with this; the model code should select with it."""
+    name) and by no exclude_modules entry. The planner counts with this; the model code should select with it.
+    ``mla``: the model's MLASpec (multi-latent attention): its attention linears (``mla_linears``) take the place
+    of linear_qkv / linear_proj, ``linear_qkv`` in an entry standing for its query and key/value linears."""
     if not lora_enabled(lora):
         return []
     targets, excludes = list(_plain(lora.target_modules)), list(_plain(lora.exclude_modules) or [])
+    linears = LORA_TARGET_MODULES
+    if mla is not None:
+        targets, excludes = _mla_entries(targets, mla), _mla_entries(excludes, mla)
+        linears = (*mla_linears(mla), "linear_fc1", "linear_fc2")
     chosen = []
-    for linear in LORA_TARGET_MODULES:
+    for linear in linears:
         name = module_name(layer, linear)
         if any(_matches(name, t) for t in targets) and not any(_matches(name, e) for e in excludes):
             chosen.append(linear)
@@ -186,7 +230,8 @@ def lora_on_experts(lora: Any, model: Any) -> bool:
     moe = getattr(model, "moe", None)
     if moe is None or not lora_enabled(lora):
         return False
-    return any(moe.is_moe_layer(i) and {"linear_fc1", "linear_fc2"} & set(lora_targets(lora, i))
+    mla = getattr(model, "mla", None)
+    return any(moe.is_moe_layer(i) and {"linear_fc1", "linear_fc2"} & set(lora_targets(lora, i, mla))
                for i in range(model.num_layers))
 
 
@@ -197,15 +242,17 @@ def _check_module_list(values: Iterable[str], key: str, targets: bool) -> None:
             raise ConfigError(f"{key}: {entry!r} is not a module name")
         last = entry.rsplit(".", 1)[-1]
         if _is_pattern(entry):
-            if targets and not any(linear in entry for linear in LORA_TARGET_MODULES):
+            if targets and not any(linear in entry for linear in KNOWN_TARGETS):
                 raise ConfigError(f"{key}: the pattern {entry!r} names none of the linears an adapter is built for "
-                                  f"({', '.join(LORA_TARGET_MODULES)}); a target pattern must contain one, e.g. "
+                                  f"({', '.join(KNOWN_TARGETS)}); a target pattern must contain one, e.g. "
                                   f"'decoder.layers.0.*.linear_qkv'")
             continue
-        if last not in LORA_TARGET_MODULES:
-            hint = f" (HF's name; Megatron's is {HF_TO_MEGATRON[last]})" if last in HF_TO_MEGATRON else ""
+        if last not in KNOWN_TARGETS:
+            hf_names = {**MLA_HF_TO_MEGATRON, **HF_TO_MEGATRON}
+            hint = f" (HF's name; Megatron's is {hf_names[last]})" if last in hf_names else ""
             raise ConfigError(f"{key}: {entry!r}{hint} is not a linear an adapter is built for; known: "
-                              f"{', '.join(LORA_TARGET_MODULES)} (Megatron's names), or fnmatch patterns on full "
+                              f"{', '.join(KNOWN_TARGETS)} (Megatron's names; {', '.join(MLA_QKV_LINEARS)} "
+                              f"multi-latent attention's), or fnmatch patterns on full "
                               f"names such as 'decoder.layers.3.self_attention.linear_qkv'")
 
 
@@ -284,7 +331,14 @@ def check_lora_model(model: Any, prefix: str, lora: LoRAConfig | None, megatron:
                           f"the adapters sit on each expert's own linears, which Transformer Engine's grouped layer "
                           f"does not have; drop it (SequentialMLP is chosen), or put linear_fc1 and linear_fc2 in "
                           f"{prefix}.lora.exclude_modules")
-    sizes = {"hidden_size": model.hidden_size, "head_dim": model.head_dim}
+    _check_mla_targets(model, prefix, lora)
+    mla = getattr(model, "mla", None)
+    if mla is None:
+        sizes = {"hidden_size": model.hidden_size, "head_dim": model.head_dim}
+    else:  # the latents are the narrow sides of the MLA linears
+        sizes = {"hidden_size": model.hidden_size, "kv_lora_rank": mla.kv_lora_rank}
+        if mla.q_lora_rank is not None:
+            sizes["q_lora_rank"] = mla.q_lora_rank
     moe = getattr(model, "moe", None)
     if moe is None or moe.dense_ffn_hidden_size is not None:
         sizes["intermediate_size"] = model.intermediate_size
@@ -297,6 +351,28 @@ def check_lora_model(model: Any, prefix: str, lora: LoRAConfig | None, megatron:
         named = ", ".join(f"{name} {size}" for name, size in sizes.items())
         raise ConfigError(f"{prefix}.lora.rank={lora.rank} is larger than the model's smallest adapted dimension "
                           f"({smallest}: {named}; {model.source}): not low-rank")
+
+
+def _check_mla_targets(model: Any, prefix: str, lora: LoRAConfig) -> None:
+    """Multi-latent attention's linears named for a model that does not have them (GPT attention, or the other
+    query form), by name."""
+    key = f"{prefix}.lora.target_modules"
+    named = {entry.rsplit(".", 1)[-1] for entry in _plain(lora.target_modules) or [] if not _is_pattern(entry)}
+    mla = getattr(model, "mla", None)
+    if mla is None:
+        wrong = sorted(named & set(MLA_QKV_LINEARS))
+        if wrong:
+            raise ConfigError(f"{key} names {', '.join(wrong)}: multi-latent attention's linears, but "
+                              f"{model.source} has GPT attention (one fused linear_qkv); name linear_qkv / "
+                              f"linear_proj")
+        return
+    have = mla_linears(mla)
+    wrong = sorted(named & set(MLA_QKV_LINEARS) - set(have))
+    if wrong:
+        form = "q_lora_rank is null: one linear_q_proj" if mla.q_lora_rank is None else \
+            f"q_lora_rank={mla.q_lora_rank}: linear_q_down_proj + linear_q_up_proj"
+        raise ConfigError(f"{key} names {', '.join(wrong)}, which {model.source} does not have ({form}); its "
+                          f"attention's linears are {', '.join(have)}")
 
 
 # ---------------------------------------------------------------------------- a PEFT adapter to start from (preflight)
@@ -357,8 +433,10 @@ def check_adapter_path(lora: LoRAConfig | None, prefix: str) -> None:
                                                                              f"{where}: target_modules")}
     except ConfigError as err:
         raise ConfigError(str(err)) from None
-    ours = {linear for linear in LORA_TARGET_MODULES
+    ours = {linear for linear in KNOWN_TARGETS
             if any(_matches(f"x.{MODULE_PATHS[linear]}", t) or linear in t for t in _plain(lora.target_modules))}
+    if theirs & set(MLA_QKV_LINEARS) and "linear_qkv" in ours:  # an MLA model's: linear_qkv is its q/kv linears
+        ours = (ours - {"linear_qkv"}) | (theirs & set(MLA_QKV_LINEARS))
     if theirs != ours:
         raise ConfigError(f"{where}: target_modules={raw.get('target_modules')!r} are the Megatron linears "
                           f"{sorted(theirs)}, but {prefix}.lora.target_modules gives {sorted(ours)}; set "

@@ -68,19 +68,17 @@ __all__ = [
     "transformer_overrides",
 ]
 
-# TransformerConfig fields the builder sets from the HF config, the parallel state or another
-# megatron key; override_transformer_config may not set them (the value would contradict the
-# checkpoint or the process groups). Field -> what sets it.
+# TransformerConfig fields the builder sets from the HF config: override_transformer_config may repeat the value
+# config.json gives (verl's scripts do: moe_router_enable_expert_bias=True), checked where the builder knows it
+# (make_transformer_config), but not set another.
+MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size", *MOE_DERIVED_FIELDS, *MLA_DERIVED_FIELDS,
+)
+# TransformerConfig fields the builder sets from the parallel state or another megatron key; override_transformer_config
+# may not set them (the value would contradict the process groups). Field -> what sets it.
 DERIVED_FIELDS = {
-    **{
-        name: "the HF config (actor_rollout_ref.model.override_config)"
-        for name in (
-            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-            "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-            "add_bias_linear", "add_qkv_bias", "qk_layernorm", "window_size", *MOE_DERIVED_FIELDS,
-            *MLA_DERIVED_FIELDS,
-        )
-    },
     **{name: "actor_rollout_ref.model.mtp" for name in MTP_DERIVED_FIELDS},
     **{name: f"megatron.{name}" for name in MOE_PARALLEL_FIELDS},
     **{
@@ -228,8 +226,29 @@ def make_transformer_config(
         kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp, experts))
     if hf.mla is not None:
         kwargs.update(mla_transformer_kwargs(hf.mla, hf.rope_theta))
+    check_model_fields(kwargs, overrides, hf.source)
     kwargs.update(overrides)
     return (MLATransformerConfig if hf.mla is not None else TransformerConfig)(**kwargs)
+
+
+def check_model_fields(derived: Mapping[str, Any], overrides: Mapping[str, Any], source: str,
+                       prefix: str = "override_transformer_config") -> None:
+    """An override of a field the builder sets from config.json (``MODEL_FIELDS``) must repeat its value."""
+    for name in sorted(set(overrides) & set(MODEL_FIELDS)):
+        if name in derived and overrides[name] != derived[name]:
+            raise ValueError(f"{prefix}.{name}={overrides[name]!r} contradicts {source}, from which the builder sets "
+                             f"it to {derived[name]!r}: drop it (or change config.json, "
+                             "actor_rollout_ref.model.override_config)")
+
+
+def model_fields(hf: HFModelConfig) -> dict[str, Any]:
+    """The TransformerConfig fields config.json decides (``MODEL_FIELDS``), as ``make_transformer_config`` sets them."""
+    kwargs = _architecture_kwargs(hf)
+    if hf.moe is not None:
+        kwargs.update(moe_transformer_kwargs(hf.moe, 1, 1))
+    if hf.mla is not None:
+        kwargs.update(mla_transformer_kwargs(hf.mla, hf.rope_theta))
+    return {name: value for name, value in kwargs.items() if name in MODEL_FIELDS}
 
 
 def te_available() -> bool:
@@ -262,11 +281,17 @@ class LatentRMSNorm(LocalRMSNorm):
 def _unfuse_te_norms(spec: ModuleSpec) -> None:
     """TE's spec fuses the pre-attention and pre-MLP norms into linear_qkv / linear_fc1; a LoRA adapter joins
     those linears through their input, which must be the normalised one: the norms become TENorm modules
-    of their own and the linears plain TEColumnParallelLinear."""
+    of their own and the linears plain TEColumnParallelLinear. MLA's spec fuses its latent norms (q_layernorm,
+    kv_layernorm) into linear_q_up_proj / linear_kv_up_proj instead: those are unfused the same way."""
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
 
     spec.submodules.input_layernorm = TENorm
-    spec.submodules.self_attention.submodules.linear_qkv = TEColumnParallelLinear
+    attention = spec.submodules.self_attention.submodules
+    if hasattr(attention, "linear_kv_up_proj"):  # MLA: the latent norms are fused into the up projections
+        attention.q_layernorm = attention.kv_layernorm = TENorm
+        attention.linear_q_up_proj = attention.linear_kv_up_proj = TEColumnParallelLinear
+    else:
+        attention.linear_qkv = TEColumnParallelLinear
     mlp = spec.submodules.mlp.submodules
     if hasattr(mlp, "linear_fc1"):
         spec.submodules.pre_mlp_layernorm = TENorm
@@ -419,8 +444,6 @@ def _rope_kwargs(hf: HFModelConfig) -> dict[str, Any]:
 
 def _check_buildable(hf: HFModelConfig, lora: LoRASpec | None, value_head: bool) -> None:
     """The combinations the builder does not build (refused before launch by validation too)."""
-    if lora is not None and hf.mla is not None:
-        raise ValueError(f"{hf.source}: LoRA on multi-latent attention ({hf.architecture}) is not built here")
     if lora is not None and hf.mtp is not None:
         raise ValueError(f"{hf.source}: LoRA with the multi-token-prediction layers (model.mtp.enable) is not built here")
     if value_head and hf.mtp is not None:

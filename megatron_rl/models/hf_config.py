@@ -21,7 +21,7 @@ from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
 # an expert bias and expert groups, plus ungated shared experts; its first layers are dense (models/moe.py).
 # GLM-4.5 (and -Air) is GQA attention (q/k/v bias, optional q/k norms, RoPE on the first part of each head) with
 # DeepSeek-V3's MoE. MiMo is Qwen2's block plus multi-token-prediction layers (models/mtp.py), which DeepSeek-V3 and
-# GLM-4.5 checkpoints carry too.
+# GLM-4.5 checkpoints carry too. Hy3 is Qwen3's attention (q/k norms) with DeepSeek-V3's sigmoid routing (no groups).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiMoForCausalLM": "mimo",
+    "HYV3ForCausalLM": "hy_v3",
 }
 # Families whose attention_bias puts a bias on q/k/v only (o_proj has none): Megatron's add_qkv_bias.
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "glm4_moe", "mimo")
@@ -159,7 +160,8 @@ def _qkv_bias(hf_config: dict[str, Any], model_type: str) -> bool:
 
 def _qk_norm(hf_config: dict[str, Any], model_type: str) -> bool:
     """Whether q and k are RMS-normalised per head before RoPE (Megatron's qk_layernorm)."""
-    return model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf_config.get("use_qk_norm")))
+    return model_type in ("qwen3", "qwen3_moe", "hy_v3") or (
+        model_type == "glm4_moe" and bool(hf_config.get("use_qk_norm")))
 
 
 def _reject(cond: bool, where: str, message: str) -> None:

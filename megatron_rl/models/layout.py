@@ -293,6 +293,18 @@ def _mla_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return params
 
 
+# the roles of mla_attention_tensors and the Megatron linears whose LoRA adapters they export merged
+_MLA_ADAPTED = {"q_proj": "linear_q_proj", "q_down": "linear_q_down_proj", "q_up": "linear_q_up_proj",
+                "kv_down": "linear_kv_down_proj", "kv_up": "linear_kv_up_proj", "o_proj": "linear_proj"}
+
+
+def _mla_adapters(attn: torch.nn.Module) -> dict[str, LoRAAdapter | None]:
+    """An MLASelfAttention's LoRA adapters by the roles of ``mla_attention_tensors``: each sharded as its weight
+    (the down projections' whole on every TP rank, the up projections' B by rows, o_proj's A by columns), so the
+    merge is done shard by shard and glued back as the weight is."""
+    return {role: adapter_of(attn, linear) for role, linear in _MLA_ADAPTED.items()}
+
+
 def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     """Mappings for the parameters this model chunk holds (of MoE layers: the local experts), in checkpoint order."""
     model = unwrap(chunk)
@@ -342,7 +354,8 @@ def _decoder_layer_mappings(
         params["post_norm"] = _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1)
         params["gate_up"] = mlp.linear_fc1.weight
         params["down"] = mlp.linear_fc2.weight
-    adapters = {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
+    adapters = _mla_adapters(attn) if hf.mla is not None else \
+        {"qkv": adapter_of(attn, "linear_qkv"), "o_proj": adapter_of(attn, "linear_proj")}
     adapters |= _moe_adapters(mlp, experts) if moe_layer else _mlp_adapters(mlp, "")
     return [ParamMapping(params[role], group, adapter=adapters.get(role)) for role, group in groups.items()]
 

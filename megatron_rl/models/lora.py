@@ -17,6 +17,16 @@ of a row-parallel one under sequence parallelism) is marked ``sequence_parallel`
 per factor seeded by the layer and part, drawn at full size and then sliced, so every TP/PP layout starts
 from the same adapter.
 
+Multi-latent attention (DeepSeek-V3 / Kimi-K2 / Moonlight; models/mla.py, config/lora.py ``mla_linears``): one
+(A, B) pair per linear, PEFT's module of the same name. The up projections (linear_q_up_proj / linear_q_proj,
+linear_kv_up_proj) are column-parallel and adapted like linear_qkv (B split by head; under sequence parallelism
+MLA hands them the rank's slice of the latent, which the column-parallel matmul gathers); linear_proj like GPT's.
+The down projections (linear_q_down_proj, linear_kv_down_proj) are whole on every TP rank (models/mla_layers.py
+``DuplicatedLinear``), and so are their adapters (A and B replicated, no communication): under sequence
+parallelism each rank applies the adapter to its slice of the sequence, so both factors' gradients are partial
+and are marked ``sequence_parallel`` for ``finalize_model_grads`` to sum over TP, as the base weight is; without
+it every rank sees the whole sequence (the base's own caveat at TP > 1 applies: MoE layers need it to train).
+
 MoE layers: the attention is adapted as above; a targeted ``linear_fc1`` / ``linear_fc2`` means an adapter on
 every routed expert's fc1 / fc2 (one per local expert of SequentialMLP, each MLP of the experts) and on the
 shared expert's. An expert adapter is split over the expert-tensor-parallel group (ETP) the way its expert is,
@@ -55,13 +65,14 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from megatron_rl.config.lora import lora_targets
+from megatron_rl.config.lora import lora_targets, mla_linears
 from megatron_rl.config.schema import LORA_TARGET_MODULES, LoRAConfig
 from megatron_rl.models.moe import local_experts
 from megatron_rl.models.moe_experts import is_grouped
 
 TARGETS = LORA_TARGET_MODULES
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+DUPLICATED = ("linear_q_down_proj", "linear_kv_down_proj")  # MLA's down projections: whole on every TP rank
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 # the parts of each target, and the HF module of each part inside ``model.layers.<i>.`` (PEFT's names) of a
 # dense layer; an MoE layer's expert and shared-expert parts are named by the model's MoESpec (expert_hf_modules)
@@ -71,7 +82,14 @@ HF_PARTS = {
     "linear_proj": ("self_attn.o_proj",),
     "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
     "linear_fc2": ("mlp.down_proj",),
+    # multi-latent attention's (linear_proj is o_proj there too)
+    "linear_q_proj": ("self_attn.q_proj",),
+    "linear_q_down_proj": ("self_attn.q_a_proj",),
+    "linear_q_up_proj": ("self_attn.q_b_proj",),
+    "linear_kv_down_proj": ("self_attn.kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("self_attn.kv_b_proj",),
 }
+PARTS.update({target: ("",) for target in HF_PARTS if target not in PARTS})
 _EXPERT_ROLES = {"linear_fc1": ("gate", "up"), "linear_fc2": ("down",)}
 
 
@@ -173,6 +191,7 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         self.target, self.layer, self.expert = target, layer, expert
         self.column = target in COLUMN_PARALLEL
+        self.duplicated = target in DUPLICATED  # both factors whole on every TP rank
         self.parts = PARTS[target]
         self.hf_modules = tuple(hf_modules or HF_PARTS[target])
         self.rank, self.scale, self.dropout = spec.rank, spec.scale, spec.dropout
@@ -186,14 +205,18 @@ class LoRAAdapter(torch.nn.Module):
             b = _init(spec.b_init, (full_out, spec.rank), _seed(spec, layer, target, part, "B", expert), dtype)
             if self.column:  # B split like the output rows
                 b = b.chunk(tp, dim=0)[tp_rank]
-            else:  # A split like the input columns
+            elif not self.duplicated:  # A split like the input columns
                 a = a.chunk(tp, dim=1)[tp_rank]
             a_param = torch.nn.Parameter(a.contiguous().to(device))
             b_param = torch.nn.Parameter(b.contiguous().to(device))
-            split, whole = (b_param, a_param) if self.column else (a_param, b_param)
-            set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if self.column else 1, stride=1)
-            # the factor each TP rank sees a part of the gradient of under SP: summed over TP by finalize_model_grads
-            whole.sequence_parallel = self.sequence_parallel
+            if self.duplicated:  # each TP rank sees its slice of the sequence under SP: both summed over TP
+                a_param.sequence_parallel = b_param.sequence_parallel = self.sequence_parallel
+            else:
+                split, whole = (b_param, a_param) if self.column else (a_param, b_param)
+                set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if self.column else 1, stride=1)
+                # the factor each TP rank sees a part of the gradient of under SP: summed over TP by
+                # finalize_model_grads
+                whole.sequence_parallel = self.sequence_parallel
             if expert is not None:  # DDP: reduced over expert-DP, sharded there by the distributed optimizer
                 a_param.allreduce = b_param.allreduce = False
             self.register_parameter(self._name("A", part), a_param)
@@ -239,6 +262,10 @@ class LoRAAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
             return self._expert_forward(x)
+        if self.duplicated:  # like its base: this rank's tokens (its slice under SP), no communication
+            a, b = self.factors("")
+            x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+            return F.linear(F.linear(x, a), b) * self.scale
         if self.column:
             factors = [self.factors(part) for part in self.parts]
             # one pass over x for every part's A (x is the large operand at small r)
@@ -294,7 +321,8 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = self.state_dict(prefix="", keep_vars=True)
-        axis = {self._name("B" if self.column else "A", part): 0 if self.column else 1 for part in self.parts}
+        axis = {} if self.duplicated else \
+            {self._name("B" if self.column else "A", part): 0 if self.column else 1 for part in self.parts}
         if self.expert is None:
             return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
         # an expert's: split over ETP; SequentialMLP adds the expert axis and the expert-DP replica ids
@@ -306,6 +334,8 @@ class LoRAAdapter(torch.nn.Module):
 def _target_sizes(target: str, config, ffn: int | None = None) -> tuple[int, list[int]]:
     """(full input size, full output size of each part) of a target linear (an MLP's of width ``ffn``: an
     expert's or the shared expert's; default the dense MLP's)."""
+    if getattr(config, "multi_latent_attention", False) and target not in ("linear_fc1", "linear_fc2"):
+        return _mla_target_sizes(target, config)
     h, d = config.hidden_size, config.kv_channels
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     ffn = ffn or config.ffn_hidden_size
@@ -314,6 +344,20 @@ def _target_sizes(target: str, config, ffn: int | None = None) -> tuple[int, lis
         "linear_proj": (heads * d, [h]),
         "linear_fc1": (h, [ffn, ffn]),
         "linear_fc2": (ffn, [h]),
+    }[target]
+
+
+def _mla_target_sizes(target: str, config) -> tuple[int, list[int]]:
+    """(input size, [output size]) of a multi-latent attention linear (Megatron's MLATransformerConfig names)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    q_rows = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    return {
+        "linear_q_proj": (h, [q_rows]),
+        "linear_q_down_proj": (h, [config.q_lora_rank or 0]),
+        "linear_q_up_proj": (config.q_lora_rank or 0, [q_rows]),
+        "linear_kv_down_proj": (h, [config.kv_lora_rank + config.qk_pos_emb_head_dim]),
+        "linear_kv_up_proj": (config.kv_lora_rank, [heads * (config.qk_head_dim + config.v_head_dim)]),
+        "linear_proj": (heads * config.v_head_dim, [h]),
     }[target]
 
 
@@ -369,9 +413,10 @@ def attach_lora(model: torch.nn.Module, spec: LoRASpec, hf) -> list[LoRAAdapter]
         model.embedding.register_forward_hook(_input_requires_grad)
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # the global layer number, as the planner counts
-        chosen = lora_targets(spec, index)
-        device = layer.self_attention.linear_qkv.weight.device
-        for target in ("linear_qkv", "linear_proj"):
+        chosen = lora_targets(spec, index, hf.mla)
+        device = layer.self_attention.linear_proj.weight.device
+        attention = ("linear_qkv", "linear_proj") if hf.mla is None else mla_linears(hf.mla)
+        for target in attention:
             if target in chosen:
                 adapter = LoRAAdapter(spec, target, index, config, *_target_sizes(target, config), device)
                 adapter.layout = groups_local

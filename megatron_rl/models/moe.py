@@ -48,6 +48,7 @@ _HF_NAMES = {
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
     "deepseek_v3": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "glm4_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "hy_v3": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 MOE_MODEL_TYPES = tuple(_HF_NAMES)
 # Families whose configs place dense layers with decoder_sparse_step / mlp_only_layers (transformers' rule).
@@ -86,6 +87,10 @@ class MoESpec:
     group_topk: int | None = None
     topk_scaling_factor: float | None = None
     shared_expert_block: str = "shared_expert"
+    # the router's and its bias's modules in the MoE block: DeepSeek's gate / gate.e_score_correction_bias, Hy3's
+    # checkpoint router.gate / expert_bias
+    router_module: str = "gate"
+    bias_module: str = "gate.e_score_correction_bias"
 
     def is_moe_layer(self, layer: int) -> bool:
         return not self.layer_pattern or self.layer_pattern[layer]
@@ -101,10 +106,10 @@ class MoESpec:
         return f"model.layers.{layer}.{self.block}.{self.shared_expert_block}.{role}_proj.weight"
 
     def router_name(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.block}.gate.weight"
+        return f"model.layers.{layer}.{self.block}.{self.router_module}.weight"
 
     def router_bias_name(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.block}.gate.e_score_correction_bias"
+        return f"model.layers.{layer}.{self.block}.{self.bias_module}"
 
     def expert_name(self, layer: int, expert: int, role: str) -> str:
         return f"model.layers.{layer}.{self.block}.experts.{expert}.{dict(self.expert_names)[role]}.weight"
@@ -132,6 +137,8 @@ def parse_moe_config(hf_config: dict[str, Any], model_type: str, source: str) ->
         refuse(f"num_experts_per_tok={topk} must be between 1 and the number of experts ({experts})")
     if model_type in _SIGMOID_ROUTED_DEFAULTS:
         return _sigmoid_routed_moe(hf_config, model_type, experts_per_token=topk, refuse=refuse)
+    if model_type == "hy_v3":
+        return _hy_v3_moe(hf_config, experts, topk, refuse)
     shared, pattern = None, ()
     if model_type in _SPARSE_STEP_TYPES:
         ffn = hf_config.get("moe_intermediate_size")
@@ -230,6 +237,43 @@ def _sigmoid_routed_moe(hf_config: dict[str, Any], model_type: str, experts_per_
         group_topk=group_topk if groups > 1 else None,
         topk_scaling_factor=float(field("routed_scaling_factor")),
         shared_expert_block="shared_experts",
+    )
+
+
+def _hy_v3_moe(hf_config: dict[str, Any], experts: int, topk: int, refuse) -> MoESpec:
+    """Hy3's MoE (transformers' HYV3MoE / HYV3TopKRouter): DeepSeek-V3's sigmoid routing with the correction bias,
+    the top-k always renormalised (+1e-20, as Megatron's) and scaled by ``router_scaling_factor``, no expert groups;
+    ``num_shared_experts`` ungated shared experts of ``moe_intermediate_size`` each; ``mlp_layer_types`` ("dense" /
+    "sparse" per layer; transformers' default: the first dense). Its checkpoint names the router ``mlp.router.gate``,
+    the bias ``mlp.expert_bias`` and the shared experts ``mlp.shared_mlp`` (transformers' conversion mapping)."""
+    for key in ("moe_intermediate_size", "num_hidden_layers", "intermediate_size"):
+        if hf_config.get(key) is None:
+            refuse(f"missing required field {key!r}")
+    layers, ffn = int(hf_config["num_hidden_layers"]), int(hf_config["moe_intermediate_size"])
+    types = hf_config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if len(types) != layers or set(types) - {"dense", "sparse"} or "sparse" not in types:
+        refuse(f"mlp_layer_types={types!r} must name 'dense' or 'sparse' for each of num_hidden_layers={layers}, "
+               "at least one sparse")
+    pattern = tuple(t == "sparse" for t in types)
+    shared = int(hf_config.get("num_shared_experts") or 0)
+    return MoESpec(
+        num_experts=experts,
+        topk=topk,
+        ffn_hidden_size=ffn,
+        norm_topk_prob=True,
+        block="mlp",
+        expert_names=tuple(_HF_NAMES["hy_v3"][1].items()),
+        router_aux_loss_coef=0.0,
+        layer_pattern=() if all(pattern) else pattern,
+        shared_expert_size=shared * ffn if shared else None,
+        shared_expert_gate=False,
+        dense_ffn_hidden_size=int(hf_config["intermediate_size"]) if not all(pattern) else None,
+        score_function="sigmoid",
+        expert_bias=True,
+        topk_scaling_factor=float(hf_config.get("router_scaling_factor") or 1.0),
+        shared_expert_block="shared_mlp",
+        router_module="router.gate",
+        bias_module="expert_bias",
     )
 
 

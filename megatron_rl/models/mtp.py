@@ -89,11 +89,14 @@ def parse_mtp_config(hf_config: dict[str, Any], model_type: str, moe_last_layer:
 
 
 def checkpoint_mtp_tensors(hf: HFModelConfig, names: set[str]) -> set[str]:
-    """The checkpoint's MTP tensors among ``names`` (all of them, built or not)."""
-    if hf.checkpoint_mtp is None:
-        return set()
-    prefixes = hf.checkpoint_mtp.checkpoint_prefixes()
-    return {name for name in names if name.startswith(prefixes)}
+    """The checkpoint's MTP tensors among ``names`` (all of them, built or not); of a family whose MTP layers are not
+    mapped here (Hy3), the layers past ``num_hidden_layers`` that ``num_nextn_predict_layers`` declares."""
+    if hf.checkpoint_mtp is not None:
+        prefixes = hf.checkpoint_mtp.checkpoint_prefixes()
+    else:
+        count = int(hf.raw.get("num_nextn_predict_layers") or 0)
+        prefixes = tuple(f"model.layers.{hf.num_layers + k}." for k in range(count))
+    return {name for name in names if prefixes and name.startswith(prefixes)}
 
 
 def shared_copy_names(hf: HFModelConfig) -> set[str]:
@@ -110,11 +113,13 @@ def with_mtp(hf: HFModelConfig, enable: bool, key: str = "actor_rollout_ref.mode
     if not enable:
         return replace(hf, mtp=None)
     if hf.checkpoint_mtp is None:
+        declared = hf.raw.get("num_nextn_predict_layers")
+        why = (f"its {declared} multi-token-prediction layer(s) are not mapped for {hf.architecture} (they are skipped "
+               "on load)" if declared else f"it declares no multi-token-prediction layer (num_nextn_predict_layers is "
+               f"{declared!r})")
         raise UnsupportedModelError(
-            f"{key}=true but {hf.source} declares no multi-token-prediction layer (num_nextn_predict_layers is "
-            f"{hf.raw.get('num_nextn_predict_layers')!r}; MTP layers are read for DeepSeek-V3, GLM-4.5 and MiMo "
-            "checkpoints); set it false"
-        )
+            f"{key}=true but {hf.source}: {why}; MTP layers are built for DeepSeek-V3, GLM-4.5 and MiMo checkpoints; "
+            "set it false")
     return replace(hf, mtp=hf.checkpoint_mtp)
 
 

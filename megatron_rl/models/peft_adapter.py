@@ -9,7 +9,9 @@ parallelism (B of a column-parallel adapter on dim 0, A of a row-parallel one on
 stages (each stage holds its layers' adapters); loading slices them back for this rank. An MoE model's expert
 adapters are PEFT's per-expert modules (``model.layers.{i}.mlp.experts.{e}.gate_proj``, the names of the
 model's own expert weights), gathered over the expert-tensor-parallel group and the expert-parallel group (each
-EP rank holds its experts').
+EP rank holds its experts'). A multi-latent attention model's adapters are PEFT's modules of its own linears
+(``self_attn.q_a_proj``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``); those of
+the down projections are whole on every TP rank and are neither gathered nor sliced.
 
 Both functions are collectives: every rank of the model calls them.
 """
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.config.lora import mla_linears
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import unwrap
 from megatron_rl.models.lora import HF_PARTS, LoRAAdapter, adapters_of, expert_hf_modules
@@ -58,10 +61,10 @@ def peft_key(layer: int, hf_module: str, factor: str) -> str:
 
 def _factors(adapter: LoRAAdapter):
     """(hf_module, factor, parameter, split dim or None) of each factor of ``adapter``; the split is over TP, or
-    over ETP for an expert's adapter (``adapter.split_size()``)."""
+    over ETP for an expert's adapter (``adapter.split_size()``); an MLA down projection's are whole on every rank."""
     for part, hf_module in zip(adapter.parts, adapter.hf_modules):
         a, b = adapter.factors(part)
-        yield hf_module, "A", a, None if adapter.column else 1
+        yield hf_module, "A", a, None if adapter.column or adapter.duplicated else 1
         yield hf_module, "B", b, 0 if adapter.column else None
 
 
@@ -101,7 +104,10 @@ def _hf_linears(hf: HFModelConfig) -> set[str]:
             modules = [m for t in mlp_targets for e in experts for m in expert_hf_modules(hf.moe, i, t, e)]
         else:
             modules = [m for t in mlp_targets for m in HF_PARTS[t]]
-        modules += [*HF_PARTS["linear_qkv"], *HF_PARTS["linear_proj"]]
+        if hf.mla is None:
+            modules += [*HF_PARTS["linear_qkv"], *HF_PARTS["linear_proj"]]
+        else:  # multi-latent attention: q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+            modules += [m for linear in mla_linears(hf.mla) for m in HF_PARTS[linear]]
         names |= {f"model.layers.{i}.{m}" for m in modules}
     return names
 

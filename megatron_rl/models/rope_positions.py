@@ -1,4 +1,4 @@
-"""RoPE at given positions for one forward of a Megatron GPTModel.
+"""RoPE at given positions for one forward of a Megatron GPTModel (multi-latent attention's per-layer tables too).
 
 Megatron's GPTModel rotates token s of every row by position s (or restarts at each packed sequence);
 ``position_ids`` only feed learned absolute embeddings. Shared-prompt micro-batches
@@ -15,40 +15,52 @@ from collections.abc import Iterator
 import torch
 
 
-def _rotary(model: torch.nn.Module):
+def _rotaries(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The RoPE tables one forward of ``model`` reads: the GPTModel's, or multi-latent attention's (DeepSeek-V3),
+    which every MLASelfAttention layer builds for itself (YaRN included)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
     from megatron.core.utils import get_attr_wrapped_model
 
     if getattr(get_attr_wrapped_model(model, "config"), "multi_latent_attention", False):
-        # MLA (DeepSeek-V3) builds its RoPE inside every attention layer, not on the GPTModel
-        raise ValueError("RoPE at given positions is not built for multi-latent attention (its RoPE lives in "
-                         "each MLASelfAttention layer)")
+        return [m.rotary_pos_emb for m in model.modules()
+                if type(getattr(m, "rotary_pos_emb", None)) in (RotaryEmbedding, YarnRotaryEmbedding)
+                and hasattr(m, "linear_kv_down_proj")]
     rotary = get_attr_wrapped_model(model, "rotary_pos_emb")
-    if type(rotary) is not RotaryEmbedding:  # YaRN / mRoPE tables are built differently
+    if type(rotary) is not RotaryEmbedding:  # YaRN / mRoPE tables of a GPT model are built differently
         kind = type(rotary).__name__ if rotary is not None else "no RoPE"
         raise ValueError(f"RoPE at given positions needs Megatron's RotaryEmbedding; this model has {kind}")
-    return rotary
+    return [rotary]
 
 
 def check_rope_positions(model: torch.nn.Module) -> None:
     """Raises ValueError naming what the model has when ``rope_at_positions`` cannot serve it."""
-    _rotary(model)
+    _rotaries(model)
+
+
+def _at_positions(rotary: torch.nn.Module, position_ids: torch.Tensor):
+    """``rotary``'s forward, its table gathered at ``position_ids`` ([W, S, 1, D]); YaRN's with its mscale."""
+
+    def at_positions(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if packed_seq or offset or max_seq_len != position_ids.shape[1]:
+            raise ValueError(f"rope_at_positions: positions {tuple(position_ids.shape)} were given for a "
+                             f"forward of {max_seq_len} positions (offset {offset}, packed {packed_seq})")
+        table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, D] (YaRN: and its mscale)
+        table, mscale = table if isinstance(table, tuple) else (table, None)
+        gathered = table[:, 0, 0][position_ids.t()].unsqueeze(2)
+        return gathered if mscale is None else (gathered, mscale)
+
+    return at_positions
 
 
 @contextlib.contextmanager
 def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
     """Inside: token s of row b of the next forward is rotated by position ``position_ids[b, s]``."""
-    rotary = _rotary(model)
-
-    def at_positions(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        if packed_seq or offset or max_seq_len != position_ids.shape[1]:
-            raise ValueError(f"rope_at_positions: positions {tuple(position_ids.shape)} were given for a "
-                             f"forward of {max_seq_len} positions (offset {offset}, packed {packed_seq})")
-        table = rotary.get_emb(int(position_ids.max()) + 1)  # [P, 1, 1, D]
-        return table[:, 0, 0][position_ids.t()].unsqueeze(2)
-
-    rotary.forward = at_positions  # an instance attribute: nn.Module.__call__ finds it first
+    rotaries = _rotaries(model)
+    for rotary in rotaries:
+        rotary.forward = _at_positions(rotary, position_ids)  # an instance attribute: __call__ finds it first
     try:
         yield
     finally:
-        del rotary.forward
+        for rotary in rotaries:
+            del rotary.forward

@@ -24,9 +24,6 @@ UNBUILT_ARCHITECTURES: dict[str, str] = {
                              "routing, which Megatron-Core 0.16.1 does not have",
     "GlmMoeDsaForCausalLM": "GLM-5's DeepSeek sparse attention (DSA: an indexer choosing index_topk tokens per query), "
                             "which is not built here (see DeepseekV32ForCausalLM)",
-    "HYV3ForCausalLM": "Hy3's family (GQA with q/k norms, sigmoid-routed experts with a correction bias, shared "
-                       "experts, a per-layer dense/MoE pattern) is not mapped yet: its pieces exist here (Qwen3's "
-                       "attention, DeepSeek-V3's routing), its weight names and config are not read",
     "NemotronHForCausalLM": "hybrid Mamba-2 / attention / MLP layers: Megatron-Core builds Mamba layers "
                             "(megatron/core/ssm/mamba_mixer.py) on mamba_ssm's and causal_conv1d's CUDA kernels, "
                             "and megatron-rl's model build and weight layout cover transformer layers only",

@@ -169,7 +169,7 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     if lora_enabled(lora):
         # the LoRA path of the layer with the most adapters (a simple model: docs/launching.md, LoRA)
         per_token_layer = max(lora_memory.lora_activation_bytes_per_token_layer(
-            model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i),
+            model, layout, lora.rank, float(lora.dropout), lora_targets(lora, i, model.mla),
             memory.FP32 if dtype in ("fp32", "float32") else memory.BF16, bool(tcfg.sequence_parallel), layer=i)
             for i in memory.stage_layers(model, layout, stage))
         table.add(f"{role} LoRA activations", lora_memory.lora_activation_bytes(

@@ -17,11 +17,22 @@ def lora_dtype(lora: LoRAConfig, params_dtype: str) -> str:
     return {"float32": "fp32", "bfloat16": "bf16"}.get(str(lora.dtype), str(lora.dtype)) if lora.dtype else params_dtype
 
 
+# the order the notes name the adapted linears in
+_LINEAR_ORDER = ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                 "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _targets_of(model: HFModelConfig, lora: LoRAConfig):
+    """Global layer i -> its adapted linears (a multi-latent attention model's own attention linears)."""
+    mla = getattr(model, "mla", None)
+    return lambda i: lora_targets(lora, i, mla)
+
+
 def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: LoRAConfig,
                                 lm_head: bool) -> float:
     """Trainable parameters on one GPU of the stage: the adapters, and the critic's value head (hidden -> 1,
     trained in full, on the last stage)."""
-    adapters = lora_memory.lora_stage_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    adapters = lora_memory.lora_stage_params(model, layout, stage, lora.rank, _targets_of(model, lora))
     value_head = model.hidden_size if not lm_head and (stage == "last" or layout.pp == 1) else 0
     return adapters + value_head
 
@@ -29,7 +40,7 @@ def lora_trainable_stage_params(model: HFModelConfig, layout: Layout, stage: Sta
 def lora_expert_stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lora: LoRAConfig) -> float:
     """Of ``lora_trainable_stage_params``, the routed experts' adapters: expert-parallel parameters, whose Adam
     state the distributed optimizer shards over the expert-DP group (0 for a dense model)."""
-    return lora_memory.lora_stage_expert_params(model, layout, stage, lora.rank, lambda i: lora_targets(lora, i))
+    return lora_memory.lora_stage_expert_params(model, layout, stage, lora.rank, _targets_of(model, lora))
 
 
 # the whole model on one GPU: no TP, PP or EP split
@@ -38,7 +49,7 @@ _WHOLE_MODEL = Layout(tp=1, pp=1, cp=1, dp=1)
 
 def lora_trainable_params(model: HFModelConfig, lora: LoRAConfig) -> int:
     """Adapter parameters of the whole model (no TP split; an MoE model's on every routed expert too)."""
-    return int(lora_memory.lora_stage_params(model, _WHOLE_MODEL, "first", lora.rank, lambda i: lora_targets(lora, i)))
+    return int(lora_memory.lora_stage_params(model, _WHOLE_MODEL, "first", lora.rank, _targets_of(model, lora)))
 
 
 def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
@@ -46,7 +57,7 @@ def _expert_targets_note(model: HFModelConfig, lora: LoRAConfig) -> str:
     of an MoE layer): " (and every routed expert's fc1/fc2: E experts x L layers)"; else ""."""
     if model.moe is None:
         return ""
-    per_layer = [[t for t in lora_targets(lora, i) if t in lora_memory.MLP_LINEARS]
+    per_layer = [[t for t in _targets_of(model, lora)(i) if t in lora_memory.MLP_LINEARS]
                  for i in range(model.num_layers) if model.moe.is_moe_layer(i)]
     layers = sum(bool(linears) for linears in per_layer)
     if not layers:
@@ -78,8 +89,8 @@ def trainable_notes(cfg: PPOTrainerConfig, plan: Plan) -> list[str]:
             load_model_facts(cfg, "critic.model")
         total = memory.total_params(model)
         trainable = lora_trainable_params(model, lora) + (model.hidden_size if role == "critic" else 0)
-        targets = sorted({t for i in range(model.num_layers) for t in lora_targets(lora, i)},
-                         key=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index)
+        targets = sorted({t for i in range(model.num_layers) for t in _targets_of(model, lora)(i)},
+                         key=_LINEAR_ORDER.index)
         extra = "; the value head (hidden -> 1) is trained in full" if role == "critic" else ""
         notes.append(f"{role} LoRA rank {lora.rank} (alpha {float(lora.alpha or 16):g}, scale "
                      f"{float(lora.alpha or 16) / lora.rank:g}) on {', '.join(targets)}"

@@ -20,7 +20,10 @@ from megatron_rl.plan.memory import (
 # An MoE layer's targeted linear_fc1 / linear_fc2 puts an adapter on every routed expert's fc1 / fc2 (and on the
 # shared expert's, if any); its attention is adapted as a dense layer's.
 MLP_LINEARS = ("linear_fc1", "linear_fc2")
-COLUMN_PARALLEL_LINEARS = ("linear_qkv", "linear_fc1")
+COLUMN_PARALLEL_LINEARS = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+# multi-latent attention's down projections: whole on every TP rank, their adapters too (A and B replicated; under
+# sequence parallelism the rank's slice of the sequence, as a row-parallel adapter's A x)
+DUPLICATED_LINEARS = ("linear_q_down_proj", "linear_kv_down_proj")
 TargetsOfLayer = Callable[[int], Iterable[str]]
 
 
@@ -35,6 +38,9 @@ def lora_linear_params(model: HFModelConfig, linear: str, rank: int, tp: int = 1
     ``tp`` then the ranks it is split over (ETP for a routed expert)."""
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
     ffn = model.intermediate_size if ffn is None else ffn
+    mla = getattr(model, "mla", None)
+    if mla is not None and linear not in MLP_LINEARS:
+        return _mla_linear_params(model, linear, rank, tp)
     if linear == "linear_qkv":
         return 3 * rank * h, (q + 2 * kv) * rank / tp
     if linear == "linear_fc1":
@@ -44,6 +50,32 @@ def lora_linear_params(model: HFModelConfig, linear: str, rank: int, tp: int = 1
     if linear == "linear_fc2":
         return rank * ffn / tp, h * rank
     raise ValueError(f"no LoRA adapter is built for {linear!r}")
+
+
+def _mla_sizes(model: HFModelConfig, linear: str) -> tuple[int, int]:
+    """(input, output) width of a multi-latent attention linear (models/mla.py ``mla_attention_tensors``)."""
+    mla, h, heads = model.mla, model.hidden_size, model.num_attention_heads
+    q_rows = heads * mla.q_head_dim
+    sizes = {"linear_q_proj": (h, q_rows), "linear_kv_down_proj": (h, mla.kv_lora_rank + mla.qk_rope_head_dim),
+             "linear_kv_up_proj": (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+             "linear_proj": (heads * mla.v_head_dim, h)}
+    if mla.q_lora_rank is not None:
+        sizes |= {"linear_q_down_proj": (h, mla.q_lora_rank), "linear_q_up_proj": (mla.q_lora_rank, q_rows)}
+    if linear not in sizes:
+        raise ValueError(f"no LoRA adapter is built for {linear!r} on {model.source}'s multi-latent attention")
+    return sizes[linear]
+
+
+def _mla_linear_params(model: HFModelConfig, linear: str, rank: int, tp: int) -> tuple[float, float]:
+    """(A, B) of the one adapter on an MLA linear, on one TP rank: A [r, in], B [out, r]; the up projections'
+    (column-parallel) B split over TP, linear_proj's A, the down projections' neither."""
+    fan_in, fan_out = _mla_sizes(model, linear)
+    a, b = rank * fan_in, fan_out * rank
+    if linear in COLUMN_PARALLEL_LINEARS:
+        return a, b / tp
+    if linear in DUPLICATED_LINEARS:
+        return a, b
+    return a / tp, b
 
 
 def _is_expert_linear(model: HFModelConfig, layer: int, linear: str) -> bool:
@@ -98,6 +130,9 @@ def lora_input_size(model: HFModelConfig, linear: str, tp: int = 1, ffn: Optiona
     sequence-parallel input is gathered), the rank's split of q or ffn (default intermediate_size) for
     row-parallel ones."""
     ffn = model.intermediate_size if ffn is None else ffn
+    if getattr(model, "mla", None) is not None and linear not in MLP_LINEARS:
+        fan_in = _mla_sizes(model, linear)[0]
+        return fan_in / tp if linear == "linear_proj" else fan_in
     return {"linear_qkv": model.hidden_size, "linear_fc1": model.hidden_size,
             "linear_proj": model.q_size / tp, "linear_fc2": ffn / tp}[linear]
 
@@ -136,6 +171,11 @@ def lora_activation_bytes_per_token_layer(model: HFModelConfig, layout: Layout, 
     expert's (a dense MLP of its width), if any."""
     split = sequence_parallel and layout.tp > 1
     total = 0.0
+    mla = getattr(model, "mla", None)
+    if mla is not None:  # linear_qkv named by a caller that does not know MLA: the model's query and key/value linears
+        from megatron_rl.config.lora import mla_linears
+
+        linears = [m for linear in linears for m in (mla_linears(mla)[:-1] if linear == "linear_qkv" else (linear,))]
     for linear in linears:
         ax_split = layout.tp if split and linear not in COLUMN_PARALLEL_LINEARS else 1
         if layer is None or not _is_expert_linear(model, layer, linear):

@@ -36,6 +36,7 @@ from megatron_rl.plan.validate import (
     validate,
 )
 from megatron_rl.reward.custom import load_custom_scorer
+from megatron_rl.reward.model.inputs import RewardModelInputs
 from megatron_rl.reward.registry import missing_scorer_reason, registered_data_sources
 from megatron_rl.rollout.engines import engine_of
 from megatron_rl.trainer.checkpointing import HF_FINAL_DIR, TRAINER_STATE_FILE, TrainerCheckpointer
@@ -67,6 +68,7 @@ def preflight(cfg: PPOTrainerConfig) -> None:
     check_model(cfg)
     check_sequence_positions(cfg)
     check_lora_files(cfg)
+    check_reward_model_inputs(cfg)
     usable = check_training_prompts(cfg)
     check_schedule(cfg, rows if usable is None else usable)
 
@@ -287,6 +289,25 @@ def check_context_parallel_models(cfg: PPOTrainerConfig, model) -> None:
                                      cp_comm_type(mcfg), te_attention=str(cfg.trainer.device) != "cpu")
 
 
+def check_model_overrides(cfg: PPOTrainerConfig, model: Any) -> None:
+    """``<role>.megatron.override_transformer_config`` fields config.json decides (moe_router_enable_expert_bias,
+    num_layers, ...) repeat the model's value, as the builder checks them (models/builder.py check_model_fields);
+    refused here on a real start, where only the workers' model build saw them (the dry run's plan did)."""
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        overrides = plain(megatron_section(cfg, role).override_transformer_config) or {}
+        if not overrides:
+            continue
+        from megatron_rl.controller.deferred_compile import deferred_compile  # only when overridden: see below
+
+        with deferred_compile():  # the builder imports Megatron-Core, which only a config with overrides pays for
+            from megatron_rl.models.builder import check_model_fields, model_fields  # Megatron-Core: as above
+        try:
+            check_model_fields(model_fields(model), overrides, model.source,
+                               f"{role}.megatron.override_transformer_config")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
     """LoRA against the model (issue 36), as the dry run's plan checks it. ``model``: the actor's facts; the
     critic's own config.json when it has one."""
@@ -369,6 +390,7 @@ def check_model(cfg: PPOTrainerConfig) -> None:
     check_quantization(raw, source, cfg.actor_rollout_ref.rollout)
     check_context_parallel_models(cfg, model)
     check_lora_models(cfg, model)
+    check_model_overrides(cfg, model)
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(heads, int) or heads < 1:
@@ -461,9 +483,25 @@ def check_rollout_engine(cfg: PPOTrainerConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- the prompts the run trains on
+def check_reward_model_inputs(cfg: PPOTrainerConfig) -> None:
+    """A reward model that re-tokenizes (``reward_model.model.input_tokenizer``) reads its own tokenizer's chat
+    template: the runner's rule (reward/model/inputs.py ``RewardModelInputs``), here before Ray starts, with the
+    tokenizers it loads."""
+    rm = cfg.reward_model
+    if not rm.enable or rm.judge.enable or not rm.model.input_tokenizer or is_unset(rm.model, "path"):
+        return
+    try:
+        RewardModelInputs(load_tokenizer(rm.model.path), load_tokenizer(rm.model.input_tokenizer), rm.max_length)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    except OSError as err:  # a tokenizer that does not load
+        raise ConfigError(f"reward_model.model: a tokenizer cannot be loaded ({err})") from None
+
+
 def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
     """Build the training dataset as the run does (tokenizer, chat template, overlong and malformed rows) and
-    refuse data that gives no batch; returns the usable prompts (None when there is nothing to build it from)."""
+    refuse data that gives no batch, and the validation set as the runner builds it; returns the usable training
+    prompts (None when there is nothing to build them from)."""
     data = cfg.data
     model = cfg.actor_rollout_ref.model
     if is_unset(data, "train_files") or not data.train_files:
@@ -487,6 +525,11 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
                           f"{data.max_prompt_length} and data.on_malformed_row), fewer than data.train_batch_size="
                           f"{data.train_batch_size}: not one training batch (the loader drops an incomplete one). "
                           f"Lower data.train_batch_size or add prompts")
+    if data.val_files:  # as the runner builds the validation set (trainer/runner.py _val_batches), after Ray
+        try:
+            RLDataset.from_config(list(data.val_files), tokenizer, data)
+        except ValueError as err:  # an overlong prompt under truncation=error, a malformed row, no usable prompt
+            raise ConfigError(f"data.val_files: {err}") from None
     return len(dataset)
 
 

@@ -11,8 +11,10 @@ instead), and the DeepSeek-V3 ones reach the layout and key checks:
   (use_dist_checkpointing=True); megatron-rl loads the HF checkpoint, and without that key the script plans.
 - mtp_trainer/run_mimo_7b_mtp_megatron.sh: it trains the MTP layer (detach_encoder) at CP 2, where the MTP loss is
   not built; at CP 1 it plans, the MTP layer counted.
-- refused by architecture: grpo_trainer/
-  run_qwen3_5_35b_megatron.sh (Gated DeltaNet, a VL model), run_hy_v3_megatron.sh (Hy3 not mapped),
+- run_hy_v3_megatron.sh: Hy3 is built; its rollout engines of TP 16 span two nodes, which colocated engines here
+  cannot (at TP 8 its weights leave no KV cache: the planner says so); its optim.min_lr maps to min_lr_ratio and
+  its override_transformer_config repeats moe_router_enable_expert_bias=True, which config.json sets already.
+- refused by architecture: grpo_trainer/run_qwen3_5_35b_megatron.sh (Gated DeltaNet, a VL model),
   run_kimi_k2_6_glm5_1_megatron_lite.sh (both variants: Kimi-K2.6 is a VL model, GLM-5.1 needs DSA),
   run_nemotron_nano_v3_30b_a3b_megatron.sh (Mamba layers), run_deepseek_v4_flash_megatron.sh (compressed sparse
   attention)."""
@@ -54,6 +56,15 @@ MIMO_7B = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo", "attentio
            "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 640000, "tie_word_embeddings": False,
            "use_sliding_window": False, "vocab_size": 151680}
 
+# Hy3 (transformers' HYV3Config defaults, the Hy3-preview checkpoint's sizes): Qwen3's attention, 192 sigmoid-routed
+# experts with the correction bias, one shared expert, the first layer dense, one MTP layer (skipped)
+HY3 = {"architectures": ["HYV3ForCausalLM"], "model_type": "hy_v3", "vocab_size": 120832, "hidden_size": 4096,
+       "intermediate_size": 13312, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+       "head_dim": 128, "num_experts": 192, "num_experts_per_tok": 8, "num_shared_experts": 1,
+       "moe_intermediate_size": 1536, "router_scaling_factor": 2.826, "max_position_embeddings": 131072,
+       "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+       "rope_parameters": {"rope_theta": 11158840.0, "rope_type": "default"}}
+
 
 def _declared(architecture: str) -> dict:
     """A family refused by name: only its declared architecture is read before the refusal."""
@@ -71,7 +82,8 @@ EXPECTED = {
     "qwen3_5_35b": (_declared("Qwen3_5MoeForConditionalGeneration"),
                     r"Qwen3_5MoeForConditionalGeneration is not supported: a vision-language model.*Gated DeltaNet.*"
                     r"flash-linear-attention's Triton kernels"),
-    "hy_v3": (_declared("HYV3ForCausalLM"), r"HYV3ForCausalLM is not supported: Hy3's family .* is not mapped yet"),
+    "hy_v3": (HY3, r"rollout.tensor_model_parallel_size=16 does not divide trainer.n_gpus_per_node=8: a colocated "
+                   r"engine cannot span two nodes"),
     "kimi_k2_6_lite": (_declared("Kimi_K25ForConditionalGeneration"),
                        r"Kimi_K25ForConditionalGeneration is not supported: a vision-language model"),
     "glm5_1_lite": (_declared("GlmMoeDsaForCausalLM"), r"GlmMoeDsaForCausalLM is not supported: GLM-5's DeepSeek "
@@ -127,3 +139,13 @@ def test_mimo_mtp_script_plans_at_cp_1_with_its_mtp_layer(tmp_path):
     text = build_plan(cfg).format()
     assert "MiMoForCausalLM" in text and "actor MTP layers' activations" in text, text
     assert "36 layers + 1 MTP" in text, text
+
+
+def test_hy3_min_lr_maps_to_the_ratio_of_its_lr(tmp_path):
+    """verl's optim.min_lr (an absolute floor) becomes optim.min_lr_ratio = min_lr / lr: Hy3's script decays from
+    1e-6 to 1e-6 (ratio 1.0)."""
+    cfg = load_config(overrides=translate(script_args("hy_v3", tmp_path, HY3)))
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert (optim.lr, optim.min_lr_ratio) == (1e-6, 1.0)
+    with pytest.raises(ConfigError, match=r"min_lr=2e-06 must lie in \[0, actor_rollout_ref.actor.optim.lr=1e-06\]"):
+        translate(script_args("hy_v3", tmp_path, HY3) + ["actor_rollout_ref.actor.optim.min_lr=2e-6"])

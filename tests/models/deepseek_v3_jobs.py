@@ -66,7 +66,7 @@ def deepseek_checks(
     dirs: dict[str, str], layouts: list[tuple[int, int, int, int | None]], with_mtp: str
 ) -> dict[str, Any]:
     """``layout_checks``, and at the first layout how the router bias is held (requires_grad, gradient after a
-    training backward), the shared-prompt RoPE refusal, and the logits of ``with_mtp`` (the q_lora checkpoint
+    training backward), whether shared prompts' RoPE refuses the model, and the logits of ``with_mtp`` (the q_lora checkpoint
     plus stored multi-token-prediction tensors)."""
     from megatron_rl.models import build_from_hf, causal_padding_mask, compute_full_logits, position_ids_from_mask
     from megatron_rl.models.rope_positions import check_rope_positions
@@ -80,7 +80,7 @@ def deepseek_checks(
         model.train()
         logits = model(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
         (logits * attention_mask[..., None]).sum().backward()
-        try:  # shared prompts (RoPE at given positions) are refused by name
+        try:  # shared prompts (RoPE at given positions): a refusal is recorded
             check_rope_positions(model)
         except ValueError as err:
             out.setdefault("rope_positions", {})[name] = str(err)

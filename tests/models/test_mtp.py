@@ -47,7 +47,7 @@ def test_enable_without_mtp_layers_is_refused(tmp_path):
     from megatron_rl_testing.tiny_models import tiny_hf_config
 
     hf = parse_hf_config(tiny_hf_config("qwen2").to_dict(), source="q/config.json")
-    with pytest.raises(UnsupportedModelError, match=r"mtp.enable=true but q/config.json declares no multi-token"):
+    with pytest.raises(UnsupportedModelError, match=r"mtp.enable=true but q/config.json: it declares no multi-token"):
         with_mtp(hf, True)
 
 

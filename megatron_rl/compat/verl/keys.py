@@ -94,6 +94,18 @@ def _lr_warmup_steps(key: str, value: str, seen: Mapping[str, str]) -> list[str]
     return [f"{key}=0"]
 
 
+def _min_lr(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+    """verl's absolute floor of the decayed learning rate as ours, a ratio of optim.lr (the given lr, else verl's)."""
+    prefix = key.rsplit(".", 1)[0]
+    lr = float(bare(seen.get(f"{prefix}.lr", str(verl_default(f"{prefix}.lr")))))
+    floor = float(bare(value))
+    if not 0.0 <= floor <= lr:
+        raise ValueError(f"min_lr={floor:g} must lie in [0, {prefix}.lr={lr:g}]")
+    if f"{prefix}.min_lr_ratio" in seen:
+        raise ValueError(f"set one of {prefix}.min_lr and {prefix}.min_lr_ratio (megatron-rl keeps the ratio)")
+    return [f"{prefix}.min_lr_ratio={floor / lr if lr else 0.0!r}"]
+
+
 def _lora_key(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     """<model>.lora.*: as given while LoRA is on, but fully_sharded_loras; nothing when it is off (rank 0)."""
     prefix, leaf = key.rsplit(".", 1)
@@ -388,6 +400,8 @@ RULES: tuple[Rule, ...] = (
     Rule("*.optim.lr_warmup_steps", Fate.mapped,
          "verl's null or -1 means lr_warmup_steps_ratio x the steps; with that ratio at its default 0.0 no warm-up",
          _lr_warmup_steps),
+    Rule("*.optim.min_lr", Fate.mapped, "verl's floor of the decayed learning rate -> optim.min_lr_ratio = min_lr / "
+         "optim.lr", _min_lr),
     Rule("*.optim.*", Fate.default,
          "the optimizer here is Adam(W) with optim.lr, min_lr_ratio, lr_warmup_steps, lr_scheduler, weight_decay, "
          "betas and clip_grad (docs/configuration.md)"),

@@ -34,6 +34,12 @@ TINY_GLM4_MOE = dict(
     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
     routed_scaling_factor=2.5, norm_topk_prob=True,
 )
+# Hy3: Qwen3's attention (q/k norms) and DeepSeek-V3's sigmoid routing without groups; the first layer dense
+TINY_HY_V3 = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
+    router_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"],
+)
 # Expert counts etc. of the MoE families at toy size (any of them may be overridden).
 TINY_MOE = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
@@ -43,6 +49,7 @@ TINY_MOE = {
                       shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[]),
     "deepseek_v3": TINY_DEEPSEEK_V3,
     "glm4_moe": TINY_GLM4_MOE,
+    "hy_v3": TINY_HY_V3,
 }
 
 CHAT_TEMPLATE = (
@@ -91,12 +98,12 @@ def tiny_hf_config(
     **overrides: Any,
 ):
     """A transformers config of ``family`` (one of FAMILIES) at toy size."""
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, HYV3Config, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
-               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig}
+               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig, "hy_v3": HYV3Config}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     kwargs: dict[str, Any] = dict(
