@@ -10,6 +10,13 @@ from megatron_rl.algos.kl import kl_penalty
 from megatron_rl.algos.loss_agg import LOCAL_BATCH, GlobalBatchInfo, agg_loss
 
 
+def check_cliprange_value(cliprange_value: float) -> None:
+    """``critic.cliprange_value``: the clip range of the value update, >= 0 (0 keeps the old values). The rule of
+    ``compute_value_loss`` and of validation (plan/validate.py)."""
+    if not cliprange_value >= 0:
+        raise ValueError(f"critic.cliprange_value must be >= 0, got {cliprange_value}")
+
+
 def compute_value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,
@@ -22,8 +29,7 @@ def compute_value_loss(
     """0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)), and vf_clipfrac (the share of
     valid tokens where the clipped term is larger). ``values`` are the rollout-time (old) values."""
     check_token_tensors(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
-    if not cliprange_value >= 0:
-        raise ValueError(f"critic.cliprange_value must be >= 0, got {cliprange_value}")
+    check_cliprange_value(cliprange_value)
     mask = response_mask.float()
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns) ** 2

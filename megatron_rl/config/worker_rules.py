@@ -9,7 +9,7 @@ validation calls as refused before launch.
 """
 from __future__ import annotations
 
-__all__ = ["RESUME_MODES", "check_resume_setting"]
+__all__ = ["RESUME_MODES", "check_resume_setting", "check_share_prompts_packing"]
 
 RESUME_MODES = ("auto", "disable", "resume_path")  # trainer.resume_mode (config/choices.py ResumeMode)
 
@@ -22,3 +22,14 @@ def check_resume_setting(mode: str, explicit: str | None) -> None:
     if str(mode) == "resume_path" and not explicit:
         raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path (the global_step_N "
                          "directory to resume from)")
+
+
+def check_share_prompts_packing(share_prompts: bool, packed_sequences: bool, prefix: str) -> None:
+    """``<prefix>.share_prompts`` needs padded micro-batches: its tree mask is a dense mask the packed (THD) kernels
+    do not take. ``prefix``: the role's megatron section (``actor_rollout_ref.actor.megatron``). The rule of the
+    engine's batch layout (workers/engine.py ``check_share_prompts``) and of validation (plan/validate.py
+    ``_check_packing``)."""
+    if share_prompts and packed_sequences:
+        raise ValueError(f"{prefix}.share_prompts=true and {prefix}.packed_sequences=true cannot both be on: shared "
+                         "prompts need a tree attention mask, which the packed (THD) kernels do not take; set one "
+                         "false (packed sequences: no padding; shared prompts: each prompt computed once per group)")

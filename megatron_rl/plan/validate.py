@@ -19,6 +19,7 @@ from megatron_rl.agent.tools import PythonTool, build_tools, load_tool_config
 from megatron_rl.algos import get_estimator_traits, get_kl_controller, list_adv_estimators, list_policy_losses
 from megatron_rl.algos.policy_loss_config import PolicyLossConfig
 from megatron_rl.algos.rollout_corr import RolloutCorrection
+from megatron_rl.algos.value_loss import check_cliprange_value
 from megatron_rl.config import checks
 from megatron_rl.config.access import megatron_section, plain
 from megatron_rl.config.errors import ConfigError, require as _require
@@ -27,7 +28,8 @@ from megatron_rl.config.lora import check_lora, lora_enabled
 from megatron_rl.config.mtp import check_mtp_settings
 from megatron_rl.config.router_replay import check_router_replay
 from megatron_rl.config.schema import PPOTrainerConfig, RewardJudgeConfig, RolloutConfig, RolloutCorrectionConfig
-from megatron_rl.config.worker_rules import check_resume_setting
+from megatron_rl.config.worker_rules import check_resume_setting, check_share_prompts_packing
+from megatron_rl.models.router_replay import replay_mode
 from megatron_rl.plan.context_parallel import (  # noqa: F401  (the preflight and tests import these from here)
     check_context_parallel,
     check_context_parallel_model,
@@ -577,17 +579,17 @@ def uses_critic(cfg: PPOTrainerConfig) -> bool:
 
 def _check_packing(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
     """share_prompts needs padded micro-batches (its tree mask is a dense mask the packed kernels do not take): the
-    engine refused it only in init_model (workers/engine.py check_share_prompts), after Ray and the models were up,
-    and the refusal guard missed it (its key is an f-string). A preset that shares prompts meets verl's default
-    packed_sequences=true through the compat entry."""
+    engine's rule (workers/engine.py check_share_prompts calls config/worker_rules.py check_share_prompts_packing),
+    called here before launch. A preset that shares prompts meets verl's default packed_sequences=true through the
+    compat entry."""
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if uses_critic else [])
     roles += ["reward_model"] if cfg.reward_model.enable else []
     for role in roles:
         megatron = megatron_section(cfg, role)
-        _require(not (megatron.share_prompts and megatron.packed_sequences),
-                 f"{role}.megatron.share_prompts=true and {role}.megatron.packed_sequences=true cannot both be on: "
-                 "shared prompts need a tree attention mask, which the packed (THD) kernels do not take; set one "
-                 "false (packed sequences: no padding; shared prompts: each prompt computed once per group)")
+        try:
+            check_share_prompts_packing(megatron.share_prompts, megatron.packed_sequences, f"{role}.megatron")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def check_refused_at_run_time(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
@@ -656,3 +658,9 @@ def check_refused_at_run_time(cfg: PPOTrainerConfig, uses_critic: bool) -> None:
             with deferred_compile():  # Megatron-Core, as train.py imports the planner
                 from megatron_rl.models.builder import check_transformer_overrides
             refused(check_transformer_overrides, overrides, f"{role}.megatron.override_transformer_config")
+    # found by the refusal guard once it read algos/ and models/ too: the critic's value loss (its first update) and
+    # each built role's routing-replay mode (its model build; config/router_replay.py reads the actor's only)
+    if uses_critic:
+        refused(check_cliprange_value, cfg.critic.cliprange_value)
+    for role in built:
+        refused(replay_mode, megatron_section(cfg, role), f"{role}.megatron")

@@ -135,9 +135,25 @@ def _check_vllm(cfg: PPOTrainerConfig) -> None:
 
 
 def _vllm_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:
+    """vLLM's checks of this machine (rollout/vllm/config_checks.py), then, as for the other engines' servers, each
+    vLLM server of rollout.server_urls answers (``/v1/models``, the route the client reads the served model from;
+    before: a URL nothing listened at was refused only when trainer rank 0 built its engine under Ray)."""
     from megatron_rl.rollout.vllm.config_checks import check_here  # lazy: its package imports torch, transformers
 
-    check_here(cfg, read_model_config)
+    check_here(cfg, read_model_config)  # servers on this host first: a remote one is refused for that
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "server" or not rollout.server_urls:
+        return
+    from megatron_rl.rollout.server_http import check_reachable  # lazy: as above (torch, transformers)
+    from megatron_rl.rollout.sglang.server_transport import PROBE_TIMEOUT_S  # lazy: as above
+    from megatron_rl.rollout.vllm.server import VLLMServerHTTP  # lazy: as above
+
+    timeout_s = rollout.sglang.request_timeout_s  # the one HTTP request bound of every engine (server_http.py)
+    wait = PROBE_TIMEOUT_S if timeout_s is None else min(float(timeout_s), PROBE_TIMEOUT_S)
+    try:
+        check_reachable([VLLMServerHTTP(str(url), wait) for url in rollout.server_urls], "/v1/models")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _servers_here(cfg: PPOTrainerConfig, read_model_config: Callable[[], dict[str, Any] | None]) -> None:

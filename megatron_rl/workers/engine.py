@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.config.optimizer_overrides import optimizer_overrides
 from megatron_rl.config.schema import LoRAConfig, MegatronParallelConfig, MTPConfig, OptimConfig
+from megatron_rl.config.worker_rules import check_share_prompts_packing
 from megatron_rl.models import capabilities
 from megatron_rl.models.builder import build_gpt_model, transformer_overrides
 from megatron_rl.models.hf_config import load_hf_config
@@ -99,10 +100,9 @@ def check_parallel_state(parallel: MegatronParallelConfig, prefix: str) -> None:
 
 
 def check_share_prompts(chunks: Sequence[torch.nn.Module], packed_sequences: bool, prefix: str) -> None:
-    """``megatron.share_prompts`` needs padded micro-batches (its tree mask is a dense mask) and RoPE."""
-    if packed_sequences:
-        raise ValueError(f"{prefix}.share_prompts and {prefix}.packed_sequences cannot both be on: shared "
-                         "prompts need a tree attention mask, which the packed (THD) kernels do not take")
+    """``megatron.share_prompts`` needs padded micro-batches (its tree mask is a dense mask; the rule validation
+    calls too: config/worker_rules.py) and RoPE."""
+    check_share_prompts_packing(True, packed_sequences, prefix)
     for chunk in chunks:
         try:
             check_rope_positions(chunk)

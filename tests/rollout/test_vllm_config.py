@@ -234,6 +234,25 @@ def test_vllm_servers_on_another_host_are_refused_before_ray_starts(tmp_path, vl
     with pytest.raises(ConfigError, match=r"server_urls \['http://192.0.2.77:8000'\]: vLLM rollout servers must run on "
                                           r"the host of trainer rank 0 .*/dev/shm"):
         train.run(cfg, dry_run=True)
+    import http.server
+    import socket
+    import threading
+
     from megatron_rl.trainer.preflight import check_rollout_engine
 
-    check_rollout_engine(start_cfg(tmp_path, model, server[0], "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:8000]"))
+    # a server on this host passes (any HTTP answer counts: the client's own requests check what it says) ...
+    listening = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=listening.serve_forever, daemon=True).start()
+    try:
+        local = f"http://127.0.0.1:{listening.server_address[1]}"
+        check_rollout_engine(start_cfg(tmp_path, model, server[0], f"actor_rollout_ref.rollout.server_urls=[{local}]"))
+    finally:
+        listening.shutdown()
+        listening.server_close()
+    # ... a local URL nothing listens at is refused before launch too, naming the engine (as for SGLang / HF servers)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ConfigError, match=rf"actor_rollout_ref.rollout.server_urls: vLLM server {closed}/v1/models "
+                                          "unreachable"):
+        check_rollout_engine(start_cfg(tmp_path, model, server[0], f"actor_rollout_ref.rollout.server_urls=[{closed}]"))

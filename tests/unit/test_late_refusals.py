@@ -99,8 +99,18 @@ WORKER_CHECKS = [
                  f"{OTC}.recompute_granularty is not a Megatron-Core TransformerConfig field; nearest: "
                  "recompute_granularity", id="transformer-config-typo"),
     pytest.param((f"+{OTC}.num_layers=4",), {},
-                 f"{OTC}.num_layers cannot be overridden: it is set from the HF config",
+                 "override_transformer_config.num_layers=4 contradicts",
                  id="transformer-config-derived"),
+    # before: both passed; the critic's value loss refused it at its first update (algos/value_loss.py)
+    pytest.param(("algorithm.adv_estimator=gae", "critic.cliprange_value=-0.5"), {},
+                 "critic.cliprange_value must be >= 0, got -0.5", id="value-clip-range"),
+    # before: both passed (validation read the actor's mode only); the critic's model build refused it
+    # (models/router_replay.py replay_mode)
+    pytest.param(("algorithm.adv_estimator=gae", "critic.megatron.router_replay.mode=R9"), {},
+                 "critic.megatron.router_replay.mode='R9' must be one of disabled, R2, R3", id="critic-router-replay"),
+    pytest.param(("algorithm.adv_estimator=gae", "critic.megatron.router_replay.record_file=/tmp/routing.pt"), {},
+                 "critic.megatron.router_replay.record_file='/tmp/routing.pt': routing to or from files is not "
+                 "supported", id="critic-router-replay-file"),
     # refused before launch already (kept here so that they stay so)
     pytest.param((f"{TURNS}.enable=true", f"{TURNS}.tools=[calcu]"), {},
                  f"{TURNS}.tools=['calcu']: unknown tool 'calcu'", id="unknown-tool"),
@@ -130,6 +140,17 @@ def test_an_unreachable_server_url_is_refused_before_launch_naming_the_engine(tm
     assert dry == real
     assert re.search(rf"actor_rollout_ref.rollout.server_urls: HF-engine server {url}/server_info unreachable", dry)
     assert "SGLang" not in dry
+
+
+def test_an_unreachable_vllm_server_url_is_refused_before_launch_naming_the_engine(tmp_path, monkeypatch):
+    """Before: both passed (preflight probed HF-engine and SGLang servers only), and trainer rank 0's vLLM engine
+    failed on its first request under Ray."""
+    monkeypatch.setattr("megatron_rl.rollout.vllm.contract.vllm_missing", lambda: None)  # the checks after it
+    url = f"http://127.0.0.1:{_closed_port()}"
+    dry, real = refusals(tmp_path, monkeypatch, "actor_rollout_ref.rollout.name=vllm",
+                         "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{url}]")
+    assert dry == real
+    assert re.search(rf"actor_rollout_ref.rollout.server_urls: vLLM server {url}/v1/models unreachable", dry)
 
 
 def test_the_servers_client_names_the_engine_it_talks_to():
@@ -169,6 +190,23 @@ def test_the_loop_and_preflight_refuse_a_resume_path_by_one_rule(tmp_path):
     with pytest.raises(ConfigError) as early:
         resume_checkpoint(cfg)
     assert str(early.value) == str(late.value) and "is incomplete: no manifest.json" in str(early.value)
+
+
+def test_the_engine_and_validation_refuse_shared_prompts_with_packing_by_one_rule(tmp_path):
+    """The engine's batch layout (workers/engine.py check_share_prompts) and validation (plan/validate.py
+    _check_packing) call config/worker_rules.py check_share_prompts_packing: the same words either way (before:
+    two messages, the engine's without "=true" and without the way out)."""
+    pytest.importorskip("megatron.core")
+    from megatron_rl.plan.validate import validate
+    from megatron_rl.workers.engine import check_share_prompts
+
+    with pytest.raises(ValueError) as late:
+        check_share_prompts([], True, "critic.megatron")
+    cfg = start_cfg(tmp_path, "algorithm.adv_estimator=gae", "critic.megatron.share_prompts=true",
+                    "critic.megatron.packed_sequences=true")
+    with pytest.raises(ConfigError) as early:
+        validate(cfg)
+    assert str(early.value) == str(late.value) and "critic.megatron.share_prompts=true and" in str(late.value)
 
 
 # ---------------------------------------------------------------------------- vLLM's engine arguments by their types
@@ -252,3 +290,30 @@ def test_a_cpu_kv_cache_too_small_for_one_sequence_is_refused_before_launch(tmp_
     # 2 MiB: the bound itself passes (vLLM's own count, with the block it reserves, is left to it)
     train.run(start_cfg(tmp_path, "actor_rollout_ref.rollout.name=vllm",
                         "actor_rollout_ref.rollout.vllm.cpu_kv_cache_mb=2"), dry_run=True)
+
+
+def test_a_validation_file_the_runner_cannot_build_is_refused_before_launch(tmp_path, monkeypatch):
+    """Before: both passed, and the runner refused the validation set after Ray and the model build (here a
+    malformed row under data.on_malformed_row=error)."""
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt": 7, "data_source": "synthetic/copy"}) + "\n")
+    dry, real = refusals(tmp_path, monkeypatch, f"data.val_files=[{val}]", "data.on_malformed_row=error")
+    assert dry == real and dry.startswith("data.val_files: "), dry
+
+
+def test_a_reward_model_tokenizer_without_a_chat_template_is_refused_before_launch(tmp_path, monkeypatch):
+    """reward_model.model.input_tokenizer set re-tokenizes for the RM, whose tokenizer needs a chat template. Before:
+    refused on the driver when the runner built the reward function, not by --dry-run."""
+    import json as json_module
+
+    from megatron_rl_testing.reward_models import make_tiny_reward_model
+
+    rm = make_tiny_reward_model(tmp_path / "rm", vocab_size=300)
+    config = json_module.loads((rm / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (rm / "tokenizer_config.json").write_text(json_module.dumps(config))
+    (rm / "chat_template.jinja").unlink(missing_ok=True)
+    model = _model(tmp_path)
+    dry, real = refusals(tmp_path, monkeypatch, "reward_model.enable=true", f"reward_model.model.path={rm}",
+                         f"reward_model.model.input_tokenizer={model}")
+    assert dry == real and "has no chat template" in dry, dry

@@ -1,13 +1,18 @@
 """Every config-derived refusal of worker or engine code has its twin in validation (issue 33 item 11, issue 56 item 6).
 
 A ``raise`` of ``ValueError`` / ``ConfigError`` / ``RuntimeError`` / ``TypeError`` / ``KeyError`` / ``CheckError`` /
-``PlanError`` in ``workers/``, ``rollout/``, ``weights/`` or ``servers/`` whose message names a config key comes after
-Ray and the model build, minutes to hours into a start. Each such key must also be refused before start-up:
+``PlanError`` in ``workers/``, ``rollout/``, ``weights/``, ``servers/``, ``algos/``, ``data/``, ``reward/``,
+``trainer/``, ``agent/`` or ``models/`` (preflight's own file aside) whose message names a config key comes after
+Ray and the model build, minutes to hours into a start (or, in the driver's set-up, after what ``--dry-run``
+checks). Each such key must also be refused before start-up:
 
 * by construction: the raise sits in a function that validation or preflight calls itself (imported into
-  ``plan/validate.py``, ``config/checks.py`` or ``trainer/preflight.py`` and called there; one rule, two callers), or
+  ``plan/validate.py``, ``config/checks.py`` or ``trainer/preflight.py`` and called there, through a package's
+  re-export too, or called by such a function; one rule, two callers), or
 * named in a refusal of those files (a string of a ``raise``, ``_require``, ``_positive``, ``ConfigError``/
-  ``CheckError``/``PlanError`` call there), or
+  ``CheckError``/``PlanError`` call there, or a problem a raise there joins: ``problems.append(...)``; a pattern
+  such as ``*.megatron.share_prompts`` counts where it names two fields after its formatted part, or as many
+  as the refusal's own pattern does), or
 * a closed choice of the schema (refused at compose time), or
 * listed in ALLOWED below with the reason it can only be known at run time.
 
@@ -26,7 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
-SCANNED = ("workers", "rollout", "weights", "servers")
+SCANNED = ("workers", "rollout", "weights", "servers", "algos", "data", "reward", "trainer", "agent", "models")
+# the rules the run's code and validation share: a raise there counts as refused only while validation calls it
+SCANNED_FILES = ("config/worker_rules.py",)
 VALIDATION = ("plan/validate.py", "config/checks.py", "trainer/preflight.py")
 WILDCARD = "*"  # a formatted part of an f-string whose value the scan cannot tell
 KEY = re.compile(r"(?:\*|\b(?:actor_rollout_ref|rollout|critic|data|trainer|algorithm|reward_model))"
@@ -44,6 +51,19 @@ ALLOWED = {
         "whether Transformer Engine / Apex import is a fact of the machine, not of the config: a real start refuses "
         "it before launch (plan/planner.py check_launch, the same capabilities.distributed_optimizer_blocker) and a "
         "dry run, which plans for the target cluster, prints it as a note",
+    ("algos/dynamic_sampling.py", "algorithm.filter_groups.metric"):
+        "besides the batch's own metrics the value may name a column the reward function adds to the batch (a "
+        "scorer's dict entries such as acc, a custom reward function's): which columns there are is known only "
+        "when the first batch has been scored",
+    ("algos/policy_loss_common.py", "actor_rollout_ref.actor.tis_imp_ratio_cap"):
+        "a check of compute_policy_loss's arguments (a caller passing no rollout_log_probs), not of the setting: "
+        "every rollout engine returns them (rollout/batch_io.py), the actor asks the batch for them when the cap is "
+        "set (workers/actor.py _update_fields), and MTP drafting, which spoils them, is refused with the cap before "
+        "launch (config/mtp.py)",
+    ("reward/model/reward_fn.py", "reward_model.combine"):
+        "a check of ModelRewardFn's wiring, not of the setting: trainer/reward_setup.py build_reward_fn gives it "
+        "the rule manager whenever the combine plan has a sum or gate rule, and the plan itself is refused before "
+        "launch (plan/validate.py builds CombinePlan)",
 }
 
 
@@ -206,6 +226,8 @@ def _calls(scope: ast.AST, imported: dict[str, tuple[str, str | None]], source: 
                     called.add((file, func.attr if name is None else f"{name}.{func.attr}"))
                 elif base in ("self", "cls") and owner:
                     called.add((source, f"{owner}.{func.attr}"))
+                elif f"{base}.{func.attr}" in defined:  # Class.method of a class of its own module
+                    called.add((source, f"{base}.{func.attr}"))
     return called
 
 
@@ -216,6 +238,18 @@ def _engine_hooks() -> set[tuple[str, str]]:
     return {(source, keyword.value.id) for node in ast.walk(tree) if isinstance(node, ast.Call)
             and _name(node.func) == "EngineSpec" for keyword in node.keywords
             if keyword.arg in ("check_config", "check_here") and isinstance(keyword.value, ast.Name)}
+
+
+def _reexported(tree: ast.Module, function: str) -> set[tuple[str, str]]:
+    """Where a function (``name`` or ``Class.method``) that a module imports rather than defines is defined:
+    ``from megatron_rl.algos import get_kl_controller`` is algos/kl.py's."""
+    head, _, rest = function.partition(".")
+    file, name = _imports(tree).get(head, (None, None))
+    if file is None or name is None:
+        return set()
+    if rest:
+        return {(file, f"{name}.{rest}")}
+    return {(file, name), *((file, f"{name}.{init}") for init in ("__init__", "__post_init__"))}
 
 
 @lru_cache(maxsize=1)
@@ -231,7 +265,10 @@ def shared_rules() -> frozenset[tuple[str, str]]:
         source, function = pending.pop()
         tree, _ = _parsed(PACKAGE / source)
         defined = _functions(tree)
-        if function not in defined:
+        if function not in defined:  # a name the module imports (a package's __init__.py re-exporting it)
+            for call in _reexported(tree, function) - shared:
+                shared.add(call)
+                pending.append(call)
             continue
         imported = _imports(tree) | _imports(defined[function])
         owner = function.split(".")[0] if "." in function else None
@@ -246,20 +283,22 @@ def raised_keys() -> dict[tuple[str, str], int]:
     scanned packages outside the shared rules. A key may be a pattern (``*.megatron.share_prompts``)."""
     found: dict[tuple[str, str], int] = {}
     shared = shared_rules()
-    for package in SCANNED:
-        for path in sorted((PACKAGE / package).rglob("*.py")):
-            source = str(path.relative_to(PACKAGE))
-            tree, constants = _parsed(path)
-            for qualname, function in _functions(tree).items():
-                if (source, qualname) in shared:
-                    continue
-                names = _string_assignments(function, constants)
-                for node in ast.walk(function):
-                    raised = isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-                    if raised and _name(node.exc.func) in RAISED:
-                        for key in KEY.findall(render(node.exc, names)):
-                            if config_keys(key):
-                                found.setdefault((source, key), node.lineno)
+    paths = [path for package in SCANNED for path in sorted((PACKAGE / package).rglob("*.py"))]
+    for path in paths + [PACKAGE / name for name in SCANNED_FILES]:
+        source = str(path.relative_to(PACKAGE))
+        if source in VALIDATION:  # the refusals before launch themselves (trainer/preflight.py)
+            continue
+        tree, constants = _parsed(path)
+        for qualname, function in _functions(tree).items():
+            if (source, qualname) in shared:
+                continue
+            names = _string_assignments(function, constants)
+            for node in ast.walk(function):
+                raised = isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                if raised and _name(node.exc.func) in RAISED:
+                    for key in KEY.findall(render(node.exc, names)):
+                        if config_keys(key):
+                            found.setdefault((source, key), node.lineno)
     return found
 
 
@@ -274,12 +313,26 @@ def validation_messages() -> str:
             if name not in VALIDATION and (name, qualname) not in shared:
                 continue
             names = _string_assignments(function, constants)
+            gathered = _gathered_problems(function, names)
             for node in ast.walk(function):
                 if isinstance(node, ast.Raise) and node.exc is not None:
                     texts.append(render(node.exc, names))
+                    texts += [text for inner in ast.walk(node.exc) if isinstance(inner, ast.Name)
+                              for text in gathered.get(inner.id, [])]
                 elif isinstance(node, ast.Call) and _name(node.func) in REFUSING_CALLS:
                     texts.append(render(node, names))
     return "\n".join(texts)
+
+
+def _gathered_problems(function: ast.AST, names: dict[str, str]) -> dict[str, list[str]]:
+    """The texts appended to each list of a function (``problems.append(f"...")``): a refusal that gathers its
+    problems and raises them joined (``raise ConfigError("; ".join(problems))``) names the keys there."""
+    gathered: dict[str, list[str]] = {}
+    for node in ast.walk(function):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+                and isinstance(node.func.value, ast.Name) and len(node.args) == 1):
+            gathered.setdefault(node.func.value.id, []).append(render(node.args[0], names))
+    return gathered
 
 
 def schema_choices() -> set[str]:
@@ -289,10 +342,25 @@ def schema_choices() -> set[str]:
     return {_short(key) for key, _ in _choice_fields(PPOTrainerConfig)}
 
 
+def _named_tail(pattern: str) -> int:
+    """How many named fields follow a pattern's last formatted part (``*.megatron.share_prompts``: 2)."""
+    tail = pattern.rsplit(WILDCARD, 1)[-1].strip(".").split(".")
+    return len(tail) if all(re.fullmatch(r"[A-Za-z_]\w*", part) for part in tail) else 0
+
+
+def _covers(pattern: str, key: str) -> bool:
+    """Whether a validation pattern may stand for the keys of ``key``: it names two fields after its formatted part
+    (``*.megatron.share_prompts``), or no fewer than ``key``, itself a pattern, does (``*.ppo_mini_batch_size`` for
+    ``*.ppo_mini_batch_size``). ``*.mode`` (CombineRule.parse's ``f"{where}.mode"``) would else stand for every
+    ``mode`` of the schema."""
+    named = _named_tail(pattern)
+    return named >= 2 or (named >= 1 and WILDCARD in key and named >= _named_tail(key))
+
+
 def refused_by_validation(key: str, messages: str, choices: set[str]) -> bool:
     """Every schema key ``key`` stands for is named by a validation message (its text, or an f-string pattern of it
-    there that ends in a named field) or is a closed choice."""
-    patterns = [p for p in set(KEY.findall(messages)) if WILDCARD in p and _literal_tail(p)]
+    there that ends in named fields, ``_covers``) or is a closed choice."""
+    patterns = [p for p in set(KEY.findall(messages)) if WILDCARD in p and _covers(p, key)]
     return all(_short(full) in messages or _short(full) in choices
                or any(fnmatchcase(full, pattern) for pattern in patterns) for full in config_keys(key))
 
@@ -302,9 +370,14 @@ def test_the_scan_finds_the_refusals_it_is_about():
     keys = raised_keys()
     assert ("weights/replica.py", "rollout.weight_sync.verify_freq") in keys
     assert ("rollout/hf_engine.py", "rollout.response_length") in keys
-    # f-string keys (the guard missed workers/engine.py's share_prompts refusal while its key was an f-string)
-    assert ("workers/engine.py", "*.share_prompts") in keys
+    # f-string keys (the guard missed workers/engine.py's share_prompts refusal while its key was an f-string; its
+    # rule is now config/worker_rules.py's, which validation calls)
     assert ("workers/engine.py", "*.megatron.context_parallel_size") in keys
+    assert ("workers/update_loop.py", "*.ppo_mini_batch_size") in keys
+    # the packages beyond the workers: algos/, reward/, models/ (outside the shared rules)
+    assert ("algos/dynamic_sampling.py", "algorithm.filter_groups.metric") in keys
+    assert ("reward/model/reward_fn.py", "reward_model.combine") in keys
+    assert not any(path in VALIDATION for path, _ in keys)  # preflight's own refusals are the validation side
     # a RuntimeError naming keys
     assert ("workers/hybrid.py", "algorithm.use_kl_in_reward") in keys
     assert len(keys) >= 10
@@ -328,11 +401,28 @@ def test_a_validation_pattern_covers_the_keys_it_matches():
     messages = "*.megatron.share_prompts=true and *.megatron.packed_sequences=true cannot both be on"
     assert refused_by_validation("*.share_prompts", messages, set())
     assert not refused_by_validation("*.megatron.freeze_router", messages, set())
+    # one named field after the formatted part stands for every key of that name: it covers none
+    assert not refused_by_validation("*.router_replay.mode", "*.mode=* is unknown", set())
+    assert refused_by_validation("*.ppo_mini_batch_size", "*.ppo_mini_batch_size=* does not divide", set())
 
 
 def test_shared_rules_are_the_functions_validation_calls():
     shared = shared_rules()
     assert ("workers/lr_schedule.py", "check_optim_config") in shared
+    assert ("config/worker_rules.py", "check_share_prompts_packing") in shared  # the engine's rule (issue 56 item 6)
+    # through a package's re-export (``from megatron_rl.algos import get_kl_controller``; ``megatron_rl.data``'s
+    # RLDataset, which preflight builds), and a method of a class of the module (CombinePlan -> CombineRule.parse)
+    assert ("algos/kl.py", "AdaptiveKLController.__init__") in shared
+    assert ("data/dataset.py", "RLDataset._fit_length") in shared
+    assert ("reward/model/combine.py", "CombineRule.parse") in shared
+    assert ("models/router_replay.py", "replay_mode") in shared
+    assert ("algos/value_loss.py", "check_cliprange_value") in shared
+
+
+def test_gathered_problems_are_validation_messages():
+    """A refusal that gathers its problems and raises them joined (trainer/validation.py check_validation_settings)
+    names its keys in what it appends."""
+    assert "actor_rollout_ref.rollout.val_kwargs.n=" in validation_messages()
 
 
 def test_every_config_refusal_in_worker_code_is_refused_by_validation_first():
