@@ -112,20 +112,25 @@ class WorkerExtension:
             checked_segment_path(layout["path"], layout["size"])
         units: set[str] = set()
         counted = [0]
-        layers = int(self.model_runner.model_config.hf_config.num_hidden_layers)
+        # only an engine that drafts (speculative decoding with the MTP layers) gets MTP tensors to split off
+        drafts = getattr(self.model_runner, "drafter", None) is not None
+        layers = int(self.model_runner.model_config.hf_config.num_hidden_layers) if drafts else 0
+
+        def is_mtp(name: str) -> bool:
+            return drafts and _is_mtp_tensor(name, layers)
 
         def tensors(mtp: bool):
             for name, tensor in itertools.chain.from_iterable(map_layout(layout) for layout in layouts):
-                if _is_mtp_tensor(name, layers) == mtp:
+                if is_mtp(name) == mtp:
                     counted[0] += 1
                     units.add(load_unit(name))
                     yield name, tensor
 
         names = [entry[0] for layout in layouts for entry in layout["tensors"]]
-        if not all(_is_mtp_tensor(name, layers) for name in names):
+        if not all(is_mtp(name) for name in names):
             self.reload_weights(weights_iterator=tensors(mtp=False), is_checkpoint_format=True)
             _prepack_cpu_experts(self.model_runner.model, units)
-        if any(_is_mtp_tensor(name, layers) for name in names):
+        if any(is_mtp(name) for name in names):
             self._reload_drafter(tensors(mtp=True))
         return counted[0]
 
@@ -134,11 +139,7 @@ class WorkerExtension:
         target's embedding and lm_head, so only its MTP layers are loaded, in place as the target's are."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        drafter = getattr(self.model_runner, "drafter", None)
-        if drafter is None:
-            raise ValueError("multi-token-prediction weights sent to a vLLM engine that does not draft with them "
-                             "(started without speculative_config)")
-        reload_weights(self.vllm_config, drafter.model, weights_iterator=weights, weights_path=None,
+        reload_weights(self.vllm_config, self.model_runner.drafter.model, weights_iterator=weights, weights_path=None,
                        is_checkpoint_format=True)
 
     def mrl_read_weights(self, name: str, drafter: bool = False) -> dict[str, Any]:
