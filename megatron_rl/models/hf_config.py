@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -322,8 +323,11 @@ def load_hf_config(model_dir: str | Path, override_config: Mapping[str, Any] | N
     return parse_hf_config(raw, source=source)
 
 
-def needs_rebuilt_config(model_dir: str | Path) -> bool:
-    """Whether transformers cannot read ``model_dir``'s config.json by itself (MiMo: ``load_pretrained_config``)."""
+def needs_rebuilt_config(model_dir: Any) -> bool:
+    """Whether transformers cannot read ``model_dir``'s config.json by itself (MiMo: ``load_pretrained_config``);
+    False for what is not a directory path (a config object the engine builds from)."""
+    if not isinstance(model_dir, (str, os.PathLike)):
+        return False
     path = Path(model_dir) / "config.json"
     return path.is_file() and json.loads(path.read_text()).get("model_type") == "mimo"
 
