@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.protocol import DataProto
 from megatron_rl_testing.vllm_support import (
-    EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, skip_without_vllm, tiny_model,
+    EOS, MAX_LEN, PAD, VOCAB, as_bucket, assert_served_equal, prompts, skip_without_vllm, tiny_model,
     with_checkpoint_sampling_defaults,
 )
 
@@ -29,14 +28,6 @@ def hf_weights(path) -> list[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     return [(n, p.detach().clone()) for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
-
-
-def prompts(rows: list[list[int]], **meta) -> DataProto:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
-                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta)
 
 
 @pytest.fixture(scope="module")

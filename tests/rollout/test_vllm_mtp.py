@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.config.schema import EngineKwargsConfig, RolloutConfig
-from megatron_rl.protocol import DataProto
-from megatron_rl_testing.vllm_support import EOS, MAX_LEN, PAD, VOCAB, assert_served_equal, skip_without_vllm
+from megatron_rl_testing.vllm_support import EOS, MAX_LEN, PAD, VOCAB, assert_served_equal, prompts, skip_without_vllm
 
 skip_without_vllm()
 pytestmark = pytest.mark.slow
@@ -26,14 +25,6 @@ def tiny_mimo(path, seed: int):
     return make_mtp_checkpoint(path, "mimo", seed=seed, vocab_size=VOCAB, hidden_size=64, num_heads=2, num_kv_heads=1,
                                intermediate_size=128, max_position_embeddings=MAX_LEN, with_tokenizer=False,
                                eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
-
-
-def prompts(rows: list[list[int]], **meta) -> DataProto:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
-                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta)
 
 
 @pytest.fixture(scope="module")

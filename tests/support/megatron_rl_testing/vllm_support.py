@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.bucket import WeightBucket
+from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
 
@@ -101,3 +102,12 @@ def assert_served_equal(served: dict[str, torch.Tensor], sent: dict[str, torch.T
     for name, tensor in expected.items():
         got = served[name][: tensor.shape[0]]  # vLLM pads vocabulary rows to a multiple of 64
         assert torch.equal(got, tensor), f"{name}: max diff {(got - tensor).abs().max()}"
+
+
+def prompts(rows: list[list[int]], **meta) -> DataProto:
+    """Left-padded prompt rows (PAD) with their mask and positions, as the trainer hands them to an engine."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
+                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta)
