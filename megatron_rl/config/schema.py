@@ -73,6 +73,12 @@ class DataConfig:
     truncation: Truncation = Truncation.error  # used when filter_overlong_prompts is false
     on_malformed_row: MalformedRowPolicy = MalformedRowPolicy.skip
     dataloader_num_workers: int = 0
+    # verl's multimodal keys (megatron_rl/data/multimodal.py): the rows' image column, with one <image> in the
+    # prompt per image; the patch size images are pre-resized to multiples of (null: the processor's); kwargs of
+    # every processor call (min_pixels / max_pixels bound an image's pixels, hence its tokens)
+    image_key: str = "images"
+    image_patch_size: Optional[int] = None
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 # LoRA (issue 36): the Megatron linears an adapter can sit on, by Megatron's module names
@@ -246,6 +252,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: KLPenalty = KLPenalty.low_var_kl
+    # verl's key: a vision-language model's vision tower kept out of training (requires_grad=False before the
+    # optimizer is built: no grads, no Adam state, no activations kept for its backward); refused for a text model
+    freeze_vision_tower: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 

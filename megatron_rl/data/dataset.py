@@ -2,6 +2,8 @@
 
 All rows are read, checked and tokenized when the dataset is built, so a bad row or an overlong prompt
 is reported once, with its file and row, before training starts — never as a crash deep in the loop.
+Rows with images (verl's multimodal rows, megatron_rl.data.multimodal) are encoded by the model's processor; their
+images are decoded and checked at build time and decoded again per item, so only their bytes stay in memory.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from megatron_rl.config.schema import DataConfig
+from megatron_rl.data.multimodal import ImageProblem, NoVisionError, VisionEncoder, build_messages, load_processor
 from megatron_rl.data.rows import MalformedRowError, SourceRow, check_row, read_rows
 
 __all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
@@ -39,6 +42,17 @@ class _Prompt:
     extra_info: dict[str, Any]
     index: int  # position of the row in the concatenated source files (stable across filtering)
     agent_name: str | None = None  # verl's column: the multi-turn environment of the row (rollout.multi_turn)
+    images: list[Any] | None = None  # the row's image items as read (bytes or paths), decoded per item
+    text: str | None = None  # the chat-templated prompt of an image row, re-encoded per item for its pixels
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    row: SourceRow
+    text: str  # chat-templated
+    index: int
+    ids: list[int] | None = None  # set for image rows (the processor's tokens); text rows are encoded per file
+    images: list[Any] | None = None
 
 
 class RLDataset(Dataset):
@@ -47,6 +61,13 @@ class RLDataset(Dataset):
     ``dataset[i]`` is a dict: ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
     ``max_prompt_length``, left-padded with the tokenizer's pad id) and ``raw_prompt`` (the chat messages),
     ``data_source``, ``reward_model``, ``extra_info``, ``index``.
+
+    Rows with images (column ``image_key``) are encoded by ``processor`` (None: the processor of the tokenizer's
+    directory, loaded on the first such row); when any row has images, every item also carries verl's
+    ``multi_modal_data`` (``{"image": [PIL images]}``, what rollout engines take) and ``multi_modal_inputs``
+    (``pixel_values``, ``image_grid_thw``), both ``{}`` for a row without images. Their ``input_ids`` hold the
+    processor's expanded image tokens; ``position_ids`` stay 1-D (the model derives mRoPE positions itself).
+    A prompt with images is never truncated: an overlong one is dropped (``filter_overlong_prompts``) or refused.
 
     Overlong prompts are dropped when ``filter_overlong_prompts`` (the count is logged once); otherwise
     ``truncation`` decides: ``error`` (raise, naming the row), ``left`` (keep the last tokens), ``right``
@@ -64,6 +85,10 @@ class RLDataset(Dataset):
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         on_malformed_row: str = "skip",
+        image_key: str = "images",
+        processor: ProcessorMixin | None = None,
+        image_patch_size: int | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.files = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
         _check_settings(self.files, tokenizer, max_prompt_length, truncation, on_malformed_row)
@@ -73,6 +98,11 @@ class RLDataset(Dataset):
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
         self.on_malformed_row = on_malformed_row
+        self.image_key = image_key
+        self._processor = processor
+        self._image_patch_size = image_patch_size
+        self._mm_processor_kwargs = dict(mm_processor_kwargs or {})
+        self._vision: VisionEncoder | None = None  # made on the first row with images
         self.malformed: list[str] = []  # "location: problem" of every skipped row
         self.num_overlong = 0  # prompts dropped (filter) or cut (truncation) for exceeding max_prompt_length
         self._prompts: list[_Prompt] = []
@@ -91,6 +121,9 @@ class RLDataset(Dataset):
             filter_overlong_prompts=data_cfg.filter_overlong_prompts,
             truncation=data_cfg.truncation,
             on_malformed_row=data_cfg.on_malformed_row,
+            image_key=data_cfg.image_key,
+            image_patch_size=data_cfg.image_patch_size,
+            mm_processor_kwargs=dict(data_cfg.mm_processor_kwargs),
         )
 
     # ------------------------------------------------------------------ loading
@@ -98,23 +131,30 @@ class RLDataset(Dataset):
         rows_read = 0
         longest = 0
         for path in self.files:
-            accepted: list[tuple[SourceRow, str, int]] = []  # (row, chat-templated text, global row number)
+            accepted: list[_Accepted] = []
             for row in tqdm(read_rows(path), desc=f"reading {path}", disable=None, leave=False):
-                text = self._render(row)
-                if text is not None:
-                    accepted.append((row, text, rows_read))
+                if row.data is not None and row.data.get(self.image_key):
+                    item = self._encode_with_images(row, rows_read)
+                else:
+                    text = self._render(row)
+                    item = None if text is None else _Accepted(row, text, rows_read)
+                if item is not None:
+                    accepted.append(item)
                 rows_read += 1
             if not accepted:
                 continue
-            encoded = self.tokenizer([text for _, text, _ in accepted], add_special_tokens=False)["input_ids"]
-            for (row, _, index), ids in zip(accepted, encoded, strict=True):
+            texts = [a.text for a in accepted if a.ids is None]
+            encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+            for item in accepted:
+                ids = item.ids if item.ids is not None else next(encoded)
                 longest = max(longest, len(ids))
-                ids = self._fit_length(row.location, ids)
+                ids = self._fit_length(item.row.location, ids, has_images=item.images is not None)
                 if ids is not None:
-                    self._prompts.append(self._make_prompt(row, ids, index))
+                    self._prompts.append(self._make_prompt(item, ids))
         self._report(rows_read, longest)
         # verl's agent_name column travels with the rows that have one ("" elsewhere: the default agent)
         self._has_agent_name = any(p.agent_name for p in self._prompts)
+        self._has_images = any(p.images for p in self._prompts)
 
     def _render(self, row: SourceRow) -> str | None:
         """Chat-template a checked row; None (after recording the problem) when the row is malformed."""
@@ -126,20 +166,64 @@ class RLDataset(Dataset):
                 )
             except Exception as e:  # a template may reject roles or content; that is the row's problem
                 problem = f"chat template failed: {type(e).__name__}: {e}"
+        self._malformed(row, problem)
+        return None
+
+    def _encode_with_images(self, row: SourceRow, index: int) -> _Accepted | None:
+        """A row with images: checked, its images decoded, chat-templated and encoded by the processor."""
+        problem = check_row(row.data, self.prompt_key)
+        if problem is None:
+            vision = self._vision_encoder(row.location)
+            items = row.data[self.image_key]
+            try:
+                images = vision.load_images(items)
+                messages = build_messages(row.data[self.prompt_key], len(images))
+                text = vision.render(messages)
+                return _Accepted(row, text, index, vision.encode(text, images)["input_ids"], list(items))
+            except ImageProblem as e:
+                problem = str(e)
+        self._malformed(row, problem)
+        return None
+
+    def _vision_encoder(self, location: str) -> VisionEncoder:
+        if self._vision is None:
+            processor = self._processor
+            if processor is None:
+                model_dir = self.tokenizer.name_or_path
+                try:
+                    processor = load_processor(model_dir)
+                except NoVisionError as e:
+                    raise ValueError(
+                        f"{location} has images (column {self.image_key!r}, data.image_key) but {e}; "
+                        f"use a vision-language model, or drop the image column (or set data.image_key to a "
+                        f"column the rows do not have) to train on the text alone"
+                    ) from None
+            self._vision = VisionEncoder(
+                processor, self.image_key, self._mm_processor_kwargs, self._image_patch_size
+            )
+        return self._vision
+
+    def _malformed(self, row: SourceRow, problem: str) -> None:
         if self.on_malformed_row == "error":
             raise MalformedRowError(
                 f"{row.location}: {problem} (data.on_malformed_row=error; set it to 'skip' to drop such rows)"
             )
         self.malformed.append(f"{row.location}: {problem}")
-        return None
 
-    def _fit_length(self, location: str, ids: list[int]) -> list[int] | None:
+    def _fit_length(self, location: str, ids: list[int], has_images: bool = False) -> list[int] | None:
         limit = self.max_prompt_length
         if len(ids) <= limit:
             return ids
         self.num_overlong += 1
         if self.filter_overlong_prompts:
             return None
+        if has_images:  # a cut would split an image's tokens from its pixels
+            raise ValueError(
+                f"{location}: prompt with images is {len(ids)} tokens (image tokens included), longer than "
+                f"data.max_prompt_length={limit}; prompts with images are never truncated: set "
+                f"data.filter_overlong_prompts=true to drop them, raise data.max_prompt_length, or lower the "
+                f"images' max_pixels (data.mm_processor_kwargs)"
+            )
         if self.truncation == "left":
             return ids[-limit:]
         if self.truncation == "right":
@@ -153,16 +237,21 @@ class RLDataset(Dataset):
             f"or data.truncation=left|right|middle to cut them"
         )
 
-    def _make_prompt(self, row: SourceRow, ids: list[int], index: int) -> _Prompt:
-        data = row.data
+    def _make_prompt(self, item: _Accepted, ids: list[int]) -> _Prompt:
+        data = item.row.data
+        raw_prompt = data[self.prompt_key]
+        if item.images is not None:  # verl's raw_prompt of an image row: content lists with image parts
+            raw_prompt = build_messages(raw_prompt, len(item.images))
         return _Prompt(
             token_ids=np.asarray(ids, dtype=np.int32),  # half the memory of int64; widened per item
-            raw_prompt=data[self.prompt_key],
+            raw_prompt=raw_prompt,
             data_source=data["data_source"],
             reward_model=data["reward_model"],
             extra_info=data.get("extra_info") or {},
-            index=index,
+            index=item.index,
             agent_name=data.get("agent_name") or None,
+            images=item.images,
+            text=item.text if item.images is not None else None,
         )
 
     def _report(self, total_rows: int, longest: int) -> None:
@@ -207,6 +296,8 @@ class RLDataset(Dataset):
             attention_mask[-len(ids) :] = 1
         position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)
         extra = {"agent_name": prompt.agent_name or ""} if self._has_agent_name else {}
+        if self._has_images:
+            extra.update(self._multi_modal(prompt))
         return {
             **extra,
             "input_ids": input_ids,
@@ -218,6 +309,26 @@ class RLDataset(Dataset):
             "extra_info": prompt.extra_info,
             "index": prompt.index,
         }
+
+    def _multi_modal(self, prompt: _Prompt) -> dict[str, Any]:
+        """verl's ``multi_modal_data`` and ``multi_modal_inputs`` of one prompt (both empty without images)."""
+        if not prompt.images:
+            return {"multi_modal_data": {}, "multi_modal_inputs": {}}
+        vision = self._vision_encoder(f"prompt {prompt.index}")
+        images = vision.load_images(prompt.images)  # checked at build time: decodes again
+        encoded = vision.encode(prompt.text, images)
+        return {
+            "multi_modal_data": {"image": images},
+            "multi_modal_inputs": {k: encoded[k] for k in ("pixel_values", "image_grid_thw")},
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a processor loaded here may be of a class made at run time (multimodal.load_processor), which does not
+        # pickle: data-loader workers started by spawn load it again from the tokenizer's directory
+        state = self.__dict__.copy()
+        if self._processor is None:
+            state["_vision"] = None
+        return state
 
 
 def _check_settings(

@@ -1,7 +1,8 @@
 """Read verl-format rows from parquet or jsonl files and check each one before it reaches the tokenizer.
 
 A verl row: ``prompt`` (list of chat messages ``{"role", "content"}``), ``data_source`` (selects the reward
-scorer), ``reward_model`` (``{"style", "ground_truth"}``), optional ``extra_info`` (dict) and ``ability``.
+scorer), ``reward_model`` (``{"style", "ground_truth"}``), optional ``extra_info`` (dict) and ``ability``, and
+optionally images (``data.image_key``, checked by megatron_rl.data.multimodal).
 Every row carries its location (file and row/line) so a problem is reported where a person can find it.
 """
 

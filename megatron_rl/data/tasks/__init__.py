@@ -3,7 +3,8 @@
 ``python -m megatron_rl.data.tasks <task> --out DIR --train N --val M --seed S`` writes
 ``DIR/train.parquet`` and ``DIR/val.parquet`` (and, with ``--tokenizer``, a tiny tokenizer trained on the
 prompts and answers in ``DIR/tokenizer``). Each row's ``data_source`` is ``synthetic/<task>``, for which
-``megatron_rl.reward`` registers a scorer.
+``megatron_rl.reward`` registers a scorer. Vision tasks (``VISION_TASKS``) carry images in verl's multimodal
+format; their model and tokenizer come from ``--vl-checkpoint`` (megatron_rl.data.vision_checkpoint).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import pyarrow.parquet as pq
 
 from megatron_rl.data.tasks.arithmetic import make_arithmetic_rows
 from megatron_rl.data.tasks.digits import DIGIT_OPS, make_digit_rows
+from megatron_rl.data.tasks.shapes import make_shapes_rows
 from megatron_rl.data.tasks.tool_multiply import make_tool_multiply_rows
 
-__all__ = ["TASKS", "make_rows", "task_texts", "write_task"]
+__all__ = ["TASKS", "VISION_TASKS", "make_rows", "task_texts", "write_task"]
 
 # task name -> rows(n, rng, split)
 TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
@@ -31,7 +33,9 @@ TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
     **{f"copy{k}": partial(make_digit_rows, "copy", min_digits=k, max_digits=k) for k in (1, 2, 3)},
     "arith": make_arithmetic_rows,
     "tool_multiply": make_tool_multiply_rows,
+    "shapes": make_shapes_rows,
 }
+VISION_TASKS = frozenset({"shapes"})  # rows with images: they need a vision-language model
 
 
 def make_rows(task: str, n: int, seed: int, split: str) -> list[dict[str, Any]]:
@@ -45,7 +49,8 @@ def make_rows(task: str, n: int, seed: int, split: str) -> list[dict[str, Any]]:
 
 def task_texts(rows: list[dict[str, Any]]) -> list[str]:
     """The text a tokenizer for these rows must cover: prompts and answers."""
-    texts = [message["content"] for row in rows for message in row["prompt"]]
+    # verl's <image> placeholder becomes an image part, never text the tokenizer sees
+    texts = [message["content"].replace("<image>", "") for row in rows for message in row["prompt"]]
     texts += [row["extra_info"].get("answer", row["reward_model"]["ground_truth"]) for row in rows]
     return texts
 
