@@ -15,6 +15,7 @@ from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.layout import unwrap
 from megatron_rl.models.loading import load_hf_weights
 from megatron_rl.models.mtp import with_mtp
+from megatron_rl.models.vision_inputs import model_inputs, position_ids_from_mask
 
 
 def build_from_hf(
@@ -27,34 +28,33 @@ def build_from_hf(
     return chunks
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """verl's convention: position = number of real tokens before this one (pads get 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def compute_full_logits(
     model_chunks: list[torch.nn.Module],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     micro_batch_size: int | None = None,
+    images: list | None = None,
 ) -> torch.Tensor | None:
     """Forward-only pass through the pipeline; [B, T, vocab] fp32 logits, TP-gathered with the
     vocabulary padding removed, on the last pipeline stage (None on the other stages).
 
-    For verification and small evaluations — training code keeps logits vocab-parallel.
+    For verification and small evaluations — training code keeps logits vocab-parallel. ``images``: each row's
+    processor outputs (``multi_modal_inputs``, or None) for a vision-language model.
     """
     chunks = [unwrap(c) for c in model_chunks]
     vocab = chunks[0].hf_config.vocab_size
     micro = micro_batch_size or input_ids.shape[0]
+    rows = images if images is not None else [None] * input_ids.shape[0]
     batches = [
-        (input_ids[i : i + micro], attention_mask[i : i + micro]) for i in range(0, input_ids.shape[0], micro)
+        (input_ids[i : i + micro], attention_mask[i : i + micro], rows[i : i + micro])
+        for i in range(0, input_ids.shape[0], micro)
     ]
+    hf = chunks[0].hf_config
 
     def forward_step(data_iterator, model):
-        ids, mask = next(data_iterator)
-        output = model(
-            ids, position_ids_from_mask(mask), causal_padding_mask(mask), runtime_gather_output=True
-        )
+        ids, mask, row_images = next(data_iterator)
+        positions, extra = model_inputs(hf, ids, mask, row_images)
+        output = model(ids, positions, causal_padding_mask(mask), runtime_gather_output=True, **extra)
         return output, lambda out: (out.sum() * 0.0, {"logits": out[..., :vocab].float()})
 
     for chunk in chunks:

@@ -55,6 +55,7 @@ from megatron_rl.models.moe_experts import (
 )
 from megatron_rl.models.sizes import DEFAULT_VOCAB_DIVISOR, check_parallel_fit, padded_vocab_size
 from megatron_rl.models.value_head import attach_value_head
+from megatron_rl.models.vision_model import VisionLanguageModel
 
 # check_parallel_fit / padded_vocab_size live in sizes.py (no Megatron import) and are re-exported here.
 __all__ = [
@@ -226,6 +227,8 @@ def make_transformer_config(
         kwargs.update(moe_transformer_kwargs(hf.moe, ep, etp, experts))
     if hf.mla is not None:
         kwargs.update(mla_transformer_kwargs(hf.mla, hf.rope_theta))
+    if hf.vision is not None:
+        kwargs["mrope_section"] = list(hf.vision.mrope_section)
     check_model_fields(kwargs, overrides, hf.source)
     kwargs.update(overrides)
     return (MLATransformerConfig if hf.mla is not None else TransformerConfig)(**kwargs)
@@ -448,6 +451,10 @@ def _check_buildable(hf: HFModelConfig, lora: LoRASpec | None, value_head: bool)
         raise ValueError(f"{hf.source}: LoRA with the multi-token-prediction layers (model.mtp.enable) is not built here")
     if value_head and hf.mtp is not None:
         raise ValueError(f"{hf.source}: a value model does not build multi-token-prediction layers")
+    if hf.vision is not None and hf.mtp is not None:
+        raise ValueError(f"{hf.source}: multi-token prediction on a vision-language model is not built here")
+    if hf.vision is not None and hf.vision.mrope_interleaved:
+        raise ValueError(f"{hf.source}: interleaved mRoPE ({hf.architecture}) is not built here yet")
 
 
 def _layer_specs(hf: HFModelConfig, config: TransformerConfig, use_te: bool, lora: bool, grouped: bool):
@@ -513,9 +520,11 @@ def build_gpt_model(
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model_cls, mtp_kwargs = GPTModel, {}
+        model_cls, model_kwargs = GPTModel, {}
         if mtp_spec is not None:
-            model_cls, mtp_kwargs = MTPGPTModel, {"mtp_block_spec": mtp_spec if last else None}
+            model_cls, model_kwargs = MTPGPTModel, {"mtp_block_spec": mtp_spec if last else None}
+        if hf.vision is not None:
+            model_cls, model_kwargs = VisionLanguageModel, {"vision": hf.vision}
         model = model_cls(
             config=config,
             transformer_layer_spec=_block_spec(spec, config, vp_stage, use_te, dense_spec),
@@ -525,11 +534,11 @@ def build_gpt_model(
             post_process=last,
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=hf.tie_word_embeddings and not value_head,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if hf.vision is None else "mrope",
             rotary_base=hf.rope_theta,
             vp_stage=vp_stage,
             **rope_kwargs,
-            **mtp_kwargs,
+            **model_kwargs,
         )
         if not init_weights:
             mark_tensor_parallel_weights(model)

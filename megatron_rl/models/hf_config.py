@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from megatron_rl.models.mla import MLASpec, parse_mla_config
 from megatron_rl.models.moe import MoESpec, parse_moe_config
 from megatron_rl.models.mtp import MTPSpec, parse_mtp_config
 from megatron_rl.models.unbuilt import UNBUILT_ARCHITECTURES
+from megatron_rl.models.vision import VISION_LANGUAGE_ARCHITECTURES, VisionSpec, split_vision_language
 
 # Architecture -> model_type. All share the Llama block: RMSNorm, SwiGLU MLP, RoPE, GQA; the MoE families
 # (Qwen2-MoE: Qwen2's attention, Qwen3-MoE: Qwen3's, Mixtral: Mistral's) replace the MLP of their MoE layers
@@ -89,6 +90,9 @@ class HFModelConfig:
     # (model.mtp.enable: models/mtp.py with_mtp), None = skipped on load
     checkpoint_mtp: MTPSpec | None = None
     mtp: MTPSpec | None = None
+    # a vision-language checkpoint's vision tower and mRoPE (models/vision.py); the fields above describe its
+    # language model, ``architecture`` and ``raw`` the whole checkpoint
+    vision: VisionSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -178,7 +182,7 @@ def causal_lm_architecture(hf_config: dict[str, Any], source: str) -> str:
         a.replace("ForTokenClassification", "ForCausalLM").replace("ForSequenceClassification", "ForCausalLM")
         for a in hf_config.get("architectures") or []
     ]
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    supported = ", ".join([*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES])
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     refused = next((a for a in architectures if a in UNBUILT_ARCHITECTURES), None)
     if arch is None and refused is not None:
@@ -245,7 +249,13 @@ def _is_reward_model(hf_config: dict[str, Any], source: str) -> bool:
 
 
 def parse_hf_config(hf_config: dict[str, Any], source: str = "<config dict>") -> HFModelConfig:
-    """Validate a config.json dict and normalise it; every refusal says which field and value."""
+    """Validate a config.json dict and normalise it; every refusal says which field and value. A vision-language
+    checkpoint is read as its language model plus ``vision`` (models/vision.py)."""
+    architecture = next((a for a in hf_config.get("architectures") or [] if a in VISION_LANGUAGE_ARCHITECTURES), None)
+    if architecture is not None:
+        text, vision = split_vision_language(hf_config, architecture, source)
+        language = parse_hf_config(text, source)
+        return replace(language, architecture=architecture, raw=dict(hf_config), vision=vision)
     arch = causal_lm_architecture(hf_config, source)
     model_type = SUPPORTED_ARCHITECTURES[arch]
     _check_block(hf_config, model_type, source)

@@ -37,6 +37,7 @@ from megatron_rl.models.mla import mla_attention_tensors
 from megatron_rl.models.moe import local_experts
 from megatron_rl.models.moe_experts import expert_weight
 from megatron_rl.models.value_head import ValueHead
+from megatron_rl.models.vision_model import vision_tensor_shapes
 
 
 class Kind(Enum):
@@ -201,6 +202,7 @@ def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False, mtp: bool = Tr
     """Every HF tensor group of the model in checkpoint order (embedding, layers, norm, head, then the MTP layers
     the model builds, unless ``mtp=False``: what the engines that do not draft with them get)."""
     groups = [embedding_group(hf)]
+    groups += _vision_groups(hf).values()
     for i in range(hf.num_layers):
         groups += _layer_groups(hf, i).values()
     groups.append(_single(Kind.REPLICATED, "model.norm.weight", (hf.hidden_size,)))
@@ -209,6 +211,14 @@ def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False, mtp: bool = Tr
         for k in range(hf.mtp.num_layers):
             groups += _mtp_groups(hf, k).values()
     return groups
+
+
+def _vision_groups(hf: HFModelConfig) -> dict[str, TensorGroup]:
+    """A vision-language model's vision tower, by parameter name inside the tower: whole on every TP rank."""
+    if hf.vision is None:
+        return {}
+    prefix = hf.vision.vision_prefix
+    return {name: _single(Kind.REPLICATED, prefix + name, shape) for name, shape in vision_tensor_shapes(hf.vision).items()}
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -312,6 +322,8 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
     mappings: list[ParamMapping] = []
     if model.pre_process:
         mappings.append(ParamMapping(model.embedding.word_embeddings.weight, embedding_group(hf)))
+        vision = _vision_groups(hf)
+        mappings += [ParamMapping(p, vision[name]) for name, p in model.vision.named_parameters()] if vision else []
     experts = None
     if hf.moe is not None:
         experts = local_experts(

@@ -34,4 +34,10 @@ UNBUILT_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": f"{_VISION}; its text layers are {_GATED_DELTANET}",
     "Kimi_K25ForConditionalGeneration": f"{_VISION} (Kimi-K2.5 / K2.6: a vision encoder before DeepSeek-V3 text "
                                         "layers; the text-only Kimi-K2 is DeepseekV3ForCausalLM, which is built)",
+    "Qwen3VLMoeForConditionalGeneration": "a mixture-of-experts vision-language model (Qwen3-VL-30B-A3B / "
+                                          "235B-A22B): its Qwen3-VL vision tower with DeepStack (features of "
+                                          "deepstack_visual_indexes added after the first language layers) and its "
+                                          "interleaved mRoPE (mrope_interleaved) are not built here, nor is a "
+                                          "vision tower beside MoE layers (Qwen2_5_VLForConditionalGeneration is "
+                                          "built; the text-only Qwen3MoeForCausalLM is too)",
 }

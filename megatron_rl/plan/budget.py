@@ -10,7 +10,7 @@ from megatron_rl.config.lora import lora_enabled, lora_targets
 from megatron_rl.config.optimizer_overrides import HostAdam, host_adam
 from megatron_rl.config.schema import ActorConfig, CriticConfig, LoRAConfig, MegatronParallelConfig, PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
-from megatron_rl.plan import lora_memory, memory
+from megatron_rl.plan import lora_memory, memory, vision
 from megatron_rl.plan.layout import (
     REF,
     ROLE_PREFIX,
@@ -114,8 +114,13 @@ def _trained_role_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role
         table.add(f"{role} optimizer (Adam, {what}{shards})", optimizer, optim_phases,
                   at_engine_start=at_start if "generate" in optim_phases else 0.0)
     else:
-        _full_state_rows(table, role, dtype, params, per_param, model, layout, stage, mcfg, shards, weights_phases,
-                         grads_phases, optim_phases, host)
+        # actor.freeze_vision_tower: the vision tower's weights only (no grads, no Adam state)
+        frozen = memory.stage_vision_params(model, layout, stage) if getattr(role_cfg, "freeze_vision_tower",
+                                                                             False) else 0
+        if frozen:
+            table.add(f"{role} vision tower ({dtype}, frozen)", frozen * per_param.params, weights_phases)
+        _full_state_rows(table, role, dtype, params - frozen, per_param, model, layout, stage, mcfg, shards,
+                         weights_phases, grads_phases, optim_phases, host)
     _activation_rows(table, cfg, role, role_cfg, role_sizes, model, layout, stage, tcfg, dtype, lm_head, lora)
 
 
@@ -163,6 +168,17 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
     if lm_head and (stage == "last" or layout.pp == 1):
         act += memory.logits_bytes(model, layout, tokens)
     table.add(f"{role} activations", act, (update_phase,), accuracy=ACTIVATIONS)
+    if model.vision is not None and (stage == "first" or layout.pp == 1) and not getattr(
+            role_cfg, "freeze_vision_tower", False):  # frozen, the tower keeps nothing for a backward
+        # the micro-batch's samples (full-length ones: tokens / sequence length, at least one), each with the
+        # most patches its images can have (plan/vision.py patches_per_sample)
+        samples = max(1.0, tokens / layout.cp / sequence_length(cfg))
+        patches = vision.patches_per_sample(model.vision, vision.max_pixels(getattr(cfg.data, "mm_processor_kwargs",
+                                                                                    None)), cfg.data.max_prompt_length)
+        in_flight = memory.micro_batches_in_flight(layout, role_sizes.grad_accumulation_steps, stage)
+        table.add(f"{role} vision tower activations ({patches:,} patches per sample at most)",
+                  vision.vision_activation_bytes(model.vision, samples, patches, in_flight), (update_phase,),
+                  accuracy=ACTIVATIONS)
     if lm_head and cfg.actor_rollout_ref.model.mtp.enable_train and (stage == "last" or layout.pp == 1):
         table.add(f"{role} MTP layers' activations", memory.mtp_activation_bytes(model, layout, tokens),
                   (update_phase,), accuracy=ACTIVATIONS)

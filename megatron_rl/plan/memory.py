@@ -22,6 +22,7 @@ from megatron_rl.models.attention import (
 from megatron_rl.models.sizes import padded_vocab_size, stage_layer_counts
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.mla import mla_attention_tensors
+from megatron_rl.plan.vision import vision_params
 
 BF16 = 2
 FP32 = 4
@@ -184,7 +185,8 @@ def total_params(model: HFModelConfig) -> int:
     vocab_matrices = 1 if model.tie_word_embeddings else 2
     layers = sum(layer_params(model, i) for i in range(model.num_layers))
     mtp = model.mtp.num_layers * mtp_layer_params(model) if model.mtp is not None else 0
-    return layers + vocab_matrices * model.vocab_size * model.hidden_size + mtp
+    # a vision-language model's vision tower, every tensor of it (plan/vision.py)
+    return layers + vocab_matrices * model.vocab_size * model.hidden_size + mtp + vision_params(model.vision)
 
 
 def mtp_stage_params(model: HFModelConfig, layout: Layout) -> int:
@@ -244,13 +246,20 @@ def stage_params(model: HFModelConfig, layout: Layout, stage: Stage, lm_head: bo
             layers += mlp_params(model) // layout.expert_shards
         else:
             layers += (layer_params(model, i) - whole) // layout.tp + whole
+    vision = stage_vision_params(model, layout, stage)
     if layout.pp == 1:
         shared = model.tie_word_embeddings and lm_head
         return layers + vocab_shard * (1 if shared or not lm_head else 2) + (mtp_stage_params(model, layout)
-                                                                              if lm_head else 0)
+                                                                              if lm_head else 0) + vision
     if stage == "first":
-        return layers + vocab_shard
+        return layers + vocab_shard + vision
     return layers + (vocab_shard + mtp_stage_params(model, layout) if lm_head else 0)
+
+
+def stage_vision_params(model: HFModelConfig, layout: Layout, stage: Stage) -> int:
+    """Of ``stage_params``, a vision-language model's vision tower: whole on every TP rank of the first stage
+    (models/vision_model.py), nothing elsewhere."""
+    return vision_params(model.vision) if stage == "first" or layout.pp == 1 else 0
 
 
 def stage_expert_params(model: HFModelConfig, layout: Layout, stage: Stage = "first") -> int:

@@ -53,6 +53,7 @@ from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.plan.report import GIB, Plan, PlanError, RolloutShare, in_gib
 from megatron_rl.plan.traffic import plan_sync_traffic
 from megatron_rl.plan.validate import validate
+from megatron_rl.plan.vision import vision_run_problem
 from megatron_rl.rollout.engines import engine_of
 from megatron_rl.rollout.memory import EngineStart
 from megatron_rl.rollout.mesh import build_rollout_mesh, default_places
@@ -114,10 +115,32 @@ def _check_model_factors(cfg: PPOTrainerConfig, model: HFModelConfig, uses_criti
     return critic_model
 
 
+def check_vision(cfg: PPOTrainerConfig, model: HFModelConfig, uses_critic: bool) -> None:
+    """A vision-language model (plan/vision.py): what is not built for it refused before launch, naming the key:
+    Qwen3-VL's interleaved mRoPE and DeepStack, context parallelism, packed (THD) micro-batches (the workers'
+    rule, workers/engine.py; the verl entry turns verl's use_remove_padding into padded ones itself)."""
+    if model.vision is None:
+        if cfg.actor_rollout_ref.actor.freeze_vision_tower:  # the engine's refusal (workers/engine.py), here first
+            raise PlanError(f"{ACTOR}.freeze_vision_tower=true, but {model.architecture} has no vision tower (a "
+                            "vision-language model's, e.g. Qwen2_5_VLForConditionalGeneration); drop the key")
+        return
+    roles = [ACTOR, REF] + (["critic"] if uses_critic else [])
+    problem = vision_run_problem(model, {f"{role}.megatron.context_parallel_size":
+                                         int(megatron_section(cfg, role).context_parallel_size) for role in roles})
+    if problem is not None:
+        raise PlanError(problem)
+    for role in roles:
+        if megatron_section(cfg, role).packed_sequences:
+            raise PlanError(f"{role}.megatron.packed_sequences=true with a vision-language model "
+                            f"({model.architecture}): its mRoPE positions and images ride with padded micro-batches "
+                            "only; set it false")
+
+
 def _plan(cfg: PPOTrainerConfig) -> Plan:
     """The plan at the busiest actor stage, fitting or not."""
     sizes = validate(cfg)
     model = load_model_facts(cfg)
+    check_vision(cfg, model, sizes.uses_critic)
     world = sizes.world_size
     actor_layout = role_layout(cfg, ACTOR, world)
     critic_model = _check_model_factors(cfg, model, sizes.uses_critic, world)
@@ -259,6 +282,12 @@ def check_launch(cfg: DictConfig | PPOTrainerConfig) -> None:
     without it (the engine would refuse it too, after minutes of start-up); on GPUs, a rollout engine that
     would refuse to start on the memory free when it starts (rollout/memory.py)."""
     cfg = checked_typed_config(cfg)
+    try:
+        model = load_model_facts(cfg)
+    except ConfigError:
+        model = None  # no model to read here: preflight reads it on the nodes
+    if model is not None:
+        check_vision(cfg, model, validate(cfg).uses_critic)
     problem = distributed_optimizer_problem(cfg)
     if problem is not None:
         raise PlanError(problem)

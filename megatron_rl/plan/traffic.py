@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.layout import Kind, TensorGroup, hf_tensor_groups
+from megatron_rl.models.vision_model import vision_tensor_shapes
 from megatron_rl.models.sizes import padded_vocab_size, stage_layer_counts
 from megatron_rl.plan.report import Plan
 from megatron_rl.weights.export import plan_export_buckets
@@ -103,6 +104,8 @@ def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_he
     h, b = hf.hidden_size, dtype_bytes
     vocab_padded = padded_vocab_size(hf.vocab_size, tp)
     groups = [_Group(0, "split", vocab_padded // tp * h * b, (hf.vocab_size * h * b,))]
+    # a vision-language model's vision tower: whole on every TP rank of the first stage, each tensor sent as it is
+    groups += [_Group(0, "replicated", _numel(shape) * b, (_numel(shape) * b,)) for shape in _vision_shapes(hf)]
     for layer in range(hf.num_layers):
         groups += _dense_layer_groups(hf, stages[layer], tp, b)
     last = pp - 1
@@ -117,6 +120,11 @@ def shard_groups(hf: HFModelConfig, tp: int, pp: int, dtype_bytes: int, value_he
         groups += _dense_layer_groups(hf, last, tp, b)
         groups.append(_Group(last, "replicated", h * b, (h * b,)))  # final norm
     return groups
+
+
+def _vision_shapes(hf: HFModelConfig) -> list[tuple[int, ...]]:
+    """The vision tower's tensor shapes in checkpoint order (none for a text model)."""
+    return [] if hf.vision is None else list(vision_tensor_shapes(hf.vision).values())
 
 
 def _dense_layer_groups(hf: HFModelConfig, s: int, tp: int, b: int) -> list[_Group]:
@@ -160,8 +168,10 @@ def _stage_of(group: TensorGroup, stages: list[int], pp: int) -> int:
     layer = re.match(r"model\.layers\.(\d+)\.", group.key)
     if layer and int(layer.group(1)) < len(stages):
         return stages[int(layer.group(1))]
-    # the final norm, the head and the MTP layers (DeepSeek's numbered past the model's layers) are last
-    return 0 if group.key == "model.embed_tokens.weight" else pp - 1
+    # the embedding and a vision tower are first; the final norm, the head and the MTP layers (DeepSeek's numbered
+    # past the model's layers) last
+    vision = group.key.startswith(("visual.", "model.visual."))  # models/vision.py's checkpoint prefixes
+    return 0 if group.key == "model.embed_tokens.weight" or vision else pp - 1
 
 
 def _shard_shape(hf: HFModelConfig, group: TensorGroup, split: int, tp: int) -> tuple[int, ...]:

@@ -127,6 +127,22 @@ def _finalize_grads_unscaled(model, num_tokens, pg_collection=None, force_all_re
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
+def freeze_vision_tower(chunks: list[torch.nn.Module], hf_config: Any, key: str) -> int:
+    """requires_grad=False on the vision tower of a vision-language model's chunks (``model.vision``, on the first
+    pipeline stage only; other stages hold none); returns the parameters frozen here. ``key`` names the setting in
+    the refusal of a model without a vision tower (plan/planner.py refuses it before launch too)."""
+    if getattr(hf_config, "vision", None) is None:
+        raise ValueError(f"{key}=true, but {getattr(hf_config, 'architecture', 'the model')} has no vision tower "
+                         "(a vision-language model's, e.g. Qwen2_5_VLForConditionalGeneration); drop the key")
+    frozen = 0
+    for chunk in chunks:
+        tower = getattr(unwrap(chunk), "vision", None)
+        if tower is not None:
+            tower.requires_grad_(False)
+            frozen += sum(p.numel() for p in tower.parameters())
+    return frozen
+
+
 class MegatronEngine:
     """Model chunks (one per virtual pipeline stage) with optional DDP + optimizer + LR schedule.
 
@@ -142,6 +158,9 @@ class MegatronEngine:
         mtp: ``actor_rollout_ref.model.mtp`` (the actor's): with ``enable`` the checkpoint's multi-token-prediction
             layers are built and loaded, trained with their loss under ``enable_train`` (workers/mtp_loss.py),
             else frozen.
+        freeze_vision_tower: ``actor_rollout_ref.actor.freeze_vision_tower``: a vision-language model's vision
+            tower (``model.vision`` of the first stage's chunk) gets requires_grad=False before the optimizer is
+            built; refused for a model without one.
     """
 
     def __init__(
@@ -156,8 +175,10 @@ class MegatronEngine:
         override_config: Mapping[str, Any] | None = None,
         lora: LoRAConfig | None = None,
         mtp: MTPConfig | None = None,
+        freeze_vision_tower: bool = False,
     ) -> None:
         self.name = name
+        self.freeze_vision_tower = freeze_vision_tower
         self.mtp = mtp if mtp is not None and mtp.enable else None
         check_parallel_state(parallel, f"{name}.megatron")
         self.params_dtype = resolve_params_dtype(parallel.params_dtype, f"{name}.megatron")
@@ -243,6 +264,13 @@ class MegatronEngine:
         if self.share_prompts:
             check_share_prompts(chunks, self.packed_sequences, prefix)
         cp = parallel_state.get_context_parallel_world_size()
+        if self.hf_config.vision is not None:  # mRoPE positions and images ride with padded rows only
+            for key, on in (("packed_sequences", self.packed_sequences), ("share_prompts", self.share_prompts),
+                            ("context_parallel_size", cp > 1)):
+                if on:
+                    raise ValueError(f"{prefix}.{key}: a vision-language model ({self.hf_config.architecture}) runs "
+                                     "padded micro-batches: THD packs, shared prompts and context parallelism do not "
+                                     "carry its mRoPE positions and images")
         if cp > 1 and not self.packed_sequences:  # (plan/validate.py refuses it before launch)
             raise ValueError(f"{prefix}.context_parallel_size={cp} needs {prefix}.packed_sequences=true: "
                              "padded micro-batches are not split over CP ranks")
@@ -253,6 +281,8 @@ class MegatronEngine:
         """A trainable engine: routers frozen if asked, expert load counted (MoE), DDP, optimizer, LR schedule."""
         if getattr(parallel, "freeze_router", False):
             freeze_routers(chunks, f"{self.name}.megatron.freeze_router")
+        if self.freeze_vision_tower:
+            freeze_vision_tower(chunks, self.hf_config, f"{self.name}.freeze_vision_tower")
         if self.hf_config.moe is not None:
             self.expert_load = ExpertLoad(chunks, self.config.num_layers, self.hf_config.moe.num_experts)
         self.model = self._wrap_ddp(chunks, parallel)
@@ -412,7 +442,7 @@ class MegatronEngine:
                              else contextlib.nullcontext())
                 with positions:
                     output = model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.attention_blocked(),
-                                   **moe_padding(model, padding))
+                                   **moe_padding(model, padding), **micro_batch.images)
             return output, functools.partial(loss_func, micro_batch)
 
         for chunk in self.model:

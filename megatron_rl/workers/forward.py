@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl.ops import check_token_ids, log_probs_from_logits
 from megatron_rl.models.router_replay import ROUTED_EXPERTS, check_routed_experts, left_justify
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, model_inputs
 from megatron_rl.protocol import DataProto
 from megatron_rl.workers.engine import MegatronEngine
 from megatron_rl.workers.micro_batches import MicroBatchSpec, split_micro_batches
@@ -78,6 +79,8 @@ def pack_batch(
         pack_micro_batch(batch, torch.as_tensor(rows, device=engine.device), tuple(field_keys), shape)
         for rows, shape in zip(row_groups, shapes)
     ]
+    if getattr(engine.hf_config, "vision", None) is not None:
+        packed = [_with_images(engine, data, micro_batch) for micro_batch in packed]
     if engine.packed_sequences:  # THD: each micro-batch's real tokens end to end, no padding computed
         total = None
         if engine.uniform_micro_batch_shape:
@@ -85,6 +88,17 @@ def pack_batch(
                         for rows in row_groups)
         packed = [to_thd(micro_batch, multiple, total, cp) for micro_batch in packed]
     return packed
+
+
+def _with_images(engine: MegatronEngine, data: DataProto, micro_batch: PackedMicroBatch) -> PackedMicroBatch:
+    """A vision-language model's micro-batch: its rows' images (verl's ``multi_modal_inputs`` column) and the
+    mRoPE positions of its packed rows (real tokens first, in order: the positions of the original rows)."""
+    column = data.non_tensor_batch.get(MULTI_MODAL_INPUTS)
+    rows = [None] * len(micro_batch.rows) if column is None else [column[int(r)] for r in micro_batch.rows]
+    positions, images = model_inputs(engine.hf_config, micro_batch.input_ids.cpu(), micro_batch.attention_mask.cpu(),
+                                     rows + [None] * (micro_batch.input_ids.shape[0] - len(rows)))
+    return dataclasses.replace(micro_batch, mrope_positions=positions.to(engine.device),
+                               images={k: v.to(engine.device) for k, v in images.items()})
 
 
 def _pack_shared(

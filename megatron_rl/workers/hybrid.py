@@ -104,7 +104,8 @@ class ActorRolloutRefWorker(Worker):
         model_dir = arr.model.path
         setup_parallel_state(arr.actor.megatron, collective_timeout_s(cfg))
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
-                                override_config=arr.model.override_config, lora=arr.model.lora, mtp=arr.model.mtp)
+                                override_config=arr.model.override_config, lora=arr.model.lora, mtp=arr.model.mtp,
+                                freeze_vision_tower=bool(getattr(arr.actor, "freeze_vision_tower", False)))
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
                                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                                log_prob_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,

@@ -66,6 +66,10 @@ class PackedMicroBatch:
     # THD only: [1, T] (under CP this rank's [1, T / CP]) True at the pack's pad positions (the CP / TP rounding of
     # each sequence, the trailing pad sequence), which an MoE router must not count (``padding``)
     thd_padding: torch.Tensor | None = None
+    # A vision-language model's (padded layout only, workers/forward.py): mRoPE positions [3, b', W] and the rows'
+    # images (pixel_values, image_grid_thw) in row order, passed to the model's forward
+    mrope_positions: torch.Tensor | None = None
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_thd(self) -> bool:
@@ -87,7 +91,10 @@ class PackedMicroBatch:
     @property
     def position_ids(self) -> torch.Tensor:
         """Positions of the packed tokens: 0.. per row (= cumsum(attention_mask) - 1 of the original);
-        0.. per sequence in the THD layout; each response continuing its prompt with shared prompts."""
+        0.. per sequence in the THD layout; each response continuing its prompt with shared prompts; mRoPE's
+        [3, b', W] for a vision-language model."""
+        if self.mrope_positions is not None:
+            return self.mrope_positions
         if self.is_shared:
             return self.shared_positions
         if self.is_thd:

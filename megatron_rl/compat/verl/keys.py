@@ -341,7 +341,9 @@ RULES: tuple[Rule, ...] = (
          "raw prompts always travel in non_tensor_batch['raw_prompt'] here"),
     # --- model and packing
     Rule("actor_rollout_ref.model.use_remove_padding", Fate.mapped,
-         f"verl's packed (THD) layout: -> <actor, ref>.megatron.packed_sequences{_PACKED_UNDER_CP}",
+         f"verl's packed (THD) layout: -> <actor, ref>.megatron.packed_sequences{_PACKED_UNDER_CP}; a "
+         "vision-language model (Qwen2.5-VL) runs padded micro-batches whatever it says, logged: its mRoPE positions "
+         "and images ride with padded rows only",
          _packed("actor_rollout_ref.actor", "actor_rollout_ref.ref")),
     Rule("critic.model.use_remove_padding", Fate.mapped, f"-> critic.megatron.packed_sequences{_PACKED_UNDER_CP}",
          _packed("critic")),

@@ -24,14 +24,17 @@ from pathlib import Path
 
 from megatron_rl import train
 from megatron_rl.compat.verl.defaults import chosen_preset, preset_note, verl_defaults
-from megatron_rl.compat.verl.keys import Translation, bare, command_line_settings, ours_has, translate_key
+from megatron_rl.compat.verl.keys import Translation, bare, command_line_settings, ours_has, translate_key, truthy
 from megatron_rl.config import ConfigError
-from megatron_rl.models.hf_config import UnsupportedModelError, causal_lm_architecture
+from megatron_rl.models.hf_config import HFModelConfig, UnsupportedModelError, causal_lm_architecture, parse_hf_config
+from megatron_rl.models.vision import is_vision_language
+from megatron_rl.plan.vision import vision_run_problem
 from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
 
 BASE_CONFIG_NAME = "ppo_megatron_trainer"  # verl's config that megatron-rl's base config stands for
 _CONFIG_NAMES = (BASE_CONFIG_NAME, f"{BASE_CONFIG_NAME}.yaml", "ppo_trainer", "ppo_trainer.yaml")
 _CONFIG_FLAGS = ("--config-path", "--config-name", "-cp", "-cn")
+_ACTOR, _REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 
 
 def _config_flags(argv: list[str]) -> list[str]:
@@ -54,18 +57,51 @@ def _config_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def _check_model_family(seen: dict[str, str]) -> None:
+def _check_model_family(seen: dict[str, str]) -> HFModelConfig | None:
     """The model first: a family megatron-rl does not build (models/unbuilt.py) is refused by its architecture,
-    with what is missing, before its script's keys are read (they would otherwise be refused one by one)."""
+    with what is missing, before its script's keys are read (they would otherwise be refused one by one); so is
+    what a vision-language model lacks here (plan/vision.py: Qwen3-VL's interleaved mRoPE and DeepStack, context
+    parallelism). Returns a vision-language model's facts (None for a text model, or no config.json here)."""
     key = "actor_rollout_ref.model.path"
     config = Path(bare(seen.get(key, ""))).expanduser() / "config.json"
     if not seen.get(key) or not config.is_file():
-        return  # preflight reads the model when it is there
+        return None  # preflight reads the model when it is there
     try:
-        causal_lm_architecture(json.loads(config.read_text()), f"{key}={config.parent}")
+        raw = json.loads(config.read_text())
+        source = f"{key}={config.parent}"
+        if not is_vision_language(raw):
+            causal_lm_architecture(raw, source)
+            return None
+        facts = parse_hf_config(raw, source)
     except (UnsupportedModelError, ValueError) as err:  # (ValueError: config.json that is not JSON: preflight's)
         if isinstance(err, UnsupportedModelError):
             raise ConfigError(str(err)) from None
+        return None
+    actor_cp = bare(seen.get(f"{_ACTOR}.megatron.context_parallel_size", "1"))
+    cp = {f"{_ACTOR}.megatron.context_parallel_size": actor_cp,  # the ref follows the actor's unless given
+          f"{_REF}.megatron.context_parallel_size": bare(seen.get(f"{_REF}.megatron.context_parallel_size", actor_cp))}
+    problem = vision_run_problem(facts, {k: int(v) if v.isdigit() else 1 for k, v in cp.items()})
+    if problem is not None:
+        raise ConfigError(problem)
+    return facts
+
+
+_REMOVE_PADDING = "actor_rollout_ref.model.use_remove_padding"
+
+
+def _unpacked_for_vision(facts: HFModelConfig, seen: dict[str, str]) -> tuple[list[str], list[str]]:
+    """verl's use_remove_padding=True (its default; packed THD sequences here) with a vision-language model: its
+    mRoPE positions [3, b, t] and images ride with padded rows only (workers/engine.py), so it runs padded
+    micro-batches, with one logged line naming the key. (overrides placed last, the note)"""
+    value = seen.get(_REMOVE_PADDING)
+    roles = [_ACTOR, _REF] + (["critic"] if "critic.model.path" not in seen else [])  # the critic: the actor's model
+    overrides = [f"{role}.megatron.packed_sequences=false" for role in roles]
+    if value is not None and not truthy(value):
+        return overrides, []  # asked for padded rows already: nothing to say
+    note = (f"verl key {_REMOVE_PADDING}={bare(value) if value is not None else 'True (verl default)'}: "
+            f"{facts.architecture} is a vision-language model, whose mRoPE positions and images ride with padded "
+            f"micro-batches only: it runs unpacked ({', '.join(f'{r}.megatron.packed_sequences=false' for r in roles)})")
+    return overrides, [note]
 
 
 def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Translation:
@@ -73,7 +109,7 @@ def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Tr
     (ConfigError naming a refused key). ``with_verl_defaults=False``: the arguments' own rewrites only."""
     args = _config_flags(list(argv))
     seen = command_line_settings(args)
-    _check_model_family(seen)
+    vision = _check_model_family(seen)
     out, notes = verl_defaults(seen) if with_verl_defaults else ([], [])
     notes = [f"verl default {n}" for n in notes]
     if with_verl_defaults and (preset := chosen_preset(args)) is not None:  # the preset's values win over verl's
@@ -93,6 +129,11 @@ def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Tr
             out.append(f"++{bare}={value}")
         else:
             out.append(arg)
+    if vision is not None:
+        unpacked, note = _unpacked_for_vision(vision, seen)
+        out.extend(unpacked)
+        if note:  # the one line naming the key, in place of its packed rewrite's
+            notes = [n for n in notes if not n.startswith(f"verl key {_REMOVE_PADDING}=")] + note
     return Translation(out, notes)
 
 

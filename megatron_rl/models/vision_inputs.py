@@ -1,0 +1,52 @@
+"""What a micro-batch gives the model beyond token ids and masks: positions (1-D, or mRoPE's [3, B, T] for a
+vision-language model) and the images of its rows.
+
+A batch carries each row's processor outputs as verl does (``multi_modal_inputs``: ``pixel_values`` [patches, ...] and
+``image_grid_thw`` [images, 3], or nothing for a text-only row); a micro-batch's are concatenated in row order, the
+order in which the model places image features at the image tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megatron_rl.models.hf_config import HFModelConfig
+from megatron_rl.models.mrope import mrope_position_ids
+
+__all__ = ["MULTI_MODAL_INPUTS", "collate_images", "model_inputs", "position_ids_from_mask"]
+
+# verl's non-tensor column of each row's processor outputs (pixel_values, image_grid_thw)
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's convention: position = number of real tokens before this one (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def collate_images(rows: Sequence[Mapping[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """``pixel_values`` and ``image_grid_thw`` of ``rows`` (each a row's ``multi_modal_inputs`` or None) concatenated
+    in row order; {} when no row has an image."""
+    with_images = [r for r in rows if r and r.get("image_grid_thw") is not None and len(r["image_grid_thw"])]
+    if not with_images:
+        return {}
+    return {key: torch.cat([torch.as_tensor(r[key]) for r in with_images]) for key in ("pixel_values", "image_grid_thw")}
+
+
+def model_inputs(hf: HFModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 images: Sequence[Mapping[str, torch.Tensor] | None] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(position_ids, keyword arguments of the model's forward) for rows ``input_ids`` / ``attention_mask`` [B, T] and
+    their ``images`` (one entry per row). A text model refuses images."""
+    if hf.vision is None:
+        if images is not None and collate_images(images):
+            raise ValueError(f"{hf.source}: {hf.architecture} is a text model; the batch has images "
+                             "(multi_modal_inputs)")
+        return position_ids_from_mask(attention_mask), {}
+    pixels = collate_images(images or [])
+    positions = mrope_position_ids(input_ids, attention_mask, pixels.get("image_grid_thw"),
+                                   image_token_id=hf.vision.image_token_id,
+                                   spatial_merge_size=hf.vision.spatial_merge_size)
+    return positions, pixels

@@ -1,0 +1,134 @@
+"""Qwen2.5-VL on Megatron-Core against transformers: the config read (language model + vision spec), mRoPE positions
+equal to transformers' get_rope_index, and on an image+text batch (three rows, left/right/both padding, two images in
+one row, a text-only row) the logits (fp32, within 1e-5), the gradients of the vision tower and of language-model
+norms, and the exact export round trip, at TP 1/2 (with and without sequence parallelism) and PP 2 on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.distributed import run_multiprocess
+from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
+from megatron_rl.models.mrope import mrope_position_ids
+from megatron_rl.models.vision_inputs import collate_images, model_inputs
+from megatron_rl_testing.vl_models import IMAGE, image_text_batch, make_tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
+from vision_jobs import GRAD_PARAMS, hf_reference, layout_checks
+
+TOLERANCE = 1e-5
+LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
+# Qwen2.5-VL-7B-Instruct's config.json as released (transformers 4.x layout: language fields at the top level)
+RELEASED_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "use_sliding_window": False, "max_window_layers": 28, "max_position_embeddings": 128000, "vocab_size": 152064,
+    "tie_word_embeddings": False, "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}
+
+
+def _tiny_config() -> dict:
+    """The tiny config as transformers 5 writes it to config.json (a text_config section, rope_parameters)."""
+    return {**tiny_qwen2_5_vl_config().to_dict(), "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+
+
+def test_released_and_transformers5_configs_read_the_same_language_model():
+    released = parse_hf_config(RELEASED_7B)
+    assert (released.architecture, released.model_type, released.qkv_bias, released.qk_norm) == (
+        "Qwen2_5_VLForConditionalGeneration", "qwen2", True, False)
+    assert (released.num_layers, released.hidden_size, released.head_dim, released.rope_theta) == (28, 3584, 128, 1e6)
+    assert released.vision.mrope_section == (16, 24, 24) and not released.vision.mrope_interleaved
+    assert (released.vision.image_token_id, released.vision.vision_prefix) == (151655, "visual.")
+    tiny = parse_hf_config(_tiny_config())
+    assert (tiny.num_layers, tiny.hidden_size, tiny.vocab_size, tiny.vision.mrope_section) == (2, 64, 160, (2, 3, 3))
+    assert tiny.vision.depth == 2 and tiny.vision.out_hidden_size == 64
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["rope_scaling"].update(mrope_section=[16, 24]), r"mrope_section \[t, h, w\]"),
+    (lambda c: c["rope_scaling"].update(mrope_section=[16, 24, 20]), r"covers 120 dims of head_dim=128"),
+    (lambda c: c.pop("vision_config"), r"without a vision_config"),
+])
+def test_bad_vision_language_configs_are_refused_by_name(change, message):
+    config = json.loads(json.dumps(RELEASED_7B))
+    change(config)
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_hf_config(config, source="x/config.json")
+
+
+def test_mrope_positions_equal_transformers_get_rope_index(tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())
+    input_ids, attention_mask, images = image_text_batch()
+    grids = collate_images(images)["image_grid_thw"]
+    expected, _ = model.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=grids,
+                                             attention_mask=attention_mask)
+    ours = mrope_position_ids(input_ids, attention_mask, grids, image_token_id=IMAGE, spatial_merge_size=2)
+    valid = attention_mask.bool()
+    assert torch.equal(ours[:, valid], expected[:, valid])
+    assert ours[:, 0].max() < ours.shape[-1]  # the image's grid compresses positions below the token count
+
+
+def test_image_inputs_that_do_not_match_the_tokens_are_refused():
+    hf = parse_hf_config(_tiny_config())
+    input_ids, attention_mask, images = image_text_batch()
+    with pytest.raises(ValueError, match="more images than the batch has image tokens"):
+        model_inputs(hf, input_ids, attention_mask, [images[0], images[1], images[1]])
+    with pytest.raises(ValueError, match=r"row 1: image of grid \[1, 4, 6\] needs 6 image tokens, the sequence has 5 there"):
+        model_inputs(hf, input_ids, attention_mask, [images[0], {k: v.flip(0) for k, v in images[1].items()}, None])
+    text_fields = {k: v for k, v in RELEASED_7B.items() if k not in ("vision_config", "rope_scaling")}
+    text = parse_hf_config({**text_fields, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    with pytest.raises(ValueError, match="is a text model; the batch has images"):
+        model_inputs(text, input_ids, attention_mask, images)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    directory = str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny"))
+    results = run_multiprocess(layout_checks, 2, directory, LAYOUTS, timeout_s=900)
+    return directory, results, hf_reference(directory)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, pp, sp", LAYOUTS)
+def test_logits_match_transformers(setup, tp, pp, sp):
+    _, results, (expected, _) = setup
+    valid = image_text_batch()[1].bool()
+    last_stage = [r["logits"][tp, pp, sp] for r in results if (tp, pp, sp) in r["logits"]]
+    assert len(last_stage) == 2 // pp
+    for logits in last_stage:
+        diff = (logits - expected)[valid].abs().max().item()
+        print(f"TP={tp} PP={pp} SP={sp}: max |logit diff| {diff:.2e}")
+        assert diff <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
+def test_gradients_match_transformers(setup, tp, sp):
+    _, results, (_, expected) = setup
+    for rank, result in enumerate(results):
+        for name in GRAD_PARAMS:
+            grad, reference = result["grads"][tp, sp][name], expected[name]
+            assert reference.abs().max() > 0, name
+            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_export_round_trip_is_exact(setup, tp, pp):
+    directory, results, _ = setup
+    stored = load_file(Path(directory) / "model.safetensors")
+    exported = dict(results[0]["export"][tp, pp])
+    assert set(exported) == set(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name

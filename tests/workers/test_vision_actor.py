@@ -1,0 +1,63 @@
+"""The actor on a tiny Qwen2.5-VL: log-probs of response tokens after prompts with images (verl's multi_modal_inputs
+column) equal transformers' (fp32) at TP 1, TP 2 and PP 2; one PPO update trains the vision tower too and moves the
+log-probs; a batch whose images do not match its image tokens is refused naming the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vision_actor_jobs import TEMPERATURE, actor_job, vision_rl_batch
+
+from megatron_rl.distributed import run_multiprocess
+from megatron_rl_testing.vl_models import IMAGE, make_tiny_qwen2_5_vl
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl_actor") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> torch.Tensor:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_rl.models.vision_inputs import collate_images
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    data = vision_rl_batch()
+    ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).int(),
+                       **collate_images(list(data.non_tensor_batch["multi_modal_inputs"]))).logits
+    response_len = data.batch["responses"].shape[1]
+    log_probs = torch.log_softmax(logits[:, -response_len - 1:-1] / TEMPERATURE, -1)
+    return log_probs.gather(-1, data.batch["responses"][..., None])[..., 0] * data.batch["response_mask"]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"tp{layout[0]}_pp{layout[1]}")
+def results(request, model_dir):
+    tp, pp = request.param
+    return request.param, run_multiprocess(actor_job, 2, model_dir, tp, pp, timeout_s=600)
+
+
+@pytest.mark.distributed
+def test_log_probs_with_images_equal_transformers(results, expected):
+    (tp, pp), ranks = results
+    mask = vision_rl_batch().batch["response_mask"].bool()
+    for rank in ranks:
+        diff = (rank["log_probs"] - expected)[mask].abs().max().item()
+        print(f"TP={tp} PP={pp}: max |log-prob diff| {diff:.2e}")
+        assert diff <= 1e-5
+
+
+@pytest.mark.distributed
+def test_an_update_trains_the_vision_tower(results):
+    (tp, pp), ranks = results
+    first_stage = [r for r in ranks if r["vision_moved"]]
+    assert len(first_stage) == 2 // pp
+    for rank in first_stage:
+        assert all(rank["vision_moved"].values()), [n for n, moved in rank["vision_moved"].items() if not moved]
+        mask = vision_rl_batch().batch["response_mask"].bool()
+        assert (rank["log_probs_after"] - rank["log_probs"])[mask].abs().max() > 1e-4
