@@ -453,8 +453,6 @@ def _check_buildable(hf: HFModelConfig, lora: LoRASpec | None, value_head: bool)
         raise ValueError(f"{hf.source}: a value model does not build multi-token-prediction layers")
     if hf.vision is not None and hf.mtp is not None:
         raise ValueError(f"{hf.source}: multi-token prediction on a vision-language model is not built here")
-    if hf.vision is not None and hf.vision.mrope_interleaved:
-        raise ValueError(f"{hf.source}: interleaved mRoPE ({hf.architecture}) is not built here yet")
 
 
 def _layer_specs(hf: HFModelConfig, config: TransformerConfig, use_te: bool, lora: bool, grouped: bool):

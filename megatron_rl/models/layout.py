@@ -16,6 +16,10 @@ Rules (REFERENCE.md §3):
   (Qwen2-MoE) is split over TP like a dense MLP (Megatron's ``SharedExpertMLP``) and its sigmoid gate
   [1, hidden] is replicated. Dense layers of an MoE model (``MoESpec.is_moe_layer``) map like a dense model's.
   DeepSeek-V3's router bias (``e_score_correction_bias``) is the router's ``expert_bias`` buffer, replicated.
+* Names: the groups are built in a text model's checkpoint names (``model.embed_tokens``, ``model.layers.{i}.``,
+  ``model.norm``); ``hf_tensor_groups`` and ``chunk_mappings`` hand them out in the checkpoint's own
+  (``checkpoint_group``): Qwen3-VL's language model is ``model.language_model.*`` (models/vision.py
+  ``language_prefix``), the names transformers' Qwen3VLForConditionalGeneration and the rollout engines load.
 * Multi-latent attention (models/mla.py): one HF tensor per Megatron weight, the same row order; the projections
   column-parallel but the down projections (q_a, kv_a: whole on every TP rank, models/mla_layers.py), o_proj
   row-parallel.
@@ -24,7 +28,7 @@ Rules (REFERENCE.md §3):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -210,7 +214,19 @@ def hf_tensor_groups(hf: HFModelConfig, value_head: bool = False, mtp: bool = Tr
     if mtp and hf.mtp is not None and not value_head:
         for k in range(hf.mtp.num_layers):
             groups += _mtp_groups(hf, k).values()
-    return groups
+    return [checkpoint_group(hf, g) for g in groups]
+
+
+def checkpoint_group(hf: HFModelConfig, group: TensorGroup) -> TensorGroup:
+    """``group`` under the checkpoint's names: a vision-language model's language tensors named ``model.*`` as a
+    text model's are moved under its ``language_prefix`` (Qwen3-VL: ``model.language_model.``); the tower's
+    (already under ``vision_prefix``), the head's (``lm_head``, ``score``) and every text model's stay."""
+    spec = hf.vision
+    if spec is None or spec.language_prefix == "model." or not group.key.startswith("model.") \
+            or group.key.startswith(spec.vision_prefix):
+        return group
+    return replace(group, tensors=tuple(replace(t, name=spec.language_prefix + t.name.removeprefix("model."))
+                                        for t in group.tensors))
 
 
 def _vision_groups(hf: HFModelConfig) -> dict[str, TensorGroup]:
@@ -340,7 +356,7 @@ def chunk_mappings(chunk: torch.nn.Module) -> list[ParamMapping]:
         mappings += _head_mappings(model, hf)
     if getattr(model, "mtp_process", False):
         mappings += _mtp_mappings(model, hf, experts)
-    return mappings
+    return [m if (g := checkpoint_group(hf, m.group)) is m.group else replace(m, group=g) for m in mappings]
 
 
 def _decoder_layer_mappings(

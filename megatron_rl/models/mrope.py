@@ -4,14 +4,17 @@ A text token's three positions are equal and count up by one per token, as a tex
 merged patch grid, ``t x h x w`` with ``h, w`` the patch grid divided by the spatial merge size) take positions
 ``start + (t_i, h_i, w_i)``; the text after the image continues from ``start + max(h, w)``. Padding gets 0.
 The language model computes this from the token ids and each image's grid (``image_grid_thw``, what the processor
-returns), so prompts, responses, rollouts and trainer batches carry only the usual 1-D ids and masks.
+returns), so prompts, responses, rollouts and trainer batches carry only the usual 1-D ids and masks. Qwen2.5-VL and
+Qwen3-VL give still images the same positions (their transformers ``get_rope_index``; they differ for videos, which
+are not read here); they differ in which rotary frequencies each of the three positions turns: Qwen2.5-VL's in
+sections (Megatron-Core's MultimodalRotaryEmbedding), Qwen3-VL's interleaved (``interleaved_mrope_axes``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mrope_position_ids"]
+__all__ = ["interleaved_mrope_axes", "mrope_position_ids"]
 
 
 def _image_positions(grid: list[int], merge: int, start: int) -> torch.Tensor:
@@ -53,19 +56,36 @@ def mrope_position_ids(
     *,
     image_token_id: int,
     spatial_merge_size: int,
+    image_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[3, B, T] positions of ``input_ids`` [B, T]; ``image_grid_thw`` [num_images, 3] lists the images of all rows
-    in order (row 0's first). Tokens where ``attention_mask`` is 0 are skipped and get position 0."""
+    in order (row 0's first). Tokens where ``attention_mask`` is 0 are skipped and get position 0. ``image_mask``
+    [B, T] marks the image tokens (models/vision_inputs.py ``image_token_mask``); default: every ``image_token_id``."""
     batch, length = input_ids.shape
     positions = torch.zeros(3, batch, length, dtype=torch.long)
     grids = image_grid_thw.tolist() if image_grid_thw is not None else []
     ids_cpu = input_ids.cpu()
     mask = attention_mask.bool().cpu() if attention_mask is not None else torch.ones_like(ids_cpu, dtype=torch.bool)
+    is_image = (ids_cpu == image_token_id) if image_mask is None else image_mask.bool().cpu()
     for row in range(batch):
         ids = ids_cpu[row][mask[row]]
         if len(ids):
-            positions[:, row, mask[row]] = _row_positions(ids, ids == image_token_id, grids, spatial_merge_size,
+            positions[:, row, mask[row]] = _row_positions(ids, is_image[row][mask[row]], grids, spatial_merge_size,
                                                           f"row {row}")
     if grids:
         raise ValueError(f"image_grid_thw has {len(grids)} more images than the batch has image tokens for")
     return positions.to(input_ids.device)
+
+
+def interleaved_mrope_axes(mrope_section: tuple[int, int, int] | list[int], pairs: int) -> torch.Tensor:
+    """[pairs]: which position (0 temporal, 1 height, 2 width) rotates each rotary frequency pair of a head under
+    Qwen3-VL's interleaved mRoPE (``mrope_interleaved``, transformers' ``Qwen3VLTextRotaryEmbedding``): pair ``j``
+    takes the height position when ``j % 3 == 1`` and ``j < 3 * section[1]``, the width when ``j % 3 == 2`` and
+    ``j < 3 * section[2]``, the temporal one otherwise (Qwen3-VL-8B's [24, 20, 20] of 64 pairs: t, h, w, t, h, w,
+    ... for 60 pairs, then 4 temporal). Sectioned mRoPE (Qwen2.5-VL) gives the first section[0] pairs to t, the
+    next section[1] to h, the rest to w instead."""
+    j = torch.arange(pairs)
+    axes = torch.zeros(pairs, dtype=torch.long)
+    for axis in (1, 2):
+        axes[(j % 3 == axis) & (j < 3 * int(mrope_section[axis]))] = axis
+    return axes

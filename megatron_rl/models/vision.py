@@ -60,7 +60,8 @@ class VisionSpec:
 
     @property
     def language_prefix(self) -> str:
-        """Checkpoint name prefix of the language model's tensors (``model.`` as a text model's)."""
+        """Checkpoint name prefix of the language model's tensors (``model.`` as a text model's; Qwen3-VL's
+        ``model.language_model.``, given to the layout's names by models/layout.py ``checkpoint_group``)."""
         return _CHECKPOINT_PREFIXES[self.family][1]
 
     @property

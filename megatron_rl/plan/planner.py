@@ -117,7 +117,7 @@ def _check_model_factors(cfg: PPOTrainerConfig, model: HFModelConfig, uses_criti
 
 def check_vision(cfg: PPOTrainerConfig, model: HFModelConfig, uses_critic: bool) -> None:
     """A vision-language model (plan/vision.py): what is not built for it refused before launch, naming the key:
-    Qwen3-VL's interleaved mRoPE and DeepStack, context parallelism, packed (THD) micro-batches (the workers'
+    context parallelism, packed (THD) micro-batches (the workers'
     rule, workers/engine.py; the verl entry turns verl's use_remove_padding into padded ones itself)."""
     if model.vision is None:
         if cfg.actor_rollout_ref.actor.freeze_vision_tower:  # the engine's refusal (workers/engine.py), here first

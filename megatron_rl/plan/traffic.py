@@ -165,13 +165,14 @@ def _buckets(groups: list[_Group], tp: int, bucket_bytes: int) -> list[tuple[int
 def _stage_of(group: TensorGroup, stages: list[int], pp: int) -> int:
     """The pipeline stage holding ``group`` (``stages``: each layer's; embedding first, final norm and head
     last)."""
-    layer = re.match(r"model\.layers\.(\d+)\.", group.key)
+    layer = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", group.key)  # Qwen3-VL: model.language_model.
     if layer and int(layer.group(1)) < len(stages):
         return stages[int(layer.group(1))]
     # the embedding and a vision tower are first; the final norm, the head and the MTP layers (DeepSeek's numbered
     # past the model's layers) last
     vision = group.key.startswith(("visual.", "model.visual."))  # models/vision.py's checkpoint prefixes
-    return 0 if group.key == "model.embed_tokens.weight" or vision else pp - 1
+    embedding = group.key in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    return 0 if embedding or vision else pp - 1
 
 
 def _shard_shape(hf: HFModelConfig, group: TensorGroup, split: int, tp: int) -> tuple[int, ...]:

@@ -2,18 +2,19 @@
 
 What is counted:
 
-- the vision tower's parameters (``vision_params``: a closed form of transformers' Qwen2.5-VL vision tower, every
-  tensor, norms and biases included; tests/plan/test_vision_plan.py checks it against ``vision_tensor_shapes``).
+- the vision tower's parameters (``vision_params``: a closed form of transformers' Qwen2.5-VL and Qwen3-VL vision
+  towers, every tensor, norms and biases included; tests/plan/test_vision_plan.py checks it against
+  ``vision_tensor_shapes``).
   The tower lives whole on every tensor-parallel rank of the first pipeline stage, so its weights, grads and
   Adam state are counted there unsplit by TP (Adam's state sharded over DP x CP by the distributed optimizer, as
   the other parameters'); with ``actor.freeze_vision_tower`` only its weights;
 - its activations in the actor's update (``vision_activation_bytes``), on the first stage;
 - its tensors in the weight sync (plan/traffic.py) and in the rollout engine's weights (memory.rollout_weight_bytes).
 
-What is refused before launch (``vision_run_problem``), naming the key: Qwen3-VL's interleaved mRoPE and DeepStack
-(the builder does not build them yet), and context parallelism (mRoPE positions and images ride with padded rows
-only, workers/engine.py). The compat entry turns verl's use_remove_padding=True (packed THD) into padded
-micro-batches for a vision-language model, with one logged line (compat/verl/trainer/main_ppo.py).
+What is refused before launch (``vision_run_problem``), naming the key: context parallelism (mRoPE positions and
+images ride with padded rows only, workers/engine.py). The compat entry turns verl's use_remove_padding=True (packed
+THD) into padded micro-batches for a vision-language model, with one logged line (compat/verl/trainer/main_ppo.py).
+DeepStack's layers off the first pipeline stage are refused by the builder (models/vision_model.py).
 """
 from __future__ import annotations
 
@@ -37,20 +38,34 @@ def _dims(spec: VisionSpec) -> tuple[int, int, int, int]:
 
 
 def vision_params(spec: Optional[VisionSpec]) -> int:
-    """Every parameter of the vision tower (0 without one). Qwen2.5-VL's (transformers'
-    Qwen2_5_VisionTransformerPretrainedModel): the patch embedding (a Conv3d of kernel T_p x P x P, no bias), per
-    block two RMSNorms, qkv and proj with biases, a SwiGLU MLP with biases; the merger's RMSNorm and its two-layer
-    MLP from the 2 x 2 merged patches (4 h) to the language model's width. Qwen2.5-VL-7B: 676,550,144."""
+    """Every parameter of the vision tower (0 without one).
+
+    Qwen2.5-VL's (transformers' Qwen2_5_VisionTransformerPretrainedModel): the patch embedding (a Conv3d of kernel
+    T_p x P x P, no bias), per block two RMSNorms, qkv and proj with biases, a SwiGLU MLP with biases; the merger's
+    RMSNorm and its two-layer MLP from the 2 x 2 merged patches (4 h) to the language model's width.
+    Qwen2.5-VL-7B: 676,550,144.
+
+    Qwen3-VL's (Qwen3VLVisionModel): the patch embedding with a bias, the learned position grid
+    (num_position_embeddings x h), per block two LayerNorms (weight and bias), qkv and proj with biases, a two-layer
+    MLP with biases; the merger (LayerNorm of h, then 4 h -> 4 h -> the language model's width) and one DeepStack
+    merger per deepstack_visual_indexes entry, the same but normed over the merged 4 h. Qwen3-VL-8B: 576,388,336
+    (of 8,767,123,696)."""
     if spec is None:
         return 0
-    if spec.family != "qwen2_5_vl":
-        raise ValueError(f"the {spec.family} vision tower is not built here (its parameters are not counted)")
     h, inter, depth, channels = _dims(spec)
     patch = channels * spec.temporal_patch_size * spec.patch_size ** 2 * h
-    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 3 * h * inter + 2 * inter + h
     merged = h * spec.spatial_merge_size ** 2
-    merger = h + merged * merged + merged + merged * spec.out_hidden_size + spec.out_hidden_size
-    return patch + depth * block + merger
+    merger_mlp = merged * merged + merged + merged * spec.out_hidden_size + spec.out_hidden_size
+    attention = (3 * h * h + 3 * h) + (h * h + h)
+    if spec.family == "qwen2_5_vl":
+        block = 2 * h + attention + 3 * h * inter + 2 * inter + h
+        return patch + depth * block + h + merger_mlp
+    if spec.family == "qwen3_vl":
+        positions = int(spec.config.get("num_position_embeddings", 2304)) * h
+        block = 4 * h + attention + 2 * h * inter + inter + h
+        deepstack = len(spec.deepstack_visual_indexes) * (2 * merged + merger_mlp)
+        return patch + h + positions + depth * block + 2 * h + merger_mlp + deepstack
+    raise ValueError(f"the {spec.family} vision tower is not built here (its parameters are not counted)")
 
 
 def model_vision_params(model: HFModelConfig) -> int:
@@ -76,10 +91,12 @@ def vision_activation_bytes_per_patch(spec: VisionSpec) -> int:
     """bf16 activations the tower keeps for its backward, per patch (a simple model, as memory.py's for the
     language layers): per block its two norms' outputs and the residuals (4 h), q, k, v after the 2-D rotary and
     the attention output (4 h, flash / SDPA attention: no scores kept), the proj input (h), the MLP's gate, up,
-    activation and product (4 I); the patch embedding's output and the merger's input, normed, and hidden (3 x 4 h
-    per 4 patches)."""
+    activation and product (4 I; Qwen3-VL's gelu MLP: its input projection and activation, 2 I); the patch
+    embedding's output and each merger's (Qwen3-VL: also each DeepStack merger's) input, normed, and hidden
+    (3 x 4 h per 4 patches)."""
     h, inter, depth, _ = _dims(spec)
-    return BF16 * (depth * (9 * h + 4 * inter) + 3 * h)
+    mlp = 2 if spec.family == "qwen3_vl" else 4
+    return BF16 * (depth * (9 * h + mlp * inter) + 3 * h * (1 + len(spec.deepstack_visual_indexes)))
 
 
 def vision_activation_bytes(spec: VisionSpec, samples: float, patches: int, in_flight: float) -> float:
@@ -94,18 +111,6 @@ def vision_run_problem(model: HFModelConfig, context_parallel: dict[str, int]) -
     spec = model.vision
     if spec is None:
         return None
-    missing = []
-    if spec.mrope_interleaved:
-        missing.append(f"its interleaved mRoPE (mrope_interleaved=true, mrope_section {list(spec.mrope_section)}: "
-                       "t, h, w frequencies interleaved, where Megatron-Core's mRoPE takes them in sections)")
-    if spec.deepstack_visual_indexes:
-        missing.append(f"DeepStack (vision blocks {list(spec.deepstack_visual_indexes)} add their features after "
-                       "the first language layers)")
-    if spec.family != "qwen2_5_vl":
-        missing.append(f"its {spec.family} vision tower")
-    if missing:
-        return (f"{model.source}: {model.architecture} is not built here: {'; '.join(missing)}; "
-                "Qwen2_5_VLForConditionalGeneration is")
     for key, cp in context_parallel.items():
         if cp > 1:
             return (f"{key}={cp} with a vision-language model ({model.architecture}): context parallelism is not "

@@ -8,7 +8,9 @@ they name (megatron_rl_testing/vl_configs.py):
   counts the vision tower (8.29 B parameters, 0.68 B of them the tower) and its activations. At the script's
   defaults (no recompute, 24k-token micro-batches, the tower's activations whole on every TP rank) our count says
   it does not fit an 80 GB GPU; with recompute, offload and the tower frozen it fits.
-- run_qwen3_vl_8b_megatron.sh: refused before launch: Qwen3-VL's interleaved mRoPE and DeepStack are not built.
+- run_qwen3_vl_8b_megatron.sh: composes, validates and plans as the Qwen2.5-VL script does (Qwen3-VL's interleaved
+  mRoPE and DeepStack are built, models/vision_model.py): 8.77 B parameters, the tower with its DeepStack mergers
+  counted; at the script's defaults it does not fit an 80 GB GPU, with recompute, offload and the tower frozen it does.
 - run_qwen3_vl_30b_a3b_megatron.sh, run_qwen3_vl_235b_a22b_megatron.sh: refused by architecture
   (Qwen3VLMoeForConditionalGeneration, models/unbuilt.py).
 """
@@ -109,10 +111,29 @@ def test_context_parallel_with_a_vision_language_model_is_refused_by_key(tmp_pat
         translate(args)
 
 
-def test_qwen3_vl_8b_is_refused_naming_what_is_not_built(tmp_path):
-    with pytest.raises(ConfigError, match=r"Qwen3VLForConditionalGeneration is not built here: its interleaved mRoPE "
-                                          r"\(mrope_interleaved=true.*DeepStack \(vision blocks \[8, 16, 24\]"):
-        translate(script_args("qwen3_vl_8b", tmp_path))
+def test_qwen3_vl_8b_composes_validates_and_plans_unpacked(tmp_path):
+    translation = translate_with_notes(script_args("qwen3_vl_8b", tmp_path))
+    named = [n for n in translation.notes if REMOVE_PADDING in n]
+    assert len(named) == 1 and "Qwen3VLForConditionalGeneration is a vision-language model" in named[0], named
+    cfg = load_config(overrides=translation.overrides)
+    arr = cfg.actor_rollout_ref
+    assert not arr.actor.megatron.packed_sequences and not arr.ref.megatron.packed_sequences
+    assert (arr.actor.megatron.tensor_model_parallel_size, arr.actor.megatron.pipeline_model_parallel_size,
+            arr.rollout.name) == (2, 2, "vllm")
+    validate(cfg)
+    with pytest.raises(PlanError) as err:  # its defaults: no recompute, 24k-token micro-batches
+        build_plan(cfg)
+    text = str(err.value)
+    assert "Qwen3VLForConditionalGeneration, 8.77 B params" in text, text
+    assert "actor vision tower activations (4,096 patches per sample at most)" in text, text
+    assert "DOES NOT FIT" in text, text
+
+
+def test_qwen3_vl_8b_fits_with_recompute_offload_and_the_tower_frozen(tmp_path):
+    cfg = load_config(overrides=translate(script_args("qwen3_vl_8b", tmp_path) + FITS))
+    validate(cfg)
+    text = build_plan(cfg).format()
+    assert "actor vision tower (bf16, frozen)" in text and "of 79.6 GiB per GPU: fits" in text, text
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl_30b_a3b", "qwen3_vl_235b_a22b"])

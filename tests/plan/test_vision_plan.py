@@ -1,5 +1,6 @@
 """The planner counts a vision-language model's vision tower (plan/vision.py): Qwen2.5-VL-7B's parameters equal the
-released checkpoint's (8,292,166,656, the tower 676,550,144), the tower sits whole on every TP rank of the first
+released checkpoint's (8,292,166,656, the tower 676,550,144), Qwen3-VL-8B's too (8,767,123,696, the tower with its
+DeepStack mergers 576,388,336), the tower sits whole on every TP rank of the first
 stage, travels in the weight sync, has its activations in the actor's update (none when frozen); and what is not
 built for a vision-language model is refused before launch, naming the key."""
 from __future__ import annotations
@@ -30,8 +31,10 @@ from megatron_rl_testing.vl_configs import (
     QWEN2_5_VL_7B_PARAMS,
     QWEN2_5_VL_7B_VISION_PARAMS,
     QWEN3_VL_8B,
+    QWEN3_VL_8B_PARAMS,
+    QWEN3_VL_8B_VISION_PARAMS,
 )
-from megatron_rl_testing.vl_models import tiny_qwen2_5_vl_config
+from megatron_rl_testing.vl_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
 
 SCRIPT = Path(__file__).parents[1] / "compat" / "verl_scripts" / "vision" / "qwen2_5_vl_7b.args"
 FITS = ["+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
@@ -54,9 +57,19 @@ def test_qwen2_5_vl_7b_parameters_are_the_released_checkpoints():
     assert memory.total_params(model) - memory.total_params(text) == QWEN2_5_VL_7B_VISION_PARAMS
 
 
-@pytest.mark.parametrize("config", [QWEN2_5_VL_7B, {**tiny_qwen2_5_vl_config().to_dict(),
-                                                     "architectures": ["Qwen2_5_VLForConditionalGeneration"]}],
-                         ids=["7b", "tiny"])
+def test_qwen3_vl_8b_parameters_are_the_released_checkpoints():
+    model = parse_hf_config(QWEN3_VL_8B)
+    assert abs(memory.numel(model) / 8.77e9 - 1) < 0.001  # the released 8.77 B
+    assert memory.numel(model) == QWEN3_VL_8B_PARAMS
+    assert vision_params(model.vision) == QWEN3_VL_8B_VISION_PARAMS
+    text = dataclasses.replace(model, vision=None)
+    assert memory.total_params(model) - memory.total_params(text) == QWEN3_VL_8B_VISION_PARAMS
+
+
+@pytest.mark.parametrize("config", [
+    QWEN2_5_VL_7B, {**tiny_qwen2_5_vl_config().to_dict(), "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+    QWEN3_VL_8B, {**tiny_qwen3_vl_config().to_dict(), "architectures": ["Qwen3VLForConditionalGeneration"]},
+], ids=["qwen2_5_vl_7b", "qwen2_5_vl_tiny", "qwen3_vl_8b", "qwen3_vl_tiny"])
 def test_the_closed_form_counts_the_built_towers_tensors(config):
     spec = parse_hf_config(config).vision
     assert vision_params(spec) == sum(math.prod(shape) for shape in vision_tensor_shapes(spec).values())
@@ -136,11 +149,12 @@ def test_what_a_vision_language_model_does_not_run_is_refused_by_key(tmp_path, e
         check_launch(cfg)
 
 
-def test_qwen3_vl_is_refused_by_the_planner_too(tmp_path):
-    """A Qwen3-VL model that reached the planner without the verl entry (a megatron-rl config)."""
-    cfg = _config(tmp_path, QWEN3_VL_8B, *FITS, through_compat_with_model=False)
-    with pytest.raises(PlanError, match=r"Qwen3VLForConditionalGeneration is not built here: its interleaved mRoPE"):
-        build_plan(cfg)
+def test_qwen3_vl_is_planned_with_its_tower(tmp_path):
+    """Qwen3-VL-8B in the Qwen2.5-VL script's place: planned, its tower (DeepStack mergers included) counted."""
+    cfg = _config(tmp_path, QWEN3_VL_8B, *FITS)
+    text = _plan(cfg).format()
+    assert "Qwen3VLForConditionalGeneration, 8.77 B params" in text, text
+    assert "actor vision tower activations" in text, text
 
 
 def test_freeze_vision_tower_on_a_text_model_is_refused_by_key(tmp_path):

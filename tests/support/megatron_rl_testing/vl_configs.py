@@ -5,6 +5,7 @@ through the compat entry and the planner (tests/compat/test_verl_vl_scripts.py, 
   tests/models/test_qwen2_5_vl.py RELEASED_7B. 8,292,166,656 parameters, 676,550,144 of them the vision tower.
 - Qwen/Qwen3-VL-8B-Instruct and Qwen/Qwen3-VL-30B-A3B-Instruct, Qwen/Qwen3-VL-235B-A22B-Instruct: transformers
   4.57's layout (text_config / vision_config sections; interleaved mRoPE, DeepStack at vision blocks 8, 16, 24).
+  Qwen3-VL-8B: 8,767,123,696 parameters (the released 8.77 B), 576,388,336 of them the vision tower.
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ QWEN3_VL_8B = {
                     "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936},
     "vision_config": {**_QWEN3_VL_VISION, "out_hidden_size": 4096},
 }
+
+QWEN3_VL_8B_PARAMS = 8_767_123_696
+QWEN3_VL_8B_VISION_PARAMS = 576_388_336
 
 QWEN3_VL_30B_A3B = {
     "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", **_QWEN3_VL_TOKENS,
