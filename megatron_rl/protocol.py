@@ -333,10 +333,11 @@ class DataProto:
     def pop_for_generation(self) -> "DataProto":
         """Take out what a rollout engine needs of a prompt batch: the left-padded prompt tensors are
         moved (the engine returns the full prompt+response tensors, which then join this batch); uid
-        and raw_prompt, when present, are copied; meta_info is shared."""
+        and raw_prompt, when present, are copied, and a vision-language prompt's images (verl's multi_modal_data,
+        multi_modal_inputs); meta_info is shared."""
         self.require(*GENERATION_KEYS, where="generation")
         gen = self.pop(GENERATION_KEYS)
-        for key in ("uid", "raw_prompt"):
+        for key in ("uid", "raw_prompt", "multi_modal_data", "multi_modal_inputs"):
             if key in self.non_tensor_batch:
                 gen.non_tensor_batch[key] = self.non_tensor_batch[key]
         gen.meta_info = dict(self.meta_info)
@@ -499,6 +500,10 @@ def objects_equal(a: Any, b: Any) -> bool:
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):  # a row's multi_modal_inputs: tensors by name
+        return a.keys() == b.keys() and all(objects_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(objects_equal(x, y) for x, y in zip(a, b))
     try:
         return bool(a == b)
     except Exception:  # objects whose == is not boolean: fall back to identity

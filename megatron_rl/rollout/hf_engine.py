@@ -26,14 +26,22 @@ import inspect
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DynamicCache,
+    PretrainedConfig,
+)
 from transformers.initialization import no_init_weights
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
+from megatron_rl.models.mrope import mrope_position_ids
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images, image_token_mask
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -91,22 +99,27 @@ class HFEngine(RolloutEngine):
 
         if not isinstance(model_config, PretrainedConfig):
             model_config = AutoConfig.from_pretrained(model_config)
+        # a vision-language checkpoint (Qwen2.5-VL): images enter with the prompts, positions are mRoPE's
+        self._vision = getattr(model_config, "vision_config", None)
+        auto = AutoModelForImageTextToText if self._vision is not None else AutoModelForCausalLM
         if weights_path is not None:
-            model = AutoModelForCausalLM.from_pretrained(weights_path, config=model_config, dtype=self.dtype)
+            model = auto.from_pretrained(weights_path, config=model_config, dtype=self.dtype)
         else:
             # Random weights are never served (generation is refused until a complete sync), so they are not
             # drawn: 0.6 CPU-s of start-up at 30M parameters. Buffers (rotary frequencies) are still computed.
             with no_init_weights():
-                model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype)
+                model = auto.from_config(model_config, dtype=self.dtype)
         self.model = model.to(self.device).eval()
-        self.eos_token_id = eos_token_id if eos_token_id is not None else model_config.eos_token_id
-        self.pad_token_id = pad_token_id if pad_token_id is not None else model_config.pad_token_id
+        # a vision-language config keeps them in its text_config
+        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.eos_token_id = eos_token_id if eos_token_id is not None else text_config.eos_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else text_config.pad_token_id
 
         # transformers 5 renamed the forward argument past_key_values to cache
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator(self.device).manual_seed(int(config.seed))
-        self._targets = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        self._targets = _checkpoint_names(self.model.state_dict(keep_vars=True))  # tied weights under both names
         self._unique_params = {id(p): name for name, p in self.model.named_parameters()}
         self._session_loaded: set[int] | None = None  # ids of parameters loaded in the open session
         # MoE: per-expert names written into transformers 5's fused expert tensors (models/moe_fused.py);
@@ -147,7 +160,7 @@ class HFEngine(RolloutEngine):
             prompts.batch[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")
         )
         self._routing: list[torch.Tensor] = []
-        tokens, log_probs = self._decode(ids, mask, pos, params, generator)
+        tokens, log_probs = self._decode(ids, mask, pos, params, generator, self._row_images(prompts))
         responses, response_lps = _cut_at_finish(tokens, log_probs, params.finish_token_ids)
         out = build_rollout_batch(
             prompts,
@@ -172,17 +185,24 @@ class HFEngine(RolloutEngine):
         pos: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator,
+        images: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample up to max_response_length tokens for every row; returns tokens and log-probs [B, steps]
-        (rows that finished early keep sampling into slots ``_cut_at_finish`` discards)."""
+        (rows that finished early keep sampling into slots ``_cut_at_finish`` discards). ``images``: each row's
+        processor outputs (``multi_modal_inputs``) for a vision-language model."""
         finish_ids = torch.tensor(params.finish_token_ids, dtype=ids.dtype, device=self.device)
         cache = {self._cache_kwarg: DynamicCache(config=self.model.config)}  # filled in place by each forward
         # rollout.n identical prompt rows: prefill each prompt once, then copy its cache rows and logits
         shared = repeated_prompt_rows(ids, mask, pos)
+        if shared is not None and images is not None and not _same_images(images, shared):
+            shared = None
         firsts, rows = shared if shared is not None else (slice(None), slice(None))
-        out = self.model(
-            input_ids=ids[firsts], attention_mask=mask[firsts], position_ids=pos[firsts], **cache,
-            use_cache=True, logits_to_keep=1,
+        prefill_pos, inputs = pos[firsts], {"input_ids": ids[firsts]}
+        if self._vision is not None:
+            first_rows = images if shared is None else [images[int(i)] for i in firsts]
+            prefill_pos, inputs = self._vision_inputs(ids[firsts], mask[firsts], first_rows)
+        out = self._forward(
+            inputs, attention_mask=mask[firsts], position_ids=prefill_pos, **cache, use_cache=True, logits_to_keep=1,
         )
         logits = out.logits[rows, -1]
         if self._capture is not None:
@@ -190,6 +210,8 @@ class HFEngine(RolloutEngine):
         if shared is not None:
             cache[self._cache_kwarg].reorder_cache(rows)
         next_pos = pos[:, -1:] + 1
+        if self._vision is not None:  # mRoPE: the text after the prompt continues from its largest position
+            next_pos = (prefill_pos.masked_fill(~mask[firsts].bool(), 0).amax(-1, keepdim=True) + 1)[:, rows]
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         tokens, log_probs = [], []
         for step in range(params.max_response_length):
@@ -225,14 +247,62 @@ class HFEngine(RolloutEngine):
                 chunk.batch[k].to(self.device)
                 for k in ("input_ids", "attention_mask", "position_ids", "responses")
             )
+            inputs = {"input_ids": ids}
+            if self._vision is not None:
+                pos, inputs = self._vision_inputs(ids, mask, self._row_images(chunk))
             width = responses.shape[-1]
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[
-                :, -width - 1 : -1
-            ]
+            logits = self._forward(inputs, attention_mask=mask, position_ids=pos).logits[:, -width - 1 : -1]
             lp = log_probs_from_logits(logits, responses, temperature=temperature)
             response_mask = chunk.batch.get("response_mask", mask[:, -width:]).to(self.device)
             parts.append(lp * response_mask)
         return torch.cat(parts, dim=0)
+
+    def _row_images(self, data: DataProto) -> list | None:
+        """Each row's processor outputs (verl's ``multi_modal_inputs``); a text model refuses a batch with images."""
+        column = data.non_tensor_batch.get(MULTI_MODAL_INPUTS)
+        if column is None:
+            return None
+        rows = list(column)
+        if self._vision is None and collate_images(rows):
+            raise ValueError(f"the HF engine's model ({type(self.model).__name__}) is a text model; the prompt batch "
+                             f"has images ({MULTI_MODAL_INPUTS})")
+        return rows
+
+    def _forward(self, inputs: dict[str, Any], **kwargs: Any) -> Any:
+        """The model's forward on ``inputs`` (token ids, or ``_vision_inputs``' embeddings). With Qwen3-VL's DeepStack
+        features the language model and head are called directly: transformers' forward only takes them from
+        pixels it places itself (models/vision.py)."""
+        if "deepstack_visual_embeds" not in inputs:
+            return self.model(**inputs, **kwargs)
+        keep = kwargs.pop("logits_to_keep", 0)
+        hidden = self.model.model.language_model(**inputs, **kwargs).last_hidden_state
+        return _Logits(self.model.lm_head(hidden[:, -keep:] if keep else hidden))
+
+    def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, images: list | None) -> tuple[torch.Tensor,
+                                                                                                    dict[str, Any]]:
+        """(mRoPE positions [3, B, T], the forward's inputs: the embeddings [B, T, H] with the image features at the
+        rows' image placeholders, and Qwen3-VL's DeepStack features with their positions) for a vision-language
+        model. The features are placed here, not by transformers, which would also take an image token the policy
+        generated in a response for a placeholder."""
+        rows = images if images is not None else [None] * ids.shape[0]
+        merge = self._vision.spatial_merge_size
+        image_mask = image_token_mask(ids, mask, rows, self.model.config.image_token_id, merge).to(self.device)
+        pixels = {k: v.to(self.device) for k, v in collate_images(rows).items()}
+        positions = mrope_position_ids(ids, mask, pixels.get("image_grid_thw"),
+                                       image_token_id=self.model.config.image_token_id, spatial_merge_size=merge,
+                                       image_mask=image_mask)
+        embeds = self.model.get_input_embeddings()(ids)
+        inputs: dict[str, Any] = {"inputs_embeds": embeds}
+        if pixels:
+            output = self.model.model.get_image_features(pixels["pixel_values"].to(self.dtype), pixels["image_grid_thw"])
+            features = torch.cat(output.pooler_output).to(embeds.dtype)
+            inputs["inputs_embeds"] = embeds.masked_scatter(image_mask[..., None].expand_as(embeds), features)
+            deepstack = getattr(output, "deepstack_features", None)
+            if deepstack:
+                # per vision layer, its features of each image: one [image tokens, H] tensor per layer
+                inputs.update(visual_pos_masks=image_mask,
+                              deepstack_visual_embeds=[torch.cat(layer).to(embeds.dtype) for layer in deepstack])
+        return positions.to(self.device), inputs
 
     @torch.no_grad()
     def expert_choices(self, data: DataProto) -> dict[int, dict[int, torch.Tensor]] | None:
@@ -358,6 +428,36 @@ class HFEngine(RolloutEngine):
         if self.device.type == "cuda" and self._asleep:
             self.model.to(self.device)
         self._asleep = False
+
+
+class _Logits(NamedTuple):
+    logits: torch.Tensor
+
+
+def _checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors by the names checkpoints (and the trainer's export) give them. transformers 5 nests a
+    vision-language model's parts (``model.language_model.*``, ``model.visual.*``) where the released Qwen2.5-VL
+    checkpoints, which our export writes, name them ``model.*`` and ``visual.*``; both names are accepted."""
+    names = dict(state)
+    for name, tensor in state.items():
+        for nested, released in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(nested):
+                names.setdefault(released + name.removeprefix(nested), tensor)
+    return names
+
+
+def _same_images(images: list, shared: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the rows ``repeated_prompt_rows`` found identical also carry the same images as their first row."""
+    firsts, runs = shared
+    for row, run in enumerate(runs.tolist()):
+        first = images[int(firsts[run])]
+        mine = images[row]
+        if first is mine:
+            continue
+        if bool(first) != bool(mine) or (first and not all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(mine[k]))
+                                                          for k in ("pixel_values", "image_grid_thw"))):
+            return False
+    return True
 
 
 def _cut_at_finish(

@@ -323,6 +323,20 @@ def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
     check_lora_model(facts, "critic.model", cfg.critic.model.lora, cfg.critic.megatron, "critic.megatron")
 
 
+def check_vision_rollout(cfg: PPOTrainerConfig, model) -> None:
+    """A vision-language model's images reach the colocated engines and the trainer; the paths that do not carry
+    them yet are refused by key before anything starts (docs/rollout.md, "Images")."""
+    if model.vision is None:
+        return
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.multi_turn.enable:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: the agent loop does not carry the images "
+                          f"of a vision-language model ({model.architecture}) yet")
+    if rollout.mode == "server" and rollout.name == "hf":
+        raise ConfigError(f"actor_rollout_ref.rollout.mode=server with rollout.name=hf: the HF-engine servers do not "
+                          f"take images; a vision-language model ({model.architecture}) runs colocated")
+
+
 def check_lora_files(cfg: PPOTrainerConfig) -> None:
     """``<model>.lora.adapter_path``: a PEFT adapter directory whose adapter_config.json agrees with the LoRA block
     (config/lora.py check_adapter_path) and whose weights parse and are finite (check_adapter_weights), for the actor
@@ -390,9 +404,10 @@ def check_model(cfg: PPOTrainerConfig) -> None:
     check_quantization(raw, source, cfg.actor_rollout_ref.rollout)
     check_context_parallel_models(cfg, model)
     check_lora_models(cfg, model)
+    check_vision_rollout(cfg, model)
     check_model_overrides(cfg, model)
-    heads = raw.get("num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
+    # the language model's (a vision-language config.json holds them in text_config)
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
     if not isinstance(heads, int) or heads < 1:
         raise ConfigError(f"{source}: num_attention_heads={heads!r} must be a positive integer")
     actor_tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size

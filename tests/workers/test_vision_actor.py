@@ -1,6 +1,6 @@
 """The actor on a tiny Qwen2.5-VL: log-probs of response tokens after prompts with images (verl's multi_modal_inputs
-column) equal transformers' (fp32) at TP 1, TP 2 and PP 2; one PPO update trains the vision tower too and moves the
-log-probs; a batch whose images do not match its image tokens is refused naming the rows."""
+column) equal transformers' (fp32) at TP 1, TP 2 and PP 2, an image token sampled into a response counting as text;
+one PPO update trains the vision tower too and moves the log-probs."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def expected(model_dir) -> torch.Tensor:
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     data = vision_rl_batch()
     ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).int(),
-                       **collate_images(list(data.non_tensor_batch["multi_modal_inputs"]))).logits
+    prompt_len = ids.shape[1] - data.batch["responses"].shape[1]
+    placeholders = (ids == IMAGE) & (torch.arange(ids.shape[1]) < prompt_len)  # the response's image token is text
+    images = collate_images(list(data.non_tensor_batch["multi_modal_inputs"]))
+    with torch.no_grad():  # transformers would take every image token for a placeholder: its features placed here
+        features = torch.cat(model.model.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
+        embeds = model.get_input_embeddings()(ids).masked_scatter(placeholders[..., None], features)
+        positions, _ = model.model.get_rope_index(ids, placeholders.int(), image_grid_thw=images["image_grid_thw"],
+                                                  attention_mask=mask)
+        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
     response_len = data.batch["responses"].shape[1]
     log_probs = torch.log_softmax(logits[:, -response_len - 1:-1] / TEMPERATURE, -1)
     return log_probs.gather(-1, data.batch["responses"][..., None])[..., 0] * data.batch["response_mask"]

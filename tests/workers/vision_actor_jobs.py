@@ -21,7 +21,8 @@ TEMPERATURE = 0.7
 
 def vision_rl_batch() -> DataProto:
     """Four rows in verl's layout (left-padded prompts | right-padded responses): the three image_text_batch rows'
-    real tokens as prompts (two with images, one text-only) plus the first again; random responses."""
+    real tokens as prompts (two with images, one text-only) plus the first again; random responses, one of which
+    holds the image token."""
     ids, mask, images = image_text_batch()
     prompts = [ids[i][mask[i].bool()] for i in range(3)] + [ids[0][mask[0].bool()]]
     rows_images = [images[0], images[1], images[2], images[0]]
@@ -34,6 +35,7 @@ def vision_rl_batch() -> DataProto:
         input_ids[i, width - len(prompt):width] = prompt
         input_ids[i, width:width + length] = torch.randint(0, IMAGE, (length,), generator=gen)
         attention_mask[i, width - len(prompt):width + length] = 1
+    input_ids[1, width] = IMAGE  # a policy may sample <|image_pad|>: text in a response, not an image
     responses = input_ids[:, width:]
     response_mask = attention_mask[:, width:]
     tensors = {

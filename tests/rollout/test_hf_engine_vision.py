@@ -1,0 +1,93 @@
+"""HFEngine on a tiny Qwen2.5-VL and Qwen3-VL (DeepStack; megatron_rl.data.vision_checkpoint): prompts with images from the dataset (verl's
+multi_modal_inputs column) generate, their rollout log-probs equal a recomputation and transformers' own forward
+(fp32), the n samples of a prompt share its prefill while token-identical prompts with other images do not, the
+released checkpoint names load, and a text model refuses images."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.data import load_tokenizer
+from megatron_rl.data.dataset import RLDataset
+from megatron_rl.data.loader import collate_to_dataproto
+from megatron_rl.data.tasks import task_texts, write_task
+from megatron_rl.data.vision_checkpoint import build_tiny_vl_checkpoint
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images
+from megatron_rl.rollout.hf_engine import HFEngine
+
+R = 6
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def model_dir(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    paths = write_task("shapes", out / "data", n_train=16, n_val=4, seed=0)
+    rows = [row for path in paths.values() for row in pq.read_table(path).to_pylist()]
+    return build_tiny_vl_checkpoint(out / "model", task_texts(rows), seed=0, family=request.param), paths["train"]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    directory, _ = model_dir
+    return HFEngine(RolloutConfig(name="hf", temperature=1.0), directory, response_length=R, device="cpu",
+                    weights_path=directory)
+
+
+def prompts(model_dir, rows: list[int], **meta):
+    directory, train = model_dir
+    dataset = RLDataset(train, load_tokenizer(directory), max_prompt_length=64)
+    batch = collate_to_dataproto([dataset[i] for i in rows]).pop_for_generation()
+    batch.meta_info.update(temperature=1.0, **meta)
+    return batch
+
+
+def test_rollout_log_probs_equal_recomputation_and_transformers(engine, model_dir):
+    gen = prompts(model_dir, [0, 1, 2, 3]).repeat(2, interleave=True)
+    out = engine.generate_sequences(gen)
+    mask = out.batch["response_mask"].bool()
+    recomputed = engine.compute_log_probs(out)
+    assert (recomputed - out.batch["rollout_log_probs"])[mask].abs().max() <= 1e-5
+    # transformers' own placement of the features (every image token) where no response sampled one
+    image = engine.model.config.image_token_id
+    clean = ~(out.batch["responses"] == image).any(-1)
+    ids, attention = out.batch["input_ids"][clean], out.batch["attention_mask"][clean]
+    rows = [r for r, keep in zip(out.non_tensor_batch[MULTI_MODAL_INPUTS], clean.tolist()) if keep]
+    with torch.no_grad():  # (Qwen3-VL: its DeepStack features too)
+        logits = engine.model(input_ids=ids, attention_mask=attention, mm_token_type_ids=(ids == image).int(),
+                              **collate_images(rows)).logits[:, -R - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"][clean][..., None])[..., 0]
+    assert (expected - out.batch["rollout_log_probs"][clean])[mask[clean]].abs().max() <= 1e-5
+
+
+def test_token_identical_prompts_with_other_images_are_not_shared(engine, model_dir):
+    """Every shapes prompt has the same tokens (text + 4 image tokens): only the images differ. Greedy answers of
+    a batch equal each prompt's alone; the n copies of one prompt still share one prefill (same answers)."""
+    batch = prompts(model_dir, [0, 1, 2, 3], do_sample=False)
+    assert torch.equal(batch.batch["input_ids"][0], batch.batch["input_ids"][1])
+    together = engine.generate_sequences(batch).batch["responses"]
+    alone = torch.cat([engine.generate_sequences(prompts(model_dir, [i], do_sample=False)).batch["responses"]
+                       for i in range(4)])
+    assert torch.equal(together, alone)
+    repeated = engine.generate_sequences(batch.repeat(3, interleave=True)).batch["responses"]
+    assert torch.equal(repeated, together.repeat_interleave(3, dim=0))
+
+
+def test_released_names_load_and_text_models_refuse_images(engine, model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    directory, _ = model_dir
+    stored = load_file(f"{directory}/model.safetensors")
+    if engine.model.config.model_type == "qwen2_5_vl":  # released as visual.* / model.layers.*; Qwen3-VL nested
+        assert any(n.startswith("visual.") for n in stored) and any(n.startswith("model.layers.") for n in stored)
+    engine.update_weights(list(stored.items()), version=1)  # the names our export writes
+    assert engine.weight_version == 1
+
+    from megatron_rl_testing.rollout_models import make_engine
+
+    text_engine = make_engine()
+    batch = prompts(model_dir, [0])
+    with pytest.raises(ValueError, match="is a text model; the prompt batch has images"):
+        text_engine.generate_sequences(batch)

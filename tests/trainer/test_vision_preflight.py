@@ -1,0 +1,40 @@
+"""A vision-language model on the paths that do not carry its images yet (the agent loop, the HF-engine servers) is
+refused before launch naming the key; a colocated run of it passes the model checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.trainer.preflight import check_model
+from megatron_rl_testing.vl_models import make_tiny_qwen2_5_vl
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl_preflight") / "model")
+
+
+def _cfg(tmp_path, model_dir, *overrides):
+    train = tmp_path / "train.jsonl"
+    row = {"prompt": [{"role": "user", "content": "hi"}], "data_source": "synthetic/copy",
+           "reward_model": {"ground_truth": "1"}}
+    train.write_text(json.dumps(row) + "\n")
+    return load_config(overrides=["trainer.device=cpu", "actor_rollout_ref.rollout.name=hf",
+                                  f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model_dir}",
+                                  *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.multi_turn.enable=true"],
+     r"multi_turn.enable=true: the agent loop does not carry the images of a vision-language model"),
+    (["actor_rollout_ref.rollout.mode=server"], r"rollout.mode=server with rollout.name=hf: the HF-engine servers"),
+])
+def test_paths_without_images_are_refused_by_key(tmp_path, model_dir, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_model(_cfg(tmp_path, model_dir, *overrides))
+
+
+def test_a_colocated_vision_language_run_passes_the_model_checks(tmp_path, model_dir):
+    check_model(_cfg(tmp_path, model_dir))
