@@ -52,6 +52,7 @@ from megatron_rl.rollout.vllm.server import (
     parse_choice,
 )
 from megatron_rl.rollout.vllm.engine import engine_args
+from megatron_rl.rollout.vllm.vision import torchvision_free_env
 from megatron_rl.servers.client import ServerRolloutClient, _Replaced
 from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
 from megatron_rl.servers.route_auth import KEY_ENV, MIDDLEWARE
@@ -96,6 +97,11 @@ class VLLMServerSettings:
         if self.recipe is None:
             return self
         return VLLMServerSettings.from_rollout(**self.recipe, on_cpu=not gpus)
+
+    @property
+    def serves_images(self) -> bool:
+        """A vision-language model's servers (rollout/vllm/engine.py ``engine_args`` limits their videos to 0)."""
+        return "limit_mm_per_prompt" in dict(self.engine_args)
 
     @property
     def seed(self) -> int:
@@ -162,8 +168,10 @@ def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.
     args = dict(settings.engine_args)
     if seed is not None:
         args["seed"] = seed
+    # images come through vLLM's token-in route (/inference/v1/generate), which --enable-scale-out opens
+    images = ["--enable-scale-out"] if settings.serves_images else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", SERVED_NAME,
-            "--host", host, "--port", str(port), "--middleware", MIDDLEWARE, *cli_flags(args)]
+            "--host", host, "--port", str(port), "--middleware", MIDDLEWARE, *cli_flags(args), *images]
 
 
 def _healthy(url: str, api_key: str) -> bool:
@@ -191,6 +199,8 @@ def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, 
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU turns "uni" back into "mp"
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if settings.serves_images:  # vLLM's Qwen-VL code without torchvision (a no-op where torchvision imports)
+        env = torchvision_free_env(env)
     log_dir = log_dir or tempfile.mkdtemp(prefix="mrl_vllm_server_")
     log_path = os.path.join(log_dir, f"vllm_server_{port}.log")
     with open(log_path, "w") as log:

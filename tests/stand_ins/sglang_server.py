@@ -50,6 +50,7 @@ ROUTE_FIELDS = {
         "rid",
         "stream",
         "logprob_start_len",
+        "image_data",
     },
     "/begin_weight_update": {"selector", "rid"},
     "/end_weight_update": {"rid"},
@@ -149,6 +150,7 @@ class App:
             sampling_params=body.get("sampling_params"),
             return_logprob=bool(body.get("return_logprob", False)),
             stream=bool(body.get("stream", False)),
+            image_data=body.get("image_data"),
         )
 
     def begin_weight_update(self, body: dict) -> dict:

@@ -28,6 +28,7 @@ from megatron_rl.rollout.sglang.contract import (
     SGLangUnavailableError,
 )
 from megatron_rl.rollout.sglang.server_args import check_engine_kwargs
+from megatron_rl.rollout.vllm.vision import image_token_id
 
 __all__ = [
     "SGLANG_CONTRACT",
@@ -64,6 +65,7 @@ def build_sglang_engine(
     if config.mode not in ("colocated", "server"):
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     routing_shape = _routing_shape(config, model_path)
+    image_token = image_token_id(model_path)  # a vision-language model: images go with the prompts (adapter.py)
     if routing_shape is not None and config.mode == "server":
         raise ValueError(f"{ROLLOUT_KEY}=true with rollout.mode=server is not built (the servers' replies carry "
                          "no routing); use mode=colocated")
@@ -93,7 +95,8 @@ def build_sglang_engine(
                 "mem_fraction_static": float(config.gpu_memory_utilization),
                 "enable_memory_saver": True,  # needed by release/resume_memory_occupation
                 "base_gpu_id": int(base_gpu_id),
-                "skip_tokenizer_init": True,
+                # SGLang's multimodal processor needs the tokenizer; token ids still go in and out
+                "skip_tokenizer_init": image_token is None,
                 "load_format": "dummy",
                 "random_seed": int(config.seed),
                 "dtype": SGLANG_DTYPE_NAMES[dtype],
@@ -111,7 +114,7 @@ def build_sglang_engine(
     return SGLangEngine(
         config, transport, response_length=response_length, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, needs_sync=needs_sync, compute_device=compute_device,
-        routing_shape=routing_shape,
+        routing_shape=routing_shape, image_token_id=image_token,
     )
 
 

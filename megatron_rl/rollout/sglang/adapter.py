@@ -12,6 +12,13 @@ Released weights are gone: after ``sleep()`` the engine refuses to generate unti
 Log-probs are SGLang's ``output_token_logprobs``: the temperature-scaled full-vocabulary log-prob of each
 sampled token (log_softmax(logits) when greedy), the HF engine's convention. ``meta_info['seed']`` becomes a
 per-row ``sampling_seed``, which SGLang honours only when started with ``enable_deterministic_inference``.
+
+Images (a vision-language model, ``image_token_id``): a row's ``multi_modal_data`` images go in the request's
+``image_data`` (one list per request, each image a base64 PNG data URL), its ``input_ids`` with one
+``<|image_pad|>`` per image (verl's raw_prompt_ids): SGLang decodes the ids, matches each image token with one image
+and expands it from the image (an expanded prompt would not match). SGLang reports the prompt it served as
+``meta_info.prompt_tokens``: it must be the trainer's expanded length. SGLang processes images only with its
+tokenizer loaded (a vision-language engine starts without skip_tokenizer_init).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from megatron_rl.rollout.routed_experts import decode_sglang_routing, empty_rout
 from megatron_rl.rollout.sampling import SamplingParams, resolve_sampling_params
 from megatron_rl.rollout.sglang.contract import MEMORY_TAGS, WEIGHT_UPDATE_SESSION_SINCE, checked
 from megatron_rl.rollout.sglang.payload import serialize_bucket
+from megatron_rl.rollout.vllm.vision import engine_prompts, image_data_url, row_images
 
 __all__ = ["SGLangEngine"]
 
@@ -55,8 +63,10 @@ class SGLangEngine(RolloutEngine):
         needs_sync: str = "the engine starts with random weights (load_format=dummy)",
         compute_device: str = "cuda",
         routing_shape: tuple[int, int] | None = None,
+        image_token_id: int | None = None,
     ) -> None:
-        """``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
+        """``image_token_id``: the model's ``<|image_pad|>`` (a vision-language model), None for a text model.
+        ``config``: the rollout config; ``transport``: an InProcessTransport or a ServerTransport (see
         ``megatron_rl.rollout.sglang.build_sglang_engine``). ``compute_device``: where the engines compute,
         which decides ``rollout.dtype=auto`` (cpu for the HF-engine servers, servers/hf_server.py)."""
         length = config.response_length if config.response_length is not None else response_length
@@ -79,6 +89,7 @@ class SGLangEngine(RolloutEngine):
         self._needs_sync: str | None = needs_sync
         # (MoE layers, top-k): every result carries meta_info.routed_experts (routing replay R3); None: not asked
         self.routing_shape = routing_shape
+        self.image_token = image_token_id
         if routing_shape is not None and not getattr(transport, "routed_experts", False):
             # the engine builds its transport with the flag whenever it asks for routing; the config side is
             # refused before launch (config/router_replay.py)
@@ -104,9 +115,17 @@ class SGLangEngine(RolloutEngine):
         start = time.perf_counter()
         input_ids = prompt_token_lists(prompts)
         sampling = [checked("sampling", None, sampling_dict(params, row)) for row in range(len(input_ids))]
-        outputs = self.transport.generate(input_ids, sampling)
+        images = row_images(prompts, "SGLangEngine")
+        if images is None:
+            outputs = self.transport.generate(input_ids, sampling)
+        else:  # one image token per image in input_ids (SGLang expands it), the images as data URLs
+            requests = engine_prompts(input_ids, images, self.image_token, "SGLangEngine")
+            outputs = self.transport.generate([r["prompt_token_ids"] for r in requests], sampling,
+                                              image_data=[[image_data_url(i) for i in r] or None for r in images])
         responses, log_probs = [], []
         for row, output in enumerate(outputs):
+            if images is not None and images[row]:
+                check_prompt_tokens(output, len(input_ids[row]), row)
             tokens, lps = parse_output(output, row, params)
             if self.is_server:
                 self._check_served_version(output, row)
@@ -258,6 +277,15 @@ def sampling_dict(params: SamplingParams, row: int) -> dict[str, Any]:
     if params.seed is not None:
         out["sampling_seed"] = params.seed + row
     return out
+
+
+def check_prompt_tokens(output: dict, expected: int, row: int) -> None:
+    """SGLang's ``meta_info.prompt_tokens`` (the prompt it served, images expanded) is the trainer's prompt length."""
+    served = (output.get("meta_info") or {}).get("prompt_tokens")
+    if served != expected:
+        raise RuntimeError(f"SGLang served prompt row {row} as {served!r} tokens, the trainer's prompt has {expected}: "
+                           "SGLang expanded its images otherwise than the trainer's processor; the response would not "
+                           "follow the prompt the trainer scores")
 
 
 def parse_output(output: dict, row: int, params: SamplingParams) -> tuple[list[int], list[float]]:

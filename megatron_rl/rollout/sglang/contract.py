@@ -37,7 +37,7 @@ WEIGHT_UPDATE_SESSION_SINCE = Version("0.5.23")  # sglang PR #28001
 SGLANG_CONTRACT: dict[str, Any] = {
     # srt/entrypoints/engine.py, class Engine: method -> keyword arguments we pass
     "engine_methods": {
-        "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts"),
+        "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts", "image_data"),
         "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
         "begin_weight_update": (),
         "end_weight_update": (),
@@ -87,7 +87,11 @@ SGLANG_CONTRACT: dict[str, Any] = {
     "load_formats": ("dummy",),
     # srt/entrypoints/http_server.py: route -> (request struct in srt/managers/io_struct.py, fields we send)
     "http_routes": {
-        "/generate": ("GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "return_routed_experts")),
+        # image_data: one list per request (None: text only), each image a data URL (base64 PNG): SGLang's
+        # load_image takes data URLs, base64 and paths (srt/utils/common.py); its processor decodes input_ids and
+        # matches each image token with one image, expanding it (srt/multimodal/processors/base_processor.py)
+        "/generate": ("GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "return_routed_experts",
+                                           "image_data")),
         "/server_info": (None, ()),  # we read "version" and the server_info_args below
         "/flush_cache": (None, ()),
         "/begin_weight_update": ("BeginWeightUpdateReqInput", ()),
@@ -131,6 +135,7 @@ SGLANG_CONTRACT: dict[str, Any] = {
             "finish_reason",
             "weight_version",
             "routed_experts",  # base64 int32 [prompt + output - 1, layers, top-k]
+            "prompt_tokens",  # the prompt served (image tokens expanded): checked for rows with images
         ),
         "srt/entrypoints/http_server.py": ("version", "success", "message"),
     },

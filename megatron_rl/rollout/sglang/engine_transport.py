@@ -123,9 +123,12 @@ class InProcessTransport:
         return getattr(self._engine, method)(**checked("engine", method, kwargs))
 
     # ------------------------------------------------------------------ the transport interface
-    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]],
+                 image_data: list[list[str] | None] | None = None) -> list[dict]:
         routed = {"return_routed_experts": True} if self.routed_experts else {}
-        return self.call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True, **routed)
+        images = {"image_data": image_data} if image_data is not None else {}
+        return self.call("generate", input_ids=input_ids, sampling_params=sampling, return_logprob=True, **routed,
+                         **images)
 
     def session(self, what: str) -> None:
         check_result(self.call(what), what)

@@ -220,13 +220,15 @@ class ServerTransport:
         return [f.result() for f in futures]
 
     # ------------------------------------------------------------------ the transport interface
-    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]],
+                 image_data: list[list[str] | None] | None = None) -> list[dict]:
         bounds = [len(input_ids) * i // len(self._servers) for i in range(len(self._servers) + 1)]
         futures = [
             self._pool.submit(
                 server.request,
                 "/generate",
-                {"input_ids": input_ids[lo:hi], "sampling_params": sampling[lo:hi], "return_logprob": True},
+                {"input_ids": input_ids[lo:hi], "sampling_params": sampling[lo:hi], "return_logprob": True,
+                 **({"image_data": image_data[lo:hi]} if image_data is not None else {})},
             )
             for server, (lo, hi) in zip(self._servers, itertools.pairwise(bounds))
             if hi > lo

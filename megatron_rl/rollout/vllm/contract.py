@@ -22,6 +22,7 @@ from megatron_rl.rollout.engine_args import name_problem
 
 __all__ = [
     "COMPLETION_FIELDS",
+    "GENERATE_FIELDS",
     "CPU_HEAD_SIZES",
     "ENGINE_ARG_NAMES",
     "NEUTRAL_SAMPLING",
@@ -144,7 +145,12 @@ NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequen
 # HTTP routes of a vLLM 0.32 server the server mode uses (rollout/vllm/server.py, servers/vllm_server.py); all
 # but /v1/* and /health exist only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/**/api_router.py)
 SERVER_ROUTES = ("/v1/completions", "/v1/models", "/health", "/pause", "/resume", "/collective_rpc",
-                 "/reset_prefix_cache", "/abort_requests")
+                 "/reset_prefix_cache", "/abort_requests",
+                 # a vision-language model: image rows (--enable-scale-out), the caches a weight update invalidates
+                 "/inference/v1/generate", "/reset_encoder_cache", "/reset_mm_cache")
+# /inference/v1/generate request fields we send for an image row (vllm/entrypoints/scale_out/token_in_token_out/
+# protocol.py GenerateRequest)
+GENERATE_FIELDS = ("model", "token_ids", "content_parts", "sampling_params", "return_token_ids", "output_mode")
 # /v1/completions request fields we send (vllm/entrypoints/openai/completion/protocol.py CompletionRequest)
 COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                      "ignore_eos", "logprobs", "return_token_ids", "return_tokens_as_token_ids",

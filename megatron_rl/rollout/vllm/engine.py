@@ -11,6 +11,12 @@ the checkpoint's generation_config.json (``contract.NEUTRAL_SAMPLING``). No requ
 sample such rows one by one): the engine's generator, seeded once with ``rollout.seed``, draws every row, so
 ``meta_info['seed']`` is not used.
 
+Images (Qwen2-VL / Qwen2.5-VL, ``vision.py``): a row with ``multi_modal_data`` goes to vLLM as
+``{"prompt_token_ids", "multi_modal_data": {"image": [...]}}`` with its image placeholders collapsed to one per
+image (vLLM expands them itself, from the same images), and the prompt vLLM served must equal the trainer's token
+for token. Rows without images in the same call go as text. A vision-language engine keeps vLLM's tokenizer (its
+multimodal processor needs it) and takes no videos (``limit_mm_per_prompt``: video 0).
+
 Weights: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy per replica, so the trainer
 may reuse its bucket at once; every TP worker reads it and shards the full tensors itself) and, after each
 bucket, loads the whole decoder layers staged so far in one ``collective_rpc`` into the worker extension
@@ -46,6 +52,9 @@ from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING, check_engine_kwargs, require_vllm
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.shm import map_layout, new_segment_name
+from megatron_rl.rollout.vllm.vision import (
+    check_served_prompt, engine_prompts, image_token_id, row_images, torchvision_free,
+)
 
 __all__ = ["VLLMEngine", "engine_args"]
 
@@ -99,6 +108,15 @@ def engine_args(
         args["enable_return_routed_experts"] = True
     if speculative:
         args["speculative_config"] = dict(speculative)
+    if image_token_id(model_path) is not None:
+        # vLLM's multimodal processor needs the tokenizer (vllm/multimodal/processing/processor.py:1047); requests
+        # still send token ids and ask no detokenisation. Images only: the prompt rows carry no videos.
+        args["skip_tokenizer_init"] = False
+        args["limit_mm_per_prompt"] = {"video": 0}
+        # the processor normalises the pixels, as the trainer's does (the same class and config): vLLM's on-device
+        # normalisation keeps its mean/std in buffers that load_format=dummy fills with noise (worker_extension.py
+        # restores them after each load for an engine_kwargs override)
+        args["mm_device_do_normalize"] = False
     return {**args, **extra}
 
 
@@ -148,6 +166,7 @@ class VLLMEngine(StagedWeightsEngine):
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(model_path)
+            hf_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
             eos_token_id = hf_config.eos_token_id if eos_token_id is None else eos_token_id
             pad_token_id = hf_config.pad_token_id if pad_token_id is None else pad_token_id
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
@@ -157,6 +176,7 @@ class VLLMEngine(StagedWeightsEngine):
         self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
                                 on_cpu=self.on_cpu, model_override=model_override, speculative=speculative)
         self.drafts = bool(speculative)
+        self.image_token = image_token_id(model_path)  # None: a text model
         if self.args.get("enable_return_routed_experts"):
             check_vllm_routing(model_path, self.on_cpu)
         # vLLM logs every scheduler and loader step at INFO, in every process it starts; a user's own setting wins
@@ -171,7 +191,8 @@ class VLLMEngine(StagedWeightsEngine):
         self.devices = self._claim_devices(gpus, replica_index)  # last: a failed check leaves no claim behind
         start = time.perf_counter()
         try:
-            with self.devices.mask() if self.devices is not None else contextlib.nullcontext():
+            with (self.devices.mask() if self.devices is not None else contextlib.nullcontext(),
+                  torchvision_free(self.image_token is not None)):
                 self.llm = LLM(**self.args)
         except BaseException:
             if self.devices is not None:
@@ -199,14 +220,15 @@ class VLLMEngine(StagedWeightsEngine):
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         params = self._call_params(prompts)
-        from vllm.inputs import TokensPrompt
-
         start = time.perf_counter()
         token_lists = prompt_token_lists(prompts)
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
+        images = row_images(prompts, "VLLMEngine")
+        requests = engine_prompts(token_lists, images, self.image_token, "VLLMEngine")  # TokensPrompt dicts
         outputs = self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)  # cloned per request
         responses, log_probs = [], []
         for row, output in enumerate(outputs):
+            if images is not None and images[row]:  # vLLM expanded the placeholders: the trainer's prompt?
+                check_served_prompt(token_lists[row], output.prompt_token_ids, row, "VLLMEngine")
             tokens, lps = parse_completion(output.outputs[0], row, params)
             responses.append(tokens)
             log_probs.append(lps)
@@ -247,6 +269,13 @@ class VLLMEngine(StagedWeightsEngine):
         self._load_staged(self._staging.waiting())
         self._in_session = False
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+        if self.image_token is not None:
+            # the workers' reload dropped their encoder outputs and multimodal inputs
+            # (vllm/v1/worker/gpu_model_runner.py reload_weights), the scheduler's and the renderer's records of them
+            # stay: a later request with the same image would miss the encoder cache (the engine dies) or reuse
+            # vision features of the old weights. Reset on both sides.
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_mm_cache()
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False

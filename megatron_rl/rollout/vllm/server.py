@@ -15,6 +15,14 @@ at most ``rollout.max_num_seqs`` in flight at each server (what its engine batch
 queue), in threads made for the call (``map_bounded``). Tokens from ``return_token_ids``, log-probs from
 ``logprobs.token_logprobs`` (processed: the distribution the token was drawn from, our convention).
 
+Images (a vision-language model, ``vision.py``): a row with images goes to ``/inference/v1/generate`` instead
+(vLLM's token-in route, which takes images: ``token_ids`` with one image placeholder per image, ``content_parts``
+of ``image_url`` data URLs, base64 PNG, ``sampling_params`` as vLLM's SamplingParams), asking ``return_token_ids`` so
+that the prompt the server served is checked against the trainer's token for token. The servers must run
+with ``--enable-scale-out`` (that route), without ``--skip-tokenizer-init`` (engine_args drops it for a
+vision-language model: vLLM's multimodal processor needs the tokenizer) and, without torchvision,
+``vision.torchvision_free_env``; after a weight update the servers' encoder and multimodal caches are reset too.
+
 Weights: a session stages every bucket in a /dev/shm segment (``shm.py``, as the colocated engine does); at
 its end, on every server: ``/pause?mode=wait`` (nothing in flight is cut; the driver's client pauses with
 ``abort`` before a partial-rollout sync), ``/collective_rpc mrl_load_weights`` (the extension's in-place
@@ -55,6 +63,9 @@ from megatron_rl.rollout.sglang.contract import SGLangServerError
 from megatron_rl.rollout.server_http import ServerHTTPBase
 from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
+from megatron_rl.rollout.vllm.vision import (
+    check_served_prompt, engine_prompts, image_data_url, image_token_id, row_images,
+)
 from megatron_rl.rollout.vllm.worker_extension import WorkerExtension
 
 __all__ = ["SERVER_EXTENSION", "ServerWorkerExtension", "VLLMServerEngine", "VLLMServerError", "VLLMServerHTTP",
@@ -170,6 +181,37 @@ def completion_request(model: str, prompt: list[int], *, max_tokens: int, temper
     }
 
 
+IMAGE_ROUTE = "/inference/v1/generate"
+
+
+def image_request(model: str, prompt: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
+    """One image row's ``/inference/v1/generate`` body (vllm/entrypoints/scale_out/token_in_token_out/protocol.py
+    GenerateRequest): ``prompt`` is vision.engine_prompts' (placeholders collapsed, ``multi_modal_data``); sampling as
+    ``completion_request``'s, in vLLM's SamplingParams fields."""
+    sampling = {
+        "n": 1, "max_tokens": params.max_response_length,
+        "temperature": 0.0 if params.greedy else float(params.temperature), "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else 0,
+        "stop_token_ids": [int(t) for t in params.finish_token_ids], "ignore_eos": True, "logprobs": 0,
+        "detokenize": False, "skip_special_tokens": False, **NEUTRAL_SAMPLING,
+    }
+    return {"model": model, "token_ids": list(prompt["prompt_token_ids"]),
+            "content_parts": [{"type": "image_url", "url": image_data_url(image)}
+                              for image in prompt["multi_modal_data"]["image"]],
+            "sampling_params": sampling, "return_token_ids": True, "output_mode": "tokens"}
+
+
+def parse_generate(result: dict[str, Any], url: str) -> tuple[list[int], list[float], list[int] | None]:
+    """(token ids, their log-probs, the prompt served) of one ``/inference/v1/generate`` answer."""
+    choice = result["choices"][0]
+    tokens = [int(t) for t in (choice.get("token_ids") or [])]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) < len(tokens):
+        raise RuntimeError(f"vLLM server {url}{IMAGE_ROUTE} returned {len(tokens)} tokens but {len(content)} "
+                           "log-probs (the request asks logprobs=0)")
+    return tokens, [float(c["logprob"]) for c in content[: len(tokens)]], result.get("prompt_token_ids")
+
+
 def params_request(model: str, prompt: list[int], params: SamplingParams) -> dict:
     return completion_request(model, prompt, max_tokens=params.max_response_length,
                               temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
@@ -211,7 +253,8 @@ class VLLMServerEngine(StagedWeightsEngine):
 
     def __init__(self, config: RolloutConfig, server_urls: Sequence[str], *, response_length: int | None = None,
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 timeout_s: float | None = 600.0, compute_device: str = "cpu") -> None:
+                 timeout_s: float | None = 600.0, compute_device: str = "cpu",
+                 image_token_id: int | None = None) -> None:
         length = config.response_length if config.response_length is not None else response_length
         if length is None or int(length) < 1:
             raise ValueError(f"rollout.response_length must be >= 1 (or pass response_length), got {length!r}")
@@ -223,6 +266,7 @@ class VLLMServerEngine(StagedWeightsEngine):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.dtype = resolve_dtype(str(config.dtype), torch.device(compute_device))
         self.timeout_s = timeout_s
+        self.image_token = image_token_id  # a vision-language model's <|image_pad|> (None: a text model)
         self.tp_size = 1  # as the trainer sees it: rank 0 sends full tensors; each server shards them itself
         self.is_server = True
         self.weight_version = 0
@@ -247,17 +291,28 @@ class VLLMServerEngine(StagedWeightsEngine):
         start = time.perf_counter()
         self._check_versions()
         token_lists = prompt_token_lists(prompts)
+        images = row_images(prompts, "VLLMServerEngine")
+        requests = engine_prompts(token_lists, images, self.image_token, "VLLMServerEngine")
         n = len(self.servers)
         owner = [row * n // len(token_lists) for row in range(len(token_lists))]  # rows in order, one part per server
-        parts = [[params_request(self.models[i], ids, params) for ids, o in zip(token_lists, owner) if o == i]
-                 for i in range(n)]
+
+        def body(i: int, request: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+            if "multi_modal_data" in request:
+                return IMAGE_ROUTE, image_request(self.models[i], request, params)
+            return "/v1/completions", params_request(self.models[i], request["prompt_token_ids"], params)
+
+        parts = [[body(i, r) for r, o in zip(requests, owner) if o == i] for i in range(n)]
         limit = int(self.config.max_num_seqs)
         results = [r for part in self._pool.map(
-            lambda i: map_bounded(lambda body: self.servers[i].request("/v1/completions", body), parts[i], limit),
+            lambda i: map_bounded(lambda rb: self.servers[i].request(*rb), parts[i], limit),
             range(n)) for r in part]
         responses, log_probs = [], []
         for row, result in enumerate(results):
-            tokens, lps, _ = parse_choice(result["choices"][0], self.servers[owner[row]].url)
+            if "multi_modal_data" in requests[row]:
+                tokens, lps, served = parse_generate(result, self.servers[owner[row]].url)
+                check_served_prompt(token_lists[row], served, row, f"VLLMServerEngine ({self.servers[owner[row]].url})")
+            else:
+                tokens, lps, _ = parse_choice(result["choices"][0], self.servers[owner[row]].url)
             tokens, lps = cut_at_finish(tokens, lps, params.finish_token_ids, params.max_response_length,
                                         f"vLLM result {row} of {self.servers[owner[row]].url}")
             responses.append(tokens)
@@ -284,7 +339,8 @@ class VLLMServerEngine(StagedWeightsEngine):
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
         version, layouts = self._session_version, self._layouts_by_rank()[0]
         start = time.perf_counter()
-        futures = [self._pool.submit(self._update_server, server, workers, layouts, version)
+        vision = self.image_token is not None
+        futures = [self._pool.submit(self._update_server, server, workers, layouts, version, vision)
                    for server, workers in zip(self.servers, self.server_workers)]
         failures = []
         for server, future in zip(self.servers, futures):
@@ -302,7 +358,8 @@ class VLLMServerEngine(StagedWeightsEngine):
         self._needs_sync = None
 
     @staticmethod
-    def _update_server(server: VLLMServerHTTP, workers: int, layouts: list[dict[str, Any]], version: int) -> None:
+    def _update_server(server: VLLMServerHTTP, workers: int, layouts: list[dict[str, Any]], version: int,
+                       vision: bool = False) -> None:
         """Paused (in-flight requests finish first), loaded, versioned, prefix cache dropped, resumed. A failed
         load leaves the server at version -1 (resumed, so that nothing waits on it): every client refuses its
         samples until a complete update."""
@@ -312,6 +369,9 @@ class VLLMServerEngine(StagedWeightsEngine):
             server.rpc("mrl_load_weights", [layouts] * workers)  # every worker maps the full tensors, shards itself
             server.rpc("mrl_set_weight_version", version)
             server.request("/reset_prefix_cache")  # cached prefixes hold KV computed with the old weights
+            if vision:  # the reload dropped the workers' encoder outputs, not the scheduler's / renderer's records
+                server.request("/reset_encoder_cache")
+                server.request("/reset_mm_cache")
         except BaseException:
             try:
                 server.request("/resume")
@@ -351,4 +411,5 @@ def build_vllm_server_engine(config: RolloutConfig, model_path: str, *, response
     return VLLMServerEngine(config, list(config.server_urls), response_length=response_length,
                             eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                             timeout_s=config.sglang.request_timeout_s,
-                            compute_device="cuda" if torch.cuda.is_available() else "cpu")
+                            compute_device="cuda" if torch.cuda.is_available() else "cpu",
+                            image_token_id=image_token_id(model_path))

@@ -103,6 +103,25 @@ def _unpack_cpu_experts(packed: torch.Tensor, isa: str) -> torch.Tensor:
     return out.view(experts, rows, cols)
 
 
+def _restore_image_norm(model_runner: Any) -> int:
+    """A vision tower's on-device pixel normalisation (vLLM's ``FusedMMInputNorm``, with mm_device_do_normalize)
+    keeps the processor's mean / std in buffers named ``weight`` and ``bias`` that no checkpoint holds: vLLM computes
+    them when it builds the model, load_format=dummy then fills them with noise, and no weight update sets them.
+    Computed again here from the processor config, as vLLM computes them. Returns the modules restored."""
+    from vllm.model_executor.layers.fusion.mm_input_norm import FusedMMInputNorm, _load_norm_params
+
+    restored = 0
+    for module in model_runner.model.modules():
+        if isinstance(module, FusedMMInputNorm):
+            params = _load_norm_params(model_runner.model_config)
+            mean, std = (torch.tensor(v, dtype=torch.float32) for v in (params.image_mean, params.image_std))
+            with torch.no_grad():
+                module.weight.copy_(params.rescale_factor / std)
+                module.bias.copy_(-mean / std)
+            restored += 1
+    return restored
+
+
 class WorkerExtension:
     def mrl_load_weights(self, layouts_by_rank: list[list[dict[str, Any]]]) -> int:
         """Load the segments meant for this worker's TP rank (``layouts_by_rank[rank]``) in one reload; returns
@@ -130,6 +149,7 @@ class WorkerExtension:
         if not all(is_mtp(name) for name in names):
             self.reload_weights(weights_iterator=tensors(mtp=False), is_checkpoint_format=True)
             _prepack_cpu_experts(self.model_runner.model, units)
+            _restore_image_norm(self.model_runner)
         if any(is_mtp(name) for name in names):
             self._reload_drafter(tensors(mtp=True))
         return counted[0]

@@ -362,6 +362,7 @@ class Engine:
         logprob_start_len: int | None = None,
         stream: bool = False,
         return_routed_experts: bool = False,
+        image_data: Any = None,
     ) -> Any:
         self._check()
         if prompt is not None:
@@ -385,6 +386,8 @@ class Engine:
                 raise ValueError(
                     f"unknown sampling params {unknown} (the stand-in knows {sorted(SAMPLING_FIELDS)})"
                 )
+        if image_data is not None:
+            self._check_images(rows, image_data, single)
         if self._session_open:
             raise RuntimeError(
                 "generate during an open weight-update session: the weights are not finalized until "
@@ -400,6 +403,44 @@ class Engine:
             if not return_logprob:
                 r["meta_info"].pop("output_token_logprobs")
         return results[0] if single else results
+
+    def _check_images(self, rows: list[list[int]], image_data: Any, single: bool) -> None:
+        """SGLang's GenerateReqInput.image_data: one list per request (an image: a data URL, base64 or a path).
+        SGLang's processor decodes input_ids and matches each image token with one image (then expands it), so a
+        request whose image tokens and images differ in number fails there; the stand-in refuses it here, and
+        refuses images altogether, as SGLang cannot process them without its tokenizer (skip_tokenizer_init=True,
+        the only way the stand-in starts) and the stand-in has no vision tower."""
+        per_request = [image_data] if single else image_data
+        if not isinstance(per_request, list) or len(per_request) != len(rows):
+            got = f"{type(image_data).__name__}" + (f" of {len(image_data)}" if isinstance(image_data, list) else "")
+            raise ValueError(f"image_data must hold one entry per request ({len(rows)}), got {got}")
+        image_token = self._image_token_id()
+        for i, (ids, images) in enumerate(zip(rows, per_request)):
+            images = [] if images is None else images
+            if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
+                raise ValueError(f"image_data[{i}] must be a list of images as strings (data URL, base64 or path)")
+            tokens = sum(1 for t in ids if t == image_token) if image_token is not None else 0
+            if images and image_token is None:
+                raise ValueError(f"request {i} has image_data but the model takes no images")
+            if tokens != len(images):
+                raise ValueError(f"request {i}: {tokens} image tokens (id {image_token}) in input_ids for "
+                                 f"{len(images)} image(s) in image_data: SGLang matches each image token with one "
+                                 "image (send one per image; SGLang expands it)")
+        if any(per_request) and self._args["skip_tokenizer_init"]:
+            raise ValueError("image_data needs SGLang's multimodal processor, which an engine started with "
+                             "skip_tokenizer_init=True has not (the stand-in runs no vision tower either)")
+
+    def _image_token_id(self) -> int | None:
+        """The checkpoint's image token (config.json image_token_id), None for a text model."""
+        import json
+
+        path = os.path.join(str(self._args["model_path"]), "config.json")
+        try:
+            with open(path) as f:
+                token = json.load(f).get("image_token_id")
+        except OSError:
+            return None
+        return token if isinstance(token, int) else None
 
     def get_server_info(self) -> dict[str, Any]:
         """A small subset of SGLang's: the server args given, version, weight_version."""
