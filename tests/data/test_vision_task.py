@@ -1,4 +1,5 @@
-"""The ``shapes`` vision task: rows in verl's multimodal format, its scorer, and the CLI's tiny VL checkpoint."""
+"""The ``shapes`` and ``shape_colour`` vision tasks: rows in verl's multimodal format, their scorer, and the CLI's tiny
+VL checkpoint."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from PIL import Image
 from megatron_rl.data import RLDataset, load_tokenizer
 from megatron_rl.data.tasks import VISION_TASKS, make_rows
 from megatron_rl.data.tasks.__main__ import main
-from megatron_rl.data.tasks.shapes import IMAGE_SIZE
+from megatron_rl.data.tasks.shapes import COLOUR_NAMES, IMAGE_SIZE
 from megatron_rl.reward import get_scorer
 
 
@@ -33,6 +34,19 @@ def test_rows_hold_one_png_whose_squares_are_the_answer():
         assert coloured_quarters(image["bytes"]) == int(row["reward_model"]["ground_truth"])
         assert row["prompt"][0]["content"].count("<image>") == 1
         assert row["data_source"] == "synthetic/shapes"
+
+
+def test_colour_rows_hold_one_square_of_the_answers_colour():
+    rows = make_rows("shape_colour", 40, seed=3, split="val")
+    assert "shape_colour" in VISION_TASKS
+    assert {row["reward_model"]["ground_truth"] for row in rows} == set(COLOUR_NAMES)
+    for row in rows:
+        [image] = row["images"]
+        pixels = np.asarray(Image.open(io.BytesIO(image["bytes"])).convert("RGB")).reshape(-1, 3)
+        assert pixels.shape[0] == (IMAGE_SIZE // 2) ** 2  # one merged patch: one image token
+        colours = {tuple(p) for p in pixels} - {(255, 255, 255)}
+        assert colours == {COLOUR_NAMES[row["reward_model"]["ground_truth"]][1]}
+        assert row["data_source"] == "synthetic/shape_colour" and row["prompt"][0]["content"].startswith("<image>")
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from megatron_rl.data.tasks.arithmetic import make_arithmetic_rows
 from megatron_rl.data.tasks.digits import DIGIT_OPS, make_digit_rows
-from megatron_rl.data.tasks.shapes import make_shapes_rows
+from megatron_rl.data.tasks.shapes import make_colour_rows, make_shapes_rows
 from megatron_rl.data.tasks.tool_multiply import make_tool_multiply_rows
 
 __all__ = ["TASKS", "VISION_TASKS", "make_rows", "task_texts", "write_task"]
@@ -34,8 +34,9 @@ TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
     "arith": make_arithmetic_rows,
     "tool_multiply": make_tool_multiply_rows,
     "shapes": make_shapes_rows,
+    "shape_colour": make_colour_rows,
 }
-VISION_TASKS = frozenset({"shapes"})  # rows with images: they need a vision-language model
+VISION_TASKS = frozenset({"shapes", "shape_colour"})  # rows with images: they need a vision-language model
 
 
 def make_rows(task: str, n: int, seed: int, split: str) -> list[dict[str, Any]]:

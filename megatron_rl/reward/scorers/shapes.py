@@ -1,4 +1,5 @@
-"""Scorer of ``synthetic/shapes`` (megatron_rl.data.tasks.shapes): 1 for the right count, 0 otherwise.
+"""Scorer of ``synthetic/shapes`` and ``synthetic/shape_colour`` (megatron_rl.data.tasks.shapes): 1 for the right
+answer (the count, the colour's number), 0 otherwise.
 
 The answer is the content of the last ``\\boxed{...}`` when the response has one (geo3k's format), else the
 whole response with surrounding whitespace stripped; either must equal the ground truth exactly.
@@ -21,7 +22,7 @@ def extract_answer(solution_str: str) -> str:
     return (boxed[-1] if boxed else solution_str).strip()
 
 
-@register_scorer("synthetic/shapes")
+@register_scorer("synthetic/shapes", "synthetic/shape_colour")
 def compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
 ) -> dict[str, Any]:
