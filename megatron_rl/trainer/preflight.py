@@ -332,8 +332,8 @@ def check_vision_rollout(cfg: PPOTrainerConfig, model) -> None:
     if rollout.multi_turn.enable:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: the agent loop does not carry the images "
                           f"of a vision-language model ({model.architecture}) yet")
-    if rollout.mode == "server" and rollout.name == "hf":
-        raise ConfigError(f"actor_rollout_ref.rollout.mode=server with rollout.name=hf: the HF-engine servers do not "
+    if rollout.mode == "server" and not engine_of(rollout).servers_take_images:
+        raise ConfigError(f"actor_rollout_ref.rollout.mode=server with rollout.name={rollout.name}: its servers do not "
                           f"take images; a vision-language model ({model.architecture}) runs colocated")
 
 

@@ -29,7 +29,7 @@ def _cfg(tmp_path, model_dir, *overrides):
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.rollout.multi_turn.enable=true"],
      r"multi_turn.enable=true: the agent loop does not carry the images of a vision-language model"),
-    (["actor_rollout_ref.rollout.mode=server"], r"rollout.mode=server with rollout.name=hf: the HF-engine servers"),
+    (["actor_rollout_ref.rollout.mode=server"], r"rollout.mode=server with rollout.name=hf: its servers do not take images"),
 ])
 def test_paths_without_images_are_refused_by_key(tmp_path, model_dir, overrides, message):
     with pytest.raises(ConfigError, match=message):
