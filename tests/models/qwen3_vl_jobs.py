@@ -4,13 +4,13 @@ layers off the first stage refused; and transformers' reference outputs for the 
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 
 from megatron_rl_testing.vl_models import IMAGE, QWEN3_VL_PATCH, image_text_batch
-from vision_jobs import loss_of
+from vision_jobs import backward_summed, loss_of
+from vision_jobs import layout_checks as shared_layout_checks
 
 # checkpoint names (transformers' parameter names too): the tower's first and last blocks, both DeepStack mergers,
 # the final merger, the learned position grid; a language layer's norms before and after DeepStack, the final norm
@@ -28,20 +28,8 @@ def batch():
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
-    """Gradients of GRAD_PARAMS after one backward of ``loss_of`` on a PP=1 model, summed over TP as Megatron's
-    finalize_model_grads sums the sequence-parallel ones."""
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
-
-    from megatron_rl.models import causal_padding_mask
-    from megatron_rl.models.vision_inputs import model_inputs
-
-    input_ids, attention_mask, images = batch()
-    model.train()
-    positions, extra = model_inputs(model.hf_config, input_ids, attention_mask, images)
-    logits = model(input_ids, positions, causal_padding_mask(attention_mask), runtime_gather_output=True, **extra)
-    loss_of(logits, model.hf_config.vocab_size).backward()
-    model.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-    _allreduce_non_tensor_model_parallel_grads([model], model.config)
+    """Gradients of GRAD_PARAMS after ``backward_summed``."""
+    backward_summed(model, batch)
     params = {"model.visual." + n: p for n, p in model.vision.named_parameters()}
     layers = model.decoder.layers
     params["model.language_model.layers.0.input_layernorm.weight"] = layers[0].input_layernorm.weight
@@ -53,25 +41,13 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def layout_checks(directory: str, layouts: list[tuple[int, int, bool]], refused_directory: str) -> dict[str, Any]:
-    """For each (TP, PP, SP): the gathered logits (last stage), at SP off every exported tensor, at PP 1 the
-    gradients of GRAD_PARAMS; at TP 1 the gradients again under full activation recompute; the error building
-    ``refused_directory`` (DeepStack into 3 layers) at PP 2 (2 layers a stage)."""
+    """vision_jobs.layout_checks on this batch with these gradients; at TP 1 the gradients again under full
+    activation recompute; the error building ``refused_directory`` (DeepStack into 3 layers) at PP 2 (2 layers a
+    stage)."""
     from megatron_rl.distributed import init_model_parallel
-    from megatron_rl.models import build_from_hf, build_gpt_model, compute_full_logits, load_hf_config
-    from megatron_rl.weights import export_hf_weights
+    from megatron_rl.models import build_from_hf, build_gpt_model, load_hf_config
 
-    input_ids, attention_mask, images = batch()
-    out: dict[str, Any] = {"logits": {}, "export": {}, "grads": {}}
-    for tp, pp, sp in layouts:
-        init_model_parallel(tp=tp, pp=pp)
-        chunks = build_from_hf(directory, sequence_parallel=sp)
-        logits = compute_full_logits(chunks, input_ids, attention_mask, micro_batch_size=1, images=images)
-        if logits is not None:
-            out["logits"][tp, pp, sp] = logits
-        if not sp:
-            out["export"][tp, pp] = [(n, t.clone()) for n, t in export_hf_weights(chunks)]
-        if pp == 1:
-            out["grads"][tp, sp] = _grads(chunks[0])
+    out = shared_layout_checks(directory, layouts, batch, _grads)
     init_model_parallel(tp=1, pp=1)
     out["grads"]["recompute"] = _grads(build_from_hf(directory, **RECOMPUTE)[0])
     init_model_parallel(tp=1, pp=2)

@@ -4,6 +4,7 @@ several (TP, PP, sequence-parallel) layouts; and transformers' reference outputs
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,35 +24,42 @@ def loss_of(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -(picked * valid).sum() / valid.sum()
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    """Gradients of GRAD_PARAMS after one backward of ``loss_of`` on a PP=1 model, summed over TP as Megatron's
+def backward_summed(model, batch: Callable[[], tuple]) -> None:
+    """One backward of ``loss_of`` on ``batch()`` through a PP=1 model, the gradients then summed over TP as Megatron's
     finalize_model_grads sums the sequence-parallel ones."""
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
     from megatron_rl.models import causal_padding_mask
     from megatron_rl.models.vision_inputs import model_inputs
 
-    input_ids, attention_mask, images = image_text_batch()
+    input_ids, attention_mask, images = batch()
     model.train()
     positions, extra = model_inputs(model.hf_config, input_ids, attention_mask, images)
     logits = model(input_ids, positions, causal_padding_mask(attention_mask), runtime_gather_output=True, **extra)
     loss_of(logits, model.hf_config.vocab_size).backward()
     model.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
     _allreduce_non_tensor_model_parallel_grads([model], model.config)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    """Gradients of GRAD_PARAMS after ``backward_summed``."""
+    backward_summed(model, image_text_batch)
     params = {"visual." + n: p for n, p in model.vision.named_parameters()}
     params["model.layers.0.input_layernorm.weight"] = model.decoder.layers[0].input_layernorm.weight
     params["model.norm.weight"] = model.decoder.final_layernorm.weight
     return {name: params[name].grad.clone() for name in GRAD_PARAMS}
 
 
-def layout_checks(directory: str, layouts: list[tuple[int, int, bool]]) -> dict[str, Any]:
-    """For each (TP, PP, SP): the gathered logits (last stage), at SP off every exported tensor, at PP 1 the
-    gradients of GRAD_PARAMS."""
+def layout_checks(directory: str, layouts: list[tuple[int, int, bool]],
+                  batch: Callable[[], tuple] = image_text_batch,
+                  grads: Callable[[Any], dict[str, torch.Tensor]] = _grads) -> dict[str, Any]:
+    """For each (TP, PP, SP): the gathered logits of ``batch()`` (last stage), at SP off every exported tensor, at PP 1
+    ``grads(model)`` (default: of GRAD_PARAMS)."""
     from megatron_rl.distributed import init_model_parallel
     from megatron_rl.models import build_from_hf, compute_full_logits
     from megatron_rl.weights import export_hf_weights
 
-    input_ids, attention_mask, images = image_text_batch()
+    input_ids, attention_mask, images = batch()
     out: dict[str, Any] = {"logits": {}, "export": {}, "grads": {}}
     for tp, pp, sp in layouts:
         init_model_parallel(tp=tp, pp=pp)
@@ -62,7 +70,7 @@ def layout_checks(directory: str, layouts: list[tuple[int, int, bool]]) -> dict[
         if not sp:
             out["export"][tp, pp] = [(n, t.clone()) for n, t in export_hf_weights(chunks)]
         if pp == 1:
-            out["grads"][tp, sp] = _grads(chunks[0])
+            out["grads"][tp, sp] = grads(chunks[0])
     return out
 
 
