@@ -17,7 +17,8 @@ from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.mrope import mrope_position_ids
 from megatron_rl.models.vision_inputs import collate_images, model_inputs
 from megatron_rl_testing.vl_models import IMAGE, image_text_batch, make_tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
-from vision_jobs import GRAD_PARAMS, hf_reference, layout_checks
+from vision_jobs import (GRAD_PARAMS, assert_export_exact, assert_grads_match, assert_logits_match, hf_reference,
+                         layout_checks)
 
 TOLERANCE = 1e-5
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
@@ -103,32 +104,18 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("tp, pp, sp", LAYOUTS)
 def test_logits_match_transformers(setup, tp, pp, sp):
     _, results, (expected, _) = setup
-    valid = image_text_batch()[1].bool()
-    last_stage = [r["logits"][tp, pp, sp] for r in results if (tp, pp, sp) in r["logits"]]
-    assert len(last_stage) == 2 // pp
-    for logits in last_stage:
-        diff = (logits - expected)[valid].abs().max().item()
-        print(f"TP={tp} PP={pp} SP={sp}: max |logit diff| {diff:.2e}")
-        assert diff <= TOLERANCE
+    assert_logits_match(results, expected, image_text_batch()[1].bool(), (tp, pp, sp), TOLERANCE)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
 def test_gradients_match_transformers(setup, tp, sp):
     _, results, (_, expected) = setup
-    for rank, result in enumerate(results):
-        for name in GRAD_PARAMS:
-            grad, reference = result["grads"][tp, sp][name], expected[name]
-            assert reference.abs().max() > 0, name
-            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+    assert_grads_match(results, {name: expected[name] for name in GRAD_PARAMS}, (tp, sp))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
 def test_export_round_trip_is_exact(setup, tp, pp):
     directory, results, _ = setup
-    stored = load_file(Path(directory) / "model.safetensors")
-    exported = dict(results[0]["export"][tp, pp])
-    assert set(exported) == set(stored)
-    for name, tensor in stored.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_export_exact(load_file(Path(directory) / "model.safetensors"), dict(results[0]["export"][tp, pp]))

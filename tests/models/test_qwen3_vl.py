@@ -21,6 +21,7 @@ from megatron_rl.models.vision_inputs import collate_images
 from megatron_rl_testing.vl_configs import QWEN3_VL_8B
 from megatron_rl_testing.vl_models import IMAGE, make_tiny_qwen3_vl, tiny_qwen3_vl_config
 from qwen3_vl_jobs import GRAD_PARAMS, batch, hf_reference, layout_checks
+from vision_jobs import assert_export_exact, assert_grads_match, assert_logits_match
 
 TOLERANCE = 1e-5
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
@@ -83,13 +84,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("tp, pp, sp", LAYOUTS)
 def test_logits_match_transformers(setup, tp, pp, sp):
     _, results, (expected, _) = setup
-    valid = batch()[1].bool()
-    last_stage = [r["logits"][tp, pp, sp] for r in results if (tp, pp, sp) in r["logits"]]
-    assert len(last_stage) == 2 // pp
-    for logits in last_stage:
-        diff = (logits - expected)[valid].abs().max().item()
-        print(f"TP={tp} PP={pp} SP={sp}: max |logit diff| {diff:.2e}")
-        assert diff <= TOLERANCE
+    assert_logits_match(results, expected, batch()[1].bool(), (tp, pp, sp), TOLERANCE)
 
 
 @pytest.mark.distributed
@@ -98,11 +93,7 @@ def test_gradients_match_transformers(setup, layout):
     """The vision tower's (DeepStack mergers and the learned position grid included) and language norms'; at TP 1
     also under full activation recompute, where the DeepStack features ride through Megatron's checkpoints."""
     _, results, (_, expected) = setup
-    for rank, result in enumerate(results):
-        for name in GRAD_PARAMS:
-            grad, reference = result["grads"][layout][name], expected[name]
-            assert reference.abs().max() > 0, name
-            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {layout} {name}")
+    assert_grads_match(results, {name: expected[name] for name in GRAD_PARAMS}, layout)
 
 
 @pytest.mark.distributed
@@ -113,12 +104,9 @@ def test_export_round_trip_is_exact(setup, tp, pp):
     from transformers import Qwen3VLForConditionalGeneration
 
     directory, results, _ = setup
-    stored = load_file(Path(directory) / "model.safetensors")
     exported = dict(results[0]["export"][tp, pp])
-    assert set(exported) == set(stored)
+    assert_export_exact(load_file(Path(directory) / "model.safetensors"), exported)
     assert set(exported) == set(Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config()).state_dict())
-    for name, tensor in stored.items():
-        assert torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.distributed

@@ -94,3 +94,33 @@ def hf_reference(directory: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
         prefix = next(p for p in names if name.startswith(p))
         grads[name] = params[names[prefix] + name.removeprefix(prefix)].grad
     return logits.detach(), grads
+
+
+# ---------------------------------------------------------------- the comparisons both families' tests make
+
+def assert_logits_match(results: list[dict[str, Any]], expected: torch.Tensor, valid: torch.Tensor,
+                        layout: tuple[int, int, bool], tolerance: float) -> None:
+    """Every last-stage rank's logits at ``layout`` (TP, PP, SP) equal transformers' over the ``valid`` tokens."""
+    tp, pp, sp = layout
+    last_stage = [r["logits"][layout] for r in results if layout in r["logits"]]
+    assert len(last_stage) == 2 // pp
+    for logits in last_stage:
+        diff = (logits - expected)[valid].abs().max().item()
+        print(f"TP={tp} PP={pp} SP={sp}: max |logit diff| {diff:.2e}")
+        assert diff <= tolerance
+
+
+def assert_grads_match(results: list[dict[str, Any]], expected: dict[str, torch.Tensor], layout: Any) -> None:
+    """Every rank's gradients at ``layout`` equal transformers' (each of which is non-zero)."""
+    for rank, result in enumerate(results):
+        for name, reference in expected.items():
+            assert reference.abs().max() > 0, name
+            torch.testing.assert_close(result["grads"][layout][name], reference, rtol=1e-4, atol=1e-6,
+                                       msg=f"rank {rank} {layout} {name}")
+
+
+def assert_export_exact(stored: dict[str, torch.Tensor], exported: dict[str, torch.Tensor]) -> None:
+    """The exported tensors are the checkpoint's, by name and bit for bit."""
+    assert set(exported) == set(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name
