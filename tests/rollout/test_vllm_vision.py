@@ -127,6 +127,21 @@ def reference_logits(model, prompt: list[int], response: list[int], images) -> t
     return torch.cat(logits).double()
 
 
+def worst_log_prob_diff(served, weights, out, ids, inputs, temperature: float) -> float:
+    """The largest |engine - transformers| log-prob over the sampled response tokens of ``out``'s rows (prompts
+    ``ids``, their ``inputs``), transformers holding ``weights``."""
+    model = reference_model(served, weights)
+    worst = 0.0
+    with torch.no_grad():
+        for row, (prompt, images) in enumerate(zip(ids, inputs)):
+            n = int(out.batch["response_mask"][row].sum())
+            response = out.batch["responses"][row, :n].tolist()
+            want = torch.log_softmax(reference_logits(model, prompt, response, images) / temperature, -1)
+            want = want.gather(-1, torch.tensor(response)[:, None])[:, 0]
+            worst = max(worst, float((out.batch["rollout_log_probs"][row, :n].double() - want).abs().max()))
+    return worst
+
+
 def image_batch(model_dir, repeat: int = 1):
     """Left-padded prompts from the checkpoint's processor: one image, two images of other sizes, text only;
     ``multi_modal_data`` / ``multi_modal_inputs`` as the data side gives them."""
@@ -179,17 +194,7 @@ def test_image_prompts_are_served_as_the_trainer_expands_them_and_log_probs_matc
     assert out.meta_info["weight_version"] == 4
     assert torch.equal(out.batch["prompts"], batch.batch["input_ids"])
 
-    model = reference_model(served, weights)
-    worst = 0.0
-    with torch.no_grad():
-        for row, (prompt, images) in enumerate(zip(ids, inputs)):
-            n = int(out.batch["response_mask"][row].sum())
-            response = out.batch["responses"][row, :n].tolist()
-            logits = reference_logits(model, prompt, response, images)
-            want = torch.log_softmax(logits / 0.7, -1)
-            want = want.gather(-1, torch.tensor(response)[:, None])[:, 0]
-            got = out.batch["rollout_log_probs"][row, :n].double()
-            worst = max(worst, float((got - want).abs().max()))
+    worst = worst_log_prob_diff(served, weights, out, ids, inputs, temperature=0.7)
     assert worst < 1e-4, f"vLLM's log-probs on image prompts differ from transformers' by {worst}"
 
 
@@ -292,15 +297,7 @@ def test_a_vllm_server_serves_image_rows_with_transformers_log_probs(vl_server, 
                 engine.update_weights(weights, version=4)
             out = engine.generate_sequences(batch)
             assert out.meta_info["weight_version"] == version
-        model = reference_model(served, weights)
-        worst = 0.0
-        with torch.no_grad():
-            for row, (prompt, images) in enumerate(zip(ids, inputs)):
-                n = int(out.batch["response_mask"][row].sum())
-                response = out.batch["responses"][row, :n].tolist()
-                want = torch.log_softmax(reference_logits(model, prompt, response, images) / 0.7, -1)
-                want = want.gather(-1, torch.tensor(response)[:, None])[:, 0]
-                worst = max(worst, float((out.batch["rollout_log_probs"][row, :n].double() - want).abs().max()))
+        worst = worst_log_prob_diff(served, weights, out, ids, inputs, temperature=0.7)
         assert worst < 1e-4, f"the server's log-probs on image prompts differ from transformers' by {worst}"
     finally:
         engine.shutdown()
