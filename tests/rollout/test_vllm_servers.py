@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl_testing.processes import descendants
 from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
-from megatron_rl_testing.vllm_support import with_checkpoint_sampling_defaults
+from megatron_rl_testing.vllm_support import prompts, with_checkpoint_sampling_defaults
 
 if vllm_missing() and not os.environ.get("CI"):
     pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it",
@@ -55,14 +54,6 @@ def hf_greedy(path, prompt: list[int], new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     return out[0, len(prompt):].tolist()
-
-
-def prompts(rows: list[list[int]], **meta) -> DataProto:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
-                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta)
 
 
 def rollout_config(urls, **overrides) -> RolloutConfig:
