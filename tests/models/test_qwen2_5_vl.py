@@ -16,6 +16,7 @@ from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.mrope import mrope_position_ids
 from megatron_rl.models.vision_inputs import collate_images, model_inputs
+from megatron_rl_testing.vl_configs import QWEN2_5_VL_7B
 from megatron_rl_testing.vl_models import IMAGE, image_text_batch, make_tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
 from vision_jobs import (GRAD_PARAMS, assert_export_exact, assert_grads_match, assert_logits_match, hf_reference,
                          layout_checks)
@@ -23,18 +24,7 @@ from vision_jobs import (GRAD_PARAMS, assert_export_exact, assert_grads_match, a
 TOLERANCE = 1e-5
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
 # Qwen2.5-VL-7B-Instruct's config.json as released (transformers 4.x layout: language fields at the top level)
-RELEASED_7B = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_act": "silu",
-    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
-    "use_sliding_window": False, "max_window_layers": 28, "max_position_embeddings": 128000, "vocab_size": 152064,
-    "tie_word_embeddings": False, "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
-                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
-}
+RELEASED_7B = QWEN2_5_VL_7B
 
 
 def _tiny_config() -> dict:

@@ -1,8 +1,8 @@
 """The released config.json facts of the vision-language checkpoints verl's VL example scripts name, for dry runs
 through the compat entry and the planner (tests/compat/test_verl_vl_scripts.py, tests/plan/test_vision_plan.py).
 
-- Qwen/Qwen2.5-VL-7B-Instruct: as released (text fields at the top level, rope_scaling type mrope); the same dict as
-  tests/models/test_qwen2_5_vl.py RELEASED_7B. 8,292,166,656 parameters, 676,550,144 of them the vision tower.
+- Qwen/Qwen2.5-VL-7B-Instruct: as released (text fields at the top level, rope_scaling type mrope); also what
+  tests/models/test_qwen2_5_vl.py reads. 8,292,166,656 parameters, 676,550,144 of them the vision tower.
 - Qwen/Qwen3-VL-8B-Instruct and Qwen/Qwen3-VL-30B-A3B-Instruct, Qwen/Qwen3-VL-235B-A22B-Instruct: transformers
   4.57's layout (text_config / vision_config sections; interleaved mRoPE, DeepStack at vision blocks 8, 16, 24).
   Qwen3-VL-8B: 8,767,123,696 parameters (the released 8.77 B), 576,388,336 of them the vision tower.
