@@ -16,7 +16,8 @@ import torch
 from megatron_rl.models.hf_config import HFModelConfig
 from megatron_rl.models.mrope import mrope_position_ids
 
-__all__ = ["MULTI_MODAL_INPUTS", "collate_images", "image_token_mask", "model_inputs", "position_ids_from_mask"]
+__all__ = ["MULTI_MODAL_INPUTS", "collate_images", "image_token_mask", "model_inputs", "position_ids_from_mask",
+           "vision_model_inputs"]
 
 # verl's non-tensor column of each row's processor outputs (pixel_values, image_grid_thw)
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
@@ -63,11 +64,20 @@ def model_inputs(hf: HFModelConfig, input_ids: torch.Tensor, attention_mask: tor
             raise ValueError(f"{hf.source}: {hf.architecture} is a text model; the batch has images "
                              "(multi_modal_inputs)")
         return position_ids_from_mask(attention_mask), {}
+    return vision_model_inputs(input_ids, attention_mask, images, image_token_id=hf.vision.image_token_id,
+                               spatial_merge_size=hf.vision.spatial_merge_size)
+
+
+def vision_model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        images: Sequence[Mapping[str, torch.Tensor] | None] | None, *, image_token_id: int,
+                        spatial_merge_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A vision-language model's (mRoPE positions [3, B, T], {``pixel_values``, ``image_grid_thw`` of the rows' images
+    in order (absent without images), ``image_mask`` [B, T]: the rows' image placeholders}); the Megatron model and
+    the HF rollout engine both take their inputs from here."""
     rows = list(images) if images is not None else [None] * input_ids.shape[0]
     pixels = collate_images(rows)
-    image_mask = image_token_mask(input_ids, attention_mask, rows, hf.vision.image_token_id,
-                                  hf.vision.spatial_merge_size)
+    image_mask = image_token_mask(input_ids, attention_mask, rows, image_token_id, spatial_merge_size)
     positions = mrope_position_ids(input_ids, attention_mask, pixels.get("image_grid_thw"),
-                                   image_token_id=hf.vision.image_token_id,
-                                   spatial_merge_size=hf.vision.spatial_merge_size, image_mask=image_mask)
+                                   image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                                   image_mask=image_mask)
     return positions, {**pixels, "image_mask": image_mask}

@@ -40,8 +40,7 @@ from transformers.initialization import no_init_weights
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
-from megatron_rl.models.mrope import mrope_position_ids
-from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images, image_token_mask
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images, vision_model_inputs
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -284,13 +283,10 @@ class HFEngine(RolloutEngine):
         rows' image placeholders, and Qwen3-VL's DeepStack features with their positions) for a vision-language
         model. The features are placed here, not by transformers, which would also take an image token the policy
         generated in a response for a placeholder."""
-        rows = images if images is not None else [None] * ids.shape[0]
-        merge = self._vision.spatial_merge_size
-        image_mask = image_token_mask(ids, mask, rows, self.model.config.image_token_id, merge).to(self.device)
-        pixels = {k: v.to(self.device) for k, v in collate_images(rows).items()}
-        positions = mrope_position_ids(ids, mask, pixels.get("image_grid_thw"),
-                                       image_token_id=self.model.config.image_token_id, spatial_merge_size=merge,
-                                       image_mask=image_mask)
+        positions, pixels = vision_model_inputs(ids, mask, images, image_token_id=self.model.config.image_token_id,
+                                                spatial_merge_size=self._vision.spatial_merge_size)
+        pixels = {k: v.to(self.device) for k, v in pixels.items()}
+        image_mask = pixels.pop("image_mask")
         embeds = self.model.get_input_embeddings()(ids)
         inputs: dict[str, Any] = {"inputs_embeds": embeds}
         if pixels:
