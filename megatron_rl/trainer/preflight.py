@@ -332,6 +332,10 @@ def check_vision_rollout(cfg: PPOTrainerConfig, model) -> None:
     if rollout.multi_turn.enable:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true: the agent loop does not carry the images "
                           f"of a vision-language model ({model.architecture}) yet")
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):  # the engine's own rule, before launch
+        if megatron_section(cfg, role).share_prompts:
+            raise ConfigError(f"{role}.megatron.share_prompts: a vision-language model ({model.architecture}) runs "
+                              "padded micro-batches: shared prompts do not carry its mRoPE positions and images")
     if rollout.mode == "server" and not engine_of(rollout).servers_take_images:
         raise ConfigError(f"actor_rollout_ref.rollout.mode=server with rollout.name={rollout.name}: its servers do not "
                           f"take images; a vision-language model ({model.architecture}) runs colocated")

@@ -1,5 +1,5 @@
-"""A vision-language model on the paths that do not carry its images yet (the agent loop, the HF-engine servers) is
-refused before launch naming the key; a colocated run of it passes the model checks."""
+"""A vision-language model on the paths that do not carry its images yet (the agent loop, shared prompts, the HF-engine
+servers) is refused before launch naming the key; a colocated run of it passes the model checks."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,8 @@ def _cfg(tmp_path, model_dir, *overrides):
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.rollout.multi_turn.enable=true"],
      r"multi_turn.enable=true: the agent loop does not carry the images of a vision-language model"),
+    (["actor_rollout_ref.actor.megatron.share_prompts=true"],
+     r"actor_rollout_ref.actor.megatron.share_prompts: a vision-language model .* runs padded micro-batches"),
     (["actor_rollout_ref.rollout.mode=server"], r"rollout.mode=server with rollout.name=hf: its servers do not take images"),
 ])
 def test_paths_without_images_are_refused_by_key(tmp_path, model_dir, overrides, message):
