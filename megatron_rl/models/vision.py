@@ -72,6 +72,16 @@ class VisionSpec:
     def hidden_size(self) -> int:
         return int(self.config["hidden_size"])
 
+    @property
+    def tokens_per_second(self) -> float:
+        """Qwen2.5-VL's temporal mRoPE positions per second of video (its vision_config; 2 in the released models)."""
+        return float(self.config.get("tokens_per_second", 2))
+
+    @property
+    def video_frames_apart(self) -> bool:
+        """Qwen3-VL's processor puts each temporal patch of a video in its own block behind a timestamp."""
+        return self.family == "qwen3_vl"
+
     def tokens_per_image(self, height: int, width: int) -> int:
         """Language-model tokens of an image of ``height`` x ``width`` pixels already resized to the patch grid."""
         merge = self.patch_size * self.spatial_merge_size
@@ -80,6 +90,20 @@ class VisionSpec:
 
 def is_vision_language(hf_config: dict[str, Any]) -> bool:
     return any(a in VISION_LANGUAGE_ARCHITECTURES for a in hf_config.get("architectures") or [])
+
+
+def vision_spec_of(hf_config: dict[str, Any], source: str) -> VisionSpec:
+    """The vision spec of a vision-language config.json (a dict; transformers' ``PretrainedConfig.to_dict()``
+    gives one), its architecture found from ``architectures`` or else ``model_type``."""
+    by_type = {family: name for name, (family, _) in VISION_LANGUAGE_ARCHITECTURES.items()}
+    found = [a for a in hf_config.get("architectures") or [] if a in VISION_LANGUAGE_ARCHITECTURES]
+    architecture = found[0] if found else by_type.get(hf_config.get("model_type"))
+    if architecture is None:
+        from megatron_rl.models.hf_config import UnsupportedModelError  # cycle: hf_config imports this module
+
+        raise UnsupportedModelError(f"{source}: model_type {hf_config.get('model_type')!r} is not a vision-language "
+                                    f"model built here; known: {sorted(VISION_LANGUAGE_ARCHITECTURES)}")
+    return split_vision_language(hf_config, architecture, source)[1]
 
 
 def _mrope(rope: dict[str, Any], head_dim: int, source: str) -> tuple[tuple[int, int, int], bool]:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -41,7 +42,17 @@ from torch import Tensor
 from megatron_rl.models.mrope import interleaved_mrope_axes
 from megatron_rl.models.vision import VisionSpec
 
-__all__ = ["InterleavedMultimodalRotaryEmbedding", "VisionLanguageModel", "vision_tensor_shapes", "vision_tower"]
+__all__ = ["InterleavedMultimodalRotaryEmbedding", "VisionLanguageModel", "VisualInputs", "vision_tensor_shapes",
+           "vision_tower"]
+
+
+class VisualInputs(NamedTuple):
+    """One kind (images or videos) of a micro-batch's visual inputs: the processor's pixels and grids of all its
+    items in row order, and the [B, T] placeholder mask (models/vision_inputs.py; None: every placeholder id)."""
+
+    pixels: Tensor | None = None
+    grid_thw: Tensor | None = None
+    mask: Tensor | None = None
 
 
 def _tower_classes(family: str) -> tuple[type, type]:
@@ -147,63 +158,73 @@ class VisionLanguageModel(GPTModel):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, *,
                 pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
-                image_mask: Tensor | None = None, decoder_input: Tensor | None = None, **kwargs: Any) -> Tensor:
+                image_mask: Tensor | None = None, pixel_values_videos: Tensor | None = None,
+                video_grid_thw: Tensor | None = None, video_mask: Tensor | None = None,
+                decoder_input: Tensor | None = None, **kwargs: Any) -> Tensor:
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
             raise ValueError(f"a vision-language model takes mRoPE position_ids [3, batch, tokens] "
                              f"(models/mrope.py), got shape {tuple(position_ids.shape)}")
         if self.pre_process and decoder_input is None:
-            decoder_input, deepstack = self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw, image_mask)
+            decoder_input, deepstack = self.embed_with_deepstack(
+                input_ids, VisualInputs(pixel_values, image_grid_thw, image_mask),
+                VisualInputs(pixel_values_videos, video_grid_thw, video_mask))
             if deepstack is not None:  # the decoder's context, to the hooks of the first layers (_add_deepstack)
                 kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "context": deepstack}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
 
-    def image_features(self, pixel_values: Tensor, image_grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """([image tokens, hidden]: the merged features of every image, in order; the DeepStack features, one
-        [image tokens, hidden] per ``deepstack_visual_indexes`` entry, none for Qwen2.5-VL)."""
-        output = self.vision(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+    def visual_features(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """([tokens, hidden]: the merged features of every image (or video), in order; the DeepStack features, one
+        [tokens, hidden] per ``deepstack_visual_indexes`` entry, none for Qwen2.5-VL). Videos go through the same
+        tower as images, their frames grouped by the temporal patch."""
+        output = self.vision(pixel_values.to(self.config.params_dtype), grid_thw=grid_thw)
         return output.pooler_output, list(getattr(output, "deepstack_features", None) or [])
 
-    def embed(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
-              image_mask: Tensor | None = None) -> Tensor:
-        """The decoder input [T (/ TP under sequence parallelism), B, hidden]: token embeddings, with each image
-        token's (``image_mask``, models/vision_inputs.py; default every image token id) replaced by the next image
-        feature in (row, position) order, as transformers places them."""
-        return self.embed_with_deepstack(input_ids, pixel_values, image_grid_thw, image_mask)[0]
-
-    def embed_with_deepstack(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
-                             image_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """(the decoder input as ``embed`` gives it, the DeepStack features placed in the same layout
-        [k, T (/ TP), B, hidden], zero away from the image tokens; None without images or without DeepStack)."""
+    def embed_with_deepstack(self, input_ids: Tensor, images: VisualInputs | None = None,
+                             videos: VisualInputs | None = None) -> tuple[Tensor, Tensor | None]:
+        """(the decoder input [T (/ TP under sequence parallelism), B, hidden]: token embeddings, with each image
+        (video) placeholder's replaced by the next image (video) feature in (row, position) order, as transformers
+        places them; the DeepStack features of images and videos placed in the same
+        layout [k, T (/ TP), B, hidden], zero away from their tokens; None without any or without DeepStack)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
-        image = input_ids == self.vision_spec.image_token_id if image_mask is None else image_mask.bool()
-        count = int(image.sum())
-        if pixel_values is None:
-            if count:
-                raise ValueError(f"the micro-batch has {count} image tokens (id {self.vision_spec.image_token_id}) "
-                                 "but no pixel_values")
-            return embeddings, None
-        features, deepstack = self.image_features(pixel_values, image_grid_thw)
-        if features.shape[0] != count:
-            raise ValueError(f"{features.shape[0]} image features (image_grid_thw {image_grid_thw.tolist()}) for "
-                             f"{count} image tokens in input_ids of shape {tuple(input_ids.shape)}")
+        decoder_input, deepstack = embeddings, None
+        spec = self.vision_spec
+        for name, token_id, inputs in (("image", spec.image_token_id, images), ("video", spec.video_token_id, videos)):
+            inputs = inputs or VisualInputs()
+            where = input_ids == token_id if inputs.mask is None else inputs.mask.bool()
+            count = int(where.sum())
+            if inputs.pixels is None:
+                if count:
+                    raise ValueError(f"the micro-batch has {count} {name} tokens (id {token_id}) but no {name} "
+                                     "pixels")
+                continue
+            features, stack = self.visual_features(inputs.pixels, inputs.grid_thw)
+            if features.shape[0] != count:
+                raise ValueError(f"{features.shape[0]} {name} features ({name} grid_thw {inputs.grid_thw.tolist()}) "
+                                 f"for {count} {name} tokens in input_ids of shape {tuple(input_ids.shape)}")
+            place = self._placer(where, embeddings.shape[0])
+            decoder_input = place(features, decoder_input)
+            if stack:
+                zero = embeddings.new_zeros(())
+                placed = torch.stack([place(f, zero) for f in stack])
+                deepstack = placed if deepstack is None else deepstack + placed  # images and videos never overlap
+        return decoder_input, deepstack
+
+    def _placer(self, where: Tensor, rows: int) -> Callable[[Tensor, Tensor], Tensor]:
+        """``place(source, elsewhere)``: [T (/ TP), B, hidden] with ``source``'s rows at the tokens ``where`` [B, T]
+        marks, in (row, position) order, and ``elsewhere`` at the others."""
         # [T, B] as the embeddings are laid out (contiguous: the result's layout follows its inputs', and pipeline
         # stages send it on)
-        order = (image.reshape(-1).cumsum(0) - 1).reshape(image.shape).t().contiguous()  # feature index per token
-        image = image.t().contiguous()
+        order = (where.reshape(-1).cumsum(0) - 1).reshape(where.shape).t().contiguous()  # feature index per token
+        where = where.t().contiguous()
         if self.config.sequence_parallel:  # this rank's slice of the sequence
-            rows = embeddings.shape[0]
             start = parallel_state.get_tensor_model_parallel_rank() * rows
-            order, image = order[start:start + rows], image[start:start + rows]
-        at_image, index = image.unsqueeze(-1), order.clamp(min=0)
+            order, where = order[start:start + rows], where[start:start + rows]
+        at, index = where.unsqueeze(-1), order.clamp(min=0)
 
-        def placed(source: Tensor, elsewhere: Tensor) -> Tensor:
-            return torch.where(at_image, source.to(embeddings.dtype)[index], elsewhere)
+        def place(source: Tensor, elsewhere: Tensor) -> Tensor:
+            return torch.where(at, source.to(elsewhere.dtype)[index], elsewhere)
 
-        decoder_input = placed(features, embeddings)
-        if not deepstack:
-            return decoder_input, None
-        zero = embeddings.new_zeros(())
-        return decoder_input, torch.stack([placed(f, zero) for f in deepstack])
+        return place
 
 
 def _add_deepstack(index: int, layer: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple | None:

@@ -40,7 +40,8 @@ from transformers.initialization import no_init_weights
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.models.moe_fused import expert_slice, slices_per_fused
-from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images, vision_model_inputs
+from megatron_rl.models.vision import vision_spec_of
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_visual_inputs, vision_model_inputs
 from megatron_rl.ops import log_probs_from_logits
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.base import RolloutEngine, WeightUpdateError
@@ -98,8 +99,9 @@ class HFEngine(RolloutEngine):
 
         if not isinstance(model_config, PretrainedConfig):
             model_config = AutoConfig.from_pretrained(model_config)
-        # a vision-language checkpoint (Qwen2.5-VL): images enter with the prompts, positions are mRoPE's
-        self._vision = getattr(model_config, "vision_config", None)
+        # a vision-language checkpoint (Qwen2.5-VL): images and videos enter with the prompts, positions are mRoPE's
+        self._vision = (vision_spec_of(model_config.to_dict(), f"{type(model_config).__name__}")
+                        if getattr(model_config, "vision_config", None) is not None else None)
         auto = AutoModelForImageTextToText if self._vision is not None else AutoModelForCausalLM
         if weights_path is not None:
             model = auto.from_pretrained(weights_path, config=model_config, dtype=self.dtype)
@@ -262,7 +264,7 @@ class HFEngine(RolloutEngine):
         if column is None:
             return None
         rows = list(column)
-        if self._vision is None and collate_images(rows):
+        if self._vision is None and collate_visual_inputs(rows):
             raise ValueError(f"the HF engine's model ({type(self.model).__name__}) is a text model; the prompt batch "
                              f"has images ({MULTI_MODAL_INPUTS})")
         return rows
@@ -277,27 +279,35 @@ class HFEngine(RolloutEngine):
         hidden = self.model.model.language_model(**inputs, **kwargs).last_hidden_state
         return _Logits(self.model.lm_head(hidden[:, -keep:] if keep else hidden))
 
-    def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, images: list | None) -> tuple[torch.Tensor,
-                                                                                                    dict[str, Any]]:
-        """(mRoPE positions [3, B, T], the forward's inputs: the embeddings [B, T, H] with the image features at the
-        rows' image placeholders, and Qwen3-VL's DeepStack features with their positions) for a vision-language
+    def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, rows: list | None) -> tuple[torch.Tensor,
+                                                                                                  dict[str, Any]]:
+        """(mRoPE positions [3, B, T], the forward's inputs: the embeddings [B, T, H] with the image and video features
+        at the rows' placeholders, and Qwen3-VL's DeepStack features with their positions) for a vision-language
         model. The features are placed here, not by transformers, which would also take an image token the policy
         generated in a response for a placeholder."""
-        positions, pixels = vision_model_inputs(ids, mask, images, image_token_id=self.model.config.image_token_id,
-                                                spatial_merge_size=self._vision.spatial_merge_size)
-        pixels = {k: v.to(self.device) for k, v in pixels.items()}
-        image_mask = pixels.pop("image_mask")
+        positions, visual = vision_model_inputs(ids, mask, rows, self._vision)
+        visual = {k: v.to(self.device) for k, v in visual.items()}
         embeds = self.model.get_input_embeddings()(ids)
         inputs: dict[str, Any] = {"inputs_embeds": embeds}
-        if pixels:
-            output = self.model.model.get_image_features(pixels["pixel_values"].to(self.dtype), pixels["image_grid_thw"])
+        deepstack, deepstack_mask = None, torch.zeros_like(visual["image_mask"])
+        for kind, features_of in (("image", self.model.model.get_image_features),
+                                  ("video", self.model.model.get_video_features)):
+            pixels_key = "pixel_values" if kind == "image" else "pixel_values_videos"
+            if pixels_key not in visual:
+                continue
+            where = visual[f"{kind}_mask"]
+            output = features_of(visual[pixels_key].to(self.dtype), visual[f"{kind}_grid_thw"])
             features = torch.cat(output.pooler_output).to(embeds.dtype)
-            inputs["inputs_embeds"] = embeds.masked_scatter(image_mask[..., None].expand_as(embeds), features)
-            deepstack = getattr(output, "deepstack_features", None)
-            if deepstack:
-                # per vision layer, its features of each image: one [image tokens, H] tensor per layer
-                inputs.update(visual_pos_masks=image_mask,
-                              deepstack_visual_embeds=[torch.cat(layer).to(embeds.dtype) for layer in deepstack])
+            inputs["inputs_embeds"] = inputs["inputs_embeds"].masked_scatter(where[..., None].expand_as(embeds),
+                                                                             features)
+            layers = getattr(output, "deepstack_features", None)
+            if layers:  # per vision layer, its features of each item, placed at every visual token in sequence order
+                placed = [_at_tokens(torch.cat(layer).to(embeds.dtype), where) for layer in layers]
+                deepstack = placed if deepstack is None else [a + b for a, b in zip(deepstack, placed)]
+                deepstack_mask |= where
+        if deepstack is not None:
+            inputs.update(visual_pos_masks=deepstack_mask,
+                          deepstack_visual_embeds=[layer[deepstack_mask] for layer in deepstack])
         return positions.to(self.device), inputs
 
     @torch.no_grad()
@@ -440,6 +450,13 @@ def _checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             if name.startswith(nested):
                 names.setdefault(released + name.removeprefix(nested), tensor)
     return names
+
+
+def _at_tokens(features: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """[B, T, H]: ``features`` [where.sum(), H] at the tokens ``where`` [B, T] marks, in order; zero elsewhere."""
+    out = features.new_zeros(*where.shape, features.shape[-1])
+    out[where] = features
+    return out
 
 
 def _same_images(images: list, shared: tuple[torch.Tensor, torch.Tensor]) -> bool:

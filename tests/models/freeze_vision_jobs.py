@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_testing.vl_models import image_text_batch
+from megatron_rl_testing.vl_models import visual_text_batch
 
 PREFIX = "actor_rollout_ref.actor"
 
@@ -31,11 +31,11 @@ def freeze_job(model_dir: str, freeze: bool) -> dict[str, Any]:
         vision = dict(model.vision.named_parameters())
         language = {n: p for n, p in model.named_parameters() if not n.startswith("vision.")}
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        input_ids, attention_mask, images = image_text_batch()
+        input_ids, attention_mask, images = visual_text_batch()
         engine.zero_grad()
         positions, extra = model_inputs(model.hf_config, input_ids, attention_mask, images)
         logits = ddp(input_ids, positions, causal_padding_mask(attention_mask), runtime_gather_output=True, **extra)
-        loss_of(logits, model.hf_config.vocab_size).backward()
+        loss_of(logits, attention_mask, model.hf_config.vocab_size).backward()
         ddp.finish_grad_sync()
         grad_norm = engine.optimizer_step()
         moved = {n: not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()}

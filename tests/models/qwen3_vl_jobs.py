@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_testing.vl_models import IMAGE, QWEN3_VL_PATCH, image_text_batch
+from megatron_rl_testing.vl_models import QWEN3_VL_PATCH, mm_token_types, visual_text_batch
 from vision_jobs import backward_summed, loss_of
 from vision_jobs import layout_checks as shared_layout_checks
 
@@ -24,7 +24,7 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 
 
 def batch():
-    return image_text_batch(QWEN3_VL_PATCH)
+    return visual_text_batch(QWEN3_VL_PATCH, frames_apart=True)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -64,12 +64,12 @@ def hf_reference(directory: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     gradients of GRAD_PARAMS under ``loss_of``."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from megatron_rl.models.vision_inputs import collate_images
+    from megatron_rl.models.vision_inputs import collate_visual_inputs
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
     input_ids, attention_mask, images = batch()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=(input_ids == IMAGE).int(),
-                   **collate_images(images)).logits
-    loss_of(logits, model.config.text_config.vocab_size).backward()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=mm_token_types(input_ids),
+                   **collate_visual_inputs(images)).logits
+    loss_of(logits, attention_mask, model.config.text_config.vocab_size).backward()
     params = dict(model.named_parameters())
     return logits.detach(), {name: params[name].grad for name in GRAD_PARAMS}

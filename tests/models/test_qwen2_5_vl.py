@@ -1,12 +1,14 @@
 """Qwen2.5-VL on Megatron-Core against transformers: the config read (language model + vision spec), mRoPE positions
-equal to transformers' get_rope_index, and on an image+text batch (three rows, left/right/both padding, two images in
-one row, a text-only row) the logits (fp32, within 1e-5), the gradients of the vision tower and of language-model
-norms, and the exact export round trip, at TP 1/2 (with and without sequence parallelism) and PP 2 on 2 gloo ranks."""
+equal to transformers' get_rope_index (and for videos to verl's, where transformers 5.19 departs from it), and on an
+image+video+text batch (three rows, left/right/both padding, two images and a video in one row, a text-only row) the
+logits (fp32, within 1e-5), the gradients of the vision tower and of language-model norms, and the exact export round
+trip, at TP 1/2 (with and without sequence parallelism) and PP 2 on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,10 +16,11 @@ from safetensors.torch import load_file
 
 from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
-from megatron_rl.models.mrope import mrope_position_ids
-from megatron_rl.models.vision_inputs import collate_images, model_inputs
+from megatron_rl.models.vision_inputs import collate_visual_inputs, model_inputs
 from megatron_rl_testing.vl_configs import QWEN2_5_VL_7B
-from megatron_rl_testing.vl_models import IMAGE, image_text_batch, make_tiny_qwen2_5_vl, tiny_qwen2_5_vl_config
+from megatron_rl_testing.verl_oracle import verl_module
+from megatron_rl_testing.vl_models import (IMAGE, VIDEO, VISION_START, make_tiny_qwen2_5_vl, mm_token_types,
+                                         tiny_qwen2_5_vl_config, visual_text_batch)
 from vision_jobs import (GRAD_PARAMS, assert_export_exact, assert_grads_match, assert_logits_match, hf_reference,
                          layout_checks)
 
@@ -60,26 +63,50 @@ def test_mrope_positions_equal_transformers_get_rope_index(tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())
-    input_ids, attention_mask, images = image_text_batch()
-    grids = collate_images(images)["image_grid_thw"]
-    expected, _ = model.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=grids,
+    input_ids, attention_mask, rows = visual_text_batch()
+    visual = collate_visual_inputs(rows)
+    expected, _ = model.model.get_rope_index(input_ids, mm_token_types(input_ids), image_grid_thw=visual["image_grid_thw"],
+                                             video_grid_thw=visual["video_grid_thw"],
+                                             second_per_grid_ts=visual["second_per_grid_ts"],
                                              attention_mask=attention_mask)
-    ours = mrope_position_ids(input_ids, attention_mask, grids, image_token_id=IMAGE, spatial_merge_size=2)
+    ours, _ = model_inputs(parse_hf_config(_tiny_config()), input_ids, attention_mask, rows)
     valid = attention_mask.bool()
     assert torch.equal(ours[:, valid], expected[:, valid])
     assert ours[:, 0].max() < ours.shape[-1]  # the image's grid compresses positions below the token count
 
 
+@pytest.mark.parametrize("seconds", [0.5, 1.5, 2 / 3])
+def test_video_positions_equal_verls_get_rope_index(seconds):
+    """A video whose temporal positions run past its height and width (1.5 s a patch: 0, 3, 6 against a 2x2 grid):
+    the text after it continues from its largest position plus one, as verl's get_rope_index (and vLLM's) have it;
+    transformers 5.19 continues from start + max(h, w) instead."""
+    qwen2_vl = verl_module("verl.models.transformers.qwen2_vl")
+    ids = [5, 6, VISION_START, *[IMAGE] * 4, 7, VISION_START, *[VIDEO] * 3, 8, 9]
+    images, videos = torch.tensor([[1, 4, 4]]), torch.tensor([[3, 2, 2]])
+    tokens = {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VISION_START}
+    processor = SimpleNamespace(image_processor=SimpleNamespace(merge_size=2),
+                                tokenizer=SimpleNamespace(convert_tokens_to_ids=tokens.__getitem__))
+    row = torch.tensor(ids)
+    expected = qwen2_vl.get_rope_index(processor, row, image_grid_thw=images, video_grid_thw=videos,
+                                       second_per_grid_ts=torch.tensor([seconds]))
+    rows = [{"pixel_values": torch.zeros(16, 1), "image_grid_thw": images, "pixel_values_videos": torch.zeros(12, 1),
+             "video_grid_thw": videos, "second_per_grid_ts": torch.tensor([seconds])}]
+    config = _tiny_config()
+    config["vision_config"]["tokens_per_second"] = 2  # the released models' (verl's get_rope_index assumes it)
+    ours, _ = model_inputs(parse_hf_config(config), row[None], torch.ones(1, len(ids), dtype=torch.long), rows)
+    assert torch.equal(ours[:, 0], expected)
+
+
 def test_image_inputs_that_do_not_match_the_tokens_are_refused():
     hf = parse_hf_config(_tiny_config())
-    input_ids, attention_mask, images = image_text_batch()
+    input_ids, attention_mask, images = visual_text_batch()
     with pytest.raises(ValueError, match=r"row 2: its images need 7 image tokens \(id 150\), the row has 0"):
         model_inputs(hf, input_ids, attention_mask, [images[0], images[1], images[1]])
     with pytest.raises(ValueError, match=r"row 1: image of grid \[1, 4, 6\] needs 6 image tokens, the sequence has 5 there"):
         model_inputs(hf, input_ids, attention_mask, [images[0], {k: v.flip(0) for k, v in images[1].items()}, None])
     text_fields = {k: v for k, v in RELEASED_7B.items() if k not in ("vision_config", "rope_scaling")}
     text = parse_hf_config({**text_fields, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
-    with pytest.raises(ValueError, match="is a text model; the batch has images"):
+    with pytest.raises(ValueError, match="is a text model; the batch has images or videos"):
         model_inputs(text, input_ids, attention_mask, images)
 
 
@@ -94,7 +121,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("tp, pp, sp", LAYOUTS)
 def test_logits_match_transformers(setup, tp, pp, sp):
     _, results, (expected, _) = setup
-    assert_logits_match(results, expected, image_text_batch()[1].bool(), (tp, pp, sp), TOLERANCE)
+    assert_logits_match(results, expected, visual_text_batch()[1].bool(), (tp, pp, sp), TOLERANCE)
 
 
 @pytest.mark.distributed

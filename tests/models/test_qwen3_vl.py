@@ -1,7 +1,7 @@
 """Qwen3-VL (dense) on Megatron-Core against transformers: the config read (a Qwen3 language model with interleaved
 mRoPE, DeepStack, checkpoint names under ``model.language_model.`` / ``model.visual.``), the interleaved frequency
-layout and the mRoPE positions equal to transformers', and on an image+text batch (three rows, left/right/both
-padding, two images in one row, a text-only row) the logits (fp32, within 1e-5), the gradients of the vision tower
+layout and the mRoPE positions equal to transformers', and on an image+video+text batch (three rows, left/right/both
+padding, two images and a video of two timestamped temporal patches in one row, a text-only row) the logits (fp32, within 1e-5), the gradients of the vision tower
 (DeepStack mergers included) and of language-model norms (also under full activation recompute), and the exact export
 round trip, at TP 1/2 (with and without sequence parallelism) and PP 2 on 2 gloo ranks; DeepStack into more layers
 than the first pipeline stage holds is refused by name."""
@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from megatron_rl.distributed import run_multiprocess
 from megatron_rl.models.hf_config import parse_hf_config
-from megatron_rl.models.mrope import interleaved_mrope_axes, mrope_position_ids
-from megatron_rl.models.vision_inputs import collate_images
+from megatron_rl.models.mrope import interleaved_mrope_axes
+from megatron_rl.models.vision_inputs import collate_visual_inputs, model_inputs
 from megatron_rl_testing.vl_configs import QWEN3_VL_8B
-from megatron_rl_testing.vl_models import IMAGE, make_tiny_qwen3_vl, tiny_qwen3_vl_config
+from megatron_rl_testing.vl_models import VIDEO, make_tiny_qwen3_vl, mm_token_types, tiny_qwen3_vl_config
 from qwen3_vl_jobs import GRAD_PARAMS, batch, hf_reference, layout_checks
 from vision_jobs import assert_export_exact, assert_grads_match, assert_logits_match
 
@@ -62,13 +62,17 @@ def test_mrope_positions_equal_transformers_get_rope_index():
     from transformers import Qwen3VLForConditionalGeneration
 
     model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config())
-    input_ids, attention_mask, images = batch()
-    grids = collate_images(images)["image_grid_thw"]
-    expected, _ = model.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=grids,
-                                             attention_mask=attention_mask)
-    ours = mrope_position_ids(input_ids, attention_mask, grids, image_token_id=IMAGE, spatial_merge_size=2)
+    input_ids, attention_mask, rows = batch()
+    visual = collate_visual_inputs(rows)
+    expected, _ = model.model.get_rope_index(input_ids, mm_token_types(input_ids), image_grid_thw=visual["image_grid_thw"],
+                                             video_grid_thw=visual["video_grid_thw"], attention_mask=attention_mask)
+    hf = parse_hf_config({**tiny_qwen3_vl_config().to_dict(), "architectures": ["Qwen3VLForConditionalGeneration"]})
+    ours, _ = model_inputs(hf, input_ids, attention_mask, rows)
     valid = attention_mask.bool()
     assert torch.equal(ours[:, valid], expected[:, valid])
+    # each temporal patch of the video is its own block (t = 1) behind its timestamp: one temporal position a block
+    temporal = ours[0, 1][input_ids[1] == VIDEO].tolist()
+    assert temporal == [temporal[0]] * 4 + [temporal[4]] * 4 and temporal[4] > temporal[0] + 2
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Rank jobs of test_qwen2_5_vl.py (importable by spawned ranks): a tiny Qwen2.5-VL's logits, export and gradients at
-several (TP, PP, sequence-parallel) layouts; and transformers' reference outputs for the same image+text batch."""
+several (TP, PP, sequence-parallel) layouts; and transformers' reference outputs for the same image+video+text batch."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from typing import Any
 
 import torch
 
-from megatron_rl_testing.vl_models import image_text_batch
+from megatron_rl_testing.vl_models import mm_token_types, visual_text_batch
 
 GRAD_PARAMS = ("visual.patch_embed.proj.weight", "visual.blocks.0.attn.qkv.weight", "visual.blocks.1.mlp.up_proj.bias",
                "visual.merger.mlp.0.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight")
 
 
-def loss_of(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean negative log-softmax of fixed random targets over the batch's real tokens."""
-    input_ids, attention_mask, _ = image_text_batch()
-    targets = torch.randint(0, vocab_size, input_ids.shape, generator=torch.Generator().manual_seed(7))
+def loss_of(logits: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean negative log-softmax of fixed random targets over the batch's real tokens (``attention_mask``)."""
+    targets = torch.randint(0, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(7))
     picked = torch.log_softmax(logits[..., :vocab_size].float(), -1).gather(-1, targets[..., None])[..., 0]
     valid = attention_mask.to(picked.dtype)
     return -(picked * valid).sum() / valid.sum()
@@ -36,14 +35,14 @@ def backward_summed(model, batch: Callable[[], tuple]) -> None:
     model.train()
     positions, extra = model_inputs(model.hf_config, input_ids, attention_mask, images)
     logits = model(input_ids, positions, causal_padding_mask(attention_mask), runtime_gather_output=True, **extra)
-    loss_of(logits, model.hf_config.vocab_size).backward()
+    loss_of(logits, attention_mask, model.hf_config.vocab_size).backward()
     model.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
     _allreduce_non_tensor_model_parallel_grads([model], model.config)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
     """Gradients of GRAD_PARAMS after ``backward_summed``."""
-    backward_summed(model, image_text_batch)
+    backward_summed(model, visual_text_batch)
     params = {"visual." + n: p for n, p in model.vision.named_parameters()}
     params["model.layers.0.input_layernorm.weight"] = model.decoder.layers[0].input_layernorm.weight
     params["model.norm.weight"] = model.decoder.final_layernorm.weight
@@ -51,7 +50,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def layout_checks(directory: str, layouts: list[tuple[int, int, bool]],
-                  batch: Callable[[], tuple] = image_text_batch,
+                  batch: Callable[[], tuple] = visual_text_batch,
                   grads: Callable[[Any], dict[str, torch.Tensor]] = _grads) -> dict[str, Any]:
     """For each (TP, PP, SP): the gathered logits of ``batch()`` (last stage), at SP off every exported tensor, at PP 1
     ``grads(model)`` (default: of GRAD_PARAMS)."""
@@ -79,14 +78,14 @@ def hf_reference(directory: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     them) and the gradients of GRAD_PARAMS under ``loss_of``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from megatron_rl.models.vision_inputs import collate_images
+    from megatron_rl.models.vision_inputs import collate_visual_inputs
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
-    input_ids, attention_mask, images = image_text_batch()
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=(input_ids == 150).int(),
-                  **collate_images(images))
+    input_ids, attention_mask, images = visual_text_batch()
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=mm_token_types(input_ids),
+                  **collate_visual_inputs(images))
     logits = model(**kwargs).logits
-    loss_of(logits, model.config.text_config.vocab_size).backward()
+    loss_of(logits, attention_mask, model.config.text_config.vocab_size).backward()
     names = {"visual.": "model.visual.", "model.": "model.language_model."}
     params = dict(model.named_parameters())
     grads = {}

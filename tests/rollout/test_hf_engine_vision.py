@@ -15,7 +15,7 @@ from megatron_rl.data.dataset import RLDataset
 from megatron_rl.data.loader import collate_to_dataproto
 from megatron_rl.data.tasks import task_texts, write_task
 from megatron_rl.data.vision_checkpoint import build_tiny_vl_checkpoint
-from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_images
+from megatron_rl.models.vision_inputs import MULTI_MODAL_INPUTS, collate_visual_inputs
 from megatron_rl.rollout.hf_engine import HFEngine
 
 R = 6
@@ -57,7 +57,7 @@ def test_rollout_log_probs_equal_recomputation_and_transformers(engine, model_di
     rows = [r for r, keep in zip(out.non_tensor_batch[MULTI_MODAL_INPUTS], clean.tolist()) if keep]
     with torch.no_grad():  # (Qwen3-VL: its DeepStack features too)
         logits = engine.model(input_ids=ids, attention_mask=attention, mm_token_type_ids=(ids == image).int(),
-                              **collate_images(rows)).logits[:, -R - 1:-1]
+                              **collate_visual_inputs(rows)).logits[:, -R - 1:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"][clean][..., None])[..., 0]
     assert (expected - out.batch["rollout_log_probs"][clean])[mask[clean]].abs().max() <= 1e-5
 
@@ -91,3 +91,44 @@ def test_released_names_load_and_text_models_refuse_images(engine, model_dir, tm
     batch = prompts(model_dir, [0])
     with pytest.raises(ValueError, match="is a text model; the prompt batch has images"):
         text_engine.generate_sequences(batch)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_prompts_with_videos_generate_with_transformers_log_probs(family, tmp_path):
+    """A batch with images and a video (Qwen3-VL: its temporal patches behind timestamps): rollout log-probs equal a
+    recomputation and transformers' own forward (its placement, positions and DeepStack) on the rows whose responses
+    sampled no placeholder token; the n samples of the video prompt share its prefill."""
+    import numpy as np
+
+    from megatron_rl.protocol import DataProto
+    from megatron_rl_testing.vl_models import (QWEN3_VL_PATCH, make_tiny_qwen2_5_vl, make_tiny_qwen3_vl,
+                                             mm_token_types, visual_text_batch)
+
+    qwen3 = family == "qwen3_vl"
+    directory = (make_tiny_qwen3_vl if qwen3 else make_tiny_qwen2_5_vl)(tmp_path / family)
+    engine = HFEngine(RolloutConfig(name="hf", temperature=1.0), directory, response_length=R, device="cpu",
+                      weights_path=directory, eos_token_id=159, pad_token_id=0)
+    ids, mask, rows = visual_text_batch(QWEN3_VL_PATCH, frames_apart=True) if qwen3 else visual_text_batch()
+    real = [ids[i][mask[i].bool()] for i in range(len(rows))]  # left-padded prompts, as the dataset gives them
+    width = max(len(r) for r in real)
+    prompt_ids = torch.zeros(len(real), width, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, r in enumerate(real):
+        prompt_ids[i, width - len(r):], prompt_mask[i, width - len(r):] = r, 1
+    column = np.empty(len(rows), dtype=object)
+    column[:] = rows
+    batch = DataProto.from_dict({"input_ids": prompt_ids, "attention_mask": prompt_mask,
+                                 "position_ids": (prompt_mask.cumsum(1) - 1).clamp(min=0)},
+                                non_tensors={MULTI_MODAL_INPUTS: column}, meta_info={"temperature": 1.0})
+    out = engine.generate_sequences(batch.repeat(4, interleave=True))
+    mask = out.batch["response_mask"].bool()
+    assert (engine.compute_log_probs(out) - out.batch["rollout_log_probs"])[mask].abs().max() <= 1e-5
+    clean = ~(mm_token_types(out.batch["responses"]) > 0).any(-1)
+    assert int(clean[4:8].sum()) >= 2  # rows of the video prompt among the compared
+    ids, attention = out.batch["input_ids"][clean], out.batch["attention_mask"][clean]
+    kept = [r for r, keep in zip(out.non_tensor_batch[MULTI_MODAL_INPUTS], clean.tolist()) if keep]
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, attention_mask=attention, mm_token_type_ids=mm_token_types(ids),
+                              **collate_visual_inputs(kept)).logits[:, -R - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"][clean][..., None])[..., 0]
+    assert (expected - out.batch["rollout_log_probs"][clean])[mask[clean]].abs().max() <= 1e-5

@@ -1,5 +1,5 @@
-"""The actor on a tiny Qwen2.5-VL: log-probs of response tokens after prompts with images (verl's multi_modal_inputs
-column) equal transformers' (fp32) at TP 1, TP 2 and PP 2, an image token sampled into a response counting as text;
+"""The actor on a tiny Qwen2.5-VL: log-probs of response tokens after prompts with images and a video (verl's
+multi_modal_inputs column) equal transformers' (fp32) at TP 1, TP 2 and PP 2, an image token sampled into a response counting as text;
 one PPO update trains the vision tower too and moves the log-probs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from vision_actor_jobs import TEMPERATURE, actor_job, vision_rl_batch
 
 from megatron_rl.distributed import run_multiprocess
-from megatron_rl_testing.vl_models import IMAGE, make_tiny_qwen2_5_vl
+from megatron_rl_testing.vl_models import IMAGE, VIDEO, make_tiny_qwen2_5_vl, mm_token_types
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
@@ -23,19 +23,25 @@ def model_dir(tmp_path_factory) -> str:
 def expected(model_dir) -> torch.Tensor:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from megatron_rl.models.vision_inputs import collate_images
+    from megatron_rl.models.vision_inputs import collate_visual_inputs
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     data = vision_rl_batch()
     ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
     prompt_len = ids.shape[1] - data.batch["responses"].shape[1]
-    placeholders = (ids == IMAGE) & (torch.arange(ids.shape[1]) < prompt_len)  # the response's image token is text
-    images = collate_images(list(data.non_tensor_batch["multi_modal_inputs"]))
+    in_prompt = torch.arange(ids.shape[1]) < prompt_len  # the responses' image and video tokens are text
+    visual = collate_visual_inputs(list(data.non_tensor_batch["multi_modal_inputs"]))
     with torch.no_grad():  # transformers would take every image token for a placeholder: its features placed here
-        features = torch.cat(model.model.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
-        embeds = model.get_input_embeddings()(ids).masked_scatter(placeholders[..., None], features)
-        positions, _ = model.model.get_rope_index(ids, placeholders.int(), image_grid_thw=images["image_grid_thw"],
-                                                  attention_mask=mask)
+        embeds = model.get_input_embeddings()(ids)
+        for token, features_of, pixels, grid in ((IMAGE, model.model.get_image_features, "pixel_values", "image_grid_thw"),
+                                                 (VIDEO, model.model.get_video_features, "pixel_values_videos",
+                                                  "video_grid_thw")):
+            features = torch.cat(features_of(visual[pixels], visual[grid]).pooler_output)
+            embeds = embeds.masked_scatter(((ids == token) & in_prompt)[..., None], features)
+        types = mm_token_types(ids) * in_prompt
+        positions, _ = model.model.get_rope_index(ids, types, image_grid_thw=visual["image_grid_thw"],
+                                                  video_grid_thw=visual["video_grid_thw"],
+                                                  second_per_grid_ts=visual["second_per_grid_ts"], attention_mask=mask)
         logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
     response_len = data.batch["responses"].shape[1]
     log_probs = torch.log_softmax(logits[:, -response_len - 1:-1] / TEMPERATURE, -1)

@@ -13,17 +13,17 @@ from megatron_rl.distributed import destroy_model_parallel, init_model_parallel
 from megatron_rl.models.layout import unwrap
 from megatron_rl.workers import ActorRole, MegatronEngine
 from megatron_rl.protocol import DataProto
-from megatron_rl_testing.vl_models import IMAGE, image_text_batch
+from megatron_rl_testing.vl_models import IMAGE, VIDEO, visual_text_batch
 
 RESPONSE_LENS = (4, 2, 5, 3)
 TEMPERATURE = 0.7
 
 
 def vision_rl_batch() -> DataProto:
-    """Four rows in verl's layout (left-padded prompts | right-padded responses): the three image_text_batch rows'
-    real tokens as prompts (two with images, one text-only) plus the first again; random responses, one of which
-    holds the image token."""
-    ids, mask, images = image_text_batch()
+    """Four rows in verl's layout (left-padded prompts | right-padded responses): the three visual_text_batch rows'
+    real tokens as prompts (two with images, one of them with a video too, one text-only) plus the first again;
+    random responses, one of which holds the image token and one the video token."""
+    ids, mask, images = visual_text_batch()
     prompts = [ids[i][mask[i].bool()] for i in range(3)] + [ids[0][mask[0].bool()]]
     rows_images = [images[0], images[1], images[2], images[0]]
     width, response_len = max(len(p) for p in prompts), max(RESPONSE_LENS)
@@ -36,6 +36,7 @@ def vision_rl_batch() -> DataProto:
         input_ids[i, width:width + length] = torch.randint(0, IMAGE, (length,), generator=gen)
         attention_mask[i, width - len(prompt):width + length] = 1
     input_ids[1, width] = IMAGE  # a policy may sample <|image_pad|>: text in a response, not an image
+    input_ids[2, width + 1] = VIDEO  # nor is <|video_pad|> a video
     responses = input_ids[:, width:]
     response_mask = attention_mask[:, width:]
     tensors = {

@@ -1,4 +1,4 @@
-"""Tiny Qwen2.5-VL and Qwen3-VL checkpoints and an image+text batch for the vision-language model tests (no tokenizer, no
+"""Tiny Qwen2.5-VL and Qwen3-VL checkpoints and an image+video+text batch for the vision-language model tests (no tokenizer, no
 processor: token ids and pixel values are made up directly; the data tests use the processor)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB, IMAGE, VIDEO, VISION_START = 160, 150, 151, 152
+VOCAB, IMAGE, VIDEO, VISION_START, VISION_END = 160, 150, 151, 152, 153
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 QWEN3_VL_PATCH = 16
 
@@ -73,24 +73,42 @@ def make_tiny_qwen3_vl(out_dir: Path, seed: int = 0, deepstack=(0, 1), **text_ov
     return Path(out_dir)
 
 
-def image_text_batch(patch: int = PATCH) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor] | None]]:
-    """(input_ids, attention_mask, per-row images) of three rows: an 8x8-patch image (16 tokens) between text, left
-    padded; a 4x6-patch image (6 tokens) and a 2x2 one (1 token), right padded; text only, padded both sides.
-    ``patch``: the model's patch size (Qwen2.5-VL's 14, Qwen3-VL's 16), which sizes only the pixel values."""
+def visual_text_batch(patch: int = PATCH, frames_apart: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor] | None]]:
+    """(input_ids, attention_mask, per-row ``multi_modal_inputs``) of three rows: an 8x8-patch image (16 tokens)
+    between text, left padded; a 4x6-patch image (6 tokens), a 2x2 one (1 token) and a video of 2 temporal patches of
+    4x4 (8 tokens, an eighth of a second a patch: temporal positions 0 and 0.5 -> 0 at the tiny configs' 4 tokens a
+    second, not the 0 and 1 of a scale left out; below its 2x2 merged grid, where transformers 5.19 and verl agree:
+    models/mrope.py), right padded; text only, padded both sides.
+    ``patch``: the model's patch size (Qwen2.5-VL's 14, Qwen3-VL's 16), which sizes only the pixel values.
+    ``frames_apart``: Qwen3-VL's video layout, each temporal patch behind its own timestamp text and vision start
+    (no ``second_per_grid_ts``)."""
     gen = torch.Generator().manual_seed(0)
-    grids = [[[1, 8, 8]], [[1, 4, 6], [1, 2, 2]], []]
-    rows, images = [], []
-    for row_grids in grids:
+    items = [[("image", (1, 8, 8))], [("image", (1, 4, 6)), ("image", (1, 2, 2)), ("video", (2, 4, 4))], []]
+    rows, inputs = [], []
+    for row_items in items:
         ids = torch.randint(0, IMAGE, (3,), generator=gen).tolist()
-        for t, h, w in row_grids:
-            ids += [VISION_START] + [IMAGE] * (t * h * w // MERGE**2) + torch.randint(0, IMAGE, (2,), generator=gen).tolist()
+        for kind, (t, h, w) in row_items:
+            token = IMAGE if kind == "image" else VIDEO
+            if kind == "video" and frames_apart:  # "<t seconds>" text, then one vision block per temporal patch
+                for _ in range(t):
+                    ids += torch.randint(0, IMAGE, (2,), generator=gen).tolist()
+                    ids += [VISION_START] + [token] * (h * w // MERGE**2) + [VISION_END]
+            else:
+                ids += [VISION_START] + [token] * (t * h * w // MERGE**2)
+            ids += torch.randint(0, IMAGE, (2,), generator=gen).tolist()
         rows.append(ids)
-        if row_grids:
-            patches = sum(t * h * w for t, h, w in row_grids)
-            images.append({"pixel_values": torch.randn(patches, 3 * TEMPORAL * patch * patch, generator=gen),
-                           "image_grid_thw": torch.tensor(row_grids)})
-        else:
-            images.append(None)
+        row: dict[str, torch.Tensor] = {}
+        for kind, pixels_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                           ("video", "pixel_values_videos", "video_grid_thw")):
+            grids = [g for k, g in row_items if k == kind]
+            if grids:
+                patches = sum(t * h * w for t, h, w in grids)
+                row[pixels_key] = torch.randn(patches, 3 * TEMPORAL * patch * patch, generator=gen)
+                row[grid_key] = torch.tensor(grids)
+        if "video_grid_thw" in row and not frames_apart:
+            row["second_per_grid_ts"] = torch.tensor([0.125])
+        inputs.append(row or None)
     width = max(len(r) for r in rows) + 3
     width += width % 2  # sequence parallelism at TP 2 splits the sequence in halves
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -99,4 +117,9 @@ def image_text_batch(patch: int = PATCH) -> tuple[torch.Tensor, torch.Tensor, li
     for i, (ids, start) in enumerate(zip(rows, starts)):
         input_ids[i, start:start + len(ids)] = torch.tensor(ids)
         attention_mask[i, start:start + len(ids)] = 1
-    return input_ids, attention_mask, images
+    return input_ids, attention_mask, inputs
+
+
+def mm_token_types(input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` of a ``visual_text_batch``: 1 at image tokens, 2 at video tokens."""
+    return (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
