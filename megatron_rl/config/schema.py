@@ -74,9 +74,11 @@ class DataConfig:
     on_malformed_row: MalformedRowPolicy = MalformedRowPolicy.skip
     dataloader_num_workers: int = 0
     # verl's multimodal keys (megatron_rl/data/multimodal.py): the rows' image column, with one <image> in the
-    # prompt per image; the patch size images are pre-resized to multiples of (null: the processor's); kwargs of
-    # every processor call (min_pixels / max_pixels bound an image's pixels, hence its tokens)
+    # prompt per image, and video column (megatron_rl/data/video.py), one <video> per video; the patch size images
+    # and video frames are pre-resized to multiples of (null: the processor's); kwargs of every processor call
+    # (min_pixels / max_pixels bound an image's pixels, hence its tokens)
     image_key: str = "images"
+    video_key: str = "videos"
     image_patch_size: Optional[int] = None
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 

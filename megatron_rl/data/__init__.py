@@ -1,4 +1,4 @@
-"""Data: verl-format prompt datasets (text and images), a resumable loader of DataProto batches, tokenizers,
+"""Data: verl-format prompt datasets (text, images and videos), a resumable loader of DataProto batches, tokenizers,
 processors, tiny test checkpoints, synthetic tasks."""
 
 from megatron_rl.data.dataset import RLDataset

@@ -2,8 +2,9 @@
 
 All rows are read, checked and tokenized when the dataset is built, so a bad row or an overlong prompt
 is reported once, with its file and row, before training starts — never as a crash deep in the loop.
-Rows with images (verl's multimodal rows, megatron_rl.data.multimodal) are encoded by the model's processor; their
-images are decoded and checked at build time and decoded again per item, so only their bytes stay in memory.
+Rows with images or videos (verl's multimodal rows, megatron_rl.data.multimodal) are encoded by the model's
+processor; their images and videos are decoded and checked at build time and decoded again per item, so only their
+bytes (or paths) stay in memory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from megatron_rl.config.schema import DataConfig
-from megatron_rl.data.multimodal import ImageProblem, NoVisionError, VisionEncoder, build_messages, load_processor
+from megatron_rl.data.multimodal import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    ImageProblem,
+    NoVisionError,
+    VisionEncoder,
+    build_messages,
+    load_processor,
+)
 from megatron_rl.data.rows import MalformedRowError, SourceRow, check_row, read_rows
 
 __all__ = ["RLDataset", "TRUNCATION_MODES", "MALFORMED_ROW_MODES"]
@@ -43,7 +52,8 @@ class _Prompt:
     index: int  # position of the row in the concatenated source files (stable across filtering)
     agent_name: str | None = None  # verl's column: the multi-turn environment of the row (rollout.multi_turn)
     images: list[Any] | None = None  # the row's image items as read (bytes or paths), decoded per item
-    text: str | None = None  # the chat-templated prompt of an image row, re-encoded per item for its pixels
+    videos: list[Any] | None = None  # the row's video items as read (frames' bytes or paths), decoded per item
+    text: str | None = None  # the chat-templated prompt of an image or video row, re-encoded per item for its pixels
 
 
 @dataclass(frozen=True)
@@ -51,8 +61,13 @@ class _Accepted:
     row: SourceRow
     text: str  # chat-templated
     index: int
-    ids: list[int] | None = None  # set for image rows (the processor's tokens); text rows are encoded per file
-    images: list[Any] | None = None
+    ids: list[int] | None = None  # set for image / video rows (the processor's tokens); text rows: encoded per file
+    images: list[Any] | None = None  # with videos, set (maybe empty) for every image / video row
+    videos: list[Any] | None = None
+
+    @property
+    def visual(self) -> bool:
+        return self.images is not None or self.videos is not None
 
 
 class RLDataset(Dataset):
@@ -62,12 +77,16 @@ class RLDataset(Dataset):
     ``max_prompt_length``, left-padded with the tokenizer's pad id) and ``raw_prompt`` (the chat messages),
     ``data_source``, ``reward_model``, ``extra_info``, ``index``.
 
-    Rows with images (column ``image_key``) are encoded by ``processor`` (None: the processor of the tokenizer's
-    directory, loaded on the first such row); when any row has images, every item also carries verl's
-    ``multi_modal_data`` (``{"image": [PIL images]}``, what rollout engines take) and ``multi_modal_inputs``
-    (``pixel_values``, ``image_grid_thw``), both ``{}`` for a row without images. Their ``input_ids`` hold the
-    processor's expanded image tokens; ``position_ids`` stay 1-D (the model derives mRoPE positions itself).
-    A prompt with images is never truncated: an overlong one is dropped (``filter_overlong_prompts``) or refused.
+    Rows with images (column ``image_key``) or videos (column ``video_key``) are encoded by ``processor`` (None: the
+    processor of the tokenizer's directory, loaded on the first such row); when any row has either, every item also
+    carries verl's ``multi_modal_data`` (``{"image": [PIL images], "video": [(frames uint8 [T, 3, H, W],
+    VideoMetadata)]}``, each key only when the row has such items; what rollout engines take) and
+    ``multi_modal_inputs`` (``pixel_values``, ``image_grid_thw``; ``pixel_values_videos``, ``video_grid_thw`` and,
+    from Qwen2.5-VL's processor, ``second_per_grid_ts``), both ``{}`` for a row with neither. Their ``input_ids``
+    hold the processor's expanded image and video tokens; ``position_ids`` stay 1-D (the model derives mRoPE
+    positions itself). A prompt with images or videos is never truncated: an overlong one is dropped
+    (``filter_overlong_prompts``) or refused. A row that has the image or video column (even empty) and a
+    placeholder in its prompt is encoded as such, as verl does: a placeholder without its item is refused.
 
     Overlong prompts are dropped when ``filter_overlong_prompts`` (the count is logged once); otherwise
     ``truncation`` decides: ``error`` (raise, naming the row), ``left`` (keep the last tokens), ``right``
@@ -86,6 +105,7 @@ class RLDataset(Dataset):
         truncation: str = "error",
         on_malformed_row: str = "skip",
         image_key: str = "images",
+        video_key: str = "videos",
         processor: ProcessorMixin | None = None,
         image_patch_size: int | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
@@ -99,10 +119,11 @@ class RLDataset(Dataset):
         self.truncation = truncation
         self.on_malformed_row = on_malformed_row
         self.image_key = image_key
+        self.video_key = video_key
         self._processor = processor
         self._image_patch_size = image_patch_size
         self._mm_processor_kwargs = dict(mm_processor_kwargs or {})
-        self._vision: VisionEncoder | None = None  # made on the first row with images
+        self._vision: VisionEncoder | None = None  # made on the first row with images or videos
         self.malformed: list[str] = []  # "location: problem" of every skipped row
         self.num_overlong = 0  # prompts dropped (filter) or cut (truncation) for exceeding max_prompt_length
         self._prompts: list[_Prompt] = []
@@ -122,6 +143,7 @@ class RLDataset(Dataset):
             truncation=data_cfg.truncation,
             on_malformed_row=data_cfg.on_malformed_row,
             image_key=data_cfg.image_key,
+            video_key=data_cfg.video_key,
             image_patch_size=data_cfg.image_patch_size,
             mm_processor_kwargs=dict(data_cfg.mm_processor_kwargs),
         )
@@ -133,8 +155,8 @@ class RLDataset(Dataset):
         for path in self.files:
             accepted: list[_Accepted] = []
             for row in tqdm(read_rows(path), desc=f"reading {path}", disable=None, leave=False):
-                if row.data is not None and row.data.get(self.image_key):
-                    item = self._encode_with_images(row, rows_read)
+                if self._is_visual(row.data):
+                    item = self._encode_visual(row, rows_read)
                 else:
                     text = self._render(row)
                     item = None if text is None else _Accepted(row, text, rows_read)
@@ -148,13 +170,18 @@ class RLDataset(Dataset):
             for item in accepted:
                 ids = item.ids if item.ids is not None else next(encoded)
                 longest = max(longest, len(ids))
-                ids = self._fit_length(item.row.location, ids, has_images=item.images is not None)
+                ids = self._fit_length(item.row.location, ids, has_images=item.visual)
                 if ids is not None:
                     self._prompts.append(self._make_prompt(item, ids))
         self._report(rows_read, longest)
         # verl's agent_name column travels with the rows that have one ("" elsewhere: the default agent)
         self._has_agent_name = any(p.agent_name for p in self._prompts)
-        self._has_images = any(p.images for p in self._prompts)
+        self._has_images = any(p.images or p.videos for p in self._prompts)
+
+    @property
+    def has_videos(self) -> bool:
+        """Some prompt has a video (the rollout engine must take videos: rollout/engines.py ``takes_videos``)."""
+        return any(p.videos for p in self._prompts)
 
     def _render(self, row: SourceRow) -> str | None:
         """Chat-template a checked row; None (after recording the problem) when the row is malformed."""
@@ -169,23 +196,40 @@ class RLDataset(Dataset):
         self._malformed(row, problem)
         return None
 
-    def _encode_with_images(self, row: SourceRow, index: int) -> _Accepted | None:
-        """A row with images: checked, its images decoded, chat-templated and encoded by the processor."""
+    def _is_visual(self, data: dict[str, Any] | None) -> bool:
+        """A row with images or videos, or with the column (even empty) and a placeholder: verl builds its
+        content parts whenever the column is there, so a placeholder without its item is the row's problem."""
+        if data is None:
+            return False
+        if data.get(self.image_key) or data.get(self.video_key):
+            return True
+        prompt = data.get(self.prompt_key)
+        return (self.image_key in data or self.video_key in data) and isinstance(prompt, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), str)
+            and (IMAGE_PLACEHOLDER in m["content"] or VIDEO_PLACEHOLDER in m["content"]) for m in prompt)
+
+    def _encode_visual(self, row: SourceRow, index: int) -> _Accepted | None:
+        """A row with images or videos: checked, its items decoded, chat-templated and encoded by the processor."""
         problem = check_row(row.data, self.prompt_key)
         if problem is None:
-            vision = self._vision_encoder(row.location)
-            items = row.data[self.image_key]
+            image_items = row.data.get(self.image_key) or []
+            video_items = row.data.get(self.video_key) or []
+            # a text model's refusal names the videos when the row has no images (but videos, or their column)
+            vision = self._vision_encoder(row.location, videos=not image_items and (
+                bool(video_items) or self.video_key in row.data))
             try:
-                images = vision.load_images(items)
-                messages = build_messages(row.data[self.prompt_key], len(images))
+                images = vision.load_images(image_items)
+                videos = vision.load_videos(video_items)
+                messages = vision.messages(row.data[self.prompt_key], len(images), len(videos))
                 text = vision.render(messages)
-                return _Accepted(row, text, index, vision.encode(text, images)["input_ids"], list(items))
-            except ImageProblem as e:
+                ids = vision.encode(text, images, videos)["input_ids"]
+                return _Accepted(row, text, index, ids, list(image_items), list(video_items))
+            except ImageProblem as e:  # VideoProblem too
                 problem = str(e)
         self._malformed(row, problem)
         return None
 
-    def _vision_encoder(self, location: str) -> VisionEncoder:
+    def _vision_encoder(self, location: str, videos: bool = False) -> VisionEncoder:
         if self._vision is None:
             processor = self._processor
             if processor is None:
@@ -193,14 +237,16 @@ class RLDataset(Dataset):
                 try:
                     processor = load_processor(model_dir)
                 except NoVisionError as e:
+                    what, key, name = ("videos", self.video_key, "video_key") if videos else (
+                        "images", self.image_key, "image_key")
                     raise ValueError(
-                        f"{location} has images (column {self.image_key!r}, data.image_key) but {e}; "
-                        f"use a vision-language model, or drop the image column (or set data.image_key to a "
-                        f"column the rows do not have) to train on the text alone"
+                        f"{location} has {what} (column {key!r}, data.{name}) but {e}; use a vision-language "
+                        f"model, or drop the {what[:-1]} column (or set data.{name} to a column the rows do not "
+                        f"have) to train on the text alone"
                     ) from None
-            self._vision = VisionEncoder(
-                processor, self.image_key, self._mm_processor_kwargs, self._image_patch_size
-            )
+            self._vision = VisionEncoder(processor, image_key=self.image_key, video_key=self.video_key,
+                                         processor_kwargs=self._mm_processor_kwargs,
+                                         patch_size=self._image_patch_size)
         return self._vision
 
     def _malformed(self, row: SourceRow, problem: str) -> None:
@@ -217,12 +263,12 @@ class RLDataset(Dataset):
         self.num_overlong += 1
         if self.filter_overlong_prompts:
             return None
-        if has_images:  # a cut would split an image's tokens from its pixels
+        if has_images:  # a cut would split an image's (or a video's) tokens from its pixels
             raise ValueError(
-                f"{location}: prompt with images is {len(ids)} tokens (image tokens included), longer than "
-                f"data.max_prompt_length={limit}; prompts with images are never truncated: set "
+                f"{location}: prompt with images is {len(ids)} tokens (image and video tokens included), longer than "
+                f"data.max_prompt_length={limit}; prompts with images or videos are never truncated: set "
                 f"data.filter_overlong_prompts=true to drop them, raise data.max_prompt_length, or lower the "
-                f"images' max_pixels (data.mm_processor_kwargs)"
+                f"images' max_pixels (data.mm_processor_kwargs) or the videos' max_pixels / fps (their items)"
             )
         if self.truncation == "left":
             return ids[-limit:]
@@ -240,8 +286,8 @@ class RLDataset(Dataset):
     def _make_prompt(self, item: _Accepted, ids: list[int]) -> _Prompt:
         data = item.row.data
         raw_prompt = data[self.prompt_key]
-        if item.images is not None:  # verl's raw_prompt of an image row: content lists with image parts
-            raw_prompt = build_messages(raw_prompt, len(item.images))
+        if item.visual:  # verl's raw_prompt of an image / video row: content lists with image and video parts
+            raw_prompt = build_messages(raw_prompt, len(item.images or ()), len(item.videos or ()))
         return _Prompt(
             token_ids=np.asarray(ids, dtype=np.int32),  # half the memory of int64; widened per item
             raw_prompt=raw_prompt,
@@ -251,7 +297,8 @@ class RLDataset(Dataset):
             index=item.index,
             agent_name=data.get("agent_name") or None,
             images=item.images,
-            text=item.text if item.images is not None else None,
+            videos=item.videos,
+            text=item.text if item.visual else None,
         )
 
     def _report(self, total_rows: int, longest: int) -> None:
@@ -311,15 +358,18 @@ class RLDataset(Dataset):
         }
 
     def _multi_modal(self, prompt: _Prompt) -> dict[str, Any]:
-        """verl's ``multi_modal_data`` and ``multi_modal_inputs`` of one prompt (both empty without images)."""
-        if not prompt.images:
+        """verl's ``multi_modal_data`` and ``multi_modal_inputs`` of one prompt (both empty without images or
+        videos)."""
+        if not prompt.images and not prompt.videos:
             return {"multi_modal_data": {}, "multi_modal_inputs": {}}
         vision = self._vision_encoder(f"prompt {prompt.index}")
-        images = vision.load_images(prompt.images)  # checked at build time: decodes again
-        encoded = vision.encode(prompt.text, images)
+        images = vision.load_images(prompt.images or [])  # checked at build time: decodes again
+        videos = vision.load_videos(prompt.videos or [])
+        encoded = vision.encode(prompt.text, images, videos)
+        data = {**({"image": images} if images else {}), **({"video": videos} if videos else {})}
         return {
-            "multi_modal_data": {"image": images},
-            "multi_modal_inputs": {k: encoded[k] for k in ("pixel_values", "image_grid_thw")},
+            "multi_modal_data": data,
+            "multi_modal_inputs": {k: v for k, v in encoded.items() if k != "input_ids"},
         }
 
     def __getstate__(self) -> dict[str, Any]:

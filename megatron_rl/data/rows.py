@@ -2,7 +2,7 @@
 
 A verl row: ``prompt`` (list of chat messages ``{"role", "content"}``), ``data_source`` (selects the reward
 scorer), ``reward_model`` (``{"style", "ground_truth"}``), optional ``extra_info`` (dict) and ``ability``, and
-optionally images (``data.image_key``, checked by megatron_rl.data.multimodal).
+optionally images and videos (``data.image_key`` / ``data.video_key``, checked by megatron_rl.data.multimodal).
 Every row carries its location (file and row/line) so a problem is reported where a person can find it.
 """
 

@@ -1,9 +1,11 @@
 """A tiny random vision-language checkpoint (Qwen2.5-VL or Qwen3-VL architecture) for tests and CPU demos.
 
 The directory holds what a real checkpoint holds: ``config.json`` + weights, a tokenizer with Qwen-VL's
-vision tokens and a chat template that renders image parts as Qwen-VL's does, and the image processor's
-``preprocessor_config.json`` (small pixel limits, so a test image is a few patches). Everything loads
-offline through the usual ``from_pretrained`` paths (megatron_rl.data.multimodal.load_processor).
+vision tokens and a chat template that renders image and video parts as Qwen-VL's does, the image processor's
+``preprocessor_config.json`` (small pixel limits, so a test image is a few patches) and the video processor's
+``video_preprocessor_config.json`` (the same normalisation and patches; limits of the family's meaning). Everything
+loads offline through the usual ``from_pretrained`` paths (megatron_rl.data.multimodal.load_processor; transformers'
+own video processor where torchvision is installed, megatron_rl.data.video_processor's stand-in where not).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ VL_CHAT_TEMPLATE = (
 
 # family -> (processor class, patch size): the patch size is the architecture's (Qwen3-VL: 16)
 VL_FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLProcessor", 14), "qwen3_vl": ("Qwen3VLProcessor", 16)}
+# family -> its video processor: Qwen2-VL's bounds each frame's pixels, Qwen3-VL's frames * height * width
+_VIDEO_PROCESSORS = {"qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
+_VIDEO_FRAMES_AT_MAX = 8  # Qwen3-VL's video limit: this many frames at the image limit
 # CLIP's normalisation, which Qwen-VL's image processors use
 _IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -113,9 +118,10 @@ def build_tiny_vl_checkpoint(
     config = Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **token_ids)
     torch.manual_seed(seed)
     Model(config).save_pretrained(out_dir)
-    _write_processor_config(out_dir, processor_class, patch_size,
-                            min_pixels if min_pixels is not None else factor * factor,
-                            max_pixels if max_pixels is not None else 16 * factor * factor)
+    min_pixels = min_pixels if min_pixels is not None else factor * factor
+    max_pixels = max_pixels if max_pixels is not None else 16 * factor * factor
+    _write_processor_config(out_dir, processor_class, patch_size, min_pixels, max_pixels)
+    _write_video_processor_config(out_dir, family, processor_class, patch_size, min_pixels, max_pixels)
     return out_dir
 
 
@@ -143,3 +149,23 @@ def _write_processor_config(out_dir: Path, processor_class: str, patch_size: int
         "patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2,
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_video_processor_config(out_dir: Path, family: str, processor_class: str, patch_size: int, min_pixels: int,
+                                  max_pixels: int) -> None:
+    """``video_preprocessor_config.json``: what AutoVideoProcessor (and the torchvision-free stand-in) read; without
+    it both fall back to the image processor's file, whose limits mean per image what Qwen3-VL's mean per video."""
+    if family == "qwen3_vl":
+        size = {"shortest_edge": min_pixels * 2, "longest_edge": max_pixels * _VIDEO_FRAMES_AT_MAX}
+    else:
+        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    config = {
+        "video_processor_type": _VIDEO_PROCESSORS[family],
+        "processor_class": processor_class,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "image_mean": list(_IMAGE_MEAN), "image_std": list(_IMAGE_STD), "size": size,
+        "patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2,
+        # frames come sampled (megatron_rl.data.video.load_video, verl's process_video)
+        "do_sample_frames": False, "min_frames": 4, "max_frames": 768,
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")

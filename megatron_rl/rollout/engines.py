@@ -47,6 +47,8 @@ class EngineSpec:
     # its servers take a vision-language prompt's images (vLLM: /inference/v1/generate; SGLang: image_data); the
     # HF-engine servers do not
     servers_take_images: bool
+    # it takes a prompt's videos (the HF engine: models/vision_inputs.py; vLLM's and SGLang's are not wired here)
+    takes_videos: bool
     memory: Callable[[EngineStart], EngineMemory]  # its meaning of rollout.gpu_memory_utilization (rollout/memory.py)
     build: Callable[..., RolloutEngine]  # (rollout config, model path, **engine kwargs) -> the engine
     # (replica, run config, on GPU) -> the builder's kwargs that place a replica's engine
@@ -183,17 +185,19 @@ def _sglang_process_env() -> None:
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
                members_send_shards=True, reports_routed_experts=True, drafts_with_mtp=False,
-               builds_quantized_layers=False, servers_take_images=False, memory=hf_memory, build=_build_hf,
+               builds_quantized_layers=False, servers_take_images=False, takes_videos=True, memory=hf_memory, build=_build_hf,
                placement=lambda replica, cfg, on_gpu: {}, check_here=_servers_here, serve_checkpoint=_hf_serving),
     EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
                servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
-               drafts_with_mtp=False, builds_quantized_layers=True, servers_take_images=True, memory=sglang_memory,
+               drafts_with_mtp=False, builds_quantized_layers=True, servers_take_images=True, takes_videos=False,
+               memory=sglang_memory,
                build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
                check_here=_servers_here, prepare_process=_sglang_process_env),
     # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
     EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
                members_send_shards=False, reports_routed_experts=True, drafts_with_mtp=True,
-               builds_quantized_layers=True, servers_take_images=True, memory=vllm_memory, build=_build_vllm,
+               builds_quantized_layers=True, servers_take_images=True, takes_videos=False, memory=vllm_memory,
+               build=_build_vllm,
                placement=_vllm_placement, check_config=_check_vllm, check_here=_vllm_here,
                serve_checkpoint=_vllm_serving),
 )}

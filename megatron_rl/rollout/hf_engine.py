@@ -459,16 +459,16 @@ def _at_tokens(features: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _same_images(images: list, shared: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether the rows ``repeated_prompt_rows`` found identical also carry the same images as their first row."""
+def _same_images(rows: list, shared: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the rows ``repeated_prompt_rows`` found identical also carry the same images and videos (every
+    processor output) as their first row."""
     firsts, runs = shared
     for row, run in enumerate(runs.tolist()):
-        first = images[int(firsts[run])]
-        mine = images[row]
+        first, mine = rows[int(firsts[run])] or {}, rows[row] or {}
         if first is mine:
             continue
-        if bool(first) != bool(mine) or (first and not all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(mine[k]))
-                                                          for k in ("pixel_values", "image_grid_thw"))):
+        if set(first) != set(mine) or not all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(mine[k]))
+                                              for k in first):
             return False
     return True
 

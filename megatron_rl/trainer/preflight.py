@@ -546,7 +546,7 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
                           f"Lower data.train_batch_size or add prompts")
     if data.val_files:  # as the runner builds the validation set (trainer/runner.py _val_batches), after Ray
         try:
-            RLDataset.from_config(list(data.val_files), tokenizer, data)
+            val = RLDataset.from_config(list(data.val_files), tokenizer, data)
         except ValueError as err:  # an overlong prompt under truncation=error, a malformed row, no usable prompt
             raise ConfigError(f"data.val_files: {err}") from None
     return len(dataset)
@@ -555,6 +555,7 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
 # ---------------------------------------------------------------------------- the checkpoint a resume takes
 def check_resume_state(cfg: PPOTrainerConfig) -> None:
     """The trainer_state.json of the checkpoint this start resumes has the keys the loop reads (TrainerState
+    check_video_engine(cfg, dataset, "data.train_files")
     .from_saved, which the resume itself calls), refused here naming the file and key rather than after start-up."""
     path = resume_checkpoint(cfg)
     if path is None or not (path / TRAINER_STATE_FILE).is_file():
@@ -565,9 +566,19 @@ def check_resume_state(cfg: PPOTrainerConfig) -> None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"resuming {path}: {source} cannot be read as JSON ({err})") from None
     try:
+        check_video_engine(cfg, val, "data.val_files")
         TrainerState.from_saved(saved, source)
     except ValueError as err:
         raise ConfigError(f"resuming {path}: {err}") from None
+def check_video_engine(cfg: PPOTrainerConfig, dataset: RLDataset, files_key: str) -> None:
+    """Prompts with videos need an engine that takes them (the HF engine); refused naming the data and the engine."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if dataset.has_videos and not engine_of(rollout).takes_videos:
+        raise ConfigError(f"{files_key} have videos (column data.video_key={cfg.data.video_key}) but "
+                          f"actor_rollout_ref.rollout.name={rollout.name} does not take videos here; only the HF "
+                          "engine does (rollout.name=hf; docs/rollout.md, Videos)")
+
+
 
 
 # ---------------------------------------------------------------------------- the schedule

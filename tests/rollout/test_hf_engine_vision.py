@@ -132,3 +132,50 @@ def test_prompts_with_videos_generate_with_transformers_log_probs(family, tmp_pa
                               **collate_visual_inputs(kept)).logits[:, -R - 1:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"][clean][..., None])[..., 0]
     assert (expected - out.batch["rollout_log_probs"][clean])[mask[clean]].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_dataset_video_rows_generate_through_the_processor(family, tmp_path):
+    """verl's video rows read by the dataset with the checkpoint's processor (its video tokens: Qwen3-VL's timestamps)
+    reach the engine, whose log-probs equal transformers' forward on the same processor outputs."""
+    import json
+
+    from PIL import Image
+
+    texts = ["How many frames are red? 0 1 2 3 <0.2 seconds> <1.2 seconds>"]
+    directory = build_tiny_vl_checkpoint(tmp_path / "model", texts, seed=0, family=family)
+    rows = []
+    for k in range(2):
+        frames = []
+        for f in range(3 + k):  # an odd count: the last frame repeats to fill the temporal patch
+            path = tmp_path / f"v{k}_{f}.png"
+            Image.new("RGB", (64, 64), (255 * (f % 2), 40 * f, 0)).save(path)
+            frames.append(str(path))
+        rows.append({"prompt": [{"role": "user", "content": "<video>How many frames are red?"}],
+                     "data_source": "synthetic/shapes", "reward_model": {"ground_truth": "1"},
+                     # 8 frames a second: Qwen2.5-VL's temporal positions step by 1 (of its tiny config's 4
+                     # tokens a second), below the grid, where transformers 5.19 continues the text as verl does
+                     "videos": [{"video": frames, "sample_fps": 8}]})
+    train = tmp_path / "videos.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    dataset = RLDataset(str(train), load_tokenizer(directory), max_prompt_length=256)
+    batch = collate_to_dataproto([dataset[i] for i in range(2)]).pop_for_generation()
+    batch.meta_info.update(temperature=1.0)
+    assert all("video_grid_thw" in r for r in batch.non_tensor_batch[MULTI_MODAL_INPUTS])
+    engine = HFEngine(RolloutConfig(name="hf", temperature=1.0), directory, response_length=R, device="cpu",
+                      weights_path=directory)
+    out = engine.generate_sequences(batch.repeat(3, interleave=True))
+    mask = out.batch["response_mask"].bool()
+    assert (engine.compute_log_probs(out) - out.batch["rollout_log_probs"])[mask].abs().max() <= 1e-5
+    video, image = engine.model.config.video_token_id, engine.model.config.image_token_id
+    responses = out.batch["responses"]
+    clean = ~((responses == image) | (responses == video)).any(-1)  # transformers would take those for placeholders
+    ids, attention = out.batch["input_ids"][clean], out.batch["attention_mask"][clean]
+    types = (ids == image).int() + 2 * (ids == video).int()
+    kept = [r for r, keep in zip(out.non_tensor_batch[MULTI_MODAL_INPUTS], clean.tolist()) if keep]
+    assert kept
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, attention_mask=attention, mm_token_type_ids=types,
+                              **collate_visual_inputs(kept)).logits[:, -R - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"][clean][..., None])[..., 0]
+    assert (expected - out.batch["rollout_log_probs"][clean])[mask[clean]].abs().max() <= 1e-5
