@@ -1,4 +1,5 @@
-"""Multi-turn, tool-using rollouts (docs/rollout.md, "Agent loop"): the loop, environments, tools."""
+"""Multi-turn, tool-using rollouts (docs/rollout.md, "Agent loop"): the loop, environments, tools; tools as
+services in ``agent.tool_service`` and the sandbox served over HTTP in ``agent.sandbox_service``."""
 
 from megatron_rl.agent.env import (
     ENV_REGISTRY,
@@ -16,6 +17,7 @@ from megatron_rl.agent.tools import (
     CalculatorTool,
     PythonTool,
     Tool,
+    ToolError,
     build_tools,
     load_tool_config,
     register_tool,
@@ -24,7 +26,7 @@ from megatron_rl.agent.tools import (
 
 __all__ = [
     "ENV_REGISTRY", "TOOL_REGISTRY", "AgentEnv", "AgentLoop", "AgentLoopSettings", "CalculatorTool",
-    "PythonTool", "SingleTurnEnv", "StepResult", "Tool", "ToolCall", "ToolCallError", "ToolEnv",
+    "PythonTool", "SingleTurnEnv", "StepResult", "Tool", "ToolCall", "ToolError", "ToolCallError", "ToolEnv",
     "build_tools", "get_env", "load_tool_config", "observation_token_ids",
     "parse_tool_calls", "register_env", "register_tool", "safe_arithmetic",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from megatron_rl.agent.tools import Tool, truncate
+from megatron_rl.agent.tools import Tool, ToolError, truncate
 
 __all__ = ["AgentEnv", "ENV_REGISTRY", "SingleTurnEnv", "StepResult", "ToolEnv", "get_env", "register_env"]
 
@@ -26,6 +26,7 @@ class StepResult:
     observation: list[dict[str, str]] = field(default_factory=list)
     done: bool = False
     tool_calls: int = 0  # calls the model made in this turn (malformed ones included)
+    tool_errors: list[str] = field(default_factory=list)  # the reason of each call that failed on the tool's side
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,7 +104,7 @@ class ToolEnv(AgentEnv):
         limit = int(self.config.get("max_parallel_calls", 1) or 1)
         width = int(self.config.get("max_tool_response_length", 256) or 0)
         side = str(self.config.get("tool_response_truncate_side", "middle"))
-        messages = []
+        messages, errors = [], []
         for index, call in enumerate(calls):
             if index >= limit:
                 content = f"Error: at most {limit} tool call(s) per turn; this one was not run."
@@ -111,8 +112,10 @@ class ToolEnv(AgentEnv):
                 content = call.message
             else:
                 content = self._run(call)
+            if isinstance(content, ToolError):  # the tool's failure, not the model's: counted in the metrics
+                errors.append(content.reason)
             messages.append({"role": "tool", "content": truncate(content, width, side)})
-        return StepResult(observation=messages, done=False, tool_calls=len(calls))
+        return StepResult(observation=messages, done=False, tool_calls=len(calls), tool_errors=errors)
 
     def _run(self, call: ToolCall) -> str:
         tool = self.tools.get(call.name)
@@ -120,6 +123,7 @@ class ToolEnv(AgentEnv):
             return f"Error: unknown tool {call.name!r}; available: {sorted(self.tools)}."
         kwargs = self.tools_kwargs.get(call.name) or {}
         try:
-            return str(tool.execute(call.arguments, **(kwargs if isinstance(kwargs, Mapping) else {})))
+            result = tool.execute(call.arguments, **(kwargs if isinstance(kwargs, Mapping) else {}))
         except Exception as exc:  # a tool must not take the rollout down
-            return f"Error: tool {call.name} failed: {type(exc).__name__}: {exc}"
+            return ToolError(f"Error: tool {call.name} failed: {type(exc).__name__}: {exc}", "exception")
+        return result if isinstance(result, ToolError) else str(result)

@@ -15,7 +15,9 @@ Output (verl's layout): ``responses`` hold all turns, right-padded to the call's
 ``response_mask`` is 1 on model tokens and 0 on observation tokens; ``rollout_log_probs`` is the engine's
 log-prob on model tokens and 0 elsewhere; ``attention_mask`` is 1 on every real token (observations are
 context). ``non_tensor_batch`` gains ``__num_turns__`` / ``num_turns`` (verl's count: 1 for the prompt +
-model turns + observation turns), ``tool_call_counts``, ``agent_name`` and ``stop_reason``
+model turns + observation turns), ``tool_call_counts``, ``tool_error_counts`` and ``tool_error_reasons``
+(calls that failed on the tool's side: a ``ToolError`` such as a tool service's timeout, a tool that raised,
+a call abandoned at ``tool_timeout_s``; one reason per failed call), ``agent_name`` and ``stop_reason``
 (final | max_turns | max_user_turns | length).
 """
 
@@ -99,6 +101,7 @@ class _Sample:
     model_turns: int = 0
     obs_turns: int = 0
     tool_calls: int = 0
+    tool_errors: list[str] = field(default_factory=list)
     stop_reason: str | None = None
 
     def add(self, tokens: list[int], log_probs: list[float] | None) -> None:
@@ -197,13 +200,14 @@ class AgentLoop:
                         except Exception as exc:  # an environment must not take the batch down
                             logger.warning("agent env %s raised on sample %d: %r", sample.agent_name, sample.index, exc)
                             result = StepResult([{"role": "tool", "content":
-                                                  f"Error: the environment failed: {type(exc).__name__}: {exc}"}])
+                                                  f"Error: the environment failed: {type(exc).__name__}: {exc}"}],
+                                                tool_errors=["env_error"])
                     elif now >= dl:
                         del pending[future]
                         future.cancel()
                         result = StepResult([{"role": "tool", "content": "Error: the tool call did not finish "
                                               f"within {float(self.settings.tool_timeout_s):g}s and was abandoned."}],
-                                            tool_calls=1)
+                                            tool_calls=1, tool_errors=["tool_timeout"])
                     else:
                         continue
                     if self._observe(sample, result, budget):
@@ -256,6 +260,7 @@ class AgentLoop:
     def _observe(self, sample: _Sample, result: StepResult, budget: int) -> bool:
         """Apply an environment step; True when the sample wants another model turn."""
         sample.tool_calls += int(result.tool_calls)
+        sample.tool_errors += list(result.tool_errors)
         if result.done or not result.observation:
             sample.stop_reason = "final"
             return False
@@ -303,6 +308,8 @@ class AgentLoop:
             "__num_turns__": np.array(turns, dtype=object),
             "num_turns": np.array(turns, dtype=object),
             "tool_call_counts": np.array([s.tool_calls for s in samples], dtype=object),
+            "tool_error_counts": np.array([len(s.tool_errors) for s in samples], dtype=object),
+            "tool_error_reasons": _one_per_row([list(s.tool_errors) for s in samples]),
             "stop_reason": np.array([s.stop_reason or "length" for s in samples], dtype=object),
         }
         if "agent_name" not in non_tensor:  # the data's column, when it has one, passes through as it was
@@ -312,3 +319,10 @@ class AgentLoop:
             meta["weight_version"] = version
         return DataProto(batch, non_tensor, meta)
 
+
+def _one_per_row(rows: list[list[str]]) -> np.ndarray:
+    """An object array with one list per sample (numpy would make a 2-D array of equally long lists)."""
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["FILESYSTEMS", "Sandbox", "SandboxLimits", "SandboxReport", "interpreter_paths", "sandbox_for",
+__all__ = ["FILESYSTEMS", "Sandbox", "SandboxLimits", "SandboxReport", "SandboxRun", "interpreter_paths", "sandbox_for",
            "sandbox_report"]
 
 _NOBODY = 65534
@@ -38,6 +38,7 @@ def fail(what, err=None):
     os._exit(125)
 libc = ctypes.CDLL(None, use_errno=True)
 src = open(c["src"], encoding="utf-8").read()
+files = json.load(open(c["files"], encoding="utf-8")) if c["files"] else {}  # read before the host is sealed off
 tmp_opts = "size=%dm,mode=0700%s" % (c["tmpfs_mb"], ",uid=%d,gid=%d" % (c["uid"], c["uid"]) if c["drop"] else "")
 work = c["work"]
 if c["namespaces"]:
@@ -139,8 +140,13 @@ os.environ["HOME"] = os.environ["TMPDIR"] = work
 if c["namespaces"]:
     with open("main.py", "w", encoding="utf-8") as f:
         f.write(src)
+for name, data in files.items():  # the request's files (sandbox_service: SandboxFusion's "files"), beside main.py
+    if os.path.dirname(name):
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+    with open(name, "wb") as f:
+        f.write(bytes.fromhex(data))
 sys.argv = ["main.py"]
-del ctypes, json, r, c, fail, libc, work
+del ctypes, json, r, c, fail, libc, work, files
 exec(compile(src, "main.py", "exec"), {"__name__": "__main__"})
 """
 # pivot_root has no libc wrapper; its number differs by architecture (the newer mount calls above do not)
@@ -198,6 +204,18 @@ class SandboxLimits:
 
 
 @dataclass(frozen=True)
+class SandboxRun:
+    """One program's run: whether it ran past its wall-clock limit, its exit status (negative: the signal that
+    killed it; -1 with the reason in ``stdout``: it could not start), what it printed, and its seconds."""
+
+    timed_out: bool
+    return_code: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Sandbox:
     """One containment: the command it runs under (``unshare ...`` or none), whether the boot makes its mounts,
     drops to nobody, and the paths of an empty root (None: the host's filesystem)."""
@@ -209,35 +227,59 @@ class Sandbox:
     report: SandboxReport
 
     def run(self, code: str, limits: SandboxLimits) -> tuple[bool, int, str]:
-        """Run ``code``: (timed out, exit status, output)."""
+        """Run ``code``: (timed out, exit status, output: stdout and stderr interleaved)."""
+        result = self.execute(code, limits, merge_stderr=True)
+        return result.timed_out, result.return_code, result.stdout
+
+    def execute(self, code: str, limits: SandboxLimits, *, stdin: str | None = None,
+                files: dict[str, bytes] | None = None, merge_stderr: bool = False) -> SandboxRun:
+        """Run ``code`` with ``stdin`` (text; none: /dev/null) and ``files`` (relative path -> bytes, written
+        beside the program): what it printed, on one stream or on stdout and stderr apart."""
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONIOENCODING": "utf-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with tempfile.TemporaryDirectory(prefix="mrl-python-tool-") as host_dir:
             src = os.path.join(host_dir, "main.py")
             with open(src, "w", encoding="utf-8") as f:
                 f.write(code)
+            files_path = None
+            if files:
+                files_path = os.path.join(host_dir, "files.json")
+                with open(files_path, "w", encoding="utf-8") as f:
+                    json.dump({name: bytes(data).hex() for name, data in files.items()}, f)
+            # stdin from a file, not a pipe: a program that reads none never blocks the writer
+            stdin_path = os.path.join(host_dir, "stdin")
+            with open(stdin_path, "w", encoding="utf-8") as f:
+                f.write(stdin or "")
             if self.drop and not self.namespaces:  # nobody works in the host directory
                 os.chown(host_dir, _NOBODY, _NOBODY)
-                os.chmod(src, 0o644)
+                for path in (src, files_path):
+                    if path:
+                        os.chmod(path, 0o644)
             cpu = max(1, int(limits.timeout_s) + 1)
-            boot_cfg = {"src": src, "work": host_dir, "namespaces": self.namespaces, "drop": self.drop,
-                        "root": self.root, "pivot_root": _PIVOT_ROOT.get(os.uname().machine),
+            boot_cfg = {"src": src, "files": files_path, "work": host_dir, "namespaces": self.namespaces,
+                        "drop": self.drop, "root": self.root, "pivot_root": _PIVOT_ROOT.get(os.uname().machine),
                         "uid": _NOBODY, "cpu": cpu, "mem": limits.memory_mb << 20, "fsize": 16 << 20,
                         "nproc": max(1, limits.max_processes), "tmpfs_mb": max(1, limits.tmp_mb)}
+            started = time.monotonic()
             try:
-                proc = subprocess.Popen(
-                    [*self.prefix, sys.executable, "-I", "-c", _BOOT, json.dumps(boot_cfg)], cwd=host_dir, env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                with open(stdin_path if stdin is not None else os.devnull, "rb") as stdin_file:
+                    proc = subprocess.Popen(
+                        [*self.prefix, sys.executable, "-I", "-c", _BOOT, json.dumps(boot_cfg)], cwd=host_dir,
+                        env=env, stdin=stdin_file, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, start_new_session=True,
+                    )
             except OSError as exc:
-                return False, -1, f"Error: could not start the Python sandbox: {exc}"
+                return SandboxRun(False, -1, f"Error: could not start the Python sandbox: {exc}", "", 0.0)
+            streams = [proc.stdout] if merge_stderr else [proc.stdout, proc.stderr]
             try:
-                timed_out, out = _read(proc, time.monotonic() + limits.timeout_s, limits.output_bytes)
+                timed_out, outs = _read(proc, streams, started + limits.timeout_s, limits.output_bytes)
             finally:
                 _stop(proc)
-                proc.stdout.close()
-        return timed_out, proc.returncode, out.decode("utf-8", errors="replace")
+                for stream in streams:
+                    stream.close()
+        texts = [out.decode("utf-8", errors="replace") for out in outs]
+        return SandboxRun(timed_out, proc.returncode, texts[0], "" if merge_stderr else texts[1],
+                          time.monotonic() - started)
 
 
 def _candidates(isolate_network: bool, filesystem: str) -> list[Sandbox]:
@@ -333,41 +375,43 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bool, bytes]:
-    """Output until EOF or ``deadline``; never blocks on a pipe that a leftover process holds open (stop
-    reading 0.2 s after the program itself exited). Keeps ``cap`` bytes of the head and of the tail of
-    long output."""
-    head, tail, dropped = bytearray(), bytearray(), False
-    fd = proc.stdout.fileno()
-    os.set_blocking(fd, False)
+def _read(proc: subprocess.Popen, streams: list, deadline: float, cap: int) -> tuple[bool, list[bytes]]:
+    """Each stream's output until EOF or ``deadline``; never blocks on a pipe that a leftover process holds open
+    (stop reading 0.2 s after the program itself exited). Keeps ``cap`` bytes of the head and of the tail of
+    each long output."""
+    kept = {s.fileno(): (bytearray(), bytearray(), [False]) for s in streams}  # fd -> head, tail, dropped
     exited_at = None
     with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
+        for fd in kept:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
-                return True, bytes(head)
+                return True, [bytes(head) for head, _, _ in kept.values()]
             if exited_at is None and _exited(proc.pid):
                 exited_at = now
             if exited_at is not None and now - exited_at > 0.2:
                 break
-            if not sel.select(min(0.05, deadline - now)):
-                continue
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                break
-            room = cap - len(head)
-            head += chunk[:room]
-            if len(chunk) > room:
-                tail += chunk[room:]
-                if len(tail) > cap:
-                    del tail[:len(tail) - cap]
-                    dropped = True
+            for key, _ in sel.select(min(0.05, deadline - now)):
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                head, tail, dropped = kept[key.fd]
+                room = cap - len(head)
+                head += chunk[:room]
+                if len(chunk) > room:
+                    tail += chunk[room:]
+                    if len(tail) > cap:
+                        del tail[:len(tail) - cap]
+                        dropped[0] = True
     while not _exited(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
     if not _exited(proc.pid):
-        return True, bytes(head)
-    return False, bytes(head + (b"\n...(output cut)...\n" if dropped else b"") + tail)
+        return True, [bytes(head) for head, _, _ in kept.values()]
+    return False, [bytes(head + (b"\n...(output cut)...\n" if dropped[0] else b"") + tail)
+                   for head, tail, dropped in kept.values()]

@@ -2,13 +2,16 @@
 tool config), with two built-ins: ``calculator`` (safe arithmetic) and ``python`` (a sandboxed executor).
 
 A tool's ``execute(arguments)`` returns the text the model sees. It must not raise for bad input: errors
-are returned as text. The agent loop additionally bounds every tool call in time
+are returned as text, and a call that failed on the tool's side (a service that timed out, refused or answered
+nonsense; agent/tool_service.py) returns a ``ToolError``, text with a ``reason`` that the agent loop counts in
+the sample's ``tool_error_counts``. The agent loop additionally bounds every tool call in time
 (``multi_turn.tool_timeout_s``), so a hanging tool costs its sample a timeout observation, never the batch.
 
 Tool config file (``multi_turn.tool_config_path``, verl's format)::
 
     tools:
-      - class_name: megatron_rl.agent.tools.CalculatorTool   # or a built-in name: calculator, python
+      - class_name: megatron_rl.agent.tools.CalculatorTool   # or a built-in name: calculator, python, http,
+                                                           # sandbox_fusion (verl's SandboxFusionTool)
         config: {}
         tool_schema: {type: function, function: {name: calculator, description: ..., parameters: {...}}}
 """
@@ -36,9 +39,11 @@ __all__ = [
     "PythonTool",
     "SandboxReport",
     "Tool",
+    "ToolError",
     "TOOL_REGISTRY",
     "build_tools",
     "load_tool_config",
+    "program_text",
     "register_tool",
     "safe_arithmetic",
     "sandbox_report",
@@ -70,6 +75,18 @@ class Tool:
 
     def execute(self, arguments: dict[str, Any], **kwargs: Any) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class ToolError(str):
+    """The text of a failed call, as the model sees it, with ``reason`` (a short tag: timeout, connection,
+    unauthorized, http_503, bad_json, ...) that the sample's metrics count."""
+
+    reason: str
+
+    def __new__(cls, text: str, reason: str) -> ToolError:
+        error = super().__new__(cls, text)
+        error.reason = reason
+        return error
 
 
 def truncate(text: str, limit: int, side: str = "middle") -> str:
@@ -209,20 +226,31 @@ class PythonTool(Tool):
         if not isinstance(code, str):
             return 'Error: python needs {"code": "<program>"}.'
         timed_out, returncode, text = self._sandbox().run(code, self._limits)
-        if timed_out:
-            return f"Error: the program ran longer than {self.timeout_s:g}s and was killed."
-        if returncode == -1 and text.startswith("Error: could not start"):
-            return text
-        if returncode != 0:
-            reason = (f"killed by signal {-returncode}" if returncode < 0
-                      else f"killed by signal {returncode - 128}" if returncode > 128
-                      else f"exit status {returncode}")
-            text = f"{text}\n[{reason}]".strip()
-        return truncate(text, self.max_output_chars, "middle") if text else "(no output)"
+        return program_text(timed_out, returncode, text, self.timeout_s, self.max_output_chars)
+
+
+def program_text(timed_out: bool, returncode: int, text: str, timeout_s: float, max_chars: int) -> str:
+    """What the python tool shows the model of a run (here, and served: agent/sandbox_service.py's /execute)."""
+    if timed_out:
+        return f"Error: the program ran longer than {timeout_s:g}s and was killed."
+    if returncode == -1 and text.startswith("Error: could not start"):
+        return text
+    if returncode != 0:
+        reason = (f"killed by signal {-returncode}" if returncode < 0
+                  else f"killed by signal {returncode - 128}" if returncode > 128
+                  else f"exit status {returncode}")
+        text = f"{text}\n[{reason}]".strip()
+    return truncate(text, max_chars, "middle") if text else "(no output)"
 
 
 # ---------------------------------------------------------------------------------------------- registry
 TOOL_REGISTRY: dict[str, type[Tool]] = {"calculator": CalculatorTool, "python": PythonTool}
+# built-ins that live in modules of their own, imported when a config names them (they import this one)
+_SERVICE_TOOLS = {
+    "http": "megatron_rl.agent.tool_service.HTTPTool",
+    "sandbox_fusion": "megatron_rl.agent.tool_service.SandboxFusionTool",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "megatron_rl.agent.tool_service.SandboxFusionTool",
+}
 
 
 def register_tool(name: str) -> Callable[[type[Tool]], type[Tool]]:
@@ -236,9 +264,10 @@ def register_tool(name: str) -> Callable[[type[Tool]], type[Tool]]:
 def _resolve_class(class_name: str) -> type[Tool]:
     if class_name in TOOL_REGISTRY:
         return TOOL_REGISTRY[class_name]
-    module, _, attr = class_name.rpartition(".")
+    module, _, attr = _SERVICE_TOOLS.get(class_name, class_name).rpartition(".")
     if not module:
-        raise ValueError(f"unknown tool {class_name!r}; built-in: {sorted(TOOL_REGISTRY)}, or give module.Class")
+        raise ValueError(f"unknown tool {class_name!r}; built-in: {sorted({*TOOL_REGISTRY, 'http', 'sandbox_fusion'})}"
+                         ", or give module.Class")
     return getattr(importlib.import_module(module), attr)
 
 

@@ -464,6 +464,20 @@ class RewardConfig:
     reward_manager: RewardManagerName = RewardManagerName.naive
     num_workers: int = 4
     timeout_s: float = 10.0  # per scoring call; inline (num_workers=0) a call past it stops the run
+@dataclass
+class SandboxFusionConfig:
+    """``reward.sandbox_fusion``: where the code sources' reward runs their tests (reward/code_execution.py;
+    docs/data_and_rewards.md, "Code execution"). verl's keys, then ours."""
+
+    # a SandboxFusion /run_code service (ours: agent/sandbox_service.py); null: this machine's sandbox
+    url: Optional[str] = None
+    max_concurrent: int = 64  # cases of one scoring worker at once (one client per worker process)
+    memory_limit_mb: int = 1024
+    continuous: bool = True  # verl's flag: true, fraction of the first max_tests cases passed; false, all or nothing
+    run_timeout_s: float = 5.0  # one case's wall clock (raise reward.timeout_s, the whole sample's, with it)
+    max_tests: int = 10  # cases a continuous score counts (verl's 10)
+
+
     # Stop the run after this many steps in a row in which every sample's reward errored or timed out
     # (each such step is warned about); 0: never stop.
     max_failed_steps: int = 3
@@ -475,6 +489,7 @@ class RewardConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None  # an HF <Family>ForSequenceClassification directory (one label)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     # verl's meaning: the policy's tokenizer. Set it when the RM's tokenizer or chat template differs: responses
     # are decoded with it and re-tokenized with the RM's (raw_prompt + the response as the assistant turn).
     # null (default here, verl defaults to the actor's path): the RM reads the policy's tokens as they are.

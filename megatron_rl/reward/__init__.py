@@ -7,6 +7,7 @@ torch) are imported on first access, so scoring worker processes stay light.
 import importlib
 from typing import Any
 
+import megatron_rl.reward.code_execution  # noqa: F401  (registers the code sources' scorer)
 import megatron_rl.reward.scorers  # noqa: F401  (registers the built-in scorers)
 from megatron_rl.reward.custom import FileFunction, load_custom_scorer
 from megatron_rl.reward.registry import Scorer, get_scorer, register_scorer, registered_data_sources

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import functools
 import pickle
 from collections import defaultdict
 from collections.abc import Sequence
@@ -111,6 +112,11 @@ class RewardManager:
     def __call__(self, data: DataProto) -> DataProto:
         data.require("responses", "response_mask", "data_source", "reward_model", where="RewardManager")
         responses, mask = data.batch["responses"], data.batch["response_mask"]
+        box = cfg.sandbox_fusion  # what a code-running scorer (Scorer.sandbox) is given
+        self._sandbox_kwargs = {"sandbox_fusion_url": box.url, "memory_limit_mb": box.memory_limit_mb,
+                                "max_concurrent": box.max_concurrent, "continuous": box.continuous,
+                                "run_timeout_s": box.run_timeout_s, "max_tests": box.max_tests}
+        self._with_sandbox: dict[str, Scorer] = {}
         if responses.dim() != 2 or mask.shape != responses.shape:
             raise ValueError(
                 f"RewardManager: responses {tuple(responses.shape)} and response_mask "
@@ -188,6 +194,9 @@ class RewardManager:
                     f"which scoring worker processes cannot import; move it into a module, or set "
                     f"reward.num_workers=0 to score in this process"
                 )
+        if scorer.sandbox:  # one wrapped scorer per function: batched calls group by it
+            scorer = self._with_sandbox.setdefault(
+                scorer.name, Scorer(functools.partial(scorer.fn, **self._sandbox_kwargs), scorer.batched, True))
             try:
                 pickle.dumps(scorer.fn)
             except Exception as e:

@@ -22,6 +22,10 @@ __all__ = ["Scorer", "get_scorer", "register_scorer", "registered_data_sources",
 class Scorer:
     fn: Callable[..., Any]
     batched: bool = False
+    # runs code: the reward manager passes it reward.sandbox_fusion's settings as keywords (sandbox_fusion_url,
+    # memory_limit_mb, max_concurrent, continuous, run_timeout_s, max_tests), as verl's default_compute_score
+    # gets sandbox_fusion_url and memory_limit_mb (reward/code_execution.py)
+    sandbox: bool = False
 
     @property
     def name(self) -> str:
@@ -32,25 +36,24 @@ class Scorer:
 _SCORERS: dict[str, Scorer] = {}
 _PREFIX_SCORERS: dict[str, Scorer] = {}  # data_source prefix -> scorer (verl routes "aime*" by prefix)
 
-# verl's default_compute_score routes these to scorers that need a service megatron-rl does not run.
-EXTERNAL_SERVICE_SOURCES = {
-    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"),
-                    "a code-execution sandbox (verl: sandbox_fusion_url, or prime_code running the code locally)"),
-}
+# verl's default_compute_score sources that need a service megatron-rl does not run (none since the code sources
+# got reward/code_execution.py); a source here without a scorer is refused by name, with what it needs.
+EXTERNAL_SERVICE_SOURCES: dict[str, str] = {}
 
 
 def register_scorer(
-    *data_sources: str, batched: bool = False, prefixes: tuple[str, ...] = ()
+    *data_sources: str, batched: bool = False, prefixes: tuple[str, ...] = (), sandbox: bool = False
 ) -> Callable[[Callable], Callable]:
     """Decorator: ``@register_scorer("openai/gsm8k", "gsm8k")`` makes ``fn`` score those data sources;
-    ``prefixes=("aime",)`` also every data_source starting with one (an exact name wins)."""
+    ``prefixes=("aime",)`` also every data_source starting with one (an exact name wins); ``sandbox``: ``fn`` takes
+    the run's code-sandbox settings (``Scorer.sandbox``)."""
     if not (data_sources or prefixes) or not all(isinstance(d, str) and d for d in (*data_sources, *prefixes)):
         raise ValueError(
             f"register_scorer needs one or more non-empty data_source names, got {data_sources!r}"
         )
 
     def register(fn: Callable) -> Callable:
-        scorer = Scorer(fn, batched)
+        scorer = Scorer(fn, batched, sandbox)
         for data_source in data_sources:
             known = _SCORERS.get(data_source)
             # The same function registering again (its module imported twice, e.g. as __main__) is harmless.

@@ -24,11 +24,14 @@ class ServerHTTPBase:
 
     engine = "rollout"
     error: type[Exception] = RuntimeError
+    json_only = False  # an answer that is not JSON: returned as text, or (True) an error
 
-    def __init__(self, url: str, timeout_s: float | None) -> None:
+    def __init__(self, url: str, timeout_s: float | None, headers: dict[str, str] | None = None,
+                 send_secret: bool = True) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._auth = {"Authorization": f"Bearer {key}"} if (key := server_api_key()) else {}
+        secret = {"Authorization": f"Bearer {key}"} if send_secret and (key := server_api_key()) else {}
+        self._auth = {**(headers or {}), **secret}  # extra headers (a tool service's), the run's secret over them
 
     def checked_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         return body
@@ -53,7 +56,10 @@ class ServerHTTPBase:
             return None
         try:
             return json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            if self.json_only:
+                raise self.error(f"{self.engine} {self.url}{route} answered with no JSON: "
+                                 f"{raw[:200].decode(errors='replace')!r}") from exc
             return raw.decode(errors="replace")
 
 

@@ -79,14 +79,19 @@ class StageTimer:
 
 def multi_turn_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
     """verl's ``num_turns/{min,max,mean}`` and ``tool_call_counts/{min,max,mean}`` of a batch (empty when
-    the batch is not multi-turn)."""
+    the batch is not multi-turn); ours: ``tool_error_counts/{min,max,mean}`` and ``tool_errors/<reason>`` (the
+    batch's failed tool calls by reason: timeout, connection, unauthorized, http_503, ...; agent/loop.py)."""
     nt = data.non_tensor_batch if isinstance(data, DataProto) else data
     metrics: dict[str, float] = {}
-    for key, name in (("__num_turns__", "num_turns"), ("tool_call_counts", "tool_call_counts")):
+    for key in ("__num_turns__", "tool_call_counts", "tool_error_counts"):
         if key in nt and len(nt[key]):
+            name = key.strip("_")
             values = np.asarray(nt[key], dtype=np.float64)
             metrics |= {f"{name}/min": float(values.min()), f"{name}/max": float(values.max()),
                         f"{name}/mean": float(values.mean())}
+    for reasons in nt.get("tool_error_reasons", ()):
+        for reason in reasons:
+            metrics[f"tool_errors/{reason}"] = metrics.get(f"tool_errors/{reason}", 0.0) + 1.0
     return metrics
 
 

@@ -52,7 +52,9 @@ def test_tool_turn_layout_masks_and_log_probs(tok):
     assert out.meta_info["weight_version"] == 3
     assert multi_turn_metrics(out) == {"num_turns/min": 2.0, "num_turns/max": 4.0, "num_turns/mean": 3.0,
                                   "tool_call_counts/min": 0.0, "tool_call_counts/max": 1.0,
-                                  "tool_call_counts/mean": 0.5}
+                                  "tool_call_counts/mean": 0.5, "tool_error_counts/min": 0.0,
+                                  "tool_error_counts/max": 0.0, "tool_error_counts/mean": 0.0}
+    assert list(nt["tool_error_counts"]) == [0, 0] and [list(r) for r in nt["tool_error_reasons"]] == [[], []]
     # input_ids = prompt ++ responses, position ids continue the prompt's
     p = b["prompts"].shape[1]
     assert torch.equal(b["input_ids"][:, p:], b["responses"])

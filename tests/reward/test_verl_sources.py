@@ -38,14 +38,14 @@ def test_dapo_family_scores_plus_minus_one(source):
     assert default_compute_score(source, "no answer here", "3")["pred"] == "[INVALID]"
 
 
-def test_sources_needing_a_sandbox_fail_by_name():
-    with pytest.raises(ValueError, match="'codecontests' needs a code-execution sandbox"):
-        get_scorer("codecontests")
-    with pytest.raises(UnknownDataSource, match="needs a code-execution sandbox"):
-        default_compute_score("apps", "print(1)", "{}")
+def test_code_sources_have_the_sandbox_scorer_and_unknown_sources_fail_by_name():
+    for source in ("codecontests", "apps", "codeforces", "taco"):  # verl's code sources (reward/code_execution.py)
+        assert get_scorer(source).sandbox and missing_scorer_reason(source) is None
     with pytest.raises(NotImplementedError, match="no scorer registered for data_source 'nope'"):
         default_compute_score("nope", "x", "y")
-    assert "sandbox" in missing_scorer_reason("taco") and missing_scorer_reason("aime24") is None
+    with pytest.raises(UnknownDataSource):
+        default_compute_score("nope", "x", "y", sandbox_fusion_url="http://127.0.0.1:9/run_code")
+    assert missing_scorer_reason("aime24") is None
 
 
 @pytest.mark.parametrize("pred, truth", [

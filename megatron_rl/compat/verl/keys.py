@@ -166,6 +166,23 @@ def _under(prefix: str, target: str) -> Rewrite:
     return lambda key, value, seen: [f"++{target}{key[len(prefix):]}={value}"]
 
 
+_SANDBOX_WHY = ("-> reward.sandbox_fusion.*: the code sources' tests run on that SandboxFusion service (ours: "
+                "python -m megatron_rl.agent.sandbox_service; docs/data_and_rewards.md, Code execution)")
+
+
+def _sandbox_fusion(prefix: str) -> Rewrite:
+    """verl's ``<prefix>.url|max_concurrent|memory_limit_mb`` -> ``reward.sandbox_fusion.*``; a null limit keeps ours."""
+    def rewrite(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
+        leaf = key[len(prefix) + 1:]
+        if leaf not in ("url", "max_concurrent", "memory_limit_mb"):
+            raise ValueError(f"verl's sandbox_fusion has url, max_concurrent and memory_limit_mb, not {leaf}")
+        if is_null(value) and leaf != "url":
+            return []
+        return [f"reward.sandbox_fusion.{leaf}={value}"]
+
+    return rewrite
+
+
 def refuse(message: str) -> None:
     raise ConfigError(message)
 
@@ -485,8 +502,10 @@ RULES: tuple[Rule, ...] = (
          "a reward model here is configured under reward_model.* (docs/data_and_rewards.md)"),
     Rule("reward_model.rollout.*", Fate.default,
          "a generative judge here is reward_model.judge.* (docs/data_and_rewards.md)"),
-    Rule("*sandbox_fusion.*", Fate.default, "remote code sandboxes are not built here; tools run in "
-         "actor_rollout_ref.rollout.multi_turn's sandbox (docs/rollout.md)"),
+    # verl's sandbox-fusion settings of the code sources' reward: reward.sandbox_fusion.* (verl's newer layout) is
+    # ours as it is; verl's older top-level and reward_model.* layouts are moved there
+    Rule("sandbox_fusion.*", Fate.mapped, _SANDBOX_WHY, _sandbox_fusion("sandbox_fusion")),
+    Rule("reward_model.sandbox_fusion.*", Fate.mapped, _SANDBOX_WHY, _sandbox_fusion("reward_model.sandbox_fusion")),
     # --- sections megatron-rl does not have
     Rule("distillation.*", Fate.default, "on-policy distillation is not built here"),
     Rule("transfer_queue.*", Fate.default,

@@ -10,8 +10,8 @@
   ``ground_truth["target"]`` after SQuAD normalisation, 1.0 / 0.0 (the search tool is the rollout's
   business; scoring needs no service).
 
-Sources that need a service megatron-rl does not run (code sandboxes) fail by name in ``get_scorer`` and
-in the pre-launch data check (``registry.EXTERNAL_SERVICE_SOURCES``).
+The code sources (``codecontests``, ``apps``, ``codeforces``, ``taco``) run their unit tests in the sandbox:
+``megatron_rl/reward/code_execution.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 data_source like verl's (exact names, ``aime*`` by prefix) and returns what verl returns: the dict for
 the math_dapo family ({"score": +-1, "acc", "pred"}), a float elsewhere.
 A source with no scorer raises ``NotImplementedError`` (as verl) that is also a ``ValueError`` (as
-megatron-rl), naming the known sources or the external service the source would need.
+megatron-rl), naming the known sources or the external service the source would need. The code sources
+(``codecontests``, ``apps``, ``codeforces``, ``taco``) run their tests in this machine's sandbox, or on the
+SandboxFusion service at ``sandbox_fusion_url`` (megatron_rl/reward/code_execution.py).
 Scorers registered with ``megatron_rl.reward.register_scorer`` are dispatched here too.
 """
 
@@ -31,16 +33,14 @@ def default_compute_score(
     memory_limit_mb: int | None = None,
     **kwargs: Any,
 ) -> float | dict[str, Any]:
-    if sandbox_fusion_url is not None:
-        raise UnknownDataSource(
-            f"sandbox_fusion_url={sandbox_fusion_url!r}: megatron-rl has no sandbox-fusion client; register a "
-            "scorer for the code data sources (megatron_rl.reward.register_scorer)"
-        )
     try:
         scorer = get_scorer(data_source)
     except ValueError as err:
         raise UnknownDataSource(str(err)) from None
-    if scorer.batched:
+    if scorer.sandbox:  # as verl: only the code sources' scorer gets the sandbox settings
+        res = scorer.fn(data_source, solution_str, ground_truth, extra_info, sandbox_fusion_url=sandbox_fusion_url,
+                        memory_limit_mb=memory_limit_mb or 1024, concurrent_semaphore=concurrent_semaphore)
+    elif scorer.batched:
         res = scorer.fn([data_source], [solution_str], [ground_truth], [extra_info])[0]
     else:
         res = scorer.fn(data_source, solution_str, ground_truth, extra_info)
