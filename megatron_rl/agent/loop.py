@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +37,13 @@ from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.agent.env import AgentEnv, StepResult, get_env
 from megatron_rl.agent.tools import Tool, build_tools, load_tool_config
+from megatron_rl.agent.turns import GenerateFn, TokenRecord, generate_turns, record_tensors
 from megatron_rl.rollout.batch_io import check_prompt_batch, prompt_token_lists
 
 __all__ = ["AgentLoop", "AgentLoopSettings", "observation_token_ids"]
 
 logger = logging.getLogger(__name__)
 
-GenerateFn = Callable[[DataProto], DataProto]
 
 
 @dataclass
@@ -90,24 +90,16 @@ def observation_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> lis
 
 
 @dataclass
-class _Sample:
+class _Sample(TokenRecord):
     index: int
     prompt: list[int]
     env: AgentEnv
     agent_name: str
-    tokens: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
     model_turns: int = 0
     obs_turns: int = 0
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
     stop_reason: str | None = None
-
-    def add(self, tokens: list[int], log_probs: list[float] | None) -> None:
-        self.tokens += tokens
-        self.mask += [1 if log_probs is not None else 0] * len(tokens)
-        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(tokens)
 
 
 class AgentLoop:
@@ -169,7 +161,6 @@ class AgentLoop:
         for i, prompt in enumerate(prompt_token_lists(prompts)):
             name, env = self._env_for(prompts, i)
             samples.append(_Sample(i, prompt, env, name))
-        versions: set[int] = set()
         pool = ThreadPoolExecutor(max_workers=max(1, int(self.settings.num_tool_workers)),
                                   thread_name_prefix="agent-tool")
         pending: dict[Future, tuple[_Sample, float]] = {}
@@ -178,7 +169,7 @@ class AgentLoop:
         try:
             while ready or pending:
                 if ready:
-                    for sample, text in self._model_turn(prompts, ready, budget, rounds, versions):
+                    for sample, text in self._model_turn(prompts, ready, budget, rounds):
                         future = pool.submit(sample.env.step, text)
                         pending[future] = (sample, time.monotonic() + float(self.settings.tool_timeout_s))
                     rounds += 1
@@ -214,47 +205,27 @@ class AgentLoop:
                         ready.append(sample)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        if len(versions) > 1:
-            raise RuntimeError(f"the engine's weights changed during one multi-turn rollout: versions {sorted(versions)}")
-        return self._build(prompts, samples, budget, versions.pop() if versions else None,
-                           time.perf_counter() - start)
+        return self._build(prompts, samples, budget, time.perf_counter() - start)
 
-    def _model_turn(self, prompts: DataProto, ready: list[_Sample], budget: int, round_: int,
-                    versions: set[int]) -> list[tuple[_Sample, str]]:
+    def _model_turn(self, prompts: DataProto, ready: list[_Sample], budget: int,
+                    round_: int) -> list[tuple[_Sample, str]]:
         """One engine call for every ready sample; returns the samples that go on to their environment."""
-        contexts = [s.prompt + s.tokens for s in ready]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(ready), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(ready), width), dtype=torch.long)
-        for row, ctx in enumerate(contexts):
-            ids[row, width - len(ctx):] = torch.as_tensor(ctx, dtype=torch.long)
-            mask[row, width - len(ctx):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         meta = dict(prompts.meta_info)
-        meta["response_length"] = max(budget - len(s.tokens) for s in ready)
         if meta.get("seed") is not None:
             meta["seed"] = int(meta["seed"]) + 7919 * round_
-        out = self.generate_fn(DataProto.from_dict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": pos}, meta_info=meta))
-        if out.meta_info.get("weight_version") is not None:
-            versions.add(int(out.meta_info["weight_version"]))
-        responses = out.batch["responses"].cpu()
-        lengths = out.batch["response_mask"].sum(-1).cpu().tolist()
-        lps = out.batch["rollout_log_probs"].float().cpu()
+        turns = generate_turns(self.generate_fn, [s.prompt + s.tokens for s in ready],
+                               [budget - len(s.tokens) for s in ready], meta, self.pad_token_id)
         going_on = []
-        for row, sample in enumerate(ready):
-            room = budget - len(sample.tokens)
-            n = min(int(lengths[row]), room)
-            tokens = responses[row, :n].tolist()
-            sample.add(tokens, lps[row, :n].tolist())
+        for sample, turn in zip(ready, turns):
+            sample.add_turn(turn)
             sample.model_turns += 1
-            ended = bool(tokens) and tokens[-1] in self.finish_token_ids
+            ended = bool(turn.tokens) and turn.tokens[-1] in self.finish_token_ids
             if not ended or len(sample.tokens) >= budget:
                 sample.stop_reason = "length"
             elif self.settings.max_assistant_turns and sample.model_turns >= int(self.settings.max_assistant_turns):
                 sample.stop_reason = "max_turns"
             else:
-                going_on.append((sample, self.tokenizer.decode(tokens, skip_special_tokens=False)))
+                going_on.append((sample, self.tokenizer.decode(turn.tokens, skip_special_tokens=False)))
         return going_on
 
     def _observe(self, sample: _Sample, result: StepResult, budget: int) -> bool:
@@ -271,36 +242,28 @@ class AgentLoop:
         if len(sample.tokens) + len(obs) >= budget:  # no room for the observation and a model token
             sample.stop_reason = "length"
             return False
-        sample.add(obs, None)
+        sample.add_observation(obs)
         sample.obs_turns += 1
         return True
 
     # ------------------------------------------------------------------ output
-    def _build(self, prompts: DataProto, samples: list[_Sample], budget: int, version: int | None,
-               seconds: float) -> DataProto:
-        b = len(samples)
+    def _build(self, prompts: DataProto, samples: list[_Sample], budget: int, seconds: float) -> DataProto:
+        """verl's layout; the samples' per-token ``token_weight_versions`` and oldest ``weight_version`` (a turn
+        resumed after a weight swap, in async training, holds two)."""
         prompt_ids = prompts.batch["input_ids"]
-        responses = torch.full((b, budget), self.pad_token_id, dtype=prompt_ids.dtype)
-        attn = torch.zeros((b, budget), dtype=prompts.batch["attention_mask"].dtype)
-        rmask = torch.zeros((b, budget), dtype=prompts.batch["attention_mask"].dtype)
-        lps = torch.zeros((b, budget), dtype=torch.float32)
-        for s in samples:
-            n = len(s.tokens)
-            responses[s.index, :n] = torch.as_tensor(s.tokens, dtype=prompt_ids.dtype)
-            attn[s.index, :n] = 1
-            rmask[s.index, :n] = torch.as_tensor(s.mask, dtype=rmask.dtype)
-            lps[s.index, :n] = torch.as_tensor(s.log_probs, dtype=torch.float32)
         device = prompt_ids.device
+        packed = record_tensors(samples, budget, self.pad_token_id)
         prompt_pos = prompts.batch["position_ids"]
         steps = torch.arange(1, budget + 1, dtype=prompt_pos.dtype, device=prompt_pos.device)
+        attention = packed["response_attention"].to(device, prompts.batch["attention_mask"].dtype)
         batch = {
             "prompts": prompt_ids,
-            "responses": responses.to(device),
-            "response_mask": rmask.to(device),
-            "input_ids": torch.cat([prompt_ids, responses.to(device)], dim=-1),
-            "attention_mask": torch.cat([prompts.batch["attention_mask"], attn.to(device)], dim=-1),
+            "responses": packed["responses"].to(device, prompt_ids.dtype),
+            "response_mask": packed["response_mask"].to(device, prompts.batch["attention_mask"].dtype),
+            "input_ids": torch.cat([prompt_ids, packed["responses"].to(device, prompt_ids.dtype)], dim=-1),
+            "attention_mask": torch.cat([prompts.batch["attention_mask"], attention], dim=-1),
             "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps.unsqueeze(0)], dim=-1),
-            "rollout_log_probs": lps.to(device),
+            "rollout_log_probs": packed["rollout_log_probs"].to(device),
         }
         turns = [1 + s.model_turns + s.obs_turns for s in samples]
         non_tensor = dict(prompts.non_tensor_batch)
@@ -311,12 +274,15 @@ class AgentLoop:
             "tool_error_counts": np.array([len(s.tool_errors) for s in samples], dtype=object),
             "tool_error_reasons": _one_per_row([list(s.tool_errors) for s in samples]),
             "stop_reason": np.array([s.stop_reason or "length" for s in samples], dtype=object),
+            "token_weight_versions": packed["token_weight_versions"],
+            "weight_version": packed["weight_version"],
         }
         if "agent_name" not in non_tensor:  # the data's column, when it has one, passes through as it was
             non_tensor["agent_name"] = np.array([s.agent_name for s in samples], dtype=object)
         meta = {**prompts.meta_info, "timing": {"generate_sequences": seconds}}
-        if version is not None:
-            meta["weight_version"] = version
+        known = packed["weight_version"][packed["weight_version"] >= 0]
+        if len(known):
+            meta["weight_version"] = int(known.min())
         return DataProto(batch, non_tensor, meta)
 
 

@@ -345,6 +345,11 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0  # every environment step (tool call) is bounded by this
     num_tool_workers: int = 8  # threads running tool calls while the engine decodes other samples
     python_tool_unsandboxed_ok: bool = False  # run the python tool as root where it cannot drop privileges (docs/rollout.md, Agent loop)
+    # an agent program of the user's (module:function or file.py:function) instead of the agent loop: it talks to the
+    # model through the run's OpenAI-compatible proxy, each run a sample (megatron_rl/agent/program.py)
+    agent_program: Optional[str] = None
+    agent_timeout_s: float = 600.0  # each program run of a rollout batch, from the batch's start
+    agent_concurrency: int = 32  # program runs at once
 
 
 @dataclass
@@ -460,11 +465,6 @@ class RewardKwargsConfig:
 
 
 @dataclass
-class RewardConfig:
-    reward_manager: RewardManagerName = RewardManagerName.naive
-    num_workers: int = 4
-    timeout_s: float = 10.0  # per scoring call; inline (num_workers=0) a call past it stops the run
-@dataclass
 class SandboxFusionConfig:
     """``reward.sandbox_fusion``: where the code sources' reward runs their tests (reward/code_execution.py;
     docs/data_and_rewards.md, "Code execution"). verl's keys, then ours."""
@@ -478,18 +478,23 @@ class SandboxFusionConfig:
     max_tests: int = 10  # cases a continuous score counts (verl's 10)
 
 
+@dataclass
+class RewardConfig:
+    reward_manager: RewardManagerName = RewardManagerName.naive
+    num_workers: int = 4
+    timeout_s: float = 10.0  # per scoring call; inline (num_workers=0) a call past it stops the run
     # Stop the run after this many steps in a row in which every sample's reward errored or timed out
     # (each such step is warned about); 0: never stop.
     max_failed_steps: int = 3
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     overlap: RewardOverlapConfig = field(default_factory=RewardOverlapConfig)
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
 
 
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None  # an HF <Family>ForSequenceClassification directory (one label)
-    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     # verl's meaning: the policy's tokenizer. Set it when the RM's tokenizer or chat template differs: responses
     # are decoded with it and re-tokenized with the RM's (raw_prompt + the response as the assistant turn).
     # null (default here, verl defaults to the actor's path): the RM reads the policy's tokens as they are.

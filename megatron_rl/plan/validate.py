@@ -125,8 +125,6 @@ def _check_async(cfg: PPOTrainerConfig) -> None:
     _require(not algo.filter_groups.enable, f"{where} does not run algorithm.filter_groups (dynamic sampling refills)")
     _require(not get_estimator_traits(algo.adv_estimator).needs_greedy_baseline,
              f"{where} does not run algorithm.adv_estimator={algo.adv_estimator} (its greedy baseline is on-policy)")
-    _require(not rollout.multi_turn.enable,
-             f"{where} does not run multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.enable)")
     corr = algo.rollout_correction
     decoupled = cfg.actor_rollout_ref.actor.policy_loss == "decoupled_ppo"
     _require(run.max_staleness == 0 or corr.rollout_is is not None or corr.bypass_mode or decoupled,

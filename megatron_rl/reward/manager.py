@@ -6,6 +6,8 @@
   position 0 — masked, so no loss sees it, but ``token_level_scores.sum(-1)`` is every sample's score;
 - ``non_tensor_batch["score"]`` and each extra a scorer returns in its dict (e.g. ``acc``, ``pred``),
   ``None`` for samples whose scorer did not return it;
+- a sample with a number in ``non_tensor_batch["agent_reward"]`` (its agent program's reward, agent/program.py)
+  scores that number instead of its scorer's;
 - ``meta_info["reward_metrics"]``: ``reward/score/mean``, ``reward/<extra>/mean`` for numeric extras,
   ``reward/errors`` (samples scored 0 because their scorer raised, timed out or returned a non-numeric
   value), ``reward/timeouts`` (the subset that timed out), ``reward/empty_responses``.
@@ -23,9 +25,9 @@ item, and ``acc`` = the score for every sample.
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
-import functools
 import pickle
 from collections import defaultdict
 from collections.abc import Sequence
@@ -52,6 +54,8 @@ logger = logging.getLogger(__name__)
 # BatchRewardManager convention); registered scorers keep their own kind either way. dapo, prime: per sample
 # as naive, with verl's additions (module docstring).
 REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+# the column of a sample's reward given by the agent program that made it (None: scored as every sample)
+AGENT_REWARD = "agent_reward"
 
 
 def decode_responses(
@@ -108,15 +112,15 @@ class RewardManager:
             ScoringPool(cfg.num_workers, cfg.timeout_s) if cfg.num_workers else InlineRunner(cfg.timeout_s)
         )
         self._checked_picklable: set[str] = set()
-
-    def __call__(self, data: DataProto) -> DataProto:
-        data.require("responses", "response_mask", "data_source", "reward_model", where="RewardManager")
-        responses, mask = data.batch["responses"], data.batch["response_mask"]
         box = cfg.sandbox_fusion  # what a code-running scorer (Scorer.sandbox) is given
         self._sandbox_kwargs = {"sandbox_fusion_url": box.url, "memory_limit_mb": box.memory_limit_mb,
                                 "max_concurrent": box.max_concurrent, "continuous": box.continuous,
                                 "run_timeout_s": box.run_timeout_s, "max_tests": box.max_tests}
         self._with_sandbox: dict[str, Scorer] = {}
+
+    def __call__(self, data: DataProto) -> DataProto:
+        data.require("responses", "response_mask", "data_source", "reward_model", where="RewardManager")
+        responses, mask = data.batch["responses"], data.batch["response_mask"]
         if responses.dim() != 2 or mask.shape != responses.shape:
             raise ValueError(
                 f"RewardManager: responses {tuple(responses.shape)} and response_mask "
@@ -133,6 +137,9 @@ class RewardManager:
         extra_infos = [info if info is not None else {} for info in extra_infos]
 
         results, plain = self._score(sources, solutions, truths, extra_infos)
+        given = data.non_tensor_batch.get(AGENT_REWARD)
+        if given is not None:  # an agent program's own reward of its sample (agent/program.py) is the score
+            results = [r if v is None else SampleResult(score=float(v)) for r, v in zip(results, given, strict=True)]
         self._refuse_non_finite(results, sources, extra_infos)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         results, rewards = self._verl_additions(results, plain, scores, lengths)
@@ -187,6 +194,9 @@ class RewardManager:
     # ------------------------------------------------------------------ scoring
     def _scorer_for(self, data_source: str) -> Scorer:
         scorer = self.custom or get_scorer(data_source)
+        if scorer.sandbox:  # one wrapped scorer per function: batched calls group by it
+            scorer = self._with_sandbox.setdefault(
+                scorer.name, Scorer(functools.partial(scorer.fn, **self._sandbox_kwargs), scorer.batched, True))
         if isinstance(self._runner, ScoringPool) and scorer.name not in self._checked_picklable:
             if scorer.name.startswith("__main__."):
                 raise ValueError(
@@ -194,9 +204,6 @@ class RewardManager:
                     f"which scoring worker processes cannot import; move it into a module, or set "
                     f"reward.num_workers=0 to score in this process"
                 )
-        if scorer.sandbox:  # one wrapped scorer per function: batched calls group by it
-            scorer = self._with_sandbox.setdefault(
-                scorer.name, Scorer(functools.partial(scorer.fn, **self._sandbox_kwargs), scorer.batched, True))
             try:
                 pickle.dumps(scorer.fn)
             except Exception as e:

@@ -132,6 +132,7 @@ class HFServerApp:
             raise BadRequest(f"/pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         with self.state:
             self.paused, self.pause_mode = True, mode
+            self.state.notify_all()  # the state changed: whoever waits on it re-checks (not only at a timeout)
             self.state.wait_for(lambda: self.running == 0)  # aborted ones returned, parked ones wait
         return {"message": "Generation paused successfully.", "status": "ok"}
 

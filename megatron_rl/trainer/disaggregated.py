@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megatron_rl.agent.rollout import MultiTurnClient, multi_turn_rollout
 from megatron_rl.config.schema import PPOTrainerConfig
+from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.plan.validate import DerivedSizes, starts_servers
 from megatron_rl.rollout.engines import engine_of
 from megatron_rl.servers.client import ServerRolloutClient
@@ -117,5 +119,9 @@ def build_trainer(cfg: PPOTrainerConfig, sizes: DerivedSizes, actor_rollout: Any
     client_class = ASYNC_CLIENTS[engine_of(rollout).name]
     client = client_class(rollout, list(rollout.server_urls), response_length=cfg.data.max_response_length,
                           timeout_s=rollout.sglang.request_timeout_s, pool=servers, restarts=restarts, **token_ids)
+    if rollout.multi_turn.enable:  # every turn of every sample one request of the client's
+        tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
+        client = MultiTurnClient(client, multi_turn_rollout(client.generate_sequences, tokenizer, cfg,
+                                                            token_ids.get("eos_token_id")))
     loop = FullyAsyncTrainer if cfg.async_training.mode == "fully_async" else OneStepOffPolicyTrainer
     return loop(cfg, sizes, actor_rollout, *args, rollout_client=client, **kwargs)

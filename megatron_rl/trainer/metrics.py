@@ -80,7 +80,8 @@ class StageTimer:
 def multi_turn_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
     """verl's ``num_turns/{min,max,mean}`` and ``tool_call_counts/{min,max,mean}`` of a batch (empty when
     the batch is not multi-turn); ours: ``tool_error_counts/{min,max,mean}`` and ``tool_errors/<reason>`` (the
-    batch's failed tool calls by reason: timeout, connection, unauthorized, http_503, ...; agent/loop.py)."""
+    batch's failed tool calls by reason: timeout, connection, unauthorized, http_503, ...; agent/loop.py),
+    ``turn_response_length/{min,max,mean}`` (tokens of each model turn) and ``agent/program_errors``."""
     nt = data.non_tensor_batch if isinstance(data, DataProto) else data
     metrics: dict[str, float] = {}
     for key in ("__num_turns__", "tool_call_counts", "tool_error_counts"):
@@ -92,7 +93,24 @@ def multi_turn_metrics(data: DataProto | Mapping[str, Any]) -> dict[str, float]:
     for reasons in nt.get("tool_error_reasons", ()):
         for reason in reasons:
             metrics[f"tool_errors/{reason}"] = metrics.get(f"tool_errors/{reason}", 0.0) + 1.0
+    if "agent_error" in nt:  # agent programs (agent/program.py) that raised or outlived their time
+        metrics["agent/program_errors"] = float(sum(e is not None for e in nt["agent_error"]))
+    if metrics and isinstance(data, DataProto) and "response_mask" in data.batch:
+        lengths = turn_lengths(data.batch["response_mask"])
+        if lengths:
+            metrics |= {"turn_response_length/min": float(min(lengths)),
+                        "turn_response_length/max": float(max(lengths)),
+                        "turn_response_length/mean": float(np.mean(lengths))}
     return metrics
+
+
+def turn_lengths(response_mask: torch.Tensor) -> list[int]:
+    """The length of every model turn of a batch: the runs of 1 in each row of ``response_mask``."""
+    mask = response_mask.bool().cpu()
+    padded = torch.nn.functional.pad(mask.int(), (1, 1))
+    edges = padded[:, 1:] - padded[:, :-1]  # +1 where a run starts, -1 one past where it ends
+    starts, ends = torch.nonzero(edges == 1), torch.nonzero(edges == -1)
+    return (ends[:, 1] - starts[:, 1]).tolist()
 
 
 def rollout_probs_diff(data: DataProto) -> dict[str, float]:

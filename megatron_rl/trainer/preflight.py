@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from megatron_rl.agent.program import load_agent_program
 from megatron_rl.config import ConfigError
 from megatron_rl.config.access import is_unset, megatron_section, plain
 from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
@@ -69,6 +70,7 @@ def preflight(cfg: PPOTrainerConfig) -> None:
     check_sequence_positions(cfg)
     check_lora_files(cfg)
     check_reward_model_inputs(cfg)
+    check_agent_program(cfg)
     usable = check_training_prompts(cfg)
     check_schedule(cfg, rows if usable is None else usable)
 
@@ -323,6 +325,20 @@ def check_lora_models(cfg: PPOTrainerConfig, model) -> None:
     check_lora_model(facts, "critic.model", cfg.critic.model.lora, cfg.critic.megatron, "critic.megatron")
 
 
+def check_agent_program(cfg: PPOTrainerConfig) -> None:
+    """``rollout.multi_turn.agent_program`` imports and names a function, under ``multi_turn.enable``."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.agent_program:
+        return
+    if not multi_turn.enable:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.agent_program={multi_turn.agent_program} runs only "
+                          "with actor_rollout_ref.rollout.multi_turn.enable=true")
+    try:
+        load_agent_program(multi_turn.agent_program)
+    except ValueError as err:
+        raise ConfigError(f"actor_rollout_ref.{err}") from None
+
+
 def check_vision_rollout(cfg: PPOTrainerConfig, model) -> None:
     """A vision-language model's images reach the colocated engines and the trainer; the paths that do not carry
     them yet are refused by key before anything starts (docs/rollout.md, "Images")."""
@@ -539,6 +555,7 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
         dataset = RLDataset.from_config(list(data.train_files), tokenizer, data)
     except ValueError as err:  # no usable prompts, a malformed row under on_malformed_row=error, an overlong one
         raise ConfigError(f"data.train_files: {err}") from None
+    check_video_engine(cfg, dataset, "data.train_files")
     if len(dataset) < data.train_batch_size:
         raise ConfigError(f"data.train_files give {len(dataset)} usable prompts (after data.max_prompt_length="
                           f"{data.max_prompt_length} and data.on_malformed_row), fewer than data.train_batch_size="
@@ -549,13 +566,22 @@ def check_training_prompts(cfg: PPOTrainerConfig) -> int | None:
             val = RLDataset.from_config(list(data.val_files), tokenizer, data)
         except ValueError as err:  # an overlong prompt under truncation=error, a malformed row, no usable prompt
             raise ConfigError(f"data.val_files: {err}") from None
+        check_video_engine(cfg, val, "data.val_files")
     return len(dataset)
+
+
+def check_video_engine(cfg: PPOTrainerConfig, dataset: RLDataset, files_key: str) -> None:
+    """Prompts with videos need an engine that takes them (the HF engine); refused naming the data and the engine."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if dataset.has_videos and not engine_of(rollout).takes_videos:
+        raise ConfigError(f"{files_key} have videos (column data.video_key={cfg.data.video_key}) but "
+                          f"actor_rollout_ref.rollout.name={rollout.name} does not take videos here; only the HF "
+                          "engine does (rollout.name=hf; docs/rollout.md, Videos)")
 
 
 # ---------------------------------------------------------------------------- the checkpoint a resume takes
 def check_resume_state(cfg: PPOTrainerConfig) -> None:
     """The trainer_state.json of the checkpoint this start resumes has the keys the loop reads (TrainerState
-    check_video_engine(cfg, dataset, "data.train_files")
     .from_saved, which the resume itself calls), refused here naming the file and key rather than after start-up."""
     path = resume_checkpoint(cfg)
     if path is None or not (path / TRAINER_STATE_FILE).is_file():
@@ -566,19 +592,9 @@ def check_resume_state(cfg: PPOTrainerConfig) -> None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"resuming {path}: {source} cannot be read as JSON ({err})") from None
     try:
-        check_video_engine(cfg, val, "data.val_files")
         TrainerState.from_saved(saved, source)
     except ValueError as err:
         raise ConfigError(f"resuming {path}: {err}") from None
-def check_video_engine(cfg: PPOTrainerConfig, dataset: RLDataset, files_key: str) -> None:
-    """Prompts with videos need an engine that takes them (the HF engine); refused naming the data and the engine."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if dataset.has_videos and not engine_of(rollout).takes_videos:
-        raise ConfigError(f"{files_key} have videos (column data.video_key={cfg.data.video_key}) but "
-                          f"actor_rollout_ref.rollout.name={rollout.name} does not take videos here; only the HF "
-                          "engine does (rollout.name=hf; docs/rollout.md, Videos)")
-
-
 
 
 # ---------------------------------------------------------------------------- the schedule

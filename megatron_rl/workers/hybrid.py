@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from megatron_rl.agent import AgentLoop
+from megatron_rl.agent.program import AgentProgramRollout
+from megatron_rl.agent.rollout import multi_turn_rollout
 from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
@@ -172,19 +174,15 @@ class ActorRolloutRefWorker(Worker):
             return self._agent_loop().generate_sequences(prompts)
         return self.rollout.generate(prompts)
 
-    def _agent_loop(self):
-        """The multi-turn agent loop over this replica's engine (built once; docs/rollout.md, "Agent loop")."""
+    def _agent_loop(self) -> AgentLoop | AgentProgramRollout:
+        """The multi-turn rollout over this replica's engine: the agent loop, or with ``multi_turn.agent_program`` the
+        user's program through the agent proxy (built once; docs/rollout.md, "Agent loop" and "Agent programs")."""
         if getattr(self, "_agent", None) is None:
             from megatron_rl.data.tokenizer import load_tokenizer  # transformers: the tokenizer classes
 
-            cfg = self.config
-            rollout = cfg.actor_rollout_ref.rollout
-            tokenizer = load_tokenizer(self._tokenizer_dir(), cfg.data.trust_remote_code)
+            tokenizer = load_tokenizer(self._tokenizer_dir(), self.config.data.trust_remote_code)
             eos = (getattr(self, "_token_ids", None) or {}).get("eos_token_id", tokenizer.eos_token_id)
-            eos = [eos] if isinstance(eos, int) else list(eos)
-            self._agent = AgentLoop(self.rollout.generate, tokenizer, rollout.multi_turn,
-                                    response_length=rollout.response_length or cfg.data.max_response_length,
-                                    finish_token_ids=[*eos, *rollout.stop_token_ids])
+            self._agent = multi_turn_rollout(self.rollout.generate, tokenizer, self.config, eos)
         return self._agent
 
     @register(Dispatch.RANK_ZERO)

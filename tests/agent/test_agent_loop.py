@@ -53,7 +53,10 @@ def test_tool_turn_layout_masks_and_log_probs(tok):
     assert multi_turn_metrics(out) == {"num_turns/min": 2.0, "num_turns/max": 4.0, "num_turns/mean": 3.0,
                                   "tool_call_counts/min": 0.0, "tool_call_counts/max": 1.0,
                                   "tool_call_counts/mean": 0.5, "tool_error_counts/min": 0.0,
-                                  "tool_error_counts/max": 0.0, "tool_error_counts/mean": 0.0}
+                                  "tool_error_counts/max": 0.0, "tool_error_counts/mean": 0.0,
+                                  **_turn_length_metrics([t1, t2, int(b["response_mask"][1].sum())])}
+    assert list(nt["weight_version"]) == [3, 3] and [v.tolist() for v in nt["token_weight_versions"]][1] == [3] * int(
+        b["response_mask"][1].sum())
     assert list(nt["tool_error_counts"]) == [0, 0] and [list(r) for r in nt["tool_error_reasons"]] == [[], []]
     # input_ids = prompt ++ responses, position ids continue the prompt's
     p = b["prompts"].shape[1]
@@ -210,3 +213,8 @@ def test_parallel_call_limit_and_tool_response_truncation(tok):
     n = int(b["attention_mask"][0, b["prompts"].shape[1]:].sum())
     text = tok.decode(b["responses"][0, :n][b["response_mask"][0, :n] == 0].tolist())
     assert "truncated" in text and len(text) < 120
+
+
+def _turn_length_metrics(lengths: list[int]) -> dict[str, float]:
+    return {"turn_response_length/min": float(min(lengths)), "turn_response_length/max": float(max(lengths)),
+            "turn_response_length/mean": sum(lengths) / len(lengths)}

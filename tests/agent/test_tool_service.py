@@ -111,11 +111,10 @@ def test_a_call_posts_the_arguments_with_the_runs_secret(secret, service):
 
 
 def test_a_timeout_is_an_error_text_and_not_retried(secret, service):
-    start = time.monotonic()
-    out = tool(service.url("/slow"), timeout_s=0.1).execute({})
+    out = tool(service.url("/slow"), timeout_s=0.1).execute({})  # the endpoint answers after 0.4 s
     assert isinstance(out, ToolError) and out.reason == "timeout"
     assert "gave no answer within 0.1s" in out
-    assert time.monotonic() - start < 0.39 and service.hits["/slow"] == 1
+    assert service.hits["/slow"] == 1  # (no wall-clock bound: a loaded machine may stretch any)
 
 
 def test_a_dead_endpoint_is_retried_then_an_error_text(secret):
@@ -167,7 +166,9 @@ def test_a_call_that_waits_too_long_for_a_slot_is_busy(secret, service):
     slow = tool(service.url("/slow"), max_concurrency=1, timeout_s=0.6)
     first = threading.Thread(target=slow.execute, args=({},))
     first.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while service.hits.get("/slow", 0) < 1 and time.monotonic() < deadline:  # the first holds the slot (a loaded
+        time.sleep(0.005)                                                    # machine may start it late)
     slow.timeout_s = 0.1  # the second call's wait for the slot
     out = slow.execute({})
     first.join()

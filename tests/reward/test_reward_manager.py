@@ -205,3 +205,14 @@ def test_inline_scoring_stops_a_hung_scorer_at_reward_timeout_s(tokenizer, custo
     message = str(raised[0])
     for part in ("row 1", "'synthetic/copy'", "reward.timeout_s=0.5", "reward.num_workers", "compute_score"):
         assert part in message, (part, message)
+
+
+def test_an_agent_programs_reward_replaces_the_scorers(tokenizer):
+    """agent/program.py: a program that returns a number gives its sample that score (None: the scorer's)."""
+    batch = response_batch(tokenizer, ["12", "12", "7"], ["12", "12", "12"])
+    batch.non_tensor_batch["agent_reward"] = np.array([None, 0.25, 1.0], dtype=object)
+    batch.non_tensor_batch["reward_model"][2] = {"style": "rule"}  # a program's reward needs no ground truth
+    out = RewardManager(tokenizer, reward_config())(batch)
+    assert list(out.non_tensor_batch["score"]) == [1.0, 0.25, 1.0]
+    assert out.meta_info["reward_metrics"]["reward/errors"] == 0
+    assert out.batch["token_level_scores"].sum(-1).tolist() == [1.0, 0.25, 1.0]
