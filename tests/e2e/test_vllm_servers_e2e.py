@@ -93,6 +93,44 @@ def test_fully_async_with_partial_rollouts_on_a_vllm_rollout_server(vllm_assets,
     _assert_no_server_left()
 
 
+def test_multi_turn_fully_async_on_a_vllm_rollout_server(tmp_path_factory, tmp_path):
+    """The agent loop on the driver over the vLLM server's client (agent/rollout.py MultiTurnClient), tool_multiply
+    with the calculator: every turn one request, a sync pausing the server mid-turn, the turn resumed on the new
+    weights; multi-turn samples every step, the server serving the trainer's weights."""
+    from e2e_support import TWO_RANKS
+
+    from megatron_rl.config import load_config
+
+    if vllm_missing():
+        pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it")
+    train, val, model = prepare_assets(tmp_path_factory.mktemp("vllm_tool_assets"), task="tool_multiply", n_train=32,
+                                       n_val=8, tokenizer_kwargs={"vocab_size": 200}, max_positions=512,
+                                       attention_heads=(2, 2))
+    stops = list(range(40, 52))  # 12 of 200 tokens: random weights end a turn after ~15 tokens
+    result = run(load_config(overrides=[
+        "+experiment=grpo_tiny_cpu", *TWO_RANKS, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={tmp_path}",
+        "data.max_prompt_length=192", "data.max_response_length=64", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=2", f"actor_rollout_ref.rollout.stop_token_ids={stops}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=server",
+        "actor_rollout_ref.rollout.num_servers=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
+        "async_training.mode=fully_async", "async_training.max_staleness=2", "async_training.buffer_batches=2",
+        "actor_rollout_ref.actor.policy_loss=decoupled_ppo", "actor_rollout_ref.actor.behav_imp_weight_cap=5.0",
+        "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+        "trainer.save_hf_at_end=false",
+    ]))
+    steps = train_steps(result.metrics_path)
+    assert sorted(steps) == [1, 2, 3]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["num_turns/max"] >= 4  # prompt + 2 model turns + the observation between them
+        assert record["async/staleness_max"] <= 2
+        assert record["rollout/logprob_diff_max"] < 1e-4, record
+    _assert_no_server_left()
+
+
 def _server_processes() -> list[int]:
     """This run's vLLM API server processes (not their engine cores)."""
     return [pid for pid in _servers_left() if b"vllm.entrypoints.openai.api_server" in _cmdline(pid)]
