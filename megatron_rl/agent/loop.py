@@ -37,7 +37,7 @@ from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.agent.env import AgentEnv, StepResult, get_env
 from megatron_rl.agent.tools import Tool, build_tools, load_tool_config
-from megatron_rl.agent.turns import GenerateFn, TokenRecord, generate_turns, record_tensors
+from megatron_rl.agent.turns import GenerateFn, TokenRecord, generate_turns, record_routing, record_tensors
 from megatron_rl.rollout.batch_io import check_prompt_batch, prompt_token_lists
 
 __all__ = ["AgentLoop", "AgentLoopSettings", "observation_token_ids"]
@@ -265,6 +265,10 @@ class AgentLoop:
             "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps.unsqueeze(0)], dim=-1),
             "rollout_log_probs": packed["rollout_log_probs"].to(device),
         }
+        lengths = prompts.batch["attention_mask"].sum(-1).tolist()
+        routed = record_routing(samples, lengths, prompt_ids.shape[1], budget)
+        if routed is not None:
+            batch["routed_experts"] = routed.to(device)
         turns = [1 + s.model_turns + s.obs_turns for s in samples]
         non_tensor = dict(prompts.non_tensor_batch)
         non_tensor |= {

@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.protocol import DataProto
 
-__all__ = ["GenerateFn", "TokenRecord", "Turn", "generate_turns", "record_tensors"]
+__all__ = ["GenerateFn", "TokenRecord", "Turn", "generate_turns", "record_routing", "record_tensors"]
 
 GenerateFn = Callable[[DataProto], DataProto]
 
@@ -32,6 +32,9 @@ class Turn:
     tokens: list[int]
     log_probs: list[float]
     versions: list[int]
+    # with routing replay (R3): the experts the engine routed each token of context + turn through,
+    # [len(context) + len(tokens), layers, k] (-1 on the last token, never fed back); None otherwise
+    routed: torch.Tensor | None = None
 
 
 def generate_turns(generate_fn: GenerateFn, contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
@@ -51,6 +54,7 @@ def generate_turns(generate_fn: GenerateFn, contexts: Sequence[Sequence[int]], m
     log_probs = out.batch["rollout_log_probs"].float().cpu()
     per_token = out.non_tensor_batch.get("token_weight_versions")
     version = out.meta_info.get("weight_version")
+    routed = out.batch.get("routed_experts")
     turns = []
     for row, room in enumerate(max_new_tokens):
         n = min(int(lengths[row]), int(room))
@@ -58,7 +62,11 @@ def generate_turns(generate_fn: GenerateFn, contexts: Sequence[Sequence[int]], m
             versions = [int(v) for v in per_token[row][:n]]
         else:
             versions = [int(version)] * n if version is not None else []
-        turns.append(Turn(responses[row, :n].tolist(), log_probs[row, :n].tolist(), versions))
+        row_routed = None
+        if routed is not None:  # [context | turn] of the row; a turn cut short loses its last token's routing
+            row_routed = routed[row, width - len(contexts[row]):width + n].clone()
+            row_routed[-1] = -1
+        turns.append(Turn(responses[row, :n].tolist(), log_probs[row, :n].tolist(), versions, row_routed))
     return turns
 
 
@@ -71,8 +79,13 @@ class TokenRecord:
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # R3: the last turn's routing, which covers the prompt and every token but the last (each turn's prefill
+    # routes the whole context again, with the weights every earlier turn had: the synchronous trainer's)
+    routed: torch.Tensor | None = None
 
     def add_turn(self, turn: Turn) -> None:
+        if turn.routed is not None:
+            self.routed = turn.routed
         self.tokens += turn.tokens
         self.mask += [1] * len(turn.tokens)
         self.log_probs += list(turn.log_probs)
@@ -109,4 +122,21 @@ def record_tensors(records: Sequence[TokenRecord], budget: int, pad_token_id: in
         sampled = [v for v, m in zip(record.versions, record.mask) if m and v >= 0]
         oldest[row] = min(sampled) if sampled else -1
     out["token_weight_versions"], out["weight_version"] = versions, oldest
+    return out
+
+
+def record_routing(records: Sequence[TokenRecord], prompt_lengths: Sequence[int], prompt_width: int,
+                   budget: int) -> torch.Tensor | None:
+    """R3's ``routed_experts`` [B, prompt_width + budget, layers, k] of records laid out as [left-padded prompt |
+    right-padded responses] (-1 on padding and unfed tokens); None when no record has routing."""
+    routed = [r.routed for r in records]
+    if all(r is None for r in routed):
+        return None
+    if any(r is None for r in routed):
+        raise ValueError("routing replay: some samples' turns carry routed_experts and others none")
+    shape = routed[0].shape[1:]
+    out = torch.full((len(records), prompt_width + budget, *shape), -1, dtype=routed[0].dtype)
+    for row, (record, length) in enumerate(zip(records, prompt_lengths)):
+        covered = record.routed[: length + len(record.tokens)]
+        out[row, prompt_width - length:prompt_width - length + len(covered)] = covered
     return out

@@ -54,6 +54,6 @@ def check_router_replay(cfg: PPOTrainerConfig) -> None:
         if str(rollout.mode) == "server":
             raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server is not built (the servers' "
                               "replies carry no routing); use mode=colocated")
-        if rollout.multi_turn.enable:
-            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.multi_turn.enable=true is not built "
-                              "(the agent loop does not stitch the turns' routing)")
+        if rollout.multi_turn.enable and rollout.multi_turn.agent_program:
+            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.multi_turn.agent_program is not built "
+                              "(the agent proxy does not keep the turns' routing; the agent loop does)")

@@ -223,7 +223,8 @@ def _config(**rollout):
       "actor_rollout_ref.rollout.mode": "server"}, "rollout.mode=server is not built"),
     ({"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
-      "actor_rollout_ref.rollout.multi_turn.enable": True}, "multi_turn.enable=true is not built"),
+      "actor_rollout_ref.rollout.multi_turn.enable": True,
+      "actor_rollout_ref.rollout.multi_turn.agent_program": "agent.py:run"}, "agent_program is not built"),
 ])
 def test_replay_settings_the_run_cannot_honour_are_refused_before_launch(settings, message):
     from megatron_rl.config.errors import ConfigError
@@ -233,6 +234,9 @@ def test_replay_settings_the_run_cannot_honour_are_refused_before_launch(setting
         check_router_replay(_config(**settings))
     check_router_replay(_config(**{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
                                    "actor_rollout_ref.rollout.enable_rollout_routing_replay": True}))
+    check_router_replay(_config(**{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
+                                   "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+                                   "actor_rollout_ref.rollout.multi_turn.enable": True}))  # the agent loop: built
 
 
 # ---------------------------------------------------------------------------------------------- Megatron ranks
@@ -321,3 +325,46 @@ def test_dense_first_layers_report_no_routing_and_the_moe_layers_replay(tmp_path
     assert agreement(r["replay_routing"], r["engine"], r["mask"]) == 1.0  # measured without replay: 0.92
     mask = r["response_mask"].bool()
     assert float((r["replay_log_probs"] - r["rollout_log_probs"])[mask].abs().max()) < 1e-5  # without: 0.15
+
+
+def test_multi_turn_routing_is_the_routers_choice_on_every_token_of_the_whole_sample(moe_dir, tmp_path):
+    """The agent loop stitches R3's routing of a multi-turn sample (agent/turns.py): each turn's prefill routes the
+    whole context again, so the last turn's routing covers the prompt, every earlier turn and observation; on every
+    fed token it equals the routers' choices of a padding-free forward of the whole sample (agreement 1.0)."""
+    from megatron_rl.agent import AgentEnv, AgentLoop, StepResult, register_env
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl_testing.agent_support import chat_prompts, tiny_tokenizer
+
+    @register_env("test_r3_echo")
+    class Echo(AgentEnv):
+        def step(self, text):
+            return StepResult([{"role": "user", "content": "go on"}])
+
+    tok = tiny_tokenizer(tmp_path)
+    directory = str(make_tiny_hf_checkpoint(tmp_path / "moe", "qwen3_moe", vocab_size=len(tok),
+                                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                            bos_token_id=None))
+    config = OmegaConf.structured(RolloutConfig(name="hf", enable_rollout_routing_replay=True, temperature=1.0))
+    engine = HFEngine(config, directory, weights_path=directory, device="cpu", response_length=40,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    stops = list(range(10, 26))  # frequent enough that random weights end turns after ~10 tokens
+    loop = AgentLoop(engine.generate_sequences, tok, {"max_assistant_turns": 3, "default_agent": "test_r3_echo"},
+                     response_length=40, finish_token_ids=[tok.eos_token_id, *stops])
+    out = loop.generate_sequences(chat_prompts(tok, ["What is 12 * 34?", "abc"], temperature=1.0, seed=3))
+    routed, mask = out.batch["routed_experts"], out.batch["attention_mask"].bool()
+    width = out.batch["prompts"].shape[1]
+    assert routed.shape[:2] == mask.shape and max(out.non_tensor_batch["num_turns"]) >= 4
+    assert (routed[~mask] == -1).all()
+    last = mask.long().cumsum(1).argmax(1)
+    fed = mask.clone()
+    fed[torch.arange(len(mask)), last] = False
+    assert (routed[fed] >= 0).all()  # every token but the last: prompt, turns and observations
+    assert (out.batch["response_mask"][:, :] == 0).logical_and(mask[:, width:]).any()  # observations in between
+    choices = engine.expert_choices(out)
+    for layer, rows in choices.items():
+        for row, chosen in rows.items():
+            mine = routed[row][mask[row]][:, layer]
+            ok = (mine >= 0).all(-1)
+            ids = chosen.nonzero()[:, 1].view(-1, K)
+            assert torch.equal(_sets(mine[ok]), ids[ok]), (layer, row)
