@@ -37,12 +37,14 @@ from megatron_rl.agent.chat_session import ChatSession
 from megatron_rl.agent.proxy import AgentProxy
 from megatron_rl.agent.turns import GenerateFn, record_tensors
 from megatron_rl.protocol import DataProto
-from megatron_rl.reward.manager import AGENT_REWARD
 from megatron_rl.rollout.batch_io import check_prompt_batch, prompt_token_lists
 
-__all__ = ["AgentProgramRollout", "AgentTask", "load_agent_program"]
+__all__ = ["AGENT_REWARD", "AgentProgramRollout", "AgentTask", "load_agent_program"]
 
 logger = logging.getLogger(__name__)
+
+# the column of a sample's reward given by its program (None: scored as every sample; reward/manager.py reads it)
+AGENT_REWARD = "agent_reward"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from megatron_rl.agent.program import AGENT_REWARD
 from megatron_rl.config.schema import RewardConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.reward.custom import load_custom_scorer
@@ -54,8 +55,6 @@ logger = logging.getLogger(__name__)
 # BatchRewardManager convention); registered scorers keep their own kind either way. dapo, prime: per sample
 # as naive, with verl's additions (module docstring).
 REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
-# the column of a sample's reward given by the agent program that made it (None: scored as every sample)
-AGENT_REWARD = "agent_reward"
 
 
 def decode_responses(
