@@ -40,6 +40,7 @@ from typing import Any
 from megatron_rl.agent.sandbox import FILESYSTEMS, SandboxLimits, SandboxRun, sandbox_for
 from megatron_rl.agent.tools import program_text
 from megatron_rl.rollout.server_key import API_KEY_ENV, ensure_server_api_key
+from megatron_rl.rollout.http_reply import send_json
 
 __all__ = ["SandboxService", "SandboxServer", "main", "serve"]
 
@@ -210,14 +211,7 @@ def _handler(service: SandboxService, api_key: str) -> type[BaseHTTPRequestHandl
             self._send(*service.handle("POST", self.path, body))
 
         def _send(self, status: HTTPStatus, answer: dict[str, Any]) -> None:
-            data = json.dumps(answer).encode()
-            self.send_response(status)
-            if status == HTTPStatus.UNAUTHORIZED:
-                self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, answer)
 
         def log_message(self, *args: Any) -> None:
             pass

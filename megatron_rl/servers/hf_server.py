@@ -57,6 +57,7 @@ from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.sglang.contract import BUCKET_FORMAT, MEMORY_TAGS, SGLANG_CONTRACT, SGLANG_PIN
 from megatron_rl.rollout.server_key import API_KEY_ENV, ensure_server_api_key
 from megatron_rl.rollout.update_group import init_weight_update_group
+from megatron_rl.rollout.http_reply import send_json
 
 __all__ = ["HFServerApp", "main"]
 
@@ -395,14 +396,7 @@ def _handler(app: HFServerApp, api_key: str | None = None) -> type[BaseHTTPReque
             self._send(status, answer)
 
         def _send(self, status: HTTPStatus, answer: Any) -> None:
-            data = json.dumps(answer).encode()
-            self.send_response(status)
-            if status == HTTPStatus.UNAUTHORIZED:
-                self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, answer)
 
         def log_message(self, *args: Any) -> None:
             pass
