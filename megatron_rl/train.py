@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import Any, Callable
 
 import hydra
 from megatron_rl.config import CONFIG_DIR, ConfigError, PPOTrainerConfig, load_config, register_configs
@@ -21,7 +22,7 @@ logger = logging.getLogger("megatron_rl.train")
 DRY_RUN_FLAG = "--dry-run"
 
 
-def _is_rank0() -> bool:
+def is_rank0() -> bool:
     """Under torchrun every rank runs this; only rank 0 prints the summaries."""
     return os.environ.get("RANK", "0") == "0"
 
@@ -47,7 +48,7 @@ def run(cfg: PPOTrainerConfig, dry_run: bool = False):
         _planner().print_plan(cfg)
         return None
     validate(cfg)  # a config that cannot run is refused before the lock creates the directory
-    if not _is_rank0():  # under torchrun rank 0 holds the lock for every rank
+    if not is_rank0():  # under torchrun rank 0 holds the lock for every rank
         return _start(cfg)
     from megatron_rl.trainer.run_lock import holding  # as check_start above
 
@@ -60,12 +61,12 @@ def _start(cfg: PPOTrainerConfig):
 
     sizes = check_start(cfg)  # the same check as --dry-run's
     _planner().check_launch(cfg)  # e.g. a distributed optimizer this environment cannot give: refused with the reason
-    if _is_rank0():
+    if is_rank0():
         print(sizes.summary(), flush=True)
     from megatron_rl.trainer.runner import run_training  # as in run()
 
     result = run_training(cfg, sizes)
-    if _is_rank0():
+    if is_rank0():
         print(f"metrics: {result.metrics_path}\ntensorboard: {result.tensorboard_dir}\ncurves: {result.plot_path}",
               flush=True)
         if result.stopped:
@@ -115,7 +116,7 @@ def _before_hydra(dry_run: bool) -> None:
         atexit.register(shutil.rmtree, scratch, True)
         sys.argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
         return
-    if not _is_rank0():
+    if not is_rank0():
         return
     directory = _output_dir_of(sys.argv[1:])
     if directory is None:
@@ -129,7 +130,10 @@ def _before_hydra(dry_run: bool) -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
-def main() -> None:
+def main(start: Callable[..., Any] | None = None) -> None:
+    """The CLI of ``start(cfg, dry_run=...)`` (default: this module's RL ``run``; megatron_rl/sft.py passes SFT's):
+    Hydra composes the config, a config error is one line and the config-error exit code."""
+    start = start or run
     dry_run = DRY_RUN_FLAG in sys.argv
     if dry_run:
         sys.argv.remove(DRY_RUN_FLAG)
@@ -139,7 +143,7 @@ def main() -> None:
     @hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base="1.3")
     def _main(cfg: PPOTrainerConfig) -> None:
         try:
-            result = run(cfg, dry_run=dry_run)
+            result = start(cfg, dry_run=dry_run)
         except ConfigError as err:
             # A bad config is the user's to fix: one clear line, no traceback, non-zero exit.
             print(f"config error: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ exactly the batch an uninterrupted run would have seen next.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ class ResumableDataLoader:
         seed: int,
         drop_last: bool = True,
         num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], DataProto] = collate_to_dataproto,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -52,6 +53,7 @@ class ResumableDataLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.num_workers = num_workers
+        self.collate_fn = collate_fn
         self.epoch = 0
         self.batches_done = 0  # batches of the current epoch already handed out
 
@@ -72,7 +74,7 @@ class ResumableDataLoader:
         loader = DataLoader(
             self.dataset,
             batch_sampler=batches[self.batches_done :],
-            collate_fn=collate_to_dataproto,
+            collate_fn=self.collate_fn,
             num_workers=self.num_workers,
         )
         for batch in loader:
@@ -118,7 +120,9 @@ class ResumableDataLoader:
 
 
 def make_dataloader(
-    dataset: Dataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True, num_workers: int = 0
+    dataset: Dataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True, num_workers: int = 0,
+    collate_fn: Callable[[list[Any]], DataProto] = collate_to_dataproto,
 ) -> ResumableDataLoader:
-    """The loader for training (``drop_last=True``) or validation (``shuffle=False, drop_last=False``)."""
-    return ResumableDataLoader(dataset, batch_size, shuffle, seed, drop_last, num_workers)
+    """The loader for training (``drop_last=True``) or validation (``shuffle=False, drop_last=False``);
+    ``collate_fn``: the dataset's items -> one batch (picklable when ``num_workers`` > 0)."""
+    return ResumableDataLoader(dataset, batch_size, shuffle, seed, drop_last, num_workers, collate_fn)

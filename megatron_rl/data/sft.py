@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_rl.data.rows import MalformedRowError, read_rows
+from megatron_rl.protocol import DataProto
 
-__all__ = ["SFTExample", "SFTDataset", "collate_sft", "conversation_of", "encode_conversation"]
+__all__ = ["SFTExample", "SFTDataset", "collate_sft", "conversation_of", "encode_conversation", "sft_batch"]
 
 TRUNCATIONS = ("error", "left", "right")
 
@@ -147,4 +149,17 @@ def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> dict[str, 
         out["attention_mask"][row, :n] = 1
         out["loss_mask"][row, :n] = torch.as_tensor(example.loss_mask)
     out["position_ids"] = (out["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return out
+
+
+def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> DataProto:
+    """The rows as the trainer's batch (workers/sft.py): the RL layout with the first token as the prompt and the
+    rest as the response, ``response_mask`` the loss mask of those tokens (the first token is never a target: a
+    conversation opens with the template's header). ``row_location`` names each row's file and row."""
+    padded = collate_sft(examples, pad_token_id)
+    out = DataProto.from_dict({
+        "input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"],
+        "position_ids": padded["position_ids"], "responses": padded["input_ids"][:, 1:],
+        "response_mask": padded["loss_mask"][:, 1:]})
+    out.non_tensor_batch["row_location"] = np.array([e.location for e in examples], dtype=object)
     return out

@@ -568,6 +568,33 @@ def validate(cfg: DictConfig | PPOTrainerConfig) -> DerivedSizes:
                         critic_sizes, uses_critic)
 
 
+SFT_TRUNCATIONS = ("error", "left", "right")
+
+
+def validate_sft(cfg: DictConfig | PPOTrainerConfig) -> DerivedSizes:
+    """An SFT run's config (trainer/sft.py; docs/sft.md): the model, data and layout keys it reads, each refusal a
+    ConfigError naming the key; its sizes (one optimizer step per ``data.train_batch_size`` conversations)."""
+    cfg = checked_typed_config(cfg)
+    data, trainer, world = cfg.data, cfg.trainer, _world_size(cfg)
+    _require(cfg.actor_rollout_ref.model.path not in ("", "???"), "SFT needs actor_rollout_ref.model.path")
+    _require(bool(data.train_files), "SFT needs data.train_files (parquet or jsonl conversations)")
+    _require(str(data.truncation) in SFT_TRUNCATIONS,
+             f"data.truncation={data.truncation}: SFT rows are cut {'/'.join(SFT_TRUNCATIONS)} (docs/sft.md)")
+    _require(data.max_length >= 2, f"data.max_length={data.max_length}: an SFT row needs at least 2 tokens")
+    _require(trainer.launcher == "torchrun" or world == 1,
+             f"trainer.launcher={trainer.launcher} with {world} ranks: SFT runs under torchrun (trainer.launcher="
+             "torchrun), or in one process")
+    actor = cfg.actor_rollout_ref.actor
+    megatron = actor.megatron
+    dp = world // max(megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+                      * megatron.context_parallel_size, 1)
+    _require(dp >= 1 and data.train_batch_size % dp == 0,
+             f"data.train_batch_size={data.train_batch_size} conversations do not split over data-parallel size {dp}")
+    sizes = _role_sizes(cfg, "actor_rollout_ref.actor", data.train_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                        world, data.train_batch_size, 1, actor.use_dynamic_bsz)
+    return DerivedSizes(world, data.train_batch_size, data.train_batch_size, sizes, None, False)
+
+
 def uses_critic(cfg: PPOTrainerConfig) -> bool:
     """Whether the run trains a critic: critic.enable, or (null) whether the estimator needs values."""
     if cfg.critic.enable is not None:

@@ -35,6 +35,7 @@ from megatron_rl.plan.validate import (
     cp_comm_type,
     uses_critic,
     validate,
+    validate_sft,
 )
 from megatron_rl.reward.custom import load_custom_scorer
 from megatron_rl.reward.model.inputs import RewardModelInputs
@@ -57,6 +58,20 @@ def check_start(cfg: DictConfig | PPOTrainerConfig):
     cfg = checked_typed_config(cfg)
     sizes = validate(cfg)
     preflight(cfg)
+    return sizes
+
+
+def check_sft_start(cfg: DictConfig | PPOTrainerConfig):
+    """An SFT start's check (``python -m megatron_rl.sft``, with or without ``--dry-run``): ``validate_sft`` and the
+    file-system checks that apply to SFT (output directory, loggers, model, LoRA files, the resumed checkpoint);
+    the rows are checked where the datasets are built (trainer/sft.py ``sft_dataset``). Returns the sizes."""
+    cfg = checked_typed_config(cfg)
+    sizes = validate_sft(cfg)
+    check_output_dir(cfg)
+    check_loggers(cfg)
+    check_model(cfg)
+    check_lora_files(cfg)
+    check_resume_state(cfg)
     return sizes
 
 

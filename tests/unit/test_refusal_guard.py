@@ -44,9 +44,10 @@ SHORT_SECTIONS = ("rollout", "actor", "ref", "model")  # keys written without th
 
 # (file, key) -> why validation cannot refuse it before start-up.
 ALLOWED = {
-    ("data/sft.py", "data.prompt_key"):
-        "a row's own columns decide which it has (messages, or the prompt/response pair); no SFT trainer config reads "
-        "these keys yet (issue 55), and the SFT dataset refuses such a row naming its file and row when built",
+    **{("data/sft.py", key):
+        "a row's own columns decide which it has (messages, or the prompt/response pair); the SFT trainer encodes "
+        "every row before any worker starts (trainer/sft.py sft_dataset, the dry run too), refusing such a row "
+        "naming its file and row" for key in ("data.prompt_key", "data.messages_key", "data.response_key")},
     ("rollout/sglang/server_transport.py", "actor_rollout_ref.rollout.sglang.master_address"):
         "null means this host's address, resolved on the trainer's rank-0 node when the update group forms; only "
         "there is it known whether it is loopback while the servers are on other hosts",

@@ -23,7 +23,7 @@ from megatron_rl.data.tasks.digits import DIGIT_OPS, make_digit_rows
 from megatron_rl.data.tasks.shapes import make_colour_rows, make_shapes_rows
 from megatron_rl.data.tasks.tool_multiply import make_tool_multiply_rows
 
-__all__ = ["TASKS", "VISION_TASKS", "make_rows", "task_texts", "write_task"]
+__all__ = ["TASKS", "VISION_TASKS", "make_rows", "sft_rows", "task_texts", "write_sft_task", "write_task"]
 
 # task name -> rows(n, rng, split)
 TASKS: dict[str, Callable[[int, random.Random, str], list[dict[str, Any]]]] = {
@@ -64,4 +64,22 @@ def write_task(task: str, out_dir: str | Path, n_train: int, n_val: int, seed: i
     for split, n in (("train", n_train), ("val", n_val)):
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(make_rows(task, n, seed, split)), paths[split])
+    return paths
+
+
+def sft_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as verl's SFT conversations (``messages``: the prompt, then the answer as the assistant's turn;
+    data/sft.py): what a model learns the task from by SFT alone."""
+    return [{"messages": [*row["prompt"], {"role": "assistant", "content": str(
+        row["extra_info"].get("answer", row["reward_model"]["ground_truth"]))}]} for row in rows]
+
+
+def write_sft_task(task: str, out_dir: str | Path, n_train: int, n_val: int, seed: int) -> dict[str, Path]:
+    """``write_task``'s rows as SFT conversations, in ``sft_train.parquet`` and ``sft_val.parquet``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        paths[split] = out_dir / f"sft_{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(sft_rows(make_rows(task, n, seed, split))), paths[split])
     return paths
