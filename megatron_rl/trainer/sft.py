@@ -74,9 +74,8 @@ class SFTTrainer:
             with timer("step"):
                 with timer("update_actor"):
                     metrics = reduce_metrics(self.workers.train_batch(batch).meta_info["metrics"])
-                # verl's SFT rule: validate every test_freq steps and after the last
-                if self.val_batches is not None and trainer.test_freq > 0 and (
-                        loop.due(trainer.test_freq, step) or step >= run.total_steps):
+                # verl's SFT rule: validate every test_freq steps and after the last (test_freq -1 too)
+                if self.val_batches is not None and (loop.due(trainer.test_freq, step) or step >= run.total_steps):
                     with timer("testing"):
                         metrics |= self.validation_loss()
             last = loop.end_step(run, self.tracking, step, batch, metrics, timer, None, self.save_checkpoint)
