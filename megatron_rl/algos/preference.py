@@ -11,7 +11,8 @@ reference's) log-probs of each whole response, [P] tensors. With
       -(1 - eps) log sigma(beta (pi_c - pi_r) - gamma) - eps log sigma(-(beta (pi_c - pi_r) - gamma))
 and the loss is the mean over pairs. Metrics use TRL's names: rewards/chosen, rewards/rejected (mean
 beta * (pi - ref), or beta * pi for simpo), rewards/margins, rewards/accuracies (chosen reward above
-rejected). The DPO trainer loop is not built.
+rejected). ``preference_pair_loss`` pairs a batch's rows and gives each row's loss derivative: the DPO trainer's
+(workers/preference.py, docs/dpo.md).
 """
 
 from __future__ import annotations
@@ -102,4 +103,39 @@ def compute_preference_loss(
     return losses.mean(), metrics
 
 
-__all__ = ["PREFERENCE_LOSS_TYPES", "compute_preference_loss", "sequence_log_probs"]
+def _pair_order(pair_index: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The rows ordered pair by pair, chosen first: ``order[0::2]`` the chosen sides, ``order[1::2]`` the rejected;
+    ValueError unless every pair has exactly one of each."""
+    key = pair_index.long() * 2 + (1 - chosen.long())
+    order = torch.argsort(key, stable=True)
+    ordered = key[order]
+    if len(key) % 2 or ordered[0::2].remainder(2).any() or not torch.equal(ordered[0::2] + 1, ordered[1::2]):
+        raise ValueError("a preference batch needs each pair_index exactly twice, once with chosen=1 and once with "
+                         "chosen=0")
+    return order
+
+
+def preference_pair_loss(
+    policy_logps: torch.Tensor,
+    reference_logps: Optional[torch.Tensor],
+    pair_index: torch.Tensor,
+    chosen: torch.Tensor,
+    **loss_kwargs,
+) -> tuple[float, dict[str, float], torch.Tensor]:
+    """``compute_preference_loss`` on [N] sequence log-probs of rows in any order (the pairs found by ``pair_index``
+    and ``chosen``: 1 on the chosen side): (the mean loss, its metrics with TRL's logps/chosen and logps/rejected,
+    dL / d policy_logps[r] for every row r, from autograd in float64)."""
+    order = _pair_order(pair_index, chosen)
+    logps = policy_logps.detach().double().clone().requires_grad_(True)
+    ordered = logps[order]
+    ref = None if reference_logps is None else reference_logps.detach().double()[order]
+    loss, metrics = compute_preference_loss(
+        ordered[0::2], ordered[1::2], None if ref is None else ref[0::2], None if ref is None else ref[1::2],
+        **loss_kwargs)
+    (derivative,) = torch.autograd.grad(loss, logps)
+    values = ordered.detach()
+    metrics |= {"logps/chosen": float(values[0::2].mean()), "logps/rejected": float(values[1::2].mean())}
+    return float(loss.detach()), metrics, derivative.float()
+
+
+__all__ = ["PREFERENCE_LOSS_TYPES", "compute_preference_loss", "preference_pair_loss", "sequence_log_probs"]

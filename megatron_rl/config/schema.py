@@ -43,6 +43,7 @@ from megatron_rl.config.rollout_schema import (  # noqa: F401 - re-exported: the
     MultiTurnConfig,
     RolloutConfig,
 )
+from megatron_rl.config.preference_schema import DPOConfig  # the dpo: section (python -m megatron_rl.dpo)
 
 
 def choices_of(cls: type, name: str) -> list[str] | None:
@@ -564,6 +565,7 @@ class PPOTrainerConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # preference training only (docs/dpo.md)
 
 
 SCHEMA_NAME = "ppo_trainer_schema"

@@ -29,6 +29,7 @@ from megatron_rl.models.fp8_checkpoint import check_fp8_quantization
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.sizes import check_parallel_fit
 from megatron_rl.plan.model_facts import load_model_facts
+from megatron_rl.plan.preference import validate_dpo
 from megatron_rl.plan.validate import (
     check_context_parallel_model,
     context_parallel_roles,
@@ -72,6 +73,17 @@ def check_sft_start(cfg: DictConfig | PPOTrainerConfig):
     check_model(cfg)
     check_lora_files(cfg)
     check_resume_state(cfg)
+    return sizes
+
+
+def check_dpo_start(cfg: DictConfig | PPOTrainerConfig):
+    """A DPO start's check (``python -m megatron_rl.dpo``): ``validate_dpo`` (the SFT keys, counting a pair as two
+    rows, and the ``dpo:`` section's) and ``check_sft_start``'s file-system checks; the rows are checked where the
+    datasets are built (trainer/dpo.py). The sizes."""
+    cfg = checked_typed_config(cfg)
+    sizes = validate_dpo(cfg)
+    for check in (check_output_dir, check_loggers, check_model, check_lora_files, check_resume_state):
+        check(cfg)
     return sizes
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -116,18 +117,40 @@ def _pad_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-def _workers(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[LocalWorkerGroup, Callable[[], None]]:
-    """This rank's SFT worker (torchrun; a one-rank run in this process is rank 0 of 1)."""
+@dataclass(frozen=True)
+class PostTraining:
+    """What differs between the post-training runs that share ``run_post_training`` (SFT here, DPO in trainer/dpo.py):
+    the worker group's name, its worker class (a callable: the class imports Megatron-Core, which only a starting
+    run pays for), the dataset of ``data.<files_key>``, the collate of its items, the loop, the plotted metrics."""
+
+    role: str
+    worker: Callable[[], type]
+    dataset: Callable[[PPOTrainerConfig, Any, str], Any]
+    collate: Callable[..., DataProto]  # (items, pad_token_id=...) -> one batch
+    trainer: type[SFTTrainer]
+    plot_keys: tuple[str, ...]
+
+
+def _sft_worker() -> type:
     with deferred_compile():  # Megatron-Core's models and fused kernels: compiled at first use
         from megatron_rl.workers.sft import SFTWorker
+    return SFTWorker
 
+
+SFT = PostTraining("sft", _sft_worker, sft_dataset, sft_batch, SFTTrainer, ("train/loss", VAL_LOSS))
+
+
+def _workers(cfg: PPOTrainerConfig, sizes: DerivedSizes,
+             kind: PostTraining) -> tuple[LocalWorkerGroup, Callable[[], None]]:
+    """This rank's worker (torchrun; a one-rank run in this process is rank 0 of 1)."""
+    worker = kind.worker()
     leave = enter_driver_rank() if cfg.trainer.launcher != "torchrun" else (lambda: None)
     try:
         launch = init_distributed(timeout=timedelta(seconds=collective_timeout_s(cfg)))
         if launch.world_size != sizes.world_size:
             raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                              f"trainer.n_gpus_per_node = {sizes.world_size}")
-        return LocalWorkerGroup(SFTWorker(config=cfg), "sft"), leave
+        return LocalWorkerGroup(worker(config=cfg), kind.role), leave
     except BaseException:
         leave()
         raise
@@ -141,29 +164,40 @@ def _checkpointer(cfg: PPOTrainerConfig) -> TrainerCheckpointer:
                                hash_shards=bool(cfg.trainer.checkpoint_hash_shards))
 
 
-def run_sft_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
-    """Build the data and the workers, train, export; the config must be validated (``validate_sft``)."""
+def _loaders(cfg: PPOTrainerConfig, kind: PostTraining) -> tuple[Any, Callable[[], Iterator[DataProto]] | None]:
+    """The training loader and the validation batches (None without data.val_files); every row is checked here,
+    before a worker starts."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
+    collate = functools.partial(kind.collate, pad_token_id=_pad_id(tokenizer))
+    train = kind.dataset(cfg, tokenizer, "train_files")
+    val = kind.dataset(cfg, tokenizer, "val_files") if cfg.data.val_files else None
+    train_loader = make_dataloader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                                   drop_last=True, num_workers=cfg.data.dataloader_num_workers, collate_fn=collate)
+    if val is None:
+        return train_loader, None
+
+    def val_batches() -> Iterator[DataProto]:
+        yield from make_dataloader(val, cfg.data.val_batch_size or len(val), shuffle=False, seed=cfg.data.seed,
+                                   drop_last=False, collate_fn=collate)
+
+    return train_loader, val_batches
+
+
+def run_post_training(cfg: PPOTrainerConfig, sizes: DerivedSizes, kind: PostTraining = SFT) -> RunResult:
+    """Build the data and the workers, train, export; the config must be validated (``validate_sft`` or the
+    run's own)."""
     cfg = typed_config(cfg)
     output_dir = Path(cfg.trainer.default_local_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
-    collate = functools.partial(sft_batch, pad_token_id=_pad_id(tokenizer))
-    train = sft_dataset(cfg, tokenizer, "train_files")  # every row checked before a worker starts
-    val = sft_dataset(cfg, tokenizer, "val_files") if cfg.data.val_files else None
-    train_loader = make_dataloader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                                   drop_last=True, num_workers=cfg.data.dataloader_num_workers, collate_fn=collate)
-    val_batches = None
-    if val is not None:
-        def val_batches() -> Iterator[DataProto]:
-            yield from make_dataloader(val, cfg.data.val_batch_size or len(val), shuffle=False, seed=cfg.data.seed,
-                                       drop_last=False, collate_fn=collate)
+    train_loader, val_batches = _loaders(cfg, kind)
     loop.fill_optimizer_steps(cfg, len(train_loader))
     stop = StopRequest().install()
-    workers, leave = _workers(cfg, sizes)
+    workers, leave = _workers(cfg, sizes, kind)
     tracking = None
     try:
         workers.init_model()
-        trainer = SFTTrainer(cfg, sizes, workers, train_loader, val_batches, stop=stop, checkpointer=_checkpointer(cfg))
+        trainer = kind.trainer(cfg, sizes, workers, train_loader, val_batches, stop=stop,
+                               checkpointer=_checkpointer(cfg))
         start_step = trainer.resume()
         if workers.rank == 0:
             tracking = Tracking(cfg.trainer.logger, output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -178,7 +212,12 @@ def run_sft_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
         stop.restore()
     plot = None
     if tracking is not None and tracking.metrics_path.exists():
-        plot = plot_curves(tracking.metrics_path, output_dir / "curves.png", keys=("train/loss", VAL_LOSS))
+        plot = plot_curves(tracking.metrics_path, output_dir / "curves.png", keys=kind.plot_keys)
     hf_dir = loop.hf_final_dir(cfg) if cfg.trainer.save_hf_at_end and trainer.stopped is None else None
     return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last,
                      stopped=trainer.stopped, last_step=trainer.state.global_steps)
+
+
+def run_sft_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
+    """The SFT run (``python -m megatron_rl.sft``)."""
+    return run_post_training(cfg, sizes, SFT)
