@@ -13,7 +13,8 @@ divergence to the teacher (``distillation.distillation_loss.*`` in verl's config
 ``compute_distillation_loss`` then clamps each token's loss to [-loss_max_clamp, loss_max_clamp] and
 either aggregates it as a supervised loss (loss_agg.agg_loss) or, with ``use_policy_gradient``, feeds its
 negative as the advantage of the vanilla PPO loss. ``combine_with_task_loss`` mixes in the task-reward
-policy loss (``use_task_rewards``, ``distillation_loss_coef``). The trainer that calls them is not built.
+policy loss (``use_task_rewards``, ``distillation_loss_coef``). ``teacher_topk`` is the teacher's side of
+forward_kl_topk. The actor's update calls them (workers/actor.py), the teacher scores in workers/teacher.py.
 """
 
 from __future__ import annotations
@@ -183,10 +184,11 @@ def topk_log_probs(
     return _TopkLogProbs.apply(logits, ids.long(), start, valid_width, tp_group if world > 1 else None)
 
 
-def _student_topk_ids(
+def _topk_ids(
     logits: torch.Tensor, k: int, tp_group: Optional[dist.ProcessGroup], start: int, valid_width: int
 ) -> torch.Tensor:
-    """Global ids of the student's own top-k tokens (overlap diagnostics only, no gradient)."""
+    """Global ids of the k most likely tokens of a vocabulary split across ``tp_group`` (no gradient): the
+    student's own top-k (overlap diagnostics) and the teacher's (``teacher_topk``)."""
     with torch.no_grad():
         x = _masked_float_logits(logits, valid_width)
         values, ids = torch.topk(x, k=min(k, x.shape[-1]), dim=-1)
@@ -200,6 +202,26 @@ def _student_topk_ids(
             values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
             ids = ids.gather(-1, torch.topk(values, k=k, dim=-1).indices)
         return ids
+
+
+def teacher_topk(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k at each position: (global ids [..., k] int64, their log-probs [..., k] fp32, highest
+    first), from ``logits`` [..., V_local] split over ``tp_group`` as ``topk_log_probs`` takes them (no gradient:
+    the teacher is frozen). What forward_kl_topk reads as ``teacher_topk_ids`` / ``teacher_topk_log_probs``."""
+    vocab, start, valid_width = _shard(logits, tp_group, vocab_size)
+    if not 0 < k <= vocab:
+        raise ValueError(f"{_KEY}.topk={k} must be in [1, {vocab}] (the vocabulary)")
+    with torch.no_grad():
+        ids = _topk_ids(logits, k, tp_group, start, valid_width)
+        world = 1 if tp_group is None else dist.get_world_size(tp_group)
+        log_probs = _TopkLogProbs.apply(logits, ids, start, valid_width, tp_group if world > 1 else None)
+    return ids, log_probs
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
@@ -261,7 +283,7 @@ def forward_kl_topk(
         student = student.clamp_min(log_prob_min_clamp)
         teacher = teacher.clamp_min(log_prob_min_clamp)
     per_entry = teacher.exp() * (teacher - student)
-    student_ids = _student_topk_ids(student_logits, k, tp_group, start, valid_width)
+    student_ids = _topk_ids(student_logits, k, tp_group, start, valid_width)
     overlap = (teacher_topk_ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(dim=-1)
     overlap_count = overlap.sum(dim=-1)
     overlap_sum = (-per_entry.detach() * overlap).sum(dim=-1)
@@ -447,5 +469,6 @@ __all__ = [
     "combine_with_task_loss",
     "compute_distillation_loss",
     "forward_kl_topk",
+    "teacher_topk",
     "topk_log_probs",
 ]

@@ -151,8 +151,15 @@ def unknown_keys(cfg: DictConfig, cls: type = PPOTrainerConfig, prefix: str = ""
             continue
         inner = _dataclass_of(fields[key])
         value = cfg._get_node(key)
-        if inner is not None and isinstance(value, DictConfig) and not value._is_none():
-            messages.extend(unknown_keys(value, inner, path + "."))
+        if inner is None or not isinstance(value, DictConfig) or value._is_none():
+            continue
+        if typing.get_origin(fields[key]) is dict:  # dict[str, SomeConfig]: every entry is one (named by the user)
+            for name in value.keys():
+                entry = value._get_node(name)
+                if isinstance(entry, DictConfig) and not entry._is_none():
+                    messages.extend(unknown_keys(entry, inner, f"{path}.{name}."))
+            continue
+        messages.extend(unknown_keys(value, inner, path + "."))
     return messages
 
 

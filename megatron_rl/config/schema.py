@@ -43,6 +43,7 @@ from megatron_rl.config.rollout_schema import (  # noqa: F401 - re-exported: the
     MultiTurnConfig,
     RolloutConfig,
 )
+from megatron_rl.config.distillation_schema import DistillationConfig
 from megatron_rl.config.preference_schema import DPOConfig  # the dpo: section (python -m megatron_rl.dpo)
 
 
@@ -566,6 +567,7 @@ class PPOTrainerConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # preference training only (docs/dpo.md)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # on-policy distillation
 
 
 SCHEMA_NAME = "ppo_trainer_schema"

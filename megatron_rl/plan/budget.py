@@ -213,8 +213,9 @@ def _activation_rows(table: PhaseTable, cfg: PPOTrainerConfig, role: str, role_c
 
 
 def build_table(cfg: PPOTrainerConfig, sizes: DerivedSizes, model: HFModelConfig, critic_model: HFModelConfig,
-                stage: Stage) -> PhaseTable:
-    """Every row but the rollout engine's, which is sized on what these leave free (add_engine)."""
+                stage: Stage, teacher: HFModelConfig | None = None) -> PhaseTable:
+    """Every row but the rollout engine's, which is sized on what these leave free (add_engine). ``teacher``: the
+    distillation teacher's facts, when it runs."""
     phases = ("generate",) + _sync_phase(cfg) + ("actor update",) + (("critic update",) if sizes.uses_critic else ())
     table = PhaseTable(phases)
     _trained_role_rows(table, cfg, "actor", sizes.actor, model, stage)
@@ -227,17 +228,25 @@ def build_table(cfg: PPOTrainerConfig, sizes: DerivedSizes, model: HFModelConfig
                            "own; actor_rollout_ref.ref.megatron is not used)")
     elif kl:
         ref_mcfg = cfg.actor_rollout_ref.ref.megatron
-        ref_layout = role_layout(cfg, REF, sizes.world_size)
-        ref_model = dataclasses.replace(model, mtp=None)  # the reference builds no MTP layers
-        ref_params = max(memory.stage_params(ref_model, ref_layout, s) for s in ("first", "last"))
-        dtype = params_dtype(cfg, ref_mcfg)
-        per_param = memory.state_bytes_per_param(dtype, False, 1).params
         # offloaded for generation, back only for its own log-probs (not for the actor's weight export)
         ref_phases = tuple(p for p in phases if p not in ("generate", "weight sync")) if ref_mcfg.param_offload else phases
-        table.add(f"ref weights ({dtype})", ref_params * per_param, ref_phases)
-        transformer_config(cfg, REF, model, ref_layout, dtype)  # the reference's overrides, checked before launch
+        dtype = _frozen_weights(table, cfg, "ref", model, sizes, ref_phases)
+        transformer_config(cfg, REF, model, role_layout(cfg, REF, sizes.world_size), dtype)  # checked before launch
+    if teacher is not None:  # on-policy distillation: the teacher's frozen weights at the reference's layout
+        _frozen_weights(table, cfg, "teacher", teacher, sizes, phases)
     table.add("reserved (CUDA context, NCCL, fragmentation)", cfg.plan.reserved_gib * GIB, phases)
     return table
+
+
+def _frozen_weights(table: PhaseTable, cfg: PPOTrainerConfig, label: str, model: HFModelConfig, sizes: DerivedSizes,
+                    phases: tuple[str, ...]) -> str:
+    """The row of a frozen model's weights (the reference, the teacher) at the reference's layout; its dtype."""
+    layout = role_layout(cfg, REF, sizes.world_size)
+    frozen = dataclasses.replace(model, mtp=None)  # a frozen model builds no MTP layers
+    params = max(memory.stage_params(frozen, layout, s) for s in ("first", "last"))
+    dtype = params_dtype(cfg, cfg.actor_rollout_ref.ref.megatron)
+    table.add(f"{label} weights ({dtype})", params * memory.state_bytes_per_param(dtype, False, 1).params, phases)
+    return dtype
 
 
 def add_engine(table: PhaseTable, cfg: PPOTrainerConfig, rollout: RolloutShare) -> None:

@@ -15,10 +15,13 @@ from megatron_rl.models.hf_config import (
     parse_hf_config,
 )
 from megatron_rl.models.mtp import check_drafting, with_mtp
+from megatron_rl.plan.distillation import teacher_path
 
 # the model sections a planner reads, by the key its messages name
+TEACHER = "distillation.teacher_models"  # the one teacher of on-policy distillation (plan/distillation.py)
 MODEL_SECTIONS = {"actor_rollout_ref.model": lambda cfg: cfg.actor_rollout_ref.model,
-                  "critic.model": lambda cfg: cfg.critic.model}
+                  "critic.model": lambda cfg: cfg.critic.model,
+                  TEACHER: lambda cfg: ModelConfig(path=teacher_path(cfg))}
 
 
 def _config_json(model: ModelConfig) -> Path | None:

@@ -49,7 +49,7 @@ from megatron_rl.plan.lora import (
     without_lora,
 )
 from megatron_rl.plan.memory import Layout, Stage
-from megatron_rl.plan.model_facts import load_model_facts
+from megatron_rl.plan.model_facts import TEACHER, load_model_facts
 from megatron_rl.plan.report import GIB, Plan, PlanError, RolloutShare, in_gib
 from megatron_rl.plan.traffic import plan_sync_traffic
 from megatron_rl.plan.validate import validate
@@ -144,10 +144,11 @@ def _plan(cfg: PPOTrainerConfig) -> Plan:
     world = sizes.world_size
     actor_layout = role_layout(cfg, ACTOR, world)
     critic_model = _check_model_factors(cfg, model, sizes.uses_critic, world)
+    teacher = load_model_facts(cfg, TEACHER) if cfg.distillation.enabled else None
     gpu_memory = cfg.plan.gpu_memory_gib * GIB
     candidates = []
     for stage in (("first", "last") if actor_layout.pp > 1 else ("first",)):
-        table = build_table(cfg, sizes, model, critic_model, stage)
+        table = build_table(cfg, sizes, model, critic_model, stage, teacher)
         # Server mode: the engine has its GPU to itself.
         held = table.at_engine_start if cfg.actor_rollout_ref.rollout.mode == "colocated" else 0.0
         rollout = _rollout_share(cfg, model, world, gpu_memory, held)

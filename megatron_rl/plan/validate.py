@@ -27,6 +27,7 @@ from megatron_rl.config.loader import checked_typed_config
 from megatron_rl.config.lora import check_lora, lora_enabled
 from megatron_rl.config.mtp import check_mtp_settings
 from megatron_rl.config.router_replay import check_router_replay
+from megatron_rl.plan.distillation import check_distillation
 from megatron_rl.config.schema import PPOTrainerConfig, RewardJudgeConfig, RolloutConfig, RolloutCorrectionConfig
 from megatron_rl.config.worker_rules import check_resume_setting, check_share_prompts_packing
 from megatron_rl.models.router_replay import replay_mode
@@ -449,7 +450,9 @@ def _check_sampling_and_advantages(cfg: PPOTrainerConfig) -> None:
     _require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
     _require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _check_rollout_correction(algo.rollout_correction)
-    if get_estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1:
+    # distillation without the task reward trains on the teacher's scores alone: the advantage is not used
+    distilled_only = cfg.distillation.enabled and not cfg.distillation.distillation_loss.use_task_rewards
+    if get_estimator_traits(algo.adv_estimator).needs_groups and rollout.n == 1 and not distilled_only:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} compares responses within a group and "
                           f"needs actor_rollout_ref.rollout.n > 1, got 1")
     _require(not (algo.use_kl_in_reward and actor.use_kl_loss),
@@ -471,8 +474,8 @@ def _check_ray_init(cfg: PPOTrainerConfig) -> None:
 # The settings' rules, in the order a config meets them: the first refusal is the one it reports.
 SETTINGS_RULES: tuple[Callable[[PPOTrainerConfig], None], ...] = (
     _check_counts, _check_algorithm_names, _check_rollout_servers, _check_server_restarts,
-    _check_server_pool, _check_async, _check_tools, _check_engine, _check_reward, _check_reward_overlap,
-    _check_sampling_and_advantages, _check_ray_init, check_mtp_settings,
+    _check_server_pool, check_distillation, _check_async, _check_tools, _check_engine, _check_reward,
+    _check_reward_overlap, _check_sampling_and_advantages, _check_ray_init, check_mtp_settings,
 )
 
 

@@ -28,6 +28,7 @@ from megatron_rl.data import RLDataset, load_tokenizer
 from megatron_rl.models.fp8_checkpoint import check_fp8_quantization
 from megatron_rl.models.hf_config import UnsupportedModelError, parse_hf_config
 from megatron_rl.models.sizes import check_parallel_fit
+from megatron_rl.plan.distillation import teacher_path
 from megatron_rl.plan.model_facts import load_model_facts
 from megatron_rl.plan.preference import validate_dpo
 from megatron_rl.plan.validate import (
@@ -94,6 +95,7 @@ def preflight(cfg: PPOTrainerConfig) -> None:
     check_rollout_engine(cfg)
     rows = check_data(cfg)
     check_model(cfg)
+    check_teacher(cfg)
     check_sequence_positions(cfg)
     check_lora_files(cfg)
     check_reward_model_inputs(cfg)
@@ -382,6 +384,36 @@ def check_vision_rollout(cfg: PPOTrainerConfig, model) -> None:
     if rollout.mode == "server" and not engine_of(rollout).servers_take_images:
         raise ConfigError(f"actor_rollout_ref.rollout.mode=server with rollout.name={rollout.name}: its servers do not "
                           f"take images; a vision-language model ({model.architecture}) runs colocated")
+
+
+def check_teacher(cfg: PPOTrainerConfig) -> None:
+    """On-policy distillation's teacher (plan/distillation.py): its config.json, the student's vocabulary (the loss
+    compares the two distributions token by token: a teacher with another tokenizer is refused, its tokenizer's
+    vocabulary compared when it ships one), heads the actor's TP splits (the teacher runs at that layout)."""
+    if not cfg.distillation.enabled or is_unset(cfg.actor_rollout_ref.model, "path"):
+        return
+    path = teacher_path(cfg)
+    key = next(f"distillation.teacher_models.{name}.model_path"
+               for name, t in cfg.distillation.teacher_models.items() if t.model_path)
+    teacher = _config_json(key.removesuffix(".model_path"), ModelConfig(path=path))
+    student = _config_json("actor_rollout_ref.model", cfg.actor_rollout_ref.model)
+    try:
+        facts = parse_hf_config(teacher, source=str(Path(path) / "config.json"))
+    except (UnsupportedModelError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
+    if facts.vocab_size != student["vocab_size"]:
+        raise ConfigError(f"{key}={path}: the teacher's vocabulary ({facts.vocab_size} tokens) is not the student's "
+                          f"({student['vocab_size']}, actor_rollout_ref.model.path): distillation needs one tokenizer")
+    if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        ours = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path).get_vocab()
+        if load_tokenizer(path).get_vocab() != ours:
+            raise ConfigError(f"{key}={path}: the teacher's tokenizer is not the student's (data.tokenizer or "
+                              "actor_rollout_ref.model.path): distillation needs one tokenizer")
+    tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size
+    if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
+        raise ConfigError(f"{key}={path}: the teacher runs at actor_rollout_ref.actor.megatron."
+                          f"tensor_model_parallel_size={tp}, which does not divide its num_attention_heads="
+                          f"{facts.num_attention_heads} and num_key_value_heads={facts.num_key_value_heads}")
 
 
 def check_lora_files(cfg: PPOTrainerConfig) -> None:

@@ -196,7 +196,8 @@ def balance_batch(batch: DataProto, dp_size: int, metrics: dict[str, float]) -> 
 
 def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
     """The forward passes before the advantage: old log-probs (or the rollout's, in bypass mode) with the
-    rollout correction's weights, the reference's log-probs when KL is used, the critic's values. First, with
+    rollout correction's weights, the reference's log-probs when KL is used, the teacher's scores with
+    distillation, the critic's values. First, with
     trainer.balance_batch, the batch is reordered for the actor's DP ranks (where verl does it: after the
     rollout, before the first pass dispatched to the DP ranks)."""
     release_rollout(run)
@@ -214,6 +215,9 @@ def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: Stag
     if run.use_reference:
         with timer("ref"):
             batch = batch.union(run.actor_rollout.compute_ref_log_prob(batch))
+    if run.cfg.distillation.enabled:  # on-policy distillation: the teacher scores the student's tokens
+        with timer("teacher"):
+            batch = batch.union(run.actor_rollout.compute_teacher_log_prob(batch))
     if run.use_critic:
         with timer("values"):
             batch = batch.union(run.critic.compute_values(batch))

@@ -21,6 +21,7 @@ from megatron_rl.algos import (
     compute_kl_loss,
     get_policy_loss,
 )
+from megatron_rl.algos.distillation import DistillationLossConfig, combine_with_task_loss, compute_distillation_loss
 from megatron_rl.bucket import WeightBucket
 from megatron_rl.config.schema import ActorConfig
 from megatron_rl.protocol import DataProto
@@ -35,6 +36,7 @@ from megatron_rl.workers.forward import compute_log_probs, response_log_probs
 from megatron_rl.workers.metrics import StepMetrics, mean_over_steps
 from megatron_rl.workers.micro_batches import MicroBatchSpec
 from megatron_rl.workers.packing import PackedMicroBatch
+from megatron_rl.workers.teacher import LOG_PROBS as TEACHER_LOG_PROBS, TOPK_IDS, TOPK_LOG_PROBS
 from megatron_rl.workers.update_loop import UpdateSchedule, train_mini_batch
 
 
@@ -62,6 +64,7 @@ class ActorRole(CheckpointedRole):
         log_prob_micro_batch_size: int | None = None,
         log_prob_use_dynamic_bsz: bool | None = None,
         log_prob_max_token_len: int | None = None,
+        distillation: DistillationLossConfig | None = None,
     ) -> None:
         if not engine.trainable:
             raise ValueError(
@@ -93,6 +96,7 @@ class ActorRole(CheckpointedRole):
         self.log_prob_budget_key = ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu" if log_prob_max_token_len
                                     else f"{self.prefix}.ppo_max_token_len_per_gpu")
         self.updates_done = 0
+        self.distillation = distillation  # on-policy distillation's loss (distillation.distillation_loss), or None
 
     # ------------------------------------------------------------------ forward only
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -125,6 +129,8 @@ class ActorRole(CheckpointedRole):
             fields.append("ref_log_prob")
         if self.config.tis_imp_ratio_cap is not None or self.config.policy_loss == "decoupled_ppo":
             fields.append("rollout_log_probs")  # the behaviour policy's, which decoupled PPO weights against
+        if self.distillation is not None:  # the teacher's scores of the tokens (workers/teacher.py)
+            fields += [TOPK_IDS, TOPK_LOG_PROBS] if self.distillation.uses_topk else [TEACHER_LOG_PROBS]
         return tuple(fields)
 
     def _policy_step(
@@ -151,15 +157,42 @@ class ActorRole(CheckpointedRole):
             global_batch=global_batch,
         )
         entropy_loss = compute_entropy_loss(entropy, mask, cfg.loss_agg_mode, global_batch)
-        loss = pg_loss - cfg.entropy_coeff * entropy_loss if cfg.entropy_coeff else pg_loss
         totals = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item()}
+        token_means = dict(pg_metrics)
+        policy_loss = pg_loss
+        if self.distillation is not None:  # on-policy distillation: the loss against the teacher's scores
+            policy_loss, distilled = self._distillation_loss(global_batch, temperature, logits, micro_batch,
+                                                             log_probs, pg_loss)
+            totals["distillation/loss"] = distilled.pop("distillation/loss")  # a share of the mini-batch's loss
+            token_means |= distilled
+        loss = policy_loss - cfg.entropy_coeff * entropy_loss if cfg.entropy_coeff else policy_loss
         if cfg.use_kl_loss:
             kl_loss = compute_kl_loss(
                 log_probs, fields["ref_log_prob"], mask, cfg.kl_loss_type, cfg.loss_agg_mode, global_batch
             )
             loss = loss + cfg.kl_loss_coef * kl_loss
             totals["actor/kl_loss"] = kl_loss.item()
-        return loss, StepMetrics(float(mask.sum()), totals, dict(pg_metrics))
+        return loss, StepMetrics(float(mask.sum()), totals, token_means)
+
+    def _distillation_loss(self, global_batch: GlobalBatchInfo, temperature: float, logits: torch.Tensor,
+                           micro_batch: PackedMicroBatch, log_probs: torch.Tensor,
+                           task_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The distillation loss of the micro-batch against the teacher's scores, combined with the task-reward
+        policy loss as ``distillation.distillation_loss.use_task_rewards`` says (verl's distillation_ppo_loss).
+        Its metrics (verl's names) are token-weighted means over the mini-batch; the per-micro-batch extremes
+        (``_min`` / ``_max``) are left out, as a mean of them would mean nothing."""
+        fields, config = micro_batch.fields, self.distillation
+        student_logits = None
+        if config.uses_topk:  # the student's whole distribution at each response token, [b, R, V/tp]
+            student_logits = micro_batch.scatter(micro_batch.select_predictors(logits).float() / temperature)
+        loss, metrics = compute_distillation_loss(
+            config, fields["response_mask"], self.config.loss_agg_mode, student_log_probs=log_probs,
+            teacher_log_probs=fields.get(TEACHER_LOG_PROBS), student_logits=student_logits,
+            teacher_topk_ids=fields.get(TOPK_IDS), teacher_topk_log_probs=fields.get(TOPK_LOG_PROBS),
+            old_log_probs=fields["old_log_probs"], rollout_is_weights=fields.get("rollout_is_weights"),
+            global_batch=global_batch, tp_group=self.engine.tp_group, vocab_size=self.engine.hf_config.vocab_size)
+        loss, metrics = combine_with_task_loss(config, loss, metrics, task_loss)
+        return loss, {k: v for k, v in metrics.items() if not k.endswith(("_min", "_max"))}
 
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; one optimizer step each, one LR-schedule step per call.

@@ -8,7 +8,7 @@ ever builds a full-vocabulary softmax. Padded vocabulary columns are excluded.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -151,8 +151,10 @@ def forward_per_token(
     per_token: PerTokenFn,
     names: Sequence[str],
     budget_name: str,
+    widths: Mapping[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Forward-only pass over ``data``; returns {name: [B, R] fp32} on every rank of the pipeline.
+    """Forward-only pass over ``data``; returns {name: [B, R] fp32} on every rank of the pipeline
+    ({name: [B, R, widths[name]]} for the names in ``widths``, e.g. a teacher's top-k).
 
     The last stage computes the values and broadcasts them along the pipeline, so any rank of a
     data-parallel group can answer (the controller collects from the last stage).
@@ -163,9 +165,9 @@ def forward_per_token(
         return output.new_zeros((), dtype=torch.float32), per_token(output, micro_batch)
 
     results = engine.run(micro_batches, step, forward_only=True)
-    shape = (len(data), data.batch["responses"].shape[1])
     outputs = {}
     for name in names:
+        shape = (len(data), data.batch["responses"].shape[1], *(() if name not in (widths or {}) else (widths[name],)))
         full = None
         if engine.is_last_stage:
             full = torch.zeros(shape, dtype=torch.float32, device=engine.device)

@@ -21,6 +21,7 @@ import torch
 from megatron_rl.agent import AgentLoop
 from megatron_rl.agent.program import AgentProgramRollout
 from megatron_rl.agent.rollout import multi_turn_rollout
+from megatron_rl.algos.distillation import DistillationLossConfig
 from megatron_rl.config import PPOTrainerConfig
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
@@ -47,6 +48,12 @@ def trainer_config(config: PPOTrainerConfig, role: str) -> PPOTrainerConfig:
         raise TypeError(f"{role} takes the trainer config as a PPOTrainerConfig (megatron_rl.config.typed_config(cfg)), "
                         f"got {type(config).__name__}")
     return config
+
+
+def distillation_loss(config: PPOTrainerConfig) -> DistillationLossConfig | None:
+    """``distillation.distillation_loss`` when on-policy distillation is on (docs/distillation.md), else None."""
+    section = config.distillation
+    return DistillationLossConfig.from_config(section.distillation_loss) if section.enabled else None
 
 
 def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
@@ -91,7 +98,7 @@ class ActorRolloutRefWorker(Worker):
         super().__init__()
         self.config = trainer_config(config, type(self).__name__)
         agree_with_the_rollout_engine(self.config)  # before any communicator: torchrun's group is lazy
-        self.actor = self.ref = self.rollout = None
+        self.actor = self.ref = self.rollout = self.teacher = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self, probe_prompts: DataProto | None = None, token_ids: dict[str, Any] | None = None) -> str:
@@ -100,6 +107,7 @@ class ActorRolloutRefWorker(Worker):
         Returns the rollout mesh, described (which ranks form which engine, on which node and GPUs)."""
         # megatron-core: the Ray driver imports this module for its worker classes only
         from megatron_rl.workers import ActorRole, MegatronEngine, ReferenceRole
+        from megatron_rl.workers.teacher import TeacherRole  # megatron-core, as above
 
         cfg = self.config
         arr = cfg.actor_rollout_ref
@@ -108,10 +116,17 @@ class ActorRolloutRefWorker(Worker):
         engine = MegatronEngine(model_dir, arr.actor.megatron, arr.actor.optim, name="actor_rollout_ref.actor",
                                 override_config=arr.model.override_config, lora=arr.model.lora, mtp=arr.model.mtp,
                                 freeze_vision_tower=bool(getattr(arr.actor, "freeze_vision_tower", False)))
+        distillation = distillation_loss(cfg)
         self.actor = ActorRole(engine, arr.actor, rollout_n=arr.rollout.n,
                                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                                log_prob_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
-                               log_prob_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu)
+                               log_prob_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
+                               distillation=distillation)
+        if distillation is not None:  # the teacher: a frozen engine of its checkpoint at the reference's layout
+            teacher_path = next(t.model_path for t in cfg.distillation.teacher_models.values() if t.model_path)
+            self.teacher = TeacherRole(
+                MegatronEngine(teacher_path, reference_parallel(arr.actor.megatron, arr.ref.megatron), None,
+                               name="distillation.teacher_models"), distillation, arr.ref)
         if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
             if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
                 self.ref = ReferenceRole(engine, arr.ref, adapters_off=True)
@@ -227,6 +242,14 @@ class ActorRolloutRefWorker(Worker):
                                "algorithm.use_kl_in_reward nor actor_rollout_ref.actor.use_kl_loss is set")
         self.rollout.release()
         return self.ref.compute_ref_log_prob(data)
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        if self.teacher is None:
+            raise RuntimeError("compute_teacher_log_prob called but no teacher was built: distillation.enabled "
+                               "is false")
+        self.rollout.release()
+        return self.teacher.compute_teacher_log_prob(data)
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

@@ -159,9 +159,9 @@ class PackedMicroBatch:
         return causal_padding_mask(self.attention_mask)
 
     def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[N] per-token values (those of ``select_predictors``) -> [b, R], 0 where the response is padding
-        (differentiable). Under context parallelism every CP rank gets the whole [b, R]."""
-        out = per_token.new_zeros(self.num_rows, self.response_len)
+        """[N, ...] per-token values (those of ``select_predictors``) -> [b, R, ...], 0 where the response is
+        padding (differentiable). Under context parallelism every CP rank gets the whole [b, R, ...]."""
+        out = per_token.new_zeros(self.num_rows, self.response_len, *per_token.shape[1:])
         owned = self.owned_tokens
         if owned is None:
             return out.index_put((self.token_rows, self.token_cols), per_token)

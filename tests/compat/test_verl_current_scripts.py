@@ -15,7 +15,9 @@ would run:
   actor_rollout_ref.nccl_timeout=7200, here ray_init.collective_timeout_s), examples/tuning/lora/run_qwen3_30b_a3b_
   megatron.sh (LoRA on Qwen3-30B-A3B's attention and experts at TP 2 x PP 2 x CP 2 x EP 4; it names
   Qwen3-30B-A3B-Instruct-2507), examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh and verl's CI script
-  tests/special_e2e/run_ppo_trainer_megatron.sh (its defaults; its device probe answered cuda).
+  tests/special_e2e/run_ppo_trainer_megatron.sh (its defaults; its device probe answered cuda);
+- (issue 55, same commit) examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh: its distillation.* keys
+  (the served teacher's pool and inference settings accepted without effect: the teacher runs on the actor's ranks).
 
 What the plan says (79.6 GiB per H100; issue 51 item 1: a plan is refused only when it exceeds the GPU by more than
 its activation estimate's error, plan/accuracy.py, and warned about otherwise): the 30B GRPO scripts fit; the GPG script
@@ -53,6 +55,10 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                  "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                  "max_position_embeddings": 40960}
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+             "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False}
 QWEN2_5_32B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
                "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
                "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
@@ -75,7 +81,8 @@ SKYWORK_RM_1B = {"architectures": ["LlamaForSequenceClassification"], "model_typ
 # the model each script names -> its config.json facts (longest name first: one name can prefix another)
 MODELS = {"/HOME/models/Qwen/Qwen2.5-0.5B": QWEN2_5_05B,
           "/HOME/models/Skywork/Skywork-Reward-V2-Llama-3.2-1B": SKYWORK_RM_1B,"Qwen/Qwen3-30B-A3B-Instruct-2507": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
-          "Qwen/Qwen3-235B-A22B": QWEN3_235B_A22B, "Qwen/Qwen3-8B": QWEN3_8B, "Qwen/Qwen2.5-32B": QWEN2_5_32B}
+          "Qwen/Qwen3-235B-A22B": QWEN3_235B_A22B, "Qwen/Qwen3-32B": QWEN3_32B, "Qwen/Qwen3-8B": QWEN3_8B,
+          "Qwen/Qwen2.5-32B": QWEN2_5_32B}
 # script -> peak GiB of the plan (None: refused before planning). vLLM's figures read gpu_memory_utilization as a
 # fraction of the GPU's total, with its CUDA graphs kept while it sleeps (rollout/memory.py; issue 49: 79.2,
 # 49.4, 83.0, 88.1 and 102.1 GiB when the planner read it as SGLang's fraction of the free memory)
@@ -104,6 +111,10 @@ EXPECTED = {
     # its uneven split (num_layers_in_first/last_pipeline_stage=11, 12 on each stage between) is built (issue 51);
     # at its 8 nodes EP 4 x ETP 4 (= TP, verl passes ETP null) does not divide a stage's 8 ranks, which Megatron
     # refuses too; at 16 nodes it plans (test below)
+    # on_policy_distillation_trainer/run_qwen3_8b_megatron.sh (same commit): Qwen3-32B teaches Qwen3-8B. verl serves
+    # the teacher on 4 GPUs of its own; here it runs on the actor's 8 at TP 2 (30.5 GiB of bf16 weights each, counted
+    # in every phase), beside 24k-token micro-batches without recompute (67 GiB of activations, as the 8B GRPO script)
+    "distillation_qwen3_8b_megatron_vllm": ("too big", 136.8),
     "grpo_qwen3_235b_a22b_megatron_vllm": ("plan refuses", "EP\\*ETP = 16 does not divide the 8 ranks of a pipeline "
                                            "stage. Megatron-Core's initialize_model_parallel refuses the same layout"),
 }

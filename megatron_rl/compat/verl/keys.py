@@ -166,6 +166,10 @@ def _under(prefix: str, target: str) -> Rewrite:
     return lambda key, value, seen: [f"++{target}{key[len(prefix):]}={value}"]
 
 
+# verl's teacher served by its own inference engine on a GPU pool of its own: ours is a frozen Megatron engine on the
+# actor's ranks at the reference's layout, so these settings have nothing to set
+_TEACHER_COLOCATED = ("the teacher runs as a frozen Megatron engine on the actor's ranks at the reference's layout "
+                      "(docs/distillation.md), not served on a pool of its own")
 _SANDBOX_WHY = ("-> reward.sandbox_fusion.*: the code sources' tests run on that SandboxFusion service (ours: "
                 "python -m megatron_rl.agent.sandbox_service; docs/data_and_rewards.md, Code execution)")
 
@@ -507,7 +511,11 @@ RULES: tuple[Rule, ...] = (
     Rule("sandbox_fusion.*", Fate.mapped, _SANDBOX_WHY, _sandbox_fusion("sandbox_fusion")),
     Rule("reward_model.sandbox_fusion.*", Fate.mapped, _SANDBOX_WHY, _sandbox_fusion("reward_model.sandbox_fusion")),
     # --- sections megatron-rl does not have
-    Rule("distillation.*", Fate.default, "on-policy distillation is not built here"),
+    # on-policy distillation (docs/distillation.md): the section is ours; verl's served teacher is not
+    Rule("distillation.n_gpus_per_node", Fate.dropped, _TEACHER_COLOCATED),
+    Rule("distillation.nnodes", Fate.dropped, _TEACHER_COLOCATED),
+    Rule("distillation.teacher_models.*.inference.*", Fate.dropped, _TEACHER_COLOCATED),
+    Rule("distillation.teacher_models.*.num_replicas", Fate.dropped, _TEACHER_COLOCATED),
     Rule("transfer_queue.*", Fate.default,
          "verl's TransferQueue data plane; batches move through Ray's object store here (docs/controller.md)"),
     Rule("trainer.v1.*", Fate.default, "verl's experimental trainer switches; megatron-rl has one trainer"),
