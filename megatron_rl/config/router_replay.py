@@ -13,6 +13,7 @@ from megatron_rl.config.schema import PPOTrainerConfig
 MODE = "actor_rollout_ref.actor.megatron.router_replay"
 ROLLOUT = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 MODES = ("disabled", "R2", "R3")
+SERVERS_WITH_ROUTING = ("hf", "sglang")  # rollout.name of the servers whose replies carry routing (R3)
 
 
 def check_router_replay(cfg: PPOTrainerConfig) -> None:
@@ -51,9 +52,13 @@ def check_router_replay(cfg: PPOTrainerConfig) -> None:
                           "algorithm.rollout_correction.bypass_mode=true skips: use R3 or disabled")
     if mode == "R3":
         rollout = arr.rollout  # whether its engine reports routed experts: plan/validate.py (EngineSpec)
-        if str(rollout.mode) == "server":
-            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server is not built (the servers' "
-                              "replies carry no routing); use mode=colocated")
+        if str(rollout.mode) == "server" and str(rollout.name) not in SERVERS_WITH_ROUTING:
+            # the HF-engine and SGLang servers answer SGLang's return_routed_experts (servers/client.py); the vLLM
+            # servers' OpenAI routes carry no routing, and vLLM 0.32 on CPU cannot capture it at all
+            raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.mode=server and "
+                              f"actor_rollout_ref.rollout.name={rollout.name} is not built (the vLLM servers' "
+                              "replies carry no routing; vLLM 0.32 on CPU cannot report routed experts): use "
+                              f"rollout.name={' or '.join(SERVERS_WITH_ROUTING)} servers, or mode=colocated")
         if rollout.multi_turn.enable and rollout.multi_turn.agent_program:
             raise ConfigError(f"{ROLLOUT}=true with actor_rollout_ref.rollout.multi_turn.agent_program is not built "
                               "(the agent proxy does not keep the turns' routing; the agent loop does)")

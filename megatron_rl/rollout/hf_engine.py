@@ -138,6 +138,11 @@ class HFEngine(RolloutEngine):
             bool(config.enable_rollout_routing_replay), "the HF engine", model_config) else None)
         self._probe_capture: RouterCapture | None = None  # expert_choices' hooks when routing replay is off
 
+    @property
+    def reports_routing(self) -> bool:
+        """Built with ``enable_rollout_routing_replay``: every output has ``batch['routed_experts']``."""
+        return self._capture is not None
+
     # ------------------------------------------------------------------ generation
     def sampling_params(self, meta_info: dict[str, Any]) -> SamplingParams:
         return resolve_sampling_params(

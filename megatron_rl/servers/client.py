@@ -16,8 +16,18 @@ fully-async recipe use with SGLang, so it works against real SGLang servers too.
 Each server has a lane of its own (one request at a time from this client, first come first served): when the
 async loop has several batches generating at once (fully async, ``buffer_batches`` > 1), a server that finished
 its part of one batch goes straight on with its part of the next while slower servers finish theirs, and a
-batch's part never waits behind a later batch's on the same server. A batch's split is fixed (rows in order,
-one part per serving server), so its samples do not depend on what else is generating.
+batch's part never waits behind a later batch's on the same server.
+
+Routing replay R3 (``rollout.enable_rollout_routing_replay``): every request asks for ``return_routed_experts``
+(SGLang's field, which the HF-engine servers answer too; the servers must be started with
+``--enable-return-routed-experts``, which their ``/server_info`` reports and the client checks once). A row's
+routing is the one of the request that finished it: that request's prompt held every token the row had so far,
+so its forwards computed the whole sequence ([prompt + all tokens - 1, L, k]); each row's goes to
+``batch['routed_experts']`` [B, P + R, L, k] as the colocated engines return it (rollout/routed_experts.py). The
+served model's layers and top-k come from the ``model_path`` its ``/server_info`` reports.
+
+A batch's split is fixed (rows in order, one part per serving server), so its samples do not depend on what else
+is generating.
 A server that cannot be reached is named, with the pool's exit code when the pool started it. With
 ``restarts`` (servers/restarts.py) a server that died is replaced instead: the rows it had in flight go
 to a surviving server, which holds the same weights, with the tokens they already have (their groups stay
@@ -40,12 +50,19 @@ import numpy as np
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.protocol import DataProto
 from megatron_rl.rollout.batch_io import build_rollout_batch, check_prompt_batch, prompt_token_lists
+from megatron_rl.rollout.routed_experts import (
+    ROLLOUT_KEY,
+    check_can_report,
+    decode_sglang_routing,
+    empty_routing,
+    place_request_routing,
+)
 from megatron_rl.rollout.sampling import resolve_sampling_params
 from megatron_rl.servers.pool import RolloutServerDied
 from megatron_rl.servers.restarts import RESTARTS_KEY, ServerRestarts
 from megatron_rl.rollout.sglang.adapter import parse_output, sampling_dict
 from megatron_rl.rollout.sglang.contract import SGLangServerError, checked
-from megatron_rl.rollout.sglang.server_transport import ServerHTTP
+from megatron_rl.rollout.sglang.server_transport import ServerHTTP, check_servers_report_routing
 
 __all__ = ["ServerRolloutClient"]
 
@@ -57,11 +74,12 @@ class _Replaced(Exception):
 class ServerRolloutClient:
     """``config``: the rollout config; ``urls``: the servers; a batch is split across them in order.
     ``pool``: the RolloutServerPool that started them (names a dead server's exit code), if any.
-    ``restarts``: replaces the pool's dead servers (its pool is then ``pool``)."""
+    ``restarts``: replaces the pool's dead servers (its pool is then ``pool``). ``routing_shape``: (layers,
+    top-k) of the served MoE model for routing replay R3; None: read from the servers' ``/server_info``."""
 
     def __init__(self, config: RolloutConfig, urls: Sequence[str], *, response_length: int, eos_token_id: Any,
                  pad_token_id: int | None, timeout_s: float = 600.0, pool: Any = None,
-                 restarts: ServerRestarts | None = None) -> None:
+                 restarts: ServerRestarts | None = None, routing_shape: tuple[int, int] | None = None) -> None:
         if not urls:
             raise ValueError("the async rollout client needs rollout servers (actor_rollout_ref.rollout.server_urls "
                              "or rollout.num_servers)")
@@ -74,6 +92,9 @@ class ServerRolloutClient:
                        for i in range(len(self._servers))]
         self._continued = threading.Event()  # clear between pause_generation and continue_generation
         self._continued.set()
+        self.routing = bool(getattr(config, "enable_rollout_routing_replay", False))
+        self._routing_shape = routing_shape
+        self._routing_checked = False  # the servers' /server_info said they capture routing
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompt_batch(prompts)
@@ -83,6 +104,8 @@ class ServerRolloutClient:
         input_ids = prompt_token_lists(prompts)
         sampling = [checked("sampling", None, sampling_dict(params, row)) for row in range(len(input_ids))]
         serving = self._serving()
+        if self.routing and not self._routing_checked:
+            self._check_routing(serving)
         bounds = [len(input_ids) * i // len(serving) for i in range(len(serving) + 1)]
         parts = [(index, lo, hi) for index, (lo, hi) in zip(serving, itertools.pairwise(bounds)) if hi > lo]
         futures = [self._lanes[index].submit(self._generate_on, index, input_ids[lo:hi], sampling[lo:hi])
@@ -102,7 +125,51 @@ class ServerRolloutClient:
                                   seconds=time.perf_counter() - start)
         out.non_tensor_batch["weight_version"] = oldest
         out.non_tensor_batch["token_weight_versions"] = _object_array(token_versions)
+        if self.routing:
+            out.batch["routed_experts"] = self._routed_experts([o for o, _ in outputs], input_ids, responses,
+                                                               prompts, out)
         return out
+
+    def _check_routing(self, serving: list[int]) -> None:
+        """Once: every serving server captures its routing (``/server_info``), and the model's (layers, top-k)."""
+        servers = [self._servers[i] for i in serving]
+        infos = [server.request("/server_info", method="GET") for server in servers]
+        engine = servers[0].engine
+        check_servers_report_routing([s.url for s in servers], infos, engine)
+        if self._routing_shape is None:
+            path = infos[0].get("model_path")
+            if not path:
+                raise ValueError(f"{ROLLOUT_KEY}=true: the {engine} server {servers[0].url} reports no model_path in "
+                                 "/server_info, so the served model's layers and top-k are unknown")
+            from transformers import AutoConfig  # lazy: only routing replay needs the served model's config
+
+            hf = AutoConfig.from_pretrained(path)
+            check_can_report(True, f"the {engine} servers", hf)
+            self._routing_shape = (int(hf.num_hidden_layers), int(hf.num_experts_per_tok))
+        self._routing_checked = True
+
+    def _routed_experts(self, outputs: list[dict], input_ids: list[list[int]], responses: list[list[int]],
+                        prompts: DataProto, out: DataProto) -> Any:
+        """Each row's routing (its finishing request's ``meta_info.routed_experts``, see ``_generate_on``) at
+        its row: [B, P + R, L, k] int16, -1 where no token was computed."""
+        routed = empty_routing(*out.batch["input_ids"].shape, *self._routing_shape)
+        for row, output in enumerate(outputs):
+            meta = output["meta_info"]
+            payload = meta.get("routed_experts")
+            where = f"rollout server result {row}"
+            if payload is None:
+                raise RuntimeError(f"{where} has no meta_info.routed_experts although the request asked for it "
+                                   "(return_routed_experts): was the server started with "
+                                   "--enable-return-routed-experts?")
+            array = decode_sglang_routing(payload, *self._routing_shape, where)
+            expected = len(input_ids[row]) + len(meta["output_token_logprobs"]) - 1
+            if array.shape[0] < expected:  # e.g. the routing of a request that did not finish the row
+                raise RuntimeError(f"{where}: routed experts cover {array.shape[0]} tokens, expected {expected} (its "
+                                   f"{len(input_ids[row])} prompt tokens and {len(meta['output_token_logprobs'])} "
+                                   "output tokens but the last): the finishing request's routing must cover the "
+                                   "whole row")
+            place_request_routing(routed, row, array, prompts.batch["attention_mask"][row], len(responses[row]), where)
+        return routed
 
     def pause_generation(self) -> None:
         """Every server: in-flight requests come back partial (their rows are sent again and wait there)."""
@@ -152,6 +219,7 @@ class ServerRolloutClient:
         entries: list[list] = [[] for _ in input_ids]
         versions: list[list[int]] = [[] for _ in input_ids]
         finish: list[Any] = [None] * len(input_ids)
+        routed: list[str | None] = [None] * len(input_ids)
         todo = list(range(len(input_ids)))
         while todo:
             left = [sampling[i]["max_new_tokens"] - len(entries[i]) for i in todo]
@@ -169,11 +237,15 @@ class ServerRolloutClient:
                 entries[i] += got
                 versions[i] += [int(meta["weight_version"])] * len(got)
                 finish[i] = meta["finish_reason"]
+                # the routing of the request that finishes the row: its prompt held every earlier token, so its
+                # (re-)prefill computed them all, under the weights the later tokens attended over
+                routed[i] = meta.get("routed_experts")
                 if finish[i] and finish[i].get("type") == "abort" and len(got) < n:
                     again.append(i)
             todo = again
-        return [({"meta_info": {"output_token_logprobs": e, "finish_reason": f}}, v)
-                for e, f, v in zip(entries, finish, versions)]
+        return [({"meta_info": {"output_token_logprobs": e, "finish_reason": f,
+                                **({"routed_experts": r} if r is not None else {})}}, v)
+                for e, f, v, r in zip(entries, finish, versions, routed)]
 
     def _call(self, index: int, route: str, body: dict) -> Any:
         server = self._servers[index]
@@ -190,7 +262,8 @@ class ServerRolloutClient:
     def _request(self, index: int, input_ids: list, sampling: list) -> list[dict]:
         server = self._servers[index]
         outputs = self._call(index, "/generate", {"input_ids": input_ids, "sampling_params": sampling,
-                                                   "return_logprob": True})
+                                                   "return_logprob": True,
+                                                   **({"return_routed_experts": True} if self.routing else {})})
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             raise RuntimeError(f"rollout server {server.url} returned {len(outputs) if isinstance(outputs, list) else outputs!r} "
                                f"results for {len(input_ids)} prompts")

@@ -10,10 +10,15 @@ own processes (their own cores), the trainer drives them with the same client as
 Routes (fields SGLANG_CONTRACT lists; any other field is a 400, stricter than SGLang, so a client that
 drifts from the contract fails here first):
 
-- ``GET /server_info``: ``{"version", "tp_size": 1, "weight_version", "engine": "hf"}``; ``GET /health``;
+- ``GET /server_info``: ``{"version", "tp_size": 1, "weight_version", "engine": "hf", "model_path",
+  "enable_return_routed_experts"}`` (the last two as SGLang reports its ServerArgs); ``GET /health``;
 - ``POST /generate``: SGLang's batched form (``input_ids`` lists, one ``sampling_params`` per row,
-  ``return_logprob``); each result's ``meta_info`` has ``output_token_logprobs`` ([logprob, token, null]),
-  ``finish_reason`` and ``weight_version`` (the version of the weights that produced it);
+  ``return_logprob``, ``return_routed_experts``); each result's ``meta_info`` has ``output_token_logprobs``
+  ([logprob, token, null]), ``finish_reason`` and ``weight_version`` (the version of the weights that produced
+  it), and with ``return_routed_experts`` SGLang's ``routed_experts``: base64 of a C-order little-endian int32
+  [prompt tokens + output tokens - 1, layers, top-k] array, each computed token's experts (routing replay R3,
+  rollout/routed_experts.py). As in SGLang the server must be started for it (``--enable-return-routed-experts``:
+  its engine captures its routers); asked of one that was not, the request is a 400;
 - the weight-update session ``/begin_weight_update`` ... ``/end_weight_update`` (loads outside it are
   refused; the end refuses an incomplete update and the server then refuses to generate), ``/flush_cache``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed`` (flattened bucket packed back to
@@ -27,8 +32,10 @@ drifts from the contract fails here first):
 
 Generation is token-chunked (``--chunk-tokens``): the engine decodes at most that many tokens per call and
 the request's prefix is fed back for the next chunk, so a pause takes effect at the next chunk boundary and a
-request can stop mid-response. Weight and memory routes run one at a time (a lock) and, as in SGLang, wait for
-running generations unless the server is paused (then parked/aborted requests do not hold them up).
+request can stop mid-response. Each chunk's engine call computes the whole prefix again, so the routing of a
+request's last chunk covers all its tokens (prompt and every output token but the last). Weight and memory
+routes run one at a time (a lock) and, as in SGLang, wait for running generations unless the server is paused
+(then parked/aborted requests do not hold them up).
 ``/health`` and ``/server_info`` always answer, so a slow server is told apart from a dead one.
 Every route needs the run's secret (``Authorization: Bearer``, ``$MEGATRON_RL_SERVER_API_KEY``; docs/rollout.md,
 "Security"): without it the answer is 401 and nothing else. Rows of one
@@ -39,6 +46,7 @@ seed + c): the same request gives the same samples.
 from __future__ import annotations
 
 import argparse
+import base64
 import hmac
 import json
 import os
@@ -65,6 +73,7 @@ ROUTES = SGLANG_CONTRACT["http_routes"]
 SAMPLING_FIELDS = set(SGLANG_CONTRACT["sampling_params"])
 PAUSE_MODES = ("abort", "in_place", "retract")  # io_struct.py PauseGenerationReqInput.mode
 UNCONTROLLED = ("/generate", "/pause_generation", "/continue_generation")  # not behind the control lock
+ROUTING_FLAG = "enable_return_routed_experts"  # SGLang's ServerArgs field (and flag); this server's flag too
 
 
 class BadRequest(ValueError):
@@ -74,11 +83,16 @@ class BadRequest(ValueError):
 class HFServerApp:
     """The routes over one HFEngine. ``engine`` must start unsynced (random weights) or from a checkpoint."""
 
-    def __init__(self, engine, chunk_tokens: int = 8) -> None:
+    def __init__(self, engine, chunk_tokens: int = 8, model_path: str = "") -> None:
+        """``engine``: an HFEngine; built with ``enable_rollout_routing_replay`` it captures its routers and
+        the server answers ``return_routed_experts`` (``--enable-return-routed-experts``). ``model_path``: what
+        ``/server_info`` reports (SGLang's ServerArgs.model_path)."""
         if chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
         self.engine = engine
         self.chunk_tokens = int(chunk_tokens)
+        self.model_path = str(model_path)
+        self.routed_experts = bool(getattr(engine, "reports_routing", False))  # test engines may lack it
         self.lock = threading.Lock()  # control routes, one at a time
         self.engine_lock = threading.Lock()  # one engine call at a time (a chunk, a load)
         self.state = threading.Condition()  # guards paused / pause_mode / running / controlling
@@ -94,7 +108,9 @@ class HFServerApp:
     def handle(self, method: str, route: str, body: Any) -> Any:
         if method == "GET":
             if route == "/server_info":
-                return {"version": SGLANG_PIN, "tp_size": 1, "weight_version": self.served_version, "engine": "hf"}
+                # SGLang's /server_info reports its ServerArgs: model_path and enable_return_routed_experts among them
+                return {"version": SGLANG_PIN, "tp_size": 1, "weight_version": self.served_version, "engine": "hf",
+                        "model_path": self.model_path, ROUTING_FLAG: self.routed_experts}
             if route == "/health":
                 return {}
             raise LookupError(route)
@@ -169,6 +185,13 @@ class HFServerApp:
         if not isinstance(params, list) or len(params) != len(input_ids):
             raise BadRequest(f"/generate: {len(input_ids)} prompts need as many sampling_params")
         meta = _common_sampling(params)
+        routing = body.get("return_routed_experts", False)
+        if not isinstance(routing, bool):
+            raise BadRequest(f"/generate: return_routed_experts must be true or false, got {routing!r}")
+        if routing and not self.routed_experts:
+            raise BadRequest("/generate: return_routed_experts=true, but this server does not capture its routing: "
+                             "start it with --enable-return-routed-experts (an MoE model; the run's pool does so "
+                             "when actor_rollout_ref.rollout.enable_rollout_routing_replay=true)")
         with self.state:
             self.state.wait_for(self._may_run)  # SGLang: a request sent while paused waits for the continue
             self.running += 1
@@ -178,9 +201,11 @@ class HFServerApp:
             with self.state:
                 self.running -= 1
                 self.state.notify_all()
-        return [row.result(meta["eos_token_id"], self.served_version) for row in rows]
+        return [row.result(meta["eos_token_id"], self.served_version, routing) for row in rows]
 
     def _generate_chunked(self, input_ids: list[list[int]], meta: dict[str, Any]) -> list["_Row"]:
+        """Chunk after chunk until every row is done (or aborted by a pause); each row keeps the routing of
+        its last chunk, whose forwards computed its whole prefix."""
         rows = [_Row(list(r)) for r in input_ids]
         limit, chunk = meta["response_length"], 0
         while live := [r for r in rows if not r.done(limit, meta["eos_token_id"])]:
@@ -197,8 +222,12 @@ class HFServerApp:
             with self.engine_lock:
                 out = self.engine.generate_sequences(prompts)
                 version = self.served_version
-            for r, n, tokens, lps in zip(live, out.batch["response_mask"].sum(-1).tolist(),
-                                         out.batch["responses"], out.batch["rollout_log_probs"]):
+            routed = out.batch["routed_experts"] if self.routed_experts else None
+            for i, (r, n, tokens, lps) in enumerate(zip(live, out.batch["response_mask"].sum(-1).tolist(),
+                                                        out.batch["responses"], out.batch["rollout_log_probs"])):
+                if routed is not None:  # [prefix | fed tokens] at the row's real tokens; the last one unfed
+                    computed = len(r.prompt) + len(r.tokens) + n - 1
+                    r.routing = routed[i][out.batch["attention_mask"][i].bool()][:computed]
                 r.extend(tokens[:n].tolist(), lps[:n].tolist(), version)
             chunk += 1
         return rows
@@ -287,6 +316,7 @@ class _Row:
     def __init__(self, prompt: list[int]) -> None:
         self.prompt, self.tokens, self.log_probs, self.versions = prompt, [], [], []
         self.aborted = False
+        self.routing: torch.Tensor | None = None  # the last chunk's [prompt + tokens - 1, L, k]
 
     def extend(self, tokens: list[int], log_probs: list[float], version: str) -> None:
         self.tokens += tokens
@@ -296,7 +326,7 @@ class _Row:
     def done(self, limit: int, eos: list[int]) -> bool:
         return self.aborted or len(self.tokens) >= limit or bool(self.tokens and self.tokens[-1] in eos)
 
-    def result(self, eos: list[int], served_version: str) -> dict:
+    def result(self, eos: list[int], served_version: str, routing: bool = False) -> dict:
         if self.aborted:
             finish = {"type": "abort", "message": "generation paused (mode abort)"}
         elif self.tokens and self.tokens[-1] in eos:
@@ -305,8 +335,18 @@ class _Row:
             finish = {"type": "length", "length": len(self.tokens)}
         # SGLang reports one weight_version per result: the weights of its last token
         version = self.versions[-1] if self.versions else served_version
-        return {"meta_info": {"output_token_logprobs": [[lp, tok, None] for lp, tok in zip(self.log_probs, self.tokens)],
-                              "finish_reason": finish, "weight_version": version}}
+        meta = {"output_token_logprobs": [[lp, tok, None] for lp, tok in zip(self.log_probs, self.tokens)],
+                "finish_reason": finish, "weight_version": version}
+        if routing and self.routing is not None:  # none for a row a pause aborted before its first chunk
+            meta["routed_experts"] = encode_routing(self.routing)
+        return {"meta_info": meta}
+
+
+def encode_routing(routing: torch.Tensor) -> str:
+    """SGLang's ``meta_info['routed_experts']``: base64 of the C-order little-endian int32 array [tokens, L, k]
+    (``rollout.routed_experts.decode_sglang_routing`` reads it)."""
+    array = routing.to(torch.int32).numpy().astype("<i4", copy=False)
+    return base64.b64encode(array.tobytes(order="C")).decode("ascii")
 
 
 def _ok(message: str) -> dict:
@@ -404,18 +444,23 @@ def _handler(app: HFServerApp, api_key: str | None = None) -> type[BaseHTTPReque
     return Handler
 
 
-def build_engine(model_path: str, dtype: str, seed: int, threads: int):
-    """The server's HFEngine: the actor's architecture, random weights until the first sync."""
+def build_engine(model_path: str, dtype: str, seed: int, threads: int, routed_experts: bool = False) -> HFEngine:
+    """The server's HFEngine: the actor's architecture, random weights until the first sync. ``routed_experts``:
+    capture its routers (routing replay R3; refused for a dense model)."""
     torch.set_num_threads(threads)
-    return HFEngine(RolloutConfig(name="hf", dtype=dtype, seed=seed, response_length=1), model_path, device="cpu")
+    config = RolloutConfig(name="hf", dtype=dtype, seed=seed, response_length=1,
+                           enable_rollout_routing_replay=bool(routed_experts))
+    return HFEngine(config, model_path, device="cpu")
 
 
 def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32", seed: int = 0,
-           threads: int = 1, chunk_tokens: int = 8, api_key: str | None = None) -> ThreadingHTTPServer:
+           threads: int = 1, chunk_tokens: int = 8, api_key: str | None = None,
+           routed_experts: bool = False) -> ThreadingHTTPServer:
     """The server bound to ``host:port`` (0: a free port this process picks), not yet serving: the caller runs
     ``serve_forever`` (this process's main loop, or a thread of the Ray actor of servers/ray_pool.py). Every
-    route requires ``api_key`` (default: ``$MEGATRON_RL_SERVER_API_KEY``, generated when unset)."""
-    app = HFServerApp(build_engine(model_path, dtype, seed, threads), chunk_tokens)
+    route requires ``api_key`` (default: ``$MEGATRON_RL_SERVER_API_KEY``, generated when unset).
+    ``routed_experts``: answer ``return_routed_experts`` (``--enable-return-routed-experts``)."""
+    app = HFServerApp(build_engine(model_path, dtype, seed, threads, routed_experts), chunk_tokens, model_path)
     server = ThreadingHTTPServer((host, port), _handler(app, api_key))
     server.daemon_threads = True
     return server
@@ -431,13 +476,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--chunk-tokens", type=int, default=8,
                         help="tokens decoded per engine call: a pause takes effect at the next chunk boundary")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="capture the MoE routers' choices and answer /generate's return_routed_experts "
+                             "(SGLang's flag; routing replay R3)")
     args = parser.parse_args(argv)
     api_key = os.environ.get(API_KEY_ENV)
     if not api_key:  # never on the command line: other users of the host can read that (ps)
         parser.error(f"set {API_KEY_ENV} (the secret every request must carry as 'Authorization: Bearer ...'); "
                      "the run's pool sets it")
     server = listen(args.model_path, host=args.host, port=args.port, dtype=args.dtype, seed=args.seed,
-                    threads=args.threads, chunk_tokens=args.chunk_tokens, api_key=api_key)
+                    threads=args.threads, chunk_tokens=args.chunk_tokens, api_key=api_key,
+                    routed_experts=args.enable_return_routed_experts)
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

@@ -71,13 +71,15 @@ class ServerProcess:
 
 
 def start_hf_server(model_path: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
-                    chunk_tokens: int = 8, timeout_s: float = 120.0,
-                    api_key: str | None = None) -> tuple[subprocess.Popen, str]:
+                    chunk_tokens: int = 8, timeout_s: float = 120.0, api_key: str | None = None,
+                    routed_experts: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``python -m megatron_rl.servers.hf_server`` on this host's loopback; returns the process and its URL
     once it listens. ``api_key``: the secret every request must carry (default: the run's), passed in the
-    child's environment, never on its command line."""
+    child's environment, never on its command line. ``routed_experts``: ``--enable-return-routed-experts``
+    (routing replay R3: ``rollout.enable_rollout_routing_replay``)."""
     cmd = [sys.executable, "-m", "megatron_rl.servers.hf_server", "--model-path", str(model_path),
-           "--dtype", dtype, "--seed", str(seed), "--threads", str(threads), "--chunk-tokens", str(chunk_tokens)]
+           "--dtype", dtype, "--seed", str(seed), "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
+           *(["--enable-return-routed-experts"] if routed_experts else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), API_KEY_ENV: api_key or ensure_server_api_key()}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     sel = selectors.DefaultSelector()
@@ -143,18 +145,20 @@ class ServerPool:
 
 
 class RolloutServerPool(ServerPool):
-    """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), child processes of this one."""
+    """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), child processes of this one.
+    ``routed_experts``: they capture their routing (``--enable-return-routed-experts``, routing replay R3)."""
 
     def __init__(self, model_path: str, num_servers: int, *, dtype: str = "float32", seed: int = 0,
-                 threads: int = 1, chunk_tokens: int = 8) -> None:
+                 threads: int = 1, chunk_tokens: int = 8, routed_experts: bool = False) -> None:
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.routed_experts = chunk_tokens, bool(routed_experts)
         super().__init__(num_servers)
 
     def _start_many(self, indices: Iterable[int]) -> list[ServerProcess]:
         started = []
         for index in indices:
             proc, url = start_hf_server(self.model_path, dtype=self.dtype, seed=self.seed + index,
-                                        threads=self.threads, chunk_tokens=self.chunk_tokens, api_key=self.api_key)
+                                        threads=self.threads, chunk_tokens=self.chunk_tokens, api_key=self.api_key,
+                                        routed_experts=self.routed_experts)
             started.append(ServerProcess(index, proc, url))
         return started

@@ -47,13 +47,13 @@ class HFServerActor:
     process (the actor's own thread stays free to answer ``ping``)."""
 
     def __init__(self, model_path: str, dtype: str, seed: int, threads: int, chunk_tokens: int,
-                 api_key: str, node_ip: bool) -> None:
+                 api_key: str, node_ip: bool, routed_experts: bool = False) -> None:
         from megatron_rl.servers.hf_server import listen  # lazy: torch, transformers' model classes (actor only)
 
         # loopback unless the run spans nodes (the trainer or the driver may be on another one): the node's IP
         host = ray.util.get_node_ip_address() if node_ip else "127.0.0.1"
         self.server = listen(model_path, host=host, dtype=dtype, seed=seed, threads=threads, chunk_tokens=chunk_tokens,
-                             api_key=api_key)
+                             api_key=api_key, routed_experts=routed_experts)
         self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, name="hf-server", daemon=True).start()
 
@@ -138,13 +138,15 @@ def _death_cause(exc: RayActorError) -> str:
 class RayRolloutServerPool(ServerPool):
     """``num_servers`` HF-engine servers of the actor's architecture (``model_path``), one Ray actor each on
     a placement group of ``num_servers`` bundles of ``cpus_per_server`` CPUs (and ``gpus_per_server`` GPUs) on one
-    node, or with ``servers_per_node`` on that many servers per node over several nodes. Ray must be up."""
+    node, or with ``servers_per_node`` on that many servers per node over several nodes. Ray must be up.
+    ``routed_experts``: the servers capture their routing (``--enable-return-routed-experts``, routing replay R3)."""
 
     def __init__(self, model_path: str, num_servers: int, *, cpus_per_server: float,
                  servers_per_node: int | None = None, dtype: str = "float32", seed: int = 0, threads: int = 1,
                  chunk_tokens: int = 8, start_timeout_s: float = 600.0, ping_timeout_s: float = 10.0,
-                 gpus_per_server: int = 0) -> None:
+                 gpus_per_server: int = 0, routed_experts: bool = False) -> None:
         require_servers(num_servers)
+        self.routed_experts = bool(routed_experts)
         if cpus_per_server <= 0:
             raise ValueError(f"{CPUS_KEY} must be > 0 (CPUs each server's bundle reserves), got {cpus_per_server}")
         self.model_path, self.dtype, self.seed, self.threads = model_path, dtype, seed, threads
@@ -184,7 +186,8 @@ class RayRolloutServerPool(ServerPool):
         options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": self.gpus_per_server,
                    "scheduling_strategy": slot.scheduling_strategy()}
         return _ServerActorClass.options(**options).remote(self.model_path, self.dtype, self.seed + index,
-                                                            self.threads, self.chunk_tokens, self.api_key, self.node_ip)
+                                                            self.threads, self.chunk_tokens, self.api_key, self.node_ip,
+                                                            self.routed_experts)
 
     def _await(self, index: int, actor: ActorHandle) -> ServerActor:
         try:

@@ -50,7 +50,9 @@ def _start_hf_servers(cfg: PPOTrainerConfig) -> ServerPool:
     rollout = cfg.actor_rollout_ref.rollout
     dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
     server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
-              "chunk_tokens": int(rollout.server_chunk_tokens)}
+              "chunk_tokens": int(rollout.server_chunk_tokens),
+              # routing replay R3: the servers capture their routing (--enable-return-routed-experts)
+              "routed_experts": bool(rollout.enable_rollout_routing_replay)}
     model_path, num_servers = str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers)
     if cfg.trainer.launcher == "torchrun":  # under torchrun nothing imports Ray
         pool: ServerPool = RolloutServerPool(model_path, num_servers, **server)

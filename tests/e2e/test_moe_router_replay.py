@@ -71,3 +71,34 @@ def test_r3_replays_the_engines_routing_in_training(tied_moe_assets, tmp_path):
     assert first_r3["training/rollout_probs_diff_max"] < 1e-4, first_r3
     assert first_plain["training/rollout_probs_diff_max"] > 10 * first_r3["training/rollout_probs_diff_max"]
     assert first_r3["actor/moe_replay_agreement"] < 1.0  # the trainer alone would have routed some tokens elsewhere
+
+
+def test_r3_with_servers_agreement_is_one_with_partial_rollouts(moe_assets, tmp_path):
+    """R3 with servers: agreement 1.0 on a tiny MoE model with partial rollouts. One HF-engine server the run starts
+    (with --enable-return-routed-experts), fully async with 1-token chunks: each sync pauses the server mid-response
+    and the rows go on as prompt + tokens so far; a row's routing is its finishing request's. The learning rate is
+    1e-12 (0 is refused), so every version holds the same weights: the trainer, replaying each reported token's
+    experts, finds its own top-k set equal to the replayed one for every (token, layer) (a misplaced or truncated
+    routing would not), and its log-probs equal the server's."""
+    steps = train_steps(run(tiny_config(
+        moe_assets, tmp_path, "trainer.total_training_steps=3", "data.max_response_length=40",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        f"{MOE}.tensor_model_parallel_size=1", f"{MOE}.expert_model_parallel_size=2",
+        f"{MOE}.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        "actor_rollout_ref.actor.optim.lr=1e-12",
+        "actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.num_servers=1",
+        "actor_rollout_ref.rollout.server_chunk_tokens=1",
+        "async_training.mode=fully_async", "async_training.max_staleness=2", "async_training.buffer_batches=2",
+        "actor_rollout_ref.actor.policy_loss=decoupled_ppo", "actor_rollout_ref.actor.behav_imp_weight_cap=5.0",
+    )).metrics_path)
+    print("R3_SERVER_FIGURES", json.dumps({step: {k: r.get(k) for k in (
+        "actor/moe_replay_agreement", "training/rollout_probs_diff_max", "async/staleness_max",
+        "async/partial_samples", "timing_s/step", "timing_s/gen")}
+        for step, r in steps.items()}))
+    assert sorted(steps) == [1, 2, 3]
+    for record in steps.values():
+        assert_finite(record)
+        assert record["actor/moe_replay_agreement"] == 1.0, record  # present only when routing was replayed
+        assert record["training/rollout_probs_diff_max"] < 1e-4, record
+    # 40 one-token chunks outlast a training step: the syncs paused rows mid-response (measured: 22 + 19, 21 + 0)
+    assert steps[2]["async/partial_samples"] + steps[3]["async/partial_samples"] > 0

@@ -220,7 +220,9 @@ def _config(**rollout):
       "algorithm.rollout_correction.bypass_mode": True}, "bypass_mode=true skips"),
     ({"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
-      "actor_rollout_ref.rollout.mode": "server"}, "rollout.mode=server is not built"),
+      "actor_rollout_ref.rollout.mode": "server", "actor_rollout_ref.rollout.name": "vllm"},
+     "rollout.mode=server and actor_rollout_ref.rollout.name=vllm is not built (the vLLM servers' replies carry no "
+     "routing"),
     ({"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
       "actor_rollout_ref.rollout.multi_turn.enable": True,
@@ -237,6 +239,11 @@ def test_replay_settings_the_run_cannot_honour_are_refused_before_launch(setting
     check_router_replay(_config(**{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
                                    "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
                                    "actor_rollout_ref.rollout.multi_turn.enable": True}))  # the agent loop: built
+    for engine in ("hf", "sglang"):  # their servers answer return_routed_experts (servers/client.py)
+        check_router_replay(_config(**{"actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
+                                       "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+                                       "actor_rollout_ref.rollout.mode": "server",
+                                       "actor_rollout_ref.rollout.name": engine}))
 
 
 # ---------------------------------------------------------------------------------------------- Megatron ranks

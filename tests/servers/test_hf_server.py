@@ -59,9 +59,10 @@ def _get(url: str, route: str, auth: bool = True) -> tuple[int, dict]:
 
 
 def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address: str = "127.0.0.1",
-                   broken_group_wait_s: float = 30.0, **rollout: object):
+                   broken_group_wait_s: float = 30.0, model_path: str = "unused", **rollout: object):
     """This process as the trainer's rank 0 in server mode: the replica whose engine syncs the HF-engine
-    servers at ``urls`` over gloo (every sync verified against ``source``'s log-probs)."""
+    servers at ``urls`` over gloo (every sync verified against ``source``'s log-probs). ``model_path``: the
+    served model's directory (routing replay reads its layers and top-k)."""
     from megatron_rl.config.schema import RolloutConfig, SGLangConfig, WeightSyncConfig
     from megatron_rl.weights import RolloutReplica
     from megatron_rl.rollout import build_rollout_engine
@@ -76,7 +77,7 @@ def server_replica(urls: list[str], source, *, eos_token_id=EOS, master_address:
     )
     return RolloutReplica(
         config, server_mesh(dist.get_world_size()), dist.get_rank(),
-        lambda r: build_rollout_engine(config, "unused", eos_token_id=eos_token_id, pad_token_id=PAD),
+        lambda r: build_rollout_engine(config, model_path, eos_token_id=eos_token_id, pad_token_id=PAD),
         member_dtype=torch.float32, probe_prompts=prompt_batch([3, 4]), trainer_log_prob_fn=trainer_log_probs(source),
     )
 

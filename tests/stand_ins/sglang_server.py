@@ -4,8 +4,8 @@
 ``tests/stand_ins`` on PYTHONPATH; the process builds ``sglang.Engine(tp_size=...)`` (its schedulers are
 its children) and serves, from the Engine's own thread (one request at a time, like SGLang's control path):
 
-- ``GET /server_info`` (also ``/get_server_info``): ``{"version", "tp_size", "weight_version"}``;
-  ``GET /health``;
+- ``GET /server_info`` (also ``/get_server_info``): ``{"version", "tp_size", "weight_version", "model_path",
+  "enable_return_routed_experts"}`` (SGLang reports all its ServerArgs); ``GET /health``;
 - ``POST /generate``, ``/begin_weight_update``, ``/end_weight_update``, ``/flush_cache``,
   ``/update_weights_from_tensor`` (``serialized_named_tensors``: one base64 payload per TP rank, checked
   against each scheduler's GPU), ``/init_weights_update_group`` (scheduler i joins at rank
@@ -51,6 +51,8 @@ ROUTE_FIELDS = {
         "stream",
         "logprob_start_len",
         "image_data",
+        # refused (400) unless the server was started with --enable-return-routed-experts, as the Engine refuses it
+        "return_routed_experts",
     },
     "/begin_weight_update": {"selector", "rid"},
     "/end_weight_update": {"rid"},
@@ -112,7 +114,10 @@ class App:
     def handle(self, method: str, route: str, body: Any) -> Any:
         if method == "GET":
             if route in ("/server_info", "/get_server_info"):
-                return {"version": self.version, "tp_size": self.tp, "weight_version": self.engine.weight_version}
+                args = self.engine._args  # the Engine's ServerArgs; /server_info answers even after it died
+                return {"version": self.version, "tp_size": self.tp, "weight_version": self.engine.weight_version,
+                        "model_path": args.get("model_path"),
+                        "enable_return_routed_experts": bool(args.get("enable_return_routed_experts"))}
             if route == "/health":
                 return {}
             if route == "/stand_in/weights_sha256":
@@ -149,6 +154,7 @@ class App:
             input_ids=body.get("input_ids"),
             sampling_params=body.get("sampling_params"),
             return_logprob=bool(body.get("return_logprob", False)),
+            return_routed_experts=bool(body.get("return_routed_experts", False)),
             stream=bool(body.get("stream", False)),
             image_data=body.get("image_data"),
         )
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-seed", type=int, default=1)
     parser.add_argument("--version", default="0.5.23", help="the sglang version to answer as (0.5.15: no session)")
     parser.add_argument("--api-key", default=None, help="as SGLang's: requests need Authorization: Bearer <key>")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="as SGLang's: capture the MoE routing; /generate may then ask return_routed_experts")
     args = parser.parse_args(argv)
 
     import torch
@@ -306,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         skip_tokenizer_init=True,
         enable_memory_saver=True,
         random_seed=args.random_seed,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     state: dict[str, bool] = {"stop": False, "dead": False}
@@ -332,7 +341,7 @@ def start(
     """Start a server process; returns it and its URL. ``env`` is merged into os.environ (it must give
     SGLANG_STAND_IN_ROOT, and usually SGLANG_STAND_IN_NODE / CUDA_VISIBLE_DEVICES). ``options``:
     base_gpu_id, nccl_port, random_seed, version ("0.5.15": a pre-session server without begin/end routes),
-    api_key (SGLang's --api-key)."""
+    api_key (SGLang's --api-key), enable_return_routed_experts=True (a flag: routing replay R3)."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
     cmd = [
@@ -344,7 +353,9 @@ def start(
         str(tp_size),
     ]
     for key, value in options.items():
-        if value is not None:
+        if value is True:  # a flag
+            cmd.append(f"--{key.replace('_', '-')}")
+        elif value is not None and value is not False:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ import torch
 from megatron_rl.config.access import plain
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.hf_engine import resolve_dtype
-from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report
+from megatron_rl.rollout.routed_experts import check_can_report
 from megatron_rl.rollout.sglang import engine_transport, server_transport
 from megatron_rl.rollout.sglang.adapter import SGLangEngine
 from megatron_rl.rollout.sglang.contract import (
@@ -66,9 +66,6 @@ def build_sglang_engine(
         raise ValueError(f"rollout.mode must be colocated or server, got {config.mode!r}")
     routing_shape = _routing_shape(config, model_path)
     image_token = image_token_id(model_path)  # a vision-language model: images go with the prompts (adapter.py)
-    if routing_shape is not None and config.mode == "server":
-        raise ValueError(f"{ROLLOUT_KEY}=true with rollout.mode=server is not built (the servers' replies carry "
-                         "no routing); use mode=colocated")
     sgl = config.sglang
     # rollout.dtype resolved here, once, for the engine and the trainer alike: SGLang's own "auto" would serve
     # the checkpoint's dtype (fp16 for an fp32 one) while the trainer casts the synced buckets to bf16.
@@ -82,6 +79,9 @@ def build_sglang_engine(
             master_address=sgl.master_address,
             broken_group_wait_s=sgl.broken_group_wait_s,
             engine=server_transport.server_engine_name(config.name),
+            # routing replay R3: the servers must have been started with --enable-return-routed-experts (the
+            # run's HF-engine servers are, servers/pool.py); /server_info is checked for it
+            routed_experts=routing_shape is not None,
         )
         needs_sync = "the servers have not received the trainer's weights yet"
     else:

@@ -65,7 +65,9 @@ SGLANG_CONTRACT: dict[str, Any] = {
         "enable_return_routed_experts",  # srt/server_args.py: MoE routing capture (routing replay R3)
     ),
     # ServerArgs fields /server_info reports (srt/utils/common.py build_server_info: server_args.resolved_dict())
-    "server_info_args": ("tp_size",),
+    # enable_return_routed_experts: servers asked for routing (R3) must have been started with it; model_path: the
+    # async client reads the served model's layers and top-k from it (servers/client.py)
+    "server_info_args": ("tp_size", "enable_return_routed_experts", "model_path"),
     # environment variables read by the engine's processes (set before sglang.Engine is built)
     "env_vars": {
         # without it, released CUDA-graph memory stays allocated (srt/model_executor/runner_backend/*)

@@ -94,6 +94,16 @@ def check_servers_answer(server_urls: list[str], rollout_name: str, timeout_s: f
     check_reachable([ServerHTTP(url, wait, engine) for url in server_urls], "/server_info")
 
 
+def check_servers_report_routing(urls: list[str], infos: list[dict[str, Any]], engine: str) -> None:
+    """Routing replay R3 with servers: each must have been started with ``--enable-return-routed-experts`` (its
+    ``/server_info`` says so, as SGLang reports its ServerArgs); else ValueError naming the servers and keys."""
+    without = [url for url, info in zip(urls, infos) if not info.get("enable_return_routed_experts")]
+    if without:
+        raise ValueError(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true, but the {engine} servers "
+                         f"{without} do not report routed experts: start them with --enable-return-routed-experts "
+                         "(their /server_info says enable_return_routed_experts is not set)")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -139,8 +149,11 @@ class ServerTransport:
         master_address: str | None,
         broken_group_wait_s: float = 30.0,
         engine: str = "SGLang",
+        routed_experts: bool = False,
     ) -> None:
         self._engine = engine  # SGLang, or the HF-engine servers (rollout.name=hf), which speak its routes
+        # routing replay R3: every /generate asks for return_routed_experts; the servers must capture it
+        self.routed_experts = bool(routed_experts)
         if not server_urls:
             raise ValueError(f"rollout.mode=server needs rollout.server_urls (the {engine} servers' http://host:port)")
         if weight_transport not in ("distributed", "tensor"):
@@ -174,6 +187,8 @@ class ServerTransport:
             raise SGLangServerError(f"SGLang /server_info of {missing} does not report tp_size (sglang {self.version})")
         self.server_tp = [int(info["tp_size"]) for info in infos]
         self.tp_size = max(self.server_tp)
+        if self.routed_experts:
+            check_servers_report_routing(urls, infos, self._engine)
 
     def replace_servers(self, server_urls: list[str]) -> list[str]:
         """Servers that died were replaced at new URLs (servers/restarts.py): the survivors leave the
@@ -228,6 +243,7 @@ class ServerTransport:
                 server.request,
                 "/generate",
                 {"input_ids": input_ids[lo:hi], "sampling_params": sampling[lo:hi], "return_logprob": True,
+                 **({"return_routed_experts": True} if self.routed_experts else {}),
                  **({"image_data": image_data[lo:hi]} if image_data is not None else {})},
             )
             for server, (lo, hi) in zip(self._servers, itertools.pairwise(bounds))
