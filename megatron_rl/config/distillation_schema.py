@@ -3,9 +3,10 @@
 The student is the actor: it samples from the prompts as in RL, a teacher scores the student's tokens, and the
 student's update minimises the per-token divergence (``distillation_loss``, algos/distillation.py), with or
 without the task-reward policy loss mixed in. The teacher is a frozen Megatron engine of its own checkpoint on the
-actor's ranks and layout (workers/teacher.py), as the reference is; verl's keys for a teacher served by its own
-inference engine on its own GPUs (``n_gpus_per_node``, ``nnodes``, ``teacher_models.*.inference``,
-``num_replicas``) are refused when set (plan/distillation.py): that placement is not built.
+actor's ranks and layout (workers/teacher.py), as the reference is, or with ``teacher_models.<name>.inference.name=hf``
+an HF engine on each rollout replica's leader (the rollout mesh's layout). verl's keys for a teacher served on GPUs of
+its own (``n_gpus_per_node``, ``nnodes``, ``num_replicas``) and its vLLM / SGLang servers are refused when set
+(plan/distillation.py): that placement is not built.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class TeacherModelConfig:
     model_path: Optional[str] = None
     key: Optional[str] = None  # verl's multi-teacher routing value of distillation.teacher_key; one teacher here
     num_replicas: int = 0  # verl's inference replicas of a served teacher: not built (refused when set)
-    inference: dict[str, Any] = field(default_factory=dict)  # verl's serving-engine settings: refused when set
+    # verl's serving engine: {name: hf} serves the teacher by an HF engine on the rollout leaders; the rest refused
+    inference: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,3 +53,13 @@ class DistillationConfig:
     teacher_models: dict[str, TeacherModelConfig] = field(
         default_factory=lambda: {"teacher_model": TeacherModelConfig()})
     teacher_key: str = "data_source"
+
+
+ENGINE_TEACHERS = ("hf",)  # inference.name values built (workers/teacher.py EngineTeacher)
+
+
+def served_teacher(section: DistillationConfig) -> str | None:
+    """The engine serving the teacher (``inference.name``), or None for the frozen Megatron engine."""
+    named = [t for t in section.teacher_models.values() if t.model_path]
+    inference = dict(named[0].inference) if named else {}
+    return inference["name"] if "name" in inference else None

@@ -6,6 +6,7 @@ import dataclasses
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.config.distillation_schema import served_teacher
 from megatron_rl.config.lora import lora_enabled, lora_targets
 from megatron_rl.config.optimizer_overrides import HostAdam, host_adam
 from megatron_rl.config.schema import ActorConfig, CriticConfig, LoRAConfig, MegatronParallelConfig, PPOTrainerConfig
@@ -232,16 +233,20 @@ def build_table(cfg: PPOTrainerConfig, sizes: DerivedSizes, model: HFModelConfig
         ref_phases = tuple(p for p in phases if p not in ("generate", "weight sync")) if ref_mcfg.param_offload else phases
         dtype = _frozen_weights(table, cfg, "ref", model, sizes, ref_phases)
         transformer_config(cfg, REF, model, role_layout(cfg, REF, sizes.world_size), dtype)  # checked before launch
-    if teacher is not None:  # on-policy distillation: the teacher's frozen weights at the reference's layout
-        _frozen_weights(table, cfg, "teacher", teacher, sizes, phases)
+    if teacher is not None:  # on-policy distillation: the teacher's frozen weights at the reference's layout, or
+        # served by an HF engine: a whole copy on each rollout leader (the busiest GPU)
+        served = served_teacher(cfg.distillation) is not None
+        whole = Layout(tp=1, pp=1, cp=1, dp=sizes.world_size) if served else None
+        _frozen_weights(table, cfg, "teacher (HF engine)" if served else "teacher", teacher, sizes, phases, whole)
     table.add("reserved (CUDA context, NCCL, fragmentation)", cfg.plan.reserved_gib * GIB, phases)
     return table
 
 
 def _frozen_weights(table: PhaseTable, cfg: PPOTrainerConfig, label: str, model: HFModelConfig, sizes: DerivedSizes,
-                    phases: tuple[str, ...]) -> str:
-    """The row of a frozen model's weights (the reference, the teacher) at the reference's layout; its dtype."""
-    layout = role_layout(cfg, REF, sizes.world_size)
+                    phases: tuple[str, ...], layout: Layout | None = None) -> str:
+    """The row of a frozen model's weights (the reference, the teacher) at ``layout`` (default: the reference's);
+    its dtype."""
+    layout = layout or role_layout(cfg, REF, sizes.world_size)
     frozen = dataclasses.replace(model, mtp=None)  # a frozen model builds no MTP layers
     params = max(memory.stage_params(frozen, layout, s) for s in ("first", "last"))
     dtype = params_dtype(cfg, cfg.actor_rollout_ref.ref.megatron)

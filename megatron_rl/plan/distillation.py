@@ -4,6 +4,7 @@ the run builds: one teacher, a frozen Megatron engine of its checkpoint on the a
 from __future__ import annotations
 
 from megatron_rl.algos.distillation import DistillationLossConfig
+from megatron_rl.config.distillation_schema import ENGINE_TEACHERS
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import PPOTrainerConfig
 
@@ -33,9 +34,10 @@ def check_distillation(cfg: PPOTrainerConfig) -> None:
                               "the teacher runs on the actor's ranks at the reference's layout (leave it 0)")
     for name, teacher in section.teacher_models.items():
         where = f"{KEY}.teacher_models.{name}"
-        if teacher.num_replicas or teacher.inference:
-            raise ConfigError(f"{where}.num_replicas / .inference: a teacher served by an inference engine is not "
-                              "built; the teacher is a frozen Megatron engine on the actor's ranks (leave them unset)")
+        if teacher.num_replicas:
+            raise ConfigError(f"{where}.num_replicas={teacher.num_replicas}: a teacher on replicas of its own is not "
+                              "built; it runs on the actor's ranks (leave it 0)")
+        _check_inference(where, dict(teacher.inference))
     try:
         loss = DistillationLossConfig.from_config(section.distillation_loss)
     except (TypeError, ValueError) as err:
@@ -47,3 +49,17 @@ def check_distillation(cfg: PPOTrainerConfig) -> None:
     if loss.use_policy_gradient and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(f"{KEY}.distillation_loss.use_policy_gradient=true weighs by the old log-probs, which "
                           "algorithm.rollout_correction.bypass_mode=true replaces by the rollout's: set one false")
+
+
+def _check_inference(where: str, inference: dict) -> None:
+    """``inference``: empty (the Megatron teacher) or ``{name: hf}`` (an HF engine on the rollout leaders)."""
+    if not inference:
+        return
+    name, rest = inference.get("name"), sorted(set(inference) - {"name"})
+    if name not in ENGINE_TEACHERS:
+        raise ConfigError(f"{where}.inference.name={name!r}: a teacher served by {name or 'an unnamed engine'} is not "
+                          f"built; {where}.inference.name=hf serves it by an HF engine on the rollout replicas' "
+                          "leaders, an empty inference runs it as a frozen Megatron engine on the actor's ranks")
+    if rest:
+        raise ConfigError(f"{where}.inference: {rest} set for the HF engine teacher, which takes only name (it runs "
+                          "one whole copy on each rollout replica's leader)")

@@ -23,6 +23,7 @@ from megatron_rl.config.access import is_unset, megatron_section, plain
 from megatron_rl.config.loggers import config_problem, logger_backends, package_problem
 from megatron_rl.config.loader import checked_typed_config
 from megatron_rl.config.lora import ADAPTER_WEIGHTS, check_adapter_path, check_lora_model, lora_enabled
+from megatron_rl.config.distillation_schema import served_teacher
 from megatron_rl.config.schema import ModelConfig, PPOTrainerConfig
 from megatron_rl.data import RLDataset, load_tokenizer
 from megatron_rl.models.fp8_checkpoint import check_fp8_quantization
@@ -410,7 +411,7 @@ def check_teacher(cfg: PPOTrainerConfig) -> None:
             raise ConfigError(f"{key}={path}: the teacher's tokenizer is not the student's (data.tokenizer or "
                               "actor_rollout_ref.model.path): distillation needs one tokenizer")
     tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size
-    if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
+    if served_teacher(cfg.distillation) is None and (facts.num_attention_heads % tp or facts.num_key_value_heads % tp):
         raise ConfigError(f"{key}={path}: the teacher runs at actor_rollout_ref.actor.megatron."
                           f"tensor_model_parallel_size={tp}, which does not divide its num_attention_heads="
                           f"{facts.num_attention_heads} and num_key_value_heads={facts.num_key_value_heads}")

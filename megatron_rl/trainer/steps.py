@@ -25,6 +25,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.rollout_corr import RolloutCorrection, apply_rollout_correction
 from megatron_rl.algos.seq_balance import balance_permutation, row_seqlens, seqlen_imbalance_metrics
+from megatron_rl.config.distillation_schema import served_teacher
 from megatron_rl.config.schema import PPOTrainerConfig
 from megatron_rl.protocol import DataProto, reduce_metrics
 from megatron_rl.trainer.metrics import StageTimer, multi_turn_metrics, rollout_probs_diff
@@ -216,8 +217,11 @@ def log_probs(run: Run, batch: DataProto, metrics: dict[str, float], timer: Stag
         with timer("ref"):
             batch = batch.union(run.actor_rollout.compute_ref_log_prob(batch))
     if run.cfg.distillation.enabled:  # on-policy distillation: the teacher scores the student's tokens
+        workers = run.actor_rollout
+        score = (workers.compute_teacher_log_prob if served_teacher(run.cfg.distillation) is None
+                 else workers.compute_teacher_log_prob_on_engine)  # an HF engine on the rollout leaders
         with timer("teacher"):
-            batch = batch.union(run.actor_rollout.compute_teacher_log_prob(batch))
+            batch = batch.union(score(batch))
     if run.use_critic:
         with timer("values"):
             batch = batch.union(run.critic.compute_values(batch))

@@ -23,6 +23,7 @@ from megatron_rl.agent.program import AgentProgramRollout
 from megatron_rl.agent.rollout import multi_turn_rollout
 from megatron_rl.algos.distillation import DistillationLossConfig
 from megatron_rl.config import PPOTrainerConfig
+from megatron_rl.config.distillation_schema import served_teacher
 from megatron_rl.config.schema import MegatronParallelConfig
 from megatron_rl.controller import Dispatch, Execute, Worker, register
 from megatron_rl.controller.deadlines import collective_timeout_s
@@ -54,6 +55,11 @@ def distillation_loss(config: PPOTrainerConfig) -> DistillationLossConfig | None
     """``distillation.distillation_loss`` when on-policy distillation is on (docs/distillation.md), else None."""
     section = config.distillation
     return DistillationLossConfig.from_config(section.distillation_loss) if section.enabled else None
+
+
+def _teacher_path(config: PPOTrainerConfig) -> str:
+    """The one teacher's checkpoint (validated: plan/distillation.py)."""
+    return next(t.model_path for t in config.distillation.teacher_models.values() if t.model_path)
 
 
 def agree_with_the_rollout_engine(config: PPOTrainerConfig) -> None:
@@ -122,10 +128,11 @@ class ActorRolloutRefWorker(Worker):
                                log_prob_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
                                log_prob_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                                distillation=distillation)
-        if distillation is not None:  # the teacher: a frozen engine of its checkpoint at the reference's layout
-            teacher_path = next(t.model_path for t in cfg.distillation.teacher_models.values() if t.model_path)
+        if distillation is not None and served_teacher(cfg.distillation) is None:
+            # the teacher: a frozen engine of its checkpoint at the reference's layout (an engine-served one is built
+            # with the rollout, on its leaders)
             self.teacher = TeacherRole(
-                MegatronEngine(teacher_path, reference_parallel(arr.actor.megatron, arr.ref.megatron), None,
+                MegatronEngine(_teacher_path(cfg), reference_parallel(arr.actor.megatron, arr.ref.megatron), None,
                                name="distillation.teacher_models"), distillation, arr.ref)
         if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
             if engine.lora is not None:  # the reference policy is the actor with its adapters off: no second model
@@ -140,6 +147,8 @@ class ActorRolloutRefWorker(Worker):
         self._offload_for_generation()
         self._token_ids = dict(token_ids or {})
         self.rollout = self._build_rollout(probe_prompts, dict(token_ids or {}))
+        if distillation is not None and served_teacher(cfg.distillation) is not None and self.rollout.is_leader:
+            self.teacher = self._engine_teacher(distillation)
         replica = self.rollout.replica
         self.set_mesh(**engine.mesh_kwargs(), rollout_replica=replica.index,
                       rollout_replicas=self.rollout.mesh.num_engines, is_rollout_leader=self.rollout.is_leader)
@@ -250,6 +259,24 @@ class ActorRolloutRefWorker(Worker):
                                "is false")
         self.rollout.release()
         return self.teacher.compute_teacher_log_prob(data)
+
+    @register(Dispatch.ROLLOUT_COMPUTE_PROTO)
+    def compute_teacher_log_prob_on_engine(self, data: DataProto) -> DataProto:
+        """The engine-served teacher's scores of this replica's share (its leader only)."""
+        if self.teacher is None:
+            raise RuntimeError("compute_teacher_log_prob_on_engine called but no engine-served teacher was built: "
+                               "distillation.teacher_models.<name>.inference.name is not set")
+        self.rollout.release()
+        return self.teacher.compute_teacher_log_prob(data)
+
+    def _engine_teacher(self, distillation: DistillationLossConfig) -> Any:
+        from megatron_rl.rollout.hf_engine import resolve_dtype  # transformers: the HF engine's model classes
+        from megatron_rl.workers.teacher import EngineTeacher  # as above
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        arr = self.config.actor_rollout_ref
+        return EngineTeacher(_teacher_path(self.config), distillation, device,
+                             resolve_dtype(str(arr.rollout.dtype), device), arr.ref.log_prob_micro_batch_size_per_gpu)
 
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

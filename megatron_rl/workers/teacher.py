@@ -59,3 +59,39 @@ class TeacherRole:
         out = forward_per_token(engine, data, self.spec, per_token, (TOPK_IDS, TOPK_LOG_PROBS), self.budget_key,
                                 widths={TOPK_IDS: k, TOPK_LOG_PROBS: k})
         return DataProto.from_dict({TOPK_IDS: out[TOPK_IDS].long(), TOPK_LOG_PROBS: out[TOPK_LOG_PROBS]})
+
+
+class EngineTeacher:
+    """The teacher served by an HF engine (``distillation.teacher_models.<name>.inference.name=hf``): a transformers
+    model of the teacher's checkpoint on each rollout replica's leader, scoring that replica's share of the batch
+    (ROLLOUT_COMPUTE_PROTO). Its layout is the rollout mesh's (one whole copy per replica), not the actor's: the
+    teacher of a TP2 actor may be two TP1 replicas. Same outputs as ``TeacherRole``."""
+
+    def __init__(self, model_path: str, loss: DistillationLossConfig, device: torch.device, dtype: torch.dtype,
+                 rows_per_forward: int) -> None:
+        from transformers import AutoModelForCausalLM  # the HF engine's model classes, on the leaders only
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.loss, self.device, self.rows = loss, device, max(int(rows_per_forward), 1)
+
+    @torch.no_grad()
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        check_batch(data, (), "compute_teacher_log_prob")
+        temperature = read_temperature(data, "compute_teacher_log_prob")
+        width = data.batch["responses"].shape[1]
+        parts: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, len(data), self.rows):
+            rows = {k: data.batch[k][start:start + self.rows].to(self.device)
+                    for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")}
+            logits = self.model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"],
+                                position_ids=rows["position_ids"]).logits[:, -width - 1:-1]
+            log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+            keep = rows["response_mask"].bool()
+            if self.loss.uses_topk:
+                top = torch.topk(log_probs, int(self.loss.topk), dim=-1)
+                scores = {TOPK_IDS: top.indices * keep[..., None], TOPK_LOG_PROBS: top.values * keep[..., None]}
+            else:
+                scores = {LOG_PROBS: log_probs.gather(-1, rows["responses"][..., None])[..., 0] * keep}
+            for name, value in scores.items():
+                parts.setdefault(name, []).append(value.cpu())
+        return DataProto.from_dict({name: torch.cat(values) for name, values in parts.items()})

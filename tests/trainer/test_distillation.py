@@ -66,10 +66,29 @@ def test_estimator_modes_with_task_rewards_run_in_the_loop(assets, tmp_path):
     assert metrics[2]["distillation/abs_loss"] > 0 and "distillation/loss" in metrics[2]
 
 
+def test_a_teacher_served_by_an_hf_engine_on_another_layout_scores_as_the_megatron_one(assets, tmp_path, shared_ray):
+    """Actor TP2 on two ranks; the teacher either a frozen Megatron engine at TP2 or (inference.name=hf) one whole
+    transformers copy on each of the two TP1 rollout replicas' leaders: the same scores, so the same first steps."""
+    two_ranks = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                 "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=8",
+                 "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                 "trainer.save_hf_at_end=false"]
+    megatron = metrics_of(run(load_config(overrides=overrides(assets, tmp_path / "megatron", *two_ranks))).metrics_path)
+    served = metrics_of(run(load_config(overrides=overrides(
+        assets, tmp_path / "hf", *two_ranks, "+distillation.teacher_models.teacher_model.inference.name=hf")))
+        .metrics_path)
+    for step in (1, 2):
+        for name in ("distillation/loss", "distillation/teacher_mass", "actor/grad_norm"):
+            assert served[step][name] == pytest.approx(megatron[step][name], rel=1e-4), (step, name)
+
+
 @pytest.mark.parametrize(("setting", "message"), [
     ("distillation.n_gpus_per_node=4", r"distillation.n_gpus_per_node=4: a GPU pool of the teacher's own is not built"),
     ("+distillation.teacher_models.teacher_model.inference.name=vllm",
-     r"distillation.teacher_models.teacher_model.num_replicas / .inference"),
+     r"distillation.teacher_models.teacher_model.inference.name='vllm': a teacher served by vllm is not built"),
+    ("+distillation.teacher_models.teacher_model.inference={name: hf, gpu_memory_utilization: 0.4}",
+     r"inference: \['gpu_memory_utilization'\] set for the HF engine teacher"),
+    ("distillation.teacher_models.teacher_model.num_replicas=2", r"num_replicas=2: a teacher on replicas of its own"),
     ("distillation.teacher_models.teacher_model.model_path=null", r"needs exactly one teacher"),
     ("distillation.distillation_loss.loss_mode=kl2", r"distillation.distillation_loss: unknown .*loss_mode 'kl2'"),
     ("async_training.mode=one_step_off", r"async_training.mode=one_step_off is not built"),

@@ -107,3 +107,21 @@ def test_the_topk_metrics_are_reported(one_rank):
     for name in ("distillation/student_mass", "distillation/teacher_mass", "distillation/overlap_ratio"):
         assert 0.0 <= metrics[name] <= 1.0, name
     assert "distillation/abs_loss" in one_rank["k3"]["metrics"]
+
+
+def test_the_engine_served_teacher_scores_as_the_megatron_teacher(models, oracle, one_rank):
+    """inference.name=hf: the transformers teacher on a rollout leader (3 rows per forward) gives the same top-k and
+    sampled-token log-probs as the oracle and the Megatron teacher."""
+    from megatron_rl.workers.teacher import EngineTeacher
+
+    mask = oracle["mask"].bool()
+    for mode, loss in jobs.LOSSES.items():
+        scores = EngineTeacher(models[1], loss, torch.device("cpu"), torch.float32, 3).compute_teacher_log_prob(
+            jobs.batch()).batch
+        megatron = one_rank[mode]["scores"]
+        for name in megatron:
+            assert scores[name].dtype == megatron[name].dtype, name
+            torch.testing.assert_close(scores[name][mask], megatron[name][mask], atol=1e-5, rtol=0, msg=name)
+            assert not scores[name][~mask].any(), name  # 0 on response padding, as the Megatron teacher's
+        if loss.uses_topk:
+            assert torch.equal(scores["teacher_topk_ids"][mask], oracle["topk_ids"][mask])
