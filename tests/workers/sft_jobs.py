@@ -32,12 +32,12 @@ def conversations(vocab: int, rows: int = 8, seed: int = 0) -> DataProto:
     return sft_batch(examples, PAD)
 
 
-def make_role(model_dir: str, tp: int, pp: int, micro: int, dynamic: bool = False):
+def make_role(model_dir: str, tp: int, pp: int, micro: int, dynamic: bool = False, **layout: Any):
     from megatron_rl.workers.engine import MegatronEngine
     from megatron_rl.workers.micro_batches import MicroBatchSpec
     from megatron_rl.workers.sft import SFTRole
 
-    megatron = MegatronParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    megatron = MegatronParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **layout)
     optim = OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1e9)
     return SFTRole(MegatronEngine(model_dir, megatron, optim), MicroBatchSpec(micro, dynamic, 24))
 
@@ -56,9 +56,9 @@ def dp_shard(data: DataProto) -> DataProto:
 
 
 def step(model_dir: str, vocab: int, tp: int, pp: int, micro: int, dynamic: bool = False,
-         shard: bool = False) -> dict[str, Any]:
-    init_model_parallel(tp=tp, pp=pp)
-    role = make_role(model_dir, tp, pp, micro, dynamic)
+         shard: bool = False, **layout: Any) -> dict[str, Any]:
+    init_model_parallel(tp=tp, pp=pp, cp=layout.get("context_parallel_size", 1))
+    role = make_role(model_dir, tp, pp, micro, dynamic, **layout)
     data = conversations(vocab)
     before = role.token_log_probs(data).batch["log_probs"]
     metrics = role.train_batch(dp_shard(data) if shard else data).meta_info["metrics"]
@@ -68,12 +68,15 @@ def step(model_dir: str, vocab: int, tp: int, pp: int, micro: int, dynamic: bool
 
 
 def one_rank_job(model_dir: str, vocab: int) -> dict[str, Any]:
-    """TP=PP=1 with micro-batches of 8 (the whole batch), of 3, and token-budgeted (dynamic)."""
+    """TP=PP=1 with micro-batches of 8 (the whole batch), of 3, token-budgeted (dynamic), and packed sequences."""
     return {"whole": step(model_dir, vocab, 1, 1, 8), "micro3": step(model_dir, vocab, 1, 1, 3),
-            "dynamic": step(model_dir, vocab, 1, 1, 2, dynamic=True)}
+            "dynamic": step(model_dir, vocab, 1, 1, 2, dynamic=True),
+            "packed": step(model_dir, vocab, 1, 1, 3, packed_sequences=True)}
 
 
 def two_rank_job(model_dir: str, vocab: int) -> dict[str, Any]:
-    """TP=2, PP=2, and DP=2 (each rank a half of the batch) on the same batch."""
+    """TP=2, PP=2, DP=2 (each rank a half of the batch) and CP=2 (each rank a part of every sequence, packed) on
+    the same batch."""
     return {"tp2": step(model_dir, vocab, 2, 1, 4), "pp2": step(model_dir, vocab, 1, 2, 2),
-            "dp2": step(model_dir, vocab, 1, 1, 2, shard=True)}
+            "dp2": step(model_dir, vocab, 1, 1, 2, shard=True),
+            "cp2": step(model_dir, vocab, 1, 1, 4, packed_sequences=True, context_parallel_size=2)}

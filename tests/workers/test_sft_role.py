@@ -1,6 +1,6 @@
 """The SFT role (workers/sft.py) against transformers: the loss is the NLL per assistant token of the whole batch, its
 gradient that of the same loss on the HF model (norm, and every weight after one Adam step), at TP1 (whole batch,
-micro-batches, token budgets), TP2, PP2 and DP2. A tiny Qwen2 with perturbed norms and biases (non-trivial init).
+micro-batches, token budgets, packed sequences), TP2, PP2, DP2 and CP2. A tiny Qwen2 with perturbed norms and biases (non-trivial init).
 
 Tolerances (fp32) as tests/workers/test_workers_roles.py: log-probs 1e-5; loss and gradient norm relative 1e-4;
 weights after one Adam step 1e-3 (Adam's first step moves an element by lr * g / (|g| + eps): a wrong gradient
@@ -67,12 +67,12 @@ def check_step(result: dict, hf: dict, where: str) -> None:
         torch.testing.assert_close(tensor, hf["weights"][name], atol=1e-3, rtol=0, msg=f"{where}: {name}")
 
 
-@pytest.mark.parametrize("split", ["whole", "micro3", "dynamic"])
+@pytest.mark.parametrize("split", ["whole", "micro3", "dynamic", "packed"])
 def test_one_rank_step_equals_transformers(one_rank, hf_step, split):
     check_step(one_rank[split], hf_step, split)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "cp2"])
 def test_parallel_step_equals_transformers(two_ranks, hf_step, layout):
     check_step(two_ranks[layout], hf_step, layout)
 
