@@ -157,3 +157,19 @@ def test_torchrun_at_tp2_trains_as_one_process_at_tp1(assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf_final")
+
+
+def test_sft_with_lora_trains_the_adapters_only(assets, tmp_path):
+    """actor_rollout_ref.model.lora: the adapters train (the loss falls), the base weights do not; the export merges
+    them into the linears (the embeddings and norms, which carry no adapter, are the base model's)."""
+    from safetensors.torch import load_file
+
+    result = run(load_config(overrides=overrides(
+        assets, tmp_path, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.total_training_steps=20", "trainer.test_freq=-1")))
+    metrics = metrics_of(result.metrics_path)
+    assert metrics[20]["train/loss"] < metrics[1]["train/loss"] - 0.1
+    base, tuned = load_file(assets["model"] / "model.safetensors"), load_file(result.hf_dir / "model.safetensors")
+    assert torch.equal(base["model.embed_tokens.weight"], tuned["model.embed_tokens.weight"])
+    assert torch.equal(base["model.norm.weight"], tuned["model.norm.weight"])
+    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], tuned["model.layers.0.self_attn.q_proj.weight"])
