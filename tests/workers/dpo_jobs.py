@@ -85,20 +85,22 @@ def lora_job(model_dir: str) -> dict[str, Any]:
     return out
 
 
-def dp2_job(model_dir: str, ref_dir: str, case: dict[str, Any]) -> dict[str, Any]:
-    """``case``'s step at data parallelism 2: each rank takes its half of the 10 rows (pair 2 split between them)."""
+def two_rank_job(model_dir: str, ref_dir: str, case: dict[str, Any], tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """``case``'s step on two ranks: TP=2 or PP=2 (policy and frozen reference at that layout, the whole batch), or
+    DP=2 (each rank takes its half of the 10 rows, pair 2 split between them)."""
     from megatron.core import parallel_state
 
     from megatron_rl.workers import MegatronEngine, ReferenceRole
     from megatron_rl.workers.micro_batches import MicroBatchSpec
     from megatron_rl.workers.preference import DPORole
 
-    init_model_parallel(tp=1, pp=1)
-    parallel = MegatronParallelConfig(tensor_model_parallel_size=1)
+    init_model_parallel(tp=tp, pp=pp)
+    parallel = MegatronParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     reference = ReferenceRole(MegatronEngine(ref_dir, parallel, None, name="actor_rollout_ref.ref"), RefConfig())
     engine = MegatronEngine(model_dir, parallel, OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1e6))
     role = DPORole(engine, MicroBatchSpec(*case["micro_batch"]), reference, DPOConfig(**case["dpo"]))
-    shard = batch().chunk(2)[parallel_state.get_data_parallel_rank()]
+    dp = parallel_state.get_data_parallel_world_size()
+    shard = batch().chunk(dp)[parallel_state.get_data_parallel_rank()]
     out = {"metrics": role.train_batch(shard).meta_info["metrics"],
            "after": role.sequence_log_probs(shard).batch["policy_logps"], "pair_index": shard.batch["pair_index"]}
     destroy_model_parallel()

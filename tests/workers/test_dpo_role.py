@@ -115,10 +115,22 @@ def test_a_lora_actor_is_its_own_reference_with_the_adapters_off(dirs):
 def test_data_parallel_ranks_that_split_a_pair_give_the_one_rank_step(megatron, dirs):
     """DP=2 with 5 rows per rank: pair 2's chosen side on rank 0, its rejected side on rank 1 (the ranks gather the
     [2B] sequence log-probs before the loss)."""
-    ranks = run_multiprocess(jobs.dp2_job, 2, *dirs, CASES["sigmoid/micro3"], timeout_s=300)
+    ranks = run_multiprocess(jobs.two_rank_job, 2, *dirs, CASES["sigmoid/micro3"], timeout_s=300)
     assert ranks[0]["pair_index"].tolist()[-1] == ranks[1]["pair_index"].tolist()[0] == 2
     one = megatron["sigmoid/micro3"]
     for rank in ranks:
         assert rank["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], rel=1e-6)
         assert rank["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-5)
     torch.testing.assert_close(torch.cat([r["after"] for r in ranks]), one["after"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_policy_and_reference_give_the_one_rank_step(megatron, dirs, tp, pp):
+    """The policy and its frozen reference at TP=2 or PP=2: the one-rank step's loss, gradient norm and updated
+    sequence log-probs."""
+    ranks = run_multiprocess(jobs.two_rank_job, 2, *dirs, CASES["sigmoid/micro3"], tp, pp, timeout_s=300)
+    one = megatron["sigmoid/micro3"]
+    for rank in ranks:
+        assert rank["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], rel=1e-5)
+        assert rank["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-4)
+        torch.testing.assert_close(rank["after"], one["after"], atol=1e-4, rtol=0)
