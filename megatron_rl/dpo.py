@@ -11,35 +11,16 @@ from __future__ import annotations
 
 from megatron_rl import train
 from megatron_rl.config import PPOTrainerConfig
+from megatron_rl.sft import run_post_training
 
 
 def run(cfg: PPOTrainerConfig, dry_run: bool = False):
     """Check, then train (or, for a dry run, check the rows too and print the sizes). The RunResult of a run."""
     # torch, transformers and the trainer: imported once Hydra composed a config (a bad override fails fast)
-    from megatron_rl.trainer.dpo import preference_dataset, run_dpo_training
+    from megatron_rl.trainer.dpo import DPO
     from megatron_rl.trainer.preflight import check_dpo_start
 
-    sizes = check_dpo_start(cfg)
-    if dry_run:
-        from megatron_rl.data import load_tokenizer  # transformers, as above
-
-        tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
-        pairs = len(preference_dataset(cfg, tokenizer, "train_files"))
-        if train.is_rank0():
-            print(f"{pairs} training pairs\n{sizes.summary()}", flush=True)
-        return None
-    if not train.is_rank0():  # rank 0 holds the run lock for every rank
-        return run_dpo_training(cfg, sizes)
-    from megatron_rl.trainer.run_lock import holding  # as the trainer above
-
-    with holding(cfg.trainer.default_local_dir):
-        result = run_dpo_training(cfg, sizes)
-    if result.stopped:
-        print(f"stopped by {result.stopped} after step {result.last_step}: resumable; run the same command again",
-              flush=True)
-    else:
-        print(f"metrics: {result.metrics_path}\nfinal HF checkpoint: {result.hf_dir}", flush=True)
-    return result
+    return run_post_training(cfg, dry_run, check_dpo_start, DPO, "pairs")
 
 
 if __name__ == "__main__":

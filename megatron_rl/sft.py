@@ -8,6 +8,8 @@ The run ends with ``<trainer.default_local_dir>/hf_final``, an HF checkpoint the
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from megatron_rl import train
 from megatron_rl.config import PPOTrainerConfig
 
@@ -16,23 +18,33 @@ def run(cfg: PPOTrainerConfig, dry_run: bool = False):
     """Check, then train (or, for a dry run, check the rows too and print the sizes). The RunResult of a run."""
     # torch, transformers and the trainer: imported once Hydra composed a config (a bad override fails fast)
     from megatron_rl.trainer.preflight import check_sft_start
-    from megatron_rl.trainer.sft import run_sft_training, sft_dataset
+    from megatron_rl.trainer.sft import SFT
 
-    sizes = check_sft_start(cfg)
+    return run_post_training(cfg, dry_run, check_sft_start, SFT, "conversations")
+
+
+def run_post_training(cfg: PPOTrainerConfig, dry_run: bool, check: Callable[[PPOTrainerConfig], Any], kind: Any,
+                      items: str):
+    """A post-training run's start (SFT here, DPO in megatron_rl/dpo.py): ``check`` (its preflight), then the dry
+    run's row check and sizes, or the run under the directory's lock. ``kind``: trainer/sft.py ``PostTraining``;
+    ``items``: what a training row is called in the dry run's count."""
+    from megatron_rl.trainer.sft import run_post_training as train_run  # the trainer: as in run()
+
+    sizes = check(cfg)
     if dry_run:
         from megatron_rl.data import load_tokenizer  # transformers, as above
 
         tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, cfg.data.trust_remote_code)
-        rows = len(sft_dataset(cfg, tokenizer, "train_files"))
+        rows = len(kind.dataset(cfg, tokenizer, "train_files"))
         if train.is_rank0():
-            print(f"{rows} training conversations\n{sizes.summary()}", flush=True)
+            print(f"{rows} training {items}\n{sizes.summary()}", flush=True)
         return None
     if not train.is_rank0():  # rank 0 holds the run lock for every rank
-        return run_sft_training(cfg, sizes)
+        return train_run(cfg, sizes, kind)
     from megatron_rl.trainer.run_lock import holding  # as the trainer above
 
     with holding(cfg.trainer.default_local_dir):
-        result = run_sft_training(cfg, sizes)
+        result = train_run(cfg, sizes, kind)
     if result.stopped:
         print(f"stopped by {result.stopped} after step {result.last_step}: resumable; run the same command again",
               flush=True)

@@ -22,10 +22,8 @@ from megatron_rl.config.preference_schema import loss_kwargs, reference_free
 from megatron_rl.controller.deferred_compile import deferred_compile
 from megatron_rl.data.preference import PreferenceDataset, preference_batch
 from megatron_rl.data.rows import MalformedRowError
-from megatron_rl.plan.validate import DerivedSizes
 from megatron_rl.protocol import DataProto
-from megatron_rl.trainer.runner import RunResult
-from megatron_rl.trainer.sft import PostTraining, SFTTrainer, run_post_training
+from megatron_rl.trainer.sft import PostTraining, SFTTrainer
 
 VAL_PREFIX = "val/"
 
@@ -78,8 +76,3 @@ def _dpo_worker() -> type:
 
 DPO = PostTraining("dpo", _dpo_worker, preference_dataset, preference_batch, DPOTrainer,
                    ("train/loss", "train/rewards/margins", "val/rewards/accuracies"))
-
-
-def run_dpo_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
-    """The DPO run (``python -m megatron_rl.dpo``): trainer/sft.py's ``run_post_training`` with DPO's parts."""
-    return run_post_training(cfg, sizes, DPO)

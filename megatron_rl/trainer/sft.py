@@ -217,7 +217,3 @@ def run_post_training(cfg: PPOTrainerConfig, sizes: DerivedSizes, kind: PostTrai
     return RunResult(output_dir, output_dir / "metrics.jsonl", output_dir / "tensorboard", plot, hf_dir, last,
                      stopped=trainer.stopped, last_step=trainer.state.global_steps)
 
-
-def run_sft_training(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> RunResult:
-    """The SFT run (``python -m megatron_rl.sft``)."""
-    return run_post_training(cfg, sizes, SFT)
