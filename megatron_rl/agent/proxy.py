@@ -33,6 +33,7 @@ from typing import Any
 
 from megatron_rl.agent.chat_session import ChatSession, Reply, SessionRefused
 from megatron_rl.agent.turns import GenerateFn, Turn, generate_turns
+from megatron_rl.rollout.http_reply import send_json
 
 __all__ = ["AgentProxy"]
 
@@ -218,17 +219,9 @@ def _handler(proxy: AgentProxy) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:  # requests are the agents' business, not the log's
             logger.debug("agent proxy: " + format, *args)
 
-        def _json(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def _error(self, status: int, message: str) -> None:
-            self._json(status, {"error": {"message": message, "type": "invalid_request_error" if status == 400
-                                          else HTTPStatus(status).phrase.lower().replace(" ", "_"), "code": status}})
+            kind = "invalid_request_error" if status == 400 else HTTPStatus(status).phrase.lower().replace(" ", "_")
+            send_json(self, status, {"error": {"message": message, "type": kind, "code": status}})
 
         def _route(self) -> tuple[str, str] | None:
             if not proxy.authorized(self.headers.get("Authorization")):
@@ -247,8 +240,8 @@ def _handler(proxy: AgentProxy) -> type[BaseHTTPRequestHandler]:
             if route[1] != "models":
                 self._error(405, "chat/completions takes POST")
                 return
-            self._json(200, {"object": "list", "data": [{"id": proxy.model_name, "object": "model",
-                                                         "owned_by": "megatron-rl"}]})
+            send_json(self, 200, {"object": "list", "data": [{"id": proxy.model_name, "object": "model",
+                                                              "owned_by": "megatron-rl"}]})
 
         def do_POST(self) -> None:
             route = self._route()
@@ -272,7 +265,7 @@ def _handler(proxy: AgentProxy) -> type[BaseHTTPRequestHandler]:
                 self._error(503, str(exc))
                 return
             if not body.get("stream"):
-                self._json(200, _completion(proxy, reply, prompt_tokens))
+                send_json(self, 200, _completion(proxy, reply, prompt_tokens))
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")

@@ -1,4 +1,5 @@
-"""One JSON answer of a stdlib ``BaseHTTPRequestHandler`` (the HF-engine server's and the sandbox service's routes)."""
+"""One JSON answer of a stdlib ``BaseHTTPRequestHandler`` (the HF-engine server's, the sandbox service's and the agent
+proxy's routes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 __all__ = ["send_json"]
 
 
-def send_json(handler: BaseHTTPRequestHandler, status: HTTPStatus, answer: Any) -> None:
+def send_json(handler: BaseHTTPRequestHandler, status: HTTPStatus | int, answer: Any) -> None:
     """``answer`` as a JSON body with its length; a 401 says the scheme it wants (Bearer, the run's secret)."""
     data = json.dumps(answer).encode()
     handler.send_response(status)

@@ -1,4 +1,5 @@
-"""Helpers of the end-to-end tests: the tiny config, metric comparison, running a module."""
+"""Helpers of the end-to-end tests: the tiny config, the multi-turn tool_multiply setup, metric comparison, running a
+module."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import load_config
+from megatron_rl.demo import prepare_assets
 from megatron_rl.trainer.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +40,47 @@ def tiny_overrides(assets: dict[str, Path], out: Path, *extra: str) -> list[str]
         "trainer.logger=[jsonl]",
         "trainer.save_hf_at_end=false",
         *extra,
+    ]
+
+
+# The multi-turn runs' stop tokens: 12 of the tool_multiply tokenizer's 200, so random weights end a turn after ~15
+# tokens and samples span several turns.
+TOOL_STOPS = list(range(40, 52))
+
+
+def tool_multiply_assets(root: Path, n_train: int, **model_kwargs) -> dict[str, Path]:
+    """The tool_multiply task (the calculator tool) under ``root``: 8 val prompts, a 200-token tokenizer, a random
+    tiny model with 512 positions (the turns need them); ``model_kwargs`` go to ``prepare_assets`` (attention_heads)."""
+    train, val, model = prepare_assets(root, task="tool_multiply", n_train=n_train, n_val=8,
+                                       tokenizer_kwargs={"vocab_size": 200}, max_positions=512, **model_kwargs)
+    return {"train": train, "val": val, "model": model}
+
+
+def multi_turn_overrides(assets: dict[str, Path], out: Path, *extra: str, steps: int, response_length: int,
+                         micro_batch: int, n: int) -> list[str]:
+    """The tiny preset, two ranks (TWO_RANKS), multi-turn on ``tool_multiply_assets``: 4 prompts of up to 192 tokens
+    a step, TOOL_STOPS, ``steps`` steps, no validation or checkpoints, jsonl metrics; ``extra`` is the test's own."""
+    return [
+        "+experiment=grpo_tiny_cpu",
+        *TWO_RANKS,
+        f"data.train_files=[{assets['train']}]",
+        f"data.val_files=[{assets['val']}]",
+        f"actor_rollout_ref.model.path={assets['model']}",
+        f"trainer.default_local_dir={out}",
+        "data.max_prompt_length=192",
+        f"data.max_response_length={response_length}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.rollout.stop_token_ids={TOOL_STOPS}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        *extra,
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[jsonl]",
+        "trainer.save_hf_at_end=false",
     ]
 
 

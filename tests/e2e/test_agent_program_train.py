@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_support import TWO_RANKS, assert_finite, train_steps
+from e2e_support import assert_finite, multi_turn_overrides, tool_multiply_assets, train_steps
 
 from megatron_rl.config import load_config
 from megatron_rl.train import run
@@ -21,37 +21,15 @@ PROGRAM = Path(__file__).resolve().parents[2] / "examples" / "agents" / "openai_
 
 @pytest.fixture(scope="module")
 def tool_assets(tmp_path_factory):
-    from megatron_rl.demo import prepare_assets
-
-    train, val, model = prepare_assets(tmp_path_factory.mktemp("agent_program_assets"), task="tool_multiply",
-                                       n_train=32, n_val=8, tokenizer_kwargs={"vocab_size": 200}, max_positions=512)
-    return {"train": train, "val": val, "model": model}
+    return tool_multiply_assets(tmp_path_factory.mktemp("agent_program_assets"), n_train=32)
 
 
 def test_grpo_two_steps_on_an_openai_client_agent(tool_assets, tmp_path):
-    stops = list(range(40, 52))  # 12 of 200 tokens: random weights end a turn after ~15 tokens
-    cfg = load_config(overrides=[
-        "+experiment=grpo_tiny_cpu",
-        *TWO_RANKS,
-        f"data.train_files=[{tool_assets['train']}]",
-        f"data.val_files=[{tool_assets['val']}]",
-        f"actor_rollout_ref.model.path={tool_assets['model']}",
-        f"trainer.default_local_dir={tmp_path}",
-        "data.max_prompt_length=192",
-        "data.max_response_length=96",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.n=4",
-        f"actor_rollout_ref.rollout.stop_token_ids={stops}",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
+    cfg = load_config(overrides=multi_turn_overrides(
+        tool_assets, tmp_path,
         f"actor_rollout_ref.rollout.multi_turn.agent_program={PROGRAM}:run",
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.logger=[jsonl]",
-        "trainer.save_hf_at_end=false",
-    ])
+        steps=2, response_length=96, micro_batch=16, n=4,
+    ))
     result = run(cfg)
     steps = train_steps(result.metrics_path)
     assert sorted(steps) == [1, 2]

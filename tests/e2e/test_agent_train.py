@@ -6,7 +6,7 @@ log-probs equal to the engine's on every model token (training/rollout_probs_dif
 from __future__ import annotations
 
 import pytest
-from e2e_support import TWO_RANKS, assert_finite, train_steps
+from e2e_support import assert_finite, multi_turn_overrides, tool_multiply_assets, train_steps
 
 from megatron_rl.config import load_config
 from megatron_rl.train import run
@@ -16,38 +16,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("shared_ray")]
 
 @pytest.fixture(scope="module")
 def tool_assets(tmp_path_factory):
-    from megatron_rl.demo import prepare_assets
-
-    train, val, model = prepare_assets(tmp_path_factory.mktemp("tool_assets"), task="tool_multiply", n_train=64,
-                                       n_val=8, tokenizer_kwargs={"vocab_size": 200}, max_positions=512)
-    return {"train": train, "val": val, "model": model}
+    return tool_multiply_assets(tmp_path_factory.mktemp("tool_assets"), n_train=64)
 
 
 def test_grpo_three_steps_on_multi_turn_tool_rollouts(tool_assets, tmp_path):
-    stops = list(range(40, 52))  # 12 of 200 tokens: random weights end a turn after ~15 tokens
-    cfg = load_config(overrides=[
-        "+experiment=grpo_tiny_cpu",
-        *TWO_RANKS,
-        f"data.train_files=[{tool_assets['train']}]",
-        f"data.val_files=[{tool_assets['val']}]",
-        f"actor_rollout_ref.model.path={tool_assets['model']}",
-        f"trainer.default_local_dir={tmp_path}",
-        "data.max_prompt_length=192",
-        "data.max_response_length=96",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.n=4",
-        f"actor_rollout_ref.rollout.stop_token_ids={stops}",
+    cfg = load_config(overrides=multi_turn_overrides(
+        tool_assets, tmp_path,
         "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        "trainer.total_training_steps=3",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.logger=[jsonl]",
-        "trainer.save_hf_at_end=false",
-    ])
+        steps=3, response_length=96, micro_batch=16, n=4,
+    ))
     result = run(cfg)
     steps = train_steps(result.metrics_path)
     assert sorted(steps) == [1, 2, 3]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import assert_finite, tiny_config, train_steps
+from e2e_support import assert_finite, multi_turn_overrides, tiny_config, tool_multiply_assets, train_steps
+from megatron_rl.config import load_config
 from megatron_rl.demo import prepare_assets
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl.train import run
@@ -97,30 +98,18 @@ def test_multi_turn_fully_async_on_a_vllm_rollout_server(tmp_path_factory, tmp_p
     """The agent loop on the driver over the vLLM server's client (agent/rollout.py MultiTurnClient), tool_multiply
     with the calculator: every turn one request, a sync pausing the server mid-turn, the turn resumed on the new
     weights; multi-turn samples every step, the server serving the trainer's weights."""
-    from e2e_support import TWO_RANKS
-
-    from megatron_rl.config import load_config
-
     if vllm_missing():
         pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it")
-    train, val, model = prepare_assets(tmp_path_factory.mktemp("vllm_tool_assets"), task="tool_multiply", n_train=32,
-                                       n_val=8, tokenizer_kwargs={"vocab_size": 200}, max_positions=512,
-                                       attention_heads=(2, 2))
-    stops = list(range(40, 52))  # 12 of 200 tokens: random weights end a turn after ~15 tokens
-    result = run(load_config(overrides=[
-        "+experiment=grpo_tiny_cpu", *TWO_RANKS, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={tmp_path}",
-        "data.max_prompt_length=192", "data.max_response_length=64", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.n=2", f"actor_rollout_ref.rollout.stop_token_ids={stops}",
-        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+    assets = tool_multiply_assets(tmp_path_factory.mktemp("vllm_tool_assets"), n_train=32, attention_heads=(2, 2))
+    result = run(load_config(overrides=multi_turn_overrides(
+        assets, tmp_path,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=server",
         "actor_rollout_ref.rollout.num_servers=1", "actor_rollout_ref.rollout.weight_sync.verify_freq=1",
         "async_training.mode=fully_async", "async_training.max_staleness=2", "async_training.buffer_batches=2",
         "actor_rollout_ref.actor.policy_loss=decoupled_ppo", "actor_rollout_ref.actor.behav_imp_weight_cap=5.0",
-        "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
-        "trainer.save_hf_at_end=false",
-    ]))
+        steps=3, response_length=64, micro_batch=8, n=2,
+    )))
     steps = train_steps(result.metrics_path)
     assert sorted(steps) == [1, 2, 3]
     for record in steps.values():
