@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 @dataclass
 class DistillationLossSection:
-    """``distillation.distillation_loss``: algos/distillation.py ``DistillationLossConfig``'s fields."""
+    """``distillation.distillation_loss``: algos/distillation.py ``DistillationLossConfig``'s fields, restated
+    because config/ imports no domain package (tests/algos/test_distillation_losses.py keeps them equal)."""
 
     loss_mode: str = "k3"
     topk: Optional[int] = 32

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl.data.rows import MalformedRowError, read_rows
-from megatron_rl.data.sft import TRUNCATIONS, SFTExample, encode_conversation, sft_batch
+from megatron_rl.data.rows import encoded_rows
+from megatron_rl.data.sft import TRUNCATIONS, SFTExample, encode_conversation, sft_batch, truncated
 from megatron_rl.protocol import DataProto
 
 __all__ = ["PreferencePair", "PreferenceDataset", "encode_side", "preference_batch"]
@@ -58,12 +58,7 @@ def encode_side(tokenizer: Any, prompt: list[dict], answer: list[dict], max_leng
     text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
     start = len(tokenizer.encode(text, add_special_tokens=False))
     mask = [0] * start + mask[start:]
-    if len(ids) > max_length:
-        if truncation == "error":
-            raise ValueError(f"{len(ids)} tokens, more than max_length={max_length} (truncation=error; left or "
-                             "right cut it)")
-        keep = slice(-max_length, None) if truncation == "left" else slice(0, max_length)
-        ids, mask = ids[keep], mask[keep]
+    ids, mask = truncated(ids, mask, max_length, truncation, prefix="")
     if not any(mask[1:]):  # the first token is never a target (sft_batch)
         raise ValueError(f"truncation to max_length={max_length} ({truncation}) left no answer token")
     return ids, mask
@@ -78,18 +73,10 @@ class PreferenceDataset(torch.utils.data.Dataset):
                  rejected_key: str = "rejected", tools_key: str = "tools") -> None:
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r}: one of {list(TRUNCATIONS)}")
-        self.pairs: list[PreferencePair] = []
-        for path in [files] if isinstance(files, (str, Path)) else list(files):
-            for row in read_rows(path):
-                if row.problem is not None or row.data is None:
-                    raise MalformedRowError(f"{row.location}: {row.problem or 'not a JSON object'}")
-                try:
-                    self.pairs.append(self._encode(row.location, row.data, tokenizer, max_length, truncation,
-                                                   (prompt_key, chosen_key, rejected_key), tools_key))
-                except ValueError as err:
-                    raise MalformedRowError(f"{row.location}: {err}") from None
-        if not self.pairs:
-            raise ValueError(f"no preference rows in {files}")
+        keys = (prompt_key, chosen_key, rejected_key)
+        self.pairs: list[PreferencePair] = encoded_rows(
+            files, lambda location, row: self._encode(location, row, tokenizer, max_length, truncation, keys,
+                                                      tools_key), "preference")
 
     @staticmethod
     def _encode(location: str, row: dict, tokenizer: Any, max_length: int, truncation: str,

@@ -9,14 +9,16 @@ Every row carries its location (file and row/line) so a problem is reported wher
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow.parquet as pq
 
-__all__ = ["MalformedRowError", "SourceRow", "check_row", "read_rows"]
+__all__ = ["MalformedRowError", "SourceRow", "check_row", "encoded_rows", "read_rows"]
+
+T = TypeVar("T")
 
 
 class MalformedRowError(ValueError):
@@ -46,6 +48,25 @@ def read_rows(path: str | Path) -> Iterator[SourceRow]:
                     yield _parse_json_line(f"{path} line {line_no}", line)
     else:
         raise ValueError(f"data file {str(path)!r} has suffix {suffix!r}; expected .parquet or .jsonl")
+
+
+def encoded_rows(files: str | Path | Sequence[str | Path], encode: Callable[[str, dict[str, Any]], T],
+                 what: str) -> list[T]:
+    """``encode(location, row)`` of every row of ``files`` (one path or several), in file order (the SFT and the
+    preference datasets'). A row that cannot be parsed, or that ``encode`` refuses with a ValueError, is a
+    MalformedRowError naming its file and row; files with no rows at all are a ValueError naming ``what`` rows."""
+    out: list[T] = []
+    for path in [files] if isinstance(files, (str, Path)) else list(files):
+        for row in read_rows(path):
+            if row.problem is not None or row.data is None:
+                raise MalformedRowError(f"{row.location}: {row.problem or 'not a JSON object'}")
+            try:
+                out.append(encode(row.location, row.data))
+            except ValueError as err:
+                raise MalformedRowError(f"{row.location}: {err}") from None
+    if not out:
+        raise ValueError(f"no {what} rows in {files}")
+    return out
 
 
 def _parse_json_line(location: str, line: str) -> SourceRow:

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rl.data.rows import MalformedRowError, read_rows
+from megatron_rl.data.rows import encoded_rows
 from megatron_rl.protocol import DataProto
 
-__all__ = ["SFTExample", "SFTDataset", "collate_sft", "conversation_of", "encode_conversation", "sft_batch"]
+__all__ = ["SFTExample", "SFTDataset", "collate_sft", "conversation_of", "encode_conversation", "sft_batch",
+           "truncated"]
 
 TRUNCATIONS = ("error", "left", "right")
 
@@ -88,6 +89,20 @@ def encode_conversation(tokenizer: Any, messages: list[dict], tools: Any = None,
     return full, mask
 
 
+def truncated(ids: list[int], mask: list[int], max_length: int, truncation: str,
+              prefix: str = "data.") -> tuple[list[int], list[int]]:
+    """``ids`` and ``mask`` cut to ``max_length`` as ``truncation`` says (``left`` keeps the end, ``right`` the
+    start); ValueError for a longer row under ``error``. ``prefix``: how the refusal names the keys (the SFT
+    dataset's data.*; the preference dataset's own arguments)."""
+    if len(ids) > max_length:
+        if truncation == "error":
+            raise ValueError(f"{len(ids)} tokens, more than {prefix}max_length={max_length} ({prefix}truncation=error; "
+                             "left or right cut it)")
+        keep = slice(-max_length, None) if truncation == "left" else slice(0, max_length)
+        ids, mask = ids[keep], mask[keep]
+    return ids, mask
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """verl's SFT files (parquet or jsonl) as ``SFTExample`` items, every row checked and encoded at build time."""
 
@@ -99,35 +114,20 @@ class SFTDataset(torch.utils.data.Dataset):
             raise ValueError(f"data.truncation={truncation!r}: one of {list(TRUNCATIONS)}")
         if max_length < 2:
             raise ValueError(f"data.max_length={max_length}: at least 2 tokens")
-        self.examples: list[SFTExample] = []
-        for path in [files] if isinstance(files, (str, Path)) else list(files):
-            for row in read_rows(path):
-                self.examples.append(self._encode(row.location, row.data, row.problem, tokenizer, max_length,
-                                                  truncation, (messages_key, prompt_key, response_key), tools_key,
-                                                  template_kwargs))
-        if not self.examples:
-            raise ValueError(f"no SFT rows in {files}")
+        keys = (messages_key, prompt_key, response_key)
+        self.examples: list[SFTExample] = encoded_rows(
+            files, lambda location, row: self._encode(location, row, tokenizer, max_length, truncation, keys,
+                                                      tools_key, template_kwargs), "SFT")
 
     @staticmethod
-    def _encode(location: str, row: dict | None, problem: str | None, tokenizer: Any, max_length: int,
-                truncation: str, keys: tuple[str, str, str], tools_key: str,
-                template_kwargs: Mapping[str, Any] | None) -> SFTExample:
-        if problem is not None or row is None:
-            raise MalformedRowError(f"{location}: {problem or 'not a JSON object'}")
-        try:
-            messages = conversation_of(row, *keys)
-            ids, mask = encode_conversation(tokenizer, messages, row.get(tools_key), template_kwargs)
-        except ValueError as e:
-            raise MalformedRowError(f"{location}: {e}") from None
-        if len(ids) > max_length:
-            if truncation == "error":
-                raise MalformedRowError(f"{location}: {len(ids)} tokens, more than data.max_length={max_length} "
-                                        "(data.truncation=error; left or right cut it)")
-            keep = slice(-max_length, None) if truncation == "left" else slice(0, max_length)
-            ids, mask = ids[keep], mask[keep]
+    def _encode(location: str, row: dict, tokenizer: Any, max_length: int, truncation: str,
+                keys: tuple[str, str, str], tools_key: str, template_kwargs: Mapping[str, Any] | None) -> SFTExample:
+        """One row as an example; ValueError saying what is wrong with it (``encoded_rows`` names the row)."""
+        messages = conversation_of(row, *keys)
+        ids, mask = encode_conversation(tokenizer, messages, row.get(tools_key), template_kwargs)
+        ids, mask = truncated(ids, mask, max_length, truncation)
         if not any(mask):
-            raise MalformedRowError(f"{location}: truncation to data.max_length={max_length} ({truncation}) left no "
-                                    "assistant token")
+            raise ValueError(f"truncation to data.max_length={max_length} ({truncation}) left no assistant token")
         return SFTExample(ids, mask, location)
 
     def __len__(self) -> int:

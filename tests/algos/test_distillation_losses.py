@@ -4,6 +4,7 @@ task-reward mixing), bad inputs refused, and the vocab-parallel form on 2 gloo r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -17,6 +18,7 @@ from algos_data import random_mask
 from megatron_rl import algos
 from megatron_rl.algos import distillation as dl
 from megatron_rl.algos.loss_agg import GlobalBatchInfo
+from megatron_rl.config.distillation_schema import DistillationLossSection
 from megatron_rl.distributed.model_parallel import destroy_model_parallel, init_model_parallel
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl_testing.verl_oracle import verl_module
@@ -253,6 +255,15 @@ def test_config_reads_verl_keys_and_defaults_follow_verls_yaml(verl_distill):
         assert line in yaml_text
     assert (defaults.loss_mode, defaults.topk, defaults.use_task_rewards, defaults.loss_max_clamp,
             defaults.log_prob_min_clamp, defaults.use_policy_gradient) == ("k3", 32, True, None, None, False)
+
+
+def test_schema_section_has_the_loss_configs_fields_and_defaults():
+    """config/ imports no domain package (docs/architecture.md), so the schema's section restates
+    DistillationLossConfig's fields: the same names, types and defaults, in the same order."""
+    def shape(cls: type) -> list[tuple[str, object, object]]:
+        return [(f.name, f.type, f.default) for f in dataclasses.fields(cls)]
+
+    assert shape(DistillationLossSection) == shape(dl.DistillationLossConfig)
 
 
 # ---------------------------------------------------------------- bad inputs (no oracle needed)

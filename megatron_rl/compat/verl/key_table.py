@@ -11,6 +11,7 @@ import argparse
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,13 +19,12 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megatron_rl.compat.verl import defaults
-from megatron_rl.compat.verl.keys import Fate, fate_of, rule_for, verl_config
+from megatron_rl.compat.verl.keys import Fate, Rule, fate_of, rule_for, verl_config
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 START = "<!-- verl-key-table:start -->"
 END = "<!-- verl-key-table:end -->"
 SCRIPTS = Path(__file__).resolve().parents[3] / "tests" / "compat" / "verl_scripts"
-WRITE_COMMAND = "python -m megatron_rl.compat.verl.key_table --write"
 
 # dicts whose entries are free-form (any key): a row for the dict itself, not for its entries
 FREE_FORM = ("override_transformer_config", "engine_kwargs", "override_config")
@@ -143,14 +143,19 @@ def table_rows() -> list[Row]:
     with the same other fate (a rule's pattern mapping them too) and reason as ``prefix.*`` where it is everything
     under the prefix, else as ``parent.{a, b, ...}`` (or a row each, see ``_group``)."""
     leaves = verl_leaves()
+    return rows_of(leaves, [_fate(leaf.key) for leaf in leaves], [rule_for(leaf.key) for leaf in leaves])
+
+
+def rows_of(leaves: list[Leaf], fates: list[tuple[Fate, str]], rules: list[Rule | None]) -> list[Row]:
+    """The rows of ``leaves`` (as ``table_rows``; sft_key_table's too), given each leaf's fate and reason and the
+    rule that decided it."""
     keys = [leaf.key for leaf in leaves]
-    fates = [_fate(key) for key in keys]
     spans = _spans(keys)
     rows: list[Row] = []
     i = 0
     while i < len(keys):
         fate, why = fates[i]
-        rule = rule_for(keys[i])
+        rule = rules[i]
         if fate is Fate.same or (fate is Fate.mapped and (rule is None or "*" not in rule.pattern)):
             rows.append(Row(f"`{keys[i]}`", (keys[i],), _show(leaves[i].default), fate, why))
             i += 1
@@ -247,17 +252,22 @@ def script_keys() -> list[tuple[str, list[str]]]:
     with ``+`` and those verl's config lacks."""
     verls = set(verl_leaf_keys())
     prefixes = {key.rsplit(".", n)[0] for key in verls for n in range(1, key.count(".") + 1)}
+    return keys_in_scripts(SCRIPTS, lambda key: key.startswith("+") or (
+        key.lstrip("+~") not in verls and key.lstrip("+~") not in prefixes))
+
+
+def keys_in_scripts(scripts: Path, wanted: Callable[[str], bool]) -> list[tuple[str, list[str]]]:
+    """(key as written, scripts) of the keys set in ``scripts``/*.args that ``wanted`` picks (sft_key_table's
+    too), sorted."""
     found: dict[str, list[str]] = {}
-    for path in sorted(SCRIPTS.glob("*.args")):
+    for path in sorted(scripts.glob("*.args")):
         for line in path.read_text().splitlines():
             key, sep, _ = line.strip().partition("=")
-            if not sep or key.startswith("#"):
+            if not sep or key.startswith("#") or not wanted(key):
                 continue
-            bare = key.lstrip("+~")
-            if key.startswith("+") or (bare not in verls and bare not in prefixes):
-                found.setdefault(key, [])
-                if path.stem not in found[key]:
-                    found[key].append(path.stem)
+            found.setdefault(key, [])
+            if path.stem not in found[key]:
+                found[key].append(path.stem)
     return sorted(found.items())
 
 
@@ -332,36 +342,54 @@ def _section(key: str) -> str:
     return parts[0] if len(parts) > 1 else "(top level)"
 
 
-def current_section(text: str) -> str:
-    """The generated part of ``text`` (docs/configuration.md), between the markers."""
-    if START not in text or END not in text:
-        raise ValueError(f"{DOC} lacks the markers {START} ... {END}")
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+@dataclass(frozen=True)
+class DocSection:
+    """A generated section of a docs page, between two markers, and the command line that prints it or, with
+    ``--write``, replaces it (this module's and sft_key_table's)."""
+    doc: Path
+    start: str
+    end: str
+    render: Callable[[], str]
+    module: str  # as ``python -m`` runs it
+    description: str | None
+
+    @property
+    def write_command(self) -> str:
+        return f"python -m {self.module} --write"
+
+    def current(self, text: str) -> str:
+        """The generated part of ``text`` (the page), between the markers."""
+        if self.start not in text or self.end not in text:
+            raise ValueError(f"{self.doc} lacks the markers {self.start} ... {self.end}")
+        return text.split(self.start, 1)[1].split(self.end, 1)[0].strip("\n") + "\n"
+
+    def write(self, path: Path | None = None) -> bool:
+        """Replace the generated section of ``path`` (the page); True if it changed."""
+        path = self.doc if path is None else path
+        text = path.read_text()
+        self.current(text)  # the markers are there
+        head, _, rest = text.partition(self.start)
+        _, _, tail = rest.partition(self.end)
+        new = f"{head}{self.start}\n{self.render()}{self.end}{tail}"
+        if new == text:
+            return False
+        path.write_text(new)
+        return True
+
+    def main(self, argv: list[str] | None = None) -> None:
+        parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.description)
+        parser.add_argument("--write", action="store_true", help=f"replace the section in {self.doc}")
+        args = parser.parse_args(argv)
+        if args.write:
+            changed = self.write()
+            print(f"{self.doc}: {'updated' if changed else 'already current'}", file=sys.stderr)
+        else:
+            sys.stdout.write(self.render())
 
 
-def write(path: Path = DOC) -> bool:
-    """Replace the generated section of ``path``; True if it changed."""
-    text = path.read_text()
-    current_section(text)  # the markers are there
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    new = f"{head}{START}\n{render()}{END}{tail}"
-    if new == text:
-        return False
-    path.write_text(new)
-    return True
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.compat.verl.key_table", description=__doc__)
-    parser.add_argument("--write", action="store_true", help=f"replace the section in {DOC}")
-    args = parser.parse_args(argv)
-    if args.write:
-        changed = write()
-        print(f"{DOC}: {'updated' if changed else 'already current'}", file=sys.stderr)
-    else:
-        sys.stdout.write(render())
-
+SECTION = DocSection(DOC, START, END, render, "megatron_rl.compat.verl.key_table", __doc__)
+WRITE_COMMAND = SECTION.write_command
+current_section, write, main = SECTION.current, SECTION.write, SECTION.main
 
 if __name__ == "__main__":
     main()

@@ -541,7 +541,12 @@ ABSENT = object()
 def verl_default(key: str) -> Any:
     """verl's default for ``key``, its interpolations resolved within verl's config (``ABSENT`` when verl has no
     such key; None for a required ``???`` one)."""
-    cfg = verl_config()
+    return default_in(verl_config(), key)
+
+
+def default_in(cfg: DictConfig, key: str) -> Any:
+    """``key``'s value in ``cfg`` (verl's config, or its SFT config), interpolations resolved within it (``ABSENT``
+    when ``cfg`` has no such key; None for a required ``???`` one)."""
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key, throw_on_resolution_failure=False) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # keys(): `in` misses '???' values
@@ -614,8 +619,14 @@ def translate_key(key: str, value: str, seen: Mapping[str, str],
 
 def _translate_key(key: str, value: str, seen: Mapping[str, str],
                    rules: tuple[Rule, ...]) -> tuple[list[str] | None, str | None]:
-    rule = rule_for(key, rules)
     fate, why = fate_of(key, rules)
+    return apply_fate(key, value, seen, fate, why, rule_for(key, rules))
+
+
+def apply_fate(key: str, value: str, seen: Mapping[str, str], fate: Fate, why: str, rule: Rule | None,
+               default_of: Callable[[str], Any] = verl_default) -> tuple[list[str] | None, str | None]:
+    """``key=value`` meeting ``fate`` (``rule``'s, or the one the table gives it): (overrides, note) as
+    ``translate_key``, or a refusal. ``default_of``: verl's default of a key (the SFT entry's: verl's SFT config)."""
     if fate is Fate.same:
         return None, None
     if fate is Fate.mapped:
@@ -625,7 +636,7 @@ def _translate_key(key: str, value: str, seen: Mapping[str, str],
         return [], f"{key}={value} accepted, no effect: {why}"
     if fate is Fate.refused:
         refuse(f"{key}={value}: {why}")
-    default = verl_default(key)
+    default = default_of(key)
     if default is ABSENT and rule is None:
         return None, None  # neither verl's key nor ours: megatron-rl's checks name it and the nearest keys
     accepts = rule.accepts if rule is not None else ()

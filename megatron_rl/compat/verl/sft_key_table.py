@@ -8,14 +8,13 @@ between the markers below (tests/compat/test_verl_sft_keys.py checks that they a
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
-from megatron_rl.compat.verl.key_table import LEGEND, Leaf, Row, _group, _show, _spans, _text
+from megatron_rl.compat.verl.key_table import (LEGEND, DocSection, Leaf, Row, _show, _text, keys_in_scripts,
+                                              rows_of)
 from megatron_rl.compat.verl.keys import Fate, rule_for
 from megatron_rl.compat.verl.sft_keys import (FREE_FORM, SFT_RULES, analogue, fate_of_sft, is_verl_sft_key, sft_leaf_keys,
                                               verl_sft_config)
@@ -24,7 +23,6 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "sft.md"
 START = "<!-- verl-sft-key-table:start -->"
 END = "<!-- verl-sft-key-table:end -->"
 SCRIPTS = Path(__file__).resolve().parents[3] / "tests" / "compat" / "verl_scripts" / "sft"
-WRITE_COMMAND = "python -m megatron_rl.compat.verl.sft_key_table --write"
 
 
 def sft_leaves() -> list[Leaf]:
@@ -45,39 +43,22 @@ def table_rows() -> list[Row]:
     """One row per key mapped by name or kept as it is; runs of keys that share another fate and reason grouped
     (``prefix.*``, ``parent.{a, b}``) as the RL table groups them."""
     leaves = sft_leaves()
-    keys = [leaf.key for leaf in leaves]
-    fates = [fate_of_sft(key) for key in keys]
-    spans = _spans(keys)
-    rows: list[Row] = []
-    i = 0
-    while i < len(keys):
-        fate, why = fates[i]
-        rule = rule_for(keys[i], SFT_RULES) or rule_for(analogue(keys[i]))  # the rule that decided it
-        if fate is Fate.same or (fate is Fate.mapped and (rule is None or "*" not in rule.pattern)):
-            rows.append(Row(f"`{keys[i]}`", (keys[i],), _show(leaves[i].default), fate, why))
-            i += 1
-            continue
-        end = i
-        while end < len(keys) and fates[end] == (fate, why):
-            end += 1
-        rows.extend(_group(keys, leaves, spans, i, end, fate, why))
-        i = end
-    return rows
+    fates = [fate_of_sft(leaf.key) for leaf in leaves]
+    rules = [rule_for(leaf.key, SFT_RULES) or rule_for(analogue(leaf.key)) for leaf in leaves]  # what decided it
+    return rows_of(leaves, fates, rules)
+
+
+def _added(key: str) -> bool:
+    """A key a script writes with ``+``, or one verl's SFT config lacks (its config groups aside)."""
+    name = key.lstrip("+~")
+    if name in ("model", "engine", "optim", "profiler"):
+        return False
+    return key.startswith("+") or not is_verl_sft_key(name) or name in FREE_FORM
 
 
 def script_keys() -> list[tuple[str, list[str]]]:
     """(key as written, scripts) of the keys verl's SFT scripts write with ``+`` or verl's SFT config lacks."""
-    found: dict[str, list[str]] = {}
-    for path in sorted(SCRIPTS.glob("*.args")):
-        for line in path.read_text().splitlines():
-            key, sep, _ = line.strip().partition("=")
-            if not sep or key.startswith("#") or key.lstrip("+~") in ("model", "engine", "optim", "profiler"):
-                continue
-            if key.startswith("+") or not is_verl_sft_key(key.lstrip("+~")) or key.lstrip("+~") in FREE_FORM:
-                found.setdefault(key, [])
-                if path.stem not in found[key]:
-                    found[key].append(path.stem)
-    return sorted(found.items())
+    return keys_in_scripts(SCRIPTS, _added)
 
 
 def fate_counts() -> Counter:
@@ -132,35 +113,9 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def current_section(text: str) -> str:
-    if START not in text or END not in text:
-        raise ValueError(f"{DOC} lacks the markers {START} ... {END}")
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
-
-
-def write(path: Path = DOC) -> bool:
-    """Replace the generated part of ``path``; True if it changed."""
-    text = path.read_text()
-    current_section(text)
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    new = f"{head}{START}\n{render()}{END}{tail}"
-    if new == text:
-        return False
-    path.write_text(new)
-    return True
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.compat.verl.sft_key_table", description=__doc__)
-    parser.add_argument("--write", action="store_true", help=f"replace the section in {DOC}")
-    args = parser.parse_args(argv)
-    if args.write:
-        changed = write()
-        print(f"{DOC}: {'updated' if changed else 'already current'}", file=sys.stderr)
-    else:
-        sys.stdout.write(render())
-
+SECTION = DocSection(DOC, START, END, render, "megatron_rl.compat.verl.sft_key_table", __doc__)
+WRITE_COMMAND = SECTION.write_command
+current_section, write, main = SECTION.current, SECTION.write, SECTION.main
 
 if __name__ == "__main__":
     main()

@@ -24,9 +24,9 @@ import functools
 from pathlib import Path
 from typing import Any, Mapping
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.compat.verl.keys import (ABSENT, Fate, Rewrite, Rule, Translation, _same_value, bare, fate_of,
+from megatron_rl.compat.verl.keys import (ABSENT, Fate, Rule, Translation, apply_fate, bare, default_in, fate_of,
                                           is_null, ours_has, refuse, rule_for, truthy)
 from megatron_rl.config import ConfigError
 
@@ -55,12 +55,7 @@ def verl_sft_config() -> DictConfig:
 
 def verl_sft_default(key: str) -> Any:
     """verl's SFT default of ``key`` (``ABSENT`` when verl's SFT config has no such key)."""
-    cfg = verl_sft_config()
-    parent_key, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key, throw_on_resolution_failure=False) if parent_key else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent.keys():
-        return ABSENT
-    return OmegaConf.select(cfg, key, throw_on_missing=False, throw_on_resolution_failure=False)
+    return default_in(verl_sft_config(), key)
 
 
 def is_verl_sft_key(key: str) -> bool:
@@ -122,10 +117,6 @@ def run_steps(key: str, seen: Mapping[str, str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- rewrites
-
-def _to(target: str) -> Rewrite:
-    return lambda key, value, seen: [f"{target}={value}"]
-
 
 def _files(key: str, value: str, seen: Mapping[str, str]) -> list[str]:
     """One path or a list; verl's null val_files: no validation."""
@@ -288,7 +279,7 @@ def _translate(key: str, value: str, seen: Mapping[str, str],
                rl_seen: Mapping[str, str]) -> tuple[list[str] | None, str | None]:
     rule = rule_for(key, SFT_RULES)
     if rule is not None:
-        return _apply(rule.fate, rule, rule.why, key, value, seen)
+        return apply_fate(key, value, seen, rule.fate, rule.why, rule, verl_sft_default)
     if not is_verl_sft_key(key):
         if ours_has(key) or key.startswith("hydra."):  # Hydra's own settings (hydra.run.dir, ...) as they are
             return None, None  # megatron-rl's own key: its checks apply
@@ -305,29 +296,11 @@ def _translate(key: str, value: str, seen: Mapping[str, str],
     if fate is Fate.mapped:
         out = rule_for(target).rewrite(target, value, rl_seen)
         return out, f"{key}={value} -> {' '.join(out) or '(nothing)'}: {why}"
-    return _apply(fate, rule_for(target), why, key, value, seen)
+    return apply_fate(key, value, seen, fate, why, rule_for(target), verl_sft_default)
 
 
 def _free_form(key: str) -> bool:
     return any(key.startswith(f + ".") for f in FREE_FORM)
-
-
-def _apply(fate: Fate, rule: Rule | None, why: str, key: str, value: str,
-           seen: Mapping[str, str]) -> tuple[list[str] | None, str | None]:
-    if fate is Fate.mapped:
-        out = rule.rewrite(key, value, seen)
-        return out, f"{key}={value} -> {' '.join(out) or '(nothing)'}: {why}"
-    if fate is Fate.dropped:
-        return [], f"{key}={value} accepted, no effect: {why}"
-    if fate is Fate.refused:
-        refuse(f"{key}={value}: {why}")
-    default = verl_sft_default(key)
-    accepts = rule.accepts if rule is not None else ()
-    if _same_value(value, default) or any(_same_value(value, a) for a in accepts):
-        return [], f"{key}={value} accepted (verl's default): {why}"
-    shown = OmegaConf.to_yaml(default).strip() if isinstance(default, (DictConfig, ListConfig)) else repr(default)
-    refuse(f"{key}={value}: {why}; only verl's default ({shown}) is accepted here")
-    return None, None  # unreachable
 
 
 def fate_of_sft(key: str) -> tuple[Fate, str]:
@@ -360,11 +333,6 @@ def sft_leaf_keys() -> tuple[str, ...]:
 
     walk(verl_sft_config(), "")
     return tuple(out)
-
-
-def command_line(argv: list[str]) -> dict[str, str]:
-    """bare key -> value of every key=value argument (the last one wins, as in Hydra)."""
-    return {arg.partition("=")[0].lstrip("+~"): arg.partition("=")[2] for arg in argv if "=" in arg}
 
 
 __all__ = ["SFT_RULES", "Translation", "analogue", "fate_of_sft", "is_verl_sft_key", "sft_leaf_keys",

@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megatron_rl import train
 from megatron_rl.compat.verl.defaults import chosen_preset, preset_note, verl_defaults
@@ -34,11 +35,15 @@ from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
 BASE_CONFIG_NAME = "ppo_megatron_trainer"  # verl's config that megatron-rl's base config stands for
 _CONFIG_NAMES = (BASE_CONFIG_NAME, f"{BASE_CONFIG_NAME}.yaml", "ppo_trainer", "ppo_trainer.yaml")
 _CONFIG_FLAGS = ("--config-path", "--config-name", "-cp", "-cn")
+_CONFIG_NAME_REFUSAL = ("megatron-rl composes one base config (configs/ppo_trainer.yaml, the analogue of verl's "
+                        "ppo_megatron_trainer)")
 _ACTOR, _REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 
 
-def _config_flags(argv: list[str]) -> list[str]:
-    """The arguments without verl's config selection (checked)."""
+def without_config_flags(argv: list[str], names: tuple[str, ...] = _CONFIG_NAMES,
+                         what: str = _CONFIG_NAME_REFUSAL) -> list[str]:
+    """The arguments without verl's config selection; a config name not in ``names`` is refused with ``what``
+    (this entry's and the SFT entry's, each with its own names)."""
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -51,9 +56,8 @@ def _config_flags(argv: list[str]) -> list[str]:
         value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
         i += 1 if "=" in arg else 2
         value = value.strip().strip("'\"")
-        if flag in ("--config-name", "-cn") and value not in _CONFIG_NAMES:
-            raise ConfigError(f"{flag}={value}: megatron-rl composes one base config (configs/ppo_trainer.yaml, the "
-                              f"analogue of verl's ppo_megatron_trainer); known: {list(_CONFIG_NAMES)}")
+        if flag in ("--config-name", "-cn") and value not in names:
+            raise ConfigError(f"{flag}={value}: {what}; known: {list(names)}")
     return rest
 
 
@@ -107,7 +111,7 @@ def _unpacked_for_vision(facts: HFModelConfig, seen: dict[str, str]) -> tuple[li
 def translate_with_notes(argv: list[str], with_verl_defaults: bool = True) -> Translation:
     """verl's main_ppo arguments -> megatron_rl.train arguments and the log lines saying what changed
     (ConfigError naming a refused key). ``with_verl_defaults=False``: the arguments' own rewrites only."""
-    args = _config_flags(list(argv))
+    args = without_config_flags(list(argv))
     seen = command_line_settings(args)
     vision = _check_model_family(seen)
     out, notes = verl_defaults(seen) if with_verl_defaults else ([], [])
@@ -146,20 +150,23 @@ def main(argv: list[str] | None = None) -> None:
     launch(translate_with_notes, argv)
 
 
-def launch(translator: Callable[[list[str]], Translation], argv: list[str] | None = None) -> None:
-    """A verl entry's main (this one's, the async entries' in compat/verl/experimental): ``translator`` turns its
-    arguments into megatron_rl.train's (a refusal exits with the config-error code), the notes are logged, then
-    megatron_rl.train runs."""
+def launch(translator: Callable[[list[str]], Translation], argv: list[str] | None = None,
+           start: Callable[..., Any] | None = None, notes_on_rank0: bool = False) -> None:
+    """A verl entry's main (this one's, the async entries' in compat/verl/experimental, the SFT entry's):
+    ``translator`` turns its arguments into megatron_rl.train's (a refusal exits with the config-error code), the
+    notes are logged (``notes_on_rank0``: by rank 0 only, where torchrun starts every rank), then megatron_rl.train's
+    CLI runs ``start`` (its RL run by default)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         translation = translator(argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    for note in translation.notes:
-        print(f"[megatron_rl.compat.verl] {note}", file=sys.stderr)
+    if not notes_on_rank0 or train.is_rank0():
+        for note in translation.notes:
+            print(f"[megatron_rl.compat.verl] {note}", file=sys.stderr)
     sys.argv = [sys.argv[0], *translation.overrides]
-    train.main()
+    train.main(start)
 
 
 if __name__ == "__main__":

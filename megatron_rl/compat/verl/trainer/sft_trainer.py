@@ -17,19 +17,18 @@ Each default and rewrite is logged; a refusal exits with the config-error code b
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 
-from megatron_rl import sft, train
+from megatron_rl import sft
 from megatron_rl.compat.verl.defaults import chosen_preset, preset_note
-from megatron_rl.compat.verl.keys import Translation, bare
-from megatron_rl.compat.verl.sft_keys import analogue, command_line, translate_sft_key, verl_sft_default
-from megatron_rl.compat.verl.trainer.main_ppo import _check_model_family
+from megatron_rl.compat.verl.keys import Translation, bare, command_line_settings
+from megatron_rl.compat.verl.sft_keys import analogue, translate_sft_key, verl_sft_default
+from megatron_rl.compat.verl.trainer.main_ppo import _check_model_family, launch, without_config_flags
 from megatron_rl.config import ConfigError
-from megatron_rl.trainer.signals import EXIT_CONFIG_ERROR
 
 CONFIG_NAMES = ("sft_trainer_engine", "sft_trainer_engine.yaml")
-_CONFIG_FLAGS = ("--config-path", "--config-name", "-cp", "-cn")
+_CONFIG_NAME_REFUSAL = ("megatron-rl's SFT composes one config (configs/ppo_trainer.yaml), the analogue of "
+                        "verl's SFT config")
 _ACTOR = "actor_rollout_ref.actor"
 
 # (key, value, why): verl's SFT defaults where megatron-rl's differ in memory or numbers
@@ -44,26 +43,6 @@ SFT_DEFAULTS: tuple[tuple[str, str, str], ...] = (
     ("trainer.nnodes", "1", "verl's SFT default (one process; under torchrun its world decides)"),
     ("trainer.n_gpus_per_node", "1", "verl's SFT default (one process; under torchrun its world decides)"),
 )
-
-
-def _config_flags(argv: list[str]) -> list[str]:
-    """The arguments without verl's config selection (checked)."""
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        flag = next((f for f in _CONFIG_FLAGS if arg == f or arg.startswith(f + "=")), None)
-        if flag is None:
-            rest.append(arg)
-            i += 1
-            continue
-        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-        i += 1 if "=" in arg else 2
-        value = value.strip().strip("'\"")
-        if flag in ("--config-name", "-cn") and value not in CONFIG_NAMES:
-            raise ConfigError(f"{flag}={value}: megatron-rl's SFT composes one config (configs/ppo_trainer.yaml), the "
-                              f"analogue of verl's SFT config; known: {list(CONFIG_NAMES)}")
-    return rest
 
 
 def _rl_settings(seen: Mapping[str, str]) -> dict[str, str]:
@@ -104,8 +83,8 @@ def translate_with_notes(argv: list[str], env: Mapping[str, str] | None = None) 
     """verl's sft_trainer arguments -> megatron_rl.sft arguments and the log lines saying what changed (ConfigError
     naming a refused key). ``env``: the process environment (torchrun's sizes)."""
     env = os.environ if env is None else env
-    args = _config_flags(list(argv))
-    seen = command_line(args)
+    args = without_config_flags(list(argv), CONFIG_NAMES, _CONFIG_NAME_REFUSAL)
+    seen = command_line_settings(args)
     rl_seen = _rl_settings(seen)
     facts = _check_model_family(rl_seen)
     if facts is not None:
@@ -137,17 +116,7 @@ def translate(argv: list[str], env: Mapping[str, str] | None = None) -> list[str
 
 def main(argv: list[str] | None = None) -> None:
     """Translate (a refusal exits with the config-error code), log the notes, then run megatron-rl's SFT."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        translation = translate_with_notes(argv)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    if train.is_rank0():
-        for note in translation.notes:
-            print(f"[megatron_rl.compat.verl] {note}", file=sys.stderr)
-    sys.argv = [sys.argv[0], *translation.overrides]
-    train.main(sft.run)
+    launch(translate_with_notes, argv, sft.run, notes_on_rank0=True)
 
 
 if __name__ == "__main__":
