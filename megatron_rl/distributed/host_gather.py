@@ -6,6 +6,10 @@ can instead map one buffer: each rank writes its shard straight into its own row
 is written, and every rank reads the whole buffer in place. NCCL groups never take this path (NVLink is
 the real thing there); gloo groups take it when all members share a host and /dev/shm has room.
 
+The buffer may span a larger group than its rows: over the model-parallel group (TP x PP) with one row per TP
+rank, only the stage that owns a bucket writes it, and every stage reads it after the barrier. That is the
+pipeline broadcast too, with no bytes through gloo (at PP=2 the broadcast was most of a CPU sync).
+
 Two slots (bucket k in slot k % 2, counting only the buckets that go through the buffer: a bucket without a TP
 step publishes no barrier, so it takes no slot) let bucket k+1 be written while bucket k is read. A rank writes slot s
 for bucket k+1 only after bucket k's barrier, which no rank enters before it finished reading bucket k-1
@@ -33,12 +37,16 @@ enabled = True  # switched off where the interconnect's own collectives are what
 
 
 class HostGather:
-    """``slots`` x [group size x shard_bytes] uint8 rows in one shared mapping of the group's host."""
+    """``slots`` x [rows x shard_bytes] uint8 in one shared mapping of the group's host; ``rows`` defaults to the
+    group's size and this rank's ``row`` to its rank in the group."""
 
-    def __init__(self, group: dist.ProcessGroup, shard_bytes: int, slots: int = 2) -> None:
+    def __init__(self, group: dist.ProcessGroup, shard_bytes: int, slots: int = 2, rows: int | None = None,
+                 row: int | None = None) -> None:
         self.group, self.shard_bytes, self.slots = group, shard_bytes, slots
         self.in_use = False  # held by an export from its start to its end (export_hf_buckets)
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group) if rows is None else rows
+        self.own_row = self.rank if row is None else row
         nbytes = slots * self.size * shard_bytes
         # named after its owner's pid: a leftover says whose it was, and a test checks only its own job's
         owned = f"megatron-rl-gather-{os.getpid()}-{uuid.uuid4().hex}"
@@ -56,10 +64,10 @@ class HostGather:
 
     def row(self, slot: int, nbytes: int) -> torch.Tensor:
         """Where this rank puts its shard of the bucket in ``slot`` (the first ``nbytes`` of its row)."""
-        return self._rows[slot, self.rank, :nbytes]
+        return self._rows[slot, self.own_row, :nbytes]
 
     def gathered(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Every rank's shard of ``slot``, [size x nbytes], in place (strided when the bucket is smaller than
+        """Every row's shard of ``slot``, [rows x nbytes], in place (strided when the bucket is smaller than
         the row: consumers read each rank's row, so no copy makes it contiguous)."""
         return self._rows[slot, :, :nbytes]
 
@@ -72,7 +80,7 @@ class HostGather:
         return dist.barrier(group=self.group, async_op=True)
 
 
-_cache: dict[tuple[int, ...], HostGather] = {}
+_cache: dict[tuple, HostGather] = {}  # (the group's ranks..., rows) -> its buffer
 
 
 def _one_host(group: dist.ProcessGroup) -> bool:
@@ -89,14 +97,15 @@ def _room_for(nbytes: int) -> bool:
     return stats.f_bavail * stats.f_frsize > 2 * nbytes  # touching a tmpfs page past its size is SIGBUS
 
 
-def host_gather_for(group: dist.ProcessGroup, shard_bytes: int) -> HostGather | None:
+def host_gather_for(group: dist.ProcessGroup, shard_bytes: int, rows: int | None = None,
+                    row: int | None = None) -> HostGather | None:
     """The group's shared gather buffer (made once, grown when a larger shard comes), taken for one export
-    (``release`` it at the export's end), or None where the group must use its backend's all-gather: NCCL,
+    (``release`` it at the export's end), or None where the group must use its backend's collectives: NCCL,
     members on several hosts, no /dev/shm room, off, or the buffer held by another export. Every member
-    must call it together with the same ``shard_bytes`` (it runs collectives)."""
+    must call it together with the same arguments (it runs collectives); ``rows``/``row`` as ``HostGather``."""
     if not enabled or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
         return None
-    key = tuple(dist.get_process_group_ranks(group))
+    key = (*dist.get_process_group_ranks(group), rows)
     cached = _cache.get(key)
     if cached is not None and cached.in_use:
         return None  # another export on this group is still running (iterated together with this one)
@@ -105,13 +114,13 @@ def host_gather_for(group: dist.ProcessGroup, shard_bytes: int) -> HostGather | 
         cached.in_use = True
         return cached
     # every member decides on the same facts: one host, and room on every member's /dev/shm
-    verdict = torch.tensor([int(_room_for(2 * len(key) * shard_bytes))])
+    verdict = torch.tensor([int(_room_for(2 * (rows or dist.get_world_size(group)) * shard_bytes))])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
     if not verdict.item() or not _one_host(group):
         log.info("TP gather over %s for ranks %s (no shared /dev/shm room or several hosts)",
                  dist.get_backend(group), key)
         return None
     _cache.pop(key, None)  # too small, or made for an earlier group of the same ranks (parallel state rebuilt)
-    _cache[key] = HostGather(group, shard_bytes)  # its barriers order it after every earlier use
+    _cache[key] = HostGather(group, shard_bytes, rows=rows, row=row)  # its barriers order it after every earlier use
     _cache[key].in_use = True
     return _cache[key]

@@ -265,6 +265,10 @@ class _Transfer:
     def start_pipeline(self) -> _Transfer:
         ctx, bucket = self.ctx, self.bucket
         expert_shard = self._expert_parallel_step()
+        if ctx.host_wide:  # the owning stage writes the host's shared rows; every stage reads them (no broadcast)
+            if bucket.stage == ctx.pp_rank:
+                self._pack(ctx.host_gather.row(self._host_slot, bucket.shard_bytes))
+            return self
         receivers = [s for s in range(ctx.pp_size) if s != bucket.stage and ctx.needs_shards[s]]
         if bucket.stage == ctx.pp_rank:
             if not receivers and not ctx.needs_shards[ctx.pp_rank]:
@@ -297,6 +301,9 @@ class _Transfer:
     def start_tensor_parallel(self) -> _Transfer:
         self._wait()
         ctx = self.ctx
+        if ctx.host_wide:  # every rank of the model-parallel group, consumer or not, enters each bucket's barrier
+            self._works.append(ctx.host_gather.publish())
+            return self
         if not ctx.needs_shards[ctx.pp_rank]:
             self.shard = None
             return self
@@ -355,6 +362,7 @@ class _ExportContext:
     etp_size: int = 1
     ep_owner: dict | None = None
     host_gather: HostGather | None = None  # CPU ranks of one host: the TP step through shared memory
+    host_wide: bool = False  # that buffer spans the model-parallel group: it is the pipeline step too
     _staging: dict | None = None
     _host_buckets: int = 0  # buckets given a slot of the shared buffer so far
 
@@ -363,7 +371,7 @@ class _ExportContext:
         bucket, in order. The slots alternate over these buckets only: a bucket without a TP step (experts at
         expert-TP 1) publishes no barrier, so it must not take a slot either, or a rank could write the row
         of the slot in use two buckets ago while another rank still reads it (host_gather's slot rule)."""
-        if self.host_gather is None or self.split_of(bucket) == 1:
+        if self.host_gather is None or (self.split_of(bucket) == 1 and not self.host_wide):
             return None
         self._host_buckets += 1
         return (self._host_buckets - 1) % 2
@@ -474,6 +482,18 @@ def _add_expert_parallel(ctx: _ExportContext, ep_owner: dict[str, int] | None) -
             )
 
 
+def _take_host_buffer(ctx: _ExportContext, shard_bytes: int) -> None:
+    """Gloo ranks of one host move the bucket's shards through shared memory: at PP > 1 (no EP) one buffer over
+    the model-parallel group with a row per TP rank, written by the owning stage (no pipeline broadcast);
+    else the TP group's, for the TP step only. Where it cannot (NCCL, several hosts, no room), the collectives."""
+    if ctx.pp_size > 1 and ctx.ep_owner is None:
+        group = parallel_state.get_model_parallel_group()
+        ctx.host_gather = host_gather_for(group, shard_bytes, rows=ctx.tp_size, row=dist.get_rank(ctx.tp_group))
+        ctx.host_wide = ctx.host_gather is not None
+    elif ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:
+        ctx.host_gather = host_gather_for(ctx.tp_group, shard_bytes)
+
+
 def export_hf_buckets(model_chunks: list[torch.nn.Module], plan: ExportPlan = ExportPlan()) -> Iterator[WeightBucket]:
     """Yield sealed HF-layout ``WeightBucket``s (checkpoint order) on the plan's consumer ranks; a collective
     (module docstring) that every rank of the model-parallel group must iterate to the end."""
@@ -485,8 +505,7 @@ def export_hf_buckets(model_chunks: list[torch.nn.Module], plan: ExportPlan = Ex
     )
     if not buckets:
         return
-    if ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:
-        ctx.host_gather = host_gather_for(ctx.tp_group, max(b.shard_bytes for b in buckets))
+    _take_host_buffer(ctx, max(b.shard_bytes for b in buckets))
     try:
         pending = _Transfer(ctx, buckets[0], 0).start_pipeline().start_tensor_parallel()
         for k, bucket in enumerate(buckets):

@@ -5,6 +5,7 @@ bit for bit even when the ranks run at different speeds (a slow consumer, a fast
 ahead into the next buckets or the next export: the slot reuse must not overwrite a bucket still being
 read; two exports iterated together must not share the buffer), no TP all-gather
 runs, and no file is left in /dev/shm. Off (``host_gather.enabled``) it falls back to gloo's all-gather.
+At PP > 1 the buffer spans the model-parallel group and is the pipeline step too: no shard is broadcast.
 """
 
 from __future__ import annotations
@@ -147,3 +148,65 @@ def test_switched_off_it_falls_back_to_gloo_all_gather_with_the_same_bytes(resul
     rank0 = results[0]
     assert sum(rank0["fallback_calls"].values()) > 0
     assert rank0["fallback_mismatch"] == []
+
+
+def raced_pipeline_exports(ckpt_dir: str, tp: int, pp: int) -> dict:
+    """Every rank consuming, then rank 0 only (slow, the others racing ahead), then back-to-back exports whose
+    consumer converts late: each consumer gets the tensorwise export's bytes, and no shard crosses gloo."""
+    from megatron_rl.distributed import host_gather, init_model_parallel
+    from megatron_rl.models import build_from_hf
+    from megatron_rl.weights import export, export_hf_weights, export_hf_weights_tensorwise
+
+    init_model_parallel(tp=tp, pp=pp)
+    chunks = build_from_hf(ckpt_dir)
+    reference = {name: t.clone() for name, t in export_hf_weights_tensorwise(chunks)}
+    moved = {"shard transfers": 0}
+    originals = {name: getattr(dist, name) for name in ("broadcast", "isend", "irecv", "all_gather_single",
+                                                         "all_gather_into_tensor") if hasattr(dist, name)}
+
+    def counting(fn):
+        def call(tensor, *args, **kwargs):  # object broadcasts (the buffer's name) are a few hundred bytes
+            moved["shard transfers"] += tensor.numel() * tensor.element_size() > 1024
+            return fn(tensor, *args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(fn))
+    rank, convert = dist.get_rank(), export._hf_bucket
+    try:
+        every = {n: t.clone() for n, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES)}
+        rank0 = {}
+        for k, (name, tensor) in enumerate(export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES, consumers={0})):
+            rank0[name] = tensor.clone()
+            if k % 3 == 0:
+                time.sleep(0.02)
+        export._hf_bucket = lambda *a: (time.sleep(0.02 if rank == 0 else 0), convert(*a))[1]
+        late = [{n: t.clone() for n, t in export_hf_weights(chunks, bucket_bytes=b)} for b in (BUCKET_BYTES, 12 << 10)]
+    finally:
+        export._hf_bucket = convert
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    host_gather.enabled = False
+    fallback = {n: t.clone() for n, t in export_hf_weights(chunks, bucket_bytes=BUCKET_BYTES)}
+    host_gather.enabled = True
+    got = [every, *late, fallback] + ([rank0] if rank == 0 else [])
+    out = {"moved": moved["shard transfers"], "rank0_only_received": len(rank0),
+           "mismatch": sorted({n for g in got for n, t in reference.items() if n not in g or not torch.equal(g[n], t)})}
+    dist.barrier()
+    owner = [os.getpid()]
+    dist.broadcast_object_list(owner, src=0)
+    out["leftover_files"] = glob.glob(f"/dev/shm/megatron-rl-gather-{owner[0]}-*")
+    return out
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+def test_pipeline_stages_share_the_buffer_and_broadcast_no_shard(tmp_path, tp, pp):
+    from megatron_rl_testing.tiny_models import make_tiny_hf_checkpoint
+
+    model = make_tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2", with_tokenizer=False)
+    results = run_multiprocess(raced_pipeline_exports, tp * pp, str(model), tp, pp, timeout_s=300)
+    for rank, out in enumerate(results):
+        assert out["mismatch"] == [], (rank, out["mismatch"])
+        assert out["moved"] == 0, (rank, out["moved"])
+        assert out["leftover_files"] == []
+    assert results[0]["rank0_only_received"] > 0 and all(r["rank0_only_received"] == 0 for r in results[1:])
