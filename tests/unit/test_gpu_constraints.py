@@ -4,21 +4,32 @@
 trainer's (constraints/gpu-megatron.txt: Megatron-Core, Transformer Engine), both on CUDA 13.0 wheels. The pins
 are checked against pyproject.toml offline; the resolver is asked with metadata only (``pip install --dry-run
 --report``: no wheel is installed, and PyPI serves wheel metadata without the wheel) and the test skips, saying
-so, when the index is unreachable."""
+so, when the index is unreachable.
+
+A successful resolution is kept outside the clone (``~/.cache/megatron-rl/gpu-resolve/<key>.json``;
+``MEGATRON_RL_GPU_RESOLVE_CACHE``: another folder, or ``off``), so clean clones on one machine resolve once: the
+key (``resolve_key``) hashes all that decides pip's answer (pip's arguments with each constraints file as its
+text and its includes' texts, not its path; pip's and Python's versions and environment markers; the PIP_*
+settings pip sees; the listing of any local index or find-links folder they name). A changed input misses and
+resolves for real, a failed resolution is never kept, and an entry older than RESOLVE_CACHE_MAX_AGE_S resolves
+again (the index can change under the unpinned packages) and is removed when another is kept. The assertions
+run on the kept report as on a new one."""
 from __future__ import annotations
 
 import email.parser
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
+import time
 import tomllib
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +45,9 @@ TRAINER = ROOT / "constraints" / "gpu-megatron.txt"  # Megatron-Core and Transfo
 UNREACHABLE = ("Network is unreachable", "Failed to establish a new connection", "Temporary failure in name "
                "resolution", "Could not fetch URL", "No matching distribution found for sglang==",
                "Name or service not known", "Connection refused", "timed out")
+PIP_FLAGS = ("install", "--dry-run", "--ignore-installed", "--prefer-binary", "--disable-pip-version-check")
+RESOLVE_CACHE_ENV = "MEGATRON_RL_GPU_RESOLVE_CACHE"  # a folder for the kept resolutions, or "off"
+RESOLVE_CACHE_MAX_AGE_S = 7 * 24 * 3600  # then resolve again: new releases of unpinned packages can change it
 
 
 def constraints_file(engine: str) -> Path:
@@ -93,26 +107,102 @@ def _pip_environment() -> dict[str, str]:
     return env
 
 
+def _constraint_texts(path: Path) -> list[str]:
+    """A constraints file's text and those of the files it includes, in pip's order (not their paths)."""
+    text = path.read_text()
+    out = [text]
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-c "):
+            out += _constraint_texts(path.parent / line[3:].strip())
+    return out
+
+
+def _local_listing(entry: str) -> list[list]:
+    """Every file under a local index or find-links folder (``file://`` URL or path) with its size; [] for a URL."""
+    folder = Path(urllib.parse.urlparse(entry).path if entry.startswith("file:") else entry)
+    if "://" in entry and not entry.startswith("file:") or not folder.is_dir():
+        return []
+    return sorted([str((Path(top) / name).relative_to(folder)), (Path(top) / name).stat().st_size]
+                  for top, _, names in os.walk(folder) for name in names)
+
+
+def _pip_version() -> str:
+    return importlib.metadata.version("pip")  # the pip of sys.executable, the one PipResolution runs
+
+
+def resolve_key(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """sha256 of all that decides what ``pip <args>`` answers under ``env`` (the module docstring's list)."""
+    inputs = {
+        "args": [_constraint_texts(Path(arg)) if before in ("-c", "--constraint") else arg
+                 for before, arg in zip(["", *args], args)],
+        "pip": _pip_version(), "python": sys.version, "markers": default_environment(),
+        "pip_env": {name: value for name, value in env.items() if name.startswith("PIP_")},
+        "local": {entry: _local_listing(entry) for name in ("PIP_INDEX_URL", "PIP_FIND_LINKS")
+                  for entry in env.get(name, "").split()},
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def resolve_cache_file(key: str) -> Path | None:
+    """Where the resolution of ``key`` is kept; None when ``MEGATRON_RL_GPU_RESOLVE_CACHE=off``."""
+    folder = os.environ.get(RESOLVE_CACHE_ENV) or str(Path.home() / ".cache" / "megatron-rl" / "gpu-resolve")
+    return None if folder == "off" else Path(folder) / f"{key}.json"
+
+
+def _kept_report(cache_file: Path | None) -> dict | None:
+    try:
+        if cache_file is None or time.time() - cache_file.stat().st_mtime > RESOLVE_CACHE_MAX_AGE_S:
+            return None
+        return json.loads(cache_file.read_text())
+    except (OSError, ValueError):  # none kept, or a torn or unreadable file: resolve
+        return None
+
+
+def _keep_report(cache_file: Path | None, report: dict) -> None:
+    if cache_file is None:
+        return
+    try:  # written whole, then renamed: a test reading it at the same time sees the old file or the new one
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(report))
+        os.replace(partial, cache_file)
+        for entry in cache_file.parent.glob("*.json"):  # entries no run reads again (~3 MB each)
+            if time.time() - entry.stat().st_mtime > RESOLVE_CACHE_MAX_AGE_S:
+                entry.unlink(missing_ok=True)
+    except OSError:  # a read-only home: the next run resolves again
+        pass
+
+
 @dataclass
 class PipResolution:
     """One `pip install --dry-run --report` running in the background, its output in a log file (a pipe would
-    stall it while the test waits on another)."""
+    stall it while the test waits on another); or, with ``proc`` None, the report kept from an earlier run of the
+    same key."""
     what: str
     cmd: list[str]
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None
     log: Path
     report_path: Path
+    cache_file: Path | None = None
+    kept: dict | None = None
 
     @classmethod
     def start(cls, folder: Path, what: str, *args: str) -> PipResolution:
         report_path, log = folder / "report.json", folder / "pip.log"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--prefer-binary",
-               "--disable-pip-version-check", "--report", str(report_path), *args]
+        cmd = [sys.executable, "-m", "pip", *PIP_FLAGS, "--report", str(report_path), *args]
+        env = _pip_environment()
+        cache_file = resolve_cache_file(resolve_key([*PIP_FLAGS, *args], env))
+        kept = _kept_report(cache_file)
+        if kept is not None:
+            return cls(what, cmd, None, log, report_path, cache_file, kept)
         with log.open("w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_pip_environment())
-        return cls(what, cmd, proc, log, report_path)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return cls(what, cmd, proc, log, report_path, cache_file)
 
     def report(self) -> dict:
+        if self.proc is None:
+            return self.kept
         try:
             self.proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -123,10 +213,12 @@ class PipResolution:
         if self.proc.returncode != 0 and any(marker in output for marker in UNREACHABLE):
             pytest.skip(f"the package index is unreachable, {self.what} was not resolved: {output[-500:]}")
         assert self.proc.returncode == 0, f"pip cannot resolve {self.what}:\n{' '.join(self.cmd)}\n{output[-4000:]}"
-        return json.loads(self.report_path.read_text())
+        report = json.loads(self.report_path.read_text())
+        _keep_report(self.cache_file, report)
+        return report
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 
@@ -222,3 +314,91 @@ def test_install_script_names_the_environments_when_refusing_an_engine():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("install_gpu.sh: no GPU environment 'hf' (constraints/gpu-hf.txt does not exist); "
                                    f"one of: {' '.join(ENGINES)}")
+
+
+class _FakePip:
+    """subprocess.Popen for PipResolution: answers ``returncode`` at once, writing a report of one package."""
+    started: list[list[str]] = []
+    returncode = 0
+
+    def __init__(self, cmd, stdout, stderr, env) -> None:
+        _FakePip.started.append(cmd)
+        stdout.write("ResolutionImpossible" if self.returncode else "Would install torch-2.13.0")
+        report = cmd[cmd.index("--report") + 1]
+        Path(report).write_text(json.dumps({"install": [{"metadata": {"name": "torch", "version": "2.13.0"}}]}))
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+@pytest.fixture
+def resolve_inputs(tmp_path, monkeypatch):
+    """Two constraints files (one including the other), an empty find-links folder in pip's environment, the
+    kept resolutions in tmp_path/cache, and pip faked."""
+    folder = tmp_path / "clone" / "constraints"
+    folder.mkdir(parents=True)
+    (folder / "gpu-x.txt").write_text("-c gpu-base.txt\nx==1.0\n")
+    (folder / "gpu-base.txt").write_text("torch==2.13.0\n")
+    (tmp_path / "wheels").mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "_pip_environment",
+                        lambda: {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(tmp_path / "wheels")})
+    monkeypatch.setenv(RESOLVE_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(subprocess, "Popen", _FakePip)
+    monkeypatch.setattr(_FakePip, "started", [])
+    return ["-c", str(folder / "gpu-x.txt"), "x[gpu]"]
+
+
+def test_the_resolve_key_changes_with_every_input_and_not_with_the_clones_path(resolve_inputs, tmp_path, monkeypatch):
+    env = {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(tmp_path / "wheels")}
+    key = resolve_key(resolve_inputs, env)
+    other_clone = tmp_path / "other" / "constraints"
+    other_clone.mkdir(parents=True)
+    for name in ("gpu-x.txt", "gpu-base.txt"):
+        (other_clone / name).write_text((Path(resolve_inputs[1]).parent / name).read_text())
+    assert resolve_key(["-c", str(other_clone / "gpu-x.txt"), "x[gpu]"], env) == key
+    assert resolve_key([*resolve_inputs[:2], "x[gpu,more]"], env) != key  # a requirement, a pyproject extra
+    assert resolve_key(resolve_inputs, {**env, "PIP_INDEX_URL": "https://example.org/simple"}) != key
+    changed = []
+    (other_clone / "gpu-base.txt").write_text("torch==2.14.1\n")  # an included file
+    changed.append(resolve_key(["-c", str(other_clone / "gpu-x.txt"), "x[gpu]"], env))
+    (tmp_path / "wheels" / "torch-2.13.0-py3-none-any.whl").write_bytes(b"w")  # the find-links listing
+    changed.append(resolve_key(resolve_inputs, env))
+    (tmp_path / "wheels" / "torch-2.13.0-py3-none-any.whl").unlink()
+    pip_version = _pip_version
+    monkeypatch.setattr(sys.modules[__name__], "_pip_version", lambda: "0.1")
+    changed.append(resolve_key(resolve_inputs, env))
+    monkeypatch.setattr(sys.modules[__name__], "_pip_version", pip_version)
+    monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+    changed.append(resolve_key(resolve_inputs, env))
+    assert key not in changed and len(set(changed)) == len(changed), changed
+
+
+def test_a_kept_resolution_skips_pip_a_changed_input_or_an_old_one_runs_it(resolve_inputs, tmp_path):
+    first = PipResolution.start(tmp_path, "x", *resolve_inputs)
+    assert first.report()["install"][0]["metadata"]["version"] == "2.13.0"
+    assert len(_FakePip.started) == 1 and first.cache_file.parent == tmp_path / "cache"
+    second = PipResolution.start(tmp_path, "x", *resolve_inputs)  # another clean clone on this machine
+    assert second.proc is None and second.report() == first.report() and len(_FakePip.started) == 1
+    Path(resolve_inputs[1]).write_text("-c gpu-base.txt\nx==1.1\n")
+    third = PipResolution.start(tmp_path, "x", *resolve_inputs)
+    assert third.proc is not None and third.report() and len(_FakePip.started) == 2
+    old = time.time() - RESOLVE_CACHE_MAX_AGE_S - 60
+    os.utime(third.cache_file, (old, old))
+    os.utime(first.cache_file, (old, old))
+    fourth = PipResolution.start(tmp_path, "x", *resolve_inputs)
+    assert fourth.proc is not None and fourth.report() and len(_FakePip.started) == 3
+    # the old entry read again is renewed, the other old one removed
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [third.cache_file.name]
+
+
+def test_a_failed_resolution_is_not_kept(resolve_inputs, tmp_path, monkeypatch):
+    monkeypatch.setattr(_FakePip, "returncode", 1)
+    with pytest.raises(AssertionError, match="pip cannot resolve"):
+        PipResolution.start(tmp_path, "x", *resolve_inputs).report()
+    assert not (tmp_path / "cache").exists()
+    monkeypatch.setattr(_FakePip, "returncode", 0)
+    PipResolution.start(tmp_path, "x", *resolve_inputs).report()
+    assert len(_FakePip.started) == 2 and len(list((tmp_path / "cache").iterdir())) == 1
