@@ -6,7 +6,11 @@ mapping. The plain versions are what one writes first: a Python loop over groups
 timesteps (GAE), each timed once. Each test checks both agree, then records the speed-up (ours =
 best of 3 rounds) in extra_info["speedup"] and prints it:
 
-    pytest benchmarks/test_algos_advantage.py -s --benchmark-columns=min,mean,rounds
+    MEGATRON_RL_VERL_PATH=.cache/verl-oracle \
+        pytest benchmarks/test_algos_advantage.py -s --benchmark-columns=min,mean,rounds
+
+GRPO is also timed against verl 0.9.1's own vectorised ``compute_grpo_vectorized_outcome_advantage`` on the
+same inputs (``make verl-oracle`` installs it into .cache/verl-oracle; the test skips without it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 from megatron_rl import algos
+from megatron_rl_testing.verl_oracle import verl_module
 
 PROMPTS, SAMPLES, LENGTH = 512, 16, 1024
 BATCH = PROMPTS * SAMPLES
@@ -77,12 +82,13 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def record(benchmark, plain_s: float) -> None:
-    """The speed-up against the plain version, kept in the saved JSON and printed (run with -s)."""
+def record(benchmark, plain_s: float, reference: str = "plain torch") -> None:
+    """The speed-up against the reference, kept in the saved JSON and printed (run with -s)."""
     ours_s = benchmark.stats.stats.min
-    benchmark.extra_info.update(plain_torch_s=round(plain_s, 4), speedup=round(plain_s / ours_s, 2))
+    key = reference.replace(" ", "_")
+    benchmark.extra_info.update({f"{key}_s": round(plain_s, 4), "speedup": round(plain_s / ours_s, 2)})
     print(
-        f"\n{benchmark.name}: megatron_rl {ours_s * 1e3:.1f} ms, plain torch {plain_s * 1e3:.1f} ms, "
+        f"\n{benchmark.name}: megatron_rl {ours_s * 1e3:.1f} ms, {reference} {plain_s * 1e3:.1f} ms, "
         f"speed-up {plain_s / ours_s:.1f}x"
     )
 
@@ -96,6 +102,29 @@ def test_grpo_end_to_end(benchmark, rollout):
     expected, plain_s = timed(lambda: plain_grpo(rewards, mask, uids))
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
     record(benchmark, plain_s)
+
+
+@pytest.mark.benchmark(group="algos-advantage")
+def test_grpo_against_verl_vectorized(benchmark, rollout):
+    """Ours against verl's vectorised GRPO, best of ROUNDS each, from the same inputs to the same advantages.
+
+    Our ``compute_grpo_vectorized_outcome_advantage`` (verl's name) is ``compute_grpo_outcome_advantage``.
+    """
+    core_algos = verl_module("verl.trainer.ppo.core_algos")  # skips: "verl oracle unavailable (...)"
+    rewards, _, mask, uids = rollout
+
+    def verl_grpo():
+        return core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, uids)[0]
+
+    ours, _ = benchmark.pedantic(
+        algos.compute_grpo_outcome_advantage, args=(rewards, mask, uids), rounds=ROUNDS, warmup_rounds=1
+    )
+    theirs, verl_s = timed(verl_grpo)
+    verl_s = min([verl_s] + [timed(verl_grpo)[1] for _ in range(ROUNDS - 1)])
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    twin, _ = algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, uids)
+    torch.testing.assert_close(twin, theirs, atol=1e-5, rtol=1e-5)
+    record(benchmark, verl_s, "verl vectorized")
 
 
 @pytest.mark.benchmark(group="algos-advantage")

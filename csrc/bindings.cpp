@@ -68,10 +68,19 @@ LogProbRows make_rows(const Tensor& logits, const Tensor& labels, int64_t vocab_
                      inv_temperature, ignore_index};
 }
 
+// A large output in a block kept from an earlier step (cpu/block_cache.cpp), a small one from torch.
+Tensor cpu_output(at::IntArrayRef shape, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * options.dtype().itemsize();
+  if (bytes < cpu::kMinCachedBytes) return at::empty(shape, options);
+  const cpu::CachedBlock block = cpu::take_cached_block(bytes);
+  return at::from_blob(block.ptr, shape, [block](void*) { cpu::give_cached_block(block); }, options);
+}
+
 struct CpuKernels {
   struct Guard {
     explicit Guard(const at::Device&) {}
   };
+  static Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& o) { return cpu_output(shape, o); }
   static void log_prob_stats(const LogProbRows& r, void* stats) { cpu::log_prob_stats(r, stats); }
   static void log_prob_merge(const LogProbMerge& m) { cpu::log_prob_merge(m); }
   static void log_prob_backward(const LogProbGrad& g) { cpu::log_prob_backward(g); }
@@ -90,6 +99,7 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 struct CudaKernels {
   using Guard = c10::cuda::CUDAGuard;  // launch on the tensors' device and its current stream
+  static Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& o) { return at::empty(shape, o); }
   static void log_prob_stats(const LogProbRows& r, void* s) { check_cuda(cuda::log_prob_stats(r, s, stream()), "log_prob_stats"); }
   static void log_prob_merge(const LogProbMerge& m) { check_cuda(cuda::log_prob_merge(m, stream()), "log_prob_merge"); }
   static void log_prob_backward(const LogProbGrad& g) { check_cuda(cuda::log_prob_backward(g, stream()), "log_prob_backward"); }
@@ -176,7 +186,7 @@ Tensor log_prob_backward(const Tensor& logits_in, const Tensor& labels_in, const
                 row_max.data_ptr(), log_sum.data_ptr(), entropy.data_ptr(),
                 grad_ptr(grad_log_probs, glp_holder, rows, acc, "grad_log_probs"),
                 grad_ptr(grad_entropy, gh_holder, rows, acc, "grad_entropy"), nullptr};
-  Tensor grad_logits = at::empty({rows, logits.size(1)}, logits.options());
+  Tensor grad_logits = K::empty_output({rows, logits.size(1)}, logits.options());
   g.grad_logits = grad_logits.data_ptr();
   if (rows > 0) K::log_prob_backward(g);
   return grad_logits;
@@ -248,6 +258,34 @@ Tensor group_normalize(const Tensor& scores_in, const Tensor& group_index_in, in
   return out;
 }
 
+// CPU only: on CUDA torch's broadcast multiply is one pass already and its caching allocator reuses blocks.
+Tensor masked_broadcast(const Tensor& values_in, const Tensor& mask_in) {
+  TORCH_CHECK_VALUE(mask_in.dim() == 2, "mask must be [B, T], got ", mask_in.sizes());
+  TORCH_CHECK_TYPE(mask_in.scalar_type() == at::kFloat || mask_in.scalar_type() == at::kBool,
+                   "mask must be float32 or bool, got ", mask_in.scalar_type());
+  TORCH_CHECK_TYPE(values_in.scalar_type() == at::kFloat, "values must be float32, got ", values_in.scalar_type());
+  TORCH_CHECK_VALUE(values_in.dim() == 1 && values_in.size(0) == mask_in.size(0), "values must be [",
+                    mask_in.size(0), "], got ", values_in.sizes());
+  const Tensor values = values_in.contiguous(), mask = mask_in.contiguous();
+  Tensor out = cpu_output(mask.sizes(), values.options());
+  if (out.numel() > 0) {
+    cpu::masked_broadcast(MaskedBroadcastArgs{values.data_ptr<float>(), mask.data_ptr(),
+                                              mask.scalar_type() == at::kBool, mask.size(0), mask.size(1),
+                                              out.data_ptr<float>()});
+  }
+  return out;
+}
+
+// CPU only, as masked_broadcast.
+Tensor row_sums(const Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x must be [B, T], got ", x_in.sizes());
+  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kFloat, "x must be float32, got ", x_in.scalar_type());
+  const Tensor x = x_in.contiguous();
+  Tensor out = at::empty({x.size(0)}, x.options());
+  cpu::row_sums(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<float>());
+  return out;
+}
+
 template <typename K>
 void register_kernels(torch::Library& m) {
   m.impl("log_prob_stats", &log_prob_stats<K>);
@@ -272,9 +310,15 @@ TORCH_LIBRARY(megatron_rl, m) {
         "-> (Tensor, Tensor)");
   m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean) -> Tensor");
   m.def("group_normalize(Tensor scores, Tensor group_index, int num_groups, str mode, float epsilon) -> Tensor");
+  m.def("masked_broadcast(Tensor values, Tensor mask) -> Tensor");
+  m.def("row_sums(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(megatron_rl, CPU, m) { megatron_rl::register_kernels<megatron_rl::CpuKernels>(m); }
+TORCH_LIBRARY_IMPL(megatron_rl, CPU, m) {
+  megatron_rl::register_kernels<megatron_rl::CpuKernels>(m);
+  m.impl("masked_broadcast", &megatron_rl::masked_broadcast);
+  m.impl("row_sums", &megatron_rl::row_sums);
+}
 
 #ifdef MEGATRON_RL_WITH_CUDA
 TORCH_LIBRARY_IMPL(megatron_rl, CUDA, m) { megatron_rl::register_kernels<megatron_rl::CudaKernels>(m); }
@@ -289,4 +333,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("cpu_isa", [] { return std::string(megatron_rl::cpu::log_prob_isa()); },
         "Instruction set the CPU log-prob kernels use on this machine");
+  m.def("release_cpu_cache", [] { return megatron_rl::cpu::release_cached_blocks(); },
+        "Frees the large CPU output blocks kept for reuse; returns their bytes");
 }

@@ -89,4 +89,14 @@ struct GroupNormArgs {
   float* out;
 };
 
+// [rows] fp32 values times a [rows, cols] fp32 or bool mask, into [rows, cols] fp32; all contiguous.
+struct MaskedBroadcastArgs {
+  const float* values;
+  const void* mask;
+  bool mask_is_bool;
+  int64_t rows;
+  int64_t cols;
+  float* out;
+};
+
 }  // namespace megatron_rl

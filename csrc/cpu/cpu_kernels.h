@@ -1,6 +1,8 @@
 // CPU kernels behind the raw-pointer argument blocks of kernel_args.h (ATen parallel_for inside).
 #pragma once
 
+#include <cstddef>
+
 #include "../kernel_args.h"
 
 namespace megatron_rl::cpu {
@@ -25,6 +27,23 @@ void masked_gae(const GaeArgs& args);
 double masked_whiten_stats(const WhitenArgs& args);
 void masked_whiten_apply(const WhitenArgs& args);
 void group_normalize(const GroupNormArgs& args);
+
+// Large outputs reuse freed blocks instead of faulting in fresh pages (block_cache.cpp). Smaller ones
+// come from torch's allocator: malloc keeps those in its heap already.
+constexpr size_t kMinCachedBytes = size_t(4) << 20;
+struct CachedBlock {
+  void* ptr;     // 64-byte aligned
+  size_t bytes;  // >= the bytes asked for
+};
+CachedBlock take_cached_block(size_t bytes);
+// Called when the block's tensor dies; the cache keeps the last two freed blocks.
+void give_cached_block(CachedBlock block);
+// Frees the kept blocks; returns their bytes.
+size_t release_cached_blocks();
+// out[r, t] = values[r] * mask[r, t]: a per-response scalar broadcast over the response (GRPO's advantages).
+void masked_broadcast(const MaskedBroadcastArgs& args);
+// out[r] = sum_t x[r, t] over a contiguous [rows, cols] fp32 block (the responses' outcome scores).
+void row_sums(const float* x, int64_t rows, int64_t cols, float* out);
 
 // Implemented in log_probs_avx2.cpp (stubs where the compiler cannot target AVX2).
 bool avx2_kernels_compiled();

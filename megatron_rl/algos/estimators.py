@@ -118,7 +118,7 @@ def list_adv_estimators() -> list[str]:
 def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Per-response score s_i = sum_t r_it (verl sums all columns, masked or not)."""
     check_token_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    scores = token_level_rewards.float().sum(dim=-1)
+    scores = ops.row_sums(token_level_rewards)
     check_finite("token_level_rewards", scores)
     return scores
 
@@ -170,7 +170,7 @@ def compute_grpo_outcome_advantage(
     """
     mode = "grpo" if norm_adv_by_std_in_grpo else "grpo_mean"
     per_response = _group_outcome(token_level_rewards, response_mask, index, mode, epsilon)
-    advantages = per_response.unsqueeze(-1) * response_mask
+    advantages = ops.masked_broadcast(per_response, response_mask)
     return advantages, advantages
 
 

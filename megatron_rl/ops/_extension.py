@@ -63,6 +63,13 @@ def backend_summary() -> str:
     return f"compiled: cpu ({ext.cpu_isa()})" + (", cuda" if ext.cuda_compiled else "")
 
 
+def release_cpu_cache() -> int:
+    """Frees the large CPU outputs' blocks (log-prob gradients, broadcast advantages) that the kernels keep
+    for the next step's outputs (at most two); returns their bytes (0 without the extension)."""
+    ext = _load()
+    return 0 if ext is None else ext.release_cpu_cache()
+
+
 @functools.cache  # once per process, even if _load's cache is cleared
 def _register_fakes() -> None:
     def acc_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -105,3 +112,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("megatron_rl::group_normalize")
     def _(scores, group_index, num_groups, mode, epsilon):
         return scores.new_empty(scores.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("megatron_rl::masked_broadcast")
+    def _(values, mask):
+        return mask.new_empty(mask.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("megatron_rl::row_sums")
+    def _(x):
+        return x.new_empty(x.shape[:1], dtype=torch.float32)

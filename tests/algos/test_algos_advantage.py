@@ -105,3 +105,28 @@ def test_estimator_returning_the_wrong_shape_is_caught():
         ValueError, match=r"'test_bad_shape' returned advantages of shape \(9, 1\), expected \(9, 6\)"
     ):
         algos.compute_advantage(rollout_batch(), "test_bad_shape")
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_grpo_on_a_large_batch_matches_the_formula(mask_dtype):
+    """The CPU fast path (serial row sums, broadcast into a reused block) on a batch over 4 MiB, twice."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [16] * 70 + [1, 3]  # with a group of one
+    n = sum(sizes)
+    mask = random_mask(n, 1001, gen).to(mask_dtype)
+    rewards = outcome_rewards(mask.float(), torch.randint(0, 2, (n,), generator=gen).float())
+    rewards += torch.randn(n, 1001, generator=gen) * 0.01 * mask
+    uids = grouped_uids(sizes)
+    scores = rewards.sum(dim=-1)
+    expected = torch.empty(n)
+    start = 0
+    for size in sizes:
+        group = scores[start : start + size]
+        std = group.std() if size > 1 else torch.tensor(1.0)
+        expected[start : start + size] = (group - (group.mean() if size > 1 else 0)) / (std + 1e-6)
+        start += size
+    for _ in range(2):
+        advantages, returns = algos.compute_grpo_outcome_advantage(rewards, mask, uids)
+        assert advantages is returns and advantages.dtype == torch.float32
+        torch.testing.assert_close(advantages, expected.unsqueeze(-1) * mask, rtol=1e-5, atol=1e-5)
+        del advantages, returns

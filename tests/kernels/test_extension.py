@@ -32,10 +32,12 @@ def op_samples():
         ("masked_gae", (rewards, rewards, mask, 0.99, 0.95)),
         ("masked_whiten", (rewards, mask, True)),
         ("group_normalize", (scores, groups, 3, "grpo", 1e-6)),
+        ("masked_broadcast", (scores[:3], mask)),
+        ("row_sums", (rewards,)),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(8))
 def test_op_registration(index):
     name, args = op_samples()[index]
     torch.library.opcheck(
