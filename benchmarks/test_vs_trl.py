@@ -63,7 +63,7 @@ OURS = {name: LAYOUTS[name]
         for name in os.environ.get("MRL_BENCH_LAYOUTS", "tp2x2ranks,preset").split(",")}
 TRL_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_TRL_THREADS", "1,2").split(",")]
 # torch threads of our one-process layouts (a Ray rank has one); "1,2" runs each at both, as TRL is
-OUR_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_OUR_THREADS", "1").split(",")]
+OUR_THREADS = [int(t) for t in os.environ.get("MRL_BENCH_OUR_THREADS", "1,2").split(",")]
 # MRL_BENCH_SAME_TIME=1: start every trainer at once instead of one after the other (on a machine shared with
 # other jobs, trainers run minutes apart see different loads; run at once, their CPU seconds compare)
 SAME_TIME = os.environ.get("MRL_BENCH_SAME_TIME", "0") == "1"
