@@ -28,9 +28,12 @@ if vllm_missing() and not os.environ.get("CI"):
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# |rollout log-prob - trainer log-prob|: same weights, same dtype, other kernels (2.0e-5 the largest seen, over
-# 250 demo steps; a bf16 mismatch is ~1e-2)
+# |rollout prob - trainer prob| per step (its largest token): same weights, same dtype, other kernels. Most steps'
+# largest is ~5e-7 and the median step's stays below FP32_LEVEL; a single step may reach OUTLIER_LEVEL (2.0e-5 the
+# largest in 250 demo steps before; 1.9e-4 at one of 150 steps in a clean-clone run of bc370a4, the next largest
+# 1.6e-5). A bf16 mismatch is ~1e-2 at every step, and stale weights fail the version check below.
 FP32_LEVEL = 5e-5
+OUTLIER_LEVEL = 1e-3
 RISEN_SCORE = 0.15  # mean training score of the last 5 of 150 steps (first 5: ~0.02)
 
 
@@ -38,8 +41,10 @@ def assert_on_policy(records: list[dict]) -> None:
     steps = [r for r in records if "training/rollout_probs_diff_max" in r]
     assert steps, "no step reported training/rollout_probs_diff_max"
     for r in steps:
-        assert r["training/rollout_probs_diff_max"] < FP32_LEVEL, (r["step"], r["training/rollout_probs_diff_max"])
+        assert r["training/rollout_probs_diff_max"] < OUTLIER_LEVEL, (r["step"], r["training/rollout_probs_diff_max"])
         assert r["weight_sync/version"] == r["step"], "the step's samples did not come from the step's weights"
+    largest = sorted(r["training/rollout_probs_diff_max"] for r in steps)
+    assert largest[len(largest) // 2] < FP32_LEVEL, largest
 
 
 def test_demo_trains_on_policy_with_vllm(tmp_path):
