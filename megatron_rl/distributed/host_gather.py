@@ -117,7 +117,7 @@ def host_gather_for(group: dist.ProcessGroup, shard_bytes: int, rows: int | None
     verdict = torch.tensor([int(_room_for(2 * (rows or dist.get_world_size(group)) * shard_bytes))])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
     if not verdict.item() or not _one_host(group):
-        log.info("TP gather over %s for ranks %s (no shared /dev/shm room or several hosts)",
+        log.info("shards over %s collectives for ranks %s (no shared /dev/shm room or several hosts)",
                  dist.get_backend(group), key)
         return None
     _cache.pop(key, None)  # too small, or made for an earlier group of the same ranks (parallel state rebuilt)
