@@ -120,11 +120,18 @@ def _driver_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any
     """The one rank's workers in this process, on a world-size-1 process group (then the torchrun path)."""
     leave = enter_driver_rank()
     try:
-        actor_rollout, critic, reward_model, _ = _torchrun_groups(cfg, sizes)
+        actor_rollout, critic, reward_model, stop_engines = _torchrun_groups(cfg, sizes)
     except BaseException:
         leave()
         raise
-    return actor_rollout, critic, reward_model, leave
+
+    def close() -> None:
+        try:
+            stop_engines()
+        finally:
+            leave()
+
+    return actor_rollout, critic, reward_model, close
 
 
 def _torchrun_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, Any, Any, Callable[[], None]]:
@@ -136,9 +143,12 @@ def _torchrun_groups(cfg: PPOTrainerConfig, sizes: DerivedSizes) -> tuple[Any, A
     if launch.world_size != sizes.world_size:
         raise ValueError(f"torchrun started {launch.world_size} processes but trainer.nnodes * "
                          f"trainer.n_gpus_per_node = {sizes.world_size}")
-    actor_rollout = LocalWorkerGroup(ActorRolloutRefWorker(config=cfg), "actor_rollout")
+    worker = ActorRolloutRefWorker(config=cfg)
+    actor_rollout = LocalWorkerGroup(worker, "actor_rollout")
     critic = LocalWorkerGroup(CriticWorker(config=cfg), "critic") if sizes.uses_critic else None
-    return actor_rollout, critic, None, lambda: None  # the reward model joins these processes itself
+    # the run's end stops the engines this process started: a run in a test, a notebook or the demo's process
+    # would otherwise leave vLLM's engine core and workers running after it returns
+    return actor_rollout, critic, None, worker.shutdown  # the reward model joins these processes itself
 
 
 def _checkpointer(cfg: PPOTrainerConfig, is_torchrun: bool) -> TrainerCheckpointer:

@@ -290,6 +290,13 @@ class ActorRolloutRefWorker(Worker):
         (another worker in these processes) can come first: bypass mode without a reference."""
         self.rollout.release()
 
+    def shutdown(self) -> None:
+        """Stop the rollout engine this rank started (vLLM's engine core and workers are processes of their own).
+        An in-process run calls it at its end (trainer/runner.py); a Ray worker's engine goes with its process."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+            self.rollout = None
+
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

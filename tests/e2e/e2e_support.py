@@ -110,3 +110,28 @@ def run_python(args: list[str], timeout: float = 600, **kwargs) -> subprocess.Co
 
 def run_module(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     return run_python(["-m", *args], timeout=timeout, **kwargs)
+
+
+def children_left(before: set[int]) -> list[str]:
+    """This process's descendants that were not there in ``before`` (pids): what a finished in-process run left
+    running (a vLLM engine core and its workers, when the run did not stop its engine). Python's multiprocessing
+    resource tracker is not counted: the first ``spawn`` starts it and it lives as long as this process, by design."""
+    import psutil
+
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid in before or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "multiprocessing.resource_tracker" not in command:
+            left.append(f"{child.pid} {child.name()}: {command[:120]}")
+    return left
+
+
+def children_now() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_rl.demo import REQUIRED_EXACT_MATCH, VISION_DATA_SOURCE, learning_summary, main as demo_main
 from megatron_rl.rollout.vllm.contract import vllm_missing
+from e2e_support import children_left, children_now
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.distributed
 def test_vision_demo_learns(tmp_path, engine):
     if engine == "vllm" and vllm_missing() and not os.environ.get("CI"):  # CI installs it (make test)
         pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it")
+    before = children_now()
     assert demo_main(["--vision", "--out", str(tmp_path), f"actor_rollout_ref.rollout.name={engine}"]) == 0
+    assert children_left(before) == [], "the in-process run left its rollout engine running"
     summary = learning_summary(tmp_path / "run" / "metrics.jsonl", VISION_DATA_SOURCE)
     assert summary.first_exact_match <= 0.25 and summary.last_exact_match >= REQUIRED_EXACT_MATCH
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0

@@ -20,7 +20,7 @@ from megatron_rl.demo import learning_summary, main as demo_main, prepare_assets
 from megatron_rl.rollout.vllm.contract import vllm_missing
 from megatron_rl.train import run
 from megatron_rl.trainer.tracking import read_metrics
-from e2e_support import assert_finite, tiny_config, train_steps
+from e2e_support import assert_finite, children_left, children_now, tiny_config, train_steps
 
 if vllm_missing() and not os.environ.get("CI"):
     pytest.skip(f"vLLM is not installed here ({vllm_missing()}); `make install-vllm` installs it",
@@ -48,7 +48,9 @@ def assert_on_policy(records: list[dict]) -> None:
 
 
 def test_demo_trains_on_policy_with_vllm(tmp_path):
+    before = children_now()
     demo_main(["--out", str(tmp_path), "actor_rollout_ref.rollout.name=vllm"])  # its verdict: see the docstring
+    assert children_left(before) == [], "the in-process run left its vLLM engine running"
     summary = learning_summary(tmp_path / "run" / "metrics.jsonl")
     assert summary.first_exact_match <= 0.1 and summary.first_score < 0.05, summary.describe()
     assert summary.last_score >= RISEN_SCORE, summary.describe()
