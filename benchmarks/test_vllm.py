@@ -127,7 +127,8 @@ def test_server_mode_tokens_per_second_against_colocated(assets, measure):
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.vllm import VLLMEngine
     from megatron_rl.rollout.vllm.server import VLLMServerEngine
-    from megatron_rl.servers.vllm_server import VLLMServerPool, VLLMServerSettings
+    from megatron_rl.servers.fleet import ServerProcessPool
+    from megatron_rl.servers.vllm_server import VLLMServerSettings
 
     model = assets["30M"]
     vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -136,8 +137,8 @@ def test_server_mode_tokens_per_second_against_colocated(assets, measure):
     max_len = PROMPT_TOKENS + NEW_TOKENS
     data = batch(vocab)
     tokens = {}
-    pool = VLLMServerPool(VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(model), max_model_len=max_len,
-                                                          start_timeout_s=600), 1)
+    pool = ServerProcessPool(VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(model),
+                                                             max_model_len=max_len, start_timeout_s=600), 1)
     try:
         server = VLLMServerEngine(RolloutConfig(name="vllm", mode="server", server_urls=list(pool.urls), temperature=0.7),
                                   pool.urls, **common)

@@ -4,8 +4,9 @@ Every decision that depends on which engine runs reads that engine's ``EngineSpe
 anything starts), what the machine starting the run must have, its builder, where a colocated replica's engine
 runs, how weights reach its tensor-parallel ranks, whether the run can start its servers, and the planner's model
 of its memory knob. ``engine_of`` is the one reader of ``rollout.name``. Adding an engine is a package under
-rollout/ and one ``EngineSpec`` here (and, if the run starts its servers, its launcher and async client in
-trainer/disaggregated.py; the schema's ``RolloutEngineName`` lists the names).
+rollout/ and one ``EngineSpec`` here (and, if the run starts its servers, its servers' launch spec,
+servers/fleet.py ``ServerLaunch``, and its async client, both named in trainer/disaggregated.py; the schema's
+``RolloutEngineName`` lists the names).
 """
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
-"""The rollout server fleet (docs/rollout.md, "Server mode"): HF-engine servers speaking SGLang's routes
-(``hf_server``), started as subprocesses (``pool``) or as Ray actors on their own pool (``ray_pool``), replaced
-when they die (``restarts``), and the trainer's client that spreads generation over them (``client``)."""
+"""The rollout server fleet (docs/rollout.md, "Server mode"): each engine's launch spec (``hf_launch`` for the
+HF-engine servers of ``hf_server``, ``vllm_server``'s settings), started by one launcher as child processes
+(``fleet``) or from Ray actors on their own pool (``ray_pool``), watched and replaced when they die (``pool``,
+``restarts``), and the trainer's client that spreads generation over them (``client``)."""

@@ -73,7 +73,7 @@ class _Replaced(Exception):
 
 class ServerRolloutClient:
     """``config``: the rollout config; ``urls``: the servers; a batch is split across them in order.
-    ``pool``: the RolloutServerPool that started them (names a dead server's exit code), if any.
+    ``pool``: the ServerPool that started them (names a dead server's exit code), if any.
     ``restarts``: replaces the pool's dead servers (its pool is then ``pool``). ``routing_shape``: (layers,
     top-k) of the served MoE model for routing replay R3; None: read from the servers' ``/server_info``."""
 

@@ -4,8 +4,9 @@ It is the CPU production path of ``rollout.mode=server`` with ``rollout.name=hf`
 own processes (their own cores), the trainer drives them with the same client as SGLang servers
 (``rollout.sglang.server_transport``): control over HTTP, weights over an update group joined through
 ``/init_weights_update_group`` (gloo on CPU, where SGLang uses NCCL) and broadcast per bucket with
-``/update_weights_from_distributed``. ``python -m megatron_rl.servers.hf_server --model-path DIR`` prints
-``READY <port>`` once it listens.
+``/update_weights_from_distributed``. ``python -m megatron_rl.servers.hf_server --model-path DIR --port P``
+(its launcher: servers/fleet.py, with servers/hf_launch.py's spec) is ready once ``GET /health`` answers 200; it
+exits when the process that started it does (a Ray actor SIGKILLed, a launcher gone).
 
 Routes (fields SGLANG_CONTRACT lists; any other field is a 400, stricter than SGLang, so a client that
 drifts from the contract fails here first):
@@ -51,6 +52,7 @@ import hmac
 import json
 import os
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from contextlib import contextmanager
@@ -457,7 +459,7 @@ def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: st
            threads: int = 1, chunk_tokens: int = 8, api_key: str | None = None,
            routed_experts: bool = False) -> ThreadingHTTPServer:
     """The server bound to ``host:port`` (0: a free port this process picks), not yet serving: the caller runs
-    ``serve_forever`` (this process's main loop, or a thread of the Ray actor of servers/ray_pool.py). Every
+    ``serve_forever`` (this process's main loop, or a test's thread). Every
     route requires ``api_key`` (default: ``$MEGATRON_RL_SERVER_API_KEY``, generated when unset).
     ``routed_experts``: answer ``return_routed_experts`` (``--enable-return-routed-experts``)."""
     app = HFServerApp(build_engine(model_path, dtype, seed, threads, routed_experts), chunk_tokens, model_path)
@@ -466,11 +468,24 @@ def listen(model_path: str, *, host: str = "127.0.0.1", port: int = 0, dtype: st
     return server
 
 
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this server when the process that started it is gone: a server of a SIGKILLed Ray actor must not go on
+    answering at a URL its pool has replaced (the pool sees the actor dead, the client would not)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", required=True, help="the actor's HF directory (config.json)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed as READY <port>)")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed once it listens)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
@@ -487,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
     server = listen(args.model_path, host=args.host, port=args.port, dtype=args.dtype, seed=args.seed,
                     threads=args.threads, chunk_tokens=args.chunk_tokens, api_key=api_key,
                     routed_experts=args.enable_return_routed_experts)
-    print(f"READY {server.server_address[1]}", flush=True)
+    print(f"listening on http://{args.host}:{server.server_address[1]}", flush=True)
+    _exit_with_parent()
     try:
         server.serve_forever()
     finally:

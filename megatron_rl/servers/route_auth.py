@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 
 __all__ = ["KEY_ENV", "MIDDLEWARE", "RunSecretMiddleware"]
 
-KEY_ENV = "VLLM_API_KEY"  # the run's secret as start_vllm_server gives it (the variable vLLM reads for /v1)
+KEY_ENV = "VLLM_API_KEY"  # the run's secret as the vLLM launch spec gives it (the variable vLLM reads for /v1)
 MIDDLEWARE = "megatron_rl.servers.route_auth.RunSecretMiddleware"
 _REFUSAL = json.dumps({"detail": "Unauthorized"}).encode()
 

@@ -1,15 +1,14 @@
 """vLLM OpenAI-compatible rollout servers the run starts itself (``rollout.name=vllm``, ``rollout.mode=server``,
 ``rollout.num_servers=N``), and the driver's generation client to vLLM servers for the async loops.
 
-A server is ``python -m vllm.entrypoints.openai.api_server`` (``server_command``) in a process group of its own
-(vLLM's engine core is a child of it: ``stop`` ends both), listening on 127.0.0.1, every route of it (the dev
+A server is ``python -m vllm.entrypoints.openai.api_server`` (``server_command``), every route of it (the dev
 routes and ``/health`` included) behind the run's secret (``route_auth.py``, given as ``VLLM_API_KEY``, never on
-the command line), ready once ``/health`` answers 200 to the secret. Started as child processes
-(``VLLMServerPool``: torchrun, no Ray) or one per Ray actor on the servers' own resource pool
-(``ray_vllm_server_pool``: the actor starts and watches its server process; Ray reserves the CPUs, and on a
-cluster with GPUs rollout-TP GPUs per server, which are all its server sees).
-Both are ``ServerPool``s: ``check``/``dead``/``replace`` and servers/restarts.py work unchanged; a replacement
-holds random weights (version -1) and serves nothing before the next sync.
+the command line). ``VLLMServerSettings`` is its launch spec (servers/fleet.py ``ServerLaunch``): fleet.py starts
+it in a process group of its own (vLLM's engine core is a child of it: ``stop`` ends both), ready once
+``/health`` answers 200 to the secret, as child processes (``ServerProcessPool``: torchrun, no Ray; on this
+host's GPUs after the trainer's, ``host_server_gpus``) or one per Ray actor on the servers' own resource pool
+(servers/ray_pool.py: Ray reserves the CPUs, and on a cluster with GPUs rollout-TP GPUs per server, which are all
+its server sees). A replacement holds random weights (version -1) and serves nothing before the next sync.
 
 The client (``VLLMServerRolloutClient``) is servers/client.py's with vLLM's routes: one ``/v1/completions``
 per row (at most ``rollout.max_num_seqs`` in flight at each server, as rank 0's engine sends them), the samples
@@ -23,26 +22,18 @@ version that sampled it; the rows are sent again as prompt + their tokens.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Sequence
 
 from megatron_rl.config.schema import PPOTrainerConfig, RolloutConfig
 from megatron_rl.distributed.device import visible_gpus
-from megatron_rl.distributed.ports import free_port
 from megatron_rl.models.hf_config import plain_overrides
 from megatron_rl.rollout.hf_engine import resolve_dtype
-from megatron_rl.rollout.server_key import ensure_server_api_key
 from megatron_rl.rollout.vllm.server import (
     SERVER_EXTENSION,
     VLLMServerError,
@@ -54,11 +45,11 @@ from megatron_rl.rollout.vllm.server import (
 from megatron_rl.rollout.vllm.engine import engine_args
 from megatron_rl.rollout.vllm.vision import torchvision_free_env
 from megatron_rl.servers.client import ServerRolloutClient, _Replaced
-from megatron_rl.servers.pool import RolloutServerDied, ServerPool, require_servers
+from megatron_rl.servers.pool import RolloutServerDied
 from megatron_rl.servers.route_auth import KEY_ENV, MIDDLEWARE
 
-__all__ = ["VLLMServerActor", "VLLMServerPool", "VLLMServerRolloutClient", "VLLMServerSettings",
-           "ray_vllm_server_pool", "server_command", "start_vllm_server", "vllm_server_settings"]
+__all__ = ["VLLMServerRolloutClient", "VLLMServerSettings", "host_server_gpus", "server_command",
+           "vllm_server_settings"]
 
 SERVED_NAME = "megatron-rl-policy"
 
@@ -67,6 +58,11 @@ SERVED_NAME = "megatron-rl-policy"
 class VLLMServerSettings:
     """What every started server runs: ``engine_args`` are vLLM engine arguments built by the colocated engine's
     own ``engine_args`` (rollout/vllm/engine.py), so each rollout key means the same in both modes."""
+
+    engine: ClassVar[str] = "vLLM"
+    timeout_key: ClassVar[str] = "actor_rollout_ref.rollout.vllm.server_start_timeout_s"
+    one_node_reason: ClassVar[str] = ("vLLM rollout servers take their weights through /dev/shm of trainer rank 0's "
+                                      "host, so they cannot spread over nodes")
 
     engine_args: tuple[tuple[str, Any], ...]
     threads: int = 1
@@ -97,6 +93,28 @@ class VLLMServerSettings:
         if self.recipe is None:
             return self
         return VLLMServerSettings.from_rollout(**self.recipe, on_cpu=not gpus)
+
+    def command(self, *, host: str, port: int, seed: int) -> list[str]:
+        return server_command(self, port=port, host=host, seed=seed)
+
+    def environment(self, api_key: str, gpus: Sequence[Any]) -> dict[str, str]:
+        env = {"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: api_key, "OMP_NUM_THREADS": str(self.threads),
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if self.cpu_threads_bind != "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads_bind
+        if dict(self.engine_args).get("distributed_executor_backend") == "uni":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU turns "uni" back into "mp"
+        if gpus:  # vLLM's TP worker i takes the i-th
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        if self.serves_images:  # vLLM's Qwen-VL code without torchvision (a no-op where torchvision imports)
+            env["PYTHONPATH"] = torchvision_free_env()["PYTHONPATH"]
+        return env
+
+    def host_gpus(self, num_servers: int) -> list[tuple[Any, ...]]:
+        return host_server_gpus(num_servers, self.tensor_parallel_size)
+
+    def ray_gpus(self, cluster_has_gpus: bool) -> int:
+        return self.tensor_parallel_size if cluster_has_gpus else 0
 
     @property
     def serves_images(self) -> bool:
@@ -163,7 +181,7 @@ def cli_flags(engine_args: dict[str, Any]) -> list[str]:
 def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.0.0.1", seed: int | None = None) -> list[str]:
     """The command line of one server (start servers for ``rollout.server_urls`` the same way, with
     ``VLLM_SERVER_DEV_MODE=1`` and the run's secret as ``VLLM_API_KEY`` in their environment, and
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` where it says ``--distributed-executor-backend uni``: start_vllm_server).
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` where it says ``--distributed-executor-backend uni``: ``environment``).
     ``--middleware`` puts every route behind the secret (route_auth.py); vLLM alone guards ``/v1`` only."""
     args = dict(settings.engine_args)
     if seed is not None:
@@ -172,96 +190,6 @@ def server_command(settings: VLLMServerSettings, *, port: int, host: str = "127.
     images = ["--enable-scale-out"] if settings.serves_images else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", SERVED_NAME,
             "--host", host, "--port", str(port), "--middleware", MIDDLEWARE, *cli_flags(args), *images]
-
-
-def _healthy(url: str, api_key: str) -> bool:
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {api_key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def start_vllm_server(settings: VLLMServerSettings, *, seed: int | None = None, host: str = "127.0.0.1",
-                      api_key: str | None = None, log_dir: str | None = None,
-                      gpus: Sequence[Any] | None = None) -> tuple[subprocess.Popen, str, str]:
-    """Start one vLLM server on this host; returns (its process, URL, log file) once ``/health`` answers.
-    ``gpus``: the physical GPUs it may see (its ``CUDA_VISIBLE_DEVICES``: vLLM's TP worker i takes the i-th)."""
-    port = free_port(host)
-    url = f"http://{host}:{port}"
-    api_key = api_key or ensure_server_api_key()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", KEY_ENV: api_key, "OMP_NUM_THREADS": str(settings.threads)}
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if settings.cpu_threads_bind != "auto":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
-    if dict(settings.engine_args).get("distributed_executor_backend") == "uni":
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU turns "uni" back into "mp"
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    if settings.serves_images:  # vLLM's Qwen-VL code without torchvision (a no-op where torchvision imports)
-        env = torchvision_free_env(env)
-    log_dir = log_dir or tempfile.mkdtemp(prefix="mrl_vllm_server_")
-    log_path = os.path.join(log_dir, f"vllm_server_{port}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(settings, port=port, host=host, seed=seed), env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + settings.start_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RolloutServerDied(f"the vLLM rollout server for {settings.model_path} exited with code "
-                                    f"{proc.returncode} before it was ready; its log ({log_path}) ends:\n{_tail(log_path)}")
-        if _healthy(url, api_key):
-            return proc, url, log_path
-        time.sleep(0.5)
-    _kill_group(proc)
-    raise RolloutServerDied(f"the vLLM rollout server for {settings.model_path} was not ready within "
-                            f"{settings.start_timeout_s:g} s (actor_rollout_ref.rollout.vllm.server_start_timeout_s); "
-                            f"its log ({log_path}) ends:\n{_tail(log_path)}")
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _kill_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """End the server and its engine core (its own process group), politely first."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # the engine core may outlive a SIGKILLed server for a moment
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-@dataclass
-class VLLMServerProcess:
-    index: int
-    proc: subprocess.Popen
-    url: str
-    log_path: str
-
-    def describe(self) -> str:
-        return f"rollout server {self.index} ({self.url}, vLLM pid {self.proc.pid})"
-
-    def exit_status(self) -> str | None:
-        code = self.proc.poll()
-        return None if code is None else f"exited with code {code}"
-
-    def stop(self) -> None:
-        _kill_group(self.proc)
 
 
 def host_server_gpus(num_servers: int, tp: int, env: dict[str, str] | None = None) -> list[tuple[int, ...]]:
@@ -287,150 +215,6 @@ def host_server_gpus(num_servers: int, tp: int, env: dict[str, str] | None = Non
                          f"on this host, which sees {len(visible)} (CUDA_VISIBLE_DEVICES="
                          f"{env.get('CUDA_VISIBLE_DEVICES')!r}): {len(spare)} spare")
     return [tuple(spare[i * tp:(i + 1) * tp]) for i in range(num_servers)]
-
-
-class VLLMServerPool(ServerPool):
-    """``num_servers`` vLLM servers, child processes of this one (torchrun, or no Ray), on this host's GPUs after
-    the trainer's (``host_server_gpus``)."""
-
-    def __init__(self, settings: VLLMServerSettings, num_servers: int) -> None:
-        self.settings = settings
-        self.gpus = host_server_gpus(num_servers, settings.tensor_parallel_size)
-        self.log_dir = tempfile.mkdtemp(prefix="mrl_vllm_servers_")
-        super().__init__(num_servers)
-
-    def _start_many(self, indices: Iterable[int]) -> list[VLLMServerProcess]:
-        """All at once (they load in parallel), then each waited for."""
-        indices = list(indices)
-        with ThreadPoolExecutor(max_workers=max(1, len(indices))) as pool:
-            futures = [pool.submit(start_vllm_server, self.settings.where_it_runs(self.gpus[i]),
-                                   seed=self.settings.seed + i, api_key=self.api_key, log_dir=self.log_dir,
-                                   gpus=self.gpus[i]) for i in indices]
-            started, error = [], None
-            for index, future in zip(indices, futures):
-                try:
-                    proc, url, log = future.result()
-                    started.append(VLLMServerProcess(index, proc, url, log))
-                except BaseException as exc:
-                    error = error or exc
-        if error is not None:
-            for server in started:
-                server.stop()
-            raise error
-        return started
-
-
-# ---------------------------------------------------------------------------------------------- on Ray
-class VLLMServerActor:
-    """A Ray actor's body: one vLLM server process on this node, started and watched by the actor (the actor's
-    CPUs, and on GPU clusters its rollout-TP GPUs, are the server's reservation on the pool ``rollout_servers``).
-    Ray workers see every GPU of their node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), so the server gets
-    ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave this actor, and its settings are computed here, for them."""
-
-    def __init__(self, settings: VLLMServerSettings, seed: int, api_key: str) -> None:
-        import ray
-
-        gpus = sorted(ray.get_gpu_ids(), key=lambda g: (len(str(g)), str(g)))  # Ray's ids come as a set
-        self.proc, self.url, self.log_path = start_vllm_server(settings.where_it_runs(gpus), seed=seed,
-                                                               api_key=api_key, gpus=gpus)
-
-    def address(self) -> dict[str, Any]:
-        import ray
-
-        context = ray.get_runtime_context()
-        return {"url": self.url, "pid": self.proc.pid, "placement_group": context.get_placement_group_id(),
-                "resources": context.get_assigned_resources(), "node_id": context.get_node_id(),
-                "node_ip": ray.util.get_node_ip_address()}
-
-    def ping(self) -> str | None:
-        """None while the server runs; how it ended otherwise."""
-        code = self.proc.poll()
-        return None if code is None else f"exited with code {code}"
-
-    def stop(self) -> None:
-        _kill_group(self.proc)
-
-
-@functools.cache
-def ray_vllm_server_pool() -> type:
-    """``RayVLLMServerPool``: servers/ray_pool.py's pool with a vLLM server per actor (built on first use, so
-    that torchrun runs never import Ray)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    from megatron_rl.servers.ray_pool import RayRolloutServerPool, ServerActor  # lazy: Ray
-
-    actor_class = ray.remote(max_restarts=0, max_concurrency=2)(VLLMServerActor)
-
-    class VLLMServerActorHandle(ServerActor):
-        def describe(self) -> str:
-            return f"rollout server {self.index} ({self.url}, vLLM pid {self.pid} in a Ray actor)"
-
-        def exit_status(self) -> str | None:
-            if self._death is None:
-                try:
-                    self._death = ray.get(self.actor.ping.remote(), timeout=self.ping_timeout_s)
-                except RayActorError as exc:
-                    self._death = f"died (its Ray actor is dead: {str(exc).splitlines()[0] if str(exc) else exc})"
-                except GetTimeoutError:
-                    pass
-            return self._death
-
-        def stop(self) -> None:
-            try:
-                ray.get(self.actor.stop.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 - the actor is dead already, or stuck: kill it anyway
-                pass
-            super().stop()
-
-    class RayVLLMServerPool(RayRolloutServerPool):
-        """Each server's actor asks Ray for rollout.tensor_model_parallel_size GPUs on a cluster with GPUs."""
-
-        server_actor = actor_class
-
-        def __init__(self, settings: VLLMServerSettings, num_servers: int, *, cpus_per_server: float,
-                     servers_per_node: int | None = None, start_timeout_s: float = 600.0) -> None:
-            if servers_per_node is not None:
-                raise ValueError("actor_rollout_ref.rollout.servers_per_node: vLLM rollout servers take their weights "
-                                 "through /dev/shm of trainer rank 0's host, so they cannot spread over nodes")
-            require_servers(num_servers)
-            self.settings = settings
-            gpus = settings.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
-            super().__init__(settings.model_path, num_servers, cpus_per_server=cpus_per_server,
-                             start_timeout_s=max(start_timeout_s, settings.start_timeout_s + 30), seed=settings.seed,
-                             gpus_per_server=gpus)
-
-        def _launch(self, slot, index):
-            options = {"num_cpus": self.resource_pool.cpus_per_process, "num_gpus": self.gpus_per_server,
-                       "scheduling_strategy": slot.scheduling_strategy()}
-            return self.server_actor.options(**options).remote(self.settings, self.settings.seed + index, self.api_key)
-
-        def _await(self, index, actor):
-            try:
-                where = ray.get(actor.address.remote(), timeout=self.start_timeout_s)
-            except GetTimeoutError:
-                raise RolloutServerDied(f"rollout server {index} (a Ray actor on pool 'rollout_servers') was not ready "
-                                        f"within {self.start_timeout_s:g} s") from None
-            except RayActorError as exc:
-                raise RolloutServerDied(f"vLLM rollout server {index} for {self.settings.model_path} failed to start: "
-                                        f"{exc}") from None
-            return VLLMServerActorHandle(index, actor, where, self.ping_timeout_s)
-
-        def close(self) -> None:
-            """The actors end with Ray, but a server runs in a session of its own (with its engine core): end
-            each group here too, Ray up or not."""
-            try:
-                super().close()
-            finally:
-                for server in self.servers:
-                    for sig in (signal.SIGTERM, signal.SIGKILL):
-                        try:
-                            os.killpg(int(server.pid), sig)
-                        except (ProcessLookupError, PermissionError):
-                            break
-                        time.sleep(0.5)
-
-    return RayVLLMServerPool
 
 
 # ---------------------------------------------------------------------------------------------- the client

@@ -2,10 +2,11 @@
 them (the synchronous RLTrainer, or the async loop of ``async_training.mode``: one_step_off, fully_async).
 
 ``rollout.mode=server`` with ``rollout.name=hf`` and ``rollout.num_servers=N`` (no ``server_urls``): N
-HF-engine servers (servers/hf_server.py) start as processes of their own before the trainer's workers (under
-Ray: actors on their own resource pool, servers/ray_pool.py; under torchrun: child processes of rank 0's
-launcher, servers/pool.py), and their URLs become ``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers
-(gloo update group: the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
+HF-engine servers (servers/hf_server.py, launch spec servers/hf_launch.py) start as processes of their own
+before the trainer's workers (under Ray: from actors on their own resource pool, servers/ray_pool.py; under
+torchrun: child processes of rank 0's launcher, servers/fleet.py), and their URLs become
+``rollout.server_urls``, so trainer rank 0 syncs them exactly as it syncs SGLang servers (gloo update group:
+the servers compute on CPU). ``rollout.server_restarts``: how many of those servers may
 die over the run and be replaced (servers/restarts.py); 0 fails the run at the first death.
 
 ``rollout.name=vllm`` the same way: N vLLM OpenAI-compatible servers (servers/vllm_server.py), Ray actors on
@@ -23,14 +24,11 @@ from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.plan.validate import DerivedSizes, starts_servers
 from megatron_rl.rollout.engines import engine_of
 from megatron_rl.servers.client import ServerRolloutClient
-from megatron_rl.servers.pool import RolloutServerPool, ServerPool
+from megatron_rl.servers.fleet import ServerLaunch, ServerProcessPool
+from megatron_rl.servers.hf_launch import HFServerLaunch
+from megatron_rl.servers.pool import ServerPool
 from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
-from megatron_rl.servers.vllm_server import (
-    VLLMServerPool,
-    VLLMServerRolloutClient,
-    ray_vllm_server_pool,
-    vllm_server_settings,
-)
+from megatron_rl.servers.vllm_server import VLLMServerRolloutClient, vllm_server_settings
 from megatron_rl.trainer.fully_async import FullyAsyncTrainer
 from megatron_rl.trainer.off_policy import OneStepOffPolicyTrainer
 from megatron_rl.trainer.rl_trainer import RLTrainer
@@ -46,50 +44,48 @@ def start_rollout_servers(cfg: PPOTrainerConfig) -> ServerPool | None:
     return SERVER_LAUNCHERS[engine_of(rollout).name](cfg)
 
 
+def _hf_launch(cfg: PPOTrainerConfig) -> HFServerLaunch:
+    rollout = cfg.actor_rollout_ref.rollout
+    return HFServerLaunch(str(cfg.actor_rollout_ref.model.path),
+                          dtype="float32" if str(rollout.dtype) == "auto" else str(rollout.dtype),
+                          seed=int(rollout.seed), threads=int(rollout.server_threads),
+                          chunk_tokens=int(rollout.server_chunk_tokens),
+                          # routing replay R3: the servers capture their routing (--enable-return-routed-experts)
+                          routed_experts=bool(rollout.enable_rollout_routing_replay),
+                          start_timeout_s=float(cfg.ray_init.timeout_s))
+
+
+def _start_servers(cfg: PPOTrainerConfig, spec: ServerLaunch) -> ServerPool:
+    """``rollout.num_servers`` servers of ``spec``: child processes under torchrun (which never imports Ray),
+    Ray actors on the servers' own pool otherwise (reserved before the trainer's)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if cfg.trainer.launcher == "torchrun":
+        return ServerProcessPool(spec, int(rollout.num_servers))
+    from megatron_rl.controller import init_ray_from_config  # lazy: Ray
+    from megatron_rl.servers.ray_pool import RayServerPool
+
+    init_ray_from_config(cfg.ray_init)
+    cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
+    return RayServerPool(spec, int(rollout.num_servers), cpus_per_server=float(cpus),
+                         servers_per_node=rollout.servers_per_node, start_timeout_s=float(cfg.ray_init.timeout_s))
+
+
 def _start_hf_servers(cfg: PPOTrainerConfig) -> ServerPool:
     rollout = cfg.actor_rollout_ref.rollout
-    dtype = "float32" if str(rollout.dtype) == "auto" else str(rollout.dtype)
-    server = {"dtype": dtype, "seed": int(rollout.seed), "threads": int(rollout.server_threads),
-              "chunk_tokens": int(rollout.server_chunk_tokens),
-              # routing replay R3: the servers capture their routing (--enable-return-routed-experts)
-              "routed_experts": bool(rollout.enable_rollout_routing_replay)}
-    model_path, num_servers = str(cfg.actor_rollout_ref.model.path), int(rollout.num_servers)
-    if cfg.trainer.launcher == "torchrun":  # under torchrun nothing imports Ray
-        pool: ServerPool = RolloutServerPool(model_path, num_servers, **server)
-        master = "127.0.0.1"  # the servers listen on this host's loopback
-    else:
-        # Ray: under torchrun nothing imports it
-        from megatron_rl.controller import init_ray_from_config
-        from megatron_rl.servers.ray_pool import RayRolloutServerPool
-
-        init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
-        cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
-        pool = RayRolloutServerPool(model_path, num_servers, cpus_per_server=float(cpus),
-                                    servers_per_node=rollout.servers_per_node,
-                                    start_timeout_s=float(cfg.ray_init.timeout_s), **server)
-        # null: the sender (trainer rank 0, a Ray actor maybe on another node than this driver) names its own
-        # node's IP (rollout/sglang/server_transport.py update_group_address)
-        master = None
+    pool = _start_servers(cfg, _hf_launch(cfg))
     rollout.server_urls = pool.urls
-    rollout.sglang.update_group_backend = "gloo"
+    rollout.sglang.update_group_backend = "gloo"  # the servers compute on CPU
+    # torchrun: the servers listen on this host's loopback. Ray: null, the sender (trainer rank 0, a Ray actor
+    # maybe on another node than this driver) names its own node's IP (sglang/server_transport.py
+    # update_group_address)
+    master = "127.0.0.1" if cfg.trainer.launcher == "torchrun" else None
     rollout.sglang.master_address = rollout.sglang.master_address or master
     return pool
 
 
 def _start_vllm_servers(cfg: PPOTrainerConfig) -> ServerPool:
-    rollout = cfg.actor_rollout_ref.rollout
-    settings, num_servers = vllm_server_settings(cfg), int(rollout.num_servers)
-    if cfg.trainer.launcher == "torchrun":
-        pool: ServerPool = VLLMServerPool(settings, num_servers)
-    else:
-        from megatron_rl.controller import init_ray_from_config  # Ray: under torchrun nothing imports it
-
-        init_ray_from_config(cfg.ray_init)  # the servers' pool is reserved before the trainer's
-        cpus = rollout.server_cpus if rollout.server_cpus is not None else rollout.server_threads
-        pool = ray_vllm_server_pool()(settings, num_servers, cpus_per_server=float(cpus),
-                                      servers_per_node=rollout.servers_per_node,
-                                      start_timeout_s=float(cfg.ray_init.timeout_s))
-    rollout.server_urls = pool.urls
+    pool = _start_servers(cfg, vllm_server_settings(cfg))
+    cfg.actor_rollout_ref.rollout.server_urls = pool.urls
     return pool
 
 

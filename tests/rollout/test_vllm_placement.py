@@ -180,14 +180,14 @@ def assert_gpu_server(launch: dict, gpus: str, tp: int) -> None:
 def test_a_server_actor_runs_its_server_on_the_gpus_ray_gave_it(monkeypatch):
     import ray
 
-    from megatron_rl.servers.vllm_server import VLLMServerActor
+    from megatron_rl.servers.ray_pool import ServerActor
     from megatron_rl_testing.fake_gpu_node import record_server_launches
 
     settings = driver_settings(tp=2)
     FakeGpuNode(monkeypatch, with_vllm=False)  # the server's node has GPUs, the driver had none
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["5", "4"])  # Ray's ids come unordered
     launches = record_server_launches(monkeypatch)
-    actor = VLLMServerActor(settings, 3, "key")
+    actor = ServerActor(settings, 3, "key")
     actor.stop()
     assert_gpu_server(launches[0], "4,5", tp=2)
 
@@ -195,7 +195,7 @@ def test_a_server_actor_runs_its_server_on_the_gpus_ray_gave_it(monkeypatch):
 def test_a_server_actor_without_gpus_on_a_gpu_node_is_refused(monkeypatch):
     import ray
 
-    from megatron_rl.servers.vllm_server import VLLMServerActor
+    from megatron_rl.servers.ray_pool import ServerActor
     from megatron_rl_testing.fake_gpu_node import record_server_launches
 
     settings = driver_settings(tp=1)
@@ -203,26 +203,26 @@ def test_a_server_actor_without_gpus_on_a_gpu_node_is_refused(monkeypatch):
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     launches = record_server_launches(monkeypatch)
     with pytest.raises(RuntimeError, match="got no GPU on a host with CUDA"):
-        VLLMServerActor(settings, 0, "key")
+        ServerActor(settings, 0, "key")
     assert launches == []
 
 
 def test_torchrun_servers_take_the_hosts_gpus_after_the_trainers(monkeypatch):
-    from megatron_rl.servers.vllm_server import VLLMServerPool
+    from megatron_rl.servers.fleet import ServerProcessPool
     from megatron_rl_testing.fake_gpu_node import record_server_launches
 
     settings = driver_settings(tp=2)
     node = FakeGpuNode(monkeypatch, with_vllm=False)
     launches = record_server_launches(monkeypatch)
     with node.process("launcher", {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "1"}):
-        pool = VLLMServerPool(settings, 2)
+        pool = ServerProcessPool(settings, 2)
         pool.close()
         assert sorted(launch["env"]["CUDA_VISIBLE_DEVICES"] for launch in launches) == ["4,5", "6,7"]
         for launch in launches:
             assert_gpu_server(launch, launch["env"]["CUDA_VISIBLE_DEVICES"], tp=2)
         with pytest.raises(ValueError, match=r"num_servers=3 vLLM servers of tensor_model_parallel_size=2 need 6 "
                                              r"GPUs beside the trainer's 4 on this host, which sees 8"):
-            VLLMServerPool(settings, 3)
+            ServerProcessPool(settings, 3)
 
 
 def test_ray_server_actors_ask_ray_for_rollout_tp_gpus(monkeypatch):
@@ -231,10 +231,10 @@ def test_ray_server_actors_ask_ray_for_rollout_tp_gpus(monkeypatch):
     import ray
 
     from megatron_rl.controller import init_ray
-    from megatron_rl.servers.vllm_server import ray_vllm_server_pool
+    from megatron_rl.servers.ray_pool import RayServerPool
     from megatron_rl_testing.fake_gpu_node import LaunchRecordingServerActor
 
-    class RecordingPool(ray_vllm_server_pool()):
+    class RecordingPool(RayServerPool):
         server_actor = ray.remote(max_restarts=0, max_concurrency=2)(LaunchRecordingServerActor)
 
     settings = driver_settings(tp=2)

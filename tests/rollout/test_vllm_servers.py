@@ -69,14 +69,15 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(models):
-    from megatron_rl.servers.vllm_server import VLLMServerPool, VLLMServerSettings
+    from megatron_rl.servers.fleet import ServerProcessPool
+    from megatron_rl.servers.vllm_server import VLLMServerSettings
 
     start = time.perf_counter()
     from megatron_rl.config.schema import RolloutConfig
 
     settings = VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(models[0]), max_model_len=MAX_LEN,
                                                start_timeout_s=400)
-    pool = VLLMServerPool(settings, 2)
+    pool = ServerProcessPool(settings, 2)
     print(f"2 vLLM servers ready in {time.perf_counter() - start:.1f} s")
     yield pool
     pool.close()

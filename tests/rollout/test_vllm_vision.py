@@ -267,14 +267,15 @@ def test_image_requests_to_servers_are_vllms_generate_requests():
 
 @pytest.fixture(scope="module")
 def vl_server(vl):
-    """One vLLM server of the served checkpoint, started as servers/vllm_server.py starts it: for a vision-language
+    """One vLLM server of the served checkpoint, started as servers/fleet.py starts it: for a vision-language
     model with --enable-scale-out (the image route) and, without torchvision, the torchvision_free path."""
     from megatron_rl.servers import vllm_server
+    from megatron_rl.servers.fleet import ServerProcessPool
 
     settings = vllm_server.VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(vl[0]), max_model_len=256,
                                                           start_timeout_s=400)
     assert settings.serves_images and "--enable-scale-out" in vllm_server.server_command(settings, port=1)
-    pool = vllm_server.VLLMServerPool(settings, 1)
+    pool = ServerProcessPool(settings, 1)
     yield pool
     pool.close()
 

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.spawn import run_multiprocess
 from megatron_rl.servers.client import ServerRolloutClient
-from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.fleet import ServerProcessPool
+from megatron_rl.servers.hf_launch import HFServerLaunch
+from megatron_rl.servers.pool import RolloutServerDied
 from megatron_rl_testing.rollout_models import (
     EOS, PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
 )
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.distributed]
 def pool(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("hf_server_model")
     tiny_qwen2_config().save_pretrained(model_dir)
-    servers = RolloutServerPool(str(model_dir), 1)
+    servers = ServerProcessPool(HFServerLaunch(str(model_dir)), 1)
     yield servers
     servers.close()
 

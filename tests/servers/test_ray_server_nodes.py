@@ -137,17 +137,18 @@ def test_a_killed_server_is_replaced_on_its_node(pool):  # after the sync test: 
 
 
 def test_pools_that_cannot_fit_are_refused_naming_the_keys(pool, model_dir):
-    from megatron_rl.servers.ray_pool import RayRolloutServerPool
+    from megatron_rl.servers.hf_launch import HFServerLaunch
+    from megatron_rl.servers.ray_pool import RayServerPool
 
     # refused from what the nodes hold (not what is free now), at once: start_timeout_s would be waited out
     with pytest.raises(RolloutServerDied, match=r"num_servers=3 servers of actor_rollout_ref.rollout.server_cpus=1 "
                        r"CPUs at actor_rollout_ref.rollout.servers_per_node=1 do not fit: .*3 different nodes must .*"
                        r"only 2 of the 3 alive nodes"):
-        RayRolloutServerPool(model_dir, 3, cpus_per_server=1.0, servers_per_node=1, start_timeout_s=5)
+        RayServerPool(HFServerLaunch(model_dir), 3, cpus_per_server=1.0, servers_per_node=1, start_timeout_s=5)
     with pytest.raises(RolloutServerDied, match=r"servers_per_node=3 do not fit: .*no node can hold 3 processes"):
-        RayRolloutServerPool(model_dir, 3, cpus_per_server=1.0, servers_per_node=3, start_timeout_s=5)
+        RayServerPool(HFServerLaunch(model_dir), 3, cpus_per_server=1.0, servers_per_node=3, start_timeout_s=5)
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.servers_per_node must be >= 1"):
-        RayRolloutServerPool(model_dir, 2, cpus_per_server=1.0, servers_per_node=0)
+        RayServerPool(HFServerLaunch(model_dir), 2, cpus_per_server=1.0, servers_per_node=0)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -58,9 +58,9 @@ def _bundles(pool) -> tuple[list[dict], str]:
 
 
 def test_servers_are_ray_actors_on_their_own_pool(pool):
-    from megatron_rl.servers.ray_pool import RayRolloutServerPool
+    from megatron_rl.servers.ray_pool import RayServerPool
 
-    assert isinstance(pool, RayRolloutServerPool) and pool.resource_pool.name == "rollout_servers"
+    assert isinstance(pool, RayServerPool) and pool.resource_pool.name == "rollout_servers"
     bundles, group_id = _bundles(pool)
     assert bundles == [{"CPU": 1.0}, {"CPU": 1.0}]  # rollout.server_cpus=null: server_threads=1 CPU each
     for server in pool.servers:
@@ -113,13 +113,14 @@ def test_killed_actors_are_named_and_replaced_on_the_pool(pool):  # last of the 
 
 
 def test_a_pool_with_too_few_cpus_names_the_keys(pool, model_dir):
-    from megatron_rl.servers.ray_pool import RayRolloutServerPool
+    from megatron_rl.servers.hf_launch import HFServerLaunch
+    from megatron_rl.servers.ray_pool import RayServerPool
 
     with pytest.raises(RolloutServerDied, match=r"num_servers=4 servers of actor_rollout_ref.rollout.server_cpus=1 "
                                                 r"CPUs do not fit: .*largest node has CPU=3"):
-        RayRolloutServerPool(model_dir, 4, cpus_per_server=1.0)
+        RayServerPool(HFServerLaunch(model_dir), 4, cpus_per_server=1.0)
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.server_cpus must be > 0"):
-        RayRolloutServerPool(model_dir, 1, cpus_per_server=0.0)
+        RayServerPool(HFServerLaunch(model_dir), 1, cpus_per_server=0.0)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -143,10 +144,10 @@ def test_torchrun_runs_keep_the_subprocess_pool(model_dir, monkeypatch):
     started = []
 
     class Recorded:
-        def __init__(self, model_path: str, num_servers: int, **kwargs) -> None:
-            started.append((model_path, num_servers))
+        def __init__(self, spec, num_servers: int) -> None:
+            started.append((spec.model_path, num_servers))
             self.urls = [f"http://127.0.0.1:{9000 + i}" for i in range(num_servers)]
 
-    monkeypatch.setattr(disaggregated, "RolloutServerPool", Recorded)
+    monkeypatch.setattr(disaggregated, "ServerProcessPool", Recorded)
     cfg = _run_config(model_dir, "trainer.launcher=torchrun")
     assert isinstance(disaggregated.start_rollout_servers(cfg), Recorded) and started == [(model_dir, 2)]

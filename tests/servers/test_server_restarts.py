@@ -17,7 +17,9 @@ import torch
 from test_hf_server import _post, server_replica
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.fleet import ServerProcessPool
+from megatron_rl.servers.hf_launch import HFServerLaunch
+from megatron_rl.servers.pool import RolloutServerDied
 from megatron_rl_testing.rollout_models import PAD, prompt_batch, source_model, tiny_qwen2_config
 
 pytestmark = [pytest.mark.distributed]
@@ -47,7 +49,7 @@ class _ReplicaWorkers:
         return self.replica.replace_servers(urls)
 
 
-def _kill(pool: RolloutServerPool, index: int) -> None:
+def _kill(pool: ServerProcessPool, index: int) -> None:
     os.kill(pool.servers[index].proc.pid, signal.SIGKILL)
     pool.servers[index].proc.wait()
 
@@ -65,7 +67,7 @@ def _kill_and_replace(model_dir: str) -> dict:
     from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
-    pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
+    pool = ServerProcessPool(HFServerLaunch(model_dir, chunk_tokens=1), 2)
     source = source_model(41)
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=LENGTH, temperature=1.0)
     config = replica.config

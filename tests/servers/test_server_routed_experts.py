@@ -202,10 +202,11 @@ def _sync_and_generate_with_routing(url: str, model_dir: str) -> dict:
 def test_servers_the_run_starts_report_routing_in_synchronous_server_mode(moe_config, tmp_path):
     """The pool starts its servers with --enable-return-routed-experts when asked; the synchronous server-mode
     engine asks each /generate for the routing and places it as the colocated engine does."""
-    from megatron_rl.servers.pool import RolloutServerPool
+    from megatron_rl.servers.fleet import ServerProcessPool
+    from megatron_rl.servers.hf_launch import HFServerLaunch
 
     moe_config.save_pretrained(tmp_path)
-    pool = RolloutServerPool(str(tmp_path), 1, routed_experts=True, chunk_tokens=CHUNK)
+    pool = ServerProcessPool(HFServerLaunch(str(tmp_path), routed_experts=True, chunk_tokens=CHUNK), 1)
     try:
         [got] = run_multiprocess(_sync_and_generate_with_routing, 1, pool.urls[0], str(tmp_path), timeout_s=300)
     finally:
@@ -225,10 +226,11 @@ def _rows_moved_after_a_death(model_dir: str) -> dict:
     from test_server_restarts import _kill, _ReplicaWorkers, _wait_until
     from transformers import AutoConfig
 
-    from megatron_rl.servers.pool import RolloutServerPool
+    from megatron_rl.servers.fleet import ServerProcessPool
+    from megatron_rl.servers.hf_launch import HFServerLaunch
     from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
-    pool = RolloutServerPool(model_dir, 2, chunk_tokens=1, routed_experts=True)
+    pool = ServerProcessPool(HFServerLaunch(model_dir, chunk_tokens=1, routed_experts=True), 2)
     source = source_model(41, AutoConfig.from_pretrained(model_dir))
     replica = _server_replica_for(pool.urls, source, model_dir)
     restarts = ServerRestarts(pool, 1)

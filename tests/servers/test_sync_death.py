@@ -25,7 +25,9 @@ from test_hf_server import _post, server_replica
 from test_server_restarts import LENGTH, NEVER_EOS, _kill, _post_info, _ReplicaWorkers, _wait_until
 
 from megatron_rl.distributed.spawn import run_multiprocess
-from megatron_rl.servers.pool import RolloutServerDied, RolloutServerPool
+from megatron_rl.servers.fleet import ServerProcessPool
+from megatron_rl.servers.hf_launch import HFServerLaunch
+from megatron_rl.servers.pool import RolloutServerDied
 from megatron_rl_testing.rollout_models import (
     PAD, prompt_batch, source_model, tiny_qwen2_config, trainer_log_probs,
 )
@@ -39,7 +41,7 @@ def _config():
     return tiny_qwen2_config(intermediate_size=4096)  # ~6 MB of weights: several 1 MB buckets
 
 
-def _kill_after_first_bucket(replica, pool: RolloutServerPool, report: dict) -> list:
+def _kill_after_first_bucket(replica, pool: ServerProcessPool, report: dict) -> list:
     """From now on: once bucket 1 of the next sync reached both servers, SIGKILL server 1 (deterministic)."""
     transport, loads = replica.engine.transport, []
     load_bucket = transport.load_bucket
@@ -55,7 +57,7 @@ def _kill_after_first_bucket(replica, pool: RolloutServerPool, report: dict) -> 
     return loads
 
 
-def _kill_while_joining(replica, pool: RolloutServerPool, report: dict) -> None:
+def _kill_while_joining(replica, pool: ServerProcessPool, report: dict) -> None:
     """The next update group's join: SIGKILL server 1 just before the trainer asks the servers to join, so the
     survivor is left waiting in the rendezvous for a member that never comes (deterministically stuck)."""
     transport = replica.engine.transport
@@ -79,7 +81,7 @@ def _kill_joining_while_paused(model_dir: str) -> dict:
     from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
-    pool = RolloutServerPool(model_dir, 2, chunk_tokens=1)
+    pool = ServerProcessPool(HFServerLaunch(model_dir, chunk_tokens=1), 2)
     source = source_model(41, _config())
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=LENGTH, temperature=1.0,
                              broken_group_wait_s=WAIT_S)
@@ -119,7 +121,7 @@ def _kill_during_sync(model_dir: str, budget: int) -> dict:
     from megatron_rl.servers.restarts import RestartingSync, ServerRestarts
 
     report: dict = {}
-    pool = RolloutServerPool(model_dir, 2)
+    pool = ServerProcessPool(HFServerLaunch(model_dir), 2)
     source = source_model(41, _config())
     replica = server_replica(pool.urls, source, eos_token_id=NEVER_EOS, response_length=4, broken_group_wait_s=WAIT_S)
     workers = RestartingSync(_ReplicaWorkers(replica, source), ServerRestarts(pool, budget))
@@ -190,7 +192,7 @@ def _two_ranks_kill_during_sync(model_dir: str) -> dict:
     """Rank 0 sends to the servers, rank 1 only exports (an all_reduce per tensor, as Megatron's TP export
     gathers shards). Server 1 dies during sync 2; then rank 0 replaces it and both ranks sync 2 again."""
     rank, report = dist.get_rank(), {}
-    pool = RolloutServerPool(model_dir, 2) if rank == 0 else None
+    pool = ServerProcessPool(HFServerLaunch(model_dir), 2) if rank == 0 else None
     urls = [pool.urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)
     source = source_model(41, _config())

@@ -41,15 +41,16 @@ CONTROL_ROUTES = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from megatron_rl.config.schema import RolloutConfig
-    from megatron_rl.servers.vllm_server import VLLMServerSettings, start_vllm_server, _kill_group
+    from megatron_rl.servers.fleet import start_server
+    from megatron_rl.servers.vllm_server import VLLMServerSettings
 
     key = ensure_server_api_key()  # the run's secret; the server gets it in its environment
     model = tiny_model(tmp_path_factory.mktemp("vllm_auth_model"), seed=1)
     settings = VLLMServerSettings.from_rollout(RolloutConfig(name="vllm"), str(model), max_model_len=MAX_LEN,
                                                start_timeout_s=400)
-    proc, url, log = start_vllm_server(settings, seed=0, api_key=key)
-    yield {"url": url, "pid": proc.pid, "key": key, "log": log}
-    _kill_group(proc)
+    started = start_server(settings, seed=0, api_key=key)
+    yield {"url": started.url, "pid": started.proc.pid, "key": key, "log": started.log_path}
+    started.stop()
 
 
 def _call(url: str, method: str, route: str, body: dict | None, key: str | None) -> tuple[int, bytes]:
@@ -96,10 +97,10 @@ def test_every_route_refuses_a_caller_without_the_secret(server):
 @pytest.mark.slow
 def test_the_runs_own_client_sends_the_secret_on_every_route(server):
     from megatron_rl.rollout.vllm.server import VLLMServerHTTP
-    from megatron_rl.servers.vllm_server import _healthy
+    from megatron_rl.servers.fleet import _healthy
 
     client = VLLMServerHTTP(server["url"], 60)
-    assert _healthy(server["url"], server["key"])  # start_vllm_server's readiness probe
+    assert _healthy(server["url"], server["key"])  # start_server's readiness probe
     assert client.weight_version() == -1 and client.workers() == 1
     assert client.model_name() == "megatron-rl-policy"
     for route in ("/pause?mode=wait", "/reset_prefix_cache", "/resume"):

@@ -27,10 +27,11 @@ API (kept small: the planner's tests use it too):
   ("vllm" | "sglang"), ``gpus`` (physical, TP worker order), ``bytes_on`` ({gpu: {"weights": n, "kv_cache": n}}
   of what is resident), ``free_at_start`` ({gpu: free bytes its start measured}), ``kwargs``, ``calls``,
   ``asleep``.
-- ``record_server_launches(monkeypatch)``: vLLM server processes (servers/vllm_server.py) are not started; each
-  launch's command and environment are recorded and a sleeping process of its own session stands in for it.
-  ``LaunchRecordingServerActor``: ``VLLMServerActor`` on a fake GPU node with its launches recorded (a Ray
-  actor class: Ray's workers import it from here), its ``address()`` reporting them under "launches".
+- ``record_server_launches(monkeypatch)``: server processes (servers/fleet.py ``start_server``) are not started;
+  each launch's command and environment are recorded and a sleeping process of its own session stands in for it.
+  ``LaunchRecordingServerActor``: servers/ray_pool.py's ``ServerActor`` on a fake GPU node with its launches
+  recorded (a Ray actor class: Ray's workers import it from here), its ``address()`` reporting them under
+  "launches".
 
 torch.cuda functions patched: is_available, is_initialized, device_count, current_device, set_device,
 mem_get_info, memory_reserved, empty_cache, synchronize.
@@ -82,7 +83,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 __all__ = ["EngineRecord", "FakeGpuNode", "LaunchRecordingServerActor", "RecordingLLM", "RecordingSGLangEngine",
            "record_server_launches"]
 
@@ -441,9 +441,9 @@ class RecordingSGLangEngine:
 
 # ---------------------------------------------------------------------------------------------- started servers
 def record_server_launches(monkeypatch: Any) -> list[dict[str, Any]]:
-    """servers/vllm_server.py starts no server: each launch is recorded ({"cmd": [...], "env": {...}}), a
-    sleeping process in a session of its own (killed as a server's group is) takes its place, /health answers."""
-    from megatron_rl.servers import vllm_server
+    """servers/fleet.py starts no server: each launch is recorded ({"cmd": [...], "env": {...}}), a sleeping
+    process in a session of its own (killed as a server's group is) takes its place, /health answers."""
+    from megatron_rl.servers import fleet
 
     launches: list[dict[str, Any]] = []
 
@@ -453,15 +453,15 @@ def record_server_launches(monkeypatch: Any) -> list[dict[str, Any]]:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     recording = types.SimpleNamespace(**{n: getattr(subprocess, n) for n in ("STDOUT", "TimeoutExpired")}, Popen=popen)
-    monkeypatch.setattr(vllm_server, "subprocess", recording)
-    monkeypatch.setattr(vllm_server, "_healthy", lambda url, api_key: True)
+    monkeypatch.setattr(fleet, "subprocess", recording)
+    monkeypatch.setattr(fleet, "_healthy", lambda url, api_key: True)
     return launches
 
 
 def _launch_recording_actor() -> type:
-    from megatron_rl.servers.vllm_server import VLLMServerActor
+    from megatron_rl.servers.ray_pool import ServerActor
 
-    class LaunchRecordingServerActor(VLLMServerActor):
+    class LaunchRecordingServerActor(ServerActor):
         def __init__(self, *args: Any) -> None:
             import pytest
 
