@@ -17,7 +17,8 @@
 #   rollout    120  tests/gpu/test_rollout_cuda.py: CUDA IPC buckets (fresh buffer per load), HF engine sleep
 #   vllm       240  tests/gpu/test_vllm_cuda.py (needs vLLM's CUDA build: scripts/install_gpu.sh vllm): placement (each
 #                   engine on its replica's GPU only; two engines on two GPUs) and memory (the trainer holds 60% of
-#                   the GPU cached at engine start and at wake: start, sleep, wake, generate)
+#                   the GPU cached at engine start and at wake: start, sleep, wake, generate), weights over vLLM's
+#                   CUDA IPC weight transfer read back exactly, nothing staged in /dev/shm
 #   te_build   360  Transformer Engine's torch extension built from source for this GPU (pip,
 #                   constraints/gpu-megatron.txt: every environment's TE, against the torch installed;
 #                   --no-build-isolation, NVTE_CUDA_ARCHS=this GPU) unless it imports already; an offline node

@@ -37,7 +37,9 @@ class EngineSpec:
     tensor_parallel: bool  # one engine spans rollout.tensor_model_parallel_size ranks (else one model per process)
     run_starts_servers: bool  # rollout.mode=server with rollout.num_servers: the run starts them (trainer/disaggregated.py)
     servers_on_trainer_host: bool  # its servers load weights from /dev/shm of trainer rank 0's host: one node
-    members_send_shards: bool  # colocated at TP > 1: every rank sends its shard (else the leader's full copy serves)
+    # (on GPU, drafts with MTP) -> colocated at TP > 1, every rank sends its own copy of each bucket, made on its
+    # GPU (else the leader's full copy serves every TP worker)
+    members_send_shards: Callable[[bool, bool], bool]
     reports_routed_experts: bool  # per generated token, for routing replay R3 (rollout/routed_experts.py)
     # colocated, decodes speculatively with the model's MTP layers, which every sync then carries
     # (model.mtp.enable_rollout: models/mtp.py, rollout/vllm/worker_extension.py)
@@ -63,6 +65,8 @@ class EngineSpec:
     # (checkpoint path, device: auto | cpu | cuda) -> the builder's kwargs of an engine that serves a checkpoint as
     # loaded, in this process, and never receives weights (the reward model's judge)
     serve_checkpoint: Callable[[str, str], dict[str, Any]] = lambda path, device: {}
+    # () -> what a rank makes of its copy of a bucket for the leader's gather, where members send shards
+    bucket_payload: Callable[[], Callable[[Any], Any]] | None = None
 
 
 def _build_hf(config: RolloutConfig, model_path: str | os.PathLike, *,
@@ -97,6 +101,18 @@ def _build_vllm(config: RolloutConfig, model_path: str | os.PathLike, *,
     from megatron_rl.rollout.vllm import VLLMEngine  # lazy: torch, transformers (vLLM when it starts)
 
     return VLLMEngine(config, model_path, model_override=plain_overrides(override_config) or None, **kwargs)
+
+
+def _sglang_payload() -> Callable[[Any], Any]:
+    from megatron_rl.rollout.sglang.payload import serialize_bucket  # lazy: SGLang's package imports transformers
+
+    return serialize_bucket
+
+
+def _vllm_payload() -> Callable[[Any], Any]:
+    from megatron_rl.rollout.vllm.ipc import bucket_payload  # lazy: torch
+
+    return bucket_payload
 
 
 def _sglang_placement(replica: Any, cfg: PPOTrainerConfig, on_gpu: bool) -> dict[str, Any]:
@@ -185,22 +201,23 @@ def _sglang_process_env() -> None:
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("hf", needs_cuda=False, tensor_parallel=False, run_starts_servers=True, servers_on_trainer_host=False,
-               members_send_shards=True, reports_routed_experts=True, drafts_with_mtp=False,
-               builds_quantized_layers=False, servers_take_images=False, takes_videos=True, memory=hf_memory, build=_build_hf,
-               placement=lambda replica, cfg, on_gpu: {}, check_here=_servers_here, serve_checkpoint=_hf_serving),
+               members_send_shards=lambda on_gpu, drafts: True, reports_routed_experts=True, drafts_with_mtp=False,
+               builds_quantized_layers=False, servers_take_images=False, takes_videos=True, memory=hf_memory,
+               build=_build_hf, placement=lambda replica, cfg, on_gpu: {}, check_here=_servers_here,
+               serve_checkpoint=_hf_serving),
     EngineSpec("sglang", needs_cuda=True, tensor_parallel=True, run_starts_servers=False,
-               servers_on_trainer_host=False, members_send_shards=True, reports_routed_experts=True,
-               drafts_with_mtp=False, builds_quantized_layers=True, servers_take_images=True, takes_videos=False,
-               memory=sglang_memory,
+               servers_on_trainer_host=False, members_send_shards=lambda on_gpu, drafts: True,
+               reports_routed_experts=True, drafts_with_mtp=False, builds_quantized_layers=True,
+               servers_take_images=True, takes_videos=False, memory=sglang_memory, bucket_payload=_sglang_payload,
                build=_build_sglang, placement=_sglang_placement, check_config=_check_sglang,
                check_here=_servers_here, prepare_process=_sglang_process_env),
-    # vLLM's workers shard full tensors themselves: the leader's copy serves every engine TP rank
+    # vLLM's workers shard full tensors themselves. On CPU (and drafting with MTP) the leader's /dev/shm copy serves
+    # every engine TP rank; on GPUs each worker opens the CUDA IPC handle of the copy on its own GPU (vllm/ipc.py)
     EngineSpec("vllm", needs_cuda=False, tensor_parallel=True, run_starts_servers=True, servers_on_trainer_host=True,
-               members_send_shards=False, reports_routed_experts=True, drafts_with_mtp=True,
-               builds_quantized_layers=True, servers_take_images=True, takes_videos=False, memory=vllm_memory,
-               build=_build_vllm,
-               placement=_vllm_placement, check_config=_check_vllm, check_here=_vllm_here,
-               serve_checkpoint=_vllm_serving),
+               members_send_shards=lambda on_gpu, drafts: on_gpu and not drafts, reports_routed_experts=True,
+               drafts_with_mtp=True, builds_quantized_layers=True, servers_take_images=True, takes_videos=False,
+               memory=vllm_memory, bucket_payload=_vllm_payload, build=_build_vllm, placement=_vllm_placement,
+               check_config=_check_vllm, check_here=_vllm_here, serve_checkpoint=_vllm_serving),
 )}
 
 

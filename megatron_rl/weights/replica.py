@@ -1,12 +1,13 @@
 """One trainer rank's part in its rollout engine replica (rollout/mesh.py): sync, generate, release, verify.
 
 The replica's leader holds the engine; every rank takes part in a weight sync. Colocated SGLang of rollout TP
-k > 1: each of the k ranks puts each bucket on its own GPU and serializes it there, and the leader gathers the
-k payloads (over a gloo group of the replica's ranks, ordered by engine TP rank) and hands the engine
-``named_tensors=[payload_tp0, ..., payload_tp(k-1)]``. Colocated vLLM: its workers each read the full tensors
-and shard them themselves, so the leader alone materialises and stages the buckets (one host copy per replica);
-the members only take part in the export. A rank that feeds no engine (server mode: only global rank 0 sends;
-vLLM's members) consumes the export stream without sending.
+k > 1, and colocated vLLM on GPUs: each of the k ranks puts each bucket on its own GPU and makes a payload of it
+there (a CUDA IPC handle), and the leader gathers the k payloads (over a gloo group of the replica's ranks,
+ordered by engine TP rank) and hands them to the engine (SGLang: ``named_tensors=[payload_tp0, ...]``; vLLM: one
+IPC update, each worker opening its own GPU's copy). Colocated vLLM on CPU (and drafting with MTP): its workers
+each read the full tensors and shard them themselves, so the leader alone materialises and stages the buckets
+(one host copy per replica); the members only take part in the export. A rank that feeds no engine (server
+mode: only global rank 0 sends; vLLM's members on CPU) consumes the export stream without sending.
 
 Colocated, at every rollout TP: every rank of the engine's GPUs gives its cached training memory back before
 the engine wakes its weights and again before it wakes its KV cache (as verl empties the cache before each
@@ -85,14 +86,13 @@ class _EngineGPUs:
 
 
 class _PayloadGather:
-    """SGLang at TP > 1: each rank serializes its copy of a bucket on its own GPU (a CUDA IPC handle), and the
-    leader receives the replica's payloads ordered by engine TP rank."""
+    """SGLang, and vLLM on GPUs, at TP > 1: each rank makes a payload of its copy of a bucket on its own GPU (a
+    CUDA IPC handle: ``EngineSpec.bucket_payload``), and the leader receives the replica's payloads ordered by
+    engine TP rank."""
 
-    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup) -> None:
-        # lazy: SGLang's package imports transformers' model classes (the HF engine), which other engines skip
-        from megatron_rl.rollout.sglang.payload import serialize_bucket
-
-        self.replica, self.group, self.serialize = replica, group, serialize_bucket
+    def __init__(self, replica: EngineReplica, group: dist.ProcessGroup, serialize: Callable[[WeightBucket], Any]
+                 ) -> None:
+        self.replica, self.group, self.serialize = replica, group, serialize
         self._order = [sorted(replica.ranks).index(rank) for rank in replica.ranks]  # group rank of TP rank i
 
     def gather(self, bucket: WeightBucket, is_leader: bool) -> list | None:
@@ -196,7 +196,9 @@ class RolloutReplica:
         self._pending_verify: tuple[int, Any] | None = None  # (version, sender checksums) of a deferred check
         self.version = 0
         self.colocated = config.mode == "colocated"
-        self.members_send = self.colocated and self.mesh.tp > 1 and engine_of(config).members_send_shards
+        spec = engine_of(config)
+        self.members_send = (self.colocated and self.mesh.tp > 1
+                             and spec.members_send_shards(torch.cuda.is_available(), drafts_with_mtp))
         group = self._replica_group() if self.colocated else None
         self.gpus = _EngineGPUs(group) if self.colocated else None
         self._host = new_host_group()
@@ -208,7 +210,8 @@ class RolloutReplica:
         # A cold engine build (CUDA graphs, JIT) can take longer than a collective's timeout: the other ranks
         # wait for it here, not in the first sync's export collectives.
         wait_for_all(self._host, "the leaders build their rollout engines")
-        payloads = _PayloadGather(self.replica, group) if self.members_send and group is not None else None
+        payloads = (_PayloadGather(self.replica, group, spec.bucket_payload())
+                    if self.members_send and group is not None else None)
         if not self.colocated:  # server mode: the leader sends everything itself
             self.sink = self.engine
         elif self.is_leader:

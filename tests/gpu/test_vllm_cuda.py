@@ -6,7 +6,8 @@
   ``cuda:i`` of what it sees, vllm/v1/worker/gpu_worker.py);
 - memory: the trainer's allocator holds 60% of the GPU cached when the engine starts and again when it wakes;
   vLLM refuses to start when free memory < gpu_memory_utilization x total (vllm/v1/worker/utils.py), so the
-  start, the sleep, the wake and a generation go through only because the replica empties the cache first.
+  start, the sleep, the wake and a generation go through only because the replica empties the cache first;
+- weights: a sync goes through vLLM's CUDA IPC weight transfer (rollout/vllm/ipc.py) and reads back exactly.
 """
 
 from __future__ import annotations
@@ -100,3 +101,33 @@ def test_engine_starts_and_wakes_past_a_trainer_holding_60_percent_cached(tmp_pa
         assert out.meta_info["weight_version"] == 2 and out.batch["responses"].shape == (1, 8)
     finally:
         replica.shutdown()
+
+
+def test_weights_arrive_over_cuda_ipc_and_read_back_exactly(tmp_path):
+    """The CPU twin (tests/weights/test_vllm_ipc_sync.py) on a real engine: a sync of perturbed weights in 1 MiB
+    buckets (layers split across buckets) goes through vLLM's own CUDA IPC weight transfer, nothing is staged in
+    /dev/shm, and every served weight read back equals what was sent."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.weights import sync_weights
+    from megatron_rl_testing.vllm_support import assert_served_equal
+
+    model_dir = _model(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    sent = {n: (p.detach() + 0.01 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+            for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+    engine = _engine(model_dir, [0])
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.environ["MEGATRON_RL_SHM_DIR"] = str(shm)
+    try:
+        assert engine.ipc and engine.async_loads
+        stats = sync_weights([(n, t.cuda()) for n, t in sent.items()], engine, version=1, bucket_bytes=1 << 20)
+        assert stats.num_buckets > 1 and not os.listdir(shm)
+        del os.environ["MEGATRON_RL_SHM_DIR"]
+        assert_served_equal(engine.read_weights()[0], sent)
+    finally:
+        os.environ.pop("MEGATRON_RL_SHM_DIR", None)
+        engine.shutdown()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl_testing.fake_cuda_ipc import WeightTransferDouble, install_export
 from megatron_rl_testing.vllm_support import skip_without_vllm
 
 skip_without_vllm()
@@ -22,6 +23,7 @@ class SleepingLLM:
     def __init__(self, **kwargs) -> None:
         self.kwargs, self.calls = kwargs, []
         self.asleep: set[str] = set()
+        self.transfer = WeightTransferDouble(kwargs, [0])  # GPU: vLLM's CUDA IPC weight transfer
         self.weights_valid = kwargs.get("load_format") != "dummy"
         SleepingLLM.instances.append(self)
 
@@ -39,10 +41,13 @@ class SleepingLLM:
         self.calls.append(f"wake:{','.join(sorted(tags))}")
         self.asleep -= tags
 
-    def collective_rpc(self, method, args=()):
-        assert "weights" not in self.asleep, "weights loaded into memory that is asleep"
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if method != "init_weight_transfer_engine":  # at start, before any sleep
+            assert "weights" not in self.asleep, "weights loaded into memory that is asleep"
         self.calls.append(method)
-        self.weights_valid = True
+        # valid once loaded: the CPU path's reload, or the end of a GPU session (vLLM's post-load processing)
+        if method == "mrl_load_weights" or (self.transfer.call(method, args, kwargs) and method == "mrl_finish_ipc_update"):
+            self.weights_valid = True
         return [0]
 
     def reset_prefix_cache(self) -> None:
@@ -59,6 +64,7 @@ def engine(monkeypatch, tmp_path):
     from megatron_rl.rollout.vllm import VLLMEngine
 
     monkeypatch.setattr(vllm, "LLM", SleepingLLM)
+    install_export(monkeypatch.setattr, tmp_path, lambda: 0)
     return VLLMEngine(RolloutConfig(name="vllm", response_length=4), tmp_path, max_model_len=16, eos_token_id=1,
                       pad_token_id=0, device="cuda")
 
@@ -73,8 +79,8 @@ def test_gpu_sleep_releases_everything_and_the_sync_wakes_weights_then_kv(engine
     engine.begin_weight_update(2)
     engine.load_named_tensors([("w", torch.ones(2))])
     engine.end_weight_update()
-    assert llm.calls == ["mrl_load_weights", "reset_prefix_cache", "sleep2", "wake:weights", "mrl_load_weights",
-                         "reset_prefix_cache", "wake:kv_cache"]
+    session = ["start_weight_update", "mrl_ipc_update", "mrl_finish_ipc_update", "reset_prefix_cache"]
+    assert llm.calls == ["init_weight_transfer_engine", *session, "sleep2", "wake:weights", *session, "wake:kv_cache"]
     assert not llm.asleep and llm.weights_valid and engine.weight_version == 2
     engine.sleep()
     engine.sleep()  # a second release phase before the next sync does nothing more

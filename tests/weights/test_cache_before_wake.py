@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.spawn import run_multiprocess
+from megatron_rl_testing.fake_cuda_ipc import WeightTransferDouble, install_export
 from megatron_rl_testing.vllm_support import skip_without_vllm
 
 skip_without_vllm()
@@ -35,6 +36,8 @@ class RecordingLLM:
 
     def __init__(self, **kwargs) -> None:
         self.kwargs, self.asleep = kwargs, set()
+        # GPU: vLLM's CUDA IPC weight transfer, TP worker i on the GPU of rank i
+        self.transfer = WeightTransferDouble(kwargs, range(int(kwargs["tensor_parallel_size"])))
         _record("engine start")  # vLLM's start-up memory check reads free memory here (v1/worker/utils.py)
 
     def sleep(self, level: int = 1) -> None:
@@ -48,8 +51,10 @@ class RecordingLLM:
         self.asleep -= tags
         _record("wake:" + ",".join(sorted(tags)))
 
-    def collective_rpc(self, method, args=()):
-        assert "weights" not in self.asleep, "weights loaded into memory that is asleep"
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if method != "init_weight_transfer_engine":  # at start, before any sleep
+            assert "weights" not in self.asleep, "weights loaded into memory that is asleep"
+        assert self.transfer.call(method, args, kwargs), f"{method}: not vLLM's CUDA IPC weight transfer"
         _record(method)
         return [0] * int(self.kwargs["tensor_parallel_size"])
 
@@ -63,6 +68,9 @@ def _install_doubles(setattr_, log: str) -> None:
     os.environ[LOG_ENV] = log
     setattr_(vllm, "LLM", RecordingLLM)
     setattr_(torch.cuda, "empty_cache", lambda: _record("empty_cache"))
+    setattr_(torch.cuda, "is_available", lambda: True)  # a GPU node: the sync goes over CUDA IPC
+    setattr_(torch.cuda, "synchronize", lambda device=None: None)
+    install_export(setattr_, os.path.dirname(log), lambda: dist.get_rank() if dist.is_initialized() else 0)
 
 
 def _two_ranks(model_dir: str, log: str) -> None:
@@ -81,7 +89,7 @@ def _two_syncs(model_dir: str, rollout_tp: int) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     places = [rank_place(r, r) for r in range(world)]
-    config = RolloutConfig(name="vllm", tensor_model_parallel_size=rollout_tp, response_length=4,
+    config = RolloutConfig(name="vllm", tensor_model_parallel_size=rollout_tp, response_length=4, dtype="float32",
                            weight_sync=WeightSyncConfig(bucket_size_mb=1, verify_freq=0))
 
     def build(_replica):
@@ -117,7 +125,7 @@ def _check_cache_emptied_before_each_wake(events: list[tuple[int, str]], ranks: 
             f"rank {rank} did not empty its cache before the weights woke: {events}")
         assert len(empties) > 1 and empties[1] < kv, (
             f"rank {rank} did not empty its cache again before the KV cache woke: {events}")
-    loads = [i for i, (_, event) in enumerate(events) if event == "mrl_load_weights"]
+    loads = [i for i, (_, event) in enumerate(events) if event == "mrl_ipc_update"]
     assert weights < loads[-1] < kv, f"the load must come between the two wakes: {events}"
 
 

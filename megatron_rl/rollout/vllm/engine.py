@@ -17,7 +17,12 @@ image (vLLM expands them itself, from the same images), and the prompt vLLM serv
 for token. Rows without images in the same call go as text. A vision-language engine keeps vLLM's tokenizer (its
 multimodal processor needs it) and takes no videos (``limit_mm_per_prompt``: video 0).
 
-Weights: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy per replica, so the trainer
+Weights on GPUs: vLLM's own CUDA IPC weight transfer (``ipc.py``): ``start_weight_update``, one
+``update_weights`` per bucket (every TP worker opens the copy of the bucket made on its own GPU: at TP > 1 each
+rank of the replica sends its payload, gathered by the leader), ``finish_weight_update`` (the post-load processing,
+once); no host copy. A drafting engine (MTP) keeps the /dev/shm path below.
+
+Weights on CPU: a session stages each bucket in a /dev/shm segment (``shm.py``; one copy per replica, so the trainer
 may reuse its bucket at once; every TP worker reads it and shards the full tensors itself) and, after each
 bucket, loads the whole decoder layers staged so far in one ``collective_rpc`` into the worker extension
 (``worker_extension.py``; ``staging.py``: a bounded number of buckets staged at a time). ``end_weight_update``
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.bucket import WeightBucket
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.device import EngineDevices
 from megatron_rl.models.mimo_config import register_mimo_config
@@ -50,6 +56,8 @@ from megatron_rl.rollout.hf_engine import resolve_dtype
 from megatron_rl.rollout.routed_experts import ROLLOUT_KEY, check_can_report, empty_routing, place_request_routing
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.rollout.vllm.contract import NEUTRAL_SAMPLING, check_engine_kwargs, require_vllm
+from megatron_rl.rollout.vllm.ipc import BACKEND as IPC_BACKEND, INIT_INFO as IPC_INIT_INFO
+from megatron_rl.rollout.vllm.ipc import bucket_payload, merged_update
 from megatron_rl.rollout.vllm.session import StagedWeightsEngine
 from megatron_rl.rollout.vllm.shm import map_layout, new_segment_name
 from megatron_rl.rollout.vllm.vision import (
@@ -176,6 +184,13 @@ class VLLMEngine(StagedWeightsEngine):
         self.args = engine_args(config, str(model_path), max_model_len=max_model_len, dtype=self.dtype,
                                 on_cpu=self.on_cpu, model_override=model_override, speculative=speculative)
         self.drafts = bool(speculative)
+        # GPUs: weights over CUDA IPC through vLLM's weight-transfer engine (ipc.py), no host copy. The MTP drafter's
+        # layers have no IPC session here (vLLM opens the drafter's separately): a drafting engine stages in /dev/shm.
+        self.ipc = not self.on_cpu and not self.drafts
+        self.async_loads = self.ipc  # vLLM clones a bucket's tensors on its stream after the call returns
+        self._ipc_open = False  # a session vLLM's weight-transfer engine holds open in the workers
+        if self.ipc:
+            self.args["weight_transfer_config"] = dict(IPC_BACKEND)
         self.image_token = image_token_id(model_path)  # None: a text model
         if self.args.get("enable_return_routed_experts"):
             check_vllm_routing(model_path, self.on_cpu)
@@ -199,6 +214,8 @@ class VLLMEngine(StagedWeightsEngine):
                 self.devices.release()
             raise
         self.start_seconds = time.perf_counter() - start
+        if self.ipc:
+            self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": dict(IPC_INIT_INFO)})
         self.weight_version = 0
         self._asleep = False
         self._start_sessions("the engine starts with random weights (load_format=dummy)"
@@ -262,11 +279,54 @@ class VLLMEngine(StagedWeightsEngine):
         if self._asleep and not self._in_session:
             self.llm.wake_up(tags=["weights"])  # weights first: the load needs them; the KV cache after it
         super().begin_weight_update(version)
+        if self.ipc:
+            self._ipc_call("start_weight_update")
+            self._ipc_open = True
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """GPU: the bucket's IPC handle (a fresh bucket each call: ``async_loads``); CPU: staged in /dev/shm."""
+        if not self.ipc:
+            return super().load_weight_bucket(bucket)
+        self._require_session()
+        if len(bucket):
+            self.load_payloads([bucket_payload(bucket)])
+
+    def load_payloads(self, payloads: list[list[dict[str, Any]]]) -> None:
+        """GPU: one bucket from every rank of the replica (engine TP order, ``ipc.bucket_payload``), each TP worker
+        opening the copy made on its own GPU."""
+        self._require_session()
+        self._ipc_call("mrl_ipc_update", merged_update(payloads))
+
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.ipc:
+            return super()._stage(tensors)
+        bucket = WeightBucket(WeightBucket.capacity_for([(tuple(t.shape), t.dtype) for _, t in tensors]),
+                              tensors[0][1].device)
+        for name, tensor in tensors:
+            bucket.add(name, tensor, tensor.dtype)
+        self.load_payloads([bucket_payload(bucket.seal())])
+
+    def _ipc_call(self, method: str, *args: Any) -> None:
+        """A weight-transfer RPC of the open session; a failure aborts it (vLLM's worker closes its side of a failed
+        update itself) and names the version."""
+        try:
+            self.llm.collective_rpc(method, args=args)
+        except BaseException as exc:
+            self._ipc_open = False
+            self.abort_weight_update(f"{method} of the weights of version {self._session_version} failed: {exc}")
+            if not isinstance(exc, Exception):
+                raise
+            raise WeightUpdateError(f"vLLM failed {method} for the weights of version {self._session_version}: "
+                                    f"{exc}") from exc
 
     def end_weight_update(self) -> None:
         if not self._in_session:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
-        self._load_staged(self._staging.waiting())
+        if self.ipc:
+            self._ipc_call("mrl_finish_ipc_update")  # vLLM's post-load processing, once for the whole session
+            self._ipc_open = False
+        else:
+            self._load_staged(self._staging.waiting())
         self._in_session = False
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
         if self.image_token is not None:
@@ -281,6 +341,12 @@ class VLLMEngine(StagedWeightsEngine):
             self._asleep = False
         self.weight_version = self._session_version
         self._needs_sync = None
+
+    def abort_weight_update(self, reason: str) -> None:
+        super().abort_weight_update(reason)
+        if self._ipc_open:  # the workers' session would refuse the next start_weight_update
+            self._ipc_open = False
+            self.llm.collective_rpc("finish_weight_update")  # partial weights: generation stays refused (reason)
 
     def _load_group(self, layouts: list[dict[str, Any]]) -> None:
         self.llm.collective_rpc("mrl_load_weights", args=([layouts] * self.tp_size,))

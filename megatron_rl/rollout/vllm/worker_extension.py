@@ -8,6 +8,10 @@ parameters, loads (fusing q/k/v and gate/up, sharding for TP) and repacks. One c
 (``load_units.py``): a module whose parts came in separate calls would be processed with the rest left empty.
 The modules a call loads nothing into keep their kernel tensors as they are (``finalize_layerwise_reload``).
 
+On GPUs the weights come over CUDA IPC instead, through vLLM's own weight-transfer engine (``ipc.py``):
+``mrl_ipc_update`` rebuilds a bucket's handles and hands it to the worker's ``update_weights``, inside the session
+``start_weight_update`` opened; ``mrl_finish_ipc_update`` closes it.
+
 Method names carry the ``mrl_`` prefix: vLLM refuses an extension whose names clash with the worker's own
 (``update_weights``, ``reload_weights`` and ``sleep`` exist). Imported inside vLLM's worker processes.
 """
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_rl.models.mimo_config import register_mimo_config
+from megatron_rl.rollout.vllm.ipc import handle_args
 from megatron_rl.rollout.vllm.load_units import load_unit
 from megatron_rl.rollout.vllm.segment_guard import checked_segment_name, checked_segment_path
 from megatron_rl.rollout.vllm.shm import ShmSegment, map_layout, staging_dir
@@ -153,6 +158,20 @@ class WorkerExtension:
         if any(is_mtp(name) for name in names):
             self._reload_drafter(tensors(mtp=True))
         return counted[0]
+
+    def mrl_ipc_update(self, updates: list[dict[str, Any]]) -> None:
+        """GPU: one bucket over CUDA IPC (an update per run of back-to-back tensors) into the session vLLM's
+        weight-transfer engine holds open (ipc.py): the plain handles rebuilt as torch's arguments here, in the
+        worker (msgpack would not carry them)."""
+        for update in updates:
+            self.update_weights({**update, "ipc_handles": {uuid: handle_args(plain)
+                                                           for uuid, plain in update["ipc_handles"].items()}})
+
+    def mrl_finish_ipc_update(self) -> None:
+        """GPU: vLLM finalises the session's layerwise reload (the post-load processing, once), then the buffers no
+        checkpoint holds are computed again, as after a reload on CPU."""
+        self.finish_weight_update()
+        _restore_image_norm(self.model_runner)
 
     def _reload_drafter(self, weights) -> None:
         """The MTP drafter's layers (speculative decoding with model.mtp.enable_rollout): vLLM's drafter shares the

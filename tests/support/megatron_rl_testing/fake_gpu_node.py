@@ -26,7 +26,7 @@ API (kept small: the planner's tests use it too):
 - ``engines``: one ``EngineRecord`` per ``vllm.LLM`` or ``sglang.Engine`` built, in build order: ``engine``
   ("vllm" | "sglang"), ``gpus`` (physical, TP worker order), ``bytes_on`` ({gpu: {"weights": n, "kv_cache": n}}
   of what is resident), ``free_at_start`` ({gpu: free bytes its start measured}), ``kwargs``, ``calls``,
-  ``asleep``.
+  ``asleep``, ``received`` ({gpu: {name: tensor}} each TP worker opened over CUDA IPC).
 - ``record_server_launches(monkeypatch)``: server processes (servers/fleet.py ``start_server``) are not started;
   each launch's command and environment are recorded and a sleeping process of its own session stands in for it.
   ``LaunchRecordingServerActor``: servers/ray_pool.py's ``ServerActor`` on a fake GPU node with its launches
@@ -50,7 +50,10 @@ The ``vllm.LLM`` double (``RecordingLLM``) enforces, as read in vllm 0.32.0's so
 - sleep / wake tags: ``sleep`` needs ``enable_sleep_mode`` and releases weights and KV cache (a second sleep
   does nothing, vllm/v1/executor/abstract.py:382-392; level 2 discards the weights); ``wake_up(tags)`` drops
   "scheduling" (vllm/v1/engine/core.py:1007), does nothing when awake or when a tag is not asleep
-  (abstract.py:394-404), else maps the tags' memory back, failing like cuMemCreate when the GPU lacks it.
+  (abstract.py:394-404), else maps the tags' memory back, failing like cuMemCreate when the GPU lacks it;
+- weights: vLLM's CUDA IPC weight transfer with its session and UUID rules (``fake_cuda_ipc.py``; each TP worker
+  opens the handle made on its own GPU); a /dev/shm load (``mrl_load_weights``, a host copy) is refused unless the
+  engine drafts with MTP layers, whose weights have no IPC session here.
 
 The ``sglang.Engine`` double (``RecordingSGLangEngine``) enforces, as read in sglang 0.5.23's wheel:
 - device index semantics: TP worker i runs on device ``base_gpu_id + i * gpu_id_step`` of the environment the
@@ -77,12 +80,15 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from megatron_rl_testing.fake_cuda_ipc import WeightTransferDouble, install_export
 __all__ = ["EngineRecord", "FakeGpuNode", "LaunchRecordingServerActor", "RecordingLLM", "RecordingSGLangEngine",
            "record_server_launches"]
 
@@ -113,6 +119,7 @@ class EngineRecord:
     alive: bool = True
     engine: str = "vllm"
     free_at_start: dict[int, int] = field(default_factory=dict)
+    received: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # per GPU, over CUDA IPC
 
 
 class FakeGpuNode:
@@ -142,6 +149,9 @@ class FakeGpuNode:
             import vllm
 
             monkeypatch.setattr(vllm, "LLM", functools.partial(RecordingLLM, self))
+            # a bucket's CUDA IPC export names this process's GPU (fake_cuda_ipc.py)
+            self._ipc_dir = tempfile.TemporaryDirectory(prefix="fake_cuda_ipc_")
+            install_export(monkeypatch.setattr, self._ipc_dir.name, self.physical)
         if with_sglang:
             sglang = types.ModuleType("sglang")
             sglang.Engine = functools.partial(RecordingSGLangEngine, self)
@@ -281,6 +291,8 @@ class RecordingLLM:
                 node._allocate(gpu, owner, kind, nbytes, f"vLLM engine {self.record.index} start")
                 self.record.bytes_on[gpu][kind] = nbytes
         self._sizes = {g: dict(b) for g, b in self.record.bytes_on.items()}
+        self.transfer = WeightTransferDouble(kwargs, gpus)  # vLLM's CUDA IPC weight transfer (fake_cuda_ipc.py)
+        self.record.received = self.transfer.received
         self.weights_valid = kwargs.get("load_format") != "dummy"
         node.engines.append(self.record)
         self.llm_engine = _Engine(self)
@@ -322,8 +334,12 @@ class RecordingLLM:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         self.record.calls.append(method)
-        if method == "mrl_load_weights":
+        if method in ("start_weight_update", "mrl_ipc_update", "mrl_load_weights"):
             assert "weights" not in self.record.asleep, "weights loaded into memory that is asleep"
+        if method == "mrl_load_weights":  # /dev/shm: a host copy, only for an engine that drafts (engine.py)
+            assert "speculative_config" in self.record.kwargs, "host-staged weights (/dev/shm) into a GPU engine"
+            self.weights_valid = True
+        elif self.transfer.call(method, args, kwargs) and method == "mrl_finish_ipc_update":
             self.weights_valid = True
         return [None] * len(self.record.gpus)
 
