@@ -362,9 +362,14 @@ class _ExportContext:
     etp_size: int = 1
     ep_owner: dict | None = None
     host_gather: HostGather | None = None  # CPU ranks of one host: the TP step through shared memory
-    host_wide: bool = False  # that buffer spans the model-parallel group: it is the pipeline step too
     _staging: dict | None = None
     _host_buckets: int = 0  # buckets given a slot of the shared buffer so far
+
+    @property
+    def host_wide(self) -> bool:
+        """The shared buffer spans the model-parallel group (PP > 1 without EP: ``_take_host_buffer``), so it is
+        the pipeline step too."""
+        return self.host_gather is not None and self.pp_size > 1 and self.ep_owner is None
 
     def host_slot(self, bucket: ExportBucket) -> int | None:
         """The shared buffer's slot for ``bucket`` when its TP step goes through it, else None; called once per
@@ -489,7 +494,6 @@ def _take_host_buffer(ctx: _ExportContext, shard_bytes: int) -> None:
     if ctx.pp_size > 1 and ctx.ep_owner is None:
         group = parallel_state.get_model_parallel_group()
         ctx.host_gather = host_gather_for(group, shard_bytes, rows=ctx.tp_size, row=dist.get_rank(ctx.tp_group))
-        ctx.host_wide = ctx.host_gather is not None
     elif ctx.tp_size > 1 and ctx.needs_shards[ctx.pp_rank]:
         ctx.host_gather = host_gather_for(ctx.tp_group, shard_bytes)
 
