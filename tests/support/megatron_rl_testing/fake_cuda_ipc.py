@@ -16,8 +16,10 @@ Consumer (``WeightTransferDouble``), as read in vllm 0.32.0:
   (distributed/weight_transfer/packed_tensor.py ``packed_ipc_consumer``); packed mode takes one handle dict, not a
   list (ipc_engine.py ``receive_weights``);
 - the buffer (a view at its offset in the exporter's storage, as ``rebuild_cuda_tensor`` makes it) is split by
-  ``tensor_sizes`` from its start and each piece viewed as its dtype and shape (``unpack_tensor``: a wrong size
-  or a piece off its dtype's alignment fails the view), then cloned.
+  ``tensor_sizes`` from its start and each piece viewed as its dtype and shape by vLLM's own ``unpack_tensor`` (a
+  wrong size or a piece off its dtype's alignment fails the view), then cloned; the init info and every update
+  go through vLLM's own dataclasses (``IPCWeightTransferInitInfo``, ``IPCWeightTransferUpdateInfo``), after the
+  worker extension's rebuild of the plain handles (``ipc.handle_args``).
 A handle opened by a worker must have been made on that worker's GPU: a CUDA IPC handle names memory of one
 device, and vLLM opens it on its own.
 """
@@ -82,7 +84,9 @@ class WeightTransferDouble:
             if not self.configured:
                 raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable "
                                    "weight transfer.")
-            self.packed = bool(dict(kwargs or {})["init_info"].get("packed", False))
+            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+            self.packed = IPCWeightTransferInitInfo(**dict(kwargs or {})["init_info"]).packed  # vLLM's own parse
         elif method == "start_weight_update":
             if self.packed is None:
                 raise RuntimeError("start_weight_update before init_weight_transfer_engine")
@@ -110,18 +114,27 @@ class WeightTransferDouble:
         return True
 
     def _open(self, update: Mapping[str, Any], gpu: int) -> list[tuple[str, torch.Tensor]]:
-        handles = update["ipc_handles"]
-        assert self.packed and isinstance(handles, dict), "packed mode takes one handle dict per update"
+        """What the worker does with one update: the extension rebuilds torch's arguments (``ipc.handle_args``),
+        vLLM parses the update (its own dataclass), looks its GPU's UUID up, rebuilds the buffer and unpacks it with
+        its own ``unpack_tensor``, cloning each tensor."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+        from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+        from megatron_rl.rollout.vllm.ipc import handle_args
+
+        rebuilt = {uuid: handle_args(plain) for uuid, plain in update["ipc_handles"].items()}
+        info = IPCWeightTransferUpdateInfo(**{**update, "ipc_handles": rebuilt})
+        assert self.packed and isinstance(info.ipc_handles, dict), "packed mode takes one handle dict per update"
         uuid = gpu_uuid(gpu)
-        if uuid not in handles:
-            raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(handles)}")
-        plain = handles[uuid]
-        path = plain["handle"].decode()
+        if uuid not in info.ipc_handles:
+            raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(info.ipc_handles)}")
+        # rebuild_cuda_tensor's arguments: size, stride, offset, ..., handle, storage size (reductions.py)
+        _, size, _, offset, _, _, _, handle, storage_bytes, *_ = info.ipc_handles[uuid]
+        path = handle.decode()
         made_on = int(_FILE.match(os.path.basename(path)).group(1))
         assert made_on == gpu, f"the worker on GPU {gpu} opened a CUDA IPC handle of memory on GPU {made_on}"
-        raw = torch.from_file(path, shared=False, size=int(plain["storage_size_bytes"]), dtype=torch.uint8)
-        packed = raw[plain["offset"]:plain["offset"] + plain["size"][0]][:sum(update["tensor_sizes"])]
-        pieces = packed.split(list(update["tensor_sizes"]))
-        return [(name, piece.view(getattr(torch, dtype)).view(shape).clone())
-                for name, shape, dtype, piece in zip(update["names"], update["shapes"], update["dtype_names"], pieces,
-                                                      strict=True)]
+        raw = torch.from_file(path, shared=False, size=int(storage_bytes), dtype=torch.uint8)
+        packed = raw[offset:offset + size[0]][:sum(info.tensor_sizes)]  # packed_ipc_consumer's content
+        dtypes = [getattr(torch, name) for name in info.dtype_names]
+        return [(name, tensor.clone())
+                for name, tensor in unpack_tensor(packed, info.names, info.shapes, dtypes, info.tensor_sizes)]
