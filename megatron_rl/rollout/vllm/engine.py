@@ -307,17 +307,13 @@ class VLLMEngine(StagedWeightsEngine):
         self.load_payloads([bucket_payload(bucket.seal())])
 
     def _ipc_call(self, method: str, *args: Any) -> None:
-        """A weight-transfer RPC of the open session; a failure aborts it (vLLM's worker closes its side of a failed
-        update itself) and names the version."""
-        try:
-            self.llm.collective_rpc(method, args=args)
-        except BaseException as exc:
-            self._ipc_open = False
-            self.abort_weight_update(f"{method} of the weights of version {self._session_version} failed: {exc}")
-            if not isinstance(exc, Exception):
+        """A weight-transfer RPC of the open session; a failure aborts it and names the method and version."""
+        with self._aborting_on_failure(f"{method} for the weights"):
+            try:
+                self.llm.collective_rpc(method, args=args)
+            except BaseException:
+                self._ipc_open = False  # vLLM's worker closes its side of a failed update itself
                 raise
-            raise WeightUpdateError(f"vLLM failed {method} for the weights of version {self._session_version}: "
-                                    f"{exc}") from exc
 
     def end_weight_update(self) -> None:
         if not self._in_session:

@@ -9,7 +9,8 @@ buckets is staged at once; the servers load everything at the session's end (eac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -85,19 +86,25 @@ class StagedWeightsEngine(RolloutEngine):
             self._load_staged(self._staging.complete())
 
     def _load_staged(self, layouts: list[dict[str, Any]]) -> None:
-        """Load ``layouts`` into the engine (``_load_group``) and unlink what no later load reads; a failure
-        aborts the session (every segment unlinked) and names the version."""
+        """Load ``layouts`` into the engine (``_load_group``) and unlink what no later load reads."""
         if not layouts:
             return
-        try:
+        with self._aborting_on_failure("loading the weights"):
             self._load_group(layouts)
-        except BaseException as exc:
-            self.abort_weight_update(f"loading the weights of version {self._session_version} failed: {exc}")
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt, SystemExit: as they are, once the segments are gone
-            version = self._session_version
-            raise WeightUpdateError(f"vLLM failed to load the weights of version {version}: {exc}") from exc
         self._staging.loaded(layouts)
+
+    @contextlib.contextmanager
+    def _aborting_on_failure(self, step: str) -> Iterator[None]:
+        """A step of the open session (``step``: "loading the weights"); its failure aborts the session (every
+        segment unlinked, generation refused) and is raised as a WeightUpdateError naming the step and version."""
+        try:
+            yield
+        except BaseException as exc:
+            version = self._session_version
+            self.abort_weight_update(f"{step} of version {version} failed: {exc}")
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: as they are, once the session is aborted
+            raise WeightUpdateError(f"vLLM failed {step} of version {version}: {exc}") from exc
 
     def _load_group(self, layouts: list[dict[str, Any]]) -> None:
         raise NotImplementedError(f"{type(self).__name__} loads every bucket when the session ends")
